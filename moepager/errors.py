@@ -1,0 +1,17 @@
+"""User-facing errors: each carries one actionable line; the CLI prints it without a traceback."""
+
+
+class MoepagerError(Exception):
+    """Base class of every error caused by bad input rather than a bug."""
+
+
+class CheckpointError(MoepagerError):
+    """A checkpoint directory, its config or its safetensors files are missing, unreadable or inconsistent."""
+
+
+class UnsupportedArchitectureError(MoepagerError):
+    """config.json names an architecture moepager has no model code for."""
+
+
+class InvalidRequestError(MoepagerError):
+    """A prompt or sampling parameter is out of range."""

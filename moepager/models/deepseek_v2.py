@@ -1,0 +1,100 @@
+"""DeepSeek-V2 / V2-Lite (DeepseekV2ForCausalLM): MLA attention (q-LoRA optional), first-k dense layers,
+routed + shared experts.
+
+Router (DeepSeek-V2 §2.2): softmax over fp32 logits; `greedy` takes the top-k experts, `group_limited_greedy`
+first keeps the `topk_group` groups (of `n_group`) with the highest max score and takes the top-k inside them;
+weights optionally renormalised (`norm_topk_prob`), then multiplied by `routed_scaling_factor`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moepager.errors import CheckpointError
+from moepager.experts.source import ExpertSource
+from moepager.models.base import PER_EXPERT_MLP, Architecture, common_fields
+from moepager.models.config import ModelConfig, get, rope_from_raw
+from moepager.models.layers import CausalLM, DecoderLayer, DecoderStack, DenseMLP, MoEBlock, RotaryEmbedding
+from moepager.models.mla import MLAttention
+from moepager.types import RoutingDecision
+
+
+class DeepseekV2Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        raw = cfg.raw
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.top_k = cfg.top_k
+        self.method = raw.get("topk_method") or "greedy"
+        if self.method not in ("greedy", "group_limited_greedy"):
+            raise CheckpointError(f"DeepSeek-V2 topk_method '{self.method}' is not supported")
+        self.n_group, self.topk_group = raw.get("n_group") or 1, raw.get("topk_group") or 1
+        self.normalize = bool(raw.get("norm_topk_prob", False))
+        self.scaling = float(raw.get("routed_scaling_factor") or 1.0)
+
+    def forward(self, x_ND: torch.Tensor) -> RoutingDecision:
+        scores_NE = F.linear(x_ND.float(), self.weight.float()).softmax(dim=-1)
+        if self.method == "group_limited_greedy":
+            n = scores_NE.shape[0]
+            group_NG = scores_NE.view(n, self.n_group, -1).max(dim=-1).values
+            keep_NG = torch.zeros_like(group_NG).scatter_(1, group_NG.topk(self.topk_group, dim=-1)[1], 1.0)
+            keep_NE = keep_NG[:, :, None].expand(n, self.n_group, scores_NE.shape[1] // self.n_group).reshape(n, -1)
+            scores_NE = scores_NE.masked_fill(keep_NE == 0, 0.0)
+        weights_NK, ids_NK = torch.topk(scores_NE, self.top_k, dim=-1)
+        if self.normalize and self.top_k > 1:
+            weights_NK = weights_NK / (weights_NK.sum(dim=-1, keepdim=True) + 1e-20)
+        return RoutingDecision(ids_NK, weights_NK * self.scaling)
+
+
+class DeepseekMoEBlock(MoEBlock):
+    """Routed experts plus `n_shared_experts` always-on experts fused into one MLP (both DeepSeek versions)."""
+
+    def __init__(self, cfg: ModelConfig, router: nn.Module, source: ExpertSource, layer: int):
+        super().__init__(router, source, layer, cfg.num_experts)
+        self.shared_experts = DenseMLP(cfg.hidden_size, cfg.shared_intermediate_size)
+
+    def shared_output(self, x_ND: torch.Tensor) -> torch.Tensor:
+        return self.shared_experts(x_ND)
+
+
+def parse_deepseek_config(raw: Mapping[str, Any], *, experts_key: str = "n_routed_experts") -> ModelConfig:
+    """Config of either DeepSeek version (V3 differs only in router keys, read by its router)."""
+    fields = common_fields(raw, default_eps=1e-6, default_max_pos=4096)
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        get(raw, key, kind=int)
+    moe_i = get(raw, "moe_intermediate_size", kind=int)
+    first_dense = get(raw, "first_k_dense_replace", 0, kind=int)
+    freq = get(raw, "moe_layer_freq", 1, kind=int)
+    return ModelConfig(
+        **fields,
+        head_dim=raw["qk_rope_head_dim"],
+        rope=rope_from_raw(raw, raw["qk_rope_head_dim"]),
+        moe_layers=tuple(i for i in range(fields["num_layers"]) if i >= first_dense and i % freq == 0),
+        num_experts=get(raw, experts_key, kind=int),
+        top_k=get(raw, "num_experts_per_tok", kind=int),
+        expert_intermediate_size=moe_i,
+        dense_intermediate_size=get(raw, "intermediate_size", kind=int),
+        shared_intermediate_size=moe_i * get(raw, "n_shared_experts", 0, kind=int),
+    )
+
+
+def build_deepseek(cfg: ModelConfig, source: ExpertSource, router: type[nn.Module], interleaved_rope: bool) -> CausalLM:
+    layers = [
+        DecoderLayer(cfg, MLAttention(cfg, interleaved_rope=interleaved_rope),
+                     DeepseekMoEBlock(cfg, router(cfg), source, i) if i in cfg.moe_layers
+                     else DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size))
+        for i in range(cfg.num_layers)
+    ]
+    return CausalLM(cfg, DecoderStack(cfg, layers, RotaryEmbedding(cfg.rope, cfg.max_position_embeddings)))
+
+
+def build(cfg: ModelConfig, source: ExpertSource) -> CausalLM:
+    return build_deepseek(cfg, source, DeepseekV2Router, interleaved_rope=True)
+
+
+ARCHITECTURE = Architecture("DeepseekV2ForCausalLM", parse_deepseek_config, build, PER_EXPERT_MLP)

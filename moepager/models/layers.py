@@ -1,0 +1,336 @@
+"""Blocks identical across architectures: RMSNorm, RoPE, the KV cache, GQA attention, SwiGLU MLP, the stack.
+
+Shape legend: B batch rows, T new tokens, S cached positions, H heads, Hkv KV heads, Dh head dim, D hidden,
+V vocab. Sequences are left-aligned in the cache: position p of a row lives at cache index p, so a row's
+position ids are also its cache indices and the causal mask is `s <= p`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moepager.experts.compute import combine_experts
+from moepager.experts.source import ExpertSource
+from moepager.models.config import ModelConfig, RopeConfig
+from moepager.types import RoutingDecision
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 and cast back before the weight (as transformers does)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def _yarn_inv_freq(rope: RopeConfig, max_pos: int) -> tuple[torch.Tensor, float]:
+    """YaRN frequencies and attention factor (Peng et al. 2023, "YaRN", eqs. 18-21 and mscale)."""
+    s = rope.scaling or {}
+    dim, base = rope.dim, rope.theta
+    factor = float(s.get("factor") or max_pos / s["original_max_position_embeddings"])
+    orig = s["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def yarn_softmax_scale(rope: RopeConfig) -> float:
+    """DeepSeek's extra softmax scale under YaRN: mscale(factor, mscale_all_dim)^2 (1 otherwise)."""
+    s = rope.scaling or {}
+    m_all, factor = s.get("mscale_all_dim"), s.get("factor", 1.0)
+    if s.get("rope_type") != "yarn" or not m_all or factor <= 1:
+        return 1.0
+    m = 0.1 * m_all * math.log(factor) + 1.0
+    return m * m
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for position ids; default, linear and YaRN frequency schedules."""
+
+    def __init__(self, rope: RopeConfig, max_position_embeddings: int):
+        super().__init__()
+        kind = (rope.scaling or {}).get("rope_type", "default")
+        scale = 1.0
+        if kind == "yarn":
+            inv_freq, scale = _yarn_inv_freq(rope, max_position_embeddings)
+        else:
+            channels = torch.arange(0, rope.dim, 2, dtype=torch.float32, device="cpu")
+            inv_freq = 1.0 / (rope.theta ** (channels / rope.dim))
+            if kind == "linear":
+                inv_freq = inv_freq / float(rope.scaling["factor"])  # type: ignore[index]
+        self.inv_freq = inv_freq
+        """A plain attribute, not a buffer: it is derived from the config, never loaded or cast."""
+        self.attention_scaling = scale
+
+    def forward(self, positions_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions_BT.device:
+            self.inv_freq = self.inv_freq.to(positions_BT.device)
+        freqs = positions_BT[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+    """Rotation of channel pairs (i, i + Dh/2)."""
+    cos, sin = cos_BTD[:, None], sin_BTD[:, None]
+    return x_BHTD * cos + rotate_half(x_BHTD) * sin
+
+
+def apply_rope_interleaved(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+    """Rotation of adjacent pairs (2i, 2i+1), output as [rotated evens | rotated odds] (DeepSeek layout).
+
+    The permutation is the same for queries and keys, so their dot products equal the interleaved form's.
+    """
+    half = cos_BTD.shape[-1] // 2
+    cos, sin = cos_BTD[:, None, :, :half], sin_BTD[:, None, :, :half]
+    x1, x2 = x_BHTD[..., 0::2], x_BHTD[..., 1::2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+@dataclass
+class ForwardBatch:
+    """Per-forward metadata shared by every layer."""
+
+    positions_BT: torch.Tensor
+    """Position (= cache index) of every new token."""
+    mask_B1TS: torch.Tensor
+    """True where query t of row b may attend to cache index s."""
+    kv_len: int
+    """S: cache prefix every row's attention reads."""
+    rows_B: torch.Tensor | None = None
+    """Cache rows the B batch rows map to; None means rows 0..B-1 of the cache."""
+    valid_N: torch.Tensor | None = None
+    """Flat indices (into B*T) of real tokens when rows are right-padded; None means all are real."""
+
+    @classmethod
+    def build(cls, positions_BT: torch.Tensor, rows_B: torch.Tensor | None = None,
+              valid_BT: torch.Tensor | None = None, sliding_window: int | None = None) -> ForwardBatch:
+        kv_len = int(positions_BT.max()) + 1
+        s = torch.arange(kv_len, device=positions_BT.device)
+        pos = positions_BT[:, :, None]
+        mask = s <= pos
+        if sliding_window:
+            mask &= pos - s < sliding_window
+        valid_N = None
+        if valid_BT is not None and not bool(valid_BT.all()):
+            valid_N = valid_BT.reshape(-1).nonzero().squeeze(1)
+        return cls(positions_BT, mask[:, None], kv_len, rows_B, valid_N)
+
+
+def cache_write(cache_BHSD: torch.Tensor, new_BHTD: torch.Tensor, batch: ForwardBatch) -> None:
+    """Store new keys/values at their positions (per row, so rows may be at different lengths)."""
+    b, t = batch.positions_BT.shape
+    rows = batch.rows_B if batch.rows_B is not None else torch.arange(b, device=cache_BHSD.device)
+    cache_BHSD[rows[:, None].expand(b, t), :, batch.positions_BT] = new_BHTD.transpose(1, 2).to(cache_BHSD.dtype)
+
+
+def cache_read(cache_BHSD: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    if batch.rows_B is None:
+        return cache_BHSD[: batch.positions_BT.shape[0], :, : batch.kv_len]
+    return cache_BHSD[batch.rows_B, :, : batch.kv_len]
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with RoPE, optional q/k RMSNorm (per head or over the whole projection) and
+    optional clipping of q/k/v (OLMoE's clip_qkv)."""
+
+    def __init__(self, cfg: ModelConfig, *, qkv_bias: bool = False, o_bias: bool = False,
+                 qk_norm: str | None = None, clip_qkv: float | None = None):
+        super().__init__()
+        d, h, hkv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, dh
+        self.q_proj = nn.Linear(d, h * dh, bias=qkv_bias)
+        self.k_proj = nn.Linear(d, hkv * dh, bias=qkv_bias)
+        self.v_proj = nn.Linear(d, hkv * dh, bias=qkv_bias)
+        self.o_proj = nn.Linear(h * dh, d, bias=o_bias)
+        self.qk_norm = qk_norm
+        if qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(dh, cfg.rms_norm_eps), RMSNorm(dh, cfg.rms_norm_eps)
+        elif qk_norm == "full":
+            self.q_norm, self.k_norm = RMSNorm(h * dh, cfg.rms_norm_eps), RMSNorm(hkv * dh, cfg.rms_norm_eps)
+        self.clip_qkv = clip_qkv
+
+    def make_cache(self, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+        shape = (rows, self.num_kv_heads, max_len, self.head_dim)
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+    def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
+                cache: Sequence[torch.Tensor]) -> torch.Tensor:
+        b, t, _ = x_BTD.shape
+        q, k, v = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
+        q = q.view(b, t, self.num_heads, self.head_dim)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q_BHTD, k_BHTD = apply_rope(q.transpose(1, 2), *rope), apply_rope(k.transpose(1, 2), *rope)
+        v_BHTD = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cache_write(cache[0], k_BHTD, batch)
+        cache_write(cache[1], v_BHTD, batch)
+        out = F.scaled_dot_product_attention(q_BHTD, cache_read(cache[0], batch), cache_read(cache[1], batch),
+                                             attn_mask=batch.mask_B1TS,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP with transformers' names (gate_proj, up_proj, down_proj)."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)) computed on real (non-padding) tokens only."""
+
+    def __init__(self, cfg: ModelConfig, attn: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = attn
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
+                cache: Sequence[torch.Tensor]) -> torch.Tensor:
+        x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), rope, batch, cache)
+        h_ND = self.post_attention_layernorm(x_BTD).reshape(-1, x_BTD.shape[-1])
+        if batch.valid_N is None:
+            return x_BTD + self.mlp(h_ND).view_as(x_BTD)
+        out_ND = torch.zeros_like(h_ND)
+        out_ND[batch.valid_N] = self.mlp(h_ND[batch.valid_N])
+        return x_BTD + out_ND.view_as(x_BTD)
+
+
+class DecoderStack(nn.Module):
+    """Embeddings, decoder layers and the final norm (the `model.` prefix of transformers' names)."""
+
+    def __init__(self, cfg: ModelConfig, layers: Sequence[nn.Module], rope: RotaryEmbedding):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = rope
+
+
+class CausalLM(nn.Module):
+    """A decoder stack plus the LM head; `forward` returns logits for the requested positions."""
+
+    def __init__(self, cfg: ModelConfig, stack: DecoderStack, disk_renames: Mapping[str, str] | None = None):
+        super().__init__()
+        self.config = cfg
+        self.model = stack
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.disk_renames = dict(disk_renames or {})
+
+    def disk_name(self, module_name: str) -> str:
+        """The checkpoint tensor name of a module parameter (some Hub formats use other names)."""
+        for ours, theirs in self.disk_renames.items():
+            module_name = module_name.replace(ours, theirs)
+        return module_name
+
+    def make_cache(self, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+        return [layer.self_attn.make_cache(rows, max_len, dtype, device) for layer in self.model.layers]
+
+    def forward(self, ids_BT: torch.Tensor, batch: ForwardBatch, cache: Sequence[Sequence[torch.Tensor]],
+                logits_at_B: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, V], or [B, V] at token index `logits_at_B[b]` of each row when given."""
+        x_BTD = self.model.embed_tokens(ids_BT)
+        rope = self.model.rotary_emb(batch.positions_BT, x_BTD.dtype)
+        for layer, layer_cache in zip(self.model.layers, cache):
+            x_BTD = layer(x_BTD, rope, batch, layer_cache)
+        if logits_at_B is not None:
+            x_BTD = x_BTD[torch.arange(x_BTD.shape[0], device=x_BTD.device), logits_at_B]
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(self.model.norm(x_BTD), head)
+
+
+
+class MoEBlock(nn.Module):
+    """Router -> routed experts from the `ExpertSource` seam (+ shared experts, in subclasses).
+
+    `gate` is the architecture's router module (registered as `gate`, as in transformers); it maps x_ND to a
+    RoutingDecision. The expert weights are not parameters of this module: they come from `source`.
+    """
+
+    def __init__(self, gate: nn.Module, source: ExpertSource, layer: int, num_experts: int):
+        super().__init__()
+        self.gate = gate
+        self.source = source
+        self.layer = layer
+        self.num_experts = num_experts
+
+    def shared_output(self, x_ND: torch.Tensor) -> torch.Tensor | None:
+        """Output of always-on shared experts; None when the architecture has none."""
+        return None
+
+    def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
+        route = self.gate(x_ND)
+        out_ND = combine_experts(x_ND, route, self.source, self.layer, self.num_experts)
+        shared = self.shared_output(x_ND)
+        return out_ND if shared is None else out_ND + shared
+
+
+class SoftmaxTopKRouter(nn.Module):
+    """Softmax over all experts (fp32), top-k, optional renormalisation of the k weights.
+
+    Mixtral keeps the weights in fp32; Qwen-MoE and OLMoE cast them back to the activation dtype.
+    """
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, *, normalize: bool, fp32_weights: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.top_k, self.normalize, self.fp32_weights = top_k, normalize, fp32_weights
+
+    def forward(self, x_ND: torch.Tensor) -> RoutingDecision:
+        logits_NE = F.linear(x_ND, self.weight)
+        weights_NK, ids_NK = torch.topk(torch.softmax(logits_NE.float(), dim=-1), self.top_k, dim=-1)
+        if self.normalize:
+            weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
+        return RoutingDecision(ids_NK, weights_NK if self.fp32_weights else weights_NK.to(logits_NE.dtype))

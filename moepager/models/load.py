@@ -1,0 +1,92 @@
+"""Building a model from a checkpoint directory: config -> architecture -> experts -> module -> weights.
+
+Routed experts are read one by one through an `ExpertReader` into the `ExpertSource` the caller chooses
+(all-resident by default); the module is then built around that source on the meta device, cast to the
+run's dtype while still empty, materialised, and filled with the non-expert weights.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from moepager.errors import CheckpointError
+from moepager.experts.reader import ExpertReader
+from moepager.experts.source import ExpertSource, ResidentExperts
+from moepager.experts.weights import ExpertShape
+from moepager.models.config import ModelConfig
+from moepager.models.layers import CausalLM
+from moepager.models.loader import Checkpoint, load_module_weights
+from moepager.models.registry import architecture_for
+
+FP32_TENSORS = ("e_score_correction_bias",)
+"""Tensors kept in fp32 whatever the model dtype (as transformers does)."""
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "float32": torch.float32, "fp32": torch.float32}
+
+SourceFactory = Callable[[ExpertReader, ModelConfig, Callable[[int], None]], ExpertSource]
+
+
+@dataclass
+class LoadedModel:
+    checkpoint: Checkpoint
+    config: ModelConfig
+    model: CausalLM
+    experts: ExpertSource
+    expert_shape: ExpertShape
+    dtype: torch.dtype
+    device: torch.device
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise CheckpointError(f"unknown dtype '{name}'; choose from {', '.join(DTYPES)}") from None
+
+
+def checkpoint_dtype(checkpoint: Checkpoint) -> torch.dtype:
+    """The dtype the checkpoint stores its embeddings in (what a run uses unless told otherwise)."""
+    loc = checkpoint.locations.get("model.embed_tokens.weight")
+    return loc.dtype if loc is not None else parse_dtype(str(checkpoint.config.get("torch_dtype", "float32")))
+
+
+def resident_source(device: torch.device) -> SourceFactory:
+    def make(reader: ExpertReader, cfg: ModelConfig, progress: Callable[[int], None]) -> ExpertSource:
+        return ResidentExperts(reader, cfg.moe_layers, cfg.num_experts, device, progress)
+    return make
+
+
+def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None, device: str = "cpu",
+               source_factory: SourceFactory | None = None, show_progress: bool = True) -> LoadedModel:
+    checkpoint = Checkpoint(path)
+    arch = architecture_for(checkpoint.config)
+    cfg = arch.parse_config(checkpoint.config)
+    dtype = dtype or checkpoint_dtype(checkpoint)
+    dev = torch.device(device)
+    shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, dtype)
+    reader = ExpertReader(checkpoint, arch.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0)
+    total = sum(loc.nbytes // loc.dtype.itemsize * dtype.itemsize for loc in checkpoint.locations.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=not show_progress,
+              leave=False) as bar:
+        experts = (source_factory or resident_source(dev))(reader, cfg, bar.update)
+        with torch.device("meta"):
+            model = arch.build(cfg, experts)
+        cast_model(model, dtype)
+        model = model.to_empty(device="cpu")
+        load_module_weights(model, checkpoint, lambda n: n if checkpoint.has(n) else model.disk_name(n),
+                            progress=bar.update)
+    model.to(dev).eval()
+    return LoadedModel(checkpoint, cfg, model, experts, shape, dtype, dev)
+
+
+def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating tensors to `dtype`, except those transformers keeps in fp32."""
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point() and not name.endswith(FP32_TENSORS):
+            t.data = t.data.to(dtype)

@@ -1,0 +1,210 @@
+"""Reading Hugging Face checkpoints: config.json, single-file or sharded safetensors, per-tensor reads.
+
+We parse the safetensors header ourselves (8-byte little-endian length, JSON header, raw data) so that every
+tensor's file, byte offset and length is known without touching its data: a tensor is read with `os.preadv`
+straight into the buffer that will hold it, and an expert can be read on its own (the expert store reads
+experts in place from these same locations). Truncated or corrupt files are reported by file and tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moepager.errors import CheckpointError
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+}
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """Where one tensor's bytes live on disk."""
+
+    path: Path
+    offset: int
+    """Absolute byte offset of the first element in `path`."""
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorLocation]:
+    """Locations of every tensor in one safetensors file; raises CheckpointError if the file is malformed."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{path}: corrupt safetensors file (shorter than its 8-byte header length)")
+            header_len = int.from_bytes(prefix, "little")
+            if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+                raise CheckpointError(f"{path}: corrupt safetensors file (header length {header_len} is invalid)")
+            header = json.loads(f.read(header_len))
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors file (header is not valid JSON)") from e
+    data_start = 8 + header_len
+    out: dict[str, TensorLocation] = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = SAFETENSORS_DTYPES.get(meta.get("dtype"))
+        if dtype is None:
+            raise CheckpointError(f"{path}: tensor '{name}' has unsupported dtype {meta.get('dtype')}")
+        begin, end = meta["data_offsets"]
+        shape = tuple(meta["shape"])
+        numel = 1
+        for s in shape:
+            numel *= s
+        if end - begin != numel * dtype.itemsize:
+            raise CheckpointError(f"{path}: tensor '{name}' has {end - begin} bytes but shape {shape} needs "
+                                  f"{numel * dtype.itemsize}")
+        if data_start + end > size:
+            raise CheckpointError(f"{path}: tensor '{name}' is truncated (file has {size} bytes, tensor ends at "
+                                  f"{data_start + end})")
+        out[name] = TensorLocation(path, data_start + begin, end - begin, dtype, shape)
+    return out
+
+
+def read_into(loc: TensorLocation, out_flat_u8: torch.Tensor, name: str = "") -> None:
+    """Read `loc`'s bytes into the uint8 tensor `out_flat_u8` (contiguous, exactly loc.nbytes long)."""
+    view = memoryview(out_flat_u8.numpy()).cast("B")
+    fd = os.open(loc.path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < loc.nbytes:
+            n = os.preadv(fd, [view[done:]], loc.offset + done)
+            if n <= 0:
+                raise CheckpointError(f"{loc.path}: tensor '{name}' could not be read (file changed or truncated)")
+            done += n
+    except OSError as e:
+        raise CheckpointError(f"{loc.path}: reading tensor '{name}' failed: {e.strerror or e}") from e
+    finally:
+        os.close(fd)
+
+
+class Checkpoint:
+    """A Hugging Face checkpoint directory: its config.json and the locations of all its tensors."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path).expanduser()
+        if not self.path.exists():
+            raise CheckpointError(f"model path '{self.path}' does not exist")
+        if not self.path.is_dir():
+            raise CheckpointError(f"model path '{self.path}' is not a directory (expected a checkpoint folder)")
+        self.config = self._read_json("config.json", required=True)
+        self.locations = self._index_tensors()
+
+    def _read_json(self, name: str, required: bool = False) -> dict[str, Any]:
+        file = self.path / name
+        if not file.exists():
+            if required:
+                raise CheckpointError(f"'{self.path}' has no {name}; is it a Hugging Face checkpoint?")
+            return {}
+        try:
+            return json.loads(file.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise CheckpointError(f"cannot read {file}: {e.strerror or e}") from e
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{file} is not valid JSON: {e}") from e
+
+    def json(self, name: str) -> dict[str, Any]:
+        """Another JSON file of the checkpoint (tokenizer_config.json, generation_config.json), {} if absent."""
+        return self._read_json(name)
+
+    def _index_tensors(self) -> dict[str, TensorLocation]:
+        index = self._read_json("model.safetensors.index.json")
+        if index:
+            weight_map: Mapping[str, str] = index.get("weight_map", {})
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"'{self.path}' has no *.safetensors weights")
+        locations: dict[str, TensorLocation] = {}
+        for name in files:
+            file = self.path / name
+            if not file.exists():
+                raise CheckpointError(f"shard '{name}' listed in model.safetensors.index.json is missing")
+            locations.update(read_safetensors_header(file))
+        if index:
+            missing = [t for t in weight_map if t not in locations]
+            if missing:
+                raise CheckpointError(f"tensor '{missing[0]}' is listed in the index but absent from its shard")
+        return locations
+
+    def has(self, name: str) -> bool:
+        return name in self.locations
+
+    def location(self, name: str) -> TensorLocation:
+        try:
+            return self.locations[name]
+        except KeyError:
+            raise CheckpointError(f"tensor '{name}' is missing from the checkpoint at '{self.path}'") from None
+
+    def read(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The whole tensor `name`, converted to `dtype`; `shape` (if given) is checked against the file."""
+        loc = self.location(name)
+        if shape is not None and tuple(shape) != loc.shape:
+            raise CheckpointError(f"tensor '{name}' has shape {list(loc.shape)} but config.json implies "
+                                  f"{list(shape)}")
+        raw = torch.empty(loc.shape, dtype=loc.dtype)
+        read_into(loc, raw.view(-1).view(torch.uint8), name)
+        return raw if dtype is None or dtype == loc.dtype else raw.to(dtype)
+
+    def read_row_into(self, name: str, row: int, out: torch.Tensor) -> None:
+        """Copy `tensor[row]` (a contiguous slab of a >=2-D tensor) into `out`, converting dtype if needed."""
+        loc = self.location(name)
+        row_numel = out.numel()
+        if len(loc.shape) < 2 or loc.shape[0] <= row or loc.shape[1:] != tuple(out.shape):
+            raise CheckpointError(f"tensor '{name}' has shape {list(loc.shape)}, which does not hold row {row} "
+                                  f"of {list(out.shape)}")
+        row_bytes = row_numel * loc.dtype.itemsize
+        sub = TensorLocation(loc.path, loc.offset + row * row_bytes, row_bytes, loc.dtype, tuple(out.shape))
+        _read_converting(sub, out, f"{name}[{row}]")
+
+    def read_exact_into(self, name: str, out: torch.Tensor) -> None:
+        """Copy the whole tensor `name` into `out` (same shape), converting dtype if needed."""
+        loc = self.location(name)
+        if loc.shape != tuple(out.shape):
+            raise CheckpointError(f"tensor '{name}' has shape {list(loc.shape)} but config.json implies "
+                                  f"{list(out.shape)}")
+        _read_converting(loc, out, name)
+
+
+def _read_converting(loc: TensorLocation, out: torch.Tensor, name: str) -> None:
+    if out.dtype == loc.dtype and out.is_contiguous() and out.device.type == "cpu":
+        read_into(loc, out.view(-1).view(torch.uint8), name)
+        return
+    tmp = torch.empty(loc.shape, dtype=loc.dtype)
+    read_into(loc, tmp.view(-1).view(torch.uint8), name)
+    out.copy_(tmp.view(out.shape))
+
+
+def load_module_weights(module: torch.nn.Module, checkpoint: Checkpoint, disk_name: Callable[[str], str],
+                        progress: Callable[[int], None] | None = None) -> None:
+    """Fill every parameter and persistent buffer of `module` from the checkpoint.
+
+    `disk_name` maps a module name to the name stored on disk (the architectures whose Hub names differ from
+    their module names supply it). Shapes are checked; a tied `lm_head.weight` is left to the caller.
+    """
+    with torch.no_grad():
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            checkpoint.read_exact_into(disk_name(name), tensor.data)
+            if progress is not None:
+                progress(tensor.numel() * tensor.element_size())

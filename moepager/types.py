@@ -1,0 +1,24 @@
+"""Small value types shared across subsystems.
+
+Shape legend: T tokens, D hidden, F expert FFN width, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class ExpertKey(NamedTuple):
+    """One routed expert: MoE layer index (the decoder layer's index) and expert id within it."""
+
+    layer: int
+    expert: int
+
+
+class RoutingDecision(NamedTuple):
+    """A router's choice for T tokens: expert ids and the weights their outputs are scaled by."""
+
+    ids_TK: torch.Tensor
+    weights_TK: torch.Tensor
