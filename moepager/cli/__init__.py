@@ -1,0 +1,1 @@
+"""`moepager <command>`: one small module per command."""

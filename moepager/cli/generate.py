@@ -1,0 +1,56 @@
+"""`moepager generate [--model PATH] PROMPT ...`: generate, stream text, print the run's statistics."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moepager.errors import MoepagerError
+from moepager.runtime.llm import LLM
+from moepager.runtime.sampling import SamplingParams
+
+HELP = "generate text for one or more prompts (one static batch) and print the run's statistics"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompts", nargs="+", metavar="PROMPT")
+    p.add_argument("--model", help="Hugging Face checkpoint directory (default: the built-in demo model)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="convert weights (default: as stored)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--stats-json", metavar="PATH", help="also write the statistics as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, threads=args.threads, show_progress=not args.quiet)
+    if llm.tokenizer is None:
+        raise MoepagerError("this checkpoint has no tokenizer.json, so text prompts cannot be encoded")
+    single = len(args.prompts) == 1
+    if single:
+        sys.stdout.write(args.prompts[0])
+
+    def stream(_row: int, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    completions = llm.generate(args.prompts, params, chat=args.chat, on_text=stream if single else None)
+    if single:
+        sys.stdout.write("\n")
+    else:
+        for i, (prompt, c) in enumerate(zip(args.prompts, completions)):
+            print(f"[{i}] {prompt}{c.text}")
+    print(f"\n{llm.last_stats.table()}")
+    if args.stats_json:
+        llm.last_stats.write_json(args.stats_json)
+    return 0

@@ -1,0 +1,160 @@
+"""`make-model`: random-weight Hugging Face checkpoints at real geometry, streamed to disk.
+
+Tensors are generated and written one at a time (header first, then data), so a multi-GB model never needs
+its size in RAM. Names and shapes come from our own model code (built on the meta device) plus the
+architecture's per-expert naming, so what we write is exactly what we (and transformers) load. The tokenizer
+is a byte-level BPE trained on a small built-in text and extended with synthetic merges up to the
+configured vocabulary, so every token id decodes to text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from moepager.errors import MoepagerError
+from moepager.models.load import DTYPES
+from moepager.models.registry import ARCHITECTURES
+from moepager.models.synth_presets import PRESETS, preset_config
+
+SAFETENSORS_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+INIT_STD = 0.02
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def tensor_specs(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """(disk name, shape) of every tensor a checkpoint of this config holds, in Hub (per-expert) layout."""
+    arch = ARCHITECTURES[config["architectures"][0]]
+    cfg = arch.parse_config(config)
+    with torch.device("meta"):
+        model = arch.build(cfg, source=None)  # type: ignore[arg-type]  # never called: no forward pass
+    specs = [(model.disk_name(n), tuple(t.shape)) for n, t in model.state_dict().items()]
+    f, d, naming = cfg.expert_intermediate_size, cfg.hidden_size, arch.expert_naming
+    for layer in cfg.moe_layers:
+        for e in range(cfg.num_experts):
+            specs += [(naming.gate.format(layer=layer, expert=e), (f, d)),
+                      (naming.up.format(layer=layer, expert=e), (f, d)),
+                      (naming.down.format(layer=layer, expert=e), (d, f))]
+    return specs
+
+
+def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=dtype)
+    if name.endswith(("bias", "e_score_correction_bias")):
+        return torch.zeros(shape, dtype=torch.float32 if "correction" in name else dtype)
+    return (torch.randn(shape, generator=gen) * INIT_STD).to(dtype)
+
+
+def _shards(specs: list[tuple[str, tuple[int, ...]]], itemsize: int, shard_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in specs:
+        nbytes = math.prod(shape) * itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    return shards
+
+
+def _write_shard(path: Path, specs: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, gen: torch.Generator,
+                 bar: tqdm) -> None:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    dtypes = {}
+    for name, shape in specs:
+        dt = torch.float32 if "correction_bias" in name else dtype
+        dtypes[name] = dt
+        nbytes = math.prod(shape) * dt.itemsize
+        header[name] = {"dtype": SAFETENSORS_NAMES[dt], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # keep tensor data 8-byte aligned
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for name, shape in specs:
+            t = _random_tensor(name, shape, dtypes[name], gen)
+            f.write(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
+            bar.update(t.numel() * t.element_size())
+    os.replace(tmp, path)
+
+
+def write_tokenizer(out: Path, vocab_size: int) -> int:
+    """Train a byte-level BPE on the built-in text, pad it to `vocab_size` with synthetic merges; returns
+    the id of <|endoftext|>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    corpus = resources.files("moepager").joinpath("data/corpus.txt").read_text(encoding="utf-8")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, 1024), special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus.splitlines(), trainer)
+    data = json.loads(tok.to_str())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    merges: list = data["model"]["merges"]
+    if len(vocab) > vocab_size:
+        raise MoepagerError(f"vocab_size {vocab_size} is below the tokenizer's minimum of {len(vocab)}")
+    for a, b in _synthetic_pairs(sorted((t for t in vocab if t not in SPECIAL_TOKENS), key=vocab.get)):
+        if len(vocab) >= vocab_size:
+            break
+        if a + b not in vocab:
+            vocab[a + b] = len(vocab)
+            merges.append([a, b] if merges and isinstance(merges[0], list) else f"{a} {b}")
+    (out / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE, "model_max_length": 1 << 20}, indent=2))
+    return vocab["<|endoftext|>"]
+
+
+def _synthetic_pairs(tokens: list[str]) -> Iterator[tuple[str, str]]:
+    for a in tokens[256:] or tokens:
+        for b in tokens:
+            yield a, b
+
+
+def make_model(out: str | os.PathLike[str], preset: str, arch: str | None = None, layers: int | None = None,
+               dtype: str = "bfloat16", seed: int = 0, shard_bytes: int = 4 << 30, show_progress: bool = True) -> Path:
+    """Write a random-weight checkpoint of `preset` to `out`; returns the directory."""
+    config = preset_config(preset, arch, layers)
+    if dtype not in DTYPES:
+        raise MoepagerError(f"unknown dtype '{dtype}'; choose from {', '.join(DTYPES)}")
+    torch_dtype = DTYPES[dtype]
+    out_dir = Path(out).expanduser()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config["eos_token_id"] = write_tokenizer(out_dir, config["vocab_size"])
+    config["dtype"] = str(torch_dtype).removeprefix("torch.")
+    specs = tensor_specs(config)
+    shards = _shards(specs, torch_dtype.itemsize, shard_bytes)
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(math.prod(s) * torch_dtype.itemsize for _, s in specs)
+    names = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {preset}", disable=not show_progress) as bar:
+        for name, shard in zip(names, shards):
+            _write_shard(out_dir / name, shard, torch_dtype, gen, bar)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {t: n for n, shard in zip(names, shards) for t, _ in shard}}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return out_dir
+
+
+__all__ = ["PRESETS", "make_model", "tensor_specs", "write_tokenizer"]

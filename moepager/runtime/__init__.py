@@ -1,0 +1,1 @@
+"""Requests, sampling, tokenization, generation and the user-facing `LLM` API."""

@@ -1,0 +1,94 @@
+"""The Python API shared by the CLI and the server: `LLM(path).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moepager.config import EngineConfig
+from moepager.errors import InvalidRequestError
+from moepager.models.default import default_model_path
+from moepager.models.load import LoadedModel, load_model, parse_dtype
+from moepager.runtime.generate import FinishReason, OnText, generate_ids
+from moepager.runtime.sampling import SamplingParams
+from moepager.runtime.stats import RunStats
+from moepager.runtime.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class Completion:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+
+
+class LLM:
+    """A loaded model plus its tokenizer. `generate` runs one static batch and records `last_stats`."""
+
+    def __init__(self, model: str | os.PathLike[str] | None = None, *, dtype: str | None = None,
+                 device: str = "cpu", threads: int | None = None, show_progress: bool = True,
+                 config: EngineConfig | None = None):
+        self.config = config or EngineConfig(model=str(model) if model else None, dtype=dtype, device=device,
+                                             threads=threads)
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
+        path = Path(self.config.model) if self.config.model else default_model_path(self.config.cache_dir,
+                                                                                      show_progress)
+        self.loaded: LoadedModel = load_model(path, parse_dtype(self.config.dtype) if self.config.dtype else None,
+                                              self.config.device, show_progress=show_progress)
+        self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
+        self.last_stats = RunStats()
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids = list(self.loaded.config.eos_token_ids)
+        generation = self.loaded.checkpoint.json("generation_config.json").get("eos_token_id")
+        ids += generation if isinstance(generation, list) else [generation] if generation is not None else []
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return sorted(set(ids))
+
+    def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        if not isinstance(prompt, str):
+            ids = list(prompt)
+        elif self.tokenizer is None:
+            raise InvalidRequestError("this checkpoint has no tokenizer.json; pass token ids instead of text")
+        elif chat:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = self.tokenizer.encode(prompt)
+        vocab = self.loaded.config.vocab_size
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        return ids
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None, *,
+                 chat: bool = False, on_text: OnText | None = None) -> list[Completion]:
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if not prompts:
+            raise InvalidRequestError("no prompts given")
+        ids = [self.encode(p, chat) for p in prompts]  # type: ignore[union-attr]
+        context = self.loaded.config.max_position_embeddings
+        longest = max(len(i) for i in ids)
+        if longest + params.max_tokens > context:
+            raise InvalidRequestError(f"prompt of {longest} tokens plus max_tokens {params.max_tokens} exceeds the "
+                                      f"model's context of {context} tokens")
+        stats = RunStats(threads=torch.get_num_threads())
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        seqs = generate_ids(self.loaded.model, ids, params, self.eos_token_ids, stats, decode, on_text,
+                            self.loaded.device)
+        stats.finish(self.loaded.device)
+        self.last_stats = stats
+        return [Completion(s.prompt_ids, s.out_ids, s.text, s.finish_reason or "length") for s in seqs]

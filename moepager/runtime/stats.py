@@ -1,0 +1,103 @@
+"""Statistics of one generation run: latency (TTFT, TPOT), throughput and peak memory.
+
+Other subsystems add their own sections (the expert store adds expert counters) through `extra`.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile of `values` (q in [0, 100]); 0 for an empty list."""
+    if not values:
+        return 0.0
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+@dataclass
+class RunStats:
+    """What one `generate` call measured. Times in seconds."""
+
+    num_prompts: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0
+    """Start of the call to the first sampled token of the batch (tokenization + prefill)."""
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    tpot_s: list[float] = field(default_factory=list)
+    """Duration of every decode step (one token for every unfinished prompt)."""
+    threads: int = 0
+    peak_rss_bytes: int = 0
+    peak_cuda_bytes: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tpot_median_s(self) -> float:
+        return percentile(self.tpot_s, 50)
+
+    @property
+    def tpot_p90_s(self) -> float:
+        return percentile(self.tpot_s, 90)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens produced by decode steps (all but each prompt's first) per second of decoding."""
+        decoded = self.generated_tokens - self.num_prompts
+        return decoded / self.decode_s if self.decode_s and decoded > 0 else 0.0
+
+    def finish(self, device: torch.device) -> None:
+        self.peak_rss_bytes = peak_rss_bytes()
+        if device.type == "cuda":
+            self.peak_cuda_bytes = torch.cuda.max_memory_allocated(device)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(tpot_median_s=self.tpot_median_s, tpot_p90_s=self.tpot_p90_s,
+                   prefill_tokens_per_s=self.prefill_tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s)
+        return out
+
+    def write_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+    def table(self) -> str:
+        rows = [
+            ("prompts", f"{self.num_prompts}"),
+            ("prompt tokens", f"{self.prompt_tokens}"),
+            ("generated tokens", f"{self.generated_tokens}"),
+            ("TTFT", f"{self.ttft_s * 1e3:.1f} ms"),
+            ("TPOT median", f"{self.tpot_median_s * 1e3:.2f} ms"),
+            ("TPOT p90", f"{self.tpot_p90_s * 1e3:.2f} ms"),
+            ("prefill", f"{self.prefill_tokens_per_s:.1f} tok/s"),
+            ("decode", f"{self.decode_tokens_per_s:.1f} tok/s"),
+            ("threads", f"{self.threads}"),
+            ("peak RSS", f"{self.peak_rss_bytes / 2**20:.0f} MiB"),
+        ]
+        if self.peak_cuda_bytes is not None:
+            rows.append(("peak CUDA memory", f"{self.peak_cuda_bytes / 2**20:.0f} MiB"))
+        rows += [(k, str(v)) for k, v in self.extra.items()]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+

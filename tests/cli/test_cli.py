@@ -1,0 +1,95 @@
+"""The command line end to end: make-model -> info -> generate, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moepager.cli.main import main
+from moepager.models.synth import tensor_specs
+from moepager.models.synth_presets import ARCH_TYPES, preset_config
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "tiny"
+    assert main(["make-model", "--arch", "mixtral", "--preset", "tiny", "--out", str(out)]) == 0
+    return out
+
+
+def test_info_reports_geometry_and_bytes(tiny, capsys):
+    assert main(["info", "--model", str(tiny)]) == 0
+    text = capsys.readouterr().out
+    assert "MixtralForCausalLM" in text and "8, top-2" in text
+    assert "bytes per expert       24.00 KiB" in text  # 3 * 64 * 64 * 2 bytes
+
+
+def test_generate_streams_text_and_writes_stats(tiny, tmp_path, capsys):
+    stats = tmp_path / "stats.json"
+    code = main(["generate", "--model", str(tiny), "The history of", "--max-tokens", "6", "--ignore-eos",
+                 "--stats-json", str(stats), "--quiet"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("The history of") and "TPOT median" in out
+    data = json.loads(stats.read_text())
+    assert data["generated_tokens"] == 6 and data["num_prompts"] == 1
+
+
+def test_generate_several_prompts_and_chat(tiny, capsys):
+    assert main(["generate", "--model", str(tiny), "one", "two", "--max-tokens", "3", "--chat", "--quiet",
+                 "--temperature", "0.8", "--seed", "1", "--top-p", "0.9"]) == 0
+    out = capsys.readouterr().out
+    assert "[0] one" in out and "[1] two" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--model", "/definitely/not/here", "hi"], "does not exist"),
+    (["generate", "--model", "{tiny}", "hi", "--top-p", "2"], "top_p must be in (0, 1]"),
+    (["generate", "--model", "{tiny}", "hi", "--max-tokens", "100000", "--quiet"], "exceeds the model's context"),
+    (["generate", "--model", "{tiny}", "hi", "--threads", "0"], "--threads must be >= 1"),
+    (["make-model", "--preset", "tiny", "--out", "{tmp}/x"], "needs --arch"),
+    (["make-model", "--preset", "mixtral-8x7b", "--arch", "olmoe", "--out", "{tmp}/x"], "is a mixtral model"),
+])
+def test_bad_input_gives_one_line_and_exit_2(tiny, tmp_path, capsys, argv, message):
+    argv = [a.format(tiny=tiny, tmp=tmp_path) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+def test_no_traceback_from_the_console_script(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "moepager.cli.main", "info", "--model", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "no config.json" in proc.stderr
+
+
+def test_default_model_is_created_once_in_the_cache(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MOEPAGER_CACHE", str(tmp_path))
+    assert main(["generate", "The history of", "--max-tokens", "4", "--quiet"]) == 0
+    assert (tmp_path / "demo-random-v1" / "config.json").exists()
+    first = capsys.readouterr().out
+    assert main(["generate", "The history of", "--max-tokens", "4", "--quiet"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == first.splitlines()[0]
+
+
+@pytest.mark.parametrize("preset, expected_b", [("mixtral-8x7b", 46.70), ("qwen3-30b-a3b", 30.53),
+                                                ("olmoe-1b-7b", 6.92), ("deepseek-v2-lite", 15.71),
+                                                ("qwen1.5-moe-a2.7b", 14.32)])
+def test_presets_have_the_real_models_parameter_counts(preset, expected_b):
+    total = sum(_numel(shape) for _, shape in tensor_specs(preset_config(preset, None, None)))
+    assert total / 1e9 == pytest.approx(expected_b, rel=0.01)
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def test_every_architecture_has_a_tiny_preset():
+    for arch in ARCH_TYPES:
+        assert tensor_specs(preset_config("tiny", arch, None))
