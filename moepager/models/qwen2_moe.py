@@ -40,9 +40,10 @@ def sparse_layers(raw: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
     return tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
 
 
-def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
+def parse_qwen_config(raw: Mapping[str, Any], *, shared_expert: bool) -> ModelConfig:
+    """Config of Qwen2-MoE (with its shared expert) or Qwen3-MoE (without)."""
     if raw.get("use_sliding_window"):
-        raise CheckpointError("Qwen2-MoE with use_sliding_window=true is not supported")
+        raise CheckpointError(f"{raw['architectures'][0]} with use_sliding_window=true is not supported")
     fields = common_fields(raw, default_eps=1e-6, default_max_pos=32768)
     head_dim = get(raw, "head_dim", fields["hidden_size"] // fields["num_heads"], kind=int)
     return ModelConfig(
@@ -54,8 +55,12 @@ def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
         top_k=get(raw, "num_experts_per_tok", kind=int),
         expert_intermediate_size=get(raw, "moe_intermediate_size", kind=int),
         dense_intermediate_size=get(raw, "intermediate_size", kind=int),
-        shared_intermediate_size=get(raw, "shared_expert_intermediate_size", kind=int),
+        shared_intermediate_size=get(raw, "shared_expert_intermediate_size", kind=int) if shared_expert else 0,
     )
+
+
+def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
+    return parse_qwen_config(raw, shared_expert=True)
 
 
 def build(cfg: ModelConfig, source: ExpertSource) -> CausalLM:

@@ -1,0 +1,58 @@
+"""Shared helpers for benchmark scripts: idle check, model creation cache, result writing, tables."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine_state() -> dict[str, Any]:
+    """Record how busy the machine is before measuring (other work ruins 2-thread timings)."""
+    busy = psutil.cpu_percent(interval=1.0)
+    if busy > 20:
+        print(f"warning: machine is {busy:.0f}% busy before the benchmark; timings will be noisy")
+    return {"cpu_busy_percent_before": busy, "cpus": psutil.cpu_count(), "platform": platform.platform(),
+            "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def ensure_model(name: str, preset: str, layers: int | None, dtype: str = "bfloat16") -> Path:
+    from moepager.models.synth import make_model
+
+    path = RESULTS / "models" / name
+    if not (path / "config.json").exists():
+        make_model(path, preset, layers=layers, dtype=dtype)
+    return path
+
+
+def median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def print_table(headers: list[str], rows: list[list[Any]]) -> None:
+    cells = [[str(h) for h in headers]] + [[f"{c:.2f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for i, r in enumerate(cells):
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def write_json(name: str, data: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
