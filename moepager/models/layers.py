@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -168,12 +169,16 @@ def cache_read(cache_BHSD: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     return cache_BHSD[batch.rows_B, :, : batch.kv_len]
 
 
+QKNorm = Literal["head", "full"] | None
+"""RMSNorm of q and k: per head (Qwen3), over the whole projection (OLMoE), or none."""
+
+
 class Attention(nn.Module):
     """Grouped-query attention with RoPE, optional q/k RMSNorm (per head or over the whole projection) and
     optional clipping of q/k/v (OLMoE's clip_qkv)."""
 
     def __init__(self, cfg: ModelConfig, *, qkv_bias: bool = False, o_bias: bool = False,
-                 qk_norm: str | None = None, clip_qkv: float | None = None):
+                 qk_norm: QKNorm = None, clip_qkv: float | None = None):
         super().__init__()
         d, h, hkv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, dh

@@ -51,7 +51,7 @@ def tensor_specs(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
 def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=dtype)
-    if name.endswith(("bias", "e_score_correction_bias")):
+    if name.endswith("bias"):
         return torch.zeros(shape, dtype=torch.float32 if "correction" in name else dtype)
     return (torch.randn(shape, generator=gen) * INIT_STD).to(dtype)
 
