@@ -12,9 +12,16 @@ from typing import Protocol
 
 import torch
 
-from moepager.experts.reader import ExpertReader
 from moepager.experts.weights import ExpertShape, ExpertWeights
 from moepager.types import ExpertKey
+
+
+class ExpertReader(Protocol):
+    """Anything that fills an expert's buffer from storage (models/expert_reader.py reads checkpoints)."""
+
+    shape: ExpertShape
+
+    def read(self, key: ExpertKey, out: ExpertWeights) -> None: ...
 
 
 class ExpertSource(Protocol):

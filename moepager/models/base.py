@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moepager.errors import CheckpointError
-from moepager.experts.reader import ExpertNaming
+from moepager.models.expert_reader import ExpertNaming
 from moepager.experts.source import ExpertSource
 from moepager.models.config import ModelConfig, eos_ids, get
 from moepager.models.layers import CausalLM

@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from moepager.errors import CheckpointError
-from moepager.experts.reader import ExpertReader
+from moepager.models.expert_reader import ExpertReader
 from moepager.experts.source import ExpertSource, ResidentExperts
 from moepager.experts.weights import ExpertShape
 from moepager.models.config import ModelConfig

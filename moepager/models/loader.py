@@ -157,16 +157,6 @@ class Checkpoint:
         except KeyError:
             raise CheckpointError(f"tensor '{name}' is missing from the checkpoint at '{self.path}'") from None
 
-    def read(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """The whole tensor `name`, converted to `dtype`; `shape` (if given) is checked against the file."""
-        loc = self.location(name)
-        if shape is not None and tuple(shape) != loc.shape:
-            raise CheckpointError(f"tensor '{name}' has shape {list(loc.shape)} but config.json implies "
-                                  f"{list(shape)}")
-        raw = torch.empty(loc.shape, dtype=loc.dtype)
-        read_into(loc, raw.view(-1).view(torch.uint8), name)
-        return raw if dtype is None or dtype == loc.dtype else raw.to(dtype)
-
     def read_row_into(self, name: str, row: int, out: torch.Tensor) -> None:
         """Copy `tensor[row]` (a contiguous slab of a >=2-D tensor) into `out`, converting dtype if needed."""
         loc = self.location(name)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from moepager.experts.reader import ExpertNaming
+from moepager.models.expert_reader import ExpertNaming
 from moepager.experts.source import ExpertSource
 from moepager.models.base import Architecture, common_fields
 from moepager.models.config import ModelConfig, get, rope_from_raw

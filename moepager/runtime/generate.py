@@ -50,8 +50,8 @@ class TextTracker:
         self.on_text = on_text
 
     def update(self, row: int, seq: SequenceState) -> None:
-        if self.detokenize is None:
-            return
+        if self.detokenize is None or (self.on_text is None and not self.stop and seq.finish_reason is None):
+            return  # nobody streams and no stop string can end it early: decode once, when it finishes
         text = self.detokenize(seq.out_ids)
         for s in self.stop:
             cut = text.find(s)
@@ -97,9 +97,9 @@ def generate_ids(model: CausalLM, prompts: Sequence[list[int]], params: Sampling
             active = [r for r in active if seqs[r].finish_reason is None]
             if not active:
                 break
-            rows = torch.tensor(active, device=dev)
+            rows = None if len(active) == b else torch.tensor(active, device=dev)
             batch = ForwardBatch.build(torch.tensor([[seqs[r].position] for r in active], device=dev),
-                                       rows_B=None if len(active) == b else rows, sliding_window=window)
+                                       rows_B=rows, sliding_window=window)
             last = torch.tensor([[seqs[r].out_ids[-1]] for r in active], device=dev)
             logits_BV = model(last, batch, cache, logits_at_B=torch.zeros(len(active), dtype=torch.long, device=dev))
             stats.tpot_s.append(time.perf_counter() - step_start)

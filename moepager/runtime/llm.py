@@ -44,10 +44,11 @@ class LLM:
         self.loaded: LoadedModel = load_model(path, parse_dtype(self.config.dtype) if self.config.dtype else None,
                                               self.config.device, show_progress=show_progress)
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
+        self.eos_token_ids = self._eos_token_ids()
         self.last_stats = RunStats()
 
-    @property
-    def eos_token_ids(self) -> list[int]:
+    def _eos_token_ids(self) -> list[int]:
+        """End-of-sequence ids from config.json, generation_config.json and the tokenizer (read once)."""
         ids = list(self.loaded.config.eos_token_ids)
         generation = self.loaded.checkpoint.json("generation_config.json").get("eos_token_id")
         ids += generation if isinstance(generation, list) else [generation] if generation is not None else []

@@ -44,10 +44,6 @@ class Tokenizer:
         self.chat_template: str | None = self.config.get("chat_template")
 
     @property
-    def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
-
-    @property
     def eos_token_id(self) -> int | None:
         return self._tok.token_to_id(self.eos_token) if self.eos_token else None
 

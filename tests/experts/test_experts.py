@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from moepager.experts.compute import combine_experts, expert_forward
-from moepager.experts.reader import ExpertLayout, ExpertReader
+from moepager.models.expert_reader import ExpertLayout, ExpertReader
 from moepager.experts.source import ResidentExperts
 from moepager.experts.weights import ExpertShape, ExpertWeights
 from moepager.models.base import PER_EXPERT_MLP
