@@ -15,3 +15,7 @@ class UnsupportedArchitectureError(MoepagerError):
 
 class InvalidRequestError(MoepagerError):
     """A prompt or sampling parameter is out of range."""
+
+
+class BudgetError(MoepagerError):
+    """A memory budget is malformed, below the minimum the model needs, or larger than the machine has."""

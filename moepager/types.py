@@ -5,7 +5,7 @@ Shape legend: T tokens, D hidden, F expert FFN width, E experts, K top-k.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -22,3 +22,7 @@ class RoutingDecision(NamedTuple):
 
     ids_TK: torch.Tensor
     weights_TK: torch.Tensor
+
+
+Phase = Literal["prefill", "decode"]
+"""Which part of generation a forward pass belongs to (statistics are kept per phase)."""

@@ -1,0 +1,20 @@
+"""Eviction policies, one file each, and the one registry the CLI's choices come from."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from moepager.errors import MoepagerError
+from moepager.policies.base import EvictionPolicy
+from moepager.policies.lru import LRU
+
+POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+    "lru": LRU,
+}
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise MoepagerError(f"unknown eviction policy '{name}'; choose from {sorted(POLICIES)}") from None

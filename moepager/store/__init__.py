@@ -1,0 +1,1 @@
+"""Where expert bytes live and how they move: budgets, slot tables, disk reads, transfers, the store."""

@@ -1,0 +1,168 @@
+"""Reading byte ranges of checkpoint files straight into preallocated buffers, without the page cache.
+
+A RAM budget is only honest if the OS does not quietly keep the model in its page cache. Files are opened
+with O_DIRECT where the file system allows it: reads then need an aligned offset, length and address, so
+each read covers the aligned span around the wanted bytes in a per-thread aligned bounce buffer and copies
+out (a memory copy, ~10x faster than the disk). Where O_DIRECT is refused (tmpfs, some network file
+systems) reads go through the cache and the pages are dropped right after (posix_fadvise DONTNEED).
+
+Every read re-checks the file's size and modification time against what they were when first opened: a
+checkpoint modified while running stops the run with a clear error instead of computing with mixed weights.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from moepager.errors import CheckpointError
+
+ALIGN = 4096
+"""O_DIRECT alignment for offset, length and buffer address (covers 512-byte and 4K logical blocks)."""
+MERGE_GAP = 64 * 1024
+"""Spans this close in one file are read together with O_DIRECT (one request instead of several)."""
+DirectIO = Literal["auto", "on", "off"]
+
+
+@dataclass(frozen=True)
+class Span:
+    """`nbytes` bytes at `offset` of `path`, to land in `out_u8` (a contiguous uint8 CPU tensor)."""
+
+    path: Path
+    offset: int
+    out_u8: torch.Tensor
+
+
+@dataclass
+class _OpenFile:
+    fd: int
+    direct: bool
+    size: int
+    mtime_ns: int
+
+
+class DiskFiles:
+    """Open files (one descriptor each, shared by all threads; preadv is positional) and aligned bounce buffers.
+
+    `direct`: "auto" uses O_DIRECT where supported, "on" requires it, "off" reads through the page cache and
+    drops the pages afterwards.
+    """
+
+    def __init__(self, direct: DirectIO = "auto"):
+        self.direct = direct
+        self._files: dict[Path, _OpenFile] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def _open(self, path: Path) -> _OpenFile:
+        f = self._files.get(path)
+        if f is not None:
+            return f
+        with self._lock:
+            if path in self._files:
+                return self._files[path]
+            fd, direct = self._open_fd(path)
+            st = os.fstat(fd)
+            f = self._files[path] = _OpenFile(fd, direct, st.st_size, st.st_mtime_ns)
+            return f
+
+    def _open_fd(self, path: Path) -> tuple[int, bool]:
+        try:
+            if self.direct != "off" and hasattr(os, "O_DIRECT"):
+                try:
+                    return os.open(path, os.O_RDONLY | os.O_DIRECT), True
+                except OSError:
+                    if self.direct == "on":
+                        raise CheckpointError(f"{path}: this file system refuses O_DIRECT reads; run with direct "
+                                              f"I/O set to auto or off") from None
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead: it would cache pages we never drop
+            return fd, False
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} disappeared while running; restart with the checkpoint in place") \
+                from None
+
+    def _check_unchanged(self, path: Path, f: _OpenFile) -> None:
+        st = os.fstat(f.fd)
+        if st.st_size != f.size or st.st_mtime_ns != f.mtime_ns:
+            raise CheckpointError(f"{path} was modified while running (size {f.size} -> {st.st_size} bytes); "
+                                  f"weights read now would not match those already loaded: restart the run")
+
+    def _bounce(self, nbytes: int) -> torch.Tensor:
+        """This thread's aligned scratch buffer of at least `nbytes` bytes."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < nbytes:
+            raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+            skip = (-raw.data_ptr()) % ALIGN
+            buf = self._local.buf = raw[skip: skip + nbytes]
+        return buf
+
+    def read(self, spans: Sequence[Span]) -> int:
+        """Fill every span's buffer from disk; returns the bytes read from the device (aligned spans included).
+
+        With O_DIRECT, spans of one file lying within MERGE_GAP of each other are read as one aligned run.
+        """
+        ordered = sorted(spans, key=lambda s: (str(s.path), s.offset))
+        total, run = 0, [ordered[0]] if ordered else []
+        for span in ordered[1:]:
+            last = run[-1]
+            if span.path == last.path and 0 <= span.offset - (last.offset + last.out_u8.numel()) <= MERGE_GAP:
+                run.append(span)
+            else:
+                total += self._read_run(run)
+                run = [span]
+        return total + (self._read_run(run) if run else 0)
+
+    def _read_run(self, run: Sequence[Span]) -> int:
+        path = run[0].path
+        f = self._open(path)
+        self._check_unchanged(path, f)
+        first, last_end = run[0].offset, run[-1].offset + run[-1].out_u8.numel()
+        if last_end > f.size:
+            raise CheckpointError(f"{path}: needed bytes {first}..{last_end} lie past the end of the file "
+                                  f"({f.size} bytes); the checkpoint is truncated")
+        if not f.direct:
+            for span in run:
+                self._pread(path, f.fd, span.out_u8, span.offset, span.out_u8.numel())
+            start = first - first % ALIGN
+            os.posix_fadvise(f.fd, start, -(-last_end // ALIGN) * ALIGN - start, os.POSIX_FADV_DONTNEED)
+            return last_end - first
+        start = first - first % ALIGN
+        end = -(-last_end // ALIGN) * ALIGN
+        bounce = self._bounce(end - start)
+        got = self._pread(path, f.fd, bounce, start, min(end, f.size) - start)
+        for span in run:
+            span.out_u8.copy_(bounce[span.offset - start: span.offset - start + span.out_u8.numel()])
+        return got
+
+    @staticmethod
+    def _pread(path: Path, fd: int, out_u8: torch.Tensor, offset: int, need: int) -> int:
+        """Read at least `need` bytes at `offset` into `out_u8` (which may be longer, for aligned tails)."""
+        view = memoryview(out_u8.numpy()).cast("B")
+        done = 0
+        try:
+            while done < need:
+                n = os.preadv(fd, [view[done:]], offset + done)
+                if n <= 0:
+                    raise CheckpointError(f"{path}: short read at byte {offset + done}; was the file truncated?")
+                done += n
+        except OSError as e:
+            raise CheckpointError(f"{path}: read failed at byte {offset + done}: {e.strerror or e}") from e
+        return done
+
+    def drop_cache(self) -> None:
+        """Evict every opened file's pages from the OS page cache (benchmarks start cold with this)."""
+        for f in self._files.values():
+            os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        with self._lock:
+            for f in self._files.values():
+                os.close(f.fd)
+            self._files.clear()

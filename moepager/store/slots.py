@@ -1,0 +1,98 @@
+"""One tier's bookkeeping: which expert each slot holds, pins, loads in flight, and whom to evict.
+
+The table owns the invariants; the policy only ranks the candidates it is offered:
+- a pinned slot (its expert is being computed with, or is scheduled to be) is never offered;
+- a slot whose load (or copy out of it) is still in flight is never offered, so no load is issued twice
+  and no buffer is overwritten while a transfer uses it;
+- with scope "layer", every MoE layer has a quota of slots (capacity split evenly); a layer at its quota
+  evicts among its own experts, one below takes from layers above theirs. With scope "global" all layers
+  compete for all slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import Literal
+
+import torch
+
+from moepager.policies.base import EvictionPolicy
+from moepager.types import ExpertKey
+
+Scope = Literal["layer", "global"]
+
+
+def settled(ticket: Future[torch.cuda.Event | None] | None) -> bool:
+    """True when a transfer is finished: its job ran (re-raising its error) and its CUDA copy completed."""
+    if ticket is None:
+        return True
+    if not ticket.done():
+        return False
+    event = ticket.result()
+    return event is None or event.query()
+
+
+class SlotTable:
+    def __init__(self, capacity: int, layers: Sequence[int], policy: EvictionPolicy, scope: Scope):
+        self.capacity = capacity
+        self.policy = policy
+        self.scope = scope
+        self.slot_of: dict[ExpertKey, int] = {}
+        self.pins = [0] * capacity
+        self.ticket: list[Future[torch.cuda.Event | None] | None] = [None] * capacity
+        """The transfer in flight into (or out of) each slot; None once awaited."""
+        self.free_event: list[torch.cuda.Event | None] = [None] * capacity
+        """CUDA: recorded on the compute stream after the slot's expert was last used; copies into it wait."""
+        self.by_layer: dict[int, set[ExpertKey]] = {layer: set() for layer in layers}
+        n = max(len(layers), 1)
+        self.quota = {layer: capacity // n + (i < capacity % n) for i, layer in enumerate(layers)}
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def evictable(self, key: ExpertKey) -> bool:
+        slot = self.slot_of[key]
+        return self.pins[slot] == 0 and settled(self.ticket[slot])
+
+    def busy(self) -> Iterable[Future[torch.cuda.Event | None]]:
+        return [t for t in self.ticket if t is not None]
+
+    def claim(self, key: ExpertKey, step: int, protect: Mapping[ExpertKey, int] = {},
+              allow_protected: bool = False) -> int | None:
+        """A slot for `key` (free, or freed by evicting a victim); None when nothing may be evicted.
+
+        `protect` maps experts still needed soon to the order they are needed in: they are evicted only with
+        `allow_protected`, and then the one needed last goes first.
+        """
+        if self._free:
+            slot = self._free.pop()
+        else:
+            victim = self._victim(key.layer, step, protect, allow_protected)
+            if victim is None:
+                return None
+            slot = self.slot_of.pop(victim)
+            self.by_layer[victim.layer].discard(victim)
+            self.ticket[slot] = None
+        self.slot_of[key] = slot
+        self.by_layer[key.layer].add(key)
+        return slot
+
+    def _groups(self, layer: int) -> list[Iterable[ExpertKey]]:
+        if self.scope == "global":
+            return [self.slot_of]
+        own = self.by_layer[layer]
+        if len(own) >= self.quota[layer]:
+            return [own, self.slot_of]
+        over = [k for lay, keys in self.by_layer.items() if len(keys) > self.quota[lay] for k in keys]
+        return [over, own, self.slot_of]
+
+    def _victim(self, layer: int, step: int, protect: Mapping[ExpertKey, int],
+                allow_protected: bool) -> ExpertKey | None:
+        for group in self._groups(layer):
+            candidates = [k for k in group if k not in protect and self.evictable(k)]
+            if candidates:
+                return self.policy.victim(candidates, step)
+        if allow_protected:
+            candidates = [k for k in protect if k in self.slot_of and self.evictable(k)]
+            if candidates:
+                return max(candidates, key=protect.__getitem__)
+        return None

@@ -1,0 +1,132 @@
+"""What the expert store did during a run, per phase: hits per layer, loads, bytes per tier, load time.
+
+Definitions (also printed in the run's table):
+- hit: the expert was already in the device tier (resident or loading) when its layer asked for it;
+- on-demand load: issued when the layer asked; ahead-of-time load: issued before (prefetch);
+- load time: wall time of each load (disk read and, off CUDA, the copy), summed over I/O threads;
+- exposed: time the compute thread waited for a load; hidden = load time - exposed (overlapped with compute
+  or with other loads). On CUDA a host->device copy is awaited on the GPU stream, not by the host, so its
+  time is neither counted as load time nor as exposed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from moepager.store.budget import format_bytes
+from moepager.types import Phase
+
+
+@dataclass
+class PhaseCounters:
+    hits: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    misses: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    loads_on_demand: int = 0
+    loads_ahead: int = 0
+    host_hits: int = 0
+    disk_reads: int = 0
+    bytes_disk: int = 0
+    bytes_host_to_device: int = 0
+    load_s: float = 0.0
+    exposed_s: float = 0.0
+    disk_busy: list[tuple[float, float]] = field(default_factory=list)
+    """(start, end) of every disk read, to compute the read bandwidth the disk actually delivered."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def access(self, layer: int, hit: bool) -> None:
+        (self.hits if hit else self.misses)[layer] += 1
+
+    def disk_read(self, nbytes: int, start: float, end: float) -> None:
+        """Called from I/O threads."""
+        with self._lock:
+            self.disk_reads += 1
+            self.bytes_disk += nbytes
+            self.load_s += end - start
+            self.disk_busy.append((start, end))
+
+    def copy(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self.bytes_host_to_device += nbytes
+            self.load_s += seconds
+
+    @property
+    def disk_busy_s(self) -> float:
+        """Wall time during which at least one disk read was running (union of intervals)."""
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(self.disk_busy):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        return total
+
+    def summary(self, tokens: int) -> dict[str, Any]:
+        layers = sorted(set(self.hits) | set(self.misses))
+        hits, accesses = sum(self.hits.values()), sum(self.hits.values()) + sum(self.misses.values())
+        busy = self.disk_busy_s
+        return {
+            "tokens": tokens,
+            "hit_rate": hits / accesses if accesses else 1.0,
+            "hit_rate_per_layer": {str(layer): self.hits[layer] / (self.hits[layer] + self.misses[layer])
+                                   for layer in layers},
+            "accesses": accesses,
+            "loads_on_demand": self.loads_on_demand,
+            "loads_ahead": self.loads_ahead,
+            "host_hits": self.host_hits,
+            "disk_reads": self.disk_reads,
+            "bytes_disk": self.bytes_disk,
+            "bytes_host_to_device": self.bytes_host_to_device,
+            "bytes_disk_per_token": self.bytes_disk / tokens if tokens else 0.0,
+            "bytes_host_to_device_per_token": self.bytes_host_to_device / tokens if tokens else 0.0,
+            "load_s": self.load_s,
+            "exposed_s": self.exposed_s,
+            "hidden_s": max(0.0, self.load_s - self.exposed_s),
+            "disk_busy_s": busy,
+            "disk_read_bytes_per_s": self.bytes_disk / busy if busy else 0.0,
+        }
+
+
+class StoreCounters:
+    """Counters of the current phase (`current`), switched by the generation loop through `set_phase`."""
+
+    def __init__(self) -> None:
+        self.phases: dict[Phase, PhaseCounters] = {"prefill": PhaseCounters(), "decode": PhaseCounters()}
+        self.current = self.phases["prefill"]
+
+    def set_phase(self, phase: Phase) -> None:
+        self.current = self.phases[phase]
+
+    def reset(self) -> None:
+        self.__init__()
+
+
+@dataclass
+class StoreReport:
+    """One run's expert statistics: a section of RunStats (table rows and JSON)."""
+
+    config: dict[str, Any]
+    phases: dict[str, dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config, **self.phases}
+
+    def rows(self) -> list[tuple[str, str]]:
+        rows = [("experts", ", ".join(f"{k} {v}" for k, v in self.config.items()))]
+        for phase, s in self.phases.items():
+            if not s["accesses"]:
+                continue
+            per_layer = " ".join(f"{100 * v:.0f}" for v in s["hit_rate_per_layer"].values())
+            rows += [
+                (f"{phase} expert hit rate", f"{100 * s['hit_rate']:.1f}% (per layer %: {per_layer})"),
+                (f"{phase} loads", f"{s['loads_on_demand']} on demand, {s['loads_ahead']} ahead, "
+                                   f"{s['host_hits']} from host cache, {s['disk_reads']} from disk"),
+                (f"{phase} bytes/token", f"disk {format_bytes(s['bytes_disk_per_token'])}, host->device "
+                                         f"{format_bytes(s['bytes_host_to_device_per_token'])}"),
+                (f"{phase} load time", f"{s['load_s'] * 1e3:.1f} ms: {s['exposed_s'] * 1e3:.1f} exposed, "
+                                       f"{s['hidden_s'] * 1e3:.1f} hidden"),
+            ]
+            if s["disk_busy_s"]:
+                rows.append((f"{phase} disk read", f"{s['disk_read_bytes_per_s'] / 1e9:.2f} GB/s while busy"))
+        return rows

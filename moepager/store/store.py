@@ -1,0 +1,232 @@
+"""The expert store: experts paged into a fixed set of device slots from a host tier or from disk.
+
+Tiers: `device` slots are where experts are computed (GPU memory, or RAM on a CPU run); below them either a
+`host` tier (pinned RAM slots, which hold every expert or a budget of them, themselves filled from disk) or
+disk directly (a CPU run: the host *is* the device). Every slot is one flat preallocated buffer holding all
+projections of one expert (a row of one arena tensor per tier); nothing is allocated while decoding.
+
+`stream(layer, experts)` is what a MoE layer calls. Algorithm: walk the layer's experts in the fixed order
+they are summed in; keep ahead of the consumer by pinning each upcoming expert's slot as soon as it can be
+had without evicting anything the layer still needs (hits are pinned, misses start loading into free or
+evicted slots, on the I/O pool / copy stream); when nothing is scheduled and the next expert has no slot,
+evict the still-needed expert needed last (capacity below the layer's distinct experts, e.g. at prefill).
+Each yielded slot stays pinned until the consumer asks for the next, so an expert in use is never evicted,
+and a slot loading or being copied out of is never reused, so no load is issued twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, wait
+
+import torch
+
+from moepager.store.slots import SlotTable, settled
+from moepager.store.stats import PhaseCounters, StoreCounters
+from moepager.store.transfer import Transfers, completed
+from moepager.types import ExpertKey
+
+ReadExpert = Callable[[ExpertKey, torch.Tensor], int]
+"""Fills a flat CPU buffer with an expert from disk; returns the bytes read."""
+Ticket = Future[torch.cuda.Event | None]
+
+
+class Tier:
+    """A slot table plus its arena: `buffers[slot]` is one expert's flat buffer."""
+
+    def __init__(self, table: SlotTable, buffers: torch.Tensor):
+        self.table = table
+        self.buffers = buffers
+
+
+class ExpertStore:
+    def __init__(self, device: Tier, host: Tier | None, read: ReadExpert, transfers: Transfers):
+        self.device, self.host = device, host
+        self.read = read
+        self.transfers = transfers
+        self.counters = StoreCounters()
+        self.clock = 0
+
+    # -- filling at start -------------------------------------------------------------------------------
+    def warm(self, keys: Sequence[ExpertKey], progress: Callable[[int], None] | None = None) -> None:
+        """Load `keys` synchronously into free slots (host tier first), before any request."""
+        nbytes = self.device.buffers[0].numel() * self.device.buffers.element_size()
+        for tier in (self.host, self.device):
+            if tier is None:
+                continue
+            for key in keys[: tier.table.capacity]:
+                slot = tier.table.claim(key, 0)
+                src = None if tier is self.host or self.host is None else self._host_buffer(key)
+                if src is None:
+                    self._read_into(key, tier.buffers[slot])
+                else:
+                    tier.buffers[slot].copy_(src)
+                if progress is not None:
+                    progress(nbytes)
+
+    def _host_buffer(self, key: ExpertKey) -> torch.Tensor | None:
+        slot = self.host.table.slot_of.get(key) if self.host is not None else None
+        return None if slot is None else self.host.buffers[slot]
+
+    def _read_into(self, key: ExpertKey, out: torch.Tensor) -> None:
+        if out.device.type == "cpu":
+            self.read(key, out)
+        else:
+            staging = torch.empty_like(out, device="cpu")
+            self.read(key, staging)
+            out.copy_(staging)
+
+    # -- the hot path -----------------------------------------------------------------------------------
+    def stream(self, layer: int, experts: Sequence[int]) -> Iterator[int]:
+        """Device slots holding `experts` of `layer`, in order; each is pinned until the next is requested."""
+        self.clock += 1
+        keys = [ExpertKey(layer, e) for e in experts]
+        for key in keys:
+            self.device.table.policy.on_access(key, self.clock)
+        needed = {key: i for i, key in enumerate(keys)}
+        scheduled: deque[int] = deque()
+        current, upcoming = None, 0
+        try:
+            for key in keys:
+                upcoming = self._schedule(keys, upcoming, scheduled, needed)
+                if not scheduled:
+                    raise RuntimeError(f"expert store: no device slot can be freed for {key} "
+                                       f"(capacity {self.device.table.capacity})")
+                current = scheduled.popleft()
+                del needed[key]
+                self._wait_ready(current)
+                yield current
+                self._unpin(current)
+                current = None
+        finally:
+            for slot in ([current] if current is not None else []) + list(scheduled):
+                self._unpin(slot)
+
+    def _schedule(self, keys: list[ExpertKey], upcoming: int, scheduled: deque[int],
+                  needed: dict[ExpertKey, int]) -> int:
+        """Pin slots for keys[upcoming:] while that evicts nothing needed; returns the first unscheduled index."""
+        table, counters = self.device.table, self.counters.current
+        while upcoming < len(keys):
+            key = keys[upcoming]
+            slot = table.slot_of.get(key)
+            hit = slot is not None
+            if slot is None:
+                slot = table.claim(key, self.clock, needed, allow_protected=not scheduled)
+                if slot is None and not scheduled:
+                    self._drain(table)  # only loads in flight stand in the way: let them land
+                    slot = table.claim(key, self.clock, needed, allow_protected=True)
+                if slot is None:
+                    break
+                self._load(key, slot, counters, ahead=False)
+            counters.access(key.layer, hit)
+            table.pins[slot] += 1
+            scheduled.append(slot)
+            upcoming += 1
+        return upcoming
+
+    def _wait_ready(self, slot: int) -> None:
+        table = self.device.table
+        ticket = table.ticket[slot]
+        if ticket is None:
+            return
+        if not ticket.done():
+            start = time.perf_counter()
+            wait([ticket])
+            self.counters.current.exposed_s += time.perf_counter() - start
+        event = ticket.result()  # re-raises a failed read (e.g. the checkpoint changed on disk)
+        if event is not None:
+            torch.cuda.current_stream(self.device.buffers.device).wait_event(event)
+        table.ticket[slot] = None
+
+    def _unpin(self, slot: int) -> None:
+        table = self.device.table
+        table.pins[slot] -= 1
+        if self.device.buffers.is_cuda:
+            table.free_event[slot] = torch.cuda.current_stream(self.device.buffers.device).record_event()
+
+    # -- loading ----------------------------------------------------------------------------------------
+    def _load(self, key: ExpertKey, slot: int, counters: PhaseCounters, ahead: bool) -> None:
+        if ahead:
+            counters.loads_ahead += 1
+        else:
+            counters.loads_on_demand += 1
+        dst = self.device.buffers[slot]
+        if self.host is None:
+            self.device.table.ticket[slot] = self.transfers.submit(self._disk_job, key, dst, counters)
+        else:
+            self.device.table.ticket[slot] = self._via_host(key, dst, self.device.table.free_event[slot], counters)
+
+    def _disk_job(self, key: ExpertKey, dst: torch.Tensor, counters: PhaseCounters) -> None:
+        start = time.perf_counter()
+        nbytes = self.read(key, dst)
+        counters.disk_read(nbytes, start, time.perf_counter())
+
+    def _via_host(self, key: ExpertKey, dst: torch.Tensor, after: torch.cuda.Event | None,
+                  counters: PhaseCounters) -> Ticket:
+        """Copy from the host tier, reading the expert into it from disk first when it is not there."""
+        host = self.host
+        assert host is not None
+        table = host.table
+        table.policy.on_access(key, self.clock)
+        slot = table.slot_of.get(key)
+        if slot is None:
+            slot = table.claim(key, self.clock)
+            if slot is None:
+                self._drain(table)
+                slot = table.claim(key, self.clock)
+            if slot is None:
+                raise RuntimeError("host tier has no evictable slot although nothing is pinned there")
+            src = host.buffers[slot]
+            ticket = self.transfers.submit(self._disk_then_copy, key, src, dst, after, counters)
+        else:
+            counters.host_hits += 1
+            src, previous = host.buffers[slot], table.ticket[slot]
+            if settled(previous):
+                ticket = completed(self._copy(dst, src, after, counters))
+            else:
+                ticket = self.transfers.submit(self._after_then_copy, previous, src, dst, after, counters)
+        table.ticket[slot] = ticket  # the host slot stays busy until the copy out of it is done
+        return ticket
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None,
+              counters: PhaseCounters) -> torch.cuda.Event | None:
+        event, seconds = self.transfers.copy(dst, src, after)
+        counters.copy(src.numel() * src.element_size(), seconds)
+        return event
+
+    def _disk_then_copy(self, key: ExpertKey, src: torch.Tensor, dst: torch.Tensor,
+                        after: torch.cuda.Event | None, counters: PhaseCounters) -> torch.cuda.Event | None:
+        self._disk_job(key, src, counters)
+        return self._copy(dst, src, after, counters)
+
+    def _after_then_copy(self, previous: Ticket, src: torch.Tensor, dst: torch.Tensor,
+                         after: torch.cuda.Event | None, counters: PhaseCounters) -> torch.cuda.Event | None:
+        previous.result()  # the host slot's own read (a copy out of it needs no wait: reads may overlap)
+        return self._copy(dst, src, after, counters)
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> int:
+        """Start loading `experts` of `layer` ahead of time into free or evictable slots, never evicting a
+        pinned or in-flight one; experts already resident or loading are skipped. Returns loads issued."""
+        table, counters, issued = self.device.table, self.counters.current, 0
+        for e in experts:
+            key = ExpertKey(layer, e)
+            if key in table.slot_of:
+                continue
+            slot = table.claim(key, self.clock)
+            if slot is None:
+                break
+            self._load(key, slot, counters, ahead=True)
+            issued += 1
+        return issued
+
+    def _drain(self, table: SlotTable) -> None:
+        """Wait for every transfer in flight into or out of `table`'s slots."""
+        for ticket in table.busy():
+            event = ticket.result()
+            if event is not None:
+                event.synchronize()
+
+    def close(self) -> None:
+        self.transfers.shutdown()

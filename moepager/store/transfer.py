@@ -1,0 +1,55 @@
+"""Moving expert bytes: an I/O thread pool for disk reads and a named CUDA stream for host->device copies.
+
+Every transfer is a `Future` whose result is the CUDA event that marks the end of its copy (None when the
+copy was synchronous or there was none). Consumers wait on the host for the future (disk) and on the GPU
+for the event (`stream.wait_event`); only benchmarks and tests synchronize.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def completed(value: T) -> Future[T]:
+    f: Future[T] = Future()
+    f.set_result(value)
+    return f
+
+
+class Transfers:
+    def __init__(self, device: torch.device, io_threads: int):
+        self.device = device
+        self.pool = ThreadPoolExecutor(max(io_threads, 1), thread_name_prefix="moepager-io")
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        """The named stream host->device copies run on, beside the compute stream."""
+
+    def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        return self.pool.submit(fn, *args)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None) -> tuple[
+            torch.cuda.Event | None, float]:
+        """Copy `src` into `dst` once `after` (the destination slot's last use) has passed.
+
+        Returns the event marking the copy's end (CUDA) and the seconds spent synchronously (off CUDA).
+        """
+        if self.copy_stream is None:
+            start = time.perf_counter()
+            dst.copy_(src)
+            return None, time.perf_counter() - start
+        with torch.cuda.stream(self.copy_stream):
+            if after is not None:
+                self.copy_stream.wait_event(after)
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        return event, 0.0
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=True)

@@ -1,0 +1,27 @@
+"""LRU ranks by last access; the registry fails loudly."""
+
+from __future__ import annotations
+
+import pytest
+
+from moepager.errors import MoepagerError
+from moepager.policies import POLICIES, make_policy
+from moepager.policies.lru import LRU
+from moepager.types import ExpertKey
+
+
+def test_lru_evicts_least_recently_accessed():
+    lru = LRU()
+    a, b, c = ExpertKey(0, 1), ExpertKey(0, 2), ExpertKey(1, 0)
+    for step, key in enumerate([a, b, c, a]):
+        lru.on_access(key, step)
+    assert lru.victim([a, b, c], 4) == b
+    lru.on_access(b, 5)
+    assert lru.victim([a, b, c], 6) == c
+    assert lru.victim([ExpertKey(3, 3), a], 6) == ExpertKey(3, 3)  # never accessed goes first
+
+
+def test_registry():
+    assert isinstance(make_policy("lru"), LRU) and "lru" in POLICIES
+    with pytest.raises(MoepagerError, match=r"unknown eviction policy 'lur'; choose from \['lru'"):
+        make_policy("lur")

@@ -1,0 +1,74 @@
+"""Disk reads: O_DIRECT and buffered give the file's bytes, leave no pages cached, and catch modified files."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+
+import pytest
+import torch
+
+from moepager.errors import CheckpointError
+from moepager.store.disk import ALIGN, DiskFiles, Span
+
+
+@pytest.fixture()
+def data_file(tmp_path):
+    path = tmp_path / "blob.bin"
+    data = torch.randint(0, 256, (5 * ALIGN + 123,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    with open(path, "wb") as f:
+        f.write(data.numpy().tobytes())
+        f.flush()
+        os.fsync(f.fileno())  # dirty pages cannot be dropped; written-back ones can
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return path, data
+
+
+def cached_pages(path) -> int:
+    """Pages of `path` in the OS page cache (mincore over a private mapping)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        try:
+            pages = -(-size // mmap.PAGESIZE)
+            vec = (ctypes.c_ubyte * pages)()
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+            assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0
+            return sum(v & 1 for v in vec)
+        finally:
+            del addr
+            mm.close()
+
+
+@pytest.mark.parametrize("direct", ["auto", "off"])
+def test_spans_read_exact_bytes_and_leave_nothing_cached(data_file, direct):
+    path, data = data_file
+    files = DiskFiles(direct)
+    spans = [(7, 100), (107, 5000), (3 * ALIGN + 1, 2 * ALIGN), (0, 3), (5 * ALIGN, 123)]
+    outs = [torch.empty(n, dtype=torch.uint8) for _, n in spans]
+    assert cached_pages(path) == 0
+    nbytes = files.read([Span(path, off, out) for (off, _), out in zip(spans, outs)])
+    for (off, n), out in zip(spans, outs):
+        assert torch.equal(out, data[off: off + n])
+    assert nbytes >= sum(n for _, n in spans)
+    assert cached_pages(path) == 0
+    files.close()
+
+
+def test_modified_checkpoint_stops_the_run(data_file):
+    path, _ = data_file
+    files = DiskFiles()
+    out = torch.empty(10, dtype=torch.uint8)
+    files.read([Span(path, 0, out)])
+    with open(path, "ab") as f:
+        f.write(b"more")
+    with pytest.raises(CheckpointError, match="modified while running"):
+        files.read([Span(path, 0, out)])
+
+
+def test_reading_past_the_end_is_reported(data_file):
+    path, data = data_file
+    with pytest.raises(CheckpointError, match="past the end"):
+        DiskFiles().read([Span(path, data.numel() - 5, torch.empty(10, dtype=torch.uint8))])

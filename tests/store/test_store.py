@@ -1,0 +1,155 @@
+"""The store's mechanism on a fake reader: ordering, pins, quotas, no duplicate loads, errors, statistics."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from moepager.errors import CheckpointError
+from moepager.policies.lru import LRU
+from moepager.store.slots import SlotTable
+from moepager.store.store import ExpertStore, Tier
+from moepager.store.transfer import Transfers
+from moepager.types import ExpertKey
+
+NUMEL = 16
+
+
+class FakeReader:
+    """Fills a buffer with 1000 * layer + expert; counts reads; can be held at a gate or made to fail."""
+
+    def __init__(self):
+        self.reads: list[ExpertKey] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail: set[ExpertKey] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, key: ExpertKey, out: torch.Tensor) -> int:
+        self.gate.wait(timeout=10)
+        with self._lock:
+            self.reads.append(key)
+        if key in self.fail:
+            raise CheckpointError(f"cannot read {key}")
+        out.fill_(1000 * key.layer + key.expert)
+        return out.numel() * out.element_size()
+
+
+def value(key: ExpertKey) -> float:
+    return 1000.0 * key.layer + key.expert
+
+
+def make_store(capacity, layers=(0, 1), scope="layer", host=None, reader=None, io_threads=2):
+    reader = reader or FakeReader()
+
+    def tier(n):
+        return Tier(SlotTable(n, list(layers), LRU(), scope), torch.zeros(n, NUMEL))
+
+    store = ExpertStore(tier(capacity), tier(host) if host else None, reader, Transfers(torch.device("cpu"),
+                                                                                        io_threads))
+    return store, reader
+
+
+def consume(store, layer, experts, check=None):
+    """Values seen for each expert, read while that expert is the one in use."""
+    seen = []
+    for slot in store.stream(layer, experts):
+        if check is not None:
+            check(slot)
+        seen.append(float(store.device.buffers[slot][0]))
+    return seen
+
+
+@pytest.mark.parametrize("host", [None, 3, 12], ids=["disk", "small-host", "all-host"])
+@pytest.mark.parametrize("capacity", [2, 3, 5, 8])
+def test_stream_yields_each_expert_in_order_at_any_capacity(capacity, host):
+    store, _ = make_store(capacity, host=host)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        layer = int(torch.randint(0, 2, (1,), generator=gen))
+        experts = sorted(torch.randperm(6, generator=gen)[: int(torch.randint(1, 7, (1,), generator=gen))].tolist())
+        assert consume(store, layer, experts) == [value(ExpertKey(layer, e)) for e in experts]
+    assert all(p == 0 for p in store.device.table.pins)
+    store.close()
+
+
+def test_expert_in_use_is_never_overwritten_while_later_loads_land():
+    store, _ = make_store(2, layers=(0,))
+
+    def check(slot):
+        store._drain(store.device.table)  # let every look-ahead load finish while this expert is in use
+        assert store.device.table.pins[slot] >= 1
+
+    seen = consume(store, 0, [0, 1, 2, 3, 4, 5], check)
+    assert seen == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_load_in_flight_is_not_issued_twice():
+    store, reader = make_store(4)
+    reader.gate.clear()
+    assert store.prefetch(0, [3]) == 1
+    assert store.prefetch(0, [3]) == 0  # already loading
+    threading.Timer(0.05, reader.gate.set).start()
+    assert consume(store, 0, [3]) == [3.0]
+    assert reader.reads == [ExpertKey(0, 3)]
+    c = store.counters.current
+    assert (c.loads_ahead, c.loads_on_demand, c.hits[0], c.misses[0]) == (1, 0, 1, 0)
+    assert c.exposed_s > 0
+
+
+def test_lru_within_a_layer_and_per_layer_quota():
+    store, reader = make_store(4, layers=(0, 1))
+    consume(store, 1, [0, 1])
+    consume(store, 0, [0, 1])
+    consume(store, 0, [2])  # layer 0 at its quota of 2: evicts its own least recent (0), not layer 1's
+    assert set(store.device.table.slot_of) == {ExpertKey(1, 0), ExpertKey(1, 1), ExpertKey(0, 1), ExpertKey(0, 2)}
+    consume(store, 0, [1])
+    consume(store, 0, [3])  # 2 is now least recent in layer 0
+    assert ExpertKey(0, 2) not in store.device.table.slot_of and ExpertKey(0, 1) in store.device.table.slot_of
+
+
+def test_global_scope_lets_one_layer_take_every_slot():
+    store, _ = make_store(4, layers=(0, 1), scope="global")
+    consume(store, 1, [0])
+    consume(store, 0, [0, 1, 2, 3])
+    assert set(store.device.table.slot_of) == {ExpertKey(0, e) for e in range(4)}
+
+
+def test_hits_misses_and_bytes_are_counted_per_phase():
+    store, reader = make_store(4, layers=(0,))
+    store.counters.set_phase("prefill")
+    consume(store, 0, [0, 1, 2])
+    store.counters.set_phase("decode")
+    consume(store, 0, [1, 2])
+    consume(store, 0, [3])
+    pre, dec = store.counters.phases["prefill"], store.counters.phases["decode"]
+    assert (pre.misses[0], pre.hits[0], pre.loads_on_demand, pre.disk_reads) == (3, 0, 3, 3)
+    assert (dec.misses[0], dec.hits[0], dec.bytes_disk) == (1, 2, NUMEL * 4)
+    summary = dec.summary(tokens=3)
+    assert summary["hit_rate"] == pytest.approx(2 / 3) and summary["bytes_disk_per_token"] == pytest.approx(64 / 3)
+
+
+def test_host_tier_serves_repeat_misses_without_disk():
+    store, reader = make_store(2, layers=(0,), host=6)
+    consume(store, 0, [0, 1, 2, 3])
+    consume(store, 0, [0, 1])
+    assert len(reader.reads) == 4  # the second 0 and 1 came from the host tier
+    c = store.counters.current
+    assert c.host_hits == 2 and c.bytes_host_to_device == 6 * NUMEL * 4
+
+
+def test_failed_read_reaches_the_consumer():
+    store, reader = make_store(2)
+    reader.fail.add(ExpertKey(1, 4))
+    with pytest.raises(CheckpointError, match="cannot read"):
+        consume(store, 1, [0, 4])
+    assert all(p == 0 for p in store.device.table.pins)  # an interrupted stream unpins what it held
+
+
+def test_warm_fills_slots_respecting_quotas():
+    store, reader = make_store(3, layers=(0, 1))
+    store.warm([ExpertKey(layer, e) for e in range(4) for layer in (0, 1)])
+    assert set(store.device.table.slot_of) == {ExpertKey(0, 0), ExpertKey(1, 0), ExpertKey(0, 1)}
+    assert consume(store, 1, [0]) == [1000.0] and store.counters.current.loads_on_demand == 0
