@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moepager.errors import MoepagerError
+from moepager.policies import POLICIES
+from moepager.store.budget import Budget
+from moepager.store.disk import DirectIO
+from moepager.store.slots import Scope
 
 
 def default_cache_dir() -> Path:
@@ -14,6 +18,44 @@ def default_cache_dir() -> Path:
     if os.environ.get("MOEPAGER_CACHE"):
         return Path(os.environ["MOEPAGER_CACHE"]).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moepager"
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Where routed experts live during a run (the expert store); the defaults keep every expert resident."""
+
+    expert_memory: str | None = None
+    """Device expert cache: a size (6GiB, 800MB), a share of all experts (25%) or all. None: all resident."""
+    host_memory: str | None = None
+    """CUDA runs: pinned host RAM for experts, the rest read from disk. None: every expert in host RAM."""
+    policy: str = "lru"
+    """Eviction policy (a key of moepager.policies.POLICIES)."""
+    scope: Scope = "layer"
+    """layer: each MoE layer gets an equal share of the slots; global: all layers share all slots."""
+    io_threads: int = 2
+    """Threads reading experts from disk."""
+    direct_io: DirectIO = "auto"
+    """O_DIRECT disk reads: auto (where the file system allows), on (required) or off (page cache, dropped)."""
+    warm: bool = True
+    """Fill the cache with experts at load time instead of starting empty."""
+
+    def __post_init__(self) -> None:
+        for flag, text in (("--expert-memory", self.expert_memory), ("--host-memory", self.host_memory)):
+            if text is not None:
+                Budget.parse(text, flag)
+        if self.policy not in POLICIES:
+            raise MoepagerError(f"unknown eviction policy '{self.policy}'; choose from {sorted(POLICIES)}")
+        if self.scope not in ("layer", "global"):
+            raise MoepagerError(f"cache scope must be layer or global, got '{self.scope}'")
+        if self.direct_io not in ("auto", "on", "off"):
+            raise MoepagerError(f"direct I/O must be auto, on or off, got '{self.direct_io}'")
+        if self.io_threads < 1:
+            raise MoepagerError(f"--io-threads must be >= 1, got {self.io_threads}")
+
+    @property
+    def paged(self) -> bool:
+        """Whether experts go through the store (a device budget, or a host budget on CUDA)."""
+        return self.expert_memory is not None or self.host_memory is not None
 
 
 @dataclass(frozen=True)
@@ -30,6 +72,8 @@ class EngineConfig:
     """CPU threads for torch; None keeps torch's default."""
     cache_dir: Path = field(default_factory=default_cache_dir)
     """Where the default model is created on first use."""
+    store: StoreConfig = field(default_factory=StoreConfig)
+    """Expert memory budgets and paging."""
 
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads < 1:
@@ -41,3 +85,6 @@ class EngineConfig:
 
             if not torch.cuda.is_available():
                 raise MoepagerError(f"device '{self.device}' requested but CUDA is not available")
+        elif self.store.host_memory is not None:
+            raise MoepagerError("--host-memory applies to --device cuda; on the CPU experts are computed in RAM, "
+                                "so --expert-memory is the RAM budget")

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from moepager.config import StoreConfig
 from moepager.errors import MoepagerError
+from moepager.policies import POLICIES
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 
@@ -26,14 +28,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="convert weights (default: as stored)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    add_store_arguments(p)
     p.add_argument("--stats-json", metavar="PATH", help="also write the statistics as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def add_store_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("expert memory (default: every expert resident)")
+    g.add_argument("--expert-memory", metavar="SIZE",
+                   help="device expert cache, e.g. 6GiB, 800MB, 25%% of all experts; the rest is paged in")
+    g.add_argument("--host-memory", metavar="SIZE",
+                   help="with --device cuda: pinned host RAM for experts (default all); the rest is read from disk")
+    g.add_argument("--policy", choices=sorted(POLICIES), default="lru", help="eviction policy (default lru)")
+    g.add_argument("--cache-scope", choices=["layer", "global"], default="layer",
+                   help="layer: equal share of the cache per MoE layer (default); global: shared by all layers")
+    g.add_argument("--io-threads", type=int, default=2, help="threads reading experts from disk (default 2)")
+    g.add_argument("--direct-io", choices=["auto", "on", "off"], default="auto",
+                   help="O_DIRECT disk reads (auto: where the file system allows; off: page cache, then dropped)")
+    g.add_argument("--cold", action="store_true", help="start with an empty expert cache")
+
+
+def store_config(args: argparse.Namespace) -> StoreConfig:
+    return StoreConfig(expert_memory=args.expert_memory, host_memory=args.host_memory, policy=args.policy,
+                       scope=args.cache_scope, io_threads=args.io_threads, direct_io=args.direct_io,
+                       warm=not args.cold)
 
 
 def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, threads=args.threads, show_progress=not args.quiet)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, threads=args.threads, store=store_config(args),
+              show_progress=not args.quiet)
     if llm.tokenizer is None:
         raise MoepagerError("this checkpoint has no tokenizer.json, so text prompts cannot be encoded")
     single = len(args.prompts) == 1

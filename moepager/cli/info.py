@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
 from moepager.models.load import checkpoint_dtype
 from moepager.models.loader import Checkpoint
 from moepager.models.registry import architecture_for
+from moepager.store.budget import Budget
+from moepager.store.budget import format_bytes as size
 
 HELP = "describe a checkpoint: architecture, layers, experts, parameter counts and bytes per expert"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--expert-memory", metavar="SIZE", action="append", default=[],
+                   help="also show how many experts this budget holds (repeatable; e.g. 6GiB, 25%%)")
 
 
 def count(n: int) -> str:
@@ -22,14 +27,7 @@ def count(n: int) -> str:
     return str(n)
 
 
-def size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes} B"
-
-
-def describe(path: str) -> list[tuple[str, str]]:
+def describe(path: str, budgets: Sequence[str] = ()) -> list[tuple[str, str]]:
     ckpt = Checkpoint(path)
     cfg = architecture_for(ckpt.config).parse_config(ckpt.config)
     dtype = checkpoint_dtype(ckpt)
@@ -37,6 +35,7 @@ def describe(path: str) -> list[tuple[str, str]]:
     per_expert = 3 * cfg.hidden_size * cfg.expert_intermediate_size
     experts = per_expert * cfg.num_moe_layers * cfg.num_experts
     active = total - experts + per_expert * cfg.num_moe_layers * cfg.top_k
+    expert_nbytes, num_routed = per_expert * dtype.itemsize, cfg.num_moe_layers * cfg.num_experts
     return [
         ("architecture", cfg.architecture),
         ("layers", f"{cfg.num_layers} ({cfg.num_moe_layers} MoE)"),
@@ -49,14 +48,21 @@ def describe(path: str) -> list[tuple[str, str]]:
         ("parameters", f"{count(total)} total, {count(active)} active per token"),
         ("expert parameters", f"{count(experts)} ({100 * experts / total:.1f}%)"),
         ("non-expert parameters", count(total - experts)),
-        ("bytes per expert", size(per_expert * dtype.itemsize)),
-        ("all experts", size(experts * dtype.itemsize)),
-        ("non-expert weights", size((total - experts) * dtype.itemsize)),
-    ]
+        ("bytes per expert", size(expert_nbytes)),
+        ("all experts", f"{num_routed} experts, {size(experts * dtype.itemsize)}"),
+        ("non-expert weights", size((total - experts) * dtype.itemsize) + " (always resident)"),
+        ("minimum expert memory", f"{size(cfg.top_k * expert_nbytes)} (one MoE layer's top-{cfg.top_k})"),
+    ] + [budget_row(text, expert_nbytes, num_routed, cfg.top_k) for text in budgets]
+
+
+def budget_row(text: str, expert_nbytes: int, num_routed: int, minimum: int) -> tuple[str, str]:
+    slots = Budget.parse(text, "--expert-memory").slots(expert_nbytes, num_routed)
+    verdict = "below the minimum" if slots < minimum else f"{100 * slots / num_routed:.1f}% of experts"
+    return f"--expert-memory {text}", f"{slots} experts ({size(slots * expert_nbytes)}), {verdict}"
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = describe(args.model)
+    rows = describe(args.model, args.expert_memory)
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

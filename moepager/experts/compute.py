@@ -38,11 +38,10 @@ def combine_experts(x_TD: torch.Tensor, route: RoutingDecision, source: ExpertSo
     w_sorted = weights_TK.reshape(-1)[order, None]
     outputs = []
     start = 0
-    for e, weights in zip(used, source.acquire(layer, used)):
+    for e, weights in zip(used, source.stream(layer, used), strict=True):
         end = start + counts[e]
         outputs.append(expert_forward(x_sorted[start:end], weights, act) * w_sorted[start:end])
         start = end
-    source.release(layer)
     out_TD = torch.zeros_like(x_TD)
     out_TD.index_add_(0, token_idx, torch.cat(outputs).to(x_TD.dtype))
     return out_TD

@@ -2,17 +2,24 @@
 
 - per-expert (the Hub format): three 2-D tensors per expert, named by the architecture's templates;
 - fused: `gate_up_proj [E, 2F, D]` and `down_proj [E, H, F]` per layer, from which row `e` is read alone.
-The layout is detected from the names present, per checkpoint.
+The layout is detected from the names present, per checkpoint. An expert's pieces are read in place from
+the safetensors files (`store/disk.py`: O_DIRECT, no page cache) straight into its flat buffer
+`[gate 2F x D rows | down D x F]`; only a dtype conversion goes through a per-thread scratch buffer.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
+
+import torch
 
 from moepager.errors import CheckpointError
-from moepager.experts.weights import ExpertShape, ExpertWeights
-from moepager.models.loader import Checkpoint
+from moepager.experts.weights import ExpertShape
+from moepager.models.loader import Checkpoint, TensorLocation
+from moepager.store.disk import DirectIO, DiskFiles, Span
 from moepager.types import ExpertKey
 
 
@@ -32,14 +39,28 @@ class ExpertLayout(Enum):
     FUSED = "fused"
 
 
-class ExpertReader:
-    """Reads expert (layer, e) from `checkpoint` into a preallocated `ExpertWeights`, converting dtype."""
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous run of one stored tensor that fills elements [start, start + numel) of the flat buffer."""
 
-    def __init__(self, checkpoint: Checkpoint, naming: ExpertNaming, shape: ExpertShape, first_moe_layer: int):
+    path: Path
+    offset: int
+    dtype: torch.dtype
+    start: int
+    numel: int
+
+
+class ExpertReader:
+    """Reads expert (layer, e) from `checkpoint` into a preallocated flat buffer, converting dtype."""
+
+    def __init__(self, checkpoint: Checkpoint, naming: ExpertNaming, shape: ExpertShape, first_moe_layer: int,
+                 direct: DirectIO = "auto"):
         self.checkpoint = checkpoint
         self.naming = naming
         self.shape = shape
         self.layout = self._detect(first_moe_layer)
+        self.files = DiskFiles(direct)
+        self._local = threading.local()
 
     def _detect(self, layer: int) -> ExpertLayout:
         if self.checkpoint.has(self.naming.fused_gate_up.format(layer=layer)):
@@ -50,14 +71,52 @@ class ExpertReader:
                               f"'{self.naming.gate.format(layer=layer, expert=0)}' or "
                               f"'{self.naming.fused_gate_up.format(layer=layer)}'")
 
-    def read(self, key: ExpertKey, out: ExpertWeights) -> None:
+    def pieces(self, key: ExpertKey) -> list[Piece]:
+        """Where each part of the expert's flat buffer is stored."""
         layer, e = key
-        f = self.shape.intermediate
+        d, f = self.shape.hidden, self.shape.intermediate
         if self.layout is ExpertLayout.FUSED:
-            self.checkpoint.read_row_into(self.naming.fused_gate_up.format(layer=layer), e, out.gate_up_2FD)
-            self.checkpoint.read_row_into(self.naming.fused_down.format(layer=layer), e, out.down_DF)
-            return
-        names = {k: getattr(self.naming, k).format(layer=layer, expert=e) for k in ("gate", "up", "down")}
-        self.checkpoint.read_exact_into(names["gate"], out.gate_up_2FD[:f])
-        self.checkpoint.read_exact_into(names["up"], out.gate_up_2FD[f:])
-        self.checkpoint.read_exact_into(names["down"], out.down_DF)
+            return [self._row_piece(self.naming.fused_gate_up.format(layer=layer), e, (2 * f, d), 0),
+                    self._row_piece(self.naming.fused_down.format(layer=layer), e, (d, f), 2 * f * d)]
+        names = [getattr(self.naming, k).format(layer=layer, expert=e) for k in ("gate", "up", "down")]
+        shapes = [(f, d), (f, d), (d, f)]
+        return [self._whole_piece(n, s, start) for n, s, start in zip(names, shapes, (0, f * d, 2 * f * d))]
+
+    def _whole_piece(self, name: str, shape: tuple[int, int], start: int) -> Piece:
+        loc = self.checkpoint.location(name)
+        if loc.shape != shape:
+            raise CheckpointError(f"tensor '{name}' has shape {list(loc.shape)} but config.json implies {list(shape)}")
+        return Piece(loc.path, loc.offset, loc.dtype, start, shape[0] * shape[1])
+
+    def _row_piece(self, name: str, row: int, shape: tuple[int, int], start: int) -> Piece:
+        loc: TensorLocation = self.checkpoint.location(name)
+        if len(loc.shape) != 3 or loc.shape[1:] != shape or loc.shape[0] <= row:
+            raise CheckpointError(f"tensor '{name}' has shape {list(loc.shape)}, which does not hold row {row} of "
+                                  f"{list(shape)}")
+        numel = shape[0] * shape[1]
+        return Piece(loc.path, loc.offset + row * numel * loc.dtype.itemsize, loc.dtype, start, numel)
+
+    def read(self, key: ExpertKey, out_flat: torch.Tensor) -> int:
+        """Fill `out_flat` (1-D, the shape's dtype, CPU) with the expert; returns bytes read from disk."""
+        spans, converts = [], []
+        for p in self.pieces(key):
+            dest = out_flat[p.start: p.start + p.numel]
+            if p.dtype == out_flat.dtype:
+                spans.append(Span(p.path, p.offset, dest.view(torch.uint8)))
+            else:
+                tmp = self._scratch(p.dtype)[p.start: p.start + p.numel]
+                spans.append(Span(p.path, p.offset, tmp.view(torch.uint8)))
+                converts.append((dest, tmp))
+        nbytes = self.files.read(spans)
+        for dest, tmp in converts:
+            dest.copy_(tmp)
+        return nbytes
+
+    def _scratch(self, dtype: torch.dtype) -> torch.Tensor:
+        """This thread's buffer for one expert in the stored dtype (only when converting)."""
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None:
+            bufs = self._local.bufs = {}
+        if dtype not in bufs:
+            bufs[dtype] = torch.empty(self.shape.numel, dtype=dtype)
+        return bufs[dtype]

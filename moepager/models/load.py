@@ -22,6 +22,7 @@ from moepager.models.config import ModelConfig
 from moepager.models.layers import CausalLM
 from moepager.models.loader import Checkpoint, load_module_weights
 from moepager.models.registry import architecture_for
+from moepager.store.disk import DirectIO
 
 FP32_TENSORS = ("e_score_correction_bias",)
 """Tensors kept in fp32 whatever the model dtype (as transformers does)."""
@@ -63,14 +64,16 @@ def resident_source(device: torch.device) -> SourceFactory:
 
 
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None, device: str = "cpu",
-               source_factory: SourceFactory | None = None, show_progress: bool = True) -> LoadedModel:
+               source_factory: SourceFactory | None = None, show_progress: bool = True,
+               direct_io: DirectIO = "auto") -> LoadedModel:
     checkpoint = Checkpoint(path)
     arch = architecture_for(checkpoint.config)
     cfg = arch.parse_config(checkpoint.config)
     dtype = dtype or checkpoint_dtype(checkpoint)
     dev = torch.device(device)
     shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, dtype)
-    reader = ExpertReader(checkpoint, arch.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0)
+    reader = ExpertReader(checkpoint, arch.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0,
+                          direct_io)
     total = sum(loc.nbytes // loc.dtype.itemsize * dtype.itemsize for loc in checkpoint.locations.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=not show_progress,
               leave=False) as bar:

@@ -2,8 +2,8 @@
 
 We parse the safetensors header ourselves (8-byte little-endian length, JSON header, raw data) so that every
 tensor's file, byte offset and length is known without touching its data: a tensor is read with `os.preadv`
-straight into the buffer that will hold it, and an expert can be read on its own (the expert store reads
-experts in place from these same locations). Truncated or corrupt files are reported by file and tensor.
+straight into the buffer that will hold it, and an expert can be read on its own (models/expert_reader.py
+reads experts in place from these same locations). Truncated or corrupt files are reported by file and tensor.
 """
 
 from __future__ import annotations
@@ -92,6 +92,8 @@ def read_into(loc: TensorLocation, out_flat_u8: torch.Tensor, name: str = "") ->
             if n <= 0:
                 raise CheckpointError(f"{loc.path}: tensor '{name}' could not be read (file changed or truncated)")
             done += n
+        # Loaded once and kept: the page cache must not hold a second copy (keeps RAM budgets honest).
+        os.posix_fadvise(fd, loc.offset, loc.nbytes, os.POSIX_FADV_DONTNEED)
     except OSError as e:
         raise CheckpointError(f"{loc.path}: reading tensor '{name}' failed: {e.strerror or e}") from e
     finally:
@@ -156,17 +158,6 @@ class Checkpoint:
             return self.locations[name]
         except KeyError:
             raise CheckpointError(f"tensor '{name}' is missing from the checkpoint at '{self.path}'") from None
-
-    def read_row_into(self, name: str, row: int, out: torch.Tensor) -> None:
-        """Copy `tensor[row]` (a contiguous slab of a >=2-D tensor) into `out`, converting dtype if needed."""
-        loc = self.location(name)
-        row_numel = out.numel()
-        if len(loc.shape) < 2 or loc.shape[0] <= row or loc.shape[1:] != tuple(out.shape):
-            raise CheckpointError(f"tensor '{name}' has shape {list(loc.shape)}, which does not hold row {row} "
-                                  f"of {list(out.shape)}")
-        row_bytes = row_numel * loc.dtype.itemsize
-        sub = TensorLocation(loc.path, loc.offset + row * row_bytes, row_bytes, loc.dtype, tuple(out.shape))
-        _read_converting(sub, out, f"{name}[{row}]")
 
     def read_exact_into(self, name: str, out: torch.Tensor) -> None:
         """Copy the whole tensor `name` into `out` (same shape), converting dtype if needed."""

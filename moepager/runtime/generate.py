@@ -17,11 +17,13 @@ import torch
 from moepager.models.layers import CausalLM, ForwardBatch
 from moepager.runtime.sampling import Sampler, SamplingParams
 from moepager.runtime.stats import RunStats
+from moepager.types import Phase
 
 FinishReason = Literal["stop", "length"]
 Detokenize = Callable[[Sequence[int]], str]
 OnText = Callable[[int, str], None]
 """Called with (prompt index, newly final text) as generation proceeds."""
+OnPhase = Callable[[Phase], None]
 
 
 @dataclass
@@ -66,8 +68,8 @@ class TextTracker:
 
 def generate_ids(model: CausalLM, prompts: Sequence[list[int]], params: SamplingParams, eos_ids: Sequence[int],
                  stats: RunStats, detokenize: Detokenize | None = None, on_text: OnText | None = None,
-                 device: torch.device | str = "cpu") -> list[SequenceState]:
-    """Generate for every prompt; fills `stats` with timings."""
+                 device: torch.device | str = "cpu", on_phase: OnPhase = lambda _: None) -> list[SequenceState]:
+    """Generate for every prompt; fills `stats` with timings and announces each phase through `on_phase`."""
     dev = torch.device(device)
     t0 = time.perf_counter()
     seqs = [SequenceState(list(p)) for p in prompts]
@@ -84,9 +86,11 @@ def generate_ids(model: CausalLM, prompts: Sequence[list[int]], params: Sampling
     batch = ForwardBatch.build(positions_BT.to(dev), valid_BT=(positions_BT < lens[:, None]).to(dev),
                                sliding_window=window)
     with torch.inference_mode():
+        on_phase("prefill")
         logits_BV = model(ids_BT.to(dev), batch, cache, logits_at_B=(lens - 1).to(dev))
         active = list(range(b))
         stats.prefill_s = time.perf_counter() - t0
+        on_phase("decode")
         while True:
             step_start = time.perf_counter()
             for row, token in zip(active, sampler(logits_BV, active)):

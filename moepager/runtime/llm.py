@@ -9,13 +9,16 @@ from pathlib import Path
 
 import torch
 
-from moepager.config import EngineConfig
+from moepager.config import EngineConfig, StoreConfig
 from moepager.errors import InvalidRequestError
+from moepager.experts.source import PagedExperts
 from moepager.models.default import default_model_path
 from moepager.models.load import LoadedModel, load_model, parse_dtype
 from moepager.runtime.generate import FinishReason, OnText, generate_ids
 from moepager.runtime.sampling import SamplingParams
 from moepager.runtime.stats import RunStats
+from moepager.runtime.store_setup import paged_source, store_report
+from moepager.store.stats import StoreCounters
 from moepager.runtime.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -33,16 +36,18 @@ class LLM:
     """A loaded model plus its tokenizer. `generate` runs one static batch and records `last_stats`."""
 
     def __init__(self, model: str | os.PathLike[str] | None = None, *, dtype: str | None = None,
-                 device: str = "cpu", threads: int | None = None, show_progress: bool = True,
-                 config: EngineConfig | None = None):
+                 device: str = "cpu", threads: int | None = None, store: StoreConfig | None = None,
+                 show_progress: bool = True, config: EngineConfig | None = None):
         self.config = config or EngineConfig(model=str(model) if model else None, dtype=dtype, device=device,
-                                             threads=threads)
+                                             threads=threads, store=store or StoreConfig())
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
         path = Path(self.config.model) if self.config.model else default_model_path(self.config.cache_dir,
                                                                                       show_progress)
+        store_config, dev = self.config.store, torch.device(self.config.device)
         self.loaded: LoadedModel = load_model(path, parse_dtype(self.config.dtype) if self.config.dtype else None,
-                                              self.config.device, show_progress=show_progress)
+                                              self.config.device, paged_source(store_config, dev)
+                                              if store_config.paged else None, show_progress, store_config.direct_io)
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
         self.eos_token_ids = self._eos_token_ids()
         self.last_stats = RunStats()
@@ -88,8 +93,13 @@ class LLM:
                                       f"model's context of {context} tokens")
         stats = RunStats(threads=torch.get_num_threads())
         decode = self.tokenizer.decode if self.tokenizer is not None else None
+        experts = self.loaded.experts
+        counters = experts.store.counters if isinstance(experts, PagedExperts) else StoreCounters()
+        counters.reset()
         seqs = generate_ids(self.loaded.model, ids, params, self.eos_token_ids, stats, decode, on_text,
-                            self.loaded.device)
+                            self.loaded.device, counters.set_phase)
         stats.finish(self.loaded.device)
+        stats.sections["experts"] = store_report(experts, self.config.store, stats.prompt_tokens,
+                                                 stats.generated_tokens - stats.num_prompts)
         self.last_stats = stats
         return [Completion(s.prompt_ids, s.out_ids, s.text, s.finish_reason or "length") for s in seqs]

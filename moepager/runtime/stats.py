@@ -1,6 +1,6 @@
 """Statistics of one generation run: latency (TTFT, TPOT), throughput and peak memory.
 
-Other subsystems add their own sections (the expert store adds expert counters) through `extra`.
+Other subsystems add their own sections (the expert store adds its counters) through `sections`.
 """
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 import resource
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -32,6 +32,14 @@ def peak_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
+class Section(Protocol):
+    """A subsystem's part of the statistics: rows for the table, a dict for JSON."""
+
+    def rows(self) -> list[tuple[str, str]]: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
 @dataclass
 class RunStats:
     """What one `generate` call measured. Times in seconds."""
@@ -48,7 +56,7 @@ class RunStats:
     threads: int = 0
     peak_rss_bytes: int = 0
     peak_cuda_bytes: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    sections: dict[str, Section] = field(default_factory=dict)
 
     @property
     def tpot_median_s(self) -> float:
@@ -74,7 +82,9 @@ class RunStats:
             self.peak_cuda_bytes = torch.cuda.max_memory_allocated(device)
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sections"}
+        out["tpot_s"] = list(self.tpot_s)
+        out.update({name: section.to_dict() for name, section in self.sections.items()})
         out.update(tpot_median_s=self.tpot_median_s, tpot_p90_s=self.tpot_p90_s,
                    prefill_tokens_per_s=self.prefill_tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s)
         return out
@@ -97,7 +107,8 @@ class RunStats:
         ]
         if self.peak_cuda_bytes is not None:
             rows.append(("peak CUDA memory", f"{self.peak_cuda_bytes / 2**20:.0f} MiB"))
-        rows += [(k, str(v)) for k, v in self.extra.items()]
+        for section in self.sections.values():
+            rows += section.rows()
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

@@ -38,6 +38,26 @@ def test_generate_streams_text_and_writes_stats(tiny, tmp_path, capsys):
     assert data["generated_tokens"] == 6 and data["num_prompts"] == 1
 
 
+def test_info_shows_the_minimum_and_what_budgets_hold(tiny, capsys):
+    assert main(["info", "--model", str(tiny), "--expert-memory", "50%", "--expert-memory", "100KiB"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "minimum expert memory 48.00 KiB (one MoE layer's top-2)" in text
+    assert "--expert-memory 50% 8 experts (192.00 KiB), 50.0% of experts" in text  # 2 layers x 8 experts
+    assert "--expert-memory 100KiB 4 experts" in text
+
+
+def test_generate_with_an_expert_budget_matches_resident_and_reports_paging(tiny, tmp_path, capsys):
+    common = ["generate", "--model", str(tiny), "The history of", "--max-tokens", "8", "--ignore-eos", "--quiet"]
+    assert main(common) == 0
+    resident = capsys.readouterr().out.split("\n")[0]
+    stats = tmp_path / "stats.json"
+    assert main(common + ["--expert-memory", "25%", "--cold", "--direct-io", "off", "--stats-json", str(stats)]) == 0
+    out = capsys.readouterr().out
+    assert out.split("\n")[0] == resident and "decode expert hit rate" in out
+    data = json.loads(stats.read_text())["experts"]
+    assert data["config"]["device slots"] == 4 and data["prefill"]["loads_on_demand"] >= 4
+
+
 def test_generate_several_prompts_and_chat(tiny, capsys):
     assert main(["generate", "--model", str(tiny), "one", "two", "--max-tokens", "3", "--chat", "--quiet",
                  "--temperature", "0.8", "--seed", "1", "--top-p", "0.9"]) == 0
@@ -51,6 +71,11 @@ def test_generate_several_prompts_and_chat(tiny, capsys):
     (["generate", "--model", "{tiny}", "hi", "--max-tokens", "100000", "--quiet"], "exceeds the model's context"),
     (["generate", "--model", "{tiny}", "hi", "--threads", "0"], "--threads must be >= 1"),
     (["make-model", "--preset", "tiny", "--out", "{tmp}/x"], "needs --arch"),
+    (["generate", "--model", "{tiny}", "hi", "--expert-memory", "30KiB", "--quiet"],
+     "--expert-memory 30KiB holds 1 experts, below the minimum of 2 (one MoE layer's top-k = 48.00 KiB)"),
+    (["generate", "--model", "{tiny}", "hi", "--expert-memory", "lots"], "--expert-memory 'lots' is not a size"),
+    (["generate", "--model", "{tiny}", "hi", "--host-memory", "1GiB"], "--host-memory applies to --device cuda"),
+    (["generate", "--model", "{tiny}", "hi", "--io-threads", "0"], "--io-threads must be >= 1"),
     (["make-model", "--preset", "mixtral-8x7b", "--arch", "olmoe", "--out", "{tmp}/x"], "is a mixtral model"),
 ])
 def test_bad_input_gives_one_line_and_exit_2(tiny, tmp_path, capsys, argv, message):

@@ -23,8 +23,8 @@ def test_both_layouts_read_identical_expert_buffers(hf_checkpoint):
     assert readers[False].layout is ExpertLayout.PER_EXPERT and readers[True].layout is ExpertLayout.FUSED
     for e in range(6):
         a, b = ExpertWeights.empty(shape), ExpertWeights.empty(shape)
-        readers[False].read(ExpertKey(1, e), a)
-        readers[True].read(ExpertKey(1, e), b)
+        readers[False].read(ExpertKey(1, e), a.buffer)
+        readers[True].read(ExpertKey(1, e), b.buffer)
         assert torch.equal(a.buffer, b.buffer)
     hf = hf_checkpoint("qwen3_moe")[0]
     ref = hf.model.layers[1].mlp.experts
@@ -35,23 +35,22 @@ def test_reader_converts_dtype(hf_checkpoint):
     shape = ExpertShape(32, 16, torch.bfloat16)
     reader = ExpertReader(Checkpoint(hf_checkpoint("qwen3_moe")[1]), PER_EXPERT_MLP, shape, 0)
     w = ExpertWeights.empty(shape)
-    reader.read(ExpertKey(0, 0), w)
+    reader.read(ExpertKey(0, 0), w.buffer)
     ref = hf_checkpoint("qwen3_moe")[0].model.layers[0].mlp.experts.gate_up_proj[0]
     assert torch.equal(w.gate_up_2FD, ref.to(torch.bfloat16))
 
 
 class _Fixed:
-    """A source over explicit weights that records what was acquired."""
+    """A source over explicit weights that records what was requested and whether the stream finished."""
 
     def __init__(self, weights):
-        self.weights, self.acquired, self.released = weights, [], 0
+        self.weights, self.requested, self.finished = weights, [], 0
 
-    def acquire(self, layer, experts):
-        self.acquired.append(list(experts))
-        return [self.weights[e] for e in experts]
-
-    def release(self, layer):
-        self.released += 1
+    def stream(self, layer, experts):
+        self.requested.append(list(experts))
+        for e in experts:
+            yield self.weights[e]
+        self.finished += 1
 
 
 def test_combine_matches_per_token_reference_and_visits_experts_in_order():
@@ -66,7 +65,7 @@ def test_combine_matches_per_token_reference_and_visits_experts_in_order():
     ref = torch.stack([sum(w[t, k] * expert_forward(x[t:t + 1], weights[int(ids[t, k])], F.silu)[0]
                            for k in range(2)) for t in range(6)])
     torch.testing.assert_close(out, ref)
-    assert source.acquired == [[0, 1, 2, 3, 4]] and source.released == 1
+    assert source.requested == [[0, 1, 2, 3, 4]] and source.finished == 1
 
 
 def test_resident_source_holds_every_expert(hf_checkpoint):
@@ -75,6 +74,6 @@ def test_resident_source_holds_every_expert(hf_checkpoint):
     seen = []
     src = ResidentExperts(reader, moe_layers=[0, 1, 2], num_experts=8, progress=seen.append)
     assert len(seen) == 24 and sum(seen) == 24 * shape.nbytes
-    got = src.acquire(2, [7, 3])
+    got = list(src.stream(2, [7, 3]))
     ref = hf_checkpoint("olmoe")[0].model.layers[2].mlp.experts.down_proj
     assert torch.equal(got[0].down_DF, ref[7]) and torch.equal(got[1].down_DF, ref[3])

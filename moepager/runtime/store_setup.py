@@ -1,0 +1,102 @@
+"""Building the expert store a run asks for: budgets -> slot counts -> arenas -> tiers -> warm start.
+
+Checks before anything is allocated: each budget holds at least one MoE layer's top-k experts (the most a
+decode step pins at once), and the arenas fit in the memory that is actually free (RAM, pinned RAM, GPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import psutil
+import torch
+
+from moepager.config import StoreConfig
+from moepager.errors import BudgetError
+from moepager.experts.source import ExpertReader, ExpertSource, PagedExperts
+from moepager.models.config import ModelConfig
+from moepager.models.load import SourceFactory
+from moepager.policies import make_policy
+from moepager.store.budget import Budget, check_slots, format_bytes
+from moepager.store.slots import SlotTable
+from moepager.store.stats import StoreReport
+from moepager.store.store import ExpertStore, Tier
+from moepager.store.transfer import Transfers
+from moepager.types import ExpertKey
+
+RAM_HEADROOM = 0.9
+"""Share of the currently available RAM that expert buffers may take (the rest is for activations, OS)."""
+
+
+def budget_slots(text: str, flag: str, cfg: ModelConfig, expert_nbytes: int) -> int:
+    """Experts that `text` holds, checked against the minimum (one MoE layer's top-k)."""
+    slots = Budget.parse(text, flag).slots(expert_nbytes, cfg.num_moe_layers * cfg.num_experts)
+    check_slots(slots, cfg.top_k, expert_nbytes, flag, text)
+    return slots
+
+
+def warm_order(layers: Sequence[int], num_experts: int) -> list[ExpertKey]:
+    """Expert 0 of every layer, then expert 1 of every layer, ...: any prefix respects per-layer quotas."""
+    return [ExpertKey(layer, e) for e in range(num_experts) for layer in layers]
+
+
+def _check_fits(nbytes: int, device: torch.device, what: str) -> None:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if nbytes > free:
+            raise BudgetError(f"{what} needs {format_bytes(nbytes)} of GPU memory but {format_bytes(free)} is free; "
+                              f"lower --expert-memory")
+        return
+    available = psutil.virtual_memory().available * RAM_HEADROOM
+    if nbytes > available:
+        raise BudgetError(f"{what} needs {format_bytes(nbytes)} of RAM for its buffers but only "
+                          f"{format_bytes(available)} is available; lower the budget")
+
+
+def _tier(slots: int, cfg: ModelConfig, reader: ExpertReader, device: torch.device, config: StoreConfig,
+          pin: bool, what: str) -> Tier:
+    shape = reader.shape
+    _check_fits(slots * shape.nbytes, device, what)
+    arena = torch.empty(slots, shape.numel, dtype=shape.dtype, device=device, pin_memory=pin)
+    table = SlotTable(slots, cfg.moe_layers, make_policy(config.policy), config.scope)
+    return Tier(table, arena)
+
+
+def build_store(config: StoreConfig, reader: ExpertReader, cfg: ModelConfig, device: torch.device,
+                host_tier: bool, progress: Callable[[int], None] | None = None) -> ExpertStore:
+    """Device slots (budget `expert_memory`, default all) over a host tier (`host_tier`; budget `host_memory`,
+    default all) or straight over disk."""
+    nbytes = reader.shape.nbytes
+    device_slots = budget_slots(config.expert_memory or "all", "--expert-memory", cfg, nbytes)
+    host = None
+    if host_tier:
+        host_slots = budget_slots(config.host_memory or "all", "--host-memory", cfg, nbytes)
+        host = _tier(host_slots, cfg, reader, torch.device("cpu"), config, device.type == "cuda",
+                     f"--host-memory {config.host_memory or 'all'} ({host_slots} experts)")
+    tier = _tier(device_slots, cfg, reader, device, config, False,
+                 f"--expert-memory {config.expert_memory or 'all'} ({device_slots} experts)")
+    store = ExpertStore(tier, host, reader.read, Transfers(device, config.io_threads))
+    if config.warm:
+        store.warm(warm_order(cfg.moe_layers, cfg.num_experts), progress)
+    return store
+
+
+def paged_source(config: StoreConfig, device: torch.device, host_tier: bool | None = None) -> SourceFactory:
+    """A load_model source factory for the store; `host_tier` defaults to whether the device is CUDA."""
+    def make(reader: ExpertReader, cfg: ModelConfig, progress: Callable[[int], None]) -> ExpertSource:
+        use_host = device.type == "cuda" if host_tier is None else host_tier
+        return PagedExperts(build_store(config, reader, cfg, device, use_host, progress), reader.shape)
+    return make
+
+
+def store_report(source: ExpertSource, config: StoreConfig, prefill_tokens: int, decode_tokens: int) -> StoreReport:
+    """The run's expert section: how experts were held and, for the store, what it did per phase."""
+    if not isinstance(source, PagedExperts):
+        return StoreReport({"placement": "all resident"}, {})
+    store = source.store
+    described = {"device slots": store.device.table.capacity,
+                 "host slots": store.host.table.capacity if store.host is not None else "none (disk below)",
+                 "policy": config.policy, "scope": config.scope}
+    phases = store.counters.phases
+    return StoreReport(described, {"prefill": phases["prefill"].summary(prefill_tokens),
+                                   "decode": phases["decode"].summary(decode_tokens)})
