@@ -32,7 +32,7 @@ class StoreConfig:
     """Eviction policy (a key of moepager.policies.POLICIES)."""
     scope: Scope = "layer"
     """layer: each MoE layer gets an equal share of the slots; global: all layers share all slots."""
-    io_threads: int = 2
+    io_threads: int = 4
     """Threads reading experts from disk."""
     direct_io: DirectIO = "auto"
     """O_DIRECT disk reads: auto (where the file system allows), on (required) or off (page cache, dropped)."""

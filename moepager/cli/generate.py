@@ -42,7 +42,7 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", choices=sorted(POLICIES), default="lru", help="eviction policy (default lru)")
     g.add_argument("--cache-scope", choices=["layer", "global"], default="layer",
                    help="layer: equal share of the cache per MoE layer (default); global: shared by all layers")
-    g.add_argument("--io-threads", type=int, default=2, help="threads reading experts from disk (default 2)")
+    g.add_argument("--io-threads", type=int, default=4, help="threads reading experts from disk (default 4)")
     g.add_argument("--direct-io", choices=["auto", "on", "off"], default="auto",
                    help="O_DIRECT disk reads (auto: where the file system allows; off: page cache, then dropped)")
     g.add_argument("--cold", action="store_true", help="start with an empty expert cache")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import Future, as_completed, wait
 
 import torch
 
@@ -51,18 +51,23 @@ class ExpertStore:
 
     # -- filling at start -------------------------------------------------------------------------------
     def warm(self, keys: Sequence[ExpertKey], progress: Callable[[int], None] | None = None) -> None:
-        """Load `keys` synchronously into free slots (host tier first), before any request."""
+        """Load `keys` into free slots before any request (host tier first; disk reads on the I/O pool)."""
         nbytes = self.device.buffers[0].numel() * self.device.buffers.element_size()
         for tier in (self.host, self.device):
             if tier is None:
                 continue
+            reads = []
             for key in keys[: tier.table.capacity]:
                 slot = tier.table.claim(key, 0)
-                src = None if tier is self.host or self.host is None else self._host_buffer(key)
-                if src is None:
-                    self._read_into(key, tier.buffers[slot])
-                else:
+                src = self._host_buffer(key) if tier is self.device else None
+                if src is not None:
                     tier.buffers[slot].copy_(src)
+                    if progress is not None:
+                        progress(nbytes)
+                else:
+                    reads.append(self.transfers.submit(self._read_into, key, tier.buffers[slot]))
+            for done in as_completed(reads):
+                done.result()
                 if progress is not None:
                     progress(nbytes)
 
