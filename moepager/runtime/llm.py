@@ -14,11 +14,10 @@ from moepager.errors import InvalidRequestError
 from moepager.experts.source import PagedExperts
 from moepager.models.default import default_model_path
 from moepager.models.load import LoadedModel, load_model, parse_dtype
-from moepager.runtime.generate import FinishReason, OnText, generate_ids
+from moepager.runtime.generate import FinishReason, OnPhase, OnText, generate_ids
 from moepager.runtime.sampling import SamplingParams
 from moepager.runtime.stats import RunStats
 from moepager.runtime.store_setup import paged_source, store_report
-from moepager.store.stats import StoreCounters
 from moepager.runtime.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -94,10 +93,12 @@ class LLM:
         stats = RunStats(threads=torch.get_num_threads())
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         experts = self.loaded.experts
-        counters = experts.store.counters if isinstance(experts, PagedExperts) else StoreCounters()
-        counters.reset()
+        on_phase: OnPhase = lambda _: None
+        if isinstance(experts, PagedExperts):
+            experts.store.counters.reset()
+            on_phase = experts.store.counters.set_phase
         seqs = generate_ids(self.loaded.model, ids, params, self.eos_token_ids, stats, decode, on_text,
-                            self.loaded.device, counters.set_phase)
+                            self.loaded.device, on_phase)
         stats.finish(self.loaded.device)
         stats.sections["experts"] = store_report(experts, self.config.store, stats.prompt_tokens,
                                                  stats.generated_tokens - stats.num_prompts)

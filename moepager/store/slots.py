@@ -56,7 +56,7 @@ class SlotTable:
     def busy(self) -> Iterable[Future[torch.cuda.Event | None]]:
         return [t for t in self.ticket if t is not None]
 
-    def claim(self, key: ExpertKey, step: int, protect: Mapping[ExpertKey, int] = {},
+    def claim(self, key: ExpertKey, step: int, protect: Mapping[ExpertKey, int] | None = None,
               allow_protected: bool = False) -> int | None:
         """A slot for `key` (free, or freed by evicting a victim); None when nothing may be evicted.
 
@@ -66,7 +66,7 @@ class SlotTable:
         if self._free:
             slot = self._free.pop()
         else:
-            victim = self._victim(key.layer, step, protect, allow_protected)
+            victim = self._victim(key.layer, step, protect or {}, allow_protected)
             if victim is None:
                 return None
             slot = self.slot_of.pop(victim)
@@ -75,6 +75,15 @@ class SlotTable:
         self.slot_of[key] = slot
         self.by_layer[key.layer].add(key)
         return slot
+
+    def forget(self, slot: int) -> None:
+        """Drop whatever `slot` holds and return it to the free list (after a failed load)."""
+        key = next((k for k, s in self.slot_of.items() if s == slot), None)
+        if key is not None:
+            del self.slot_of[key]
+            self.by_layer[key.layer].discard(key)
+        self.ticket[slot] = None
+        self._free.append(slot)
 
     def _groups(self, layer: int) -> list[Iterable[ExpertKey]]:
         if self.scope == "global":

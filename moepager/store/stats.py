@@ -92,14 +92,14 @@ class StoreCounters:
     """Counters of the current phase (`current`), switched by the generation loop through `set_phase`."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
         self.phases: dict[Phase, PhaseCounters] = {"prefill": PhaseCounters(), "decode": PhaseCounters()}
         self.current = self.phases["prefill"]
 
     def set_phase(self, phase: Phase) -> None:
         self.current = self.phases[phase]
-
-    def reset(self) -> None:
-        self.__init__()
 
 
 @dataclass

@@ -140,7 +140,11 @@ class ExpertStore:
             start = time.perf_counter()
             wait([ticket])
             self.counters.current.exposed_s += time.perf_counter() - start
-        event = ticket.result()  # re-raises a failed read (e.g. the checkpoint changed on disk)
+        try:
+            event = ticket.result()  # re-raises a failed read (e.g. the checkpoint changed on disk)
+        except BaseException:
+            table.forget(slot)  # the slot holds no valid expert: a retry must read it again
+            raise
         if event is not None:
             torch.cuda.current_stream(self.device.buffers.device).wait_event(event)
         table.ticket[slot] = None

@@ -146,6 +146,8 @@ def test_failed_read_reaches_the_consumer():
     with pytest.raises(CheckpointError, match="cannot read"):
         consume(store, 1, [0, 4])
     assert all(p == 0 for p in store.device.table.pins)  # an interrupted stream unpins what it held
+    reader.fail.clear()
+    assert consume(store, 1, [4]) == [1004.0]  # the failed slot was dropped, so a retry reads again
 
 
 def test_warm_fills_slots_respecting_quotas():
