@@ -6,10 +6,16 @@ from collections.abc import Callable
 
 from moepager.errors import MoepagerError
 from moepager.policies.base import EvictionPolicy
+from moepager.policies.lcp import LCP
+from moepager.policies.lfu import LFU
 from moepager.policies.lru import LRU
+from moepager.policies.rnd import RND
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "lru": LRU,
+    "lfu": LFU,
+    "lcp": LCP,
+    "rnd": RND,
 }
 
 

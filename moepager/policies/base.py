@@ -1,7 +1,7 @@
 """The eviction-policy seam: a policy ranks candidates; the cache that asks owns the data and invariants.
 
 The store only ever offers experts it may evict (not in use, not loading), so a policy never has to know
-about pins, buffers or tiers. `step` is the cache's access clock (one tick per layer invocation).
+about pins, buffers or tiers. `step` is the cache's clock: one tick per forward pass (in decode, one token).
 """
 
 from __future__ import annotations

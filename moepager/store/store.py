@@ -48,6 +48,8 @@ class ExpertStore:
         self.transfers = transfers
         self.counters = StoreCounters()
         self.clock = 0
+        """Forward passes seen so far: the `step` policies are given."""
+        self._last_layer = -1
 
     # -- filling at start -------------------------------------------------------------------------------
     def warm(self, keys: Sequence[ExpertKey], progress: Callable[[int], None] | None = None) -> None:
@@ -86,7 +88,9 @@ class ExpertStore:
     # -- the hot path -----------------------------------------------------------------------------------
     def stream(self, layer: int, experts: Sequence[int]) -> Iterator[int]:
         """Device slots holding `experts` of `layer`, in order; each is pinned until the next is requested."""
-        self.clock += 1
+        if layer <= self._last_layer:
+            self.clock += 1  # a new forward pass (policies count tokens, not layer calls)
+        self._last_layer = layer
         keys = [ExpertKey(layer, e) for e in experts]
         for key in keys:
             self.device.table.policy.on_access(key, self.clock)

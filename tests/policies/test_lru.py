@@ -23,5 +23,5 @@ def test_lru_evicts_least_recently_accessed():
 
 def test_registry():
     assert isinstance(make_policy("lru"), LRU) and "lru" in POLICIES
-    with pytest.raises(MoepagerError, match=r"unknown eviction policy 'lur'; choose from \['lru'"):
+    with pytest.raises(MoepagerError, match=r"unknown eviction policy 'lur'; choose from \['lcp', 'lfu', 'lru', 'rnd'\]"):
         make_policy("lur")

@@ -12,6 +12,7 @@ from moepager.config import EngineConfig, StoreConfig
 from moepager.errors import BudgetError, CheckpointError, MoepagerError
 from moepager.models.layers import ForwardBatch
 from moepager.models.load import load_model
+from moepager.policies import POLICIES
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from moepager.runtime.store_setup import paged_source
@@ -63,6 +64,16 @@ def test_every_budget_gives_the_resident_logits_bit_for_bit(hf_checkpoint, arch,
             if slots == resident.config.top_k:
                 assert loads > 0  # the budget really paged
             paged.experts.store.close()
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_every_policy_is_lossless(hf_checkpoint, policy):
+    _, path = hf_checkpoint("olmoe")
+    resident = load_model(path, show_progress=False)
+    ref = logits_run(resident, steps=8)
+    config = StoreConfig(expert_memory=str(3 * resident.expert_shape.nbytes), policy=policy, warm=False)
+    paged = load_model(path, source_factory=paged_source(config, CPU), show_progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(logits_run(paged, steps=8), ref))
 
 
 def test_small_host_tier_over_disk_is_lossless(hf_checkpoint):
