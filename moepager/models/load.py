@@ -84,6 +84,7 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None, d
         model = model.to_empty(device="cpu")
         load_module_weights(model, checkpoint, lambda n: n if checkpoint.has(n) else model.disk_name(n),
                             progress=bar.update)
+        checkpoint.files.close()
     model.to(dev).eval()
     return LoadedModel(checkpoint, cfg, model, experts, shape, dtype, dev)
 

@@ -1,7 +1,7 @@
 """Reading Hugging Face checkpoints: config.json, single-file or sharded safetensors, per-tensor reads.
 
 We parse the safetensors header ourselves (8-byte little-endian length, JSON header, raw data) so that every
-tensor's file, byte offset and length is known without touching its data: a tensor is read with `os.preadv`
+tensor's file, byte offset and length is known without touching its data: a tensor is read (store/disk.py)
 straight into the buffer that will hold it, and an expert can be read on its own (models/expert_reader.py
 reads experts in place from these same locations). Truncated or corrupt files are reported by file and tensor.
 """
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from moepager.errors import CheckpointError
+from moepager.store.disk import DiskFiles, Span
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,
@@ -81,25 +82,6 @@ def read_safetensors_header(path: Path) -> dict[str, TensorLocation]:
     return out
 
 
-def read_into(loc: TensorLocation, out_flat_u8: torch.Tensor, name: str = "") -> None:
-    """Read `loc`'s bytes into the uint8 tensor `out_flat_u8` (contiguous, exactly loc.nbytes long)."""
-    view = memoryview(out_flat_u8.numpy()).cast("B")
-    fd = os.open(loc.path, os.O_RDONLY)
-    try:
-        done = 0
-        while done < loc.nbytes:
-            n = os.preadv(fd, [view[done:]], loc.offset + done)
-            if n <= 0:
-                raise CheckpointError(f"{loc.path}: tensor '{name}' could not be read (file changed or truncated)")
-            done += n
-        # Loaded once and kept: the page cache must not hold a second copy (keeps RAM budgets honest).
-        os.posix_fadvise(fd, loc.offset, loc.nbytes, os.POSIX_FADV_DONTNEED)
-    except OSError as e:
-        raise CheckpointError(f"{loc.path}: reading tensor '{name}' failed: {e.strerror or e}") from e
-    finally:
-        os.close(fd)
-
-
 class Checkpoint:
     """A Hugging Face checkpoint directory: its config.json and the locations of all its tensors."""
 
@@ -111,6 +93,8 @@ class Checkpoint:
             raise CheckpointError(f"model path '{self.path}' is not a directory (expected a checkpoint folder)")
         self.config = self._read_json("config.json", required=True)
         self.locations = self._index_tensors()
+        self.files = DiskFiles("off")
+        """Whole-tensor reads for the resident weights: through the page cache, whose pages are then dropped."""
 
     def _read_json(self, name: str, required: bool = False) -> dict[str, Any]:
         file = self.path / name
@@ -165,16 +149,15 @@ class Checkpoint:
         if loc.shape != tuple(out.shape):
             raise CheckpointError(f"tensor '{name}' has shape {list(loc.shape)} but config.json implies "
                                   f"{list(out.shape)}")
-        _read_converting(loc, out, name)
+        self._read_converting(loc, out)
 
-
-def _read_converting(loc: TensorLocation, out: torch.Tensor, name: str) -> None:
-    if out.dtype == loc.dtype and out.is_contiguous() and out.device.type == "cpu":
-        read_into(loc, out.view(-1).view(torch.uint8), name)
-        return
-    tmp = torch.empty(loc.shape, dtype=loc.dtype)
-    read_into(loc, tmp.view(-1).view(torch.uint8), name)
-    out.copy_(tmp.view(out.shape))
+    def _read_converting(self, loc: TensorLocation, out: torch.Tensor) -> None:
+        if out.dtype == loc.dtype and out.is_contiguous() and out.device.type == "cpu":
+            self.files.read([Span(loc.path, loc.offset, out.view(-1).view(torch.uint8))])
+            return
+        tmp = torch.empty(loc.shape, dtype=loc.dtype)
+        self.files.read([Span(loc.path, loc.offset, tmp.view(-1).view(torch.uint8))])
+        out.copy_(tmp.view(out.shape))
 
 
 def load_module_weights(module: torch.nn.Module, checkpoint: Checkpoint, disk_name: Callable[[str], str],

@@ -26,6 +26,10 @@ OnText = Callable[[int, str], None]
 OnPhase = Callable[[Phase], None]
 
 
+def ignore_phase(phase: Phase) -> None:
+    """The `on_phase` of runs that keep no per-phase counters."""
+
+
 @dataclass
 class SequenceState:
     """One prompt's progress. Text is released to the stream only once no stop string can still change it."""
@@ -68,7 +72,7 @@ class TextTracker:
 
 def generate_ids(model: CausalLM, prompts: Sequence[list[int]], params: SamplingParams, eos_ids: Sequence[int],
                  stats: RunStats, detokenize: Detokenize | None = None, on_text: OnText | None = None,
-                 device: torch.device | str = "cpu", on_phase: OnPhase = lambda _: None) -> list[SequenceState]:
+                 device: torch.device | str = "cpu", on_phase: OnPhase = ignore_phase) -> list[SequenceState]:
     """Generate for every prompt; fills `stats` with timings and announces each phase through `on_phase`."""
     dev = torch.device(device)
     t0 = time.perf_counter()

@@ -14,7 +14,7 @@ from moepager.errors import InvalidRequestError
 from moepager.experts.source import PagedExperts
 from moepager.models.default import default_model_path
 from moepager.models.load import LoadedModel, load_model, parse_dtype
-from moepager.runtime.generate import FinishReason, OnPhase, OnText, generate_ids
+from moepager.runtime.generate import FinishReason, OnPhase, OnText, generate_ids, ignore_phase
 from moepager.runtime.sampling import SamplingParams
 from moepager.runtime.stats import RunStats
 from moepager.runtime.store_setup import paged_source, store_report
@@ -93,7 +93,7 @@ class LLM:
         stats = RunStats(threads=torch.get_num_threads())
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         experts = self.loaded.experts
-        on_phase: OnPhase = lambda _: None
+        on_phase: OnPhase = ignore_phase
         if isinstance(experts, PagedExperts):
             experts.store.counters.reset()
             on_phase = experts.store.counters.set_phase

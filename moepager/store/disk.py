@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,7 @@ class DiskFiles:
         self._files: dict[Path, _OpenFile] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
+        self._finalizer = weakref.finalize(self, _close_all, self._files)
 
     def _open(self, path: Path) -> _OpenFile:
         f = self._files.get(path)
@@ -127,14 +129,12 @@ class DiskFiles:
         if last_end > f.size:
             raise CheckpointError(f"{path}: needed bytes {first}..{last_end} lie past the end of the file "
                                   f"({f.size} bytes); the checkpoint is truncated")
+        start, end = first - first % ALIGN, -(-last_end // ALIGN) * ALIGN
         if not f.direct:
             for span in run:
                 self._pread(path, f.fd, span.out_u8, span.offset, span.out_u8.numel())
-            start = first - first % ALIGN
-            os.posix_fadvise(f.fd, start, -(-last_end // ALIGN) * ALIGN - start, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(f.fd, start, end - start, os.POSIX_FADV_DONTNEED)
             return last_end - first
-        start = first - first % ALIGN
-        end = -(-last_end // ALIGN) * ALIGN
         bounce = self._bounce(end - start)
         got = self._pread(path, f.fd, bounce, start, min(end, f.size) - start)
         for span in run:
@@ -163,6 +163,11 @@ class DiskFiles:
 
     def close(self) -> None:
         with self._lock:
-            for f in self._files.values():
-                os.close(f.fd)
-            self._files.clear()
+            _close_all(self._files)  # the finalizer stays armed for files opened after this
+
+
+def _close_all(files: dict[Path, _OpenFile]) -> None:
+    """Close every descriptor (on `close()`, or when the DiskFiles is garbage-collected)."""
+    for f in files.values():
+        os.close(f.fd)
+    files.clear()

@@ -53,37 +53,27 @@ class ExpertStore:
 
     # -- filling at start -------------------------------------------------------------------------------
     def warm(self, keys: Sequence[ExpertKey], progress: Callable[[int], None] | None = None) -> None:
-        """Load `keys` into free slots before any request (host tier first; disk reads on the I/O pool)."""
+        """Load `keys` into free slots before any request: the host tier from disk (on the I/O pool), then the
+        device tier from the host tier, or from disk when there is none (a CPU run)."""
         nbytes = self.device.buffers[0].numel() * self.device.buffers.element_size()
-        for tier in (self.host, self.device):
-            if tier is None:
-                continue
-            reads = []
-            for key in keys[: tier.table.capacity]:
-                slot = tier.table.claim(key, 0)
-                src = self._host_buffer(key) if tier is self.device else None
-                if src is not None:
-                    tier.buffers[slot].copy_(src)
-                    if progress is not None:
-                        progress(nbytes)
-                else:
-                    reads.append(self.transfers.submit(self._read_into, key, tier.buffers[slot]))
-            for done in as_completed(reads):
-                done.result()
+        if self.host is not None:
+            reads = [self.transfers.submit(self.read, key, self.host.buffers[self.host.table.claim(key, 0)])
+                     for key in keys[: self.host.table.capacity]]
+        else:
+            reads = [self.transfers.submit(self.read, key, self.device.buffers[self.device.table.claim(key, 0)])
+                     for key in keys[: self.device.table.capacity]]
+        for done in as_completed(reads):
+            done.result()
+            if progress is not None:
+                progress(nbytes)
+        if self.host is not None:
+            for key in keys[: self.device.table.capacity]:
+                src = self.host.table.slot_of.get(key)
+                if src is None:
+                    break  # a host tier smaller than the device tier: the rest fill on demand
+                self.device.buffers[self.device.table.claim(key, 0)].copy_(self.host.buffers[src])
                 if progress is not None:
                     progress(nbytes)
-
-    def _host_buffer(self, key: ExpertKey) -> torch.Tensor | None:
-        slot = self.host.table.slot_of.get(key) if self.host is not None else None
-        return None if slot is None else self.host.buffers[slot]
-
-    def _read_into(self, key: ExpertKey, out: torch.Tensor) -> None:
-        if out.device.type == "cpu":
-            self.read(key, out)
-        else:
-            staging = torch.empty_like(out, device="cpu")
-            self.read(key, staging)
-            out.copy_(staging)
 
     # -- the hot path -----------------------------------------------------------------------------------
     def stream(self, layer: int, experts: Sequence[int]) -> Iterator[int]:
@@ -122,10 +112,7 @@ class ExpertStore:
             slot = table.slot_of.get(key)
             hit = slot is not None
             if slot is None:
-                slot = table.claim(key, self.clock, needed, allow_protected=not scheduled)
-                if slot is None and not scheduled:
-                    self._drain(table)  # only loads in flight stand in the way: let them land
-                    slot = table.claim(key, self.clock, needed, allow_protected=True)
+                slot = self._claim(table, key, needed, must=not scheduled)
                 if slot is None:
                     break
                 self._load(key, slot, counters, ahead=False)
@@ -134,6 +121,15 @@ class ExpertStore:
             scheduled.append(slot)
             upcoming += 1
         return upcoming
+
+    def _claim(self, table: SlotTable, key: ExpertKey, needed: dict[ExpertKey, int] | None = None,
+               must: bool = True) -> int | None:
+        """A slot for `key`; when one `must` be had, still-needed experts may go and in-flight loads are awaited."""
+        slot = table.claim(key, self.clock, needed, allow_protected=must)
+        if slot is None and must:
+            self._drain(table)  # only loads in flight stand in the way: let them land
+            slot = table.claim(key, self.clock, needed, allow_protected=True)
+        return slot
 
     def _wait_ready(self, slot: int) -> None:
         table = self.device.table
@@ -185,10 +181,7 @@ class ExpertStore:
         table.policy.on_access(key, self.clock)
         slot = table.slot_of.get(key)
         if slot is None:
-            slot = table.claim(key, self.clock)
-            if slot is None:
-                self._drain(table)
-                slot = table.claim(key, self.clock)
+            slot = self._claim(table, key)
             if slot is None:
                 raise RuntimeError("host tier has no evictable slot although nothing is pinned there")
             src = host.buffers[slot]
