@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moepager.errors import MoepagerError
-from moepager.policies import POLICIES
+from moepager.policies import UnknownPolicyError, make_policy
 from moepager.store.budget import Budget
 from moepager.store.disk import DirectIO
 from moepager.store.slots import Scope
@@ -29,7 +29,7 @@ class StoreConfig:
     host_memory: str | None = None
     """CUDA runs: pinned host RAM for experts, the rest read from disk. None: every expert in host RAM."""
     policy: str = "lru"
-    """Eviction policy (a key of moepager.policies.POLICIES)."""
+    """Eviction policy (one of moepager.policies.ENGINE_POLICIES)."""
     scope: Scope = "layer"
     """layer: each MoE layer gets an equal share of the slots; global: all layers share all slots."""
     io_threads: int = 4
@@ -43,8 +43,10 @@ class StoreConfig:
         for flag, text in (("--expert-memory", self.expert_memory), ("--host-memory", self.host_memory)):
             if text is not None:
                 Budget.parse(text, flag)
-        if self.policy not in POLICIES:
-            raise MoepagerError(f"unknown eviction policy '{self.policy}'; choose from {sorted(POLICIES)}")
+        try:
+            make_policy(self.policy, engine=True)
+        except UnknownPolicyError as e:
+            raise MoepagerError(str(e)) from None
         if self.scope not in ("layer", "global"):
             raise MoepagerError(f"cache scope must be layer or global, got '{self.scope}'")
         if self.direct_io not in ("auto", "on", "off"):

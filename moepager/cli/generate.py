@@ -7,7 +7,7 @@ import sys
 
 from moepager.config import StoreConfig
 from moepager.errors import MoepagerError
-from moepager.policies import POLICIES
+from moepager.policies import ENGINE_POLICIES
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 
@@ -39,7 +39,8 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
                    help="device expert cache, e.g. 6GiB, 800MB, 25%% of all experts; the rest is paged in")
     g.add_argument("--host-memory", metavar="SIZE",
                    help="with --device cuda: pinned host RAM for experts (default all); the rest is read from disk")
-    g.add_argument("--policy", choices=sorted(POLICIES), default="lru", help="eviction policy (default lru)")
+    g.add_argument("--policy", choices=ENGINE_POLICIES, default="lru",
+                   help="eviction policy (default lru; fmoe ranks as LFU until a predictor gives probabilities)")
     g.add_argument("--cache-scope", choices=["layer", "global"], default="layer",
                    help="layer: equal share of the cache per MoE layer (default); global: shared by all layers")
     g.add_argument("--io-threads", type=int, default=4, help="threads reading experts from disk (default 4)")

@@ -1,26 +1,58 @@
-"""Eviction policies, one file each, and the one registry the CLI's choices come from."""
+"""Eviction policies, one file each, and the one registry every CLI choice comes from.
+
+`engine` policies rank with what the engine knows at run time; the others need the trace simulator: Belady
+needs the future, SMoE a next-token forecast and CPU execution of misses, static-hot a prior.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
-from moepager.errors import MoepagerError
-from moepager.policies.base import EvictionPolicy
+from moepager.policies.base import EvictionPolicy, Ranked
+from moepager.policies.belady import Belady
+from moepager.policies.fmoe import FMoE
 from moepager.policies.lcp import LCP
 from moepager.policies.lfu import LFU
 from moepager.policies.lru import LRU
 from moepager.policies.rnd import RND
+from moepager.policies.smoe import SMoE
+from moepager.policies.static_hot import StaticHot
 
-POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
-    "lru": LRU,
-    "lfu": LFU,
-    "lcp": LCP,
-    "rnd": RND,
+__all__ = ["ENGINE_POLICIES", "POLICIES", "EvictionPolicy", "Ranked", "UnknownPolicyError", "make_policy"]
+
+
+class PolicySpec(NamedTuple):
+    make: Callable[[], Ranked]
+    engine: bool
+    """Usable by the engine's store (False: trace simulator only)."""
+
+
+POLICIES: dict[str, PolicySpec] = {
+    "lru": PolicySpec(LRU, True),
+    "lfu": PolicySpec(LFU, True),
+    "lcp": PolicySpec(LCP, True),
+    "rnd": PolicySpec(RND, True),
+    "fmoe": PolicySpec(FMoE, True),
+    "static-hot": PolicySpec(StaticHot, False),
+    "smoe-fixed": PolicySpec(lambda: SMoE(adaptive=False), False),
+    "smoe-adaptive": PolicySpec(lambda: SMoE(adaptive=True), False),
+    "belady": PolicySpec(Belady, False),
 }
+ENGINE_POLICIES = [name for name, spec in POLICIES.items() if spec.engine]
 
 
-def make_policy(name: str) -> EvictionPolicy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise MoepagerError(f"unknown eviction policy '{name}'; choose from {sorted(POLICIES)}") from None
+class UnknownPolicyError(ValueError):
+    pass
+
+
+def make_policy(name: str, *, engine: bool = False) -> Ranked:
+    """A fresh policy; `engine=True` refuses the simulator-only ones, saying why."""
+    spec = POLICIES.get(name)
+    choices = ENGINE_POLICIES if engine else sorted(POLICIES)
+    if spec is None:
+        raise UnknownPolicyError(f"unknown eviction policy '{name}'; choose from {choices}")
+    if engine and not spec.engine:
+        raise UnknownPolicyError(f"policy '{name}' runs only in the trace simulator (`moepager simulate`); "
+                                 f"the engine can use {choices}")
+    return spec.make()

@@ -1,15 +1,27 @@
 """The eviction-policy seam: a policy ranks candidates; the cache that asks owns the data and invariants.
 
-The store only ever offers experts it may evict (not in use, not loading), so a policy never has to know
-about pins, buffers or tiers. `step` is the cache's clock: one tick per forward pass (in decode, one token).
+Every policy here is a pure priority function over statistics the cache keeps (`AccessStats`): lower priority
+is evicted first, ties go to the lower index (the lower `ExpertKey`). One function serves both users:
+- the engine's store calls the `EvictionPolicy` protocol (`on_access` / `victim`); `Ranked` implements it by
+  keeping the statistics per `ExpertKey` and ranking the offered candidates with `priority`;
+- the trace simulator keeps the statistics itself as `[L, E]` arrays and calls `priority` on all of them at
+  once, which is what makes it fast.
+The store only ever offers experts it may evict (not in use, not loading), so a policy never has to know about
+pins, buffers or tiers. `step` is the cache's clock: one tick per forward pass (in decode, one token).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass, fields
 from typing import Protocol
 
+import numpy as np
+
 from moepager.types import ExpertKey
+
+NEVER = np.iinfo(np.int64).max // 4
+"""`next_use` of an expert that is not requested again (Belady evicts it first)."""
 
 
 class EvictionPolicy(Protocol):
@@ -20,3 +32,84 @@ class EvictionPolicy(Protocol):
     def victim(self, candidates: Collection[ExpertKey], step: int) -> ExpertKey:
         """Which of `candidates` (non-empty, all evictable) to evict now."""
         ...
+
+
+@dataclass
+class AccessStats:
+    """What a cache records per expert for its policy; all arrays share one shape (`[N]` or `[L, E]`)."""
+
+    count: np.ndarray
+    """int64: how many steps requested the expert so far (kept while it is out of the cache)."""
+    last: np.ndarray
+    """int64: the step of its last request; -1 if never requested."""
+    prob: np.ndarray
+    """float64: a predictor's probability that it is needed next; NaN where there is no prediction."""
+    prior: np.ndarray
+    """float64: prior activation frequency (static-hot); 0 where unknown."""
+    next_use: np.ndarray
+    """int64: the next step that requests it (offline knowledge, the simulator fills it for Belady); NEVER."""
+
+    @classmethod
+    def zeros(cls, shape: int | tuple[int, ...]) -> AccessStats:
+        return cls(count=np.zeros(shape, np.int64), last=np.full(shape, -1, np.int64),
+                   prob=np.full(shape, np.nan), prior=np.zeros(shape), next_use=np.full(shape, NEVER, np.int64))
+
+    def take(self, index: np.ndarray) -> AccessStats:
+        return AccessStats(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
+    def grown(self, size: int) -> AccessStats:
+        """A copy with room for `size` entries (1-D stats only); new entries are never-requested."""
+        bigger = AccessStats.zeros(size)
+        n = len(self.count)
+        for f in fields(self):
+            getattr(bigger, f.name)[:n] = getattr(self, f.name)
+        return bigger
+
+
+def recency_tiebreak(primary: np.ndarray, last: np.ndarray, step: int) -> np.ndarray:
+    """`primary`, ties broken by recency: adds last/(step+2), which lies in (-1, 1) and keeps integer gaps."""
+    return primary + last / (step + 2.0)
+
+
+class Ranked:
+    """Base of every policy: the engine-side `EvictionPolicy` over a subclass's `priority`.
+
+    Subclasses define `priority(stats, step) -> array` (same shape as the stats; lowest is evicted). Class
+    attributes say how the simulator must drive the policy:
+    `offline`: needs the future (`next_use`), simulator only. `preload`: the cache starts full of the experts
+    with the highest prior. `admits_on_miss`: a missed expert is loaded into the cache (False: it is computed
+    elsewhere, e.g. on the CPU, and only prefetches change the cache).
+    """
+
+    offline = False
+    preload = False
+    admits_on_miss = True
+
+    def __init__(self) -> None:
+        self._index: dict[ExpertKey, int] = {}
+        self.stats = AccessStats.zeros(0)
+
+    def priority(self, stats: AccessStats, step: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def _slot(self, key: ExpertKey) -> int:
+        i = self._index.get(key)
+        if i is None:
+            i = self._index[key] = len(self._index)
+            if i >= len(self.stats.count):
+                self.stats = self.stats.grown(2 * i + 16)
+        return i
+
+    def on_access(self, key: ExpertKey, step: int) -> None:
+        i = self._slot(key)
+        self.stats.count[i] += 1
+        self.stats.last[i] = step
+
+    def score(self, key: ExpertKey, step: int) -> float:
+        """`key`'s priority now (what `victim` compares)."""
+        return float(self.priority(self.stats.take(np.array([self._slot(key)])), step)[0])
+
+    def victim(self, candidates: Collection[ExpertKey], step: int) -> ExpertKey:
+        keys = sorted(candidates)
+        index = np.fromiter((self._slot(k) for k in keys), np.int64, len(keys))
+        return keys[int(np.argmin(self.priority(self.stats.take(index), step)))]

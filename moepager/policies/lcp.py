@@ -7,25 +7,15 @@ tokens by 4x. It mixes LFU (mu) with LRU (the decay). Never-activated experts ha
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Collection
+import numpy as np
 
-from moepager.types import ExpertKey
+from moepager.policies.base import AccessStats, Ranked
 
 
-class LCP:
+class LCP(Ranked):
     def __init__(self, omega: float = 128.0, rho: float = 0.25) -> None:
+        super().__init__()
         self.omega, self.rho = omega, rho
-        self._mu: dict[ExpertKey, int] = defaultdict(int)
-        self._last: dict[ExpertKey, int] = {}
 
-    def on_access(self, key: ExpertKey, step: int) -> None:
-        self._mu[key] += 1
-        self._last[key] = step
-
-    def priority(self, key: ExpertKey, step: int) -> float:
-        mu = self._mu.get(key, 0)
-        return mu * self.rho ** ((step - self._last[key]) / self.omega) if mu else 0.0
-
-    def victim(self, candidates: Collection[ExpertKey], step: int) -> ExpertKey:
-        return min(candidates, key=lambda k: (self.priority(k, step), k))
+    def priority(self, stats: AccessStats, step: int) -> np.ndarray:
+        return stats.count * np.power(self.rho, (step - stats.last) / self.omega)

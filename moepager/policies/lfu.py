@@ -6,20 +6,11 @@ cache's contents), as in the LFU baselines of MoEpic and SMoE.
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Collection
+import numpy as np
 
-from moepager.types import ExpertKey
+from moepager.policies.base import AccessStats, Ranked, recency_tiebreak
 
 
-class LFU:
-    def __init__(self) -> None:
-        self._count: dict[ExpertKey, int] = defaultdict(int)
-        self._last: dict[ExpertKey, int] = {}
-
-    def on_access(self, key: ExpertKey, step: int) -> None:
-        self._count[key] += 1
-        self._last[key] = step
-
-    def victim(self, candidates: Collection[ExpertKey], step: int) -> ExpertKey:
-        return min(candidates, key=lambda k: (self._count.get(k, 0), self._last.get(k, -1), k))
+class LFU(Ranked):
+    def priority(self, stats: AccessStats, step: int) -> np.ndarray:
+        return recency_tiebreak(stats.count.astype(np.float64), stats.last, step)

@@ -1,18 +1,12 @@
-"""Least recently used: evict the candidate whose last access is oldest (ties: lowest layer, then id)."""
+"""Least recently used: evict the candidate whose last request is oldest (ties: lower key)."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import numpy as np
 
-from moepager.types import ExpertKey
+from moepager.policies.base import AccessStats, Ranked
 
 
-class LRU:
-    def __init__(self) -> None:
-        self._last: dict[ExpertKey, int] = {}
-
-    def on_access(self, key: ExpertKey, step: int) -> None:
-        self._last[key] = step
-
-    def victim(self, candidates: Collection[ExpertKey], step: int) -> ExpertKey:
-        return min(candidates, key=lambda k: (self._last.get(k, -1), k))
+class LRU(Ranked):
+    def priority(self, stats: AccessStats, step: int) -> np.ndarray:
+        return stats.last

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import random
-from collections.abc import Collection
+import numpy as np
 
-from moepager.types import ExpertKey
+from moepager.policies.base import AccessStats, Ranked
 
 
-class RND:
+class RND(Ranked):
     def __init__(self, seed: int = 0) -> None:
-        self._rng = random.Random(seed)
+        super().__init__()
+        self._rng = np.random.default_rng(seed)
 
-    def on_access(self, key: ExpertKey, step: int) -> None:
-        return None
-
-    def victim(self, candidates: Collection[ExpertKey], step: int) -> ExpertKey:
-        return self._rng.choice(sorted(candidates))  # sorted: the same seed gives the same victims
+    def priority(self, stats: AccessStats, step: int) -> np.ndarray:
+        return self._rng.random(stats.count.shape)

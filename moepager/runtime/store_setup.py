@@ -58,7 +58,7 @@ def _tier(slots: int, cfg: ModelConfig, reader: ExpertReader, device: torch.devi
     shape = reader.shape
     _check_fits(slots * shape.nbytes, device, what)
     arena = torch.empty(slots, shape.numel, dtype=shape.dtype, device=device, pin_memory=pin)
-    table = SlotTable(slots, cfg.moe_layers, make_policy(config.policy), config.scope)
+    table = SlotTable(slots, cfg.moe_layers, make_policy(config.policy, engine=True), config.scope)
     return Tier(table, arena)
 
 

@@ -5,8 +5,9 @@ The table owns the invariants; the policy only ranks the candidates it is offere
 - a slot whose load (or copy out of it) is still in flight is never offered, so no load is issued twice
   and no buffer is overwritten while a transfer uses it;
 - with scope "layer", every MoE layer has a quota of slots (capacity split evenly); a layer at its quota
-  evicts among its own experts, one below takes from layers above theirs. With scope "global" all layers
-  compete for all slots.
+  evicts among its own experts even while other layers' slots are free (so each layer is the fixed-size
+  cache the trace simulator models); only when none of its own can go does it take a free slot, or one
+  from a layer above its quota. With scope "global" all layers compete for all slots.
 """
 
 from __future__ import annotations
@@ -63,15 +64,18 @@ class SlotTable:
         `protect` maps experts still needed soon to the order they are needed in: they are evicted only with
         `allow_protected`, and then the one needed last goes first.
         """
-        if self._free:
-            slot = self._free.pop()
-        else:
-            victim = self._victim(key.layer, step, protect or {}, allow_protected)
-            if victim is None:
-                return None
+        full = self.scope == "layer" and len(self.by_layer[key.layer]) >= self.quota[key.layer]
+        victim = None
+        if full or not self._free:  # with a free slot at hand, nothing still needed is evicted
+            victim = self._victim(key.layer, step, protect or {}, allow_protected and not self._free)
+        if victim is not None:
             slot = self.slot_of.pop(victim)
             self.by_layer[victim.layer].discard(victim)
             self.ticket[slot] = None
+        elif self._free:
+            slot = self._free.pop()
+        else:
+            return None
         self.slot_of[key] = slot
         self.by_layer[key.layer].add(key)
         return slot
@@ -90,7 +94,7 @@ class SlotTable:
             return [self.slot_of]
         own = self.by_layer[layer]
         if len(own) >= self.quota[layer]:
-            return [own, self.slot_of]
+            return [own] if self._free else [own, self.slot_of]
         over = [k for lay, keys in self.by_layer.items() if len(keys) > self.quota[lay] for k in keys]
         return [over, own, self.slot_of]
 

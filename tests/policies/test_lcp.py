@@ -15,8 +15,8 @@ def test_priority_formula_and_paper_defaults():
     assert (lcp.omega, lcp.rho) == (128.0, 0.25)
     for step in range(4):
         lcp.on_access(A, step)
-    assert lcp.priority(A, 3) == 4.0
-    assert lcp.priority(A, 3 + 128) == pytest.approx(1.0)  # idle 128 tokens: priority cut by 4x
+    assert lcp.score(A, 3) == 4.0
+    assert lcp.score(A, 3 + 128) == pytest.approx(1.0)  # idle 128 tokens: priority cut by 4x
 
 
 def test_recency_beats_a_stale_higher_count():

@@ -1,11 +1,7 @@
-"""LRU ranks by last access; the registry fails loudly."""
+"""LRU ranks by last access."""
 
 from __future__ import annotations
 
-import pytest
-
-from moepager.errors import MoepagerError
-from moepager.policies import POLICIES, make_policy
 from moepager.policies.lru import LRU
 from moepager.types import ExpertKey
 
@@ -19,9 +15,3 @@ def test_lru_evicts_least_recently_accessed():
     lru.on_access(b, 5)
     assert lru.victim([a, b, c], 6) == c
     assert lru.victim([ExpertKey(3, 3), a], 6) == ExpertKey(3, 3)  # never accessed goes first
-
-
-def test_registry():
-    assert isinstance(make_policy("lru"), LRU) and "lru" in POLICIES
-    with pytest.raises(MoepagerError, match=r"unknown eviction policy 'lur'; choose from \['lcp', 'lfu', 'lru', 'rnd'\]"):
-        make_policy("lur")

@@ -12,7 +12,7 @@ from moepager.config import EngineConfig, StoreConfig
 from moepager.errors import BudgetError, CheckpointError, MoepagerError
 from moepager.models.layers import ForwardBatch
 from moepager.models.load import load_model
-from moepager.policies import POLICIES
+from moepager.policies import ENGINE_POLICIES
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from moepager.runtime.store_setup import paged_source
@@ -66,7 +66,7 @@ def test_every_budget_gives_the_resident_logits_bit_for_bit(hf_checkpoint, arch,
             paged.experts.store.close()
 
 
-@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("policy", ENGINE_POLICIES)
 def test_every_policy_is_lossless(hf_checkpoint, policy):
     _, path = hf_checkpoint("olmoe")
     resident = load_model(path, show_progress=False)
