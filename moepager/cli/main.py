@@ -6,10 +6,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from moepager.cli import generate, info, make_model
+from moepager.cli import generate, info, make_model, simulate, trace
 from moepager.errors import MoepagerError
 
-COMMANDS = {"generate": generate, "info": info, "make-model": make_model}
+COMMANDS = {"generate": generate, "info": info, "make-model": make_model, "simulate": simulate,
+            "trace": trace}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,0 +1,1 @@
+"""Cost models and hardware profiles (and, later, configurators that use them)."""

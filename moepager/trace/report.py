@@ -1,0 +1,97 @@
+"""Sweeps of policies x capacities over one workload, their summary rows, and the hit-rate plot."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moepager.planning.cost import CostModel
+from moepager.policies import make_policy
+from moepager.trace.format import DECODE, PREFILL
+from moepager.trace.simulate import SimResult, SimSpec, simulate
+from moepager.trace.workload import Workload
+
+
+def sweep(work: Workload, specs: Sequence[SimSpec], prior_LE: np.ndarray | None = None,
+          on_result: Callable[[SimResult], None] | None = None) -> list[SimResult]:
+    results = []
+    for spec in specs:
+        results.append(simulate(work, spec, prior_LE))
+        if on_result is not None:
+            on_result(results[-1])
+    return results
+
+
+def summary(result: SimResult, work: Workload, cost: CostModel | None) -> dict[str, Any]:
+    """One row: hit rates (overall, per phase, per layer), traffic, and modeled TPOT/TTFT when costed."""
+    h = work.header
+    tokens = int(result.step_tokens.sum())
+    row: dict[str, Any] = {
+        "policy": result.spec.policy, "forecast": result.spec.forecast, "capacity": result.spec.capacity,
+        "scope": result.spec.scope, "hit_rate": result.hit_rate(), "prefill_hit_rate": result.hit_rate(PREFILL),
+        "decode_hit_rate": result.hit_rate(DECODE), "misses": result.misses, "loads": result.loads,
+        "loads_per_token": result.loads / max(tokens, 1), "tokens": tokens, "steps": len(result.step_tokens),
+        "sim_wall_s": result.wall_s, "layer_hit_rates": result.layer_hit_rates().round(4).tolist(),
+    }
+    if h.expert_bytes:
+        row["bytes_moved"] = result.loads * h.expert_bytes
+        row["bytes_per_token"] = row["bytes_moved"] / max(tokens, 1)
+    if cost is not None:
+        on_cpu = not make_policy(result.spec.policy).admits_on_miss
+        t_S = cost.step_times(result.requested_SL, result.hits_SL, result.prefetch_loads_SL, result.step_tokens,
+                              h.top_k, on_cpu)
+        decode = result.step_phase == DECODE
+        row["tpot_ms"] = 1e3 * float(t_S[decode].sum() / max(result.step_tokens[decode].sum(), 1))
+        row["ttft_ms"] = 1e3 * float(t_S[~decode].mean()) if (~decode).any() else None
+    return row
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    head = ["policy", "capacity", "hit %", "prefill %", "decode %", "loads/token", "MiB/token", "TPOT ms",
+            "TTFT ms", "sim s"]
+
+    def pct(x: float) -> str:
+        return "-" if x is None or np.isnan(x) else f"{100 * x:.1f}"
+
+    def num(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    lines = [head]
+    for r in rows:
+        name = r["policy"] + (f"/{r['forecast']}" if r["forecast"] != "none" else "")
+        lines.append([name, f"{r['capacity']}{' global' if r['scope'] == 'global' else ''}", pct(r["hit_rate"]),
+                      pct(r["prefill_hit_rate"]), pct(r["decode_hit_rate"]), f"{r['loads_per_token']:.2f}",
+                      num(r.get("bytes_per_token", 0) / 2**20 if "bytes_per_token" in r else None, ".1f"),
+                      num(r.get("tpot_ms"), ".2f"), num(r.get("ttft_ms"), ".1f"), f"{r['sim_wall_s']:.1f}"])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths)))
+                     for line in lines)
+
+
+def plot_hit_rates(rows: Sequence[dict[str, Any]], path: str | Path, title: str) -> None:
+    """Hit rate vs cache size, one line per policy (and forecast)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    lines: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        name = r["policy"] + (f"/{r['forecast']}" if r["forecast"] != "none" else "")
+        lines.setdefault(name, []).append((r["capacity"], 100 * r["hit_rate"]))
+    for name, points in lines.items():
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name,
+                linestyle="--" if name.startswith("belady") else "-")
+    scope = "global" if rows and rows[0]["scope"] == "global" else "per layer"
+    ax.set(xlabel=f"cached experts ({scope})", ylabel="hit rate (%)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

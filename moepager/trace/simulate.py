@@ -1,0 +1,309 @@
+"""Trace-driven cache simulator: replays a workload against a policy and counts hits, misses and transfers.
+
+It runs the same policy objects as the engine (their vectorised `priority`), on per-layer caches (`capacity`
+experts in each layer) or one global cache (`capacity` experts shared by all layers), with the engine's
+semantics, so a trace the engine recorded gives the engine's hits and misses (tests/trace/test_agreement.py):
+- a step (forward pass) requests, per layer, the distinct experts its tokens chose; all are protected while
+  the layer runs; misses are loaded, each evicting the lowest-priority unprotected expert of the layer (layer
+  scope) or of any layer (global scope, layers in order); ties go to the lower (layer, expert);
+- the clock is the step index; statistics (count, last) persist across evictions;
+- a step that needs more distinct experts in a layer than the capacity keeps only the first `capacity` of
+  them in ascending id (the engine streams the rest through; only large prefill steps do this).
+Policies whose `admits_on_miss` is False (SMoE) never load on a miss (the expert runs on the CPU); after each
+step they load what `admissions` picks from the forecast ranking, evicting by priority.
+
+Speed: per-layer caches are replayed with one set of array operations per step over all layers at once;
+the global cache needs one per (step, layer). Policies must be elementwise: an expert's priority depends
+only on its own statistics and the step.
+Shape legend: S steps, L layers, E experts (+1 sink column for MISSING ids), K top-k, R ranking length.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from moepager.policies import make_policy
+from moepager.policies.base import AccessStats, Ranked
+from moepager.trace.format import MISSING, TraceError
+from moepager.trace.workload import Workload
+
+Scope = Literal["layer", "global"]
+ForecastKind = Literal["none", "repeat", "oracle", "prior"]
+FORECASTS: tuple[ForecastKind, ...] = ("none", "repeat", "oracle", "prior")
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class SimSpec:
+    policy: str
+    capacity: int
+    """Cached experts per layer (scope "layer") or in total (scope "global")."""
+    scope: Scope = "layer"
+    forecast: ForecastKind = "none"
+    """What fMoE's probabilities and SMoE's prefetch ranking come from: the current step's experts
+    (`repeat`), the true next step's (`oracle`, an upper bound), the prior's frequencies (`prior`), or none."""
+    seed: int = 0
+
+    @property
+    def label(self) -> str:
+        extra = f"/{self.forecast}" if self.forecast != "none" else ""
+        return f"{self.policy}{extra}@{self.capacity}{'g' if self.scope == 'global' else ''}"
+
+
+@dataclass
+class SimResult:
+    spec: SimSpec
+    requested_SL: np.ndarray
+    """Distinct experts each step requested per layer."""
+    hits_SL: np.ndarray
+    demand_loads_SL: np.ndarray
+    """Experts loaded on a miss (admitted to the cache)."""
+    prefetch_loads_SL: np.ndarray
+    """Experts loaded ahead of use (SMoE's token-wise prefetch)."""
+    step_phase: np.ndarray
+    step_tokens: np.ndarray
+    """Tokens in each step."""
+    wall_s: float
+
+    def hit_rate(self, phase: int | None = None) -> float:
+        rows = slice(None) if phase is None else self.step_phase == phase
+        requested = int(self.requested_SL[rows].sum())
+        return float(self.hits_SL[rows].sum()) / requested if requested else float("nan")
+
+    def layer_hit_rates(self) -> np.ndarray:
+        return self.hits_SL.sum(0) / np.maximum(self.requested_SL.sum(0), 1)
+
+    @property
+    def misses(self) -> int:
+        return int((self.requested_SL - self.hits_SL).sum())
+
+    @property
+    def loads(self) -> int:
+        return int(self.demand_loads_SL.sum() + self.prefetch_loads_SL.sum())
+
+
+class Forecast:
+    """Per step, a ranking `[L, R]` of the experts the next step is expected to use per layer, and from it
+    fMoE's probabilities `[L, E+1]` (1/R on the ranked experts, or the prior's normalised frequencies)."""
+
+    def __init__(self, kind: ForecastKind, work: Workload, ids_NLK: np.ndarray, prior_LE: np.ndarray | None):
+        self.kind, self.work, self.ids_NLK = kind, work, ids_NLK
+        num_layers, e = work.header.num_layers, work.header.num_experts
+        if kind == "prior":
+            if prior_LE is None:
+                raise TraceError("forecast 'prior' needs a prior (--prior)")
+            self._static_ranked = np.argsort(-prior_LE, axis=1, kind="stable")
+            total = prior_LE.sum(1, keepdims=True)
+            self._static_prob = np.zeros((num_layers, e + 1))
+            self._static_prob[:, :e] = prior_LE / np.where(total > 0, total, 1.0)
+        self._prob = np.zeros((num_layers, e + 1))
+        self._rows_L1 = np.arange(num_layers)[:, None]
+
+    def ranked(self, step: int) -> np.ndarray:
+        if self.kind == "prior":
+            return self._static_ranked
+        if self.kind == "none":
+            raise TraceError("this policy needs a forecast of the next step's experts (--forecast)")
+        source = step if self.kind == "repeat" else step + 1
+        if source >= self.work.num_steps:
+            return np.full((len(self._rows_L1), 1), -1)
+        toks = self.work.step_tokens[self.work.step_ptr[source]:self.work.step_ptr[source + 1]]
+        ids = self.ids_NLK[toks]
+        if len(toks) == 1:
+            ranked = ids[0].copy()
+        else:
+            e = self.work.header.num_experts
+            counts = np.zeros((len(self._rows_L1), e + 2), np.int64)
+            np.add.at(counts, (self._rows_L1[None], ids), 1)
+            ranked = np.argsort(-counts[:, :e], axis=1, kind="stable")
+            ranked[np.take_along_axis(counts[:, :e], ranked, 1) == 0] = -1
+        ranked[ranked >= self.work.header.num_experts] = -1
+        return ranked
+
+    def prob(self, step: int) -> np.ndarray:
+        if self.kind == "none":
+            return np.full_like(self._prob, np.nan)
+        if self.kind == "prior":
+            return self._static_prob
+        ranked = self.ranked(step)
+        self._prob[:] = 0.0
+        valid = ranked >= 0
+        width = np.maximum(valid.sum(1, keepdims=True), 1)
+        self._prob[np.broadcast_to(self._rows_L1, ranked.shape)[valid], ranked[valid]] = np.broadcast_to(
+            1.0 / width, ranked.shape)[valid]
+        return self._prob
+
+
+def simulate(work: Workload, spec: SimSpec, prior_LE: np.ndarray | None = None,
+             progress: Progress | None = None) -> SimResult:
+    """Replay `work` through the policy and capacity of `spec`."""
+    policy = make_policy(spec.policy)
+    if hasattr(policy, "_rng"):
+        policy._rng = np.random.default_rng(spec.seed)
+    h = work.header
+    if spec.capacity < h.top_k:
+        raise TraceError(f"capacity {spec.capacity} is below one token's top-{h.top_k}; use at least {h.top_k}")
+    if policy.preload and prior_LE is None:
+        raise TraceError(f"policy '{spec.policy}' needs a prior (--prior)")
+    if prior_LE is not None and prior_LE.shape != (h.num_layers, h.num_experts):
+        raise TraceError(f"prior shape {prior_LE.shape} does not match the trace ({h.num_layers}, {h.num_experts})")
+    ids = work.ids_NLK.astype(np.int64)
+    ids[ids == MISSING] = h.num_experts  # the sink column: never cached, never counted
+    forecast = Forecast(spec.forecast, work, ids, prior_LE)
+    next_use = work.next_use_NLK() if policy.offline else None
+    start = time.perf_counter()
+    if spec.scope == "layer":
+        out = _replay_layers(work, policy, spec.capacity, ids, forecast, next_use, prior_LE, progress)
+    else:
+        if not policy.admits_on_miss:
+            raise TraceError(f"policy '{spec.policy}' manages fixed per-layer slots; use scope 'layer'")
+        out = _replay_global(work, policy, spec.capacity, ids, forecast, next_use, prior_LE, progress)
+    return SimResult(spec, *out, step_phase=work.step_phase, step_tokens=np.diff(work.step_ptr),
+                     wall_s=time.perf_counter() - start)
+
+
+class _State:
+    """The cache and its statistics, `[L, E+1]` (column E is the sink for MISSING ids)."""
+
+    def __init__(self, work: Workload, prior_LE: np.ndarray | None):
+        num_layers, e = work.header.num_layers, work.header.num_experts
+        self.cached = np.zeros((num_layers, e + 1), bool)
+        self.req = np.zeros((num_layers, e + 1), bool)
+        self.stats = AccessStats.zeros((num_layers, e + 1))
+        if prior_LE is not None:
+            self.stats.prior[:, :e] = prior_LE
+        self.rows_L1 = np.arange(num_layers)[:, None]
+        self.e = e
+        s = work.num_steps
+        self.requested = np.zeros((s, num_layers), np.int32)
+        self.hits = np.zeros((s, num_layers), np.int32)
+        self.demand = np.zeros((s, num_layers), np.int32)
+        self.prefetch = np.zeros((s, num_layers), np.int32)
+
+    def request(self, step: int, ids_nLK: np.ndarray, next_nLK: np.ndarray | None, touch: bool = True) -> np.ndarray:
+        """Marks this step's requests (and, with `touch`, updates every layer's statistics); the request mask."""
+        req = self.req
+        req[:] = False
+        req[self.rows_L1[None], ids_nLK] = True
+        req[:, self.e] = False
+        if next_nLK is not None:
+            self.next = np.full(req.shape, 0, np.int64)
+            self.next[self.rows_L1[None], ids_nLK] = next_nLK
+        if touch:
+            self.stats.count += req
+            self.stats.last[req] = step
+            if next_nLK is not None:
+                self.stats.next_use[req] = self.next[req]
+        return req
+
+    def touch_layer(self, step: int, layer: int, has_next: bool) -> None:
+        """One layer's statistics, updated when that layer runs (global scope: earlier layers see old ones)."""
+        req = self.req[layer]
+        self.stats.count[layer] += req
+        self.stats.last[layer][req] = step
+        if has_next:
+            self.stats.next_use[layer][req] = self.next[layer][req]
+
+    def outputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return self.requested, self.hits, self.demand, self.prefetch
+
+
+def _preload(state: _State, policy: Ranked, cap_L: np.ndarray) -> None:
+    if policy.preload:
+        order = np.argsort(-state.stats.prior[:, : state.e], axis=1, kind="stable")
+        keep = np.arange(state.e)[None, :] < cap_L[:, None]
+        state.cached[np.broadcast_to(state.rows_L1, order.shape)[keep], order[keep]] = True
+
+
+def _evict_layers(state: _State, policy: Ranked, step: int, count_L: np.ndarray, protect: np.ndarray) -> None:
+    """Evict up to `count_L` lowest-priority cached, unprotected experts in each layer."""
+    candidates = state.cached & ~protect
+    prio = np.where(candidates, policy.priority(state.stats, step), np.inf)
+    order = np.argsort(prio, axis=1, kind="stable")
+    take = np.minimum(count_L, candidates.sum(1))
+    chosen = np.arange(prio.shape[1])[None, :] < take[:, None]
+    state.cached[np.broadcast_to(state.rows_L1, order.shape)[chosen], order[chosen]] = False
+
+
+def _replay_layers(work: Workload, policy: Ranked, capacity: int, ids: np.ndarray, forecast: Forecast,
+                   next_use: np.ndarray | None, prior_LE: np.ndarray | None, progress: Progress | None):
+    state = _State(work, prior_LE)
+    cap_L = np.full(work.header.num_layers, capacity)
+    _preload(state, policy, cap_L)
+    ptr, tokens, admits = work.step_ptr, work.step_tokens, policy.admits_on_miss
+    wants_prob = forecast.kind != "none"
+    for s in range(work.num_steps):
+        toks = tokens[ptr[s]:ptr[s + 1]]
+        req = state.request(s, ids[toks], None if next_use is None else next_use[toks])
+        hit = req & state.cached
+        state.requested[s] = nreq = req.sum(1)
+        state.hits[s] = nhit = hit.sum(1)
+        if wants_prob:
+            state.stats.prob = forecast.prob(s)
+        if admits:
+            occupancy = state.cached.sum(1)
+            over = occupancy + (nreq - nhit) - cap_L
+            if over.max() > 0:
+                _evict_layers(state, policy, s, over, req)
+            miss = req & ~hit
+            room = cap_L - state.cached.sum(1)
+            if (room < nreq - nhit).any():  # more distinct experts than slots: keep the first `room`
+                miss &= np.cumsum(miss, axis=1) <= room[:, None]
+            state.cached |= miss
+            state.demand[s] = miss.sum(1)
+        else:
+            load = np.zeros_like(req)
+            load[:, : state.e] = policy.admissions(forecast.ranked(s), state.cached[:, : state.e])
+            over = state.cached.sum(1) + load.sum(1) - cap_L
+            if over.max() > 0:
+                _evict_layers(state, policy, s, over, load)
+            state.cached |= load
+            state.prefetch[s] = load.sum(1)
+        if progress is not None and s % 4096 == 0:
+            progress(s)
+    return state.outputs()
+
+
+def _replay_global(work: Workload, policy: Ranked, capacity: int, ids: np.ndarray, forecast: Forecast,
+                   next_use: np.ndarray | None, prior_LE: np.ndarray | None, progress: Progress | None):
+    state = _State(work, prior_LE)
+    if policy.preload:
+        flat = np.argsort(-state.stats.prior[:, : state.e].ravel(), kind="stable")[:capacity]
+        state.cached[flat // state.e, flat % state.e] = True
+    ptr, tokens = work.step_ptr, work.step_tokens
+    stats, cached = state.stats, state.cached
+    occupancy = int(cached.sum())
+    for s in range(work.num_steps):
+        toks = tokens[ptr[s]:ptr[s + 1]]
+        req = state.request(s, ids[toks], None if next_use is None else next_use[toks], touch=False)
+        if forecast.kind != "none":
+            stats.prob = forecast.prob(s)
+        prio = policy.priority(stats, s).astype(np.float64)  # elementwise: rows are refreshed one by one
+        masked = np.where(cached, prio, np.inf)
+        for layer in range(len(req)):
+            state.touch_layer(s, layer, next_use is not None)
+            prio[layer] = policy.priority(stats.take(layer), s)
+            want = np.flatnonzero(req[layer])
+            hit = cached[layer, want]
+            state.requested[s, layer], state.hits[s, layer] = len(want), int(hit.sum())
+            masked[layer] = np.inf  # this layer's experts are in use; its rank is refreshed below
+            misses = want[~hit]
+            for expert in misses:
+                if occupancy >= capacity:
+                    i = int(np.argmin(masked))
+                    if masked.flat[i] == np.inf:
+                        break  # everything cached is in use: stream the rest through
+                    cached.flat[i], masked.flat[i] = False, np.inf
+                    occupancy -= 1
+                cached[layer, expert] = True
+                occupancy += 1
+                state.demand[s, layer] += 1
+            masked[layer] = np.where(cached[layer], prio[layer], np.inf)
+        if progress is not None and s % 1024 == 0:
+            progress(s)
+    return state.outputs()

@@ -1,0 +1,128 @@
+"""A trace flattened for replay: all requests' routing in one array, and the steps (forward passes) to replay.
+
+Orders: `decode` replays every token as its own step (a prompt recorded in one pass is a valid decode-order
+trace: with a KV cache a token's routing depends only on earlier tokens); `recorded` keeps each request's
+prefill tokens together as one step, as the engine runs them. With `batch` > 1, requests are interleaved as
+a continuously batched decode: each step takes the next token of up to `batch` active requests (a request's
+prefill, in `recorded` order, is a step of its own when it joins).
+Shape legend: N tokens of all requests, S steps, L traced MoE layers, K top-k, E experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from moepager.policies.base import NEVER
+from moepager.trace.format import DECODE, MISSING, PREFILL, TraceError, TraceHeader, TraceReader
+
+Order = Literal["decode", "recorded"]
+
+
+@dataclass
+class Workload:
+    header: TraceHeader
+    ids_NLK: np.ndarray
+    """int16 expert ids; MISSING entries were not recorded and are not replayed."""
+    phase_N: np.ndarray
+    request_N: np.ndarray
+    """Which request each token belongs to."""
+    step_tokens: np.ndarray
+    """Token indices in replay order; step s is step_tokens[step_ptr[s]:step_ptr[s+1]]."""
+    step_ptr: np.ndarray
+    step_phase: np.ndarray
+    """0 prefill / 1 decode per step (every step is decode in `decode` order)."""
+    names: list[str]
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.step_ptr) - 1
+
+    def next_use_NLK(self) -> np.ndarray:
+        """For every access, the next step that requests the same (layer, expert); NEVER if none (Belady)."""
+        n, num_layers, k = self.ids_NLK.shape
+        e = self.header.num_experts
+        step_of = np.empty(n, np.int64)
+        step_of[self.step_tokens] = np.repeat(np.arange(self.num_steps), np.diff(self.step_ptr))
+        key = (np.arange(num_layers)[None, :, None] * e + self.ids_NLK).astype(np.int64)
+        combo = key * self.num_steps + step_of[:, None, None]
+        valid = self.ids_NLK != MISSING
+        unique, inverse = np.unique(combo[valid], return_inverse=True)
+        following = np.full(len(unique), NEVER, np.int64)
+        same_key = unique[1:] // self.num_steps == unique[:-1] // self.num_steps
+        following[:-1][same_key] = unique[1:][same_key] % self.num_steps
+        out = np.full(self.ids_NLK.shape, NEVER, np.int64)
+        out[valid] = following[inverse]
+        return out
+
+    def counts_LE(self) -> np.ndarray:
+        """How often each expert was chosen (a frequency prior)."""
+        num_layers, e = self.header.num_layers, self.header.num_experts
+        valid = self.ids_NLK != MISSING
+        layer = np.broadcast_to(np.arange(num_layers)[None, :, None], self.ids_NLK.shape)
+        return np.bincount((layer * e + self.ids_NLK)[valid].astype(np.int64),
+                           minlength=num_layers * e).reshape(num_layers, e).astype(np.float64)
+
+
+def load_workload(path: str, order: Order = "decode", batch: int = 1, requests: slice | None = None) -> Workload:
+    """Read a trace file (optionally a slice of its requests) and lay out its replay steps."""
+    if batch < 1:
+        raise TraceError(f"batch must be at least 1, got {batch}")
+    with TraceReader(path) as reader:
+        chosen = range(len(reader))[requests or slice(None)]
+        if not chosen:
+            raise TraceError(f"{path}: no requests to replay (it may hold only priors)")
+        loaded = [reader.request(i) for i in chosen]
+        header = reader.header
+    ids = np.concatenate([r.ids_TLK for r in loaded])
+    phase = np.concatenate([r.phase_T for r in loaded])
+    lengths = np.array([r.num_tokens for r in loaded])
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    request_N = np.repeat(np.arange(len(loaded)), lengths)
+    names = [r.name for r in loaded]
+    if order == "decode" and batch == 1:  # the common case, without per-token Python objects
+        n = len(phase)
+        return Workload(header, ids, phase, request_N, np.arange(n), np.arange(n + 1), np.full(n, DECODE, np.uint8),
+                        names)
+    units = [_units(int(s), r.phase_T, order) for s, r in zip(starts, loaded, strict=True)]
+    steps, step_phase = _interleave(units, batch)
+    ptr = np.concatenate([[0], np.cumsum([len(s) for s in steps])]).astype(np.int64)
+    return Workload(header, ids, phase, request_N, np.concatenate(steps).astype(np.int64), ptr,
+                    np.array(step_phase, np.uint8), names)
+
+
+def _units(start: int, phase_T: np.ndarray, order: Order) -> list[tuple[np.ndarray, int]]:
+    """A request's replay units: (token indices, phase); a `recorded` prefill is one unit."""
+    t = len(phase_T)
+    if order == "decode":
+        return [(np.array([start + i]), DECODE) for i in range(t)]
+    prefill = int((phase_T == PREFILL).sum())
+    head = [(np.arange(start, start + prefill), PREFILL)] if prefill else []
+    return head + [(np.array([start + i]), DECODE) for i in range(prefill, t)]
+
+
+def _interleave(units: list[list[tuple[np.ndarray, int]]], batch: int) -> tuple[list[np.ndarray], list[int]]:
+    if batch == 1:
+        flat = [u for request in units for u in request]
+        return [u[0] for u in flat], [u[1] for u in flat]
+    steps, phases = [], []
+    waiting, active = list(range(len(units)))[::-1], []
+    cursor = [0] * len(units)
+    while waiting or active:
+        while waiting and len(active) < batch:
+            r = waiting.pop()
+            active.append(r)
+            if units[r] and units[r][0][1] == PREFILL:  # a joining request's prefill runs as its own pass
+                steps.append(units[r][0][0])
+                phases.append(PREFILL)
+                cursor[r] = 1
+        live = [r for r in active if cursor[r] < len(units[r])]
+        if live:
+            steps.append(np.concatenate([units[r][cursor[r]][0] for r in live]))
+            phases.append(DECODE)
+            for r in live:
+                cursor[r] += 1
+        active = [r for r in active if cursor[r] < len(units[r])]
+    return steps, phases
