@@ -291,7 +291,7 @@ def _replay_global(work: Workload, policy: Ranked, capacity: int, ids: np.ndarra
             want = np.flatnonzero(req[layer])
             hit = cached[layer, want]
             state.requested[s, layer], state.hits[s, layer] = len(want), int(hit.sum())
-            masked[layer] = np.inf  # this layer's experts are in use; its rank is refreshed below
+            masked[layer] = np.where(cached[layer] & ~req[layer], prio[layer], np.inf)  # in use: protected
             misses = want[~hit]
             for expert in misses:
                 if occupancy >= capacity:

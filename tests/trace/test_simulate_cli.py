@@ -1,0 +1,33 @@
+"""`moepager simulate`: table, JSON with per-layer rates, PNG, and user errors as one line."""
+
+from __future__ import annotations
+
+import json
+
+from moepager.cli.main import main
+from tests.trace.conftest import random_trace
+
+
+def test_simulate_sweep_writes_table_json_and_plot(tmp_path, capsys):
+    trace = random_trace(tmp_path / "t.mpt")
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    assert main(["simulate", str(trace), "--policy", "lru,lcp,belady,static-hot", "--capacity", "2,4,6MiB",
+                 "--order", "recorded", "--prior", str(trace), "--profile", "h100-pcie5",
+                 "--json", str(out_json), "--plot", str(out_png)]) == 0
+    table = capsys.readouterr().out
+    assert "belady" in table and "TPOT ms" in table
+    rows = json.loads(out_json.read_text())["rows"]
+    assert len(rows) == 12 and {r["capacity"] for r in rows} == {2, 4}  # 6 MiB = 6 experts over 3 layers = 2
+    assert all(len(r["layer_hit_rates"]) == 3 and r["tpot_ms"] > 0 and r["ttft_ms"] > 0 for r in rows)
+    by = {(r["policy"], r["capacity"]): r["hit_rate"] for r in rows}
+    assert by[("belady", 4)] >= max(by[("lru", 4)], by[("lcp", 4)])
+    assert out_png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_simulate_errors(tmp_path, capsys):
+    trace = random_trace(tmp_path / "t.mpt")
+    assert main(["simulate", str(trace), "--policy", "lur"]) == 2
+    assert main(["simulate", str(trace), "--capacity", "1"]) == 2
+    assert main(["simulate", str(trace), "--policy", "static-hot"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown eviction policy 'lur'" in err and "use at least 2" in err and "needs a prior" in err
