@@ -18,10 +18,12 @@ class ExpertKey(NamedTuple):
 
 
 class RoutingDecision(NamedTuple):
-    """A router's choice for T tokens: expert ids and the weights their outputs are scaled by."""
+    """A router's choice for T tokens: expert ids, the weights their outputs are scaled by, and the router's
+    score for every expert (softmax probabilities; DeepSeek-V3's sigmoid affinities), which traces record."""
 
     ids_TK: torch.Tensor
     weights_TK: torch.Tensor
+    scores_TE: torch.Tensor
 
 
 Phase = Literal["prefill", "decode"]

@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     add_store_arguments(p)
     p.add_argument("--stats-json", metavar="PATH", help="also write the statistics as JSON")
+    p.add_argument("--record-trace", metavar="PATH",
+                   help="write every token's routing (ids, weights, full gate scores) as a trace file")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -70,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    completions = llm.generate(args.prompts, params, chat=args.chat, on_text=stream if single else None)
+    completions = llm.generate(args.prompts, params, chat=args.chat, on_text=stream if single else None,
+                               record_trace=args.record_trace)
     if single:
         sys.stdout.write("\n")
     else:
@@ -79,4 +82,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{llm.last_stats.table()}")
     if args.stats_json:
         llm.last_stats.write_json(args.stats_json)
+    if args.record_trace:
+        print(f"routing trace: {args.record_trace} (replay it: moepager simulate {args.record_trace})")
     return 0

@@ -27,7 +27,7 @@ def expert_forward(x_TD: torch.Tensor, w: ExpertWeights, act: Callable[[torch.Te
 def combine_experts(x_TD: torch.Tensor, route: RoutingDecision, source: ExpertSource, layer: int,
                     num_experts: int, act: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> torch.Tensor:
     """Sum over each token's K experts of weight * expert(token), experts fetched from `source`."""
-    ids_TK, weights_TK = route
+    ids_TK, weights_TK = route.ids_TK, route.weights_TK
     k = ids_TK.shape[1]
     flat_ids = ids_TK.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)

@@ -48,7 +48,7 @@ class DeepseekV2Router(nn.Module):
         weights_NK, ids_NK = torch.topk(scores_NE, self.top_k, dim=-1)
         if self.normalize and self.top_k > 1:
             weights_NK = weights_NK / (weights_NK.sum(dim=-1, keepdim=True) + 1e-20)
-        return RoutingDecision(ids_NK, weights_NK * self.scaling)
+        return RoutingDecision(ids_NK, weights_NK * self.scaling, scores_NE)
 
 
 class DeepseekMoEBlock(MoEBlock):

@@ -45,7 +45,7 @@ class DeepseekV3Router(nn.Module):
         weights_NK = scores_NE.gather(1, ids_NK)
         if self.normalize:
             weights_NK = weights_NK / (weights_NK.sum(dim=-1, keepdim=True) + 1e-20)
-        return RoutingDecision(ids_NK, weights_NK * self.scaling)
+        return RoutingDecision(ids_NK, weights_NK * self.scaling, scores_NE)
 
 
 def parse_config(raw: Mapping[str, Any]) -> ModelConfig:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -280,6 +280,12 @@ class CausalLM(nn.Module):
             module_name = module_name.replace(ours, theirs)
         return module_name
 
+    def observe_routing(self, observer: RoutingObserver) -> None:
+        """Every MoE block reports its routing decisions to `observer` (NULL_OBSERVER stops it)."""
+        for module in self.modules():
+            if isinstance(module, MoEBlock):
+                module.observer = observer
+
     def make_cache(self, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
         return [layer.self_attn.make_cache(rows, max_len, dtype, device) for layer in self.model.layers]
 
@@ -297,6 +303,20 @@ class CausalLM(nn.Module):
 
 
 
+class RoutingObserver(Protocol):
+    def routed(self, layer: int, route: RoutingDecision) -> None:
+        """Called by every MoE block with its routing, before the experts run."""
+        ...
+
+
+class _NullObserver:
+    def routed(self, layer: int, route: RoutingDecision) -> None:
+        return None
+
+
+NULL_OBSERVER = _NullObserver()
+
+
 class MoEBlock(nn.Module):
     """Router -> routed experts from the `ExpertSource` seam (+ shared experts, in subclasses).
 
@@ -310,6 +330,8 @@ class MoEBlock(nn.Module):
         self.source = source
         self.layer = layer
         self.num_experts = num_experts
+        self.observer: RoutingObserver = NULL_OBSERVER
+        """Sees every routing decision (a trace recorder); the null one does nothing."""
 
     def shared_output(self, x_ND: torch.Tensor) -> torch.Tensor | None:
         """Output of always-on shared experts; None when the architecture has none."""
@@ -317,6 +339,7 @@ class MoEBlock(nn.Module):
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
         route = self.gate(x_ND)
+        self.observer.routed(self.layer, route)
         out_ND = combine_experts(x_ND, route, self.source, self.layer, self.num_experts)
         shared = self.shared_output(x_ND)
         return out_ND if shared is None else out_ND + shared
@@ -335,7 +358,8 @@ class SoftmaxTopKRouter(nn.Module):
 
     def forward(self, x_ND: torch.Tensor) -> RoutingDecision:
         logits_NE = F.linear(x_ND, self.weight)
-        weights_NK, ids_NK = torch.topk(torch.softmax(logits_NE.float(), dim=-1), self.top_k, dim=-1)
+        probs_NE = torch.softmax(logits_NE.float(), dim=-1)
+        weights_NK, ids_NK = torch.topk(probs_NE, self.top_k, dim=-1)
         if self.normalize:
             weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
-        return RoutingDecision(ids_NK, weights_NK if self.fp32_weights else weights_NK.to(logits_NE.dtype))
+        return RoutingDecision(ids_NK, weights_NK if self.fp32_weights else weights_NK.to(logits_NE.dtype), probs_NE)

@@ -14,11 +14,14 @@ from moepager.errors import InvalidRequestError
 from moepager.experts.source import PagedExperts
 from moepager.models.default import default_model_path
 from moepager.models.load import LoadedModel, load_model, parse_dtype
-from moepager.runtime.generate import FinishReason, OnPhase, OnText, generate_ids, ignore_phase
+from moepager.models.layers import NULL_OBSERVER
+from moepager.runtime.generate import FinishReason, OnPhase, OnText, generate_ids, ignore_pass, ignore_phase
 from moepager.runtime.sampling import SamplingParams
 from moepager.runtime.stats import RunStats
 from moepager.runtime.store_setup import paged_source, store_report
 from moepager.runtime.tokenizer import Tokenizer
+from moepager.trace.format import TraceHeader
+from moepager.trace.recorder import TraceRecorder
 
 Prompt = str | list[int]
 
@@ -77,8 +80,19 @@ class LLM:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         return ids
 
+    def _recorder(self, rows: int) -> TraceRecorder:
+        cfg, shape = self.loaded.config, self.loaded.expert_shape
+        header = TraceHeader(model=str(self.loaded.checkpoint.path), moe_layers=tuple(cfg.moe_layers), num_experts=cfg.num_experts,
+                             top_k=cfg.top_k, num_shared=int(cfg.shared_intermediate_size > 0),
+                             expert_bytes=shape.nbytes, source="moepager generate --record-trace")
+        recorder = TraceRecorder(header, rows)
+        self.loaded.model.observe_routing(recorder)
+        return recorder
+
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None, *,
-                 chat: bool = False, on_text: OnText | None = None) -> list[Completion]:
+                 chat: bool = False, on_text: OnText | None = None,
+                 record_trace: str | os.PathLike[str] | None = None) -> list[Completion]:
+        """Complete every prompt; `record_trace` also writes their routing (trace format v1) to that file."""
         params = params or SamplingParams()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -97,8 +111,15 @@ class LLM:
         if isinstance(experts, PagedExperts):
             experts.store.counters.reset()
             on_phase = experts.store.counters.set_phase
-        seqs = generate_ids(self.loaded.model, ids, params, self.eos_token_ids, stats, decode, on_text,
-                            self.loaded.device, on_phase)
+        recorder = self._recorder(len(ids)) if record_trace is not None else None
+        try:
+            seqs = generate_ids(self.loaded.model, ids, params, self.eos_token_ids, stats, decode, on_text,
+                                self.loaded.device, on_phase, recorder.begin_pass if recorder else ignore_pass)
+        finally:
+            self.loaded.model.observe_routing(NULL_OBSERVER)
+        if recorder is not None:
+            recorder.write(record_trace, [s.prompt_ids + s.out_ids for s in seqs],
+                           [p if isinstance(p, str) else None for p in prompts], decode)  # type: ignore[union-attr]
         stats.finish(self.loaded.device)
         stats.sections["experts"] = store_report(experts, self.config.store, stats.prompt_tokens,
                                                  stats.generated_tokens - stats.num_prompts)

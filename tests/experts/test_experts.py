@@ -61,7 +61,7 @@ def test_combine_matches_per_token_reference_and_visits_experts_in_order():
     ids = torch.tensor([[4, 0], [1, 4], [2, 3], [0, 1], [3, 2], [4, 1]])
     w = torch.rand(6, 2, generator=gen)
     source = _Fixed(weights)
-    out = combine_experts(x, RoutingDecision(ids, w), source, layer=0, num_experts=5)
+    out = combine_experts(x, RoutingDecision(ids, w, torch.zeros(len(ids), 5)), source, layer=0, num_experts=5)
     ref = torch.stack([sum(w[t, k] * expert_forward(x[t:t + 1], weights[int(ids[t, k])], F.silu)[0]
                            for k in range(2)) for t in range(6)])
     torch.testing.assert_close(out, ref)

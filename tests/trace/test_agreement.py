@@ -1,0 +1,52 @@
+"""The engine records traces, and the simulator replaying one gets the engine's own hits and misses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moepager.config import StoreConfig
+from moepager.runtime.llm import LLM
+from moepager.runtime.sampling import SamplingParams
+from moepager.trace.format import DECODE, PREFILL, TraceReader
+from moepager.trace.simulate import SimSpec, simulate
+from moepager.trace.workload import load_workload
+
+PARAMS = SamplingParams(max_tokens=14, temperature=1.0, seed=3, ignore_eos=True)
+
+
+def test_recorded_trace_has_every_token_and_full_gates(hf_checkpoint, tmp_path):
+    _, path = hf_checkpoint("olmoe")
+    llm = LLM(path, show_progress=False)
+    out = llm.generate([[5, 9, 2], [7, 1]], PARAMS, record_trace=tmp_path / "t.mpt")
+    with TraceReader(tmp_path / "t.mpt") as reader:
+        h = reader.header
+        assert (h.num_experts, h.top_k, h.moe_layers) == (8, 2, tuple(llm.loaded.config.moe_layers))
+        for req, prompt, c in zip(reader, [[5, 9, 2], [7, 1]], out, strict=True):
+            n_decode = len(c.token_ids) - 1  # the last sampled token is never fed back
+            assert req.phase_T.tolist() == [PREFILL] * len(prompt) + [DECODE] * n_decode
+            assert req.token_ids_T.tolist() == (prompt + c.token_ids)[: req.num_tokens]
+            np.testing.assert_allclose(req.gates_TLE.sum(-1), 1.0, rtol=1e-5)  # softmax router: distributions
+            top = np.argsort(-req.gates_TLE, axis=-1, kind="stable")[..., :2]
+            assert (np.sort(top, -1) == np.sort(req.ids_TLK, -1)).all()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lcp", "fmoe"])
+def test_simulator_agrees_with_the_engine(hf_checkpoint, tmp_path, policy):
+    _, path = hf_checkpoint("olmoe")
+    probe = LLM(path, show_progress=False)
+    layers, nbytes = len(probe.loaded.config.moe_layers), probe.loaded.expert_shape.nbytes
+    per_layer = 4  # >= the prefill's distinct experts per layer (2 tokens x top-2)
+    store = StoreConfig(expert_memory=str(per_layer * layers * nbytes), policy=policy, warm=False)
+    llm = LLM(path, store=store, show_progress=False)
+    llm.generate([[3, 11]], PARAMS, record_trace=tmp_path / "run.mpt")
+    phases = llm.loaded.experts.store.counters.phases
+    sim = simulate(load_workload(str(tmp_path / "run.mpt"), order="recorded"), SimSpec(policy, per_layer))
+    for phase, code in (("prefill", PREFILL), ("decode", DECODE)):
+        rows = sim.step_phase == code
+        for column, layer in enumerate(llm.loaded.config.moe_layers):
+            engine = (phases[phase].hits[layer], phases[phase].misses[layer])
+            replay = (int(sim.hits_SL[rows, column].sum()),
+                      int((sim.requested_SL[rows, column] - sim.hits_SL[rows, column]).sum()))
+            assert engine == replay, (policy, phase, layer)
+    assert sum(phases["decode"].misses.values()) > 0  # the cache was small enough to matter
