@@ -10,6 +10,7 @@ Shape legend: N tokens of all requests, S steps, L traced MoE layers, K top-k, E
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -66,12 +67,14 @@ class Workload:
                            minlength=num_layers * e).reshape(num_layers, e).astype(np.float64)
 
 
-def load_workload(path: str, order: Order = "decode", batch: int = 1, requests: slice | None = None) -> Workload:
-    """Read a trace file (optionally a slice of its requests) and lay out its replay steps."""
+def load_workload(path: str, order: Order = "decode", batch: int = 1,
+                  requests: slice | Sequence[int] | None = None) -> Workload:
+    """Read a trace file (optionally some of its requests, by slice or indices) and lay out its replay steps."""
     if batch < 1:
         raise TraceError(f"batch must be at least 1, got {batch}")
     with TraceReader(path) as reader:
-        chosen = range(len(reader))[requests or slice(None)]
+        everything = range(len(reader))
+        chosen = everything[requests or slice(None)] if not isinstance(requests, Sequence) else list(requests)
         if not chosen:
             raise TraceError(f"{path}: no requests to replay (it may hold only priors)")
         loaded = [reader.request(i) for i in chosen]
