@@ -32,7 +32,7 @@ POLICIES: dict[str, PolicySpec] = {
     "lru": PolicySpec(LRU, True),
     "lfu": PolicySpec(LFU, True),
     "lcp": PolicySpec(LCP, True),
-    "rnd": PolicySpec(RND, True),
+    "rnd": PolicySpec(RND, True),  # seeded: make_policy(..., seed=)
     "fmoe": PolicySpec(FMoE, True),
     "static-hot": PolicySpec(StaticHot, False),
     "smoe-fixed": PolicySpec(lambda: SMoE(adaptive=False), False),
@@ -46,7 +46,7 @@ class UnknownPolicyError(ValueError):
     pass
 
 
-def make_policy(name: str, *, engine: bool = False) -> Ranked:
+def make_policy(name: str, *, engine: bool = False, seed: int = 0) -> Ranked:
     """A fresh policy; `engine=True` refuses the simulator-only ones, saying why."""
     spec = POLICIES.get(name)
     choices = ENGINE_POLICIES if engine else sorted(POLICIES)
@@ -55,4 +55,4 @@ def make_policy(name: str, *, engine: bool = False) -> Ranked:
     if engine and not spec.engine:
         raise UnknownPolicyError(f"policy '{name}' runs only in the trace simulator (`moepager simulate`); "
                                  f"the engine can use {choices}")
-    return spec.make()
+    return RND(seed) if spec.make is RND else spec.make()

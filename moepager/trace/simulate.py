@@ -142,9 +142,7 @@ class Forecast:
 def simulate(work: Workload, spec: SimSpec, prior_LE: np.ndarray | None = None,
              progress: Progress | None = None) -> SimResult:
     """Replay `work` through the policy and capacity of `spec`."""
-    policy = make_policy(spec.policy)
-    if hasattr(policy, "_rng"):
-        policy._rng = np.random.default_rng(spec.seed)
+    policy = make_policy(spec.policy, seed=spec.seed)
     h = work.header
     if spec.capacity < h.top_k:
         raise TraceError(f"capacity {spec.capacity} is below one token's top-{h.top_k}; use at least {h.top_k}")
