@@ -23,16 +23,18 @@ __all__ = ["ENGINE_POLICIES", "POLICIES", "EvictionPolicy", "Ranked", "UnknownPo
 
 
 class PolicySpec(NamedTuple):
-    make: Callable[[], Ranked]
+    make: Callable[..., Ranked]
     engine: bool
     """Usable by the engine's store (False: trace simulator only)."""
+    seeded: bool = False
+    """`make` takes `seed` (random policies)."""
 
 
 POLICIES: dict[str, PolicySpec] = {
     "lru": PolicySpec(LRU, True),
     "lfu": PolicySpec(LFU, True),
     "lcp": PolicySpec(LCP, True),
-    "rnd": PolicySpec(RND, True),  # seeded: make_policy(..., seed=)
+    "rnd": PolicySpec(RND, True, seeded=True),
     "fmoe": PolicySpec(FMoE, True),
     "static-hot": PolicySpec(StaticHot, False),
     "smoe-fixed": PolicySpec(lambda: SMoE(adaptive=False), False),
@@ -55,4 +57,4 @@ def make_policy(name: str, *, engine: bool = False, seed: int = 0) -> Ranked:
     if engine and not spec.engine:
         raise UnknownPolicyError(f"policy '{name}' runs only in the trace simulator (`moepager simulate`); "
                                  f"the engine can use {choices}")
-    return RND(seed) if spec.make is RND else spec.make()
+    return spec.make(seed=seed) if spec.seeded else spec.make()
