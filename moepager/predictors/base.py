@@ -1,0 +1,96 @@
+"""The predictor seam: observe what the model routed, forecast which experts come next.
+
+A forward pass (an *iteration*) carries N rows: one token of each request in decode, or a whole prompt's
+tokens at prefill (offline evaluation feeds a request's tokens as rows of one iteration: row t's "next
+iteration" is row t+1). Protocol, per iteration:
+1. `start_iteration(token_ids_N, sem_ND)` — the rows' tokens and a semantic embedding of each row's request
+   so far (fMoE; the engine pools the model's embedding layer, traces hash their token strings);
+2. for each MoE layer i in order (i is the position among MoE layers, 0..L-1): `observe(i, obs)` with the
+   router's input, its full distribution and the chosen experts;
+3. any time: `forecast(j, ahead)` — per row, a probability over experts of MoE layer j in this iteration
+   (`ahead` 0, j after the last observed layer) or in the row's next iteration (`ahead` 1), from what has
+   been observed so far; None when the predictor cannot forecast that target.
+A forecast made after observing layer i for layer j of this iteration is at distance j - i; for layer j of the
+next iteration at distance L - i + j. Predictors keep no state across iterations, so the same object serves
+the engine (rows = batch) and offline evaluation (rows = one request's tokens).
+Shape legend: N rows, D hidden, E experts, K top-k, L MoE layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from moepager.errors import MoepagerError
+
+
+@dataclass(frozen=True)
+class LayerObservation:
+    probs_NE: torch.Tensor
+    """The router's distribution over experts (float32; a K-hot / K stand-in where a trace has no gates)."""
+    ids_NK: torch.Tensor
+    """The experts chosen."""
+    x_ND: torch.Tensor | None = None
+    """The router's input (hidden state); None where it was not recorded."""
+
+
+@dataclass(frozen=True)
+class Forecast:
+    probs_NE: torch.Tensor
+    """Per row, how likely each expert is to be chosen (rows sum to about 1; only the order matters for top-k)."""
+    confidence_N: torch.Tensor | None = None
+    """fMoE: similarity of the matched expert map in [-1, 1]; selects how many experts to prefetch."""
+
+    def top(self, k: int) -> torch.Tensor:
+        """ids_Nk of the k most likely experts per row, most likely first."""
+        return torch.topk(self.probs_NE, min(k, self.probs_NE.shape[1]), dim=1).indices
+
+    def sizes(self, k: int) -> torch.Tensor:
+        """How many experts to prefetch per row: k, or with a confidence fMoE's rule (Yu et al. 2025, eqs. 6-8):
+        the fewest most-likely experts whose probabilities sum to delta = clip(1 - similarity, 0, 1), and at
+        least k of them (a tolerance absorbs rounding when delta is 1)."""
+        num_experts = self.probs_NE.shape[1]
+        if self.confidence_N is None:
+            return torch.full((self.probs_NE.shape[0],), min(k, num_experts))
+        mass_NE = torch.cumsum(torch.sort(self.probs_NE, dim=1, descending=True).values, dim=1)
+        delta_N = torch.clamp(1 - self.confidence_N.float(), 0, 1) - 1e-6
+        count_N = (mass_NE < delta_N[:, None]).sum(1) + 1
+        return torch.clamp(count_N, min=min(k, num_experts), max=num_experts)
+
+    def select(self, k: int) -> list[list[int]]:
+        """The experts to prefetch per row, most likely first (`sizes` of them)."""
+        order_NE = torch.argsort(self.probs_NE, dim=1, descending=True)
+        return [order_NE[n, : int(c)].tolist() for n, c in enumerate(self.sizes(k))]
+
+
+class Predictor(Protocol):
+    name: str
+    """Registry name (reports)."""
+
+    def start_iteration(self, token_ids_N: torch.Tensor, sem_ND: torch.Tensor | None) -> None: ...
+
+    def observe(self, layer: int, obs: LayerObservation) -> None: ...
+
+    def forecast(self, layer: int, ahead: int) -> Forecast | None: ...
+
+
+class PredictorError(MoepagerError):
+    """A predictor cannot be built or used as asked (missing activations, wrong shapes, unknown name)."""
+
+
+def k_hot(ids_NK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """probs_NE with 1/K on each chosen expert: the stand-in distribution for traces without gate scores."""
+    out = torch.zeros(ids_NK.shape[0], num_experts)
+    valid = ids_NK >= 0
+    out.scatter_add_(1, ids_NK.clamp(min=0).long(), valid.float())
+    return out / valid.sum(1, keepdim=True).clamp(min=1)
+
+
+def target_of(layer: int, distance: int, num_layers: int) -> tuple[int, int]:
+    """(target layer, ahead) of a forecast made after observing `layer` at `distance` MoE layers."""
+    if not 1 <= distance <= num_layers:
+        raise PredictorError(f"prefetch distance must be in 1..{num_layers} MoE layers, got {distance}")
+    target = layer + distance
+    return (target, 0) if target < num_layers else (target - num_layers, 1)
