@@ -304,17 +304,28 @@ class CausalLM(nn.Module):
 
 
 class RoutingObserver(Protocol):
-    def routed(self, layer: int, route: RoutingDecision) -> None:
-        """Called by every MoE block with its routing, before the experts run."""
+    def routed(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> None:
+        """Called by every MoE block with its router's input and decision, before the experts run."""
         ...
 
 
 class _NullObserver:
-    def routed(self, layer: int, route: RoutingDecision) -> None:
+    def routed(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> None:
         return None
 
 
 NULL_OBSERVER = _NullObserver()
+
+
+class RoutingFanOut:
+    """Several observers (a trace recorder and a prefetcher), called in order."""
+
+    def __init__(self, observers: Sequence[RoutingObserver]):
+        self.observers = list(observers)
+
+    def routed(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> None:
+        for observer in self.observers:
+            observer.routed(layer, x_ND, route)
 
 
 class MoEBlock(nn.Module):
@@ -339,7 +350,7 @@ class MoEBlock(nn.Module):
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
         route = self.gate(x_ND)
-        self.observer.routed(self.layer, route)
+        self.observer.routed(self.layer, x_ND, route)
         out_ND = combine_experts(x_ND, route, self.source, self.layer, self.num_experts)
         shared = self.shared_output(x_ND)
         return out_ND if shared is None else out_ND + shared

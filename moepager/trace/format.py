@@ -8,9 +8,10 @@ A trace file is a ZIP archive (deflate) so it streams and any zip tool can look 
     requests/<i>/weights_TLK.npy        optional float32 routing weights of those experts
     requests/<i>/gates_TLE.npy          optional float32 full gate distribution (router scores)
     requests/<i>/token_ids_T.npy        optional int64 token ids
+    requests/<i>/hidden_TLD.npy         optional float16 router inputs (hidden states; `--record-hidden`)
     priors/<name>.npy                   optional float64 [L, E] activation counts (frequency priors)
 Axis L is the traced MoE layers in order; `header.moe_layers[l]` is that layer's decoder-layer index.
-Shape legend: T tokens, L traced MoE layers, K top-k, E experts per layer.
+Shape legend: T tokens, L traced MoE layers, K top-k, E experts per layer, D hidden size.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class TraceRequest:
     prompt: str | None = None
     name: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    hidden_TLD: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -108,15 +110,17 @@ class TraceRequest:
             raise TraceError(f"{where}: an expert appears twice in one token's top-{header.top_k}")
         if not np.isin(self.phase_T, (PREFILL, DECODE)).all():
             raise TraceError(f"{where}: phase values must be 0 (prefill) or 1 (decode)")
+        if self.hidden_TLD is not None and self.hidden_TLD.shape[:2] != (t, header.num_layers):
+            raise TraceError(f"{where}: hidden shape {self.hidden_TLD.shape}, expected {(t, header.num_layers)} + (D,)")
         for name in ("token_ids_T", "tokens"):
             value = getattr(self, name)
             if value is not None and len(value) != t:
                 raise TraceError(f"{where}: {len(value)} {name} for {t} tokens")
 
 
-_ARRAYS = ("ids_TLK", "phase_T", "weights_TLK", "gates_TLE", "token_ids_T")
+_ARRAYS = ("ids_TLK", "phase_T", "weights_TLK", "gates_TLE", "token_ids_T", "hidden_TLD")
 _DTYPES = {"ids_TLK": np.int16, "phase_T": np.uint8, "weights_TLK": np.float32, "gates_TLE": np.float32,
-           "token_ids_T": np.int64}
+           "token_ids_T": np.int64, "hidden_TLD": np.float16}
 
 
 def _npy_bytes(array: np.ndarray) -> bytes:

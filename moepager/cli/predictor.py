@@ -1,0 +1,60 @@
+"""`moepager predictor fit`: learn a predictor from a routing trace and write it to a file the engine loads
+with `generate --predictor NAME --predictor-file PATH`."""
+
+from __future__ import annotations
+
+import argparse
+
+from tqdm import tqdm
+
+from moepager.predictors import PredictorError
+from moepager.trace.format import TraceReader
+from moepager.trace.predict import fit_expert_maps, fit_token_wise, fit_transition
+
+HELP = "fit a routing predictor (transition tables, fMoE expert maps, SMoE token-wise) on a trace"
+KINDS = ["transition", "expert-map", "token-wise"]
+
+
+def parse_ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise PredictorError(f"{flag} takes comma-separated integers, got '{text}'") from None
+    if not values or min(values) < 1:
+        raise PredictorError(f"{flag} needs positive integers, got '{text}'")
+    return values
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="predictor_command", required=True, parser_class=type(p))
+    f = sub.add_parser("fit", help="fit a predictor on every request of a trace",
+                       description="token-wise needs a trace recorded with --record-hidden")
+    f.add_argument("--kind", required=True, choices=KINDS)
+    f.add_argument("--trace", required=True, help="trace file (moepager format)")
+    f.add_argument("--out", required=True, help="predictor file to write")
+    f.add_argument("--distances", default="1,2,3", help="transition: prefetch distances to fit (default 1,2,3)")
+    f.add_argument("--capacity", type=int, default=1000, help="expert-map: maps kept (default 1000)")
+    f.add_argument("--max-iterations", type=int, default=20_000,
+                   help="expert-map: iterations sampled from the trace for the store (default 20000)")
+    f.add_argument("--distance", type=int, default=3, help="expert-map: prefetch distance (redundancy weights)")
+    f.add_argument("--epochs", type=int, default=200, help="token-wise: full-batch Adam epochs (default 200)")
+
+
+def run(args: argparse.Namespace) -> int:
+    with TraceReader(args.trace) as reader:
+        everything = list(range(len(reader)))
+        if args.kind == "transition":
+            fitted = fit_transition(reader, everything, parse_ints(args.distances, "--distances"))
+        elif args.kind == "expert-map":
+            with tqdm(total=len(everything), unit="request", desc="expert maps") as bar:
+                fitted = fit_expert_maps(reader, everything, args.capacity, args.distance, args.max_iterations,
+                                         progress=bar.update)
+        else:
+            with tqdm(total=args.epochs, unit="epoch", desc="token-wise") as bar:
+                def step(epoch: int, loss: float) -> None:
+                    bar.set_postfix(loss=f"{loss:.3f}")
+                    bar.update(1)
+                fitted = fit_token_wise(reader, everything, args.epochs, progress=step)
+    fitted.save(args.out)
+    print(f"wrote {args.out} ({args.kind}, fitted on {len(everything)} requests of {args.trace})")
+    return 0

@@ -1,0 +1,233 @@
+"""Predictors on traces: fit them on some requests, measure them on the others (split by request).
+
+Evaluation feeds each held-out request's tokens as the rows of one iteration (predictors keep no state
+across iterations, so row t's "next iteration" is row t+1; see predictors/base.py). At prefetch distance d,
+the forecast for layer j of token t is the one made right after observing layer i = j - d of token t, or,
+when j < d, after layer L + j - d of token t-1. Metrics per target layer, over the targets a predictor
+forecasts (coverage = forecast targets / all targets):
+- recall@k: |top-k forecast ∩ chosen experts| / |chosen experts|;
+- precision@k: |top-k forecast ∩ chosen| / k;
+- for forecasts with a confidence (fMoE's expert maps), the similarity-selected set's mean size and recall.
+Shape legend: T tokens, L MoE layers, K top-k, E experts, D hidden.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from moepager.predictors import (
+    ExpertMapStore,
+    LayerObservation,
+    Predictor,
+    PredictorError,
+    TokenWisePredictor,
+    TransitionPredictor,
+    k_hot,
+    target_of,
+)
+from moepager.predictors.expert_map import DEFAULT_CAPACITY, hashed_tokens, prefix_means
+from moepager.predictors.token_wise import train_token_wise
+from moepager.trace.format import TraceHeader, TraceReader, TraceRequest
+
+Progress = Callable[[int], None]
+
+
+def split_requests(n: int, test_fraction: float = 0.3, seed: int = 0) -> tuple[list[int], list[int]]:
+    """A seeded random split of request indices into (train, test); both non-empty when n >= 2."""
+    if not 0 < test_fraction < 1:
+        raise PredictorError(f"test fraction must be between 0 and 1, got {test_fraction}")
+    if n < 2:
+        raise PredictorError(f"a train/test split needs at least 2 requests, the trace has {n}")
+    order = np.random.default_rng(seed).permutation(n)
+    n_test = min(n - 1, max(1, round(n * test_fraction)))
+    return sorted(order[n_test:].tolist()), sorted(order[:n_test].tolist())
+
+
+def observations(request: TraceRequest, header: TraceHeader) -> list[LayerObservation]:
+    """One observation per MoE layer with the request's tokens as rows; K-hot / K where gates are missing."""
+    ids = torch.from_numpy(request.ids_TLK.astype(np.int64))
+    out = []
+    for layer in range(header.num_layers):
+        probs = torch.from_numpy(request.gates_TLE[:, layer]) if request.gates_TLE is not None else \
+            k_hot(ids[:, layer], header.num_experts)
+        x = torch.from_numpy(request.hidden_TLD[:, layer].astype(np.float32)) if request.hidden_TLD is not None \
+            else None
+        out.append(LayerObservation(probs.float(), ids[:, layer], x))
+    return out
+
+
+def semantic_rows(request: TraceRequest) -> torch.Tensor | None:
+    """The hashed-tokens semantic embedding of each row (prefix means); None without token ids or strings."""
+    tokens = request.token_ids_T.tolist() if request.token_ids_T is not None else request.tokens
+    return prefix_means(hashed_tokens(tokens)) if tokens else None
+
+
+# -- fitting ----------------------------------------------------------------------------------------------------
+def fit_transition(reader: TraceReader, train: Sequence[int], distances: Sequence[int]) -> TransitionPredictor:
+    requests = [reader.request(i) for i in train]
+    ids = torch.from_numpy(np.concatenate([r.ids_TLK for r in requests]).astype(np.int64))
+    request_N = torch.from_numpy(np.repeat(np.arange(len(requests)), [r.num_tokens for r in requests]))
+    return TransitionPredictor.fit(ids, request_N, reader.header.num_experts, distances)
+
+
+def fit_expert_maps(reader: TraceReader, train: Sequence[int], capacity: int = DEFAULT_CAPACITY,
+                    distance: int = 3, max_iterations: int = 20_000, seed: int = 0,
+                    progress: Progress | None = None) -> ExpertMapStore:
+    """fMoE's offline store: iterations of the training requests (a seeded sample of at most
+    `max_iterations`) inserted with redundancy-based replacement."""
+    h = reader.header
+    total = sum(reader.request(i).num_tokens for i in train) if len(train) else 0
+    keep = min(1.0, max_iterations / max(total, 1))
+    rng = np.random.default_rng(seed)
+    store = ExpertMapStore(h.num_layers, h.num_experts, "hashed-tokens", capacity, distance)
+    for i in train:
+        request = reader.request(i)
+        sem = semantic_rows(request)
+        if sem is None:
+            raise PredictorError(f"{reader.path}: request {i} has no token ids or strings for the semantic search")
+        rows = np.flatnonzero(rng.random(request.num_tokens) < keep)
+        maps = torch.stack([o.probs_NE for o in observations(request, h)], 1)
+        store.add(sem[rows], maps[rows])
+        if progress is not None:
+            progress(1)
+    return store
+
+
+def fit_token_wise(reader: TraceReader, train: Sequence[int], epochs: int = 200,
+                   progress: Callable[[int, float], None] | None = None) -> TokenWisePredictor:
+    requests = [reader.request(i) for i in train]
+    if any(r.hidden_TLD is None for r in requests):
+        raise PredictorError(f"{reader.path} has no hidden states; record one with "
+                             "`moepager generate --record-trace PATH --record-hidden`")
+    x = torch.from_numpy(np.concatenate([r.hidden_TLD for r in requests]).astype(np.float32))
+    ids = torch.from_numpy(np.concatenate([r.ids_TLK for r in requests]).astype(np.int64))
+    lengths = [r.num_tokens for r in requests]
+    nxt = np.arange(1, sum(lengths) + 1)
+    nxt[np.cumsum(lengths) - 1] = -1
+    init = torch.zeros(reader.header.num_layers, reader.header.num_experts, x.shape[2])
+    return train_token_wise(x, ids, torch.from_numpy(nxt), init, epochs=epochs, progress=progress)
+
+
+# -- evaluation -------------------------------------------------------------------------------------------------
+@dataclass
+class LayerTally:
+    targets: int = 0
+    forecast: int = 0
+    chosen: int = 0
+    """Chosen experts of forecast targets (the recall denominator)."""
+    hits: dict[int, int] = field(default_factory=dict)
+    """k -> |top-k ∩ chosen| summed."""
+    selected: int = 0
+    selected_hits: int = 0
+
+
+@dataclass
+class PredictEval:
+    predictor: str
+    distance: int
+    ks: list[int]
+    layers: list[int]
+    tallies: list[LayerTally]
+    requests: int
+    tokens: int
+
+    def recall(self, k: int, tally: LayerTally | None = None) -> float | None:
+        tallies = [tally] if tally else self.tallies
+        chosen = sum(t.chosen for t in tallies)
+        return sum(t.hits.get(k, 0) for t in tallies) / chosen if chosen else None
+
+    def precision(self, k: int, tally: LayerTally | None = None) -> float | None:
+        tallies = [tally] if tally else self.tallies
+        forecast = sum(t.forecast for t in tallies)
+        return sum(t.hits.get(k, 0) for t in tallies) / (forecast * k) if forecast else None
+
+    def coverage(self, tally: LayerTally | None = None) -> float:
+        tallies = [tally] if tally else self.tallies
+        return sum(t.forecast for t in tallies) / max(1, sum(t.targets for t in tallies))
+
+    def selected(self, tally: LayerTally | None = None) -> tuple[float, float] | None:
+        """Mean size and recall of the similarity-selected sets (fMoE), if the predictor gives confidences."""
+        tallies = [tally] if tally else self.tallies
+        forecast = sum(t.forecast for t in tallies)
+        size = sum(t.selected for t in tallies)
+        if not size or not forecast:
+            return None
+        return size / forecast, sum(t.selected_hits for t in tallies) / max(1, sum(t.chosen for t in tallies))
+
+    def to_json(self) -> dict[str, Any]:
+        def row(t: LayerTally | None) -> dict[str, Any]:
+            sel = self.selected(t)
+            return {"coverage": self.coverage(t), **{f"recall@{k}": self.recall(k, t) for k in self.ks},
+                    **{f"precision@{k}": self.precision(k, t) for k in self.ks},
+                    **({"selected_size": sel[0], "selected_recall": sel[1]} if sel else {})}
+        return {"predictor": self.predictor, "distance": self.distance, "requests": self.requests,
+                "tokens": self.tokens, "overall": row(None),
+                "per_layer": {str(layer): row(t) for layer, t in zip(self.layers, self.tallies)}}
+
+
+def evaluate(predictor: Predictor, reader: TraceReader, requests: Sequence[int], distance: int,
+             ks: Sequence[int], progress: Progress | None = None) -> PredictEval:
+    h = reader.header
+    tallies = [LayerTally() for _ in range(h.num_layers)]
+    tokens = 0
+    for index in requests:
+        request = reader.request(index)
+        tokens += request.num_tokens
+        obs = observations(request, h)
+        predictor.start_iteration(torch.from_numpy(request.token_ids_T) if request.token_ids_T is not None
+                                  else torch.zeros(0, dtype=torch.long), semantic_rows(request))
+        for i in range(h.num_layers):
+            predictor.observe(i, obs[i])
+            j, ahead = target_of(i, distance, h.num_layers)
+            _tally(tallies[j], predictor.forecast(j, ahead), obs[j].ids_NK, ahead, ks)
+        if progress is not None:
+            progress(1)
+    return PredictEval(getattr(predictor, "name", type(predictor).__name__), distance, list(ks),
+                       list(h.moe_layers), tallies, len(requests), tokens)
+
+
+def _tally(tally: LayerTally, forecast, chosen_TK: torch.Tensor, ahead: int, ks: Sequence[int]) -> None:
+    """Score forecasts for the target rows: the same rows (ahead 0) or the next ones (ahead 1)."""
+    targets = chosen_TK[ahead:]
+    tally.targets += len(targets)
+    if forecast is None or not len(targets):
+        return
+    probs = forecast.probs_NE[: len(chosen_TK) - ahead]
+    valid = targets >= 0
+    tally.forecast += len(targets)
+    tally.chosen += int(valid.sum())
+
+    def hits(pred_TX: torch.Tensor, keep_TX: torch.Tensor | None = None) -> int:
+        found_TXK = (pred_TX[:, :, None] == targets[:, None, :]) & valid[:, None, :]
+        if keep_TX is not None:
+            found_TXK &= keep_TX[:, :, None]
+        return int(found_TXK.any(1).sum())
+
+    for k in ks:
+        tally.hits[k] = tally.hits.get(k, 0) + hits(torch.topk(probs, min(k, probs.shape[1]), dim=1).indices)
+    if forecast.confidence_N is not None:
+        sizes_T = type(forecast)(probs, forecast.confidence_N[: len(probs)]).sizes(targets.shape[1])
+        order_TE = torch.argsort(probs, dim=1, descending=True)
+        keep_TE = torch.arange(probs.shape[1])[None, :] < sizes_T[:, None]
+        tally.selected += int(sizes_T.sum())
+        tally.selected_hits += hits(order_TE, keep_TE)
+
+
+def format_eval(results: Sequence[PredictEval]) -> str:
+    lines = ["predictor        distance  coverage  " + "  ".join(f"recall@{k:<3}" for k in results[0].ks) +
+             "  fMoE-selected (size, recall)"]
+    for r in results:
+        recalls = "  ".join(f"{_pct(r.recall(k)):>9}" for k in r.ks)
+        sel = r.selected()
+        lines.append(f"{r.predictor:<16} {r.distance:>8}  {_pct(r.coverage()):>8}  {recalls}  "
+                     + (f"{sel[0]:.1f}, {_pct(sel[1])}" if sel else "-"))
+    return "\n".join(lines)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
