@@ -8,6 +8,7 @@ from pathlib import Path
 
 from moepager.errors import MoepagerError
 from moepager.policies import UnknownPolicyError, make_policy
+from moepager.predictors import PREDICTORS
 from moepager.store.budget import Budget
 from moepager.store.disk import DirectIO
 from moepager.store.slots import Scope
@@ -61,6 +62,32 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
+class PrefetchConfig:
+    """Routing prediction and prefetch (off unless a predictor is named; needs a paged store)."""
+
+    predictor: str | None = None
+    """One of moepager.predictors.PREDICTORS; None: no prefetch."""
+    file: str | None = None
+    """The fitted predictor (`moepager predictor fit`); expert-map without one starts empty and learns online."""
+    distance: int | None = None
+    """MoE layers between a forecast and its target; None: the predictor's own (DEFAULT_DISTANCE)."""
+    per_row: int | None = None
+    """Experts prefetched per forecast row (fMoE's similarity rule may add more); None: the model's top-k."""
+    max_inflight: int | None = None
+    """Prefetches loading at once; None: twice the model's top-k."""
+    learn: bool = False
+    """expert-map: add every finished iteration's map to the store (fMoE's online mode)."""
+
+    def __post_init__(self) -> None:
+        if self.predictor is not None and self.predictor not in PREDICTORS:
+            raise MoepagerError(f"unknown predictor '{self.predictor}'; choose from {', '.join(PREDICTORS)}")
+        for flag, value in (("--prefetch-distance", self.distance), ("--prefetch-k", self.per_row),
+                            ("--prefetch-inflight", self.max_inflight)):
+            if value is not None and value < 1:
+                raise MoepagerError(f"{flag} must be >= 1, got {value}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """What to run and where."""
 
@@ -76,8 +103,13 @@ class EngineConfig:
     """Where the default model is created on first use."""
     store: StoreConfig = field(default_factory=StoreConfig)
     """Expert memory budgets and paging."""
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    """Routing prediction and prefetch."""
 
     def __post_init__(self) -> None:
+        if self.prefetch.predictor is not None and not self.store.paged:
+            raise MoepagerError("prefetching needs a paged store: set --expert-memory (with every expert resident "
+                                "there is nothing to prefetch)")
         if self.threads is not None and self.threads < 1:
             raise MoepagerError(f"--threads must be >= 1, got {self.threads}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moepager.config import StoreConfig
+from moepager.config import PrefetchConfig, StoreConfig
 from moepager.errors import MoepagerError
 from moepager.policies import ENGINE_POLICIES
+from moepager.predictors import PREDICTORS
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 
@@ -29,9 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     add_store_arguments(p)
+    add_prefetch_arguments(p)
     p.add_argument("--stats-json", metavar="PATH", help="also write the statistics as JSON")
     p.add_argument("--record-trace", metavar="PATH",
                    help="write every token's routing (ids, weights, full gate scores) as a trace file")
+    p.add_argument("--record-hidden", action="store_true",
+                   help="with --record-trace: also record every router input (float16; token-wise predictor training)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -51,6 +55,24 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cold", action="store_true", help="start with an empty expert cache")
 
 
+def add_prefetch_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("routing prediction and prefetch (needs --expert-memory)")
+    g.add_argument("--predictor", choices=PREDICTORS,
+                   help="forecast routing and load experts ahead (outputs do not change)")
+    g.add_argument("--predictor-file", metavar="PATH", help="fitted predictor (`moepager predictor fit`)")
+    g.add_argument("--prefetch-distance", type=int, metavar="D",
+                   help="MoE layers between forecast and target (default: transition/gate-lookahead 1, "
+                        "expert-map 3, token-wise one token)")
+    g.add_argument("--prefetch-k", type=int, metavar="K", help="experts prefetched per forecast row (default top-k)")
+    g.add_argument("--prefetch-inflight", type=int, metavar="N", help="prefetches loading at once (default 2 x top-k)")
+    g.add_argument("--learn-maps", action="store_true", help="expert-map: add each iteration's map to the store")
+
+
+def prefetch_config(args: argparse.Namespace) -> PrefetchConfig:
+    return PrefetchConfig(predictor=args.predictor, file=args.predictor_file, distance=args.prefetch_distance,
+                          per_row=args.prefetch_k, max_inflight=args.prefetch_inflight, learn=args.learn_maps)
+
+
 def store_config(args: argparse.Namespace) -> StoreConfig:
     return StoreConfig(expert_memory=args.expert_memory, host_memory=args.host_memory, policy=args.policy,
                        scope=args.cache_scope, io_threads=args.io_threads, direct_io=args.direct_io,
@@ -61,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, threads=args.threads, store=store_config(args),
-              show_progress=not args.quiet)
+              prefetch=prefetch_config(args), show_progress=not args.quiet)
     if llm.tokenizer is None:
         raise MoepagerError("this checkpoint has no tokenizer.json, so text prompts cannot be encoded")
     single = len(args.prompts) == 1
@@ -73,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     completions = llm.generate(args.prompts, params, chat=args.chat, on_text=stream if single else None,
-                               record_trace=args.record_trace)
+                               record_trace=args.record_trace, record_hidden=args.record_hidden)
     if single:
         sys.stdout.write("\n")
     else:

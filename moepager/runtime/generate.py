@@ -24,16 +24,17 @@ Detokenize = Callable[[Sequence[int]], str]
 OnText = Callable[[int, str], None]
 """Called with (prompt index, newly final text) as generation proceeds."""
 OnPhase = Callable[[Phase], None]
-OnPass = Callable[[Phase, Sequence[int], Sequence[int]], None]
-"""Called before each forward pass with (phase, prompt rows, tokens of each row), in the pass's token order."""
+OnPass = Callable[[Phase, Sequence[int], Sequence[int], torch.Tensor], None]
+"""Called before each forward pass with (phase, prompt rows, tokens of each row, the token ids fed), in the
+pass's token order (row-major, padding left out)."""
 
 
 def ignore_phase(phase: Phase) -> None:
     """The `on_phase` of runs that keep no per-phase counters."""
 
 
-def ignore_pass(phase: Phase, rows: Sequence[int], counts: Sequence[int]) -> None:
-    """The `on_pass` of runs that record no trace."""
+def ignore_pass(phase: Phase, rows: Sequence[int], counts: Sequence[int], token_ids_N: torch.Tensor) -> None:
+    """The `on_pass` of runs that neither record a trace nor prefetch."""
 
 
 @dataclass
@@ -98,7 +99,7 @@ def generate_ids(model: CausalLM, prompts: Sequence[list[int]], params: Sampling
                                sliding_window=window)
     with torch.inference_mode():
         on_phase("prefill")
-        on_pass("prefill", range(b), lens.tolist())
+        on_pass("prefill", range(b), lens.tolist(), torch.cat([torch.tensor(p, dtype=torch.long) for p in prompts]))
         logits_BV = model(ids_BT.to(dev), batch, cache, logits_at_B=(lens - 1).to(dev))
         active = list(range(b))
         stats.prefill_s = time.perf_counter() - t0
@@ -117,7 +118,7 @@ def generate_ids(model: CausalLM, prompts: Sequence[list[int]], params: Sampling
             batch = ForwardBatch.build(torch.tensor([[seqs[r].position] for r in active], device=dev),
                                        rows_B=rows, sliding_window=window)
             last = torch.tensor([[seqs[r].out_ids[-1]] for r in active], device=dev)
-            on_pass("decode", active, [1] * len(active))
+            on_pass("decode", active, [1] * len(active), last.flatten())
             logits_BV = model(last, batch, cache, logits_at_B=torch.zeros(len(active), dtype=torch.long, device=dev))
             stats.tpot_s.append(time.perf_counter() - step_start)
     stats.decode_s = sum(stats.tpot_s)

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import torch
 
-from moepager.config import EngineConfig, StoreConfig
+from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
 from moepager.errors import InvalidRequestError
 from moepager.experts.source import PagedExperts
 from moepager.models.default import default_model_path
+from moepager.models.layers import NULL_OBSERVER, RoutingFanOut, RoutingObserver
 from moepager.models.load import LoadedModel, load_model, parse_dtype
-from moepager.models.layers import NULL_OBSERVER
-from moepager.runtime.generate import FinishReason, OnPhase, OnText, generate_ids, ignore_pass, ignore_phase
+from moepager.runtime.generate import FinishReason, OnPass, OnPhase, OnText, generate_ids, ignore_pass, ignore_phase
+from moepager.runtime.prefetch import Prefetcher, build_prefetcher
 from moepager.runtime.sampling import SamplingParams
 from moepager.runtime.stats import RunStats
 from moepager.runtime.store_setup import paged_source, store_report
@@ -39,9 +40,11 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike[str] | None = None, *, dtype: str | None = None,
                  device: str = "cpu", threads: int | None = None, store: StoreConfig | None = None,
-                 show_progress: bool = True, config: EngineConfig | None = None):
+                 prefetch: PrefetchConfig | None = None, show_progress: bool = True,
+                 config: EngineConfig | None = None):
         self.config = config or EngineConfig(model=str(model) if model else None, dtype=dtype, device=device,
-                                             threads=threads, store=store or StoreConfig())
+                                             threads=threads, store=store or StoreConfig(),
+                                             prefetch=prefetch or PrefetchConfig())
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
         path = Path(self.config.model) if self.config.model else default_model_path(self.config.cache_dir,
@@ -53,6 +56,10 @@ class LLM:
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
         self.eos_token_ids = self._eos_token_ids()
         self.last_stats = RunStats()
+        self.prefetcher: Prefetcher | None = None
+        """Forecasts routing and loads experts ahead (kept across calls: an online expert-map store grows)."""
+        if self.config.prefetch.predictor is not None and isinstance(self.loaded.experts, PagedExperts):
+            self.prefetcher = build_prefetcher(self.config.prefetch, self.loaded.model, self.loaded.experts.store)
 
     def _eos_token_ids(self) -> list[int]:
         """End-of-sequence ids from config.json, generation_config.json and the tokenizer (read once)."""
@@ -80,19 +87,33 @@ class LLM:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         return ids
 
-    def _recorder(self, rows: int) -> TraceRecorder:
+    def _recorder(self, rows: int, hidden: bool) -> TraceRecorder:
         cfg, shape = self.loaded.config, self.loaded.expert_shape
         header = TraceHeader(model=str(self.loaded.checkpoint.path), moe_layers=tuple(cfg.moe_layers), num_experts=cfg.num_experts,
                              top_k=cfg.top_k, num_shared=int(cfg.shared_intermediate_size > 0),
                              expert_bytes=shape.nbytes, source="moepager generate --record-trace")
-        recorder = TraceRecorder(header, rows)
-        self.loaded.model.observe_routing(recorder)
-        return recorder
+        return TraceRecorder(header, rows, hidden)
+
+    def _observe(self, recorder: TraceRecorder | None) -> OnPass:
+        """Route the MoE blocks' decisions and the loop's pass announcements to the recorder and prefetcher."""
+        parts = [p for p in (recorder, self.prefetcher) if p is not None]
+        if not parts:
+            return ignore_pass
+        if self.prefetcher is not None:
+            self.prefetcher.reset_requests()
+        observers: list[RoutingObserver] = list(parts)
+        self.loaded.model.observe_routing(observers[0] if len(observers) == 1 else RoutingFanOut(observers))
+
+        def on_pass(phase, rows, counts, token_ids_N) -> None:  # type: ignore[no-untyped-def]
+            for part in parts:
+                part.begin_pass(phase, rows, counts, token_ids_N)
+        return on_pass
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None, *,
                  chat: bool = False, on_text: OnText | None = None,
-                 record_trace: str | os.PathLike[str] | None = None) -> list[Completion]:
-        """Complete every prompt; `record_trace` also writes their routing (trace format v1) to that file."""
+                 record_trace: str | os.PathLike[str] | None = None, record_hidden: bool = False) -> list[Completion]:
+        """Complete every prompt; `record_trace` also writes their routing (trace format v1) to that file,
+        with every router input too when `record_hidden`."""
         params = params or SamplingParams()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -111,10 +132,11 @@ class LLM:
         if isinstance(experts, PagedExperts):
             experts.store.counters.reset()
             on_phase = experts.store.counters.set_phase
-        recorder = self._recorder(len(ids)) if record_trace is not None else None
+        recorder = self._recorder(len(ids), record_hidden) if record_trace is not None else None
+        on_pass = self._observe(recorder)
         try:
             seqs = generate_ids(self.loaded.model, ids, params, self.eos_token_ids, stats, decode, on_text,
-                                self.loaded.device, on_phase, recorder.begin_pass if recorder else ignore_pass)
+                                self.loaded.device, on_phase, on_pass)
         finally:
             self.loaded.model.observe_routing(NULL_OBSERVER)
         if recorder is not None:

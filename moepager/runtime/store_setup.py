@@ -97,6 +97,6 @@ def store_report(source: ExpertSource, config: StoreConfig, prefill_tokens: int,
     described = {"device slots": store.device.table.capacity,
                  "host slots": store.host.table.capacity if store.host is not None else "none (disk below)",
                  "policy": config.policy, "scope": config.scope}
-    phases = store.counters.phases
-    return StoreReport(described, {"prefill": phases["prefill"].summary(prefill_tokens),
-                                   "decode": phases["decode"].summary(decode_tokens)})
+    phases, nbytes = store.counters.phases, store.device.buffers[0].numel() * store.device.buffers.element_size()
+    return StoreReport(described, {"prefill": phases["prefill"].summary(prefill_tokens, nbytes),
+                                   "decode": phases["decode"].summary(decode_tokens, nbytes)})

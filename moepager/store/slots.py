@@ -8,6 +8,8 @@ The table owns the invariants; the policy only ranks the candidates it is offere
   evicts among its own experts even while other layers' slots are free (so each layer is the fixed-size
   cache the trace simulator models); only when none of its own can go does it take a free slot, or one
   from a layer above its quota. With scope "global" all layers compete for all slots.
+- a `stale` expert (prefetched, then not used when its layer ran) is evicted before the policy's choice, and an
+  expert prefetched `ahead` (its layer has not routed yet) only after every other candidate.
 """
 
 from __future__ import annotations
@@ -49,6 +51,12 @@ class SlotTable:
         n = max(len(layers), 1)
         self.quota = {layer: capacity // n + (i < capacity % n) for i, layer in enumerate(layers)}
         self._free = list(range(capacity - 1, -1, -1))
+        self.stale: set[ExpertKey] = set()
+        """Prefetched but not used when their layer ran: evicted first (ExpertFlow's correction)."""
+        self.ahead: dict[ExpertKey, int] = {}
+        """Prefetched (loaded or loading) and not yet judged by their layer's routing: key -> slot."""
+        self.evicted_ahead = 0
+        """Prefetched experts evicted before their layer routed (wasted); the store collects the count."""
 
     def evictable(self, key: ExpertKey) -> bool:
         slot = self.slot_of[key]
@@ -58,19 +66,25 @@ class SlotTable:
         return [t for t in self.ticket if t is not None]
 
     def claim(self, key: ExpertKey, step: int, protect: Mapping[ExpertKey, int] | None = None,
-              allow_protected: bool = False) -> int | None:
+              allow_protected: bool = False, within_quota: bool = False) -> int | None:
         """A slot for `key` (free, or freed by evicting a victim); None when nothing may be evicted.
 
         `protect` maps experts still needed soon to the order they are needed in: they are evicted only with
-        `allow_protected`, and then the one needed last goes first.
+        `allow_protected`, and then the one needed last goes first. `within_quota` (prefetches) never lets a
+        layer at its quota take a free slot beyond it.
         """
         full = self.scope == "layer" and len(self.by_layer[key.layer]) >= self.quota[key.layer]
         victim = None
         if full or not self._free:  # with a free slot at hand, nothing still needed is evicted
             victim = self._victim(key.layer, step, protect or {}, allow_protected and not self._free)
+        if victim is None and full and within_quota:
+            return None
         if victim is not None:
             slot = self.slot_of.pop(victim)
             self.by_layer[victim.layer].discard(victim)
+            self.stale.discard(victim)
+            if self.ahead.pop(victim, None) is not None:
+                self.evicted_ahead += 1
             self.ticket[slot] = None
         elif self._free:
             slot = self._free.pop()
@@ -86,6 +100,8 @@ class SlotTable:
         if key is not None:
             del self.slot_of[key]
             self.by_layer[key.layer].discard(key)
+            self.stale.discard(key)
+            self.ahead.pop(key, None)
         self.ticket[slot] = None
         self._free.append(slot)
 
@@ -102,8 +118,10 @@ class SlotTable:
                 allow_protected: bool) -> ExpertKey | None:
         for group in self._groups(layer):
             candidates = [k for k in group if k not in protect and self.evictable(k)]
-            if candidates:
-                return self.policy.victim(candidates, step)
+            for preferred in ([k for k in candidates if k in self.stale],
+                              [k for k in candidates if k not in self.ahead], candidates):
+                if preferred:
+                    return self.policy.victim(preferred, step)
         if allow_protected:
             candidates = [k for k in protect if k in self.slot_of and self.evictable(k)]
             if candidates:

@@ -26,6 +26,12 @@ class PhaseCounters:
     misses: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     loads_on_demand: int = 0
     loads_ahead: int = 0
+    prefetch_used: int = 0
+    """Prefetched experts their layer then used."""
+    prefetch_wasted: int = 0
+    """Prefetched (loaded) experts their layer did not use."""
+    prefetch_cancelled: int = 0
+    """Prefetches cancelled before they started (needed ones are then loaded on demand)."""
     host_hits: int = 0
     disk_reads: int = 0
     bytes_disk: int = 0
@@ -62,7 +68,7 @@ class PhaseCounters:
                 end = b
         return total
 
-    def summary(self, tokens: int) -> dict[str, Any]:
+    def summary(self, tokens: int, expert_bytes: int = 0) -> dict[str, Any]:
         layers = sorted(set(self.hits) | set(self.misses))
         hits, accesses = sum(self.hits.values()), sum(self.hits.values()) + sum(self.misses.values())
         busy = self.disk_busy_s
@@ -74,6 +80,11 @@ class PhaseCounters:
             "accesses": accesses,
             "loads_on_demand": self.loads_on_demand,
             "loads_ahead": self.loads_ahead,
+            "prefetch_used": self.prefetch_used,
+            "prefetch_wasted": self.prefetch_wasted,
+            "prefetch_cancelled": self.prefetch_cancelled,
+            "prefetch_accuracy": self.prefetch_used / max(1, self.prefetch_used + self.prefetch_wasted),
+            "prefetch_wasted_bytes": self.prefetch_wasted * expert_bytes,
             "host_hits": self.host_hits,
             "disk_reads": self.disk_reads,
             "bytes_disk": self.bytes_disk,
@@ -122,6 +133,12 @@ class StoreReport:
                 (f"{phase} expert hit rate", f"{100 * s['hit_rate']:.1f}% (per layer %: {per_layer})"),
                 (f"{phase} loads", f"{s['loads_on_demand']} on demand, {s['loads_ahead']} ahead, "
                                    f"{s['host_hits']} from host cache, {s['disk_reads']} from disk"),
+            ]
+            if s["loads_ahead"]:
+                rows.append((f"{phase} prefetch", f"{s['prefetch_used']} used, {s['prefetch_wasted']} wasted "
+                             f"({format_bytes(s['prefetch_wasted_bytes'])}), {s['prefetch_cancelled']} cancelled; "
+                             f"accuracy {100 * s['prefetch_accuracy']:.1f}%"))
+            rows += [
                 (f"{phase} bytes/token", f"disk {format_bytes(s['bytes_disk_per_token'])}, host->device "
                                          f"{format_bytes(s['bytes_host_to_device_per_token'])}"),
                 (f"{phase} load time", f"{s['load_s'] * 1e3:.1f} ms: {s['exposed_s'] * 1e3:.1f} exposed, "

@@ -12,6 +12,13 @@ evicted slots, on the I/O pool / copy stream); when nothing is scheduled and the
 evict the still-needed expert needed last (capacity below the layer's distinct experts, e.g. at prefill).
 Each yielded slot stays pinned until the consumer asks for the next, so an expert in use is never evicted,
 and a slot loading or being copied out of is never reused, so no load is issued twice.
+
+Prefetch (`prefetch`, fed by runtime/prefetch.py): loads issued ahead go to the transfer engine's prefetch
+lane and are tracked in `ahead` until their layer routes. Prefetches never evict each other. When a layer's
+real routing arrives, `settle` judges that layer's prefetches (ExpertFlow's real-time correction): a needed
+one still queued is cancelled and loaded on demand at once instead; an unneeded one still queued is
+cancelled; an unneeded one already loaded is wasted and marked stale, so it is evicted before any expert
+that was actually used. Prefetched experts occupy the same slots, so they count against the same budget.
 """
 
 from __future__ import annotations
@@ -116,6 +123,9 @@ class ExpertStore:
                 if slot is None:
                     break
                 self._load(key, slot, counters, ahead=False)
+            elif table.ahead.pop(key, None) is not None:
+                counters.prefetch_used += 1
+            table.stale.discard(key)
             counters.access(key.layer, hit)
             table.pins[slot] += 1
             scheduled.append(slot)
@@ -129,7 +139,12 @@ class ExpertStore:
         if slot is None and must:
             self._drain(table)  # only loads in flight stand in the way: let them land
             slot = table.claim(key, self.clock, needed, allow_protected=True)
+        self._collect_evicted_ahead(table)
         return slot
+
+    def _collect_evicted_ahead(self, table: SlotTable) -> None:
+        self.counters.current.prefetch_wasted += table.evicted_ahead
+        table.evicted_ahead = 0
 
     def _wait_ready(self, slot: int) -> None:
         table = self.device.table
@@ -163,9 +178,10 @@ class ExpertStore:
             counters.loads_on_demand += 1
         dst = self.device.buffers[slot]
         if self.host is None:
-            self.device.table.ticket[slot] = self.transfers.submit(self._disk_job, key, dst, counters)
+            self.device.table.ticket[slot] = self.transfers.submit(self._disk_job, key, dst, counters, ahead=ahead)
         else:
-            self.device.table.ticket[slot] = self._via_host(key, dst, self.device.table.free_event[slot], counters)
+            self.device.table.ticket[slot] = self._via_host(key, dst, self.device.table.free_event[slot], counters,
+                                                            ahead)
 
     def _disk_job(self, key: ExpertKey, dst: torch.Tensor, counters: PhaseCounters) -> None:
         start = time.perf_counter()
@@ -173,7 +189,7 @@ class ExpertStore:
         counters.disk_read(nbytes, start, time.perf_counter())
 
     def _via_host(self, key: ExpertKey, dst: torch.Tensor, after: torch.cuda.Event | None,
-                  counters: PhaseCounters) -> Ticket:
+                  counters: PhaseCounters, ahead: bool = False) -> Ticket:
         """Copy from the host tier, reading the expert into it from disk first when it is not there."""
         host = self.host
         assert host is not None
@@ -185,7 +201,7 @@ class ExpertStore:
             if slot is None:
                 raise RuntimeError("host tier has no evictable slot although nothing is pinned there")
             src = host.buffers[slot]
-            ticket = self.transfers.submit(self._disk_then_copy, key, src, dst, after, counters)
+            ticket = self.transfers.submit(self._disk_then_copy, key, src, dst, after, counters, ahead=ahead)
         else:
             counters.host_hits += 1
             src, previous = host.buffers[slot], table.ticket[slot]
@@ -214,18 +230,42 @@ class ExpertStore:
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> int:
         """Start loading `experts` of `layer` ahead of time into free or evictable slots, never evicting a
-        pinned or in-flight one; experts already resident or loading are skipped. Returns loads issued."""
+        pinned, in-flight or other prefetched expert; experts already resident or loading are skipped.
+        Returns loads issued."""
         table, counters, issued = self.device.table, self.counters.current, 0
         for e in experts:
             key = ExpertKey(layer, e)
             if key in table.slot_of:
                 continue
-            slot = table.claim(key, self.clock)
+            slot = table.claim(key, self.clock, table.ahead, within_quota=True)
             if slot is None:
                 break
             self._load(key, slot, counters, ahead=True)
+            table.ahead[key] = slot
             issued += 1
         return issued
+
+    @property
+    def ahead(self) -> dict[ExpertKey, int]:
+        """Experts prefetched whose layer has not routed since: key -> device slot."""
+        return self.device.table.ahead
+
+    def prefetches_in_flight(self) -> int:
+        return sum(1 for slot in self.ahead.values() if not settled(self.device.table.ticket[slot]))
+
+    def settle(self, layer: int, experts: Sequence[int]) -> None:
+        """`layer` routed to `experts`: judge the prefetches made for it (see the module note)."""
+        table, counters, needed = self.device.table, self.counters.current, set(experts)
+        for key in [k for k in table.ahead if k.layer == layer]:
+            slot = table.ahead[key]
+            ticket = table.ticket[slot]
+            if ticket is not None and ticket.cancel():
+                table.forget(slot)
+                counters.prefetch_cancelled += 1
+            elif key.expert not in needed:
+                del table.ahead[key]
+                table.stale.add(key)
+                counters.prefetch_wasted += 1
 
     def _drain(self, table: SlotTable) -> None:
         """Wait for every transfer in flight into or out of `table`'s slots."""

@@ -1,4 +1,7 @@
-"""Moving expert bytes: an I/O thread pool for disk reads and a named CUDA stream for host->device copies.
+"""Moving expert bytes: I/O thread pools for disk reads and a named CUDA stream for host->device copies.
+
+Two lanes: on-demand loads go to `pool`; prefetches go to `ahead_pool` (one thread by default), so a demand
+load never waits in a queue behind speculative ones, and a queued prefetch can still be cancelled.
 
 Every transfer is a `Future` whose result is the CUDA event that marks the end of its copy (None when the
 copy was synchronous or there was none). Consumers wait on the host for the future (disk) and on the GPU
@@ -24,14 +27,15 @@ def completed(value: T) -> Future[T]:
 
 
 class Transfers:
-    def __init__(self, device: torch.device, io_threads: int):
+    def __init__(self, device: torch.device, io_threads: int, ahead_threads: int = 1):
         self.device = device
         self.pool = ThreadPoolExecutor(max(io_threads, 1), thread_name_prefix="moepager-io")
+        self.ahead_pool = ThreadPoolExecutor(max(ahead_threads, 1), thread_name_prefix="moepager-prefetch")
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         """The named stream host->device copies run on, beside the compute stream."""
 
-    def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
-        return self.pool.submit(fn, *args)
+    def submit(self, fn: Callable[..., T], *args: object, ahead: bool = False) -> Future[T]:
+        return (self.ahead_pool if ahead else self.pool).submit(fn, *args)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None) -> tuple[
             torch.cuda.Event | None, float]:
@@ -52,4 +56,5 @@ class Transfers:
         return event, 0.0
 
     def shutdown(self) -> None:
+        self.ahead_pool.shutdown(wait=True, cancel_futures=True)
         self.pool.shutdown(wait=True)

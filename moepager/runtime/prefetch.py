@@ -1,0 +1,187 @@
+"""Prefetch in the engine: a predictor's forecasts become a priority queue of expert loads.
+
+Algorithm (per forward pass; the Prefetcher is a RoutingObserver plus the generation loop's pass hook):
+1. begin_pass: the pass's tokens give each row's semantic embedding; the predictor starts an iteration, and
+   forecasts for the first `distance` layers (made before any layer runs: fMoE's semantic search) are queued.
+2. each MoE layer i routes: the store settles layer i's prefetches (cancel what is still queued and unneeded,
+   promote what is queued and needed to an on-demand load, mark loaded-but-unneeded experts stale); queued
+   requests for layer i are dropped (too late); the predictor observes the layer and forecasts the target
+   `distance` layers ahead (wrapping into the next token); the forecast's rows are selected (top-k, or fMoE's
+   similarity rule) and merged into the queue.
+3. the queue is pumped: highest priority first, priority = probability mass / layers until needed (fMoE's
+   p / (l - l_now)), at most `max_inflight` prefetches loading at once, at most a layer's cache quota per
+   target layer, on the transfer engine's prefetch lane while the model keeps computing.
+Misses are always loaded on demand by the store, so outputs are those of the all-resident model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from moepager.config import PrefetchConfig
+from moepager.models.layers import CausalLM, MoEBlock
+from moepager.predictors import (
+    ExpertMapPredictor,
+    Forecast,
+    LayerObservation,
+    Predictor,
+    PredictorError,
+    default_distance,
+    make_predictor,
+    target_of,
+)
+from moepager.predictors.expert_map import hashed_tokens
+from moepager.store.store import ExpertStore
+from moepager.types import ExpertKey, Phase, RoutingDecision
+
+SemanticEmbed = Callable[[torch.Tensor], torch.Tensor]
+"""token ids_N -> per-token vectors_ND whose running mean over a request is its semantic embedding (the
+model's embedding layer, or expert_map.hashed_tokens for stores fitted on traces)."""
+
+
+@dataclass(frozen=True)
+class PrefetchPlan:
+    distance: int
+    """MoE layers between the layer a forecast is made after and its target."""
+    per_row: int
+    """Experts per forecast row (the floor of fMoE's similarity rule)."""
+    max_inflight: int
+    """Prefetches loading at the same time, at most."""
+
+
+class Prefetcher:
+    def __init__(self, predictor: Predictor, store: ExpertStore, moe_layers: Sequence[int], plan: PrefetchPlan,
+                 embed: SemanticEmbed | None = None):
+        if not 1 <= plan.distance <= len(moe_layers):
+            raise PredictorError(f"prefetch distance must be in 1..{len(moe_layers)} MoE layers, got {plan.distance}")
+        self.predictor, self.store, self.plan = predictor, store, plan
+        self.moe_layers = list(moe_layers)
+        self.position = {layer: i for i, layer in enumerate(moe_layers)}
+        self.embed = embed
+        """None when the predictor uses no semantic embedding."""
+        self.pending: dict[tuple[int, int], dict[int, float]] = {}
+        """(iteration, MoE position) -> expert -> probability mass, for targets not yet routed."""
+        self.iteration = 0
+        self.now = -1
+        self._sem_sum: dict[int, tuple[torch.Tensor, int]] = {}
+        self._last_rows: list[int] = []
+
+    # -- pass hook --------------------------------------------------------------------------------------------
+    def begin_pass(self, phase: Phase, rows: Sequence[int], counts: Sequence[int],
+                   token_ids_N: torch.Tensor | None = None) -> None:
+        self.iteration += 1
+        self.now = -1
+        self.pending = {key: v for key, v in self.pending.items() if key[0] >= self.iteration}
+        ids_N = token_ids_N.cpu() if token_ids_N is not None else torch.zeros(0, dtype=torch.long)
+        sem_ND = self._semantic(rows, counts, ids_N) if self.embed is not None and len(ids_N) else None
+        self._last_rows = (torch.cumsum(torch.tensor(list(counts)), 0) - 1).tolist()
+        self.predictor.start_iteration(ids_N, sem_ND)
+        for j in range(min(self.plan.distance, len(self.moe_layers))):
+            self._enqueue(self.predictor.forecast(j, 0), j, 0)
+        self._pump()
+
+    def _semantic(self, rows: Sequence[int], counts: Sequence[int], ids_N: torch.Tensor) -> torch.Tensor:
+        """Each token row's request embedding so far: running means carried across passes per request row."""
+        assert self.embed is not None
+        with torch.no_grad():
+            vec_ND = self.embed(ids_N).float().cpu()
+        out, start = [], 0
+        for row, n in zip(rows, counts, strict=True):
+            total, count = self._sem_sum.get(row, (torch.zeros(vec_ND.shape[1]), 0))
+            sums = total + torch.cumsum(vec_ND[start:start + n], 0)
+            out.append(sums / (count + torch.arange(1, n + 1)[:, None]))
+            self._sem_sum[row] = (sums[-1], count + n)
+            start += n
+        return torch.cat(out)
+
+    def reset_requests(self) -> None:
+        """A new batch of requests: forget the previous requests' semantic sums."""
+        self._sem_sum = {}
+
+    # -- routing observer -------------------------------------------------------------------------------------
+    def routed(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> None:
+        i = self.position[layer]
+        self.now = i
+        self.store.settle(layer, torch.unique(route.ids_TK).tolist())
+        self.pending.pop((self.iteration, i), None)
+        self.predictor.observe(i, LayerObservation(route.scores_TE.float().cpu(), route.ids_TK.cpu(),
+                                                   x_ND.detach().float().cpu()))
+        j, ahead = target_of(i, self.plan.distance, len(self.moe_layers))
+        self._enqueue(self.predictor.forecast(j, ahead), j, ahead)
+        self._pump()
+
+    # -- queue ------------------------------------------------------------------------------------------------
+    def _enqueue(self, forecast: Forecast | None, j: int, ahead: int) -> None:
+        """Merge a forecast's selected experts into the queue entry of its target (the union over rows, each
+        expert weighted by its summed probability). Next-iteration targets use each request's last row."""
+        if forecast is None:
+            return
+        if ahead:
+            rows = [r for r in self._last_rows if r < forecast.probs_NE.shape[0]]
+            confidence = forecast.confidence_N[rows] if forecast.confidence_N is not None else None
+            forecast = Forecast(forecast.probs_NE[rows], confidence)
+        entry = self.pending.setdefault((self.iteration + ahead, j), {})
+        probs_NE = forecast.probs_NE
+        for n, chosen in enumerate(forecast.select(self.plan.per_row)):
+            for e in chosen:
+                entry[e] = entry.get(e, 0.0) + float(probs_NE[n, e])
+
+    def _pump(self) -> None:
+        """Issue queued prefetches, best priority first, while fewer than max_inflight are loading."""
+        room = self.plan.max_inflight - self.store.prefetches_in_flight()
+        if room <= 0 or not self.pending:
+            return
+        num_layers, quota = len(self.moe_layers), self.store.device.table.quota
+        ranked = []
+        for (iteration, j), entry in self.pending.items():
+            until = (iteration - self.iteration) * num_layers + j - self.now
+            layer = self.moe_layers[j]
+            best = sorted(entry.items(), key=lambda kv: -kv[1])[: quota.get(layer, len(entry))]
+            ranked += [(mass / until, layer, e) for e, mass in best if until > 0]
+        ranked.sort(key=lambda r: -r[0])
+        for _, layer, e in ranked:
+            if room <= 0:
+                break
+            if ExpertKey(layer, e) in self.store.device.table.slot_of:
+                continue
+            room -= self.store.prefetch(layer, [e])
+
+
+def build_prefetcher(config: PrefetchConfig, model: CausalLM, store: ExpertStore) -> Prefetcher:
+    """The configured predictor, wired to the model's routers and embedding layer and to the store."""
+    assert config.predictor is not None
+    cfg = model.config
+    blocks = sorted((m for m in model.modules() if isinstance(m, MoEBlock)), key=lambda m: m.layer)
+    routers = router_scores(model)
+    num_layers = len(blocks)
+    distance = config.distance or default_distance(config.predictor, num_layers)
+    predictor = make_predictor(config.predictor, num_layers=num_layers, num_experts=cfg.num_experts,
+                               file=config.file, routers=routers, learn=config.learn, distance=distance)
+    embed: SemanticEmbed | None = None
+    if isinstance(predictor, ExpertMapPredictor):
+        if predictor.store.sem_kind == "embedding":
+            embed = model.model.embed_tokens
+        else:
+            embed = _hashed
+    plan = PrefetchPlan(distance, config.per_row or cfg.top_k, config.max_inflight or 2 * cfg.top_k)
+    return Prefetcher(predictor, store, [b.layer for b in blocks], plan, embed)
+
+
+def router_scores(model: CausalLM) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    """The model's routers in MoE-layer order, as x_ND -> scores_NE (what gate lookahead applies)."""
+    blocks = sorted((m for m in model.modules() if isinstance(m, MoEBlock)), key=lambda m: m.layer)
+    return [_router_scores(block) for block in blocks]
+
+
+def _router_scores(block: MoEBlock) -> Callable[[torch.Tensor], torch.Tensor]:
+    def scores(x_ND: torch.Tensor) -> torch.Tensor:
+        gate = block.gate
+        return gate(x_ND.to(next(gate.parameters()).dtype)).scores_TE
+    return scores
+
+
+def _hashed(ids_N: torch.Tensor) -> torch.Tensor:
+    return hashed_tokens(ids_N.tolist())

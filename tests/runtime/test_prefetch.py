@@ -1,0 +1,96 @@
+"""Prefetch in the engine: every predictor loads experts ahead, and outputs stay those of the all-resident run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moepager.cli.main import main
+from moepager.config import PrefetchConfig, StoreConfig
+from moepager.errors import MoepagerError
+from moepager.runtime.llm import LLM
+from moepager.runtime.sampling import SamplingParams
+from moepager.trace.format import TraceReader
+from moepager.trace.predict import fit_expert_maps, fit_token_wise, fit_transition
+
+PROMPTS = [[5, 9, 2, 40, 41], [7, 1, 3]]
+PARAMS = SamplingParams(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def recorded(hf_checkpoint, tmp_path_factory):
+    """The olmoe tiny model, its all-resident outputs, and predictor files fitted on a trace it recorded."""
+    _, path = hf_checkpoint("olmoe")
+    out = tmp_path_factory.mktemp("prefetch")
+    llm = LLM(path, show_progress=False)
+    reference = [c.token_ids for c in llm.generate(PROMPTS, PARAMS)]
+    llm.generate([[3, 4, 5, 6, 7, 8], [9, 10, 11], [12, 13]], SamplingParams(max_tokens=30, temperature=1.0, seed=1,
+                 ignore_eos=True), record_trace=out / "t.mpt", record_hidden=True)
+    with TraceReader(out / "t.mpt") as reader:
+        everything = list(range(len(reader)))
+        fit_transition(reader, everything, [1, 2, 3]).save(out / "transition.pt")
+        fit_expert_maps(reader, everything, capacity=50).save(out / "expert-map.pt")
+        fit_token_wise(reader, everything, epochs=50).save(out / "token-wise.pt")
+    return path, reference, out
+
+
+@pytest.mark.parametrize("predictor, fitted, scope", [
+    ("gate-lookahead", False, "layer"), ("transition", True, "layer"), ("expert-map", True, "layer"),
+    ("expert-map", False, "global"), ("token-wise", True, "layer"), ("gate-lookahead", False, "global")])
+def test_every_predictor_prefetches_without_changing_outputs(recorded, predictor, fitted, scope):
+    path, reference, files = recorded
+    llm = LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", scope=scope, warm=False),
+              prefetch=PrefetchConfig(predictor, file=str(files / f"{predictor}.pt") if fitted else None,
+                                      learn=not fitted))
+    assert [c.token_ids for c in llm.generate(PROMPTS, PARAMS)] == reference
+    phases = llm.last_stats.sections["experts"].phases
+    assert phases["decode"]["loads_ahead"] > 0
+
+    def total(field: str) -> int:  # a prefetch issued at the end of prefill is judged in decode
+        return sum(p[field] for p in phases.values())
+    judged = total("prefetch_used") + total("prefetch_wasted") + total("prefetch_cancelled")
+    assert judged <= total("loads_ahead") <= judged + 2 * len(PROMPTS) * llm.loaded.config.top_k * 3
+
+
+def test_gate_lookahead_hides_loads_on_a_deepseek_style_model(hf_checkpoint):
+    _, path = hf_checkpoint("deepseek_v3")
+    reference = [c.token_ids for c in LLM(path, show_progress=False).generate(PROMPTS, PARAMS)]
+    llm = LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", warm=False),
+              prefetch=PrefetchConfig("gate-lookahead", distance=1))
+    assert [c.token_ids for c in llm.generate(PROMPTS, PARAMS)] == reference
+    decode = llm.last_stats.sections["experts"].phases["decode"]
+    assert decode["prefetch_used"] > 0
+
+
+def test_recorded_hidden_states_are_the_router_inputs(recorded):
+    path, _, files = recorded
+    llm = LLM(path, show_progress=False)
+    with TraceReader(files / "t.mpt") as reader:
+        request = reader.request(0)
+    assert request.hidden_TLD is not None and request.hidden_TLD.dtype == np.float16
+    gates = [m.gate for m in llm.loaded.model.modules() if hasattr(m, "gate") and hasattr(m, "observer")]
+    for layer, gate in enumerate(gates):
+        x = torch.from_numpy(request.hidden_TLD[:, layer].astype(np.float32))
+        ids = gate(x).ids_TK.sort(-1).values.numpy()
+        agree = (ids == np.sort(request.ids_TLK[:, layer], -1)).all(-1).mean()
+        assert agree > 0.9  # float16 storage may flip a near tie
+
+
+def test_prefetch_needs_a_paged_store_and_a_fitted_file(recorded):
+    path, _, files = recorded
+    with pytest.raises(MoepagerError, match="--expert-memory"):
+        LLM(path, show_progress=False, prefetch=PrefetchConfig("gate-lookahead"))
+    with pytest.raises(MoepagerError, match="moepager predictor fit"):
+        LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%"), prefetch=PrefetchConfig("token-wise"))
+    with pytest.raises(MoepagerError, match="unknown predictor"):
+        PrefetchConfig("oracle")
+
+
+def test_generate_cli_prints_prefetch_statistics(demo_checkpoint, capsys):
+    assert main(["generate", "--model", str(demo_checkpoint), "--quiet", "--expert-memory", "50%", "--cold",
+                 "--predictor", "gate-lookahead", "--max-tokens", "8", "--ignore-eos", "hello"]) == 0
+    out = capsys.readouterr().out
+    assert "decode prefetch" in out and "accuracy" in out
+    assert main(["generate", "--model", str(demo_checkpoint), "--predictor", "gate-lookahead", "hello"]) == 2
+    assert "--expert-memory" in capsys.readouterr().err

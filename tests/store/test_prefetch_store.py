@@ -1,0 +1,47 @@
+"""The store's prefetch mechanism: its own lane, no prefetch evicts another, settling a layer's prefetches."""
+
+from __future__ import annotations
+
+from moepager.policies.lru import LRU
+from moepager.store.slots import SlotTable
+from moepager.types import ExpertKey
+from tests.store.test_store import consume, make_store, value
+
+
+def test_a_consumed_prefetch_is_a_hit_and_counted_used():
+    store, reader = make_store(4)
+    assert store.prefetch(0, [3]) == 1
+    assert consume(store, 0, [3]) == [value(ExpertKey(0, 3))]
+    c = store.counters.current
+    assert (c.loads_ahead, c.loads_on_demand, c.prefetch_used, dict(c.hits)) == (1, 0, 1, {0: 1})
+
+
+def test_prefetches_never_evict_each_other():
+    store, _ = make_store(4)  # two slots per layer
+    assert store.prefetch(1, [0, 1, 2]) == 2
+    assert set(store.ahead) == {ExpertKey(1, 0), ExpertKey(1, 1)}
+
+
+def test_settle_promotes_a_queued_needed_prefetch_and_marks_a_loaded_unneeded_one_stale():
+    store, reader = make_store(4)
+    reader.gate.clear()  # the prefetch lane's one thread blocks on expert 0; expert 1 waits in its queue
+    assert store.prefetch(1, [0, 1]) == 2
+    store.settle(1, [1, 5])
+    c = store.counters.current
+    assert c.prefetch_cancelled == 1 and ExpertKey(1, 1) not in store.device.table.slot_of
+    assert c.prefetch_wasted == 1 and ExpertKey(1, 0) in store.device.table.stale
+    assert store.ahead == {}
+    reader.gate.set()
+    assert consume(store, 1, [1, 5]) == [value(ExpertKey(1, 1)), value(ExpertKey(1, 5))]
+    assert c.loads_on_demand == 2 and reader.reads.count(ExpertKey(1, 1)) == 1
+
+
+def test_stale_experts_are_evicted_before_the_policys_choice():
+    table = SlotTable(2, [0], LRU(), "layer")
+    old, fresh = ExpertKey(0, 1), ExpertKey(0, 2)
+    for step, key in enumerate([old, fresh]):
+        table.claim(key, step)
+        table.policy.on_access(key, step)
+    table.stale.add(fresh)  # LRU would evict `old`; the stale prefetch goes first
+    table.claim(ExpertKey(0, 3), 5)
+    assert old in table.slot_of and fresh not in table.slot_of and fresh not in table.stale
