@@ -46,7 +46,7 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host-memory", metavar="SIZE",
                    help="with --device cuda: pinned host RAM for experts (default all); the rest is read from disk")
     g.add_argument("--policy", choices=ENGINE_POLICIES, default="lru",
-                   help="eviction policy (default lru; fmoe ranks as LFU until a predictor gives probabilities)")
+                   help="eviction policy (default lru; fmoe weighs LFU counts by the --predictor's probabilities)")
     g.add_argument("--cache-scope", choices=["layer", "global"], default="layer",
                    help="layer: equal share of the cache per MoE layer (default); global: shared by all layers")
     g.add_argument("--io-threads", type=int, default=4, help="threads reading experts from disk (default 4)")

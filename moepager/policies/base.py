@@ -33,6 +33,10 @@ class EvictionPolicy(Protocol):
         """Which of `candidates` (non-empty, all evictable) to evict now."""
         ...
 
+    def predict(self, layer: int, probs_E: np.ndarray) -> None:
+        """A predictor's latest probabilities for `layer`'s experts (fMoE's eviction weighs by them)."""
+        ...
+
 
 @dataclass
 class AccessStats:
@@ -104,6 +108,11 @@ class Ranked:
         i = self._slot(key)
         self.stats.count[i] += 1
         self.stats.last[i] = step
+
+    def predict(self, layer: int, probs_E: np.ndarray) -> None:
+        for e, p in enumerate(probs_E.tolist()):
+            i = self._slot(ExpertKey(layer, e))  # may grow the arrays: index them afterwards
+            self.stats.prob[i] = p
 
     def score(self, key: ExpertKey, step: int) -> float:
         """`key`'s priority now (what `victim` compares)."""

@@ -7,7 +7,8 @@ Algorithm (per forward pass; the Prefetcher is a RoutingObserver plus the genera
    promote what is queued and needed to an on-demand load, mark loaded-but-unneeded experts stale); queued
    requests for layer i are dropped (too late); the predictor observes the layer and forecasts the target
    `distance` layers ahead (wrapping into the next token); the forecast's rows are selected (top-k, or fMoE's
-   similarity rule) and merged into the queue.
+   similarity rule) and merged into the queue; the eviction policy sees the target layer's mean forecast (fMoE's
+   eviction ranks by p * freq).
 3. the queue is pumped: highest priority first, priority = probability mass / layers until needed (fMoE's
    p / (l - l_now)), at most `max_inflight` prefetches loading at once, at most a layer's cache quota per
    target layer, on the transfer engine's prefetch lane while the model keeps computing.
@@ -125,6 +126,8 @@ class Prefetcher:
             forecast = Forecast(forecast.probs_NE[rows], confidence)
         entry = self.pending.setdefault((self.iteration + ahead, j), {})
         probs_NE = forecast.probs_NE
+        if len(probs_NE):
+            self.store.device.table.policy.predict(self.moe_layers[j], probs_NE.mean(0).numpy())
         for n, chosen in enumerate(forecast.select(self.plan.per_row)):
             for e in chosen:
                 entry[e] = entry.get(e, 0.0) + float(probs_NE[n, e])

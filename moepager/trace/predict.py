@@ -30,7 +30,7 @@ from moepager.predictors import (
     k_hot,
     target_of,
 )
-from moepager.predictors.expert_map import DEFAULT_CAPACITY, hashed_tokens, prefix_means
+from moepager.predictors.expert_map import DEFAULT_CAPACITY, HASH_DIM, hashed_tokens, prefix_means
 from moepager.predictors.token_wise import train_token_wise
 from moepager.trace.format import TraceHeader, TraceReader, TraceRequest
 
@@ -49,12 +49,19 @@ def split_requests(n: int, test_fraction: float = 0.3, seed: int = 0) -> tuple[l
 
 
 def observations(request: TraceRequest, header: TraceHeader) -> list[LayerObservation]:
-    """One observation per MoE layer with the request's tokens as rows; K-hot / K where gates are missing."""
+    """One observation per MoE layer with the request's tokens as rows. Distributions: the full gates; else the
+    recorded top-k weights (zero elsewhere); else K-hot / K."""
     ids = torch.from_numpy(request.ids_TLK.astype(np.int64))
     out = []
     for layer in range(header.num_layers):
-        probs = torch.from_numpy(request.gates_TLE[:, layer]) if request.gates_TLE is not None else \
-            k_hot(ids[:, layer], header.num_experts)
+        if request.gates_TLE is not None:
+            probs = torch.from_numpy(request.gates_TLE[:, layer])
+        elif request.weights_TLK is not None:
+            valid = ids[:, layer] >= 0
+            weights = torch.from_numpy(request.weights_TLK[:, layer]).float() * valid
+            probs = torch.zeros(len(ids), header.num_experts).scatter_add_(1, ids[:, layer].clamp(min=0), weights)
+        else:
+            probs = k_hot(ids[:, layer], header.num_experts)
         x = torch.from_numpy(request.hidden_TLD[:, layer].astype(np.float32)) if request.hidden_TLD is not None \
             else None
         out.append(LayerObservation(probs.float(), ids[:, layer], x))
@@ -79,7 +86,8 @@ def fit_expert_maps(reader: TraceReader, train: Sequence[int], capacity: int = D
                     distance: int = 3, max_iterations: int = 20_000, seed: int = 0,
                     progress: Progress | None = None) -> ExpertMapStore:
     """fMoE's offline store: iterations of the training requests (a seeded sample of at most
-    `max_iterations`) inserted with redundancy-based replacement."""
+    `max_iterations`) inserted with redundancy-based replacement. Requests without token ids or strings get a
+    zero semantic embedding (the semantic search then cannot forecast for them)."""
     h = reader.header
     total = sum(reader.request(i).num_tokens for i in train) if len(train) else 0
     keep = min(1.0, max_iterations / max(total, 1))
@@ -89,7 +97,7 @@ def fit_expert_maps(reader: TraceReader, train: Sequence[int], capacity: int = D
         request = reader.request(i)
         sem = semantic_rows(request)
         if sem is None:
-            raise PredictorError(f"{reader.path}: request {i} has no token ids or strings for the semantic search")
+            sem = torch.zeros(request.num_tokens, HASH_DIM)
         rows = np.flatnonzero(rng.random(request.num_tokens) < keep)
         maps = torch.stack([o.probs_NE for o in observations(request, h)], 1)
         store.add(sem[rows], maps[rows])

@@ -94,3 +94,12 @@ def test_generate_cli_prints_prefetch_statistics(demo_checkpoint, capsys):
     assert "decode prefetch" in out and "accuracy" in out
     assert main(["generate", "--model", str(demo_checkpoint), "--predictor", "gate-lookahead", "hello"]) == 2
     assert "--expert-memory" in capsys.readouterr().err
+
+
+def test_fmoe_eviction_with_expert_map_forecasts_is_lossless(recorded):
+    path, reference, files = recorded
+    llm = LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", policy="fmoe", warm=False),
+              prefetch=PrefetchConfig("expert-map", file=str(files / "expert-map.pt")))
+    assert [c.token_ids for c in llm.generate(PROMPTS, PARAMS)] == reference
+    policy = llm.loaded.experts.store.device.table.policy
+    assert not np.isnan(policy.stats.prob[: len(policy._index)]).all()  # the forecasts reached the policy
