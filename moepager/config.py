@@ -1,10 +1,8 @@
-"""Frozen, validated configuration of an engine run. Environment variables are read here, once."""
+"""Frozen, validated configuration of an engine run."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from moepager.errors import MoepagerError
 from moepager.policies import UnknownPolicyError, make_policy
@@ -12,13 +10,6 @@ from moepager.predictors import PREDICTORS
 from moepager.store.budget import Budget
 from moepager.store.disk import DirectIO
 from moepager.store.slots import Scope
-
-
-def default_cache_dir() -> Path:
-    """$MOEPAGER_CACHE, else $XDG_CACHE_HOME/moepager, else ~/.cache/moepager."""
-    if os.environ.get("MOEPAGER_CACHE"):
-        return Path(os.environ["MOEPAGER_CACHE"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moepager"
 
 
 @dataclass(frozen=True)
@@ -99,8 +90,6 @@ class EngineConfig:
     """Where the model computes: cpu or cuda[:N]."""
     threads: int | None = None
     """CPU threads for torch; None keeps torch's default."""
-    cache_dir: Path = field(default_factory=default_cache_dir)
-    """Where the default model is created on first use."""
     store: StoreConfig = field(default_factory=StoreConfig)
     """Expert memory budgets and paging."""
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)

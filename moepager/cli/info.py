@@ -1,10 +1,11 @@
-"""`moepager info --model PATH`: architecture, geometry and where the bytes are (reads headers only)."""
+"""`moepager info [--model PATH]`: architecture, geometry and where the bytes are (reads headers only)."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
 
+from moepager.models.default import default_model_path
 from moepager.models.load import checkpoint_dtype
 from moepager.models.loader import Checkpoint
 from moepager.models.registry import architecture_for
@@ -15,7 +16,7 @@ HELP = "describe a checkpoint: architecture, layers, experts, parameter counts a
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--model", help="Hugging Face checkpoint directory (default: the built-in demo model)")
     p.add_argument("--expert-memory", metavar="SIZE", action="append", default=[],
                    help="also show how many experts this budget holds (repeatable; e.g. 6GiB, 25%%)")
 
@@ -62,7 +63,7 @@ def budget_row(text: str, expert_nbytes: int, num_routed: int, minimum: int) -> 
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = describe(args.model, args.expert_memory)
+    rows = describe(str(args.model or default_model_path()), args.expert_memory)
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

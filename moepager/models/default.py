@@ -1,23 +1,21 @@
-"""The built-in default model: until a trained demo model ships, a small random-weight Qwen3-MoE
-(`make-model --preset demo`: 4 layers, 32 experts, top-4, 2k vocab, ~28 MB bf16) created in the cache
-directory on first use. Its text is noise; its routing and memory behaviour are real."""
+"""The built-in default model: `demo-moe`, a small Qwen3-MoE (6 layers, 32 experts, top-4, 8k BPE vocabulary,
+~25 MB in bf16) trained by `scripts/train_demo_model.py` and shipped as package data. Its model card
+(README.md beside the weights) records the training command, losses and sample continuations."""
 
 from __future__ import annotations
 
-import shutil
+from importlib import resources
 from pathlib import Path
 
-from moepager.models.synth import make_model
+from moepager.errors import CheckpointError
 
-DEFAULT_MODEL_NAME = "demo-random-v1"
+DEFAULT_MODEL_NAME = "demo-moe"
 
 
-def default_model_path(cache_dir: Path, show_progress: bool = True) -> Path:
-    path = cache_dir / DEFAULT_MODEL_NAME
-    if (path / "config.json").exists():
-        return path
-    tmp = cache_dir / f".{DEFAULT_MODEL_NAME}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    make_model(tmp, "demo", show_progress=show_progress)
-    tmp.rename(path)
+def default_model_path() -> Path:
+    """The packaged checkpoint directory (a real directory: the package is installed as files)."""
+    path = Path(str(resources.files("moepager").joinpath("data", DEFAULT_MODEL_NAME)))
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"the built-in model is missing from {path}; reinstall moepager or pass --model DIR "
+                              "(scripts/train_demo_model.py rebuilds it)")
     return path

@@ -23,6 +23,7 @@ from moepager.runtime.store_setup import paged_source, store_report
 from moepager.runtime.tokenizer import Tokenizer
 from moepager.trace.format import TraceHeader
 from moepager.trace.recorder import TraceRecorder
+from moepager.types import Phase
 
 Prompt = str | list[int]
 
@@ -47,8 +48,7 @@ class LLM:
                                              prefetch=prefetch or PrefetchConfig())
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
-        path = Path(self.config.model) if self.config.model else default_model_path(self.config.cache_dir,
-                                                                                      show_progress)
+        path = Path(self.config.model) if self.config.model else default_model_path()
         store_config, dev = self.config.store, torch.device(self.config.device)
         self.loaded: LoadedModel = load_model(path, parse_dtype(self.config.dtype) if self.config.dtype else None,
                                               self.config.device, paged_source(store_config, dev)
@@ -104,7 +104,7 @@ class LLM:
         observers: list[RoutingObserver] = list(parts)
         self.loaded.model.observe_routing(observers[0] if len(observers) == 1 else RoutingFanOut(observers))
 
-        def on_pass(phase, rows, counts, token_ids_N) -> None:  # type: ignore[no-untyped-def]
+        def on_pass(phase: Phase, rows: Sequence[int], counts: Sequence[int], token_ids_N: torch.Tensor) -> None:
             for part in parts:
                 part.begin_pass(phase, rows, counts, token_ids_N)
         return on_pass

@@ -91,15 +91,6 @@ def test_no_traceback_from_the_console_script(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "no config.json" in proc.stderr
 
 
-def test_default_model_is_created_once_in_the_cache(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("MOEPAGER_CACHE", str(tmp_path))
-    assert main(["generate", "The history of", "--max-tokens", "4", "--quiet"]) == 0
-    assert (tmp_path / "demo-random-v1" / "config.json").exists()
-    first = capsys.readouterr().out
-    assert main(["generate", "The history of", "--max-tokens", "4", "--quiet"]) == 0
-    assert capsys.readouterr().out.splitlines()[0] == first.splitlines()[0]
-
-
 @pytest.mark.parametrize("preset, expected_b", [("mixtral-8x7b", 46.70), ("qwen3-30b-a3b", 30.53),
                                                 ("olmoe-1b-7b", 6.92), ("deepseek-v2-lite", 15.71),
                                                 ("qwen1.5-moe-a2.7b", 14.32)])
