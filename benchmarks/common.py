@@ -13,6 +13,7 @@ import psutil
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
 
 
 def machine_state() -> dict[str, Any]:
@@ -55,4 +56,42 @@ def write_json(name: str, data: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def converted(fmt: str, src: Path, name: str, opts: Any = None) -> Path:
+    """A public trace converted to moepager's format once, cached under results/traces/."""
+    from moepager.trace.convert import ConvertOptions, convert
+
+    out = RESULTS / "traces" / f"{name}.mpt"
+    if not out.exists():
+        print(f"converting {src} -> {out}")
+        convert(fmt, src, out, opts or ConvertOptions())
+    return out
+
+
+def demo_documents() -> tuple[list[str], list[str]]:
+    """The built-in demo model's (train, validation) documents, split as scripts/train_demo_model.py splits them."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from train_demo_model import split_documents
+
+    return split_documents(SHARED / "olmoe-stats" / "text")
+
+
+def record_demo_trace(path: Path, docs: list[str], tokens: int, hidden: bool = False, max_new: int = 1,
+                      model: Path | None = None) -> Path:
+    """A model's routing (default: the built-in demo model) over the first `tokens` tokens of each document (one
+    static batch, prefill), written by the engine's recorder; cached by path."""
+    from moepager.runtime.llm import LLM
+    from moepager.runtime.sampling import SamplingParams
+
+    if path.exists():
+        return path
+    llm = LLM(model, show_progress=False)
+    prompts = [ids[:tokens] for ids in (llm.encode(doc) for doc in docs) if len(ids) >= 2]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"recording {len(prompts)} documents ({sum(map(len, prompts))} tokens) -> {path}")
+    llm.generate(prompts, SamplingParams(max_tokens=max_new), record_trace=path, record_hidden=hidden)
     return path

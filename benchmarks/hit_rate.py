@@ -21,23 +21,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, machine_state, write_json  # noqa: E402
-from moepager.trace.convert import ConvertOptions, convert  # noqa: E402
+from benchmarks.common import RESULTS, SHARED, converted, machine_state, write_json  # noqa: E402
+from moepager.trace.convert import ConvertOptions  # noqa: E402
 from moepager.trace.format import TraceReader  # noqa: E402
 from moepager.trace.report import format_table, plot_hit_rates, summary  # noqa: E402
 from moepager.trace.simulate import SimSpec, simulate  # noqa: E402
 from moepager.trace.workload import load_workload  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
 POLICIES = ["rnd", "lru", "lfu", "lcp", "fmoe", "static-hot", "belady"]
-
-
-def converted(fmt: str, src: Path, name: str, opts: ConvertOptions = ConvertOptions()) -> Path:
-    out = RESULTS / "traces" / f"{name}.mpt"
-    if not out.exists():
-        print(f"converting {src} -> {out}")
-        convert(fmt, src, out, opts)
-    return out
 
 
 def run_table(title: str, work, prior, sizes, tag: str) -> list[dict]:

@@ -1,8 +1,10 @@
-"""`moepager trace convert|info`: turn public routing traces into trace format v1, and describe a trace file."""
+"""`moepager trace convert|info|stats`: turn public routing traces into trace format v1, describe a trace file,
+and summarise its routing (expert-use skew and token-to-token locality per layer)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Iterable
 from typing import Any
 
@@ -12,6 +14,7 @@ from tqdm import tqdm
 from moepager.store.budget import format_bytes
 from moepager.trace.convert import CONVERTERS, ConvertOptions, convert
 from moepager.trace.format import DECODE, MISSING, TraceReader
+from moepager.trace.stats import format_stats, routing_stats
 
 HELP = "convert public routing traces to moepager's trace format, or describe a trace file"
 
@@ -29,6 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--layers", help="olmoe-counts: decoder-layer index of each counter, e.g. 0,7,15")
     i = sub.add_parser("info", help="describe a trace file", description="header, requests, tokens and priors")
     i.add_argument("path", help="trace file")
+    s = sub.add_parser("stats", help="per-layer expert-use entropy and same-expert-as-previous-token rate",
+                       description="how skewed and how local a trace's routing is, per MoE layer")
+    s.add_argument("path", help="trace file")
+    s.add_argument("--json", metavar="PATH", help="also write the statistics as JSON")
 
 
 def _progress(items: Iterable[Any], total: int) -> Iterable[Any]:
@@ -38,6 +45,13 @@ def _progress(items: Iterable[Any], total: int) -> Iterable[Any]:
 def run(args: argparse.Namespace) -> int:
     if args.trace_command == "info":
         return _info(args.path)
+    if args.trace_command == "stats":
+        stats = routing_stats(args.path)
+        print(format_stats(stats))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(stats.to_json(), f, indent=2)
+        return 0
     layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
     opts = ConvertOptions(model=args.model, num_experts=args.num_experts, top_k=args.top_k,
                           expert_bytes=args.expert_bytes, layers=layers)
