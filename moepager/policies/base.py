@@ -91,6 +91,7 @@ class Ranked:
 
     def __init__(self) -> None:
         self._index: dict[ExpertKey, int] = {}
+        self._layer_index: dict[int, np.ndarray] = {}
         self.stats = AccessStats.zeros(0)
 
     def priority(self, stats: AccessStats, step: int) -> np.ndarray:
@@ -110,9 +111,10 @@ class Ranked:
         self.stats.last[i] = step
 
     def predict(self, layer: int, probs_E: np.ndarray) -> None:
-        for e, p in enumerate(probs_E.tolist()):
-            i = self._slot(ExpertKey(layer, e))  # may grow the arrays: index them afterwards
-            self.stats.prob[i] = p
+        index = self._layer_index.get(layer)
+        if index is None or len(index) != len(probs_E):
+            index = self._layer_index[layer] = np.array([self._slot(ExpertKey(layer, e)) for e in range(len(probs_E))])
+        self.stats.prob[index] = probs_E  # after _slot: it may have grown the arrays
 
     def score(self, key: ExpertKey, step: int) -> float:
         """`key`'s priority now (what `victim` compares)."""

@@ -1,10 +1,12 @@
-"""SMoE's token-wise predictor (Yu et al. 2025, "SMoE", §D / digest §2.6).
+"""SMoE's token-wise predictor (Zhang et al., "SMoE: Efficient MoE Inference on a Single GPU with Dynamic Expert
+Caching", token-wise prefetching; seed digest smoe.md §2.6).
 
 One predictor per MoE layer, shaped like that layer's gate (a linear map to expert scores): from the current
 token's router input x_l(t) it scores the experts the *next* token will choose at the same layer l. The
-prediction is ready a whole forward pass before it is needed. Weights start from the layer's own router and
-are trained offline on pairs (x_l(t), experts_l(t+1)) from traces recorded with hidden states
-(`moepager predictor train`); a few hundred decode tokens suffice (SMoE uses 20 samples from 5 datasets).
+prediction is ready a whole forward pass before it is needed. The weights are trained offline (a softmax
+regression, so starting from zero is fine) on pairs (x_l(t), experts_l(t+1)) from traces recorded with hidden
+states (`moepager predictor fit --kind token-wise`); a few hundred tokens suffice (SMoE uses 20 samples from 5
+datasets).
 Shape legend: N rows, D hidden, E experts, K top-k.
 """
 

@@ -46,3 +46,16 @@ def test_copies_overlap_compute_on_the_copy_stream(demo_checkpoint):
     assert any(e is not None for e in store.device.table.free_event)
     torch.cuda.synchronize()
     assert all(p == 0 for p in store.device.table.pins)
+
+
+@pytest.mark.parametrize("predictor", ["gate-lookahead", "expert-map"])
+@pytest.mark.parametrize("host_memory", [None, "50%"], ids=["host-resident", "host-cache-over-disk"])
+def test_gpu_prefetch_is_bit_exact_and_loads_ahead(demo_checkpoint, predictor, host_memory):
+    from moepager.config import PrefetchConfig
+
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    resident = LLM(demo_checkpoint, device="cuda", show_progress=False).generate(PROMPTS, params)
+    llm = LLM(demo_checkpoint, device="cuda", store=StoreConfig(expert_memory="25%", host_memory=host_memory),
+              prefetch=PrefetchConfig(predictor, learn=predictor == "expert-map"), show_progress=False)
+    assert [c.token_ids for c in llm.generate(PROMPTS, params)] == [c.token_ids for c in resident]
+    assert llm.last_stats.sections["experts"].to_dict()["decode"]["loads_ahead"] > 0

@@ -103,3 +103,12 @@ def test_fmoe_eviction_with_expert_map_forecasts_is_lossless(recorded):
     assert [c.token_ids for c in llm.generate(PROMPTS, PARAMS)] == reference
     policy = llm.loaded.experts.store.device.table.policy
     assert not np.isnan(policy.stats.prob[: len(policy._index)]).all()  # the forecasts reached the policy
+
+
+def test_predict_eval_runs_model_predictors_on_a_recorded_trace(recorded, capsys):
+    path, _, files = recorded
+    assert main(["predict-eval", "--trace", str(files / "t.mpt"), "--predictor", "gate-lookahead,token-wise",
+                 "--model", str(path), "--distance", "1,3", "--test-fraction", "0.34"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {tuple(line.split()[:2]) for line in lines if line.startswith(("gate-lookahead", "token-wise"))}
+    assert rows == {("gate-lookahead", "1"), ("gate-lookahead", "3"), ("token-wise", "1"), ("token-wise", "3")}

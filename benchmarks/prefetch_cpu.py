@@ -1,0 +1,181 @@
+"""Does prefetch lower TPOT when experts stream from disk? Every predictor side by side on the CPU.
+
+Two models: the built-in demo model (trained; 98 KiB experts, so compute-bound) and a random-weight
+OLMoE-1B-7B with 4 layers (`make-model --preset olmoe-1b-7b --layers 4`, 12 MiB experts, top-8 of 64: disk-bound).
+Expert cache at 25% and 50% of all experts; misses are read from the checkpoint on disk (O_DIRECT where the
+file system allows). For each budget: no prefetch, gate lookahead (distance 1), transition tables (distance 1),
+fMoE expert maps (distance 3) and the token-wise predictor (one token ahead); the fitted ones learn from a
+trace the engine recorded from the same model on the demo model's training documents. Prompts: validation
+documents cut to 64 tokens, greedy, batch 1. Configurations of one (model, budget) run in interleaved rounds
+(every configuration once per round) and the median over rounds is reported, so drift on this noisy machine
+hits all of them alike. Reported per configuration: TPOT (median), decode hit rate,
+exposed and hidden load time per token, prefetch accuracy and wasted bytes per token, and TPOT relative to no
+prefetch at the same budget (a predictor that does not lower TPOT is reported as such).
+Usage: python benchmarks/prefetch_cpu.py [--models demo-moe,olmoe-1b-7b-L4] [--rounds 3] [--threads 2] [--quick]
+(writes results/prefetch_cpu.json and .png; with a subset of --models, results/prefetch_cpu_<models>.*)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import (  # noqa: E402
+    RESULTS,
+    demo_documents,
+    ensure_model,
+    machine_state,
+    record_demo_trace,
+    write_json,
+)
+from moepager.config import PrefetchConfig, StoreConfig  # noqa: E402
+from moepager.runtime.llm import LLM  # noqa: E402
+from moepager.runtime.sampling import SamplingParams  # noqa: E402
+from moepager.trace.format import TraceReader  # noqa: E402
+from moepager.trace.predict import fit_expert_maps, fit_token_wise, fit_transition  # noqa: E402
+
+PREDICTORS = [None, "gate-lookahead", "transition", "expert-map", "token-wise"]
+BUDGETS = ["25%", "50%"]
+MODELS = {"demo-moe": (None, 3), "olmoe-1b-7b-L4": (("olmoe-1b-7b", 4), 24)}
+"""name -> (make-model preset and layers, or None for the built-in model; every n-th training document)."""
+
+
+def model_path(name: str) -> Path | None:
+    made = MODELS[name][0]
+    return None if made is None else ensure_model(name, made[0], made[1])
+
+
+def fitted_files(name: str) -> dict[str, Path]:
+    """Predictor files fitted on a trace of `name` over training documents (cached under results/predictors/)."""
+    out = RESULTS / "predictors"
+    files = {kind: out / f"{name}-{kind}.pt" for kind in ("transition", "expert-map", "token-wise")}
+    if all(p.exists() for p in files.values()):
+        return files
+    train_docs = demo_documents()[0][:: MODELS[name][1]]
+    trace = record_demo_trace(RESULTS / "traces" / f"{name}-train-{len(train_docs)}-128.mpt", train_docs, 128,
+                              hidden=True, model=model_path(name))
+    out.mkdir(parents=True, exist_ok=True)
+    with TraceReader(trace) as reader:
+        everything = list(range(len(reader)))
+        fit_transition(reader, everything, [1, 2, 3]).save(files["transition"])
+        fit_expert_maps(reader, everything).save(files["expert-map"])
+        fit_token_wise(reader, everything, epochs=300).save(files["token-wise"])
+    return files
+
+
+def run_once(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
+    tpot, decode = [], []
+    for prompt in prompts:
+        llm.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        stats = llm.last_stats
+        tpot.append(statistics.median(stats.tpot_s))
+        decode.append(stats.sections["experts"].phases["decode"])
+    tokens = sum(d["tokens"] for d in decode)
+    total = {k: sum(d[k] for d in decode) for k in ("exposed_s", "hidden_s", "prefetch_used", "prefetch_wasted",
+                                                     "prefetch_wasted_bytes", "accesses", "loads_ahead")}
+    hits = sum(d["hit_rate"] * d["accesses"] for d in decode)
+    return {"tpot_s": statistics.median(tpot), "hit_rate": hits / max(1, total["accesses"]),
+            "exposed_ms_per_token": 1e3 * total["exposed_s"] / tokens,
+            "hidden_ms_per_token": 1e3 * total["hidden_s"] / tokens,
+            "prefetch_accuracy": total["prefetch_used"] / max(1, total["prefetch_used"] + total["prefetch_wasted"]),
+            "prefetches_per_token": total["loads_ahead"] / tokens,
+            "wasted_kib_per_token": total["prefetch_wasted_bytes"] / tokens / 1024}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--quick", action="store_true", help="1 round, 2 prompts, 16 tokens (a smoke run)")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.prompts, args.max_tokens = 1, 2, 16
+    state = machine_state()
+    rows = []
+    for name in args.models.split(","):
+        rows += measure(name, args)
+    print("| model | budget | predictor | TPOT ms | vs none | hit rate | exposed ms/tok | hidden ms/tok | accuracy | "
+          "prefetch/tok | wasted KiB/tok |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['budget']} | {r['predictor']} | {1e3 * r['tpot_s']:.2f} | "
+              f"{r['tpot_vs_none']:.2f}x | {100 * r['hit_rate']:.1f}% | {r['exposed_ms_per_token']:.2f} | "
+              f"{r['hidden_ms_per_token']:.2f} | "
+              f"{100 * r['prefetch_accuracy']:.0f}% | {r['prefetches_per_token']:.1f} | "
+              f"{r['wasted_kib_per_token']:.0f} |")
+    for r in rows:
+        if r["predictor"] != "none" and not r["lowers_tpot"]:
+            print(f"note: {r['model']} {r['predictor']} at {r['budget']} does not lower TPOT "
+                  f"({r['tpot_vs_none']:.2f}x of none)")
+    name = "prefetch_cpu" if args.models == ",".join(MODELS) else "prefetch_cpu_" + args.models.replace(",", "_")
+    png = RESULTS / f"{name}.png"
+    plot(rows, png)
+    path = write_json(name, {"machine": state, "threads": args.threads, "rounds": args.rounds,
+                                       "prompts": args.prompts, "max_tokens": args.max_tokens, "rows": rows})
+    print(f"wrote {path} and {png}")
+
+
+def measure(name: str, args: argparse.Namespace) -> list[dict]:
+    """Every predictor at every budget on one model; one (model, budget) group of engines alive at a time."""
+    files, path = fitted_files(name), model_path(name)
+    rows = []
+    for budget in BUDGETS:
+        llms = {}
+        for predictor in PREDICTORS:
+            prefetch = PrefetchConfig(predictor, file=str(files[predictor]) if predictor in files else None)
+            llms[predictor] = LLM(path, store=StoreConfig(expert_memory=budget, direct_io="auto"), prefetch=prefetch,
+                                  threads=args.threads, show_progress=False)
+        prompts = [llms[None].encode(doc)[:64] for doc in demo_documents()[1][: args.prompts]]
+        samples: dict[str | None, list[dict]] = {p: [] for p in PREDICTORS}
+        with tqdm(total=args.rounds * len(PREDICTORS), desc=f"{name} {budget}", unit="run") as bar:
+            for _ in range(args.rounds):
+                for predictor in PREDICTORS:
+                    samples[predictor].append(run_once(llms[predictor], prompts, args.max_tokens))
+                    bar.update(1)
+        del llms
+        group = [{"model": name, "budget": budget, "predictor": p or "none",
+                  **{k: statistics.median(run[k] for run in samples[p]) for k in samples[p][0]}} for p in PREDICTORS]
+        for r in group:
+            r["tpot_vs_none"] = r["tpot_s"] / group[0]["tpot_s"]
+            r["lowers_tpot"] = r["tpot_vs_none"] < 0.97
+        rows += group
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(len(models), 2, figsize=(11, 4 * len(models)), squeeze=False)
+    names = list(dict.fromkeys(r["predictor"] for r in rows))
+    width = 0.8 / len(BUDGETS)
+    for m, model in enumerate(models):
+        for b, budget in enumerate(BUDGETS):
+            sel = [next(r for r in rows if r["model"] == model and r["budget"] == budget and r["predictor"] == n)
+                   for n in names]
+            xs = [i + b * width for i in range(len(names))]
+            axes[m][0].bar(xs, [1e3 * r["tpot_s"] for r in sel], width, label=f"cache {budget}")
+            axes[m][1].bar(xs, [r["exposed_ms_per_token"] for r in sel], width, label=f"cache {budget}")
+        for ax, title in zip(axes[m], ("TPOT (ms)", "exposed expert load time (ms / token)")):
+            ax.set_xticks([i + width * (len(BUDGETS) - 1) / 2 for i in range(len(names))], names, rotation=20)
+            ax.set_title(f"{model}: {title}")
+            ax.legend()
+            ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
