@@ -33,6 +33,9 @@ class EvictionPolicy(Protocol):
         """Which of `candidates` (non-empty, all evictable) to evict now."""
         ...
 
+    uses_predictions: bool
+    """Whether `predict` changes the ranking (only then is it worth calling)."""
+
     def predict(self, layer: int, probs_E: np.ndarray) -> None:
         """A predictor's latest probabilities for `layer`'s experts (fMoE's eviction weighs by them)."""
         ...
@@ -88,6 +91,8 @@ class Ranked:
     offline = False
     preload = False
     admits_on_miss = True
+    uses_predictions = False
+    """Whether `priority` reads `stats.prob` (callers skip `predict` otherwise)."""
 
     def __init__(self) -> None:
         self._index: dict[ExpertKey, int] = {}

@@ -13,6 +13,8 @@ from moepager.policies.base import AccessStats, Ranked
 
 
 class FMoE(Ranked):
+    uses_predictions = True
+
     def priority(self, stats: AccessStats, step: int) -> np.ndarray:
         freq = stats.count.astype(np.float64)
         return np.where(np.isnan(stats.prob), freq, freq * (np.nan_to_num(stats.prob) + 1e-6))

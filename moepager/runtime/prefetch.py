@@ -106,7 +106,7 @@ class Prefetcher:
     def routed(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> None:
         i = self.position[layer]
         self.now = i
-        self.store.settle(layer, torch.unique(route.ids_TK).tolist())
+        self.store.settle(layer, route.ids_TK.flatten().tolist())
         self.pending.pop((self.iteration, i), None)
         self.predictor.observe(i, LayerObservation(route.scores_TE.float().cpu(), route.ids_TK.cpu(),
                                                    x_ND.detach().float().cpu()))
@@ -126,8 +126,9 @@ class Prefetcher:
             forecast = Forecast(forecast.probs_NE[rows], confidence)
         entry = self.pending.setdefault((self.iteration + ahead, j), {})
         probs_NE = forecast.probs_NE
-        if len(probs_NE):
-            self.store.device.table.policy.predict(self.moe_layers[j], probs_NE.mean(0).numpy())
+        policy = self.store.device.table.policy
+        if policy.uses_predictions and len(probs_NE):
+            policy.predict(self.moe_layers[j], probs_NE.mean(0).numpy())
         for n, chosen in enumerate(forecast.select(self.plan.per_row)):
             for e in chosen:
                 entry[e] = entry.get(e, 0.0) + float(probs_NE[n, e])
@@ -180,9 +181,11 @@ def router_scores(model: CausalLM) -> list[Callable[[torch.Tensor], torch.Tensor
 
 
 def _router_scores(block: MoEBlock) -> Callable[[torch.Tensor], torch.Tensor]:
+    gate = block.gate
+    dtype = next(gate.parameters()).dtype
+
     def scores(x_ND: torch.Tensor) -> torch.Tensor:
-        gate = block.gate
-        return gate(x_ND.to(next(gate.parameters()).dtype)).scores_TE
+        return gate(x_ND.to(dtype)).scores_TE
     return scores
 
 
