@@ -109,7 +109,7 @@ class Prefetcher:
         self.store.settle(layer, route.ids_TK.flatten().tolist())
         self.pending.pop((self.iteration, i), None)
         self.predictor.observe(i, LayerObservation(route.scores_TE.float().cpu(), route.ids_TK.cpu(),
-                                                   x_ND.detach().float().cpu()))
+                                                   x_ND.detach().cpu()))
         j, ahead = target_of(i, self.plan.distance, len(self.moe_layers))
         self._enqueue(self.predictor.forecast(j, ahead), j, ahead)
         self._pump()
@@ -167,7 +167,10 @@ def build_prefetcher(config: PrefetchConfig, model: CausalLM, store: ExpertStore
     embed: SemanticEmbed | None = None
     if isinstance(predictor, ExpertMapPredictor):
         if predictor.store.sem_kind == "embedding":
-            embed = model.model.embed_tokens
+            table = model.model.embed_tokens
+
+            def embed(ids_N: torch.Tensor) -> torch.Tensor:
+                return table(ids_N.to(table.weight.device))
         else:
             embed = _hashed
     plan = PrefetchPlan(distance, config.per_row or cfg.top_k, config.max_inflight or 2 * cfg.top_k)
@@ -181,11 +184,12 @@ def router_scores(model: CausalLM) -> list[Callable[[torch.Tensor], torch.Tensor
 
 
 def _router_scores(block: MoEBlock) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The router on its own device and dtype; scores come back to the CPU, where forecasts are used."""
     gate = block.gate
-    dtype = next(gate.parameters()).dtype
+    weight = next(gate.parameters())
 
     def scores(x_ND: torch.Tensor) -> torch.Tensor:
-        return gate(x_ND.to(dtype)).scores_TE
+        return gate(x_ND.to(device=weight.device, dtype=weight.dtype)).scores_TE.float().cpu()
     return scores
 
 
