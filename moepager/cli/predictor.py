@@ -7,12 +7,11 @@ import argparse
 
 from tqdm import tqdm
 
-from moepager.predictors import PredictorError
+from moepager.predictors import FITTED, PredictorError
 from moepager.trace.format import TraceReader
 from moepager.trace.predict import fit_expert_maps, fit_token_wise, fit_transition
 
 HELP = "fit a routing predictor (transition tables, fMoE expert maps, SMoE token-wise) on a trace"
-KINDS = ["transition", "expert-map", "token-wise"]
 
 
 def parse_ints(text: str, flag: str) -> list[int]:
@@ -29,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="predictor_command", required=True, parser_class=type(p))
     f = sub.add_parser("fit", help="fit a predictor on every request of a trace",
                        description="token-wise needs a trace recorded with --record-hidden")
-    f.add_argument("--kind", required=True, choices=KINDS)
+    f.add_argument("--kind", required=True, choices=FITTED)
     f.add_argument("--trace", required=True, help="trace file (moepager format)")
     f.add_argument("--out", required=True, help="predictor file to write")
     f.add_argument("--distances", default="1,2,3", help="transition: prefetch distances to fit (default 1,2,3)")

@@ -21,7 +21,7 @@ from moepager.predictors.token_wise import TokenWisePredictor
 from moepager.predictors.transition import TransitionPredictor
 
 PREDICTORS = ["transition", "expert-map", "gate-lookahead", "token-wise"]
-FITTED = {"transition", "expert-map", "token-wise"}
+FITTED = ["transition", "expert-map", "token-wise"]
 """Predictors whose learned state lives in a file written by `moepager predictor fit`."""
 DEFAULT_DISTANCE = {"transition": 1, "expert-map": 3, "gate-lookahead": 1}
 """Prefetch distance in MoE layers when none is given; token-wise predicts one token ahead (distance L)."""
