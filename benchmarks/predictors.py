@@ -51,9 +51,8 @@ DISTANCES = [1, 2, 3]
 
 def row(trace: str, result: PredictEval, k: int, fit_s: float) -> dict:
     sel = result.selected()
-    return {"trace": trace, "predictor": result.predictor, "distance": result.distance,
-            f"recall@{k}": result.recall(k), f"recall@{2 * k}": result.recall(2 * k), "recall@K": result.recall(k),
-            "recall@2K": result.recall(2 * k), "coverage": result.coverage(), "fit_s": fit_s,
+    return {"trace": trace, "predictor": result.predictor, "distance": result.distance, "top_k": k,
+            "recall@K": result.recall(k), "recall@2K": result.recall(2 * k), "coverage": result.coverage(), "fit_s": fit_s,
             "selected_size": sel[0] if sel else None, "selected_recall": sel[1] if sel else None,
             "per_layer_recall@K": [result.recall(k, t) for t in result.tallies], "tokens": result.tokens}
 

@@ -280,11 +280,14 @@ class CausalLM(nn.Module):
             module_name = module_name.replace(ours, theirs)
         return module_name
 
+    def moe_blocks(self) -> list[MoEBlock]:
+        """The MoE blocks in layer order."""
+        return sorted((m for m in self.modules() if isinstance(m, MoEBlock)), key=lambda m: m.layer)
+
     def observe_routing(self, observer: RoutingObserver) -> None:
         """Every MoE block reports its routing decisions to `observer` (NULL_OBSERVER stops it)."""
-        for module in self.modules():
-            if isinstance(module, MoEBlock):
-                module.observer = observer
+        for block in self.moe_blocks():
+            block.observer = observer
 
     def make_cache(self, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
         return [layer.self_attn.make_cache(rows, max_len, dtype, device) for layer in self.model.layers]

@@ -59,10 +59,21 @@ class Forecast:
         count_N = (mass_NE < delta_N[:, None]).sum(1) + 1
         return torch.clamp(count_N, min=min(k, num_experts), max=num_experts)
 
-    def select(self, k: int) -> list[list[int]]:
-        """The experts to prefetch per row, most likely first (`sizes` of them)."""
+    def selection(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(order_NE, keep_NE): experts most likely first, and which of them are selected (the first `sizes`)."""
         order_NE = torch.argsort(self.probs_NE, dim=1, descending=True)
-        return [order_NE[n, : int(c)].tolist() for n, c in enumerate(self.sizes(k))]
+        keep_NE = torch.arange(order_NE.shape[1])[None, :] < self.sizes(k)[:, None]
+        return order_NE, keep_NE
+
+    def select(self, k: int) -> list[list[int]]:
+        """The experts to prefetch per row, most likely first."""
+        order_NE, keep_NE = self.selection(k)
+        return [order[keep].tolist() for order, keep in zip(order_NE, keep_NE)]
+
+    def rows(self, index: list[int] | slice) -> Forecast:
+        """The forecast for some rows only."""
+        confidence = self.confidence_N[index] if self.confidence_N is not None else None
+        return Forecast(self.probs_NE[index], confidence)
 
 
 class Predictor(Protocol):

@@ -29,7 +29,6 @@ from moepager.predictors import (
     Forecast,
     LayerObservation,
     Predictor,
-    PredictorError,
     default_distance,
     make_predictor,
     target_of,
@@ -56,8 +55,7 @@ class PrefetchPlan:
 class Prefetcher:
     def __init__(self, predictor: Predictor, store: ExpertStore, moe_layers: Sequence[int], plan: PrefetchPlan,
                  embed: SemanticEmbed | None = None):
-        if not 1 <= plan.distance <= len(moe_layers):
-            raise PredictorError(f"prefetch distance must be in 1..{len(moe_layers)} MoE layers, got {plan.distance}")
+        target_of(0, plan.distance, len(moe_layers))  # refuses a distance outside 1..L
         self.predictor, self.store, self.plan = predictor, store, plan
         self.moe_layers = list(moe_layers)
         self.position = {layer: i for i, layer in enumerate(moe_layers)}
@@ -121,9 +119,7 @@ class Prefetcher:
         if forecast is None:
             return
         if ahead:
-            rows = [r for r in self._last_rows if r < forecast.probs_NE.shape[0]]
-            confidence = forecast.confidence_N[rows] if forecast.confidence_N is not None else None
-            forecast = Forecast(forecast.probs_NE[rows], confidence)
+            forecast = forecast.rows(self._last_rows)
         entry = self.pending.setdefault((self.iteration + ahead, j), {})
         probs_NE = forecast.probs_NE
         policy = self.store.device.table.policy
@@ -158,8 +154,8 @@ def build_prefetcher(config: PrefetchConfig, model: CausalLM, store: ExpertStore
     """The configured predictor, wired to the model's routers and embedding layer and to the store."""
     assert config.predictor is not None
     cfg = model.config
-    blocks = sorted((m for m in model.modules() if isinstance(m, MoEBlock)), key=lambda m: m.layer)
-    routers = router_scores(model)
+    blocks = model.moe_blocks()
+    routers = [_router_scores(block) for block in blocks]
     num_layers = len(blocks)
     distance = config.distance or default_distance(config.predictor, num_layers)
     predictor = make_predictor(config.predictor, num_layers=num_layers, num_experts=cfg.num_experts,
@@ -179,8 +175,7 @@ def build_prefetcher(config: PrefetchConfig, model: CausalLM, store: ExpertStore
 
 def router_scores(model: CausalLM) -> list[Callable[[torch.Tensor], torch.Tensor]]:
     """The model's routers in MoE-layer order, as x_ND -> scores_NE (what gate lookahead applies)."""
-    blocks = sorted((m for m in model.modules() if isinstance(m, MoEBlock)), key=lambda m: m.layer)
-    return [_router_scores(block) for block in blocks]
+    return [_router_scores(block) for block in model.moe_blocks()]
 
 
 def _router_scores(block: MoEBlock) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -22,6 +22,7 @@ import torch
 
 from moepager.predictors import (
     ExpertMapStore,
+    Forecast,
     LayerObservation,
     Predictor,
     PredictorError,
@@ -195,17 +196,19 @@ def evaluate(predictor: Predictor, reader: TraceReader, requests: Sequence[int],
             _tally(tallies[j], predictor.forecast(j, ahead), obs[j].ids_NK, ahead, ks)
         if progress is not None:
             progress(1)
-    return PredictEval(getattr(predictor, "name", type(predictor).__name__), distance, list(ks),
+    return PredictEval(predictor.name, distance, list(ks),
                        list(h.moe_layers), tallies, len(requests), tokens)
 
 
-def _tally(tally: LayerTally, forecast, chosen_TK: torch.Tensor, ahead: int, ks: Sequence[int]) -> None:
+def _tally(tally: LayerTally, forecast: Forecast | None, chosen_TK: torch.Tensor, ahead: int,
+           ks: Sequence[int]) -> None:
     """Score forecasts for the target rows: the same rows (ahead 0) or the next ones (ahead 1)."""
     targets = chosen_TK[ahead:]
     tally.targets += len(targets)
     if forecast is None or not len(targets):
         return
-    probs = forecast.probs_NE[: len(chosen_TK) - ahead]
+    forecast = forecast.rows(slice(0, len(targets)))
+    probs = forecast.probs_NE
     valid = targets >= 0
     tally.forecast += len(targets)
     tally.chosen += int(valid.sum())
@@ -219,10 +222,8 @@ def _tally(tally: LayerTally, forecast, chosen_TK: torch.Tensor, ahead: int, ks:
     for k in ks:
         tally.hits[k] = tally.hits.get(k, 0) + hits(torch.topk(probs, min(k, probs.shape[1]), dim=1).indices)
     if forecast.confidence_N is not None:
-        sizes_T = type(forecast)(probs, forecast.confidence_N[: len(probs)]).sizes(targets.shape[1])
-        order_TE = torch.argsort(probs, dim=1, descending=True)
-        keep_TE = torch.arange(probs.shape[1])[None, :] < sizes_T[:, None]
-        tally.selected += int(sizes_T.sum())
+        order_TE, keep_TE = forecast.selection(targets.shape[1])
+        tally.selected += int(keep_TE.sum())
         tally.selected_hits += hits(order_TE, keep_TE)
 
 

@@ -69,7 +69,7 @@ def test_recorded_hidden_states_are_the_router_inputs(recorded):
     with TraceReader(files / "t.mpt") as reader:
         request = reader.request(0)
     assert request.hidden_TLD is not None and request.hidden_TLD.dtype == np.float16
-    gates = [m.gate for m in llm.loaded.model.modules() if hasattr(m, "gate") and hasattr(m, "observer")]
+    gates = [block.gate for block in llm.loaded.model.moe_blocks()]
     for layer, gate in enumerate(gates):
         x = torch.from_numpy(request.hidden_TLD[:, layer].astype(np.float32))
         ids = gate(x).ids_TK.sort(-1).values.numpy()
