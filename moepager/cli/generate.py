@@ -10,15 +10,19 @@ from moepager.errors import MoepagerError
 from moepager.policies import ENGINE_POLICIES
 from moepager.predictors import PREDICTORS
 from moepager.runtime.llm import LLM
+from moepager.models.default import default_model_path
+from moepager.models.load import read_config
+from moepager.runtime.replay import ReplaySpec, load_replay
 from moepager.runtime.sampling import SamplingParams
 
 HELP = "generate text for one or more prompts (one static batch) and print the run's statistics"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompts", nargs="+", metavar="PROMPT")
+    p.add_argument("prompts", nargs="*", metavar="PROMPT")
     p.add_argument("--model", help="Hugging Face checkpoint directory (default: the built-in demo model)")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens to generate per prompt (default 64; with --route-from: the trace's decode steps + 1)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -31,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     add_store_arguments(p)
     add_prefetch_arguments(p)
+    add_replay_arguments(p)
     p.add_argument("--stats-json", metavar="PATH", help="also write the statistics as JSON")
     p.add_argument("--record-trace", metavar="PATH",
                    help="write every token's routing (ids, weights, full gate scores) as a trace file")
@@ -68,6 +73,35 @@ def add_prefetch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--learn-maps", action="store_true", help="expert-map: add each iteration's map to the store")
 
 
+def add_replay_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("routing replay (real routing on a checkpoint of the same geometry; no PROMPT)")
+    g.add_argument("--route-from", metavar="TRACE",
+                   help="every MoE layer's experts come from this trace, request by request, token by token")
+    g.add_argument("--route-requests", metavar="A:B", help="replay these requests of the trace (default: all)")
+    g.add_argument("--route-prompt", type=int, metavar="N",
+                   help="the first N tokens of each request are its prompt, every later token a decode step "
+                        "(traces recorded as one forward pass per prompt, such as DeepSeek-V2-Lite's)")
+    g.add_argument("--route-layers", choices=["match", "first"], default="match",
+                   help="first: a model with fewer MoE layers replays the trace's first ones (default: they must match)")
+
+
+def replay_spec(args: argparse.Namespace) -> ReplaySpec | None:
+    """The replay the options ask for; None without --route-from (its options alone are refused)."""
+    if args.route_from is None:
+        given = [flag for flag, value in (("--route-requests", args.route_requests),
+                                          ("--route-prompt", args.route_prompt),
+                                          ("--route-layers", None if args.route_layers == "match" else 1)) if value]
+        if given:
+            raise MoepagerError(f"{', '.join(given)} need --route-from TRACE")
+        if not args.prompts:
+            raise MoepagerError("give at least one PROMPT (or --route-from TRACE to replay recorded requests)")
+        return None
+    if args.prompts:
+        raise MoepagerError("--route-from replays the trace's own requests; give no PROMPT")
+    steps = None if args.max_tokens is None else args.max_tokens - 1
+    return ReplaySpec(args.route_from, args.route_requests, args.route_prompt, args.route_layers, steps)
+
+
 def prefetch_config(args: argparse.Namespace) -> PrefetchConfig:
     return PrefetchConfig(predictor=args.predictor, file=args.predictor_file, distance=args.prefetch_distance,
                           per_row=args.prefetch_k, max_inflight=args.prefetch_inflight, learn=args.learn_maps)
@@ -80,10 +114,16 @@ def store_config(args: argparse.Namespace) -> StoreConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    replay = replay_spec(args)
+    params = SamplingParams(max_tokens=64 if args.max_tokens is None else args.max_tokens,
+                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    if replay is not None:  # a trace that cannot replay on this model is refused before the model loads
+        load_replay(replay, read_config(args.model or default_model_path()))
     llm = LLM(args.model, dtype=args.dtype, device=args.device, threads=args.threads, store=store_config(args),
               prefetch=prefetch_config(args), show_progress=not args.quiet)
+    if replay is not None:
+        return _replay(llm, replay, params, args)
     if llm.tokenizer is None:
         raise MoepagerError("this checkpoint has no tokenizer.json, so text prompts cannot be encoded")
     single = len(args.prompts) == 1
@@ -106,4 +146,17 @@ def run(args: argparse.Namespace) -> int:
         llm.last_stats.write_json(args.stats_json)
     if args.record_trace:
         print(f"routing trace: {args.record_trace} (replay it: moepager simulate {args.record_trace})")
+    return 0
+
+
+def _replay(llm: LLM, spec: ReplaySpec, params: SamplingParams, args: argparse.Namespace) -> int:
+    completions = llm.replay(spec, params, record_trace=args.record_trace, record_hidden=args.record_hidden)
+    print(f"replayed {len(completions)} requests of {spec.trace}: "
+          f"{sum(len(c.prompt_token_ids) for c in completions)} prompt tokens, "
+          f"{sum(len(c.token_ids) - 1 for c in completions)} decode steps")
+    print(f"\n{llm.last_stats.table()}")
+    if args.stats_json:
+        llm.last_stats.write_json(args.stats_json)
+    if args.record_trace:
+        print(f"routing trace: {args.record_trace}")
     return 0

@@ -15,7 +15,7 @@ from moepager.store.budget import Budget
 from moepager.trace.format import TraceError, TraceReader
 from moepager.trace.report import format_table, plot_hit_rates, summary
 from moepager.trace.simulate import FORECASTS, SimSpec, simulate
-from moepager.trace.workload import Workload, load_workload
+from moepager.trace.workload import Cut, Workload, load_workload, parse_requests
 
 HELP = "replay a routing trace through cache policies: hit rates, traffic and modeled TPOT/TTFT"
 
@@ -30,7 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--order", choices=["decode", "recorded"], default="decode",
                    help="decode: every token is a step; recorded: a request's prefill is one step")
     p.add_argument("--batch", type=int, default=1, help="requests decoded together (continuous batching)")
-    p.add_argument("--requests", help="replay only these requests, as a Python slice: 0:100")
+    p.add_argument("--requests", help="replay only these requests: A:B (end exclusive), e.g. 0:100")
+    p.add_argument("--route-prompt", type=int, metavar="N",
+                   help="the first N tokens of each request are its prompt, the rest decode steps (as generate "
+                        "--route-from ... --route-prompt N replays them)")
+    p.add_argument("--decode-steps", type=int, metavar="N", help="keep N decode steps of each request")
+    p.add_argument("--layers", type=int, metavar="N", help="keep the trace's first N MoE layers")
     p.add_argument("--forecast", choices=FORECASTS, default="none",
                    help="next-step experts for fmoe probabilities and smoe prefetch (default none)")
     p.add_argument("--prior", help="frequency prior: a trace file (its request counts) or FILE:NAME of its priors")
@@ -40,16 +45,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dense-bytes-per-layer", type=int, default=0, help="cost model: non-expert weights per layer")
     p.add_argument("--json", help="write the rows (with per-layer hit rates) to this JSON file")
     p.add_argument("--plot", help="write hit rate vs capacity per policy to this PNG")
-
-
-def _slice(text: str | None) -> slice | None:
-    if not text:
-        return None
-    try:
-        parts = [int(x) if x else None for x in text.split(":")]
-        return slice(*parts) if len(parts) > 1 else slice(parts[0], parts[0] + 1)
-    except (ValueError, TypeError):
-        raise TraceError(f"--requests must look like 10:20, got '{text}'") from None
 
 
 def load_prior(text: str | None, work: Workload) -> np.ndarray | None:
@@ -90,7 +85,9 @@ def capacities(text: str, work: Workload, expert_bytes: int, scope: str) -> list
 
 
 def run(args: argparse.Namespace) -> int:
-    work = load_workload(args.trace, args.order, args.batch, _slice(args.requests))
+    cut = Cut(args.route_prompt, args.decode_steps, args.layers)
+    work = load_workload(args.trace, args.order, args.batch, parse_requests(args.requests) if args.requests else None,
+                         cut)
     expert_bytes = args.expert_bytes or work.header.expert_bytes
     prior = load_prior(args.prior, work)
     cost = None

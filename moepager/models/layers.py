@@ -289,6 +289,11 @@ class CausalLM(nn.Module):
         for block in self.moe_blocks():
             block.observer = observer
 
+    def route_with(self, source: RoutingSource) -> None:
+        """Every MoE block takes its routing from `source` (OWN_ROUTER restores the model's routers)."""
+        for block in self.moe_blocks():
+            block.routing = source
+
     def make_cache(self, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
         return [layer.self_attn.make_cache(rows, max_len, dtype, device) for layer in self.model.layers]
 
@@ -320,6 +325,21 @@ class _NullObserver:
 NULL_OBSERVER = _NullObserver()
 
 
+class RoutingSource(Protocol):
+    def route(self, layer: int, gate: nn.Module, x_ND: torch.Tensor) -> RoutingDecision:
+        """The routing decision of MoE layer `layer` for x_ND, whose router is `gate`."""
+        ...
+
+
+class _OwnRouter:
+    def route(self, layer: int, gate: nn.Module, x_ND: torch.Tensor) -> RoutingDecision:
+        return gate(x_ND)
+
+
+OWN_ROUTER = _OwnRouter()
+"""Every block routes with its own router (a replay of recorded routing replaces it: runtime/replay.py)."""
+
+
 class RoutingFanOut:
     """Several observers (a trace recorder and a prefetcher), called in order."""
 
@@ -346,13 +366,15 @@ class MoEBlock(nn.Module):
         self.num_experts = num_experts
         self.observer: RoutingObserver = NULL_OBSERVER
         """Sees every routing decision (a trace recorder); the null one does nothing."""
+        self.routing: RoutingSource = OWN_ROUTER
+        """Decides the routing: the block's own router, or a replay of recorded routing."""
 
     def shared_output(self, x_ND: torch.Tensor) -> torch.Tensor | None:
         """Output of always-on shared experts; None when the architecture has none."""
         return None
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
-        route = self.gate(x_ND)
+        route = self.routing.route(self.layer, self.gate, x_ND)
         self.observer.routed(self.layer, x_ND, route)
         out_ND = combine_experts(x_ND, route, self.source, self.layer, self.num_experts)
         shared = self.shared_output(x_ND)

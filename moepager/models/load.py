@@ -63,6 +63,12 @@ def resident_source(device: torch.device) -> SourceFactory:
     return make
 
 
+def read_config(path: str | os.PathLike[str]) -> ModelConfig:
+    """A checkpoint's parsed configuration, without loading any weights (to validate options up front)."""
+    checkpoint = Checkpoint(path)
+    return architecture_for(checkpoint.config).parse_config(checkpoint.config)
+
+
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None, device: str = "cpu",
                source_factory: SourceFactory | None = None, show_progress: bool = True,
                direct_io: DirectIO = "auto") -> LoadedModel:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -13,10 +16,21 @@ from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
 from moepager.errors import InvalidRequestError
 from moepager.experts.source import PagedExperts
 from moepager.models.default import default_model_path
-from moepager.models.layers import NULL_OBSERVER, RoutingFanOut, RoutingObserver
+from moepager.models.layers import NULL_OBSERVER, OWN_ROUTER, RoutingFanOut, RoutingObserver
 from moepager.models.load import LoadedModel, load_model, parse_dtype
-from moepager.runtime.generate import FinishReason, OnPass, OnPhase, OnText, generate_ids, ignore_pass, ignore_phase
+from moepager.runtime.generate import (
+    Detokenize,
+    FinishReason,
+    OnPass,
+    OnPhase,
+    OnText,
+    SequenceState,
+    generate_ids,
+    ignore_pass,
+    ignore_phase,
+)
 from moepager.runtime.prefetch import Prefetcher, build_prefetcher
+from moepager.runtime.replay import ReplayReport, ReplaySpec, RouteReplayer, load_replay
 from moepager.runtime.sampling import SamplingParams
 from moepager.runtime.stats import RunStats
 from moepager.runtime.store_setup import paged_source, store_report
@@ -94,20 +108,39 @@ class LLM:
                              expert_bytes=shape.nbytes, source="moepager generate --record-trace")
         return TraceRecorder(header, rows, hidden)
 
-    def _observe(self, recorder: TraceRecorder | None) -> OnPass:
-        """Route the MoE blocks' decisions and the loop's pass announcements to the recorder and prefetcher."""
-        parts = [p for p in (recorder, self.prefetcher) if p is not None]
-        if not parts:
-            return ignore_pass
+    @contextmanager
+    def _wired(self, recorder: TraceRecorder | None, replayer: RouteReplayer | None) -> Iterator[Wiring]:
+        """For one call: fresh store counters, the MoE blocks' routing source and observers (recorder,
+        prefetcher), and the generation loop's hooks that announce phases and passes to them."""
+        experts, model = self.loaded.experts, self.loaded.model
+        on_phase: OnPhase = ignore_phase
+        if isinstance(experts, PagedExperts):
+            experts.store.counters.reset()
+            on_phase = experts.store.counters.set_phase
+        observers: list[RoutingObserver] = [p for p in (recorder, self.prefetcher) if p is not None]
+        parts = [p for p in (replayer, recorder, self.prefetcher) if p is not None]
         if self.prefetcher is not None:
             self.prefetcher.reset_requests()
-        observers: list[RoutingObserver] = list(parts)
-        self.loaded.model.observe_routing(observers[0] if len(observers) == 1 else RoutingFanOut(observers))
+        if observers:
+            model.observe_routing(observers[0] if len(observers) == 1 else RoutingFanOut(observers))
+        if replayer is not None:
+            model.route_with(replayer)
 
         def on_pass(phase: Phase, rows: Sequence[int], counts: Sequence[int], token_ids_N: torch.Tensor) -> None:
             for part in parts:
                 part.begin_pass(phase, rows, counts, token_ids_N)
-        return on_pass
+        try:
+            yield Wiring(on_phase, on_pass if parts else ignore_pass)
+        finally:
+            model.observe_routing(NULL_OBSERVER)
+            model.route_with(OWN_ROUTER)
+
+    def _check_context(self, ids: Sequence[list[int]], max_tokens: int) -> None:
+        context = self.loaded.config.max_position_embeddings
+        longest = max(len(i) for i in ids)
+        if longest + max_tokens > context:
+            raise InvalidRequestError(f"prompt of {longest} tokens plus max_tokens {max_tokens} exceeds the "
+                                      f"model's context of {context} tokens")
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None, *,
                  chat: bool = False, on_text: OnText | None = None,
@@ -120,30 +153,63 @@ class LLM:
         if not prompts:
             raise InvalidRequestError("no prompts given")
         ids = [self.encode(p, chat) for p in prompts]  # type: ignore[union-attr]
-        context = self.loaded.config.max_position_embeddings
-        longest = max(len(i) for i in ids)
-        if longest + params.max_tokens > context:
-            raise InvalidRequestError(f"prompt of {longest} tokens plus max_tokens {params.max_tokens} exceeds the "
-                                      f"model's context of {context} tokens")
+        self._check_context(ids, params.max_tokens)
         stats = RunStats(threads=torch.get_num_threads())
-        decode = self.tokenizer.decode if self.tokenizer is not None else None
-        experts = self.loaded.experts
-        on_phase: OnPhase = ignore_phase
-        if isinstance(experts, PagedExperts):
-            experts.store.counters.reset()
-            on_phase = experts.store.counters.set_phase
         recorder = self._recorder(len(ids), record_hidden) if record_trace is not None else None
-        on_pass = self._observe(recorder)
-        try:
-            seqs = generate_ids(self.loaded.model, ids, params, self.eos_token_ids, stats, decode, on_text,
-                                self.loaded.device, on_phase, on_pass)
-        finally:
-            self.loaded.model.observe_routing(NULL_OBSERVER)
+        with self._wired(recorder, None) as hooks:
+            seqs = generate_ids(self.loaded.model, ids, params, self.eos_token_ids, stats, self._detokenize, on_text,
+                                self.loaded.device, hooks.on_phase, hooks.on_pass)
+        self._finish(stats, seqs, recorder, record_trace, [p if isinstance(p, str) else None for p in prompts])
+        return [Completion(s.prompt_ids, s.out_ids, s.text, s.finish_reason or "length") for s in seqs]
+
+    def replay(self, spec: ReplaySpec, params: SamplingParams | None = None, *,
+               record_trace: str | os.PathLike[str] | None = None, record_hidden: bool = False) -> list[Completion]:
+        """Run the requests of a recorded trace with their recorded routing (runtime/replay.py), one after
+        another; the store, policies and predictors carry over from request to request, and `last_stats`
+        covers them all. `params` samples the generated tokens (their text does not steer routing here);
+        the number of tokens follows the trace."""
+        params = params or SamplingParams()
+        if record_trace is not None and Path(record_trace).resolve() == Path(spec.trace).resolve():
+            raise InvalidRequestError(f"--record-trace {record_trace} is the trace being replayed; write elsewhere")
+        requests = load_replay(spec, self.loaded.config)
+        for r in requests:
+            self._check_context([r.prompt_ids], r.max_tokens)
+        replayer = RouteReplayer(requests, self.loaded.config.moe_layers, self.loaded.device)
+        recorder = self._recorder(len(requests), record_hidden) if record_trace is not None else None
+        stats, seqs = RunStats(threads=torch.get_num_threads()), []
+        with self._wired(recorder, replayer) as hooks:
+            for row, r in enumerate(requests):
+                part = RunStats()
+                on_pass = partial(_as_row, hooks.on_pass, row)
+                seqs += generate_ids(self.loaded.model, [r.prompt_ids], replace(params, max_tokens=r.max_tokens,
+                                     ignore_eos=True, stop=()), [], part, None, None, self.loaded.device,
+                                     hooks.on_phase, on_pass)
+                stats.add(part)
+        self._finish(stats, seqs, recorder, record_trace, [None] * len(requests))
+        stats.sections["replay"] = ReplayReport(str(spec.trace), [r.index for r in requests], spec.prompt_tokens)
+        return [Completion(s.prompt_ids, s.out_ids, s.text, s.finish_reason or "length") for s in seqs]
+
+    def _finish(self, stats: RunStats, seqs: Sequence[SequenceState], recorder: TraceRecorder | None,
+                record_trace: str | os.PathLike[str] | None, prompts: Sequence[str | None]) -> None:
         if recorder is not None:
-            recorder.write(record_trace, [s.prompt_ids + s.out_ids for s in seqs],
-                           [p if isinstance(p, str) else None for p in prompts], decode)  # type: ignore[union-attr]
+            recorder.write(record_trace, [s.prompt_ids + s.out_ids for s in seqs], prompts,  # type: ignore[arg-type]
+                           self._detokenize)
         stats.finish(self.loaded.device)
-        stats.sections["experts"] = store_report(experts, self.config.store, stats.prompt_tokens,
+        stats.sections["experts"] = store_report(self.loaded.experts, self.config.store, stats.prompt_tokens,
                                                  stats.generated_tokens - stats.num_prompts)
         self.last_stats = stats
-        return [Completion(s.prompt_ids, s.out_ids, s.text, s.finish_reason or "length") for s in seqs]
+
+    @property
+    def _detokenize(self) -> Detokenize | None:
+        return self.tokenizer.decode if self.tokenizer is not None else None
+
+
+class Wiring(NamedTuple):
+    on_phase: OnPhase
+    on_pass: OnPass
+
+
+def _as_row(on_pass: OnPass, row: int, phase: Phase, rows: Sequence[int], counts: Sequence[int],
+            token_ids_N: torch.Tensor) -> None:
+    """A one-prompt generation loop's passes, announced as row `row` of the whole replay."""
+    on_pass(phase, [row], counts, token_ids_N)

@@ -76,6 +76,18 @@ class RunStats:
         decoded = self.generated_tokens - self.num_prompts
         return decoded / self.decode_s if self.decode_s and decoded > 0 else 0.0
 
+    def add(self, part: RunStats) -> None:
+        """Fold in a run of further prompts made after this one (sequential requests): counts, times and
+        TPOTs add up; TTFT becomes the mean over the runs."""
+        runs = self.num_prompts
+        self.ttft_s = (self.ttft_s * runs + part.ttft_s * part.num_prompts) / max(1, runs + part.num_prompts)
+        self.num_prompts += part.num_prompts
+        self.prompt_tokens += part.prompt_tokens
+        self.generated_tokens += part.generated_tokens
+        self.prefill_s += part.prefill_s
+        self.decode_s += part.decode_s
+        self.tpot_s += part.tpot_s
+
     def finish(self, device: torch.device) -> None:
         self.peak_rss_bytes = peak_rss_bytes()
         if device.type == "cuda":

@@ -11,13 +11,13 @@ Shape legend: N tokens of all requests, S steps, L traced MoE layers, K top-k, E
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
 
 from moepager.policies.base import NEVER
-from moepager.trace.format import DECODE, MISSING, PREFILL, TraceError, TraceHeader, TraceReader
+from moepager.trace.format import DECODE, MISSING, PREFILL, TraceError, TraceHeader, TraceReader, TraceRequest
 
 Order = Literal["decode", "recorded"]
 
@@ -67,18 +67,93 @@ class Workload:
                            minlength=num_layers * e).reshape(num_layers, e).astype(np.float64)
 
 
+@dataclass(frozen=True)
+class Cut:
+    """How a replay reads each request (the engine's routing replay and the simulator read it alike)."""
+
+    prompt_tokens: int | None = None
+    """The first N tokens are the prompt (prefill), every later one a decode step; None: recorded phases."""
+    decode_steps: int | None = None
+    """Decode steps kept per request (each must have that many); None: all."""
+    layers: int | None = None
+    """Keep the first N MoE layers; None: all."""
+
+    def apply(self, req: TraceRequest, index: int) -> TraceRequest:
+        """`req` as replayed: phases re-cut, tokens and layers truncated; a clear error when it is too short."""
+        t = req.num_tokens
+        where = f"trace request {index} ('{req.name}', {t} tokens)"
+        prompt = self.prompt_tokens
+        if prompt is None:
+            prompt = int((req.phase_T == PREFILL).sum())
+            if (req.phase_T[:prompt] != PREFILL).any():
+                raise TraceError(f"{where}: its prefill tokens do not come first; say where prompts end with "
+                                 f"--route-prompt N")
+        elif prompt < 1:
+            raise TraceError(f"the prompt must be at least 1 token, got {prompt}")
+        steps = t - prompt if self.decode_steps is None else self.decode_steps
+        if prompt > t or steps < 0 or prompt + steps > t:
+            raise TraceError(f"{where} has fewer tokens than asked: {prompt} prompt tokens + {max(steps, 0)} "
+                             f"decode steps")
+        used, layers = prompt + steps, self.layers or req.ids_TLK.shape[1]
+        phase = np.full(used, DECODE, np.uint8)
+        phase[:prompt] = PREFILL
+
+        def cut(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else a[:used, :layers]
+        return replace(req, ids_TLK=req.ids_TLK[:used, :layers], phase_T=phase, weights_TLK=cut(req.weights_TLK),
+                       gates_TLE=cut(req.gates_TLE), hidden_TLD=cut(req.hidden_TLD),
+                       token_ids_T=None if req.token_ids_T is None else req.token_ids_T[:used],
+                       tokens=None if req.tokens is None else req.tokens[:used])
+
+    def header(self, header: TraceHeader) -> TraceHeader:
+        if self.layers is None:
+            return header
+        if not 1 <= self.layers <= header.num_layers:
+            raise TraceError(f"cannot keep {self.layers} MoE layers of a trace with {header.num_layers}")
+        return replace(header, moe_layers=header.moe_layers[: self.layers])
+
+
+def chosen_requests(requests: slice | Sequence[int] | None, total: int, path: object = "trace") -> list[int]:
+    """Indices of the requests a slice or list picks out of `total`, refusing anything outside."""
+    if total == 0:
+        raise TraceError(f"{path}: no requests to replay (it may hold only priors)")
+    if requests is None:
+        return list(range(total))
+    if isinstance(requests, slice):
+        lo, hi = requests.start or 0, total if requests.stop is None else requests.stop
+        if requests.step not in (None, 1) or lo < 0 or hi > total or lo >= hi:
+            raise TraceError(f"request range {lo}:{hi} is outside the trace's {total} requests "
+                             f"(choose a non-empty part of 0:{total})")
+        return list(range(lo, hi))
+    chosen = list(requests)
+    bad = [i for i in chosen if not 0 <= i < total]
+    if bad or not chosen:
+        raise TraceError(f"request indices {bad or '[]'} are outside the trace's {total} requests")
+    return chosen
+
+
+def parse_requests(text: str) -> slice:
+    """'A:B', 'A:', ':B' or 'A' -> a slice (end exclusive), as typed on the command line."""
+    start, sep, stop = text.partition(":")
+    try:
+        if not sep:
+            return slice(int(start), int(start) + 1)
+        return slice(int(start) if start else None, int(stop) if stop else None)
+    except ValueError:
+        raise TraceError(f"requests must look like A:B (e.g. 0:8), got '{text}'") from None
+
+
 def load_workload(path: str, order: Order = "decode", batch: int = 1,
-                  requests: slice | Sequence[int] | None = None) -> Workload:
-    """Read a trace file (optionally some of its requests, by slice or indices) and lay out its replay steps."""
+                  requests: slice | Sequence[int] | None = None, cut: Cut | None = None) -> Workload:
+    """Read a trace file (optionally some of its requests, by slice or indices, cut as a replay reads them)
+    and lay out its replay steps."""
     if batch < 1:
         raise TraceError(f"batch must be at least 1, got {batch}")
+    cut = cut or Cut()
     with TraceReader(path) as reader:
-        everything = range(len(reader))
-        chosen = everything[requests or slice(None)] if not isinstance(requests, Sequence) else list(requests)
-        if not chosen:
-            raise TraceError(f"{path}: no requests to replay (it may hold only priors)")
-        loaded = [reader.request(i) for i in chosen]
-        header = reader.header
+        chosen = chosen_requests(requests, len(reader), path)
+        header = cut.header(reader.header)
+        loaded = [reader.request(i) if cut == Cut() else cut.apply(reader.request(i), i) for i in chosen]
     ids = np.concatenate([r.ids_TLK for r in loaded])
     phase = np.concatenate([r.phase_T for r in loaded])
     lengths = np.array([r.num_tokens for r in loaded])
