@@ -6,11 +6,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from moepager.cli import generate, info, make_model, predict_eval, predictor, simulate, trace
+from moepager.cli import calibrate, generate, info, make_model, predict_eval, predictor, simulate, trace
 from moepager.errors import MoepagerError
 
 COMMANDS = {"generate": generate, "info": info, "make-model": make_model, "simulate": simulate,
-            "trace": trace, "predictor": predictor, "predict-eval": predict_eval}
+            "trace": trace, "predictor": predictor, "predict-eval": predict_eval, "calibrate": calibrate}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -36,10 +36,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--route-from ... --route-prompt N replays them)")
     p.add_argument("--decode-steps", type=int, metavar="N", help="keep N decode steps of each request")
     p.add_argument("--layers", type=int, metavar="N", help="keep the trace's first N MoE layers")
+    p.add_argument("--warm", action="store_true",
+                   help="start with the cache filled as the engine's warm start fills it (default: empty, as --cold)")
     p.add_argument("--forecast", choices=FORECASTS, default="none",
                    help="next-step experts for fmoe probabilities and smoe prefetch (default none)")
     p.add_argument("--prior", help="frequency prior: a trace file (its request counts) or FILE:NAME of its priors")
-    p.add_argument("--profile", choices=sorted(PROFILES), help="hardware profile for modeled TPOT/TTFT")
+    p.add_argument("--profile", metavar="NAME|FILE.json",
+                   help=f"hardware profile for modeled TPOT/TTFT: one of {', '.join(sorted(PROFILES))}, or a "
+                        f"profile `moepager calibrate --out` wrote")
     p.add_argument("--overlap", choices=["layer", "none"], default="layer", help="cost model: load/compute overlap")
     p.add_argument("--expert-bytes", type=int, help="bytes per expert, if the trace header lacks it")
     p.add_argument("--dense-bytes-per-layer", type=int, default=0, help="cost model: non-expert weights per layer")
@@ -101,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     for name in policies:
         if name not in POLICIES:
             raise TraceError(f"unknown eviction policy '{name}'; choose from {sorted(POLICIES)}")
-    specs = [SimSpec(p, c, args.scope, args.forecast) for p in policies
+    specs = [SimSpec(p, c, args.scope, args.forecast, warm=args.warm) for p in policies
              for c in capacities(args.capacity, work, expert_bytes, args.scope)]
     print(f"{args.trace}: {len(work.names)} requests, {len(work.phase_N)} tokens, {work.num_steps} steps, "
           f"{work.header.num_layers} layers x {work.header.num_experts} experts, top-{work.header.top_k}")

@@ -12,14 +12,25 @@ for the rest. `other` is the per-layer non-expert time: shared experts plus `den
 memory speed (attention and norms are not in a trace; pass their size to include them).
 Numbers are nominal datasheet peaks derated to what a copy or a GEMV reaches (efficiency factors below), and
 for this machine what FACTS.md and benchmarks/offload_cpu.py measured.
+
+Calibrated profiles (`moepager calibrate`, planning/calibrate.py) replace the nominal numbers with this
+machine's measurements for one model: c(t) is interpolated between the measured expert times at 1 and 64
+tokens (each includes the call's fixed overhead); the link is the measured disk (or host->device) rate and
+latency; and each step pays the model's measured non-expert time, dense(t) = dense_decode + (t - 1) * dense_token
+(attention, dense and shared MLPs, router, LM head), in place of `other`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
+
+from moepager.errors import MoepagerError
 
 Overlap = Literal["none", "layer"]
 
@@ -64,6 +75,63 @@ PROFILES = {"a6000-pcie4": ("a6000", "pcie4"), "a100-pcie4": ("a100", "pcie4"), 
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """One model's measured costs on one machine (planning/calibrate.py)."""
+
+    expert_bytes: int
+    expert_s_1: float
+    """One routed expert's compute time for 1 token, weights from memory."""
+    expert_s_64: float
+    dense_decode_s: float
+    """A decode step's non-expert time (attention, dense and shared MLPs, router, norms, LM head)."""
+    dense_token_s: float
+    """Non-expert time of each further token of a step (prefill)."""
+    model: str
+    threads: int
+    device: str
+
+    def expert_s(self, tokens: np.ndarray) -> np.ndarray:
+        slope = (self.expert_s_64 - self.expert_s_1) / 63
+        return self.expert_s_1 + np.maximum(tokens - 1, 0) * max(slope, 0.0)
+
+    def dense_s(self, tokens_S: np.ndarray) -> np.ndarray:
+        return self.dense_decode_s + np.maximum(tokens_S - 1, 0) * self.dense_token_s
+
+
+PROFILE_KIND = "moepager-profile"
+
+
+@dataclass(frozen=True)
+class CalibratedProfile:
+    """A profile `moepager calibrate` wrote: the device and link it measured plus the model's calibration."""
+
+    name: str
+    device: Device
+    link: Link
+    calibration: Calibration
+    measured: dict[str, float]
+    """Every raw measurement, for the record."""
+
+    def write(self, path: str | os.PathLike[str]) -> None:
+        """Written to a temporary name beside `path`, then renamed: a reader never sees half a profile."""
+        out = Path(path)
+        tmp = out.with_name(out.name + ".partial")
+        tmp.write_text(json.dumps({"kind": PROFILE_KIND, "version": 1, **asdict(self)}, indent=1) + "\n")
+        os.replace(tmp, out)
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> CalibratedProfile:
+        try:
+            raw: dict[str, Any] = json.loads(Path(path).read_text())
+            if raw.get("kind") != PROFILE_KIND or raw.get("version") != 1:
+                raise ValueError("not a moepager profile (version 1)")
+            return cls(raw["name"], Device(**raw["device"]), Link(**raw["link"]), Calibration(**raw["calibration"]),
+                       dict(raw["measured"]))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise MoepagerError(f"cannot read profile {path}: {e} (write one with `moepager calibrate --out`)") from None
+
+
+@dataclass(frozen=True)
 class CostModel:
     device: Device
     link: Link
@@ -71,19 +139,35 @@ class CostModel:
     num_shared: int = 0
     dense_bytes_per_layer: int = 0
     overlap: Overlap = "layer"
+    calibration: Calibration | None = None
+    """Measured expert and non-expert times for this geometry (replace the nominal formulas)."""
 
     @classmethod
-    def profile(cls, name: str, expert_bytes: int, **kw: object) -> CostModel:
+    def profile(cls, name: str, expert_bytes: int, **kw: Any) -> CostModel:
+        """A built-in profile by name, or a calibrated one from a JSON file (`moepager calibrate --out`)."""
+        if name.endswith(".json") or Path(name).is_file():
+            calibrated = CalibratedProfile.read(name)
+            c = calibrated.calibration
+            if expert_bytes and expert_bytes != c.expert_bytes:
+                raise ValueError(f"profile {name} was calibrated for {c.expert_bytes}-byte experts ({c.model}); "
+                                 f"this trace's are {expert_bytes} bytes: calibrate for a model of its geometry")
+            # the calibration's non-expert time covers shared experts and dense weights
+            kw = {**kw, "num_shared": 0, "dense_bytes_per_layer": 0}
+            return cls(calibrated.device, calibrated.link, c.expert_bytes, calibration=c, **kw)
         if name not in PROFILES:
-            raise ValueError(f"unknown hardware profile '{name}'; choose from {sorted(PROFILES)}")
+            raise ValueError(f"unknown hardware profile '{name}'; choose from {sorted(PROFILES)} or a profile JSON "
+                             f"file written by `moepager calibrate`")
         if expert_bytes <= 0:
             raise ValueError("the cost model needs the bytes per expert (the trace header has none: --expert-bytes)")
         device, link = PROFILES[name]
-        return cls(DEVICES[device], LINKS[link], expert_bytes, **kw)  # type: ignore[arg-type]
+        return cls(DEVICES[device], LINKS[link], expert_bytes, **kw)
 
     def compute_s(self, tokens_per_expert: np.ndarray | float, device: Device | None = None) -> np.ndarray:
+        tokens = np.asarray(tokens_per_expert, np.float64)
+        if self.calibration is not None and device is None:
+            return self.calibration.expert_s(tokens)
         d = device or self.device
-        flops = np.asarray(tokens_per_expert, np.float64) * 2 * (self.expert_bytes / 2)  # bf16: 2 bytes/param
+        flops = tokens * 2 * (self.expert_bytes / 2)  # bf16: 2 bytes/param
         return np.maximum(self.expert_bytes / d.mem_Bps, flops / d.flops) + d.launch_s
 
     def step_times(self, requested_SL: np.ndarray, hits_SL: np.ndarray, prefetch_SL: np.ndarray,
@@ -103,5 +187,7 @@ class CostModel:
             loaded = np.maximum(load + m * c, m * load + c)
             layer = other + np.where(m > 0, np.maximum(n * c, loaded), n * c)
         compute = layer.sum(1)
+        if self.calibration is not None:
+            compute = compute + self.calibration.dense_s(tokens_S.astype(np.float64))
         background = prefetch_SL.sum(1) * load
         return compute + np.maximum(0.0, background - compute)

@@ -48,6 +48,9 @@ class SimSpec:
     """What fMoE's probabilities and SMoE's prefetch ranking come from: the current step's experts
     (`repeat`), the true next step's (`oracle`, an upper bound), the prior's frequencies (`prior`), or none."""
     seed: int = 0
+    warm: bool = False
+    """Start with the cache full the way the engine's warm start fills it (expert 0 of every layer, then expert
+    1, ...: experts 0..capacity-1 of each layer in layer scope) instead of empty."""
 
     @property
     def label(self) -> str:
@@ -156,11 +159,11 @@ def simulate(work: Workload, spec: SimSpec, prior_LE: np.ndarray | None = None,
     next_use = work.next_use_NLK() if policy.offline else None
     start = time.perf_counter()
     if spec.scope == "layer":
-        out = _replay_layers(work, policy, spec.capacity, ids, forecast, next_use, prior_LE, progress)
+        out = _replay_layers(work, policy, spec.capacity, ids, forecast, next_use, prior_LE, progress, spec.warm)
     else:
         if not policy.admits_on_miss:
             raise TraceError(f"policy '{spec.policy}' manages fixed per-layer slots; use scope 'layer'")
-        out = _replay_global(work, policy, spec.capacity, ids, forecast, next_use, prior_LE, progress)
+        out = _replay_global(work, policy, spec.capacity, ids, forecast, next_use, prior_LE, progress, spec.warm)
     return SimResult(spec, *out, step_phase=work.step_phase, step_tokens=np.diff(work.step_ptr),
                      wall_s=time.perf_counter() - start)
 
@@ -211,7 +214,9 @@ class _State:
         return self.requested, self.hits, self.demand, self.prefetch
 
 
-def _preload(state: _State, policy: Ranked, cap_L: np.ndarray) -> None:
+def _preload(state: _State, policy: Ranked, cap_L: np.ndarray, warm: bool) -> None:
+    if warm and not policy.preload:
+        state.cached[:, : state.e] = np.arange(state.e)[None, :] < cap_L[:, None]
     if policy.preload:
         order = np.argsort(-state.stats.prior[:, : state.e], axis=1, kind="stable")
         keep = np.arange(state.e)[None, :] < cap_L[:, None]
@@ -229,10 +234,11 @@ def _evict_layers(state: _State, policy: Ranked, step: int, count_L: np.ndarray,
 
 
 def _replay_layers(work: Workload, policy: Ranked, capacity: int, ids: np.ndarray, forecast: Forecast,
-                   next_use: np.ndarray | None, prior_LE: np.ndarray | None, progress: Progress | None):
+                   next_use: np.ndarray | None, prior_LE: np.ndarray | None, progress: Progress | None,
+                   warm: bool = False):
     state = _State(work, prior_LE)
     cap_L = np.full(work.header.num_layers, capacity)
-    _preload(state, policy, cap_L)
+    _preload(state, policy, cap_L, warm)
     ptr, tokens, admits = work.step_ptr, work.step_tokens, policy.admits_on_miss
     wants_prob = forecast.kind != "none"
     for s in range(work.num_steps):
@@ -268,11 +274,15 @@ def _replay_layers(work: Workload, policy: Ranked, capacity: int, ids: np.ndarra
 
 
 def _replay_global(work: Workload, policy: Ranked, capacity: int, ids: np.ndarray, forecast: Forecast,
-                   next_use: np.ndarray | None, prior_LE: np.ndarray | None, progress: Progress | None):
+                   next_use: np.ndarray | None, prior_LE: np.ndarray | None, progress: Progress | None,
+                   warm: bool = False):
     state = _State(work, prior_LE)
     if policy.preload:
         flat = np.argsort(-state.stats.prior[:, : state.e].ravel(), kind="stable")[:capacity]
         state.cached[flat // state.e, flat % state.e] = True
+    elif warm:  # the engine's warm order: expert 0 of every layer, then expert 1, ...
+        order = np.arange(state.e * len(state.cached))[:capacity]
+        state.cached[order % len(state.cached), order // len(state.cached)] = True
     ptr, tokens = work.step_ptr, work.step_tokens
     stats, cached = state.stats, state.cached
     occupancy = int(cached.sum())

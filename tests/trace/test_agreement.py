@@ -57,18 +57,22 @@ def test_simulator_agrees_with_the_engine(hf_checkpoint, tmp_path, policy):
     assert sum(phases["decode"].misses.values()) > 0  # the cache was small enough to matter
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "lcp"])
-def test_simulator_agrees_with_a_replayed_run(hf_checkpoint, tmp_path, policy):
+@pytest.mark.parametrize("policy, warm, scope", [("lru", False, "layer"), ("lfu", False, "layer"),
+                                                ("lcp", False, "layer"), ("lru", True, "layer"),
+                                                ("lcp", True, "layer"), ("lru", True, "global")])
+def test_simulator_agrees_with_a_replayed_run(hf_checkpoint, tmp_path, policy, warm, scope):
     """A prompt-only trace (recorded like DeepSeek-V2-Lite's) replayed with --route-prompt: the engine's hits
     and misses per layer and phase equal `moepager simulate`'s on the same trace, cut and capacity."""
     _, path = hf_checkpoint("olmoe")
     trace = random_trace(tmp_path / "t.mpt", lengths=(12, 9, 15), prefill=15, seed=2)
     per_layer, nbytes = 4, LLM(path, show_progress=False).loaded.expert_shape.nbytes
-    llm = LLM(path, store=StoreConfig(expert_memory=str(per_layer * 3 * nbytes), policy=policy, warm=False),
-              show_progress=False)
+    llm = LLM(path, store=StoreConfig(expert_memory=str(per_layer * 3 * nbytes), policy=policy, warm=warm,
+                                      scope=scope), show_progress=False)
     llm.replay(ReplaySpec(trace, prompt_tokens=2))
     phases = llm.loaded.experts.store.counters.phases
-    sim = simulate(load_workload(str(trace), "recorded", cut=Cut(prompt_tokens=2)), SimSpec(policy, per_layer))
+    capacity = per_layer if scope == "layer" else per_layer * 3
+    sim = simulate(load_workload(str(trace), "recorded", cut=Cut(prompt_tokens=2)),
+                   SimSpec(policy, capacity, scope, warm=warm))
     for phase, code in (("prefill", PREFILL), ("decode", DECODE)):
         rows = sim.step_phase == code
         for column, layer in enumerate(llm.loaded.config.moe_layers):
@@ -77,7 +81,8 @@ def test_simulator_agrees_with_a_replayed_run(hf_checkpoint, tmp_path, policy):
                       int((sim.requested_SL[rows, column] - sim.hits_SL[rows, column]).sum()))
             assert engine == replay, (policy, phase, layer)
     assert main(["simulate", str(trace), "--order", "recorded", "--route-prompt", "2", "--policy", policy,
-                 "--capacity", str(per_layer), "--json", str(tmp_path / "sim.json")]) == 0
+                 "--capacity", str(capacity), "--scope", scope, "--json", str(tmp_path / "sim.json")]
+                + ["--warm"] * warm) == 0
     row = json.loads((tmp_path / "sim.json").read_text())["rows"][0]
     assert row["decode_hit_rate"] == pytest.approx(llm.last_stats.sections["experts"].phases["decode"]["hit_rate"])
     assert sum(phases["decode"].misses.values()) > 0

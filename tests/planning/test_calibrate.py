@@ -1,0 +1,57 @@
+"""`moepager calibrate` measures this machine for a model and writes a profile the cost model and simulate read."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from moepager.cli.main import main
+from moepager.errors import MoepagerError
+from moepager.planning.cost import Calibration, CalibratedProfile, CostModel, Device, Link
+from tests.trace.conftest import random_trace
+
+
+def test_calibrate_writes_a_profile_that_simulate_uses(demo_checkpoint, tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    assert main(["calibrate", "--model", str(demo_checkpoint), "--threads", "1", "--out", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "per decode step" in printed and "disk" in printed
+    profile = CalibratedProfile.read(out)
+    c = profile.calibration
+    assert c.expert_s_64 > 0 and c.expert_s_1 > 0 and c.dense_decode_s > 0 and c.threads == 1
+    assert profile.link.bytes_per_s > 0 and profile.measured["copy_Bps"] > 0
+    assert not list(tmp_path.glob("*.partial"))
+    trace = random_trace(tmp_path / "t.mpt")
+    assert main(["simulate", str(trace), "--capacity", "4", "--profile", str(out), "--expert-bytes",
+                 str(c.expert_bytes), "--json", str(tmp_path / "s.json")]) == 0
+    row = json.loads((tmp_path / "s.json").read_text())["rows"][0]
+    assert row["tpot_ms"] > 1e3 * c.dense_decode_s  # every step pays the non-expert time, then its experts
+
+
+def test_a_profile_for_other_experts_or_a_broken_file_is_refused(tmp_path):
+    profile = CalibratedProfile("p", Device("d", 1e10, 1e12, 1e-5), Link("l", 1e9, 1e-4),
+                                Calibration(1000, 1e-4, 2e-4, 1e-3, 1e-5, "m", 2, "cpu"), {})
+    profile.write(tmp_path / "p.json")
+    with pytest.raises(ValueError, match="calibrated for 1000-byte experts"):
+        CostModel.profile(str(tmp_path / "p.json"), 2000)
+    (tmp_path / "junk.json").write_text("{\"kind\": \"something else\"}")
+    with pytest.raises(MoepagerError, match="not a moepager profile"):
+        CostModel.profile(str(tmp_path / "junk.json"), 1000)
+    assert main(["simulate", str(random_trace(tmp_path / "t.mpt")), "--profile", str(tmp_path / "junk.json")]) == 2
+
+
+def test_calibrated_step_times_add_non_expert_time_and_interpolate_experts():
+    cal = Calibration(expert_bytes=1000, expert_s_1=1.0, expert_s_64=64.0, dense_decode_s=10.0, dense_token_s=0.5,
+                      model="m", threads=1, device="cpu")
+    cost = CostModel(Device("d", 1e12, 1e15, 0.0), Link("l", 1000.0, 0.0), 1000, calibration=cal)
+    # one layer, 2 experts requested, both hit, one token of top-2: 2 experts x c(1) + dense(1)
+    t = cost.step_times(np.array([[2]]), np.array([[2]]), np.zeros((1, 1)), np.array([1]), 2, False)
+    assert t.tolist() == [2 * 1.0 + 10.0]
+    # 4 tokens on one expert: c(4) = 1 + 3 * (63 / 63); dense(4) = 10 + 3 * 0.5
+    t = cost.step_times(np.array([[1]]), np.array([[1]]), np.zeros((1, 1)), np.array([4]), 1, False)
+    assert t.tolist() == [4.0 + 11.5]
+    # a miss: load 1000 bytes at 1000 B/s = 1 s; max(n*c, l + m*c, m*l + c) = max(1, 2, 2)
+    t = cost.step_times(np.array([[1]]), np.array([[0]]), np.zeros((1, 1)), np.array([1]), 1, False)
+    assert t.tolist() == [2.0 + 10.0]
