@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -47,48 +48,40 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_s(fn: Callable[[], object], reps: int, device: torch.device, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _timed(fn: Callable[[], object], device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
 
 
 def copy_rate(device: torch.device, nbytes: int = 512 << 20) -> float:
     """Bytes per second one device-to-device copy moves (each byte read once and written once)."""
     src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    return nbytes / _median_s(lambda: dst.copy_(src), 5, device)
+    return nbytes / statistics.median([_timed(lambda: dst.copy_(src), device) for _ in range(6)][1:])
 
 
-def expert_times(shape: ExpertShape, device: torch.device, pool_bytes: int = 768 << 20,
-                 tokens: Sequence[int] = (1, 64)) -> dict[int, float]:
-    """Seconds per expert call at each token count, cycling over distinct experts worth `pool_bytes`."""
-    count = max(4, min(64, pool_bytes // shape.nbytes))
-    experts = [ExpertWeights(torch.randn(shape.numel, device=device).mul_(0.02).to(shape.dtype), shape)
-               for _ in range(count)]
-    out = {}
-    for t in tokens:
-        x = torch.randn(t, shape.hidden, device=device, dtype=shape.dtype)
-        cycle = _cycle(experts)
+class ExpertPool:
+    """Distinct experts worth `pool_bytes`, called in turn so that each call's weights come from memory."""
+
+    def __init__(self, shape: ExpertShape, device: torch.device, pool_bytes: int = 768 << 20):
+        self.count = max(4, min(64, pool_bytes // shape.nbytes))
+        self.shape, self.device = shape, device
+        self.experts = [ExpertWeights(torch.randn(shape.numel, device=device).mul_(0.02).to(shape.dtype), shape)
+                        for _ in range(self.count)]
+
+    def seconds_per_call(self, tokens: int) -> float:
+        """Mean seconds of one expert call on `tokens` tokens over one pass through the pool."""
+        x = torch.randn(tokens, self.shape.hidden, device=self.device, dtype=self.shape.dtype)
 
         def run() -> None:
-            for _ in range(count):
-                expert_forward(x, next(cycle), F.silu)
+            for w in self.experts:
+                expert_forward(x, w, F.silu)
         with torch.inference_mode():
-            out[t] = _median_s(run, 5, device, warmup=1) / count
-    return out
-
-
-def _cycle(items: Sequence[ExpertWeights]) -> Iterator[ExpertWeights]:
-    while True:
-        yield from items
+            expert_forward(x, self.experts[0], F.silu)
+            return _timed(run, self.device) / self.count
 
 
 class _OneWideExperts:
@@ -104,36 +97,38 @@ class _OneWideExperts:
             yield self.weights
 
 
-def dense_times(arch: Architecture, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                prompt: int = 64, steps: int = 24) -> tuple[float, float]:
-    """(seconds per decode step, seconds of a `prompt`-token prefill) of the model with 1-wide experts."""
-    model = arch.build(cfg, _OneWideExperts(cfg.hidden_size, dtype, device))  # type: ignore[arg-type]
-    cast_model(model, dtype)
-    model.to(device).eval()
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (1, prompt + steps), generator=gen).to(device)
-    with torch.inference_mode():
-        def prefill() -> list:
-            cache = model.make_cache(1, prompt + steps + 1, dtype, device)
-            positions = torch.arange(prompt, device=device)[None]
-            model(ids[:, :prompt], ForwardBatch.build(positions), cache,
-                  logits_at_B=torch.tensor([prompt - 1], device=device))
-            return cache
-        prefill_s = _median_s(prefill, 3, device, warmup=1)
-        cache, times = prefill(), []
-        for i in range(steps):
-            _sync(device)
-            start = time.perf_counter()
-            model(ids[:, prompt + i: prompt + i + 1], ForwardBatch.build(torch.tensor([[prompt + i]], device=device)),
-                  cache, logits_at_B=torch.zeros(1, dtype=torch.long, device=device))
-            _sync(device)
-            times.append(time.perf_counter() - start)
-    return statistics.median(times[2:]), prefill_s
+class DenseProbe:
+    """The model built with 1-wide experts (random weights): times its prefills and decode steps."""
+
+    def __init__(self, arch: Architecture, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 prompt: int = 64, steps: int = 8):
+        self.model = arch.build(cfg, _OneWideExperts(cfg.hidden_size, dtype, device))  # type: ignore[arg-type]
+        cast_model(self.model, dtype)
+        self.model.to(device).eval()
+        self.dtype, self.device, self.prompt, self.steps = dtype, device, prompt, steps
+        gen = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, cfg.vocab_size, (1, prompt + steps), generator=gen).to(device)
+
+    def prefill_then_decode(self) -> tuple[float, list[float]]:
+        """Seconds of a `prompt`-token prefill, then of each of `steps` decode steps after it."""
+        cache = self.model.make_cache(1, self.prompt + self.steps + 1, self.dtype, self.device)
+        positions = torch.arange(self.prompt, device=self.device)[None]
+        last = torch.tensor([self.prompt - 1], device=self.device)
+        with torch.inference_mode():
+            prefill = _timed(lambda: self.model(self.ids[:, :self.prompt], ForwardBatch.build(positions), cache,
+                                                logits_at_B=last), self.device)
+            zero = torch.zeros(1, dtype=torch.long, device=self.device)
+            steps = [_timed(lambda i=i: self.model(self.ids[:, i: i + 1],
+                                                   ForwardBatch.build(torch.tensor([[i]], device=self.device)),
+                                                   cache, logits_at_B=zero), self.device)
+                     for i in range(self.prompt, self.prompt + self.steps)]
+        return prefill, steps
 
 
 def disk_rates(reader: ExpertReader, keys: Sequence[ExpertKey], io_threads: int) -> tuple[float, float]:
-    """(aggregate bytes/s with `io_threads` reads at once, seconds per read one at a time) over `keys`,
-    read into pinned-free CPU buffers as the store reads them; half the keys for each measurement."""
+    """(aggregate bytes/s with `io_threads` reads at once, seconds per read one at a time) over `keys` (random
+    experts, as cache misses are: reading neighbours in file order would flatter the disk), read into CPU
+    buffers as the store reads them; half the keys for each measurement."""
     shape = reader.shape
     half = max(1, len(keys) // 2)
     bufs = [torch.empty(shape.numel, dtype=shape.dtype) for _ in range(max(io_threads, 1))]
@@ -150,10 +145,33 @@ def disk_rates(reader: ExpertReader, keys: Sequence[ExpertKey], io_threads: int)
     return done / wall, statistics.median(single)
 
 
+def io_interference(pool: ExpertPool, reader: ExpertReader, keys: Sequence[ExpertKey], io_threads: int) -> float:
+    """Compute seconds lost per byte read while disk reads run beside the compute threads (on a small CPU the
+    reading threads' copies, syscalls and DMA share cores and memory bandwidth with the expert GEMVs)."""
+    alone = statistics.median(pool.seconds_per_call(1) for _ in range(3))
+    stop, read = threading.Event(), [0] * io_threads
+
+    def reading(t: int) -> None:
+        buf, i = torch.empty(reader.shape.numel, dtype=reader.shape.dtype), t
+        while not stop.is_set():
+            read[t] += reader.read(keys[i % len(keys)], buf)
+            i += io_threads
+    threads = [threading.Thread(target=reading, args=(t,), daemon=True) for t in range(io_threads)]
+    for t in threads:
+        t.start()
+    busy = [pool.seconds_per_call(1) for _ in range(3)]
+    stop.set()
+    for t in threads:
+        t.join()
+    lost_s = max(0.0, statistics.median(busy) - alone) * pool.count * len(busy)
+    return lost_s / max(1, sum(read))
+
+
 def h2d_rate(nbytes: int, device: torch.device) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return nbytes / _median_s(lambda: dst.copy_(src, non_blocking=True), 10, device)
+    return nbytes / statistics.median([_timed(lambda: dst.copy_(src, non_blocking=True), device)
+                                       for _ in range(11)][1:])
 
 
 @dataclass(frozen=True)
@@ -161,8 +179,29 @@ class CalibrateOptions:
     device: str = "cpu"
     io_threads: int = 4
     """Concurrent disk reads, as the store's --io-threads."""
-    disk_experts: int = 32
+    disk_experts: int = 48
     """Experts read from the checkpoint (distinct, spread over layers) for the disk rates."""
+    rounds: int = 7
+    """Interleaved rounds of the compute measurements (their medians are kept)."""
+
+
+def compute_times(arch: Architecture, cfg: ModelConfig, shape: ExpertShape, device: torch.device,
+                  rounds: int) -> dict[str, float]:
+    """Medians over interleaved rounds (drift on a shared machine touches every constant alike): one expert
+    at 1 and 64 tokens, the 1-wide expert's overhead, and the model's non-expert prefill and decode step."""
+    pool, wide = ExpertPool(shape, device), ExpertPool(ExpertShape(cfg.hidden_size, 1, shape.dtype), device, 0)
+    dense = DenseProbe(arch, cfg, shape.dtype, device)
+    dense.prefill_then_decode()  # warm-up
+    samples: dict[str, list[float]] = {k: [] for k in ("expert_s_1", "expert_s_64", "expert_overhead_s",
+                                                       "dense_decode_raw_s", "dense_prefill64_raw_s")}
+    for _ in range(rounds):
+        samples["expert_s_1"].append(pool.seconds_per_call(1))
+        samples["expert_s_64"].append(pool.seconds_per_call(64))
+        samples["expert_overhead_s"].append(wide.seconds_per_call(1))
+        prefill, steps = dense.prefill_then_decode()
+        samples["dense_prefill64_raw_s"].append(prefill)
+        samples["dense_decode_raw_s"] += steps
+    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def calibrate(path: str | os.PathLike[str], options: CalibrateOptions, step: Step | None = None) -> CalibratedProfile:
@@ -174,40 +213,35 @@ def calibrate(path: str | os.PathLike[str], options: CalibrateOptions, step: Ste
     cfg = arch.parse_config(checkpoint.config)
     dtype = checkpoint_dtype(checkpoint)
     shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, dtype)
-    measured: dict[str, float] = {}
-    measured["copy_Bps"] = copy_rate(device)
+    measured = {"copy_Bps": copy_rate(device)}
     step("memory copy rate")
-    per_expert = expert_times(shape, device)
-    measured |= {"expert_s_1": per_expert[1], "expert_s_64": per_expert[64]}
-    step("expert compute, 1 and 64 tokens")
-    overhead = expert_times(ExpertShape(cfg.hidden_size, 1, dtype), device, pool_bytes=0, tokens=(1,))[1]
-    measured["expert_overhead_s"] = overhead
-    step("per-expert fixed overhead")
-    decode_s, prefill_s = dense_times(arch, cfg, dtype, device)
-    experts_per_token = cfg.num_moe_layers * cfg.top_k
-    measured |= {"dense_decode_raw_s": decode_s, "dense_prefill64_raw_s": prefill_s}
-    step("non-expert decode step and prefill")
+    measured |= compute_times(arch, cfg, shape, device, options.rounds)
+    step(f"expert and non-expert compute, {options.rounds} rounds")
     reader = ExpertReader(checkpoint, arch.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0)
-    stride = max(1, (cfg.num_moe_layers * cfg.num_experts) // options.disk_experts)
-    keys = [ExpertKey(cfg.moe_layers[(i // cfg.num_experts) % cfg.num_moe_layers], i % cfg.num_experts)
-            for i in range(0, cfg.num_moe_layers * cfg.num_experts, stride)][: options.disk_experts]
-    disk_Bps, single_s = disk_rates(reader, keys, options.io_threads)
-    reader.files.close()
+    every = [ExpertKey(layer, e) for layer in cfg.moe_layers for e in range(cfg.num_experts)]
+    keys = [every[i] for i in torch.randperm(len(every), generator=torch.Generator().manual_seed(0)).tolist()]
+    disk_Bps, single_s = disk_rates(reader, keys[: options.disk_experts], options.io_threads)
     measured |= {"disk_Bps": disk_Bps, "disk_single_read_s": single_s}
     step("disk reads (O_DIRECT where allowed)")
+    measured["io_interference_s_per_byte"] = 0.0 if device.type == "cuda" else io_interference(
+        ExpertPool(shape, device), reader, keys[options.disk_experts:] or keys, options.io_threads)
+    reader.files.close()
+    step("compute slowed by reads running beside it")
     link = Link(f"disk, {options.io_threads} reads at once", disk_Bps, max(0.0, single_s - shape.nbytes / disk_Bps))
     if device.type == "cuda":
-        rate = h2d_rate(shape.nbytes, device)
-        measured["h2d_Bps"] = rate
-        link = Link("host->device from pinned memory", rate, 0.0)
+        measured["h2d_Bps"] = h2d_rate(shape.nbytes, device)
+        link = Link("host->device from pinned memory", measured["h2d_Bps"], 0.0)
         step("host->device copies")
-    params = shape.numel
-    flops = 64 * 2 * params / max(per_expert[64] - overhead, 1e-9)
+    overhead, c1, c64 = measured["expert_overhead_s"], measured["expert_s_1"], measured["expert_s_64"]
     name = f"calibrated {device.type} ({torch.get_num_threads()} threads) for {checkpoint.path.name}"
-    dev = Device(name, shape.nbytes / max(per_expert[1] - overhead, 1e-9), flops, overhead)
+    dev = Device(name, shape.nbytes / max(c1 - overhead, 1e-9), 64 * 2 * shape.numel / max(c64 - overhead, 1e-9),
+                 overhead)
+    experts_per_token = cfg.num_moe_layers * cfg.top_k
+    decode_s, prefill_s = measured["dense_decode_raw_s"], measured["dense_prefill64_raw_s"]
     calibration = Calibration(
-        expert_bytes=shape.nbytes, expert_s_1=per_expert[1], expert_s_64=per_expert[64],
+        expert_bytes=shape.nbytes, expert_s_1=c1, expert_s_64=c64,
         dense_decode_s=max(0.0, decode_s - experts_per_token * overhead),
-        dense_token_s=max(0.0, (prefill_s - decode_s) / 63), model=str(checkpoint.path),
+        dense_token_s=max(0.0, (prefill_s - decode_s) / 63),
+        io_interference_s_per_byte=measured["io_interference_s_per_byte"], model=str(checkpoint.path),
         threads=torch.get_num_threads(), device=device.type)
     return CalibratedProfile(name, dev, link, calibration, measured)

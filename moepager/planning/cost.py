@@ -16,7 +16,9 @@ for this machine what FACTS.md and benchmarks/offload_cpu.py measured.
 Calibrated profiles (`moepager calibrate`, planning/calibrate.py) replace the nominal numbers with this
 machine's measurements for one model: c(t) is interpolated between the measured expert times at 1 and 64
 tokens (each includes the call's fixed overhead); the link is the measured disk (or host->device) rate and
-latency; and each step pays the model's measured non-expert time, dense(t) = dense_decode + (t - 1) * dense_token
+latency for random experts; each miss also slows the compute it runs beside by the measured interference
+(bytes loaded x seconds lost per byte: on a small CPU reads share cores and memory with the GEMVs, so
+this time is not hidden by overlap); and each step pays the model's measured non-expert time, dense(t) = dense_decode + (t - 1) * dense_token
 (attention, dense and shared MLPs, router, LM head), in place of `other`.
 """
 
@@ -86,6 +88,8 @@ class Calibration:
     """A decode step's non-expert time (attention, dense and shared MLPs, router, norms, LM head)."""
     dense_token_s: float
     """Non-expert time of each further token of a step (prefill)."""
+    io_interference_s_per_byte: float
+    """Compute time lost per byte loaded while loads run beside the compute (CPU: shared cores and memory)."""
     model: str
     threads: int
     device: str
@@ -188,6 +192,7 @@ class CostModel:
             layer = other + np.where(m > 0, np.maximum(n * c, loaded), n * c)
         compute = layer.sum(1)
         if self.calibration is not None:
-            compute = compute + self.calibration.dense_s(tokens_S.astype(np.float64))
+            interference = m.sum(1) * self.expert_bytes * self.calibration.io_interference_s_per_byte
+            compute = compute + self.calibration.dense_s(tokens_S.astype(np.float64)) + interference
         background = prefetch_SL.sum(1) * load
         return compute + np.maximum(0.0, background - compute)

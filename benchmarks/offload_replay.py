@@ -1,0 +1,283 @@
+"""Offloading on replayed real routing: budgets x policies x predictors, measured and modeled side by side.
+
+The harness behind benchmarks/offload_cpu.py and offload_gpu.py. Model: `make-model --preset deepseek-v2-lite
+--layers N+1` (the real geometry: 64 routed experts of 16.5 MiB, top-6, 2 shared experts, MLA attention;
+layer 0 dense, so N MoE layers) in bf16. Routing: the DeepSeek-V2-Lite trace in ../shared/traces/ (2,099
+prompts recorded as one forward pass each), its first N MoE layers replayed with `--route-prompt P`: each
+request's first P tokens are its prompt, the next D tokens decode steps. Replayed requests come from the end
+of the trace; predictors are fitted on the first requests (disjoint from the replayed ones). Every
+configuration is a fresh engine (warm start, as `generate` runs) replaying the same requests, one at a time.
+In the same run: `moepager calibrate` on the model before and after the configurations (the profile used is
+their mean: this shared machine drifts), and for every configuration without a predictor the simulator's
+TPOT on the same trace, cut, policy and cache size (warm start) with that profile: the calibrated cost model
+must land within +-20% of the measured TPOT. A second table: TTFT of one 512-token
+prompt at every budget (LRU), measured and modeled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+from dataclasses import asdict, dataclass, fields, is_dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import RESULTS, SHARED, converted, ensure_model, machine_state, print_table, write_json  # noqa: E402
+from moepager.config import PrefetchConfig, StoreConfig  # noqa: E402
+from moepager.planning.calibrate import CalibrateOptions, calibrate  # noqa: E402
+from moepager.planning.cost import CalibratedProfile, CostModel  # noqa: E402
+from moepager.runtime.llm import LLM  # noqa: E402
+from moepager.runtime.replay import ReplaySpec  # noqa: E402
+from moepager.trace.format import TraceReader, TraceWriter  # noqa: E402
+from moepager.trace.predict import fit_expert_maps, fit_transition  # noqa: E402
+from moepager.trace.report import summary  # noqa: E402
+from moepager.trace.simulate import SimSpec, simulate  # noqa: E402
+from moepager.trace.workload import Cut, load_workload  # noqa: E402
+
+TOLERANCE = 0.20
+
+
+@dataclass(frozen=True)
+class Config:
+    budget: str
+    policy: str = "lru"
+    predictor: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.budget} {self.policy}" + (f" +{self.predictor}" if self.predictor else "")
+
+
+def arguments(device: str, layers: int, threads: int | None) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=layers, help="MoE layers of the model (and of the trace replayed)")
+    ap.add_argument("--threads", type=int, default=threads)
+    ap.add_argument("--io-threads", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=2, help="requests replayed per configuration")
+    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens per request (--route-prompt)")
+    ap.add_argument("--decode", type=int, default=48, help="decode steps per request")
+    ap.add_argument("--ttft-prompt", type=int, default=512)
+    ap.add_argument("--budgets", nargs="+", default=["100%", "50%", "25%", "12.5%"])
+    ap.add_argument("--policies", nargs="+", default=["lru", "lfu", "lcp"])
+    ap.add_argument("--predictors", nargs="+", default=["none", "transition", "expert-map"])
+    ap.add_argument("--all-combinations", action="store_true",
+                    help="every policy with every predictor (default: predictors with the first policy only)")
+    ap.add_argument("--fit-requests", type=int, default=1500, help="trace requests the predictors are fitted on")
+    ap.set_defaults(device=device)
+    return ap
+
+
+def configs(args: argparse.Namespace) -> list[Config]:
+    out = []
+    predictors = [None if p == "none" else p for p in args.predictors]
+    for budget in args.budgets:
+        if budget in ("100%", "all"):
+            out.append(Config(budget))
+            continue
+        for i, policy in enumerate(args.policies):
+            for predictor in predictors:
+                if predictor is None or i == 0 or args.all_combinations:
+                    out.append(Config(budget, policy, predictor))
+    return out
+
+
+def cut_trace(trace: Path, layers: int) -> Path:
+    """The trace's first `layers` MoE layers as a trace of its own (what predictors for the model fit on)."""
+    out = RESULTS / "traces" / f"{trace.stem}-first{layers}.mpt"
+    if out.exists():
+        return out
+    cut = Cut(layers=layers)
+    tmp = out.with_suffix(".partial")
+    with TraceReader(trace) as reader, TraceWriter(tmp, cut.header(reader.header)) as writer:
+        for i in tqdm(range(len(reader)), desc="cutting trace", unit="request"):
+            writer.add(cut.apply(reader.request(i), i))
+    tmp.rename(out)
+    return out
+
+
+def fitted_predictors(trace: Path, fit: list[int], names: list[str]) -> dict[str, Path]:
+    out, files = RESULTS / "predictors", {}
+    out.mkdir(parents=True, exist_ok=True)
+    with TraceReader(trace) as reader:
+        for name in names:
+            path = files[name] = out / f"{trace.stem}-fit{len(fit)}-{name}.pt"
+            if path.exists():
+                continue
+            print(f"fitting {name} on {len(fit)} requests of {trace.name}")
+            fitted = fit_transition(reader, fit, [1, 2, 3]) if name == "transition" else fit_expert_maps(reader, fit)
+            fitted.save(path)
+    return files
+
+
+def replayed_requests(trace: Path, fit: int, count: int, tokens: int, from_end: bool = True) -> list[int]:
+    """`count` requests with at least `tokens` tokens, after the first `fit` (taken from the trace's end)."""
+    with TraceReader(trace) as reader:
+        order = range(len(reader) - 1, fit - 1, -1) if from_end else range(fit, len(reader))
+        chosen = []
+        for i in order:
+            if reader.request(i).num_tokens >= tokens:
+                chosen.append(i)
+                if len(chosen) == count:
+                    return sorted(chosen)
+    raise SystemExit(f"{trace} has fewer than {count} requests of {tokens}+ tokens after the first {fit}")
+
+
+def measure(path: Path, cfg: Config, args: argparse.Namespace, spec: ReplaySpec, files: dict[str, Path]) -> dict:
+    store = None if cfg.budget in ("100%", "all") else StoreConfig(expert_memory=cfg.budget, policy=cfg.policy,
+                                                                     io_threads=args.io_threads)
+    prefetch = PrefetchConfig(cfg.predictor, str(files[cfg.predictor])) if cfg.predictor else PrefetchConfig()
+    llm = LLM(path, device=args.device, threads=args.threads, store=store, prefetch=prefetch, show_progress=False)
+    try:
+        llm.replay(spec)
+        s = llm.last_stats
+        decoded = s.generated_tokens - s.num_prompts
+        experts = s.sections["experts"].to_dict()
+        d = experts.get("decode", {})
+        slots = experts["config"].get("device slots")
+        return {"config": cfg.label, "budget": cfg.budget, "policy": cfg.policy, "predictor": cfg.predictor or "none",
+                "per_layer": None if slots is None else slots // args.layers,
+                "decode_tok_s": decoded / s.decode_s if decoded else None,
+                "tpot_ms": 1e3 * s.decode_s / decoded if decoded else None,
+                "tpot_median_ms": 1e3 * s.tpot_median_s, "ttft_ms": 1e3 * s.ttft_s,
+                "hit_rate": d.get("hit_rate", 1.0), "disk_MiB_per_token": d.get("bytes_disk_per_token", 0) / 2**20,
+                "h2d_MiB_per_token": d.get("bytes_host_to_device_per_token", 0) / 2**20,
+                "exposed_ms_per_token": 1e3 * d.get("exposed_s", 0.0) / max(decoded, 1),
+                "prefetch_accuracy": d.get("prefetch_accuracy") if d.get("loads_ahead") else None,
+                "decoded": decoded}
+    finally:
+        if llm.loaded.experts is not None and hasattr(llm.loaded.experts, "store"):
+            llm.loaded.experts.store.close()
+        del llm
+        gc.collect()
+
+
+def modeled(cost: CostModel, trace: Path, requests: list[int], cut: Cut, policy: str, per_layer: int) -> dict:
+    work = load_workload(str(trace), "recorded", requests=requests, cut=cut)
+    row = summary(simulate(work, SimSpec(policy, per_layer, warm=True)), work, cost)
+    return {"tpot_ms": row["tpot_ms"], "ttft_ms": row["ttft_ms"], "hit_rate": row["decode_hit_rate"]}
+
+
+def main(device: str, layers: int, threads: int | None, name: str) -> None:
+    args = arguments(device, layers, threads).parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    state = machine_state() | {"threads": torch.get_num_threads(), "device": device}
+    if device == "cuda":
+        state["gpu"] = torch.cuda.get_device_name()
+    path = ensure_model(f"deepseek-v2-lite-L{args.layers + 1}", "deepseek-v2-lite", args.layers + 1)
+    full = converted("deepseek-csv", SHARED / "deepseek-v2-lite", "deepseek-v2-lite")
+    trace = cut_trace(full, args.layers)
+    fit = list(range(args.fit_requests))
+    requests = replayed_requests(trace, args.fit_requests, args.requests, args.prompt + args.decode)
+    cut = Cut(args.prompt, args.decode)
+    spec = ReplaySpec(trace, requests, args.prompt, "match", args.decode)
+    files = fitted_predictors(trace, fit, [p for p in args.predictors if p != "none"])
+    print(f"calibrating {path.name} on {device} (before the runs) ...")
+    before = calibrate(path, CalibrateOptions(device, args.io_threads))
+    rows = [measure(path, cfg, args, spec, files) for cfg in tqdm(configs(args), desc="configurations", unit="config")]
+    print(f"calibrating {path.name} on {device} (after the runs) ...")
+    after = calibrate(path, CalibrateOptions(device, args.io_threads))
+    profile = averaged(before, after)  # this shared machine drifts over a run: the model gets the run's mean
+    profile.write(RESULTS / f"{name}_profile.json")
+    cost = CostModel.profile(str(RESULTS / f"{name}_profile.json"), 0)
+    for row in rows:
+        if row["predictor"] == "none":
+            row["model"] = modeled(cost, trace, requests, cut, row["policy"], row["per_layer"] or 64)
+            row["modeled_tpot_ms"] = row["model"]["tpot_ms"]
+            row["model_error"] = row["modeled_tpot_ms"] / row["tpot_ms"] - 1
+    base = next(r["decode_tok_s"] for r in rows if r["per_layer"] is None)
+    for r in rows:
+        r["vs_resident"] = r["decode_tok_s"] / base
+    ttft = ttft_rows(path, trace, args, cost)
+    report(rows, ttft, args)
+    out = write_json(name, {"machine": state, "model": str(path), "trace": str(trace), "replayed_requests": requests,
+                            "fitted_on": f"requests 0:{args.fit_requests}", "args": vars(args),
+                            "profile": {"used": asdict(profile), "before": before.measured, "after": after.measured},
+                            "rows": rows, "ttft": ttft})
+    plot(rows, RESULTS / f"{name}.png", f"{path.name} on {device}, DeepSeek-V2-Lite routing replayed")
+    print(f"wrote {out} and {RESULTS / (name + '.png')}")
+
+
+def averaged(a: CalibratedProfile, b: CalibratedProfile) -> CalibratedProfile:
+    """The mean of two calibrations of the same model (every measured number averaged)."""
+    def mean(x: Any, y: Any) -> Any:
+        if is_dataclass(x):
+            return replace(x, **{f.name: mean(getattr(x, f.name), getattr(y, f.name)) for f in fields(x)})
+        if isinstance(x, dict):
+            return {k: mean(x[k], y[k]) for k in x}
+        return (x + y) / 2 if isinstance(x, float) else x
+    return mean(a, b)
+
+
+def ttft_rows(path: Path, trace: Path, args: argparse.Namespace, cost: CostModel) -> list[dict]:
+    """One `ttft_prompt`-token prompt per budget (LRU): measured TTFT and the model's."""
+    request = replayed_requests(trace, args.fit_requests, 1, args.ttft_prompt + 1)
+    spec = ReplaySpec(trace, request, args.ttft_prompt, "match", 0)
+    out = []
+    for budget in tqdm(args.budgets, desc=f"TTFT at {args.ttft_prompt} tokens", unit="budget"):
+        row = measure(path, Config(budget), args, spec, {})
+        per_layer = row["per_layer"] or 64
+        model = modeled(cost, trace, request, Cut(args.ttft_prompt, 0), "lru", per_layer)
+        out.append({"budget": budget, "ttft_ms": row["ttft_ms"], "modeled_ttft_ms": model["ttft_ms"],
+                    "model_error": model["ttft_ms"] / row["ttft_ms"] - 1})
+    return out
+
+
+def report(rows: list[dict], ttft: list[dict], args: argparse.Namespace) -> None:
+    def opt(x: Any, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+    print_table(["config", "experts/layer", "decode tok/s", "vs resident", "TPOT ms", "modeled ms", "model err",
+                 "hit %", "disk MiB/tok", "H2D MiB/tok", "exposed ms/tok", "prefetch acc"],
+                [[r["config"], opt(r["per_layer"], "d"), r["decode_tok_s"], r["vs_resident"], r["tpot_ms"],
+                  opt(r.get("modeled_tpot_ms"), ".1f"), opt(r.get("model_error"), "+.1%"), 100 * r["hit_rate"],
+                  r["disk_MiB_per_token"], r["h2d_MiB_per_token"], r["exposed_ms_per_token"],
+                  opt(r["prefetch_accuracy"], ".1%")] for r in rows])
+    errors = [abs(r["model_error"]) for r in rows if "model_error" in r]
+    print(f"calibrated model vs measured TPOT: worst {max(errors):.1%} "
+          f"({'within' if max(errors) <= TOLERANCE else 'OUTSIDE'} +-{TOLERANCE:.0%}), median "
+          f"{statistics.median(errors):.1%} over {len(errors)} configurations")
+    print()
+    print_table(["budget", f"TTFT ms ({args.ttft_prompt}-token prompt)", "modeled ms", "model err"],
+                [[t["budget"], t["ttft_ms"], t["modeled_ttft_ms"], f"{t['model_error']:+.1%}"] for t in ttft])
+
+
+def plot(rows: list[dict], out: Path, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install -e '.[bench]')")
+        return
+    fig, (ax_t, ax_h) = plt.subplots(1, 2, figsize=(12, 4.5))
+    lines: dict[str, list[dict]] = {}
+    resident = [r for r in rows if r["per_layer"] is None]
+    for r in rows:
+        if r["per_layer"] is not None:
+            lines.setdefault(f"{r['policy']} + {r['predictor']}", []).append(r)
+    for label, rs in lines.items():
+        rs = sorted(rs + resident, key=lambda r: -(r["per_layer"] or 64))
+        x = [100 * (r["per_layer"] or 64) / 64 for r in rs]
+        ax_t.plot(x, [r["tpot_ms"] for r in rs], marker="o", label=label)
+        ax_h.plot(x, [100 * r["hit_rate"] for r in rs], marker="o", label=label)
+    modeled_lru = sorted([r for r in rows if r.get("modeled_tpot_ms") and r["policy"] == "lru"],
+                         key=lambda r: -(r["per_layer"] or 64))
+    ax_t.plot([100 * (r["per_layer"] or 64) / 64 for r in modeled_lru], [r["modeled_tpot_ms"] for r in modeled_lru],
+              "k--", label="lru, calibrated model")
+    for ax, name in ((ax_t, "decode TPOT (ms)"), (ax_h, "decode expert hit rate (%)")):
+        ax.set_xlabel("expert budget (% of all experts)")
+        ax.set_ylabel(name)
+        ax.invert_xaxis()
+        ax.grid(alpha=0.3)
+    ax_t.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
