@@ -30,7 +30,8 @@ def ensure_model(name: str, preset: str, layers: int | None, dtype: str = "bfloa
 
     path = RESULTS / "models" / name
     if not (path / "config.json").exists():
-        make_model(path, preset, layers=layers, dtype=dtype)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        make_model(path, preset, layers=layers, dtype=dtype, force=True)
     return path
 
 

@@ -19,3 +19,7 @@ class InvalidRequestError(MoepagerError):
 
 class BudgetError(MoepagerError):
     """A memory budget is malformed, below the minimum the model needs, or larger than the machine has."""
+
+
+class NumericalError(MoepagerError):
+    """A forward pass produced NaN or infinity (corrupt weights, or a dtype that overflows)."""

@@ -77,3 +77,11 @@ def demo_checkpoint(tmp_path_factory) -> Path:
 
     return make_model(tmp_path_factory.mktemp("tiny_qwen3"), "tiny", "qwen3_moe", dtype="float32",
                       show_progress=False)
+
+
+def expert_budget(nbytes: int, experts: int, io_threads: int = 4) -> str:
+    """An --expert-memory byte budget holding exactly `experts` experts of `nbytes` beside the store's O_DIRECT
+    read buffers (which every budget includes: one bounce buffer per I/O thread and for the prefetch lane)."""
+    from moepager.store.disk import bounce_bytes
+
+    return str(experts * nbytes + (io_threads + 1) * bounce_bytes(nbytes))

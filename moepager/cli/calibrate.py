@@ -9,11 +9,12 @@ from tqdm import tqdm
 
 from moepager.errors import MoepagerError
 from moepager.models.default import default_model_path
+from moepager.outputs import check_file
 from moepager.planning.calibrate import CalibrateOptions, calibrate
 from moepager.store.budget import format_bytes
 
 HELP = "measure memory, expert compute, disk (and host->device) rates for a model; write a cost-model profile"
-STEPS = 5
+STEPS = 4
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.io_threads < 1:
         raise MoepagerError(f"--io-threads must be >= 1, got {args.io_threads}")
+    out = check_file(args.out, "--out")
     path = args.model or default_model_path()
     steps = STEPS + (1 if args.device.startswith("cuda") else 0)
     with tqdm(total=steps, desc="calibrating", unit="step", disable=args.quiet) as bar:
@@ -50,12 +52,13 @@ def run(args: argparse.Namespace) -> int:
             ("non-expert time", f"{c.dense_decode_s * 1e3:.2f} ms per decode step, "
                                 f"+{c.dense_token_s * 1e3:.3f} ms per further prefill token"),
             ("disk", f"{m['disk_Bps'] / 1e9:.2f} GB/s with {args.io_threads} reads at once; one read "
-                     f"{m['disk_single_read_s'] * 1e3:.1f} ms")]
+                     f"{m['disk_single_read_s'] * 1e3:.1f} ms (random experts)"),
+            ("compute lost to reads", f"{m['io_interference_s_per_byte'] * 1e3 * 2**20:.2f} ms per MiB read beside it")]
     if "h2d_Bps" in m:
         rows.append(("host->device", f"{m['h2d_Bps'] / 1e9:.1f} GB/s from pinned memory"))
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
-    if args.out:
-        profile.write(args.out)
+    if out is not None:
+        profile.write(out)
         print(f"profile: {args.out} (use it: moepager simulate TRACE --profile {args.out})")
     return 0

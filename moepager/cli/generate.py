@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from moepager.config import PrefetchConfig, StoreConfig
 from moepager.errors import MoepagerError
 from moepager.policies import ENGINE_POLICIES
-from moepager.predictors import PREDICTORS
+from moepager.outputs import check_file
+from moepager.predictors import ONLINE, PREDICTORS
 from moepager.runtime.llm import LLM
 from moepager.models.default import default_model_path
 from moepager.models.load import read_config
-from moepager.runtime.replay import ReplaySpec, load_replay
+from moepager.runtime.replay import ReplaySpec, check_record_path, load_replay
 from moepager.runtime.sampling import SamplingParams
 
 HELP = "generate text for one or more prompts (one static batch) and print the run's statistics"
@@ -20,6 +23,8 @@ HELP = "generate text for one or more prompts (one static batch) and print the r
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompts", nargs="*", metavar="PROMPT")
+    p.add_argument("--prompt-file", action="append", default=[], metavar="PATH",
+                   help="read a prompt from this file, or from standard input with '-' (repeatable; each is one prompt)")
     p.add_argument("--model", help="Hugging Face checkpoint directory (default: the built-in demo model)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="tokens to generate per prompt (default 64; with --route-from: the trace's decode steps + 1)")
@@ -50,13 +55,14 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
                    help="device expert cache, e.g. 6GiB, 800MB, 25%% of all experts; the rest is paged in")
     g.add_argument("--host-memory", metavar="SIZE",
                    help="with --device cuda: pinned host RAM for experts (default all); the rest is read from disk")
-    g.add_argument("--policy", choices=ENGINE_POLICIES, default="lru",
+    g.add_argument("--policy", choices=ENGINE_POLICIES,
                    help="eviction policy (default lru; fmoe weighs LFU counts by the --predictor's probabilities)")
-    g.add_argument("--cache-scope", choices=["layer", "global"], default="layer",
+    g.add_argument("--cache-scope", choices=["layer", "global"],
                    help="layer: equal share of the cache per MoE layer (default); global: shared by all layers")
-    g.add_argument("--io-threads", type=int, default=4, help="threads reading experts from disk (default 4)")
-    g.add_argument("--direct-io", choices=["auto", "on", "off"], default="auto",
-                   help="O_DIRECT disk reads (auto: where the file system allows; off: page cache, then dropped)")
+    g.add_argument("--io-threads", type=int, help="threads reading experts from disk (default 4)")
+    g.add_argument("--direct-io", choices=["auto", "on", "off"],
+                   help="O_DIRECT disk reads (auto, the default: where the file system allows; off: page cache, "
+                        "then dropped)")
     g.add_argument("--cold", action="store_true", help="start with an empty expert cache")
 
 
@@ -99,7 +105,9 @@ def replay_spec(args: argparse.Namespace) -> ReplaySpec | None:
     if args.prompts:
         raise MoepagerError("--route-from replays the trace's own requests; give no PROMPT")
     steps = None if args.max_tokens is None else args.max_tokens - 1
-    return ReplaySpec(args.route_from, args.route_requests, args.route_prompt, args.route_layers, steps)
+    spec = ReplaySpec(args.route_from, args.route_requests, args.route_prompt, args.route_layers, steps)
+    check_record_path(spec, args.record_trace)
+    return spec
 
 
 def prefetch_config(args: argparse.Namespace) -> PrefetchConfig:
@@ -108,12 +116,70 @@ def prefetch_config(args: argparse.Namespace) -> PrefetchConfig:
 
 
 def store_config(args: argparse.Namespace) -> StoreConfig:
-    return StoreConfig(expert_memory=args.expert_memory, host_memory=args.host_memory, policy=args.policy,
-                       scope=args.cache_scope, io_threads=args.io_threads, direct_io=args.direct_io,
-                       warm=not args.cold)
+    given = {name: value for name, value in (("policy", args.policy), ("scope", args.cache_scope),
+                                             ("io_threads", args.io_threads), ("direct_io", args.direct_io))
+             if value is not None}  # the rest keep StoreConfig's defaults
+    return StoreConfig(expert_memory=args.expert_memory, host_memory=args.host_memory, warm=not args.cold, **given)
+
+
+def refuse_ignored_options(args: argparse.Namespace) -> None:
+    """The one rule for options that would do nothing in this run: refuse them, saying what they need."""
+    paged = args.expert_memory is not None or args.host_memory is not None
+    needs = [
+        (not paged, "a paged store (--expert-memory or --host-memory)",
+         {"--policy": args.policy, "--cache-scope": args.cache_scope, "--io-threads": args.io_threads,
+          "--direct-io": args.direct_io, "--cold": args.cold}),
+        (args.predictor is None, "--predictor",
+         {"--predictor-file": args.predictor_file, "--prefetch-distance": args.prefetch_distance,
+          "--prefetch-k": args.prefetch_k, "--prefetch-inflight": args.prefetch_inflight,
+          "--learn-maps": args.learn_maps}),
+        (args.record_trace is None, "--record-trace", {"--record-hidden": args.record_hidden}),
+    ]
+    for missing, what, options in needs:
+        given = [flag for flag, value in options.items() if value not in (None, False)]
+        if missing and given:
+            raise MoepagerError(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} nothing without {what}")
+    if args.learn_maps and args.predictor not in ONLINE:
+        raise MoepagerError(f"--learn-maps: the {args.predictor} predictor does not learn online (only "
+                            f"{', '.join(ONLINE)} does)")
+    cores = os.cpu_count() or 1
+    if args.threads is not None and args.threads > cores:
+        raise MoepagerError(f"--threads {args.threads} is more than this machine's {cores} CPU cores; oversubscribed "
+                            f"threads make every step wait for the others (10-100x slower): use at most {cores}")
+    if args.record_trace and args.stats_json and Path(args.record_trace).resolve() == Path(args.stats_json).resolve():
+        raise MoepagerError("--record-trace and --stats-json name the same file")
+    check_file(args.record_trace, "--record-trace")
+    check_file(args.stats_json, "--stats-json")
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """PROMPT arguments, then each --prompt-file (or '-' for stdin); bytes that are not UTF-8 are replaced,
+    with a warning."""
+    prompts = [_utf8(p.encode("utf-8", "surrogateescape"), "a PROMPT argument") for p in args.prompts]
+    for name in args.prompt_file:
+        if name == "-":
+            data = sys.stdin.buffer.read()
+        else:
+            try:
+                data = Path(name).read_bytes()
+            except OSError as e:
+                raise MoepagerError(f"--prompt-file {name}: {e.strerror or e}") from None
+        prompts.append(_utf8(data, f"--prompt-file {name}"))
+    return prompts
+
+
+def _utf8(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        print(f"warning: {where} is not valid UTF-8 (byte {e.start}); undecodable bytes were replaced with U+FFFD",
+              file=sys.stderr)
+        return data.decode("utf-8", errors="replace")
 
 
 def run(args: argparse.Namespace) -> int:
+    args.prompts = read_prompts(args)
+    refuse_ignored_options(args)
     replay = replay_spec(args)
     params = SamplingParams(max_tokens=64 if args.max_tokens is None else args.max_tokens,
                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -127,26 +193,23 @@ def run(args: argparse.Namespace) -> int:
     if llm.tokenizer is None:
         raise MoepagerError("this checkpoint has no tokenizer.json, so text prompts cannot be encoded")
     single = len(args.prompts) == 1
-    if single:
-        sys.stdout.write(args.prompts[0])
+    echoed = [False]
 
     def stream(_row: int, text: str) -> None:
+        if not echoed[0]:  # the prompt is echoed once it has been accepted, not before
+            sys.stdout.write(args.prompts[0])
+            echoed[0] = True
         sys.stdout.write(text)
         sys.stdout.flush()
 
     completions = llm.generate(args.prompts, params, chat=args.chat, on_text=stream if single else None,
                                record_trace=args.record_trace, record_hidden=args.record_hidden)
     if single:
-        sys.stdout.write("\n")
+        sys.stdout.write(("" if echoed[0] else args.prompts[0]) + "\n")
     else:
         for i, (prompt, c) in enumerate(zip(args.prompts, completions)):
             print(f"[{i}] {prompt}{c.text}")
-    print(f"\n{llm.last_stats.table()}")
-    if args.stats_json:
-        llm.last_stats.write_json(args.stats_json)
-    if args.record_trace:
-        print(f"routing trace: {args.record_trace} (replay it: moepager simulate {args.record_trace})")
-    return 0
+    return _report(llm, args)
 
 
 def _replay(llm: LLM, spec: ReplaySpec, params: SamplingParams, args: argparse.Namespace) -> int:
@@ -154,9 +217,14 @@ def _replay(llm: LLM, spec: ReplaySpec, params: SamplingParams, args: argparse.N
     print(f"replayed {len(completions)} requests of {spec.trace}: "
           f"{sum(len(c.prompt_token_ids) for c in completions)} prompt tokens, "
           f"{sum(len(c.token_ids) - 1 for c in completions)} decode steps")
+    return _report(llm, args)
+
+
+def _report(llm: LLM, args: argparse.Namespace) -> int:
+    """The run's statistics table, and the files asked for."""
     print(f"\n{llm.last_stats.table()}")
     if args.stats_json:
         llm.last_stats.write_json(args.stats_json)
     if args.record_trace:
-        print(f"routing trace: {args.record_trace}")
+        print(f"routing trace: {args.record_trace} (replay it: moepager simulate {args.record_trace})")
     return 0

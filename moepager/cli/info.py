@@ -9,7 +9,9 @@ from moepager.models.default import default_model_path
 from moepager.models.load import checkpoint_dtype
 from moepager.models.loader import Checkpoint
 from moepager.models.registry import architecture_for
+from moepager.config import StoreConfig
 from moepager.store.budget import Budget
+from moepager.store.disk import bounce_bytes
 from moepager.store.budget import format_bytes as size
 
 HELP = "describe a checkpoint: architecture, layers, experts, parameter counts and bytes per expert"
@@ -37,6 +39,7 @@ def describe(path: str, budgets: Sequence[str] = ()) -> list[tuple[str, str]]:
     experts = per_expert * cfg.num_moe_layers * cfg.num_experts
     active = total - experts + per_expert * cfg.num_moe_layers * cfg.top_k
     expert_nbytes, num_routed = per_expert * dtype.itemsize, cfg.num_moe_layers * cfg.num_experts
+    buffers = (StoreConfig().io_threads + 1) * bounce_bytes(expert_nbytes)  # stored dtype = run dtype here
     return [
         ("architecture", cfg.architecture),
         ("layers", f"{cfg.num_layers} ({cfg.num_moe_layers} MoE)"),
@@ -52,14 +55,17 @@ def describe(path: str, budgets: Sequence[str] = ()) -> list[tuple[str, str]]:
         ("bytes per expert", size(expert_nbytes)),
         ("all experts", f"{num_routed} experts, {size(experts * dtype.itemsize)}"),
         ("non-expert weights", size((total - experts) * dtype.itemsize) + " (always resident)"),
-        ("minimum expert memory", f"{size(cfg.top_k * expert_nbytes)} (one MoE layer's top-{cfg.top_k})"),
-    ] + [budget_row(text, expert_nbytes, num_routed, cfg.top_k) for text in budgets]
+        ("read buffers", f"{size(buffers)} (O_DIRECT bounce buffers of {StoreConfig().io_threads} I/O threads + 1 "
+                         f"prefetch; inside every --expert-memory budget on the CPU, --host-memory on CUDA)"),
+        ("minimum expert memory", f"{size(cfg.top_k * expert_nbytes + buffers)} (one MoE layer's top-{cfg.top_k} "
+                                  f"+ read buffers)"),
+    ] + [budget_row(text, expert_nbytes, num_routed, cfg.top_k, buffers) for text in budgets]
 
 
-def budget_row(text: str, expert_nbytes: int, num_routed: int, minimum: int) -> tuple[str, str]:
-    slots = Budget.parse(text, "--expert-memory").slots(expert_nbytes, num_routed)
+def budget_row(text: str, expert_nbytes: int, num_routed: int, minimum: int, buffers: int) -> tuple[str, str]:
+    slots = Budget.parse(text, "--expert-memory").slots(expert_nbytes, num_routed, buffers)
     verdict = "below the minimum" if slots < minimum else f"{100 * slots / num_routed:.1f}% of experts"
-    return f"--expert-memory {text}", f"{slots} experts ({size(slots * expert_nbytes)}), {verdict}"
+    return f"--expert-memory {text}", f"{slots} experts ({size(slots * expert_nbytes)} + {size(buffers)} read buffers), {verdict}"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from importlib import metadata
 from collections.abc import Sequence
 
 from moepager.cli import calibrate, generate, info, make_model, predict_eval, predictor, simulate, trace
@@ -20,10 +22,18 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="moepager", description="Run Mixture-of-Experts LLMs that do not fit in memory.")
+    parser.add_argument("--version", action="version", version=f"moepager {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, module in COMMANDS.items():
         module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.HELP))
     return parser
+
+
+def _version() -> str:
+    try:
+        return metadata.version("moepager")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -36,6 +46,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`moepager info | head`): stop quietly, as other tools do
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -16,10 +16,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, help="override the number of decoder layers")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", required=True, help="output directory (must not exist, or be empty)")
+    p.add_argument("--force", action="store_true",
+                   help="replace a non-empty --out (its old files, shards and index included, are removed)")
 
 
 def run(args: argparse.Namespace) -> int:
-    out = make_model(args.out, args.preset, args.arch, args.layers, args.dtype, args.seed)
+    out = make_model(args.out, args.preset, args.arch, args.layers, args.dtype, args.seed, force=args.force)
     print(f"wrote {out}")
     return 0

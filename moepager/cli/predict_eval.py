@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from tqdm import tqdm
 
 from moepager.cli.predictor import parse_ints
+from moepager.outputs import atomic_file, check_file
 from moepager.predictors import PREDICTORS, ExpertMapPredictor, Predictor, PredictorError, make_predictor
 from moepager.trace.format import TraceReader
 from moepager.trace.predict import (
@@ -39,42 +41,72 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def build(name: str, reader: TraceReader, train: list[int], distances: list[int], model: str | None) -> Predictor:
     h = reader.header
     if name == "transition":
-        return fit_transition(reader, train, distances)
+        with tqdm(total=1, desc="fitting transition", unit="fit", leave=False) as bar:
+            fitted = fit_transition(reader, train, distances)
+            bar.update()
+        return fitted
     if name == "expert-map":
-        return ExpertMapPredictor(fit_expert_maps(reader, train))
+        with tqdm(total=len(train), desc="fitting expert-map", unit="request", leave=False) as bar:
+            return ExpertMapPredictor(fit_expert_maps(reader, train, progress=bar.update))
     if name == "token-wise":
-        return fit_token_wise(reader, train)
-    if name == "gate-lookahead":
+        with tqdm(total=200, desc="fitting token-wise", unit="epoch", leave=False) as bar:
+            return fit_token_wise(reader, train, progress=lambda epoch, loss: bar.update())
+    assert model is not None  # checked up front (check_needs)
+    from moepager.models.load import load_model
+    from moepager.runtime.prefetch import router_scores
+
+    routers = router_scores(load_model(model, show_progress=False).model)
+    return make_predictor(name, num_layers=h.num_layers, num_experts=h.num_experts, routers=routers)
+
+
+def check_needs(names: list[str], reader: TraceReader, model: str | None) -> None:
+    """Every predictor's needs, before any of them is fitted: a known name, hidden states in the trace for
+    token-wise, a checkpoint of the trace's geometry for gate-lookahead."""
+    for name in names:
+        if name not in PREDICTORS:
+            raise PredictorError(f"unknown predictor '{name}'; choose from {', '.join(PREDICTORS)}")
+    if "token-wise" in names and (not len(reader) or reader.request(0).hidden_TLD is None):
+        raise PredictorError(f"token-wise learns from router inputs, which {reader.path} does not hold; record a "
+                             f"trace with `generate --record-trace PATH --record-hidden`")
+    if "gate-lookahead" in names:
         if model is None:
             raise PredictorError("gate-lookahead needs --model (the checkpoint the trace was recorded from)")
-        from moepager.models.load import load_model
-        from moepager.runtime.prefetch import router_scores
+        from moepager.models.load import read_config
+        from moepager.runtime.replay import check_geometry
 
-        routers = router_scores(load_model(model, show_progress=False).model)
-        return make_predictor(name, num_layers=h.num_layers, num_experts=h.num_experts, routers=routers)
-    raise PredictorError(f"unknown predictor '{name}'; choose from {', '.join(PREDICTORS)}")
+        check_geometry(reader.header, read_config(model), "match")
 
 
 def run(args: argparse.Namespace) -> int:
     names = [n.strip() for n in args.predictor.split(",") if n.strip()]
     distances = parse_ints(args.distance, "--distance")
+    json_out = check_file(args.json, "--json")
     results: list[PredictEval] = []
     with TraceReader(args.trace) as reader:
         h = reader.header
         ks = parse_ints(args.k, "--k") if args.k else [h.top_k, 2 * h.top_k]
+        check_needs(names, reader, args.model)
         train, test = split_requests(len(reader), args.test_fraction, args.seed)
         print(f"{h.model}: {len(train)} requests to fit on, {len(test)} held out; top-{h.top_k} of {h.num_experts}")
-        for name in names:
-            predictor = build(name, reader, train, distances, args.model)
-            for d in distances:
-                with tqdm(total=len(test), unit="request", desc=f"{name} d={d}", leave=False) as bar:
-                    results.append(evaluate(predictor, reader, test, d, ks, progress=bar.update))
-    print(format_eval(results))
-    if args.per_layer:
-        for r in results:
-            per_layer = " ".join(f"{r.recall(h.top_k, t) or 0:.2f}" for t in r.tallies)
-            print(f"{r.predictor} d={r.distance} recall@{h.top_k} per layer: {per_layer}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([r.to_json() for r in results], f, indent=2)
+        try:
+            for name in names:
+                predictor = build(name, reader, train, distances, args.model)
+                for d in distances:
+                    with tqdm(total=len(test), unit="request", desc=f"{name} d={d}", leave=False) as bar:
+                        results.append(evaluate(predictor, reader, test, d, ks, progress=bar.update))
+        finally:  # what finished is printed and saved even when a later predictor fails or is interrupted
+            _report(results, args.per_layer, h.top_k, json_out)
     return 0
+
+
+def _report(results: list[PredictEval], per_layer: bool, top_k: int, json_out: Path | None) -> None:
+    if not results:
+        return
+    print(format_eval(results))
+    if per_layer:
+        for r in results:
+            recalls = " ".join(f"{r.recall(top_k, t) or 0:.2f}" for t in r.tallies)
+            print(f"{r.predictor} d={r.distance} recall@{top_k} per layer: {recalls}")
+    if json_out is not None:
+        with atomic_file(json_out) as tmp:
+            tmp.write_text(json.dumps([r.to_json() for r in results], indent=2))

@@ -7,6 +7,7 @@ import argparse
 
 from tqdm import tqdm
 
+from moepager.outputs import atomic_file, check_file
 from moepager.predictors import FITTED, PredictorError
 from moepager.trace.format import TraceReader
 from moepager.trace.predict import fit_expert_maps, fit_token_wise, fit_transition
@@ -40,10 +41,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    out = check_file(args.out, "--out")
     with TraceReader(args.trace) as reader:
+        if args.kind == "token-wise" and (not len(reader) or reader.request(0).hidden_TLD is None):
+            raise PredictorError(f"token-wise learns from router inputs, which {args.trace} does not hold; record a "
+                                 f"trace with `generate --record-trace PATH --record-hidden`")
         everything = list(range(len(reader)))
         if args.kind == "transition":
-            fitted = fit_transition(reader, everything, parse_ints(args.distances, "--distances"))
+            with tqdm(total=1, unit="fit", desc="transition tables") as bar:
+                fitted = fit_transition(reader, everything, parse_ints(args.distances, "--distances"))
+                bar.update()
         elif args.kind == "expert-map":
             with tqdm(total=len(everything), unit="request", desc="expert maps") as bar:
                 fitted = fit_expert_maps(reader, everything, args.capacity, args.distance, args.max_iterations,
@@ -54,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
                     bar.set_postfix(loss=f"{loss:.3f}")
                     bar.update(1)
                 fitted = fit_token_wise(reader, everything, args.epochs, progress=step)
-    fitted.save(args.out)
+    with atomic_file(out) as tmp:
+        fitted.save(tmp)
     print(f"wrote {args.out} ({args.kind}, fitted on {len(everything)} requests of {args.trace})")
     return 0

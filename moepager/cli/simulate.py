@@ -9,12 +9,14 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from moepager.errors import MoepagerError
+from moepager.outputs import atomic_file, check_file
 from moepager.planning.cost import PROFILES, CostModel
 from moepager.policies import POLICIES
-from moepager.store.budget import Budget
-from moepager.trace.format import TraceError, TraceReader
+from moepager.store.budget import Budget, format_bytes
+from moepager.trace.format import DECODE, TraceError, TraceReader
 from moepager.trace.report import format_table, plot_hit_rates, summary
-from moepager.trace.simulate import FORECASTS, SimSpec, simulate
+from moepager.trace.simulate import FORECASTS, SimSpec, check_spec, simulate
 from moepager.trace.workload import Cut, Workload, load_workload, parse_requests
 
 HELP = "replay a routing trace through cache policies: hit rates, traffic and modeled TPOT/TTFT"
@@ -84,11 +86,20 @@ def capacities(text: str, work: Workload, expert_bytes: int, scope: str) -> list
             raise TraceError(f"capacity '{item}' is in bytes but the trace has no bytes per expert; "
                              "pass --expert-bytes or give experts")
         experts = Budget.parse(item, "--capacity").slots(expert_bytes, work.header.num_layers * work.header.num_experts)
-        out.append(experts // work.header.num_layers if scope == "layer" else experts)
+        held = experts // work.header.num_layers if scope == "layer" else experts
+        if held < work.header.top_k:
+            where = "per layer" if scope == "layer" else "in all"
+            raise TraceError(f"--capacity {item} holds {held} experts {where} ({format_bytes(expert_bytes)} each), "
+                             f"below one token's top-{work.header.top_k}; give at least "
+                             f"{format_bytes(work.header.top_k * expert_bytes * (work.header.num_layers if scope == 'layer' else 1))}")
+        out.append(held)
     return out
 
 
 def run(args: argparse.Namespace) -> int:
+    json_out, plot_out = check_file(args.json, "--json"), check_file(args.plot, "--plot")
+    if plot_out is not None:
+        require_matplotlib("--plot")
     cut = Cut(args.route_prompt, args.decode_steps, args.layers)
     work = load_workload(args.trace, args.order, args.batch, parse_requests(args.requests) if args.requests else None,
                          cut)
@@ -101,23 +112,40 @@ def run(args: argparse.Namespace) -> int:
                                      dense_bytes_per_layer=args.dense_bytes_per_layer, overlap=args.overlap)
         except ValueError as e:
             raise TraceError(str(e)) from None
-    policies = [p.strip() for p in args.policy.split(",")]
-    for name in policies:
-        if name not in POLICIES:
-            raise TraceError(f"unknown eviction policy '{name}'; choose from {sorted(POLICIES)}")
-    specs = [SimSpec(p, c, args.scope, args.forecast, warm=args.warm) for p in policies
+    specs = [SimSpec(p.strip(), c, args.scope, args.forecast, warm=args.warm) for p in args.policy.split(",")
              for c in capacities(args.capacity, work, expert_bytes, args.scope)]
-    print(f"{args.trace}: {len(work.names)} requests, {len(work.phase_N)} tokens, {work.num_steps} steps, "
-          f"{work.header.num_layers} layers x {work.header.num_experts} experts, top-{work.header.top_k}")
-    rows = []
-    for spec in tqdm(specs, desc="simulating", unit="run"):
-        rows.append(summary(simulate(work, spec, prior), work, cost))
-    print(format_table(rows))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"trace": args.trace, "header": vars(work.header),
-                                               "profile": args.profile, "rows": rows}, indent=1, default=list))
-    if args.plot:
-        plot_hit_rates(rows, args.plot, f"{work.header.model}: hit rate vs cache size")
-        print(f"plot: {args.plot}")
+    for spec in specs:  # every run's needs, before the first one starts
+        check_spec(spec, work.header, prior)
+    h = work.header
+    steps = (f"order decode: every token replayed as its own step" if args.order == "decode" and args.batch == 1
+             and args.route_prompt is None else f"order {args.order}, batch {args.batch}")
+    print(f"{args.trace}: {len(work.names)} requests, {len(work.phase_N)} tokens "
+          f"({int((work.phase_N == DECODE).sum())} recorded as decode), {work.num_steps} steps ({steps}), "
+          f"{h.num_layers} layers x {h.num_experts} experts, top-{h.top_k}")
+    rows: list[dict] = []
+    try:
+        with tqdm(total=len(specs) * work.num_steps, desc="simulating", unit="step", unit_scale=True) as bar:
+            for spec in specs:
+                done = bar.n
+                rows.append(summary(simulate(work, spec, prior, lambda s: bar.update(done + s - bar.n)), work, cost))
+                bar.update(done + work.num_steps - bar.n)
+    finally:  # what finished is printed and saved even when a later run fails or is interrupted
+        if rows:
+            print(format_table(rows))
+            if json_out is not None:
+                with atomic_file(json_out) as tmp:
+                    tmp.write_text(json.dumps({"trace": args.trace, "header": vars(h), "profile": args.profile,
+                                               "rows": rows}, indent=1, default=list))
+    if plot_out is not None:
+        with atomic_file(plot_out) as tmp:
+            plot_hit_rates(rows, tmp, f"{h.model}: hit rate vs cache size")
+        print(f"plot: {plot_out}")
     return 0
+
+
+def require_matplotlib(flag: str) -> None:
+    """Plots need matplotlib (in the bench and test extras, not the main install): say so before any work."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise MoepagerError(f"{flag} needs matplotlib: pip install -e '.[bench]' (or drop {flag})") from None

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from moepager.outputs import atomic_file, check_file
 from moepager.store.budget import format_bytes
 from moepager.trace.convert import CONVERTERS, ConvertOptions, convert
 from moepager.trace.format import DECODE, MISSING, TraceReader
@@ -46,11 +47,15 @@ def run(args: argparse.Namespace) -> int:
     if args.trace_command == "info":
         return _info(args.path)
     if args.trace_command == "stats":
-        stats = routing_stats(args.path)
+        json_out = check_file(args.json, "--json")
+        with TraceReader(args.path) as reader:
+            total = len(reader)
+        with tqdm(total=total, unit="request", desc="reading", leave=False) as bar:
+            stats = routing_stats(args.path, bar.update)
         print(format_stats(stats))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(stats.to_json(), f, indent=2)
+        if json_out is not None:
+            with atomic_file(json_out) as tmp:
+                tmp.write_text(json.dumps(stats.to_json(), indent=2))
         return 0
     layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
     opts = ConvertOptions(model=args.model, num_experts=args.num_experts, top_k=args.top_k,
@@ -66,7 +71,7 @@ def _info(path: str) -> int:
     with TraceReader(path) as reader:
         h = reader.header
         tokens = decode = missing = 0
-        for request in reader:
+        for request in tqdm(reader, total=len(reader), unit="request", desc="reading", leave=False):
             tokens += request.num_tokens
             decode += int((request.phase_T == DECODE).sum())
             missing += int((request.ids_TLK == MISSING).sum())
@@ -74,7 +79,7 @@ def _info(path: str) -> int:
                 ("MoE layers", f"{h.num_layers} ({h.moe_layers[0]}..{h.moe_layers[-1]})"),
                 ("experts", f"{h.num_experts} routed, top-{h.top_k}, {h.num_shared} shared"),
                 ("bytes per expert", format_bytes(h.expert_bytes) if h.expert_bytes else "unknown"),
-                ("requests", str(len(reader))), ("tokens", f"{tokens} ({decode} decode)"),
+                ("requests", str(len(reader))), ("tokens", f"{tokens} ({decode} recorded as decode, {tokens - decode} as prefill)"),
                 ("missing entries", f"{missing} ({missing / max(tokens * h.num_layers * h.top_k, 1):.2%})"),
                 ("priors", ", ".join(f"{n} ({int(np.sum(reader.prior(n)))} activations)" for n in reader.prior_names)
                  or "none")]

@@ -19,7 +19,7 @@ import torch
 from moepager.errors import CheckpointError
 from moepager.experts.weights import ExpertShape
 from moepager.models.loader import Checkpoint, TensorLocation
-from moepager.store.disk import DirectIO, DiskFiles, Span
+from moepager.store.disk import DirectIO, DiskFiles, Span, bounce_bytes
 from moepager.types import ExpertKey
 
 
@@ -59,8 +59,17 @@ class ExpertReader:
         self.naming = naming
         self.shape = shape
         self.layout = self._detect(first_moe_layer)
-        self.files = DiskFiles(direct)
+        self.direct = direct
+        self.files = DiskFiles(direct, bounce_bytes(shape.nbytes))
         self._local = threading.local()
+        self._first = ExpertKey(first_moe_layer, 0)
+
+    def buffer_bytes_per_thread(self) -> int:
+        """Memory each reading thread allocates besides the expert slots: the O_DIRECT bounce buffer, plus a
+        whole expert in the stored dtype when it must be converted."""
+        stored = {p.dtype for p in self.pieces(self._first)}
+        convert = self.shape.numel * max(d.itemsize for d in stored) if stored != {self.shape.dtype} else 0
+        return (self.files.bounce_nbytes if self.direct != "off" else 0) + convert
 
     def _detect(self, layer: int) -> ExpertLayout:
         if self.checkpoint.has(self.naming.fused_gate_up.format(layer=layer)):

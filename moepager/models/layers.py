@@ -8,7 +8,7 @@ position ids are also its cache indices and the causal mask is `s <= p`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -288,6 +288,30 @@ class CausalLM(nn.Module):
         """Every MoE block reports its routing decisions to `observer` (NULL_OBSERVER stops it)."""
         for block in self.moe_blocks():
             block.observer = observer
+
+    def first_non_finite(self, ids_BT: torch.Tensor, batch: ForwardBatch,
+                         cache: Sequence[Sequence[torch.Tensor]]) -> str:
+        """Re-run a forward pass (same positions, so the cache is rewritten with the same values) and name the
+        first module whose output holds NaN or infinity."""
+        found: list[str] = []
+
+        def watch(name: str) -> Callable[..., None]:
+            def hook(module: nn.Module, args: object, out: torch.Tensor) -> None:
+                if not found and isinstance(out, torch.Tensor) and not bool(torch.isfinite(out).all()):
+                    found.append(name)
+            return hook
+        watched = [(self.model.embed_tokens, "the token embedding")]
+        for i, layer in enumerate(self.model.layers):
+            watched += [(layer.self_attn, f"decoder layer {i} (attention)"), (layer.mlp, f"decoder layer {i} (MLP)")]
+        watched.append((self.model.norm, "the final norm"))
+        handles = [module.register_forward_hook(watch(name)) for module, name in watched]
+        try:
+            with torch.inference_mode():
+                self(ids_BT, batch, cache)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return found[0] if found else "the LM head"
 
     def route_with(self, source: RoutingSource) -> None:
         """Every MoE block takes its routing from `source` (OWN_ROUTER restores the model's routers)."""

@@ -24,6 +24,7 @@ from moepager.errors import MoepagerError
 from moepager.models.load import DTYPES
 from moepager.models.registry import ARCHITECTURES
 from moepager.models.synth_presets import PRESETS, preset_config
+from moepager.outputs import atomic_dir, check_dir
 
 SAFETENSORS_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 INIT_STD = 0.02
@@ -130,14 +131,24 @@ def _synthetic_pairs(tokens: list[str]) -> Iterator[tuple[str, str]]:
 
 
 def make_model(out: str | os.PathLike[str], preset: str, arch: str | None = None, layers: int | None = None,
-               dtype: str = "bfloat16", seed: int = 0, shard_bytes: int = 4 << 30, show_progress: bool = True) -> Path:
-    """Write a random-weight checkpoint of `preset` to `out`; returns the directory."""
+               dtype: str = "bfloat16", seed: int = 0, shard_bytes: int = 4 << 30, show_progress: bool = True,
+               force: bool = False) -> Path:
+    """Write a random-weight checkpoint of `preset` to `out`; returns the directory.
+
+    `out` must not exist or be empty unless `force` (then it is replaced, old shards and index included). The
+    checkpoint is written into a temporary sibling directory and renamed into place when complete, so an
+    interrupted run leaves no half-written checkpoint (and no stray shards) under `out`."""
     config = preset_config(preset, arch, layers)
     if dtype not in DTYPES:
         raise MoepagerError(f"unknown dtype '{dtype}'; choose from {', '.join(DTYPES)}")
-    torch_dtype = DTYPES[dtype]
-    out_dir = Path(out).expanduser()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = check_dir(out, "--out", force)
+    with atomic_dir(out_dir, force) as tmp:
+        _write_checkpoint(tmp, config, DTYPES[dtype], seed, shard_bytes, f"writing {preset}", show_progress)
+    return out_dir
+
+
+def _write_checkpoint(out_dir: Path, config: dict[str, Any], torch_dtype: torch.dtype, seed: int, shard_bytes: int,
+                      desc: str, show_progress: bool) -> None:
     config["eos_token_id"] = write_tokenizer(out_dir, config["vocab_size"])
     config["dtype"] = str(torch_dtype).removeprefix("torch.")
     specs = tensor_specs(config)
@@ -146,7 +157,7 @@ def make_model(out: str | os.PathLike[str], preset: str, arch: str | None = None
     total = sum(math.prod(s) * torch_dtype.itemsize for _, s in specs)
     names = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {preset}", disable=not show_progress) as bar:
+    with tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not show_progress) as bar:
         for name, shard in zip(names, shards):
             _write_shard(out_dir / name, shard, torch_dtype, gen, bar)
     if len(shards) > 1:
@@ -154,7 +165,6 @@ def make_model(out: str | os.PathLike[str], preset: str, arch: str | None = None
                  "weight_map": {t: n for n, shard in zip(names, shards) for t, _ in shard}}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    return out_dir
 
 
 __all__ = ["PRESETS", "make_model", "tensor_specs", "write_tokenizer"]

@@ -23,6 +23,8 @@ from moepager.predictors.transition import TransitionPredictor
 PREDICTORS = ["transition", "expert-map", "gate-lookahead", "token-wise"]
 FITTED = ["transition", "expert-map", "token-wise"]
 """Predictors whose learned state lives in a file written by `moepager predictor fit`."""
+ONLINE = ["expert-map"]
+"""Predictors that can learn while the engine runs (`--learn-maps`)."""
 DEFAULT_DISTANCE = {"transition": 1, "expert-map": 3, "gate-lookahead": 1}
 """Prefetch distance in MoE layers when none is given; token-wise predicts one token ahead (distance L)."""
 
@@ -39,7 +41,8 @@ def load_state(path: str | Path, kind: str) -> dict:
     try:
         state = torch.load(p, weights_only=True)
     except Exception as e:  # torch raises several unrelated types for corrupt files
-        raise PredictorError(f"{p} is not a predictor file ({e})") from None
+        raise PredictorError(f"{p} is not a moepager predictor file ({type(e).__name__}: it cannot be read as "
+                             f"one; write one with `moepager predictor fit`)") from None
     if not isinstance(state, dict) or state.get("kind") != kind:
         found = state.get("kind") if isinstance(state, dict) else type(state).__name__
         raise PredictorError(f"{p} holds a '{found}' predictor, not '{kind}'")
@@ -84,6 +87,6 @@ def _check(name: str, got: tuple[int, ...], want: tuple[int, int]) -> None:
                              f"{want[0]} x {want[1]}")
 
 
-__all__ = ["DEFAULT_DISTANCE", "FITTED", "PREDICTORS", "ExpertMapPredictor", "ExpertMapStore", "Forecast",
+__all__ = ["DEFAULT_DISTANCE", "FITTED", "ONLINE", "PREDICTORS", "ExpertMapPredictor", "ExpertMapStore", "Forecast",
            "GateLookaheadPredictor", "LayerObservation", "Predictor", "PredictorError", "TokenWisePredictor",
            "TransitionPredictor", "default_distance", "k_hot", "load_state", "make_predictor", "target_of"]

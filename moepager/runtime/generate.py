@@ -15,7 +15,8 @@ from typing import Literal
 import torch
 
 from moepager.models.layers import CausalLM, ForwardBatch
-from moepager.runtime.sampling import Sampler, SamplingParams
+from moepager.errors import NumericalError
+from moepager.runtime.sampling import NonFiniteLogits, Sampler, SamplingParams
 from moepager.runtime.stats import RunStats
 from moepager.types import Phase
 
@@ -100,13 +101,18 @@ def generate_ids(model: CausalLM, prompts: Sequence[list[int]], params: Sampling
     with torch.inference_mode():
         on_phase("prefill")
         on_pass("prefill", range(b), lens.tolist(), torch.cat([torch.tensor(p, dtype=torch.long) for p in prompts]))
-        logits_BV = model(ids_BT.to(dev), batch, cache, logits_at_B=(lens - 1).to(dev))
+        fed_BT = ids_BT.to(dev)
+        logits_BV = model(fed_BT, batch, cache, logits_at_B=(lens - 1).to(dev))
         active = list(range(b))
         stats.prefill_s = time.perf_counter() - t0
         on_phase("decode")
         while True:
             step_start = time.perf_counter()
-            for row, token in zip(active, sampler(logits_BV, active)):
+            try:
+                tokens = sampler(logits_BV, active)
+            except NonFiniteLogits:
+                raise _non_finite(model, fed_BT, batch, cache, len(stats.tpot_s) if stats.ttft_s else None) from None
+            for row, token in zip(active, tokens):
                 _append(seqs[row], token, eos, params.max_tokens)
                 tracker.update(row, seqs[row])
             if not stats.ttft_s:
@@ -117,14 +123,22 @@ def generate_ids(model: CausalLM, prompts: Sequence[list[int]], params: Sampling
             rows = None if len(active) == b else torch.tensor(active, device=dev)
             batch = ForwardBatch.build(torch.tensor([[seqs[r].position] for r in active], device=dev),
                                        rows_B=rows, sliding_window=window)
-            last = torch.tensor([[seqs[r].out_ids[-1]] for r in active], device=dev)
-            on_pass("decode", active, [1] * len(active), last.flatten())
-            logits_BV = model(last, batch, cache, logits_at_B=torch.zeros(len(active), dtype=torch.long, device=dev))
+            fed_BT = torch.tensor([[seqs[r].out_ids[-1]] for r in active], device=dev)
+            on_pass("decode", active, [1] * len(active), fed_BT.flatten())
+            logits_BV = model(fed_BT, batch, cache, logits_at_B=torch.zeros(len(active), dtype=torch.long, device=dev))
             stats.tpot_s.append(time.perf_counter() - step_start)
     stats.decode_s = sum(stats.tpot_s)
     stats.num_prompts, stats.prompt_tokens = b, int(lens.sum())
     stats.generated_tokens = sum(len(s.out_ids) for s in seqs)
     return seqs
+
+
+def _non_finite(model: CausalLM, fed_BT: torch.Tensor, batch: ForwardBatch, cache: Sequence[Sequence[torch.Tensor]],
+                decode_step: int | None) -> NumericalError:
+    where = model.first_non_finite(fed_BT, batch, cache)
+    when = "in the prefill" if decode_step is None else f"at decode step {decode_step + 1}"
+    return NumericalError(f"the model produced NaN or infinite logits {when}; they first appear in {where}. The "
+                          f"checkpoint may hold NaN/inf weights, or the dtype overflows (try --dtype float32)")
 
 
 def _append(seq: SequenceState, token: int, eos: set[int], max_tokens: int) -> None:

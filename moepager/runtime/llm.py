@@ -18,6 +18,7 @@ from moepager.experts.source import PagedExperts
 from moepager.models.default import default_model_path
 from moepager.models.layers import NULL_OBSERVER, OWN_ROUTER, RoutingFanOut, RoutingObserver
 from moepager.models.load import LoadedModel, load_model, parse_dtype
+from moepager.outputs import check_file
 from moepager.runtime.generate import (
     Detokenize,
     FinishReason,
@@ -30,7 +31,7 @@ from moepager.runtime.generate import (
     ignore_phase,
 )
 from moepager.runtime.prefetch import Prefetcher, build_prefetcher
-from moepager.runtime.replay import ReplayReport, ReplaySpec, RouteReplayer, load_replay
+from moepager.runtime.replay import ReplayReport, ReplaySpec, RouteReplayer, check_record_path, load_replay
 from moepager.runtime.sampling import SamplingParams
 from moepager.runtime.stats import RunStats
 from moepager.runtime.store_setup import paged_source, store_report
@@ -154,6 +155,7 @@ class LLM:
             raise InvalidRequestError("no prompts given")
         ids = [self.encode(p, chat) for p in prompts]  # type: ignore[union-attr]
         self._check_context(ids, params.max_tokens)
+        check_file(record_trace, "record_trace")
         stats = RunStats(threads=torch.get_num_threads())
         recorder = self._recorder(len(ids), record_hidden) if record_trace is not None else None
         with self._wired(recorder, None) as hooks:
@@ -169,8 +171,8 @@ class LLM:
         covers them all. `params` samples the generated tokens (their text does not steer routing here);
         the number of tokens follows the trace."""
         params = params or SamplingParams()
-        if record_trace is not None and Path(record_trace).resolve() == Path(spec.trace).resolve():
-            raise InvalidRequestError(f"--record-trace {record_trace} is the trace being replayed; write elsewhere")
+        check_record_path(spec, record_trace)
+        check_file(record_trace, "record_trace")
         requests = load_replay(spec, self.loaded.config)
         for r in requests:
             self._check_context([r.prompt_ids], r.max_tokens)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -69,6 +70,12 @@ class ReplayRequest:
     def max_tokens(self) -> int:
         """Tokens to generate: one from the prefill, then one per decode step."""
         return self.decode_steps + 1
+
+
+def check_record_path(spec: ReplaySpec, record_trace: str | os.PathLike[str] | None) -> None:
+    """A replay may record what it ran, but never over the trace it reads."""
+    if record_trace is not None and Path(record_trace).resolve() == Path(spec.trace).resolve():
+        raise TraceError(f"--record-trace {record_trace} is the trace being replayed; write elsewhere")
 
 
 def check_geometry(header: TraceHeader, cfg: ModelConfig, layers: RouteLayers) -> None:

@@ -58,11 +58,29 @@ class Sampler:
         self.generators = [torch.Generator().manual_seed(seed + i) for i in range(rows)]
 
     def __call__(self, logits_BV: torch.Tensor, rows: Sequence[int]) -> list[int]:
-        """Next token of each batch row; `rows[b]` names the request (and generator) of row b."""
+        """Next token of each batch row; `rows[b]` names the request (and generator) of row b.
+
+        Raises NonFiniteLogits when a row's logits hold NaN or infinity (checked in the same host sync that
+        fetches the tokens)."""
         if self.params.greedy:
-            return logits_BV.argmax(dim=-1).tolist()
-        probs_BV = filtered_probs(logits_BV.float().cpu(), self.params)
+            picked = torch.stack((logits_BV.argmax(dim=-1), torch.isfinite(logits_BV).all(dim=-1).long())).tolist()
+            if not all(picked[1]):
+                raise NonFiniteLogits([r for r, ok in zip(rows, picked[1]) if not ok])
+            return picked[0]
+        logits_BV = logits_BV.float().cpu()
+        finite_B = torch.isfinite(logits_BV).all(dim=-1)
+        if not bool(finite_B.all()):
+            raise NonFiniteLogits([r for r, ok in zip(rows, finite_B.tolist()) if not ok])
+        probs_BV = filtered_probs(logits_BV, self.params)
         return [int(torch.multinomial(probs_BV[b], 1, generator=self.generators[r])) for b, r in enumerate(rows)]
+
+
+class NonFiniteLogits(Exception):
+    """Raised by the sampler; the generation loop turns it into a NumericalError naming where it began."""
+
+    def __init__(self, rows: list[int]):
+        super().__init__(f"non-finite logits in rows {rows}")
+        self.rows = rows
 
 
 def filtered_probs(logits_BV: torch.Tensor, p: SamplingParams) -> torch.Tensor:

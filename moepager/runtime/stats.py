@@ -14,6 +14,8 @@ from typing import Any, Protocol
 
 import torch
 
+from moepager.outputs import atomic_file
+
 
 def percentile(values: list[float], q: float) -> float:
     """Linear-interpolated percentile of `values` (q in [0, 100]); 0 for an empty list."""
@@ -102,7 +104,8 @@ class RunStats:
         return out
 
     def write_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        with atomic_file(path) as tmp:
+            tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
 
     def table(self) -> str:
         rows = [

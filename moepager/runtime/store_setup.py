@@ -28,11 +28,18 @@ RAM_HEADROOM = 0.9
 """Share of the currently available RAM that expert buffers may take (the rest is for activations, OS)."""
 
 
-def budget_slots(text: str, flag: str, cfg: ModelConfig, expert_nbytes: int) -> int:
-    """Experts that `text` holds, checked against the minimum (one MoE layer's top-k)."""
-    slots = Budget.parse(text, flag).slots(expert_nbytes, cfg.num_moe_layers * cfg.num_experts)
-    check_slots(slots, cfg.top_k, expert_nbytes, flag, text)
+def budget_slots(text: str, flag: str, cfg: ModelConfig, expert_nbytes: int, reserved_bytes: int = 0) -> int:
+    """Experts that `text` holds beside `reserved_bytes` of read buffers, checked against the minimum (one MoE
+    layer's top-k)."""
+    slots = Budget.parse(text, flag).slots(expert_nbytes, cfg.num_moe_layers * cfg.num_experts, reserved_bytes)
+    check_slots(slots, cfg.top_k, expert_nbytes, flag, text, reserved_bytes)
     return slots
+
+
+def read_buffer_bytes(reader: ExpertReader, io_threads: int) -> int:
+    """What the threads reading experts from disk allocate (bounce and conversion buffers): every I/O thread
+    plus the prefetch lane's. It comes out of the budget of the tier disk reads fill."""
+    return (io_threads + 1) * reader.buffer_bytes_per_thread()
 
 
 def warm_order(layers: Sequence[int], num_experts: int) -> list[ExpertKey]:
@@ -66,16 +73,17 @@ def build_store(config: StoreConfig, reader: ExpertReader, cfg: ModelConfig, dev
                 host_tier: bool, progress: Callable[[int], None] | None = None) -> ExpertStore:
     """Device slots (budget `expert_memory`, default all) over a host tier (`host_tier`; budget `host_memory`,
     default all) or straight over disk."""
-    nbytes = reader.shape.nbytes
-    device_slots = budget_slots(config.expert_memory or "all", "--expert-memory", cfg, nbytes)
+    nbytes, buffers = reader.shape.nbytes, read_buffer_bytes(reader, config.io_threads)
+    device_slots = budget_slots(config.expert_memory or "all", "--expert-memory", cfg, nbytes,
+                                0 if host_tier else buffers)
     host = None
     if host_tier:
-        host_slots = budget_slots(config.host_memory or "all", "--host-memory", cfg, nbytes)
+        host_slots = budget_slots(config.host_memory or "all", "--host-memory", cfg, nbytes, buffers)
         host = _tier(host_slots, cfg, reader, torch.device("cpu"), config, device.type == "cuda",
                      f"--host-memory {config.host_memory or 'all'} ({host_slots} experts)")
     tier = _tier(device_slots, cfg, reader, device, config, False,
                  f"--expert-memory {config.expert_memory or 'all'} ({device_slots} experts)")
-    store = ExpertStore(tier, host, reader.read, Transfers(device, config.io_threads))
+    store = ExpertStore(tier, host, reader.read, Transfers(device, config.io_threads), buffers)
     if config.warm:
         store.warm(warm_order(cfg.moe_layers, cfg.num_experts), progress)
     return store
@@ -95,6 +103,7 @@ def store_report(source: ExpertSource, config: StoreConfig, prefill_tokens: int,
         return StoreReport({"placement": "all resident"}, {})
     store = source.store
     described = {"device slots": store.device.table.capacity,
+                 "read buffers": format_bytes(store.read_buffer_bytes),
                  "host slots": store.host.table.capacity if store.host is not None else "none (disk below)",
                  "policy": config.policy, "scope": config.scope}
     phases, nbytes = store.counters.phases, store.device.buffers[0].numel() * store.device.buffers.element_size()

@@ -37,10 +37,13 @@ class Budget:
             return cls(fraction=value / 100, text=text)
         return cls(nbytes=int(value * UNITS[unit]), text=text)
 
-    def slots(self, expert_nbytes: int, total_experts: int) -> int:
-        """How many whole experts fit, capped at all experts."""
-        n = int(self.fraction * total_experts + 1e-9) if self.fraction is not None else self.nbytes // expert_nbytes
-        return min(n, total_experts)
+    def slots(self, expert_nbytes: int, total_experts: int, reserved_bytes: int = 0) -> int:
+        """How many whole experts fit beside `reserved_bytes` of buffers, capped at all experts. A share (25%)
+        is that share of all experts' bytes; `all` is every expert whatever the buffers."""
+        if self.fraction == 1.0:
+            return total_experts
+        nbytes = self.nbytes if self.nbytes is not None else int(self.fraction * total_experts * expert_nbytes + 0.5)
+        return max(0, min((nbytes - reserved_bytes) // expert_nbytes, total_experts))
 
 
 def format_bytes(nbytes: float) -> str:
@@ -50,8 +53,9 @@ def format_bytes(nbytes: float) -> str:
     return f"{int(nbytes)} B"
 
 
-def check_slots(slots: int, minimum: int, expert_nbytes: int, flag: str, text: str) -> None:
+def check_slots(slots: int, minimum: int, expert_nbytes: int, flag: str, text: str, reserved_bytes: int = 0) -> None:
     """Raise with the minimum when a budget holds fewer than `minimum` experts."""
     if slots < minimum:
+        buffers = f" + {format_bytes(reserved_bytes)} of read buffers" if reserved_bytes else ""
         raise BudgetError(f"{flag} {text} holds {slots} experts, below the minimum of {minimum} (one MoE layer's "
-                          f"top-k = {format_bytes(minimum * expert_nbytes)}); raise {flag}")
+                          f"top-k = {format_bytes(minimum * expert_nbytes)}{buffers}); raise {flag}")

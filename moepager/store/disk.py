@@ -2,12 +2,15 @@
 
 A RAM budget is only honest if the OS does not quietly keep the model in its page cache. Files are opened
 with O_DIRECT where the file system allows it: reads then need an aligned offset, length and address, so
-each read covers the aligned span around the wanted bytes in a per-thread aligned bounce buffer and copies
-out (a memory copy, ~10x faster than the disk). Where O_DIRECT is refused (tmpfs, some network file
+each read covers the aligned span around the wanted bytes, in chunks of BOUNCE_BYTES through a per-thread
+aligned bounce buffer, and copies out (a memory copy, ~10x faster than the disk). Where O_DIRECT is refused (tmpfs, some network file
 systems) reads go through the cache and the pages are dropped right after (posix_fadvise DONTNEED).
 
-Every read re-checks the file's size and modification time against what they were when first opened: a
-checkpoint modified while running stops the run with a clear error instead of computing with mixed weights.
+Every read re-checks the file's size, modification time and inode change time (ctime) against what they were
+when first opened: a checkpoint modified while running stops the run with a clear error instead of computing
+with mixed weights. ctime catches in-place rewrites whose writer put the old mtime back (utime cannot set
+ctime). The check is the one fstat a read already makes (about a microsecond against milliseconds of I/O), so
+it costs nothing measurable; a per-expert checksum would cost a pass over every byte read.
 """
 
 from __future__ import annotations
@@ -26,6 +29,15 @@ from moepager.errors import CheckpointError
 
 ALIGN = 4096
 """O_DIRECT alignment for offset, length and buffer address (covers 512-byte and 4K logical blocks)."""
+BOUNCE_BYTES = 4 << 20
+"""The most each reading thread's aligned bounce buffer takes: O_DIRECT runs are read through it in chunks,
+so the read buffers are a small fixed amount (counted in the expert budget) whatever the expert size."""
+
+
+def bounce_bytes(read_nbytes: int) -> int:
+    """Bounce buffer size for reads of about `read_nbytes`: a quarter of it in whole pages (reads take a few
+    chunks, so the buffers stay small beside the experts), at most BOUNCE_BYTES."""
+    return min(BOUNCE_BYTES, max(ALIGN, -(-read_nbytes // (4 * ALIGN)) * ALIGN))
 MERGE_GAP = 64 * 1024
 """Spans this close in one file are read together with O_DIRECT (one request instead of several)."""
 DirectIO = Literal["auto", "on", "off"]
@@ -46,6 +58,7 @@ class _OpenFile:
     direct: bool
     size: int
     mtime_ns: int
+    ctime_ns: int
 
 
 class DiskFiles:
@@ -55,8 +68,10 @@ class DiskFiles:
     drops the pages afterwards.
     """
 
-    def __init__(self, direct: DirectIO = "auto"):
+    def __init__(self, direct: DirectIO = "auto", bounce_nbytes: int = BOUNCE_BYTES):
         self.direct = direct
+        self.bounce_nbytes = bounce_nbytes
+        """Each reading thread's O_DIRECT bounce buffer (allocated on its first direct read)."""
         self._files: dict[Path, _OpenFile] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -71,7 +86,7 @@ class DiskFiles:
                 return self._files[path]
             fd, direct = self._open_fd(path)
             st = os.fstat(fd)
-            f = self._files[path] = _OpenFile(fd, direct, st.st_size, st.st_mtime_ns)
+            f = self._files[path] = _OpenFile(fd, direct, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
             return f
 
     def _open_fd(self, path: Path) -> tuple[int, bool]:
@@ -92,17 +107,18 @@ class DiskFiles:
 
     def _check_unchanged(self, path: Path, f: _OpenFile) -> None:
         st = os.fstat(f.fd)
-        if st.st_size != f.size or st.st_mtime_ns != f.mtime_ns:
-            raise CheckpointError(f"{path} was modified while running (size {f.size} -> {st.st_size} bytes); "
-                                  f"weights read now would not match those already loaded: restart the run")
+        if (st.st_size, st.st_mtime_ns, st.st_ctime_ns) != (f.size, f.mtime_ns, f.ctime_ns):
+            raise CheckpointError(f"{path} was modified while running (size {f.size} -> {st.st_size} bytes, or "
+                                  f"its contents rewritten); weights read now would not match those already "
+                                  f"loaded: restart the run")
 
-    def _bounce(self, nbytes: int) -> torch.Tensor:
-        """This thread's aligned scratch buffer of at least `nbytes` bytes."""
+    def _bounce(self) -> torch.Tensor:
+        """This thread's aligned scratch buffer of `bounce_nbytes`."""
         buf = getattr(self._local, "buf", None)
-        if buf is None or buf.numel() < nbytes:
-            raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+        if buf is None:
+            raw = torch.empty(self.bounce_nbytes + ALIGN, dtype=torch.uint8)
             skip = (-raw.data_ptr()) % ALIGN
-            buf = self._local.buf = raw[skip: skip + nbytes]
+            buf = self._local.buf = raw[skip: skip + self.bounce_nbytes]
         return buf
 
     def read(self, spans: Sequence[Span]) -> int:
@@ -135,10 +151,14 @@ class DiskFiles:
                 self._pread(path, f.fd, span.out_u8, span.offset, span.out_u8.numel())
             os.posix_fadvise(f.fd, start, end - start, os.POSIX_FADV_DONTNEED)
             return last_end - first
-        bounce = self._bounce(end - start)
-        got = self._pread(path, f.fd, bounce, start, min(end, f.size) - start)
-        for span in run:
-            span.out_u8.copy_(bounce[span.offset - start: span.offset - start + span.out_u8.numel()])
+        bounce, got = self._bounce(), 0
+        for chunk in range(start, end, len(bounce)):  # aligned chunks; each span takes its overlap of each
+            chunk_end = min(chunk + len(bounce), end)
+            got += self._pread(path, f.fd, bounce[: chunk_end - chunk], chunk, min(chunk_end, f.size) - chunk)
+            for span in run:
+                lo, hi = max(span.offset, chunk), min(span.offset + span.out_u8.numel(), chunk_end)
+                if lo < hi:
+                    span.out_u8[lo - span.offset: hi - span.offset].copy_(bounce[lo - chunk: hi - chunk])
         return got
 
     @staticmethod

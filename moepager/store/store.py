@@ -49,8 +49,11 @@ class Tier:
 
 
 class ExpertStore:
-    def __init__(self, device: Tier, host: Tier | None, read: ReadExpert, transfers: Transfers):
+    def __init__(self, device: Tier, host: Tier | None, read: ReadExpert, transfers: Transfers,
+                 read_buffer_bytes: int = 0):
         self.device, self.host = device, host
+        self.read_buffer_bytes = read_buffer_bytes
+        """Bytes the reading threads take for bounce/conversion buffers (inside the budget of the tier they fill)."""
         self.read = read
         self.transfers = transfers
         self.counters = StoreCounters()
@@ -176,12 +179,13 @@ class ExpertStore:
             counters.loads_ahead += 1
         else:
             counters.loads_on_demand += 1
-        dst = self.device.buffers[slot]
+        dst, issued = self.device.buffers[slot], time.perf_counter()
         if self.host is None:
-            self.device.table.ticket[slot] = self.transfers.submit(self._disk_job, key, dst, counters, ahead=ahead)
+            ticket = self.transfers.submit(self._disk_job, key, dst, counters, ahead=ahead)
         else:
-            self.device.table.ticket[slot] = self._via_host(key, dst, self.device.table.free_event[slot], counters,
-                                                            ahead)
+            ticket = self._via_host(key, dst, self.device.table.free_event[slot], counters, ahead)
+        ticket.add_done_callback(lambda t: None if t.cancelled() else counters.loaded(issued, time.perf_counter()))
+        self.device.table.ticket[slot] = ticket
 
     def _disk_job(self, key: ExpertKey, dst: torch.Tensor, counters: PhaseCounters) -> None:
         start = time.perf_counter()

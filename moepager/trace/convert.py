@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from moepager.outputs import atomic_file, check_file
 from moepager.trace.format import DECODE, MISSING, PREFILL, TraceError, TraceHeader, TraceRequest, TraceWriter
 from moepager.trace.pickles import load_counters
 
@@ -353,10 +354,6 @@ def convert(fmt: str, src: str | Path, dst: str | Path, opts: ConvertOptions = C
     src, dst = Path(src), Path(dst)
     if dst.exists() and dst.resolve() == src.resolve():
         raise TraceError("the destination is the source; choose another file")
-    partial = dst.with_name(dst.name + ".partial")
-    try:
-        summary = CONVERTERS[fmt](src, partial, opts, progress)
-        partial.replace(dst)
-    finally:
-        partial.unlink(missing_ok=True)
-    return summary
+    check_file(dst, "destination")
+    with atomic_file(dst) as partial:
+        return CONVERTERS[fmt](src, partial, opts, progress)

@@ -134,7 +134,8 @@ class TraceWriter:
 
     def __init__(self, path: str | Path, header: TraceHeader):
         self.path, self.header = Path(path), header
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.path.parent.is_dir():
+            raise TraceError(f"cannot write {self.path}: directory {self.path.parent} does not exist")
         self._zip = zipfile.ZipFile(self.path, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=6)
         self._zip.writestr("header.json", json.dumps(asdict(header), indent=1))
         self.count = 0

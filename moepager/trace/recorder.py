@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moepager.outputs import atomic_file
 from moepager.trace.format import DECODE, PREFILL, TraceHeader, TraceRequest, TraceWriter
 from moepager.types import Phase, RoutingDecision
 
@@ -69,7 +70,7 @@ class TraceRecorder:
               detokenize: Callable[[list[int]], str] | None = None) -> None:
         """`token_ids[row]` are the tokens the model was fed for that row (prompt, then generated ones)."""
         self._flush()
-        with TraceWriter(path, self.header) as writer:
+        with atomic_file(path) as partial, TraceWriter(partial, self.header) as writer:
             for row, buf in enumerate(self._rows):
                 phase = np.concatenate(buf["phase"])
                 fed = list(token_ids[row])[: len(phase)]

@@ -29,7 +29,7 @@ import numpy as np
 
 from moepager.policies import make_policy
 from moepager.policies.base import AccessStats, Ranked
-from moepager.trace.format import MISSING, TraceError
+from moepager.trace.format import MISSING, TraceError, TraceHeader
 from moepager.trace.workload import Workload
 
 Scope = Literal["layer", "global"]
@@ -142,17 +142,37 @@ class Forecast:
         return self._prob
 
 
+def check_spec(spec: SimSpec, h: TraceHeader, prior_LE: np.ndarray | None) -> None:
+    """Everything `simulate` would refuse about `spec`, checked before any replay runs."""
+    try:
+        policy = make_policy(spec.policy, seed=spec.seed)
+    except ValueError as e:
+        raise TraceError(str(e)) from None
+    most = h.num_experts if spec.scope == "layer" else h.num_experts * h.num_layers
+    where = "per layer" if spec.scope == "layer" else "in all"
+    if spec.capacity < h.top_k:
+        raise TraceError(f"capacity {spec.capacity} experts {where} is below one token's top-{h.top_k}; use at "
+                         f"least {h.top_k}")
+    if spec.capacity > most:
+        raise TraceError(f"capacity {spec.capacity} experts {where} is more than the trace has ({most}); use at "
+                         f"most {most}")
+    if (policy.preload or spec.forecast == "prior") and prior_LE is None:
+        raise TraceError(f"policy '{spec.policy}' with forecast '{spec.forecast}' needs a prior (--prior)")
+    if not policy.admits_on_miss and spec.forecast == "none":
+        raise TraceError(f"policy '{spec.policy}' prefetches from a forecast of the next step: give --forecast "
+                         f"repeat, oracle or prior")
+    if not policy.admits_on_miss and spec.scope != "layer":
+        raise TraceError(f"policy '{spec.policy}' manages fixed per-layer slots; use scope 'layer'")
+    if prior_LE is not None and prior_LE.shape != (h.num_layers, h.num_experts):
+        raise TraceError(f"prior shape {prior_LE.shape} does not match the trace ({h.num_layers}, {h.num_experts})")
+
+
 def simulate(work: Workload, spec: SimSpec, prior_LE: np.ndarray | None = None,
              progress: Progress | None = None) -> SimResult:
     """Replay `work` through the policy and capacity of `spec`."""
+    check_spec(spec, work.header, prior_LE)
     policy = make_policy(spec.policy, seed=spec.seed)
     h = work.header
-    if spec.capacity < h.top_k:
-        raise TraceError(f"capacity {spec.capacity} is below one token's top-{h.top_k}; use at least {h.top_k}")
-    if policy.preload and prior_LE is None:
-        raise TraceError(f"policy '{spec.policy}' needs a prior (--prior)")
-    if prior_LE is not None and prior_LE.shape != (h.num_layers, h.num_experts):
-        raise TraceError(f"prior shape {prior_LE.shape} does not match the trace ({h.num_layers}, {h.num_experts})")
     ids = work.ids_NLK.astype(np.int64)
     ids[ids == MISSING] = h.num_experts  # the sink column: never cached, never counted
     forecast = Forecast(spec.forecast, work, ids, prior_LE)
@@ -161,8 +181,6 @@ def simulate(work: Workload, spec: SimSpec, prior_LE: np.ndarray | None = None,
     if spec.scope == "layer":
         out = _replay_layers(work, policy, spec.capacity, ids, forecast, next_use, prior_LE, progress, spec.warm)
     else:
-        if not policy.admits_on_miss:
-            raise TraceError(f"policy '{spec.policy}' manages fixed per-layer slots; use scope 'layer'")
         out = _replay_global(work, policy, spec.capacity, ids, forecast, next_use, prior_LE, progress, spec.warm)
     return SimResult(spec, *out, step_phase=work.step_phase, step_tokens=np.diff(work.step_ptr),
                      wall_s=time.perf_counter() - start)

@@ -12,6 +12,7 @@ Shape legend: T tokens, L traced MoE layers, K top-k, E experts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -59,8 +60,8 @@ def _overlap_TL(ids_TLK: np.ndarray) -> np.ndarray:
     return same.any(-1).sum(-1)
 
 
-def routing_stats(path: str) -> RoutingStats:
-    """Read the trace one request at a time and summarise its routing per layer."""
+def routing_stats(path: str, progress: Callable[[int], None] | None = None) -> RoutingStats:
+    """Read the trace one request at a time and summarise its routing per layer (`progress(1)` per request)."""
     with TraceReader(path) as reader:
         h = reader.header
         counts_LE = np.zeros((h.num_layers, h.num_experts), np.int64)
@@ -68,6 +69,8 @@ def routing_stats(path: str) -> RoutingStats:
         pairs_L = np.zeros(h.num_layers, np.int64)
         tokens = 0
         for request in reader:
+            if progress is not None:
+                progress(1)
             ids = request.ids_TLK.astype(np.int64)
             tokens += request.num_tokens
             for layer in range(h.num_layers):

@@ -41,9 +41,11 @@ def test_generate_streams_text_and_writes_stats(tiny, tmp_path, capsys):
 def test_info_shows_the_minimum_and_what_budgets_hold(tiny, capsys):
     assert main(["info", "--model", str(tiny), "--expert-memory", "50%", "--expert-memory", "100KiB"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "minimum expert memory 48.00 KiB (one MoE layer's top-2)" in text
-    assert "--expert-memory 50% 8 experts (192.00 KiB), 50.0% of experts" in text  # 2 layers x 8 experts
-    assert "--expert-memory 100KiB 4 experts" in text
+    assert "read buffers 40.00 KiB" in text  # 5 reading threads x 8 KiB bounce buffers
+    assert "minimum expert memory 88.00 KiB (one MoE layer's top-2 + read buffers)" in text
+    # 2 layers x 8 experts of 24 KiB: half of their 384 KiB, less the buffers, holds 6
+    assert "--expert-memory 50% 6 experts (144.00 KiB + 40.00 KiB read buffers), 37.5% of experts" in text
+    assert "--expert-memory 100KiB 2 experts" in text
 
 
 def test_generate_with_an_expert_budget_matches_resident_and_reports_paging(tiny, tmp_path, capsys):
@@ -72,10 +74,11 @@ def test_generate_several_prompts_and_chat(tiny, capsys):
     (["generate", "--model", "{tiny}", "hi", "--threads", "0"], "--threads must be >= 1"),
     (["make-model", "--preset", "tiny", "--out", "{tmp}/x"], "needs --arch"),
     (["generate", "--model", "{tiny}", "hi", "--expert-memory", "30KiB", "--quiet"],
-     "--expert-memory 30KiB holds 1 experts, below the minimum of 2 (one MoE layer's top-k = 48.00 KiB)"),
+     "--expert-memory 30KiB holds 0 experts, below the minimum of 2 (one MoE layer's top-k = 48.00 KiB + 40.00 KiB "
+     "of read buffers)"),
     (["generate", "--model", "{tiny}", "hi", "--expert-memory", "lots"], "--expert-memory 'lots' is not a size"),
     (["generate", "--model", "{tiny}", "hi", "--host-memory", "1GiB"], "--host-memory applies to --device cuda"),
-    (["generate", "--model", "{tiny}", "hi", "--io-threads", "0"], "--io-threads must be >= 1"),
+    (["generate", "--model", "{tiny}", "hi", "--expert-memory", "50%", "--io-threads", "0"], "--io-threads must be >= 1"),
     (["make-model", "--preset", "mixtral-8x7b", "--arch", "olmoe", "--out", "{tmp}/x"], "is a mixtral model"),
 ])
 def test_bad_input_gives_one_line_and_exit_2(tiny, tmp_path, capsys, argv, message):

@@ -52,7 +52,7 @@ def test_saved_tables_load_through_the_registry(tmp_path):
     with pytest.raises(PredictorError, match="holds a 'transition' predictor, not 'token-wise'"):
         make_predictor("token-wise", num_layers=3, num_experts=E, file=tmp_path / "t.pt")
     (tmp_path / "bad.pt").write_bytes(b"not a torch file")
-    with pytest.raises(PredictorError, match="not a predictor file"):
+    with pytest.raises(PredictorError, match="not a moepager predictor file"):
         make_predictor("transition", num_layers=3, num_experts=E, file=tmp_path / "bad.pt", distance=1)
     with pytest.raises(PredictorError, match="unknown predictor 'oracle'"):
         make_predictor("oracle", num_layers=3, num_experts=E)

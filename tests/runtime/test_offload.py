@@ -16,7 +16,7 @@ from moepager.policies import ENGINE_POLICIES
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from moepager.runtime.store_setup import paged_source
-from tests.conftest import ARCHS, VOCAB
+from tests.conftest import ARCHS, VOCAB, expert_budget
 
 CPU = torch.device("cpu")
 
@@ -55,7 +55,8 @@ def test_every_budget_gives_the_resident_logits_bit_for_bit(hf_checkpoint, arch,
     nbytes = resident.expert_shape.nbytes
     for slots in budgets(resident):
         for warm, scope in ((True, "layer"), (False, "global")):
-            config = StoreConfig(expert_memory=str(slots * nbytes), warm=warm, scope=scope)
+            budget = str(slots * nbytes) if host_tier else expert_budget(nbytes, slots)  # host tier: buffers there
+            config = StoreConfig(expert_memory=budget, warm=warm, scope=scope)
             paged = load_model(path, source_factory=paged_source(config, CPU, host_tier=host_tier),
                                show_progress=False)
             got = logits_run(paged)
@@ -71,7 +72,7 @@ def test_every_policy_is_lossless(hf_checkpoint, policy):
     _, path = hf_checkpoint("olmoe")
     resident = load_model(path, show_progress=False)
     ref = logits_run(resident, steps=8)
-    config = StoreConfig(expert_memory=str(3 * resident.expert_shape.nbytes), policy=policy, warm=False)
+    config = StoreConfig(expert_memory=expert_budget(resident.expert_shape.nbytes, 3), policy=policy, warm=False)
     paged = load_model(path, source_factory=paged_source(config, CPU), show_progress=False)
     assert all(torch.equal(a, b) for a, b in zip(logits_run(paged, steps=8), ref))
 
@@ -83,7 +84,7 @@ def test_small_host_tier_over_disk_is_lossless(hf_checkpoint):
     with pytest.raises(BudgetError, match="below the minimum of 2"):
         load_model(path, source_factory=paged_source(config, CPU, host_tier=True), show_progress=False)
     shape = load_model(path, show_progress=False).expert_shape
-    config = StoreConfig(expert_memory=str(2 * shape.nbytes), host_memory=str(5 * shape.nbytes))
+    config = StoreConfig(expert_memory=str(2 * shape.nbytes), host_memory=expert_budget(shape.nbytes, 5))
     paged = load_model(path, source_factory=paged_source(config, CPU, host_tier=True), show_progress=False)
     assert all(torch.equal(a, b) for a, b in zip(logits_run(paged), ref))
     phases = paged.experts.store.counters.phases
@@ -93,7 +94,7 @@ def test_small_host_tier_over_disk_is_lossless(hf_checkpoint):
 def test_generate_reports_expert_statistics(demo_checkpoint, tmp_path):
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     resident = LLM(demo_checkpoint, show_progress=False)
-    llm = LLM(demo_checkpoint, store=StoreConfig(expert_memory="25%"), show_progress=False)
+    llm = LLM(demo_checkpoint, store=StoreConfig(expert_memory="25%", direct_io="off"), show_progress=False)
     assert [c.token_ids for c in llm.generate(["The history of", "Water"], params)] == \
         [c.token_ids for c in resident.generate(["The history of", "Water"], params)]
     table = llm.last_stats.table()
@@ -117,7 +118,7 @@ def test_checkpoint_modified_while_running_stops_with_a_clear_error(hf_checkpoin
     for f in src.iterdir():
         (path / f.name).write_bytes(f.read_bytes())
     shape = load_model(path, show_progress=False).expert_shape
-    llm = LLM(path, store=StoreConfig(expert_memory=str(2 * shape.nbytes), warm=False), show_progress=False)
+    llm = LLM(path, store=StoreConfig(expert_memory=expert_budget(shape.nbytes, 2), warm=False), show_progress=False)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
     with open(path / "model.safetensors", "ab") as f:
         f.write(b"\0" * 64)
@@ -138,5 +139,5 @@ def test_budget_larger_than_free_ram_is_refused_before_allocating(demo_checkpoin
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Tiny())
     with pytest.raises(BudgetError, match="of RAM for its buffers but only"):
-        LLM(demo_checkpoint, store=StoreConfig(expert_memory="50%"), show_progress=False)
+        LLM(demo_checkpoint, store=StoreConfig(expert_memory="50%", direct_io="off"), show_progress=False)
     assert os.path.exists(demo_checkpoint)

@@ -40,7 +40,7 @@ def recorded(hf_checkpoint, tmp_path_factory):
     ("expert-map", False, "global"), ("token-wise", True, "layer"), ("gate-lookahead", False, "global")])
 def test_every_predictor_prefetches_without_changing_outputs(recorded, predictor, fitted, scope):
     path, reference, files = recorded
-    llm = LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", scope=scope, warm=False),
+    llm = LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", direct_io="off", scope=scope, warm=False),
               prefetch=PrefetchConfig(predictor, file=str(files / f"{predictor}.pt") if fitted else None,
                                       learn=not fitted))
     assert [c.token_ids for c in llm.generate(PROMPTS, PARAMS)] == reference
@@ -56,7 +56,7 @@ def test_every_predictor_prefetches_without_changing_outputs(recorded, predictor
 def test_gate_lookahead_hides_loads_on_a_deepseek_style_model(hf_checkpoint):
     _, path = hf_checkpoint("deepseek_v3")
     reference = [c.token_ids for c in LLM(path, show_progress=False).generate(PROMPTS, PARAMS)]
-    llm = LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", warm=False),
+    llm = LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", direct_io="off", warm=False),
               prefetch=PrefetchConfig("gate-lookahead", distance=1))
     assert [c.token_ids for c in llm.generate(PROMPTS, PARAMS)] == reference
     decode = llm.last_stats.sections["experts"].phases["decode"]
@@ -82,7 +82,7 @@ def test_prefetch_needs_a_paged_store_and_a_fitted_file(recorded):
     with pytest.raises(MoepagerError, match="--expert-memory"):
         LLM(path, show_progress=False, prefetch=PrefetchConfig("gate-lookahead"))
     with pytest.raises(MoepagerError, match="moepager predictor fit"):
-        LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%"), prefetch=PrefetchConfig("token-wise"))
+        LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", direct_io="off"), prefetch=PrefetchConfig("token-wise"))
     with pytest.raises(MoepagerError, match="unknown predictor"):
         PrefetchConfig("oracle")
 
@@ -98,7 +98,7 @@ def test_generate_cli_prints_prefetch_statistics(demo_checkpoint, capsys):
 
 def test_fmoe_eviction_with_expert_map_forecasts_is_lossless(recorded):
     path, reference, files = recorded
-    llm = LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", policy="fmoe", warm=False),
+    llm = LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", direct_io="off", policy="fmoe", warm=False),
               prefetch=PrefetchConfig("expert-map", file=str(files / "expert-map.pt")))
     assert [c.token_ids for c in llm.generate(PROMPTS, PARAMS)] == reference
     policy = llm.loaded.experts.store.device.table.policy

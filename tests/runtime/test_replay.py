@@ -12,6 +12,7 @@ from moepager.runtime.llm import LLM
 from moepager.runtime.replay import ReplaySpec
 from moepager.runtime.sampling import SamplingParams
 from moepager.trace.format import DECODE, PREFILL, TraceHeader, TraceReader, TraceRequest, TraceWriter
+from tests.conftest import expert_budget
 from tests.trace.conftest import random_trace
 
 
@@ -70,7 +71,7 @@ def test_replay_is_lossless_at_every_budget(olmoe, tmp_path):
     expected = [c.token_ids for c in LLM(olmoe, show_progress=False).replay(spec)]
     nbytes = LLM(olmoe, show_progress=False).loaded.expert_shape.nbytes
     for per_layer in (2, 4):
-        llm = LLM(olmoe, store=StoreConfig(expert_memory=str(per_layer * 3 * nbytes), warm=False),
+        llm = LLM(olmoe, store=StoreConfig(expert_memory=expert_budget(nbytes, per_layer * 3), warm=False),
                   show_progress=False)
         assert [c.token_ids for c in llm.replay(spec)] == expected
         assert llm.last_stats.sections["experts"].phases["decode"]["hit_rate"] < 1.0

@@ -72,3 +72,15 @@ def test_reading_past_the_end_is_reported(data_file):
     path, data = data_file
     with pytest.raises(CheckpointError, match="past the end"):
         DiskFiles().read([Span(path, data.numel() - 5, torch.empty(10, dtype=torch.uint8))])
+
+
+def test_direct_reads_go_through_a_bounce_buffer_smaller_than_the_read(data_file):
+    """O_DIRECT runs longer than the bounce buffer are read in aligned chunks; every byte still lands."""
+    path, data = data_file
+    files = DiskFiles("auto", bounce_nbytes=ALIGN)  # one page: every span below crosses chunk boundaries
+    spans = [(5, 3 * ALIGN + 7), (4 * ALIGN - 9, ALIGN + 130)]
+    outs = [torch.empty(n, dtype=torch.uint8) for _, n in spans]
+    files.read([Span(path, off, out) for (off, _), out in zip(spans, outs)])
+    for (off, n), out in zip(spans, outs):
+        assert torch.equal(out, data[off:off + n])
+    assert files._bounce().numel() == ALIGN

@@ -15,6 +15,7 @@ from moepager.runtime.sampling import SamplingParams
 from moepager.trace.format import DECODE, PREFILL, TraceReader
 from moepager.trace.simulate import SimSpec, simulate
 from moepager.trace.workload import Cut, load_workload
+from tests.conftest import expert_budget
 from tests.trace.conftest import random_trace
 
 PARAMS = SamplingParams(max_tokens=14, temperature=1.0, seed=3, ignore_eos=True)
@@ -36,24 +37,29 @@ def test_recorded_trace_has_every_token_and_full_gates(hf_checkpoint, tmp_path):
             assert (np.sort(top, -1) == np.sort(req.ids_TLK, -1)).all()
 
 
+def assert_same_hits_and_misses(phases, sim, moe_layers) -> None:
+    """The store's hits and misses per phase and layer equal the simulator's."""
+    for phase, code in (("prefill", PREFILL), ("decode", DECODE)):
+        rows = sim.step_phase == code
+        for column, layer in enumerate(moe_layers):
+            engine = (phases[phase].hits[layer], phases[phase].misses[layer])
+            replay = (int(sim.hits_SL[rows, column].sum()),
+                      int((sim.requested_SL[rows, column] - sim.hits_SL[rows, column]).sum()))
+            assert engine == replay, (phase, layer)
+
+
 @pytest.mark.parametrize("policy", ["lru", "lfu", "lcp", "fmoe"])
 def test_simulator_agrees_with_the_engine(hf_checkpoint, tmp_path, policy):
     _, path = hf_checkpoint("olmoe")
     probe = LLM(path, show_progress=False)
     layers, nbytes = len(probe.loaded.config.moe_layers), probe.loaded.expert_shape.nbytes
     per_layer = 4  # >= the prefill's distinct experts per layer (2 tokens x top-2)
-    store = StoreConfig(expert_memory=str(per_layer * layers * nbytes), policy=policy, warm=False)
+    store = StoreConfig(expert_memory=expert_budget(nbytes, per_layer * layers), policy=policy, warm=False)
     llm = LLM(path, store=store, show_progress=False)
     llm.generate([[3, 11]], PARAMS, record_trace=tmp_path / "run.mpt")
     phases = llm.loaded.experts.store.counters.phases
     sim = simulate(load_workload(str(tmp_path / "run.mpt"), order="recorded"), SimSpec(policy, per_layer))
-    for phase, code in (("prefill", PREFILL), ("decode", DECODE)):
-        rows = sim.step_phase == code
-        for column, layer in enumerate(llm.loaded.config.moe_layers):
-            engine = (phases[phase].hits[layer], phases[phase].misses[layer])
-            replay = (int(sim.hits_SL[rows, column].sum()),
-                      int((sim.requested_SL[rows, column] - sim.hits_SL[rows, column]).sum()))
-            assert engine == replay, (policy, phase, layer)
+    assert_same_hits_and_misses(phases, sim, llm.loaded.config.moe_layers)
     assert sum(phases["decode"].misses.values()) > 0  # the cache was small enough to matter
 
 
@@ -66,20 +72,14 @@ def test_simulator_agrees_with_a_replayed_run(hf_checkpoint, tmp_path, policy, w
     _, path = hf_checkpoint("olmoe")
     trace = random_trace(tmp_path / "t.mpt", lengths=(12, 9, 15), prefill=15, seed=2)
     per_layer, nbytes = 4, LLM(path, show_progress=False).loaded.expert_shape.nbytes
-    llm = LLM(path, store=StoreConfig(expert_memory=str(per_layer * 3 * nbytes), policy=policy, warm=warm,
+    llm = LLM(path, store=StoreConfig(expert_memory=expert_budget(nbytes, per_layer * 3), policy=policy, warm=warm,
                                       scope=scope), show_progress=False)
     llm.replay(ReplaySpec(trace, prompt_tokens=2))
     phases = llm.loaded.experts.store.counters.phases
     capacity = per_layer if scope == "layer" else per_layer * 3
     sim = simulate(load_workload(str(trace), "recorded", cut=Cut(prompt_tokens=2)),
                    SimSpec(policy, capacity, scope, warm=warm))
-    for phase, code in (("prefill", PREFILL), ("decode", DECODE)):
-        rows = sim.step_phase == code
-        for column, layer in enumerate(llm.loaded.config.moe_layers):
-            engine = (phases[phase].hits[layer], phases[phase].misses[layer])
-            replay = (int(sim.hits_SL[rows, column].sum()),
-                      int((sim.requested_SL[rows, column] - sim.hits_SL[rows, column]).sum()))
-            assert engine == replay, (policy, phase, layer)
+    assert_same_hits_and_misses(phases, sim, llm.loaded.config.moe_layers)
     assert main(["simulate", str(trace), "--order", "recorded", "--route-prompt", "2", "--policy", policy,
                  "--capacity", str(capacity), "--scope", scope, "--json", str(tmp_path / "sim.json")]
                 + ["--warm"] * warm) == 0

@@ -125,5 +125,5 @@ def test_cli_convert_and_info(tmp_path, capsys):
     assert main(["trace", "convert", "--format", "mixtral-jsonl", str(path), str(tmp_path / "m.mpt")]) == 0
     assert main(["trace", "info", str(tmp_path / "m.mpt")]) == 0
     out = capsys.readouterr().out
-    assert "wrote" in out and "top-2" in out and "3 (3 decode)" in out
+    assert "wrote" in out and "top-2" in out and "3 (3 recorded as decode" in out
     assert main(["trace", "info", str(tmp_path / "none.mpt")]) == 2

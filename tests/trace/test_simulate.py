@@ -60,7 +60,7 @@ def test_smoe_prefetches_at_most_n_per_layer_and_step(tmp_path):
     assert adaptive.loads < fixed.loads  # fixed-N walks on to the 3rd prediction when the top 2 are cached
     oracle = simulate(work, SimSpec("smoe-fixed", 6, forecast="oracle"))
     assert oracle.hit_rate() > fixed.hit_rate()
-    with pytest.raises(TraceError, match="needs a forecast"):
+    with pytest.raises(TraceError, match="prefetches from a forecast"):
         simulate(work, SimSpec("smoe-fixed", 6))
 
 
