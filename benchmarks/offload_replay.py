@@ -180,10 +180,11 @@ def main(device: str, layers: int, threads: int | None, name: str) -> None:
     spec = ReplaySpec(trace, requests, args.prompt, "match", args.decode)
     files = fitted_predictors(trace, fit, [p for p in args.predictors if p != "none"])
     print(f"calibrating {path.name} on {device} (before the runs) ...")
-    before = calibrate(path, CalibrateOptions(device, args.io_threads))
+    options = CalibrateOptions(device, args.io_threads, prefill_tokens=args.ttft_prompt)
+    before = calibrate(path, options)
     rows = [measure(path, cfg, args, spec, files) for cfg in tqdm(configs(args), desc="configurations", unit="config")]
     print(f"calibrating {path.name} on {device} (after the runs) ...")
-    after = calibrate(path, CalibrateOptions(device, args.io_threads))
+    after = calibrate(path, options)
     profile = averaged(before, after)  # this shared machine drifts over a run: the model gets the run's mean
     profile.write(RESULTS / f"{name}_profile.json")
     cost = CostModel.profile(str(RESULTS / f"{name}_profile.json"), 0)

@@ -22,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--threads", type=int, help="CPU threads (default: torch's); calibrate with the run's own")
     p.add_argument("--io-threads", type=int, default=4, help="concurrent disk reads, as the store's (default 4)")
+    p.add_argument("--prefill-tokens", type=int, default=64,
+                   help="prompt length at which to measure the non-expert prefill time (default 64; use the length "
+                        "you will model: attention grows faster than linearly)")
     p.add_argument("--out", metavar="PROFILE.json", help="write the profile here (for simulate --profile)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -35,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.io_threads < 1:
         raise MoepagerError(f"--io-threads must be >= 1, got {args.io_threads}")
+    if args.prefill_tokens < 2:
+        raise MoepagerError(f"--prefill-tokens must be >= 2, got {args.prefill_tokens}")
     out = check_file(args.out, "--out")
     path = args.model or default_model_path()
     steps = STEPS + (1 if args.device.startswith("cuda") else 0)
@@ -42,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
         def step(name: str) -> None:
             bar.set_postfix_str(name)
             bar.update()
-        profile = calibrate(path, CalibrateOptions(args.device, args.io_threads), step)
+        profile = calibrate(path, CalibrateOptions(args.device, args.io_threads, prefill_tokens=args.prefill_tokens),
+                            step)
     m, c = profile.measured, profile.calibration
     rows = [("profile", profile.name),
             ("memory copy", f"{m['copy_Bps'] / 1e9:.1f} GB/s"),

@@ -183,23 +183,26 @@ class CalibrateOptions:
     """Experts read from the checkpoint (distinct, spread over layers) for the disk rates."""
     rounds: int = 7
     """Interleaved rounds of the compute measurements (their medians are kept)."""
+    prefill_tokens: int = 64
+    """Prompt length of the non-expert prefill measured (measure at the length a run will use: attention
+    grows faster than linearly with it)."""
 
 
 def compute_times(arch: Architecture, cfg: ModelConfig, shape: ExpertShape, device: torch.device,
-                  rounds: int) -> dict[str, float]:
+                  rounds: int, prefill_tokens: int) -> dict[str, float]:
     """Medians over interleaved rounds (drift on a shared machine touches every constant alike): one expert
     at 1 and 64 tokens, the 1-wide expert's overhead, and the model's non-expert prefill and decode step."""
     pool, wide = ExpertPool(shape, device), ExpertPool(ExpertShape(cfg.hidden_size, 1, shape.dtype), device, 0)
-    dense = DenseProbe(arch, cfg, shape.dtype, device)
+    dense = DenseProbe(arch, cfg, shape.dtype, device, prefill_tokens)
     dense.prefill_then_decode()  # warm-up
     samples: dict[str, list[float]] = {k: [] for k in ("expert_s_1", "expert_s_64", "expert_overhead_s",
-                                                       "dense_decode_raw_s", "dense_prefill64_raw_s")}
+                                                       "dense_decode_raw_s", "dense_prefill_raw_s")}
     for _ in range(rounds):
         samples["expert_s_1"].append(pool.seconds_per_call(1))
         samples["expert_s_64"].append(pool.seconds_per_call(64))
         samples["expert_overhead_s"].append(wide.seconds_per_call(1))
         prefill, steps = dense.prefill_then_decode()
-        samples["dense_prefill64_raw_s"].append(prefill)
+        samples["dense_prefill_raw_s"].append(prefill)
         samples["dense_decode_raw_s"] += steps
     return {k: statistics.median(v) for k, v in samples.items()}
 
@@ -215,7 +218,7 @@ def calibrate(path: str | os.PathLike[str], options: CalibrateOptions, step: Ste
     shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, dtype)
     measured = {"copy_Bps": copy_rate(device)}
     step("memory copy rate")
-    measured |= compute_times(arch, cfg, shape, device, options.rounds)
+    measured |= compute_times(arch, cfg, shape, device, options.rounds, options.prefill_tokens)
     step(f"expert and non-expert compute, {options.rounds} rounds")
     reader = ExpertReader(checkpoint, arch.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0)
     every = [ExpertKey(layer, e) for layer in cfg.moe_layers for e in range(cfg.num_experts)]
@@ -237,11 +240,11 @@ def calibrate(path: str | os.PathLike[str], options: CalibrateOptions, step: Ste
     dev = Device(name, shape.nbytes / max(c1 - overhead, 1e-9), 64 * 2 * shape.numel / max(c64 - overhead, 1e-9),
                  overhead)
     experts_per_token = cfg.num_moe_layers * cfg.top_k
-    decode_s, prefill_s = measured["dense_decode_raw_s"], measured["dense_prefill64_raw_s"]
+    decode_s, prefill_s = measured["dense_decode_raw_s"], measured["dense_prefill_raw_s"]
     calibration = Calibration(
         expert_bytes=shape.nbytes, expert_s_1=c1, expert_s_64=c64,
         dense_decode_s=max(0.0, decode_s - experts_per_token * overhead),
-        dense_token_s=max(0.0, (prefill_s - decode_s) / 63),
+        dense_token_s=max(0.0, (prefill_s - decode_s) / (options.prefill_tokens - 1)),
         io_interference_s_per_byte=measured["io_interference_s_per_byte"], model=str(checkpoint.path),
         threads=torch.get_num_threads(), device=device.type)
     return CalibratedProfile(name, dev, link, calibration, measured)
