@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
             ("expert", f"{format_bytes(c.expert_bytes)}: {c.expert_s_1 * 1e3:.3f} ms at 1 token, "
                        f"{c.expert_s_64 * 1e3:.3f} ms at 64 ({c.expert_bytes / c.expert_s_1 / 1e9:.1f} GB/s at 1)"),
             ("per-expert overhead", f"{m['expert_overhead_s'] * 1e6:.0f} us"),
-            ("non-expert time", f"{c.dense_decode_s * 1e3:.2f} ms per decode step, "
+            ("non-expert time", f"{c.dense_decode_s * 1e3:.2f} ms per decode step at {c.dense_decode_kv:.0f} cached "
+                                f"positions, +{c.dense_kv_s * 1e6:.1f} us per further position; "
                                 f"+{c.dense_token_s * 1e3:.3f} ms per further prefill token"),
             ("disk", f"{m['disk_Bps'] / 1e9:.2f} GB/s with {args.io_threads} reads at once; one read "
                      f"{m['disk_single_read_s'] * 1e3:.1f} ms (random experts)"),

@@ -101,27 +101,27 @@ class DenseProbe:
     """The model built with 1-wide experts (random weights): times its prefills and decode steps."""
 
     def __init__(self, arch: Architecture, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 prompt: int = 64, steps: int = 8):
+                 longest: int, steps: int = 8):
         self.model = arch.build(cfg, _OneWideExperts(cfg.hidden_size, dtype, device))  # type: ignore[arg-type]
         cast_model(self.model, dtype)
         self.model.to(device).eval()
-        self.dtype, self.device, self.prompt, self.steps = dtype, device, prompt, steps
+        self.dtype, self.device, self.steps = dtype, device, steps
         gen = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, cfg.vocab_size, (1, prompt + steps), generator=gen).to(device)
+        self.ids = torch.randint(0, cfg.vocab_size, (1, longest + steps), generator=gen).to(device)
 
-    def prefill_then_decode(self) -> tuple[float, list[float]]:
+    def prefill_then_decode(self, prompt: int) -> tuple[float, list[float]]:
         """Seconds of a `prompt`-token prefill, then of each of `steps` decode steps after it."""
-        cache = self.model.make_cache(1, self.prompt + self.steps + 1, self.dtype, self.device)
-        positions = torch.arange(self.prompt, device=self.device)[None]
-        last = torch.tensor([self.prompt - 1], device=self.device)
+        cache = self.model.make_cache(1, prompt + self.steps + 1, self.dtype, self.device)
+        positions = torch.arange(prompt, device=self.device)[None]
+        last = torch.tensor([prompt - 1], device=self.device)
         with torch.inference_mode():
-            prefill = _timed(lambda: self.model(self.ids[:, :self.prompt], ForwardBatch.build(positions), cache,
+            prefill = _timed(lambda: self.model(self.ids[:, :prompt], ForwardBatch.build(positions), cache,
                                                 logits_at_B=last), self.device)
             zero = torch.zeros(1, dtype=torch.long, device=self.device)
             steps = [_timed(lambda i=i: self.model(self.ids[:, i: i + 1],
                                                    ForwardBatch.build(torch.tensor([[i]], device=self.device)),
                                                    cache, logits_at_B=zero), self.device)
-                     for i in range(self.prompt, self.prompt + self.steps)]
+                     for i in range(prompt, prompt + self.steps)]
         return prefill, steps
 
 
@@ -188,23 +188,32 @@ class CalibrateOptions:
     grows faster than linearly with it)."""
 
 
+SHORT_PROMPT = 16
+"""Prompt before the short-context decode steps (their KV length is about SHORT_PROMPT + steps / 2)."""
+
+
 def compute_times(arch: Architecture, cfg: ModelConfig, shape: ExpertShape, device: torch.device,
                   rounds: int, prefill_tokens: int) -> dict[str, float]:
     """Medians over interleaved rounds (drift on a shared machine touches every constant alike): one expert
-    at 1 and 64 tokens, the 1-wide expert's overhead, and the model's non-expert prefill and decode step."""
+    at 1 and 64 tokens, the 1-wide expert's overhead, and the model's non-expert time: decode steps after a
+    short and after a `prefill_tokens` prompt (attention reads the whole KV cache), and that prefill."""
     pool, wide = ExpertPool(shape, device), ExpertPool(ExpertShape(cfg.hidden_size, 1, shape.dtype), device, 0)
-    dense = DenseProbe(arch, cfg, shape.dtype, device, prefill_tokens)
-    dense.prefill_then_decode()  # warm-up
+    long = max(prefill_tokens, SHORT_PROMPT + 1)
+    dense = DenseProbe(arch, cfg, shape.dtype, device, long)
+    dense.prefill_then_decode(long)  # warm-up
     samples: dict[str, list[float]] = {k: [] for k in ("expert_s_1", "expert_s_64", "expert_overhead_s",
-                                                       "dense_decode_raw_s", "dense_prefill_raw_s")}
+                                                       "dense_decode_raw_s", "dense_decode_long_raw_s",
+                                                       "dense_prefill_raw_s")}
     for _ in range(rounds):
         samples["expert_s_1"].append(pool.seconds_per_call(1))
         samples["expert_s_64"].append(pool.seconds_per_call(64))
         samples["expert_overhead_s"].append(wide.seconds_per_call(1))
-        prefill, steps = dense.prefill_then_decode()
+        samples["dense_decode_raw_s"] += dense.prefill_then_decode(SHORT_PROMPT)[1]
+        prefill, steps = dense.prefill_then_decode(long)
         samples["dense_prefill_raw_s"].append(prefill)
-        samples["dense_decode_raw_s"] += steps
-    return {k: statistics.median(v) for k, v in samples.items()}
+        samples["dense_decode_long_raw_s"] += steps
+    out = {k: statistics.median(v) for k, v in samples.items()}
+    return out | {"dense_decode_kv": SHORT_PROMPT + (dense.steps + 1) / 2, "dense_long_kv": long + (dense.steps + 1) / 2}
 
 
 def calibrate(path: str | os.PathLike[str], options: CalibrateOptions, step: Step | None = None) -> CalibratedProfile:
@@ -241,10 +250,12 @@ def calibrate(path: str | os.PathLike[str], options: CalibrateOptions, step: Ste
                  overhead)
     experts_per_token = cfg.num_moe_layers * cfg.top_k
     decode_s, prefill_s = measured["dense_decode_raw_s"], measured["dense_prefill_raw_s"]
+    kv0, kv1 = measured["dense_decode_kv"], measured["dense_long_kv"]
     calibration = Calibration(
         expert_bytes=shape.nbytes, expert_s_1=c1, expert_s_64=c64,
-        dense_decode_s=max(0.0, decode_s - experts_per_token * overhead),
-        dense_token_s=max(0.0, (prefill_s - decode_s) / (options.prefill_tokens - 1)),
+        dense_decode_s=max(0.0, decode_s - experts_per_token * overhead), dense_decode_kv=kv0,
+        dense_kv_s=max(0.0, (measured["dense_decode_long_raw_s"] - decode_s) / (kv1 - kv0)),
+        dense_token_s=max(0.0, (prefill_s - decode_s) / (max(options.prefill_tokens, SHORT_PROMPT + 1) - 1)),
         io_interference_s_per_byte=measured["io_interference_s_per_byte"], model=str(checkpoint.path),
         threads=torch.get_num_threads(), device=device.type)
     return CalibratedProfile(name, dev, link, calibration, measured)

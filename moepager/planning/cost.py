@@ -18,8 +18,9 @@ machine's measurements for one model: c(t) is interpolated between the measured 
 tokens (each includes the call's fixed overhead); the link is the measured disk (or host->device) rate and
 latency for random experts; each miss also slows the compute it runs beside by the measured interference
 (bytes loaded x seconds lost per byte: on a small CPU reads share cores and memory with the GEMVs, so
-this time is not hidden by overlap); and each step pays the model's measured non-expert time, dense(t) = dense_decode + (t - 1) * dense_token
-(attention, dense and shared MLPs, router, LM head), in place of `other`.
+this time is not hidden by overlap); and each step pays the model's measured non-expert time (attention, dense and shared MLPs, router, LM head) in
+place of `other`: a decode step dense_decode + dense_kv * (KV length - the length it was measured at), since
+attention reads the whole cache; a step of t > 1 tokens dense_decode + (t - 1) * dense_token.
 """
 
 from __future__ import annotations
@@ -85,7 +86,11 @@ class Calibration:
     """One routed expert's compute time for 1 token, weights from memory."""
     expert_s_64: float
     dense_decode_s: float
-    """A decode step's non-expert time (attention, dense and shared MLPs, router, norms, LM head)."""
+    """A decode step's non-expert time (attention, dense and shared MLPs, router, norms, LM head) at a KV
+    cache of `dense_decode_kv` positions."""
+    dense_decode_kv: float
+    dense_kv_s: float
+    """Further non-expert time of a decode step per cached position (attention reads the whole cache)."""
     dense_token_s: float
     """Non-expert time of each further token of a step (prefill)."""
     io_interference_s_per_byte: float
@@ -98,8 +103,12 @@ class Calibration:
         slope = (self.expert_s_64 - self.expert_s_1) / 63
         return self.expert_s_1 + np.maximum(tokens - 1, 0) * max(slope, 0.0)
 
-    def dense_s(self, tokens_S: np.ndarray) -> np.ndarray:
-        return self.dense_decode_s + np.maximum(tokens_S - 1, 0) * self.dense_token_s
+    def dense_s(self, tokens_S: np.ndarray, kv_S: np.ndarray | None = None) -> np.ndarray:
+        """Non-expert seconds of steps of `tokens_S` tokens ending at KV length `kv_S` (a prefill's own
+        attention is inside dense_token_s; a decode step's grows with the cache)."""
+        decode = self.dense_decode_s if kv_S is None else \
+            np.maximum(self.dense_decode_s + (kv_S - self.dense_decode_kv) * self.dense_kv_s, 0.0)
+        return np.where(tokens_S > 1, self.dense_decode_s + (tokens_S - 1) * self.dense_token_s, decode)
 
 
 PROFILE_KIND = "moepager-profile"
@@ -175,8 +184,8 @@ class CostModel:
         return np.maximum(self.expert_bytes / d.mem_Bps, flops / d.flops) + d.launch_s
 
     def step_times(self, requested_SL: np.ndarray, hits_SL: np.ndarray, prefetch_SL: np.ndarray,
-                   tokens_S: np.ndarray, top_k: int, misses_on_cpu: bool) -> np.ndarray:
-        """Modeled seconds per step."""
+                   tokens_S: np.ndarray, top_k: int, misses_on_cpu: bool, kv_S: np.ndarray | None = None) -> np.ndarray:
+        """Modeled seconds per step (`kv_S`: each step's KV length, for calibrated non-expert time)."""
         n, h = requested_SL.astype(np.float64), hits_SL.astype(np.float64)
         m = n - h
         per_expert_tokens = tokens_S[:, None] * top_k / np.maximum(n, 1)
@@ -193,6 +202,7 @@ class CostModel:
         compute = layer.sum(1)
         if self.calibration is not None:
             interference = m.sum(1) * self.expert_bytes * self.calibration.io_interference_s_per_byte
-            compute = compute + self.calibration.dense_s(tokens_S.astype(np.float64)) + interference
+            kv = None if kv_S is None else kv_S.astype(np.float64)
+            compute = compute + self.calibration.dense_s(tokens_S.astype(np.float64), kv) + interference
         background = prefetch_SL.sum(1) * load
         return compute + np.maximum(0.0, background - compute)

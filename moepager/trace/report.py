@@ -42,7 +42,7 @@ def summary(result: SimResult, work: Workload, cost: CostModel | None) -> dict[s
     if cost is not None:
         on_cpu = not make_policy(result.spec.policy).admits_on_miss
         t_S = cost.step_times(result.requested_SL, result.hits_SL, result.prefetch_loads_SL, result.step_tokens,
-                              h.top_k, on_cpu)
+                              h.top_k, on_cpu, work.step_kv())
         decode = result.step_phase == DECODE
         row["tpot_ms"] = 1e3 * float(t_S[decode].sum() / max(result.step_tokens[decode].sum(), 1))
         row["ttft_ms"] = 1e3 * float(t_S[~decode].mean()) if (~decode).any() else None

@@ -41,6 +41,12 @@ class Workload:
     def num_steps(self) -> int:
         return len(self.step_ptr) - 1
 
+    def step_kv(self) -> np.ndarray:
+        """Each step's KV length: positions of its request up to and including the step (the longest row's)."""
+        starts = np.concatenate([[0], np.cumsum(np.bincount(self.request_N))[:-1]])
+        pos_N = np.arange(len(self.request_N)) - starts[self.request_N]
+        return np.maximum.reduceat(pos_N[self.step_tokens], self.step_ptr[:-1]) + 1
+
     def next_use_NLK(self) -> np.ndarray:
         """For every access, the next step that requests the same (layer, expert); NEVER if none (Belady)."""
         n, num_layers, k = self.ids_NLK.shape

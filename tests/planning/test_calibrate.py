@@ -33,7 +33,7 @@ def test_calibrate_writes_a_profile_that_simulate_uses(demo_checkpoint, tmp_path
 
 def test_a_profile_for_other_experts_or_a_broken_file_is_refused(tmp_path):
     profile = CalibratedProfile("p", Device("d", 1e10, 1e12, 1e-5), Link("l", 1e9, 1e-4),
-                                Calibration(1000, 1e-4, 2e-4, 1e-3, 1e-5, 0.0, "m", 2, "cpu"), {})
+                                Calibration(1000, 1e-4, 2e-4, 1e-3, 20.0, 0.0, 1e-5, 0.0, "m", 2, "cpu"), {})
     profile.write(tmp_path / "p.json")
     with pytest.raises(ValueError, match="calibrated for 1000-byte experts"):
         CostModel.profile(str(tmp_path / "p.json"), 2000)
@@ -44,8 +44,9 @@ def test_a_profile_for_other_experts_or_a_broken_file_is_refused(tmp_path):
 
 
 def test_calibrated_step_times_add_non_expert_time_and_interpolate_experts():
-    cal = Calibration(expert_bytes=1000, expert_s_1=1.0, expert_s_64=64.0, dense_decode_s=10.0, dense_token_s=0.5,
-                      io_interference_s_per_byte=0.0, model="m", threads=1, device="cpu")
+    cal = Calibration(expert_bytes=1000, expert_s_1=1.0, expert_s_64=64.0, dense_decode_s=10.0, dense_decode_kv=20.0,
+                      dense_kv_s=0.0, dense_token_s=0.5, io_interference_s_per_byte=0.0, model="m", threads=1,
+                      device="cpu")
     cost = CostModel(Device("d", 1e12, 1e15, 0.0), Link("l", 1000.0, 0.0), 1000, calibration=cal)
     # one layer, 2 experts requested, both hit, one token of top-2: 2 experts x c(1) + dense(1)
     t = cost.step_times(np.array([[2]]), np.array([[2]]), np.zeros((1, 1)), np.array([1]), 2, False)
@@ -60,3 +61,8 @@ def test_calibrated_step_times_add_non_expert_time_and_interpolate_experts():
     slowed = CostModel(cost.device, cost.link, 1000, calibration=replace(cal, io_interference_s_per_byte=1e-3))
     t = slowed.step_times(np.array([[1]]), np.array([[0]]), np.zeros((1, 1)), np.array([1]), 1, False)
     assert t.tolist() == [2.0 + 10.0 + 1.0]
+    # a decode step's non-expert time grows with the KV cache it attends over
+    longer = CostModel(cost.device, cost.link, 1000, calibration=replace(cal, dense_kv_s=0.01))
+    t = longer.step_times(np.array([[1]]), np.array([[1]]), np.zeros((1, 1)), np.array([1]), 1, False,
+                          np.array([120]))
+    assert t.tolist() == [pytest.approx(1.0 + 10.0 + 0.01 * (120 - 20))]
