@@ -2,8 +2,9 @@
 
 What is measured, each as the median of repeated runs:
 - memory copy rate: one large tensor copied on the device;
-- one routed expert's compute time at 1 and at 64 tokens, cycling through enough distinct experts that the
-  weights come from memory, not from the CPU's caches (as in a decode step);
+- one routed expert's compute time at 1 token as a decode step pays it: the model's decode step with full-size
+  experts (distinct ones, from memory) less the same step with 1-wide experts, per expert; and at 64 tokens,
+  cycling through enough distinct experts that the weights come from memory;
 - the per-expert fixed overhead: the same expert call on a 1-wide expert (dispatch and launches only);
 - the model's non-expert time: a decode step and a 64-token prefill of the model built with 1-wide experts
   (attention, dense and shared MLPs, norms, router, LM head and the per-layer expert bookkeeping), less the
@@ -97,6 +98,21 @@ class _OneWideExperts:
             yield self.weights
 
 
+class _CyclingExperts:
+    """An ExpertSource handing out `count` distinct full-size experts in turn: one decode step of the model
+    reads as many different expert weights as a real one, from memory, between its real dense layers."""
+
+    def __init__(self, shape: ExpertShape, count: int, device: torch.device):
+        self.experts = [ExpertWeights(torch.randn(shape.numel, device=device).mul_(0.02).to(shape.dtype), shape)
+                        for _ in range(count)]
+        self._next = 0
+
+    def stream(self, layer: int, experts: Sequence[int]) -> Iterator[ExpertWeights]:
+        for _ in experts:
+            self._next = (self._next + 1) % len(self.experts)
+            yield self.experts[self._next]
+
+
 class DenseProbe:
     """The model built with 1-wide experts (random weights): times its prefills and decode steps."""
 
@@ -108,6 +124,11 @@ class DenseProbe:
         self.dtype, self.device, self.steps = dtype, device, steps
         gen = torch.Generator().manual_seed(0)
         self.ids = torch.randint(0, cfg.vocab_size, (1, longest + steps), generator=gen).to(device)
+
+    def use_experts(self, source: object) -> None:
+        """Route every MoE block's experts to `source` (1-wide or full-size)."""
+        for block in self.model.moe_blocks():
+            block.source = source  # type: ignore[assignment]
 
     def prefill_then_decode(self, prompt: int) -> tuple[float, list[float]]:
         """Seconds of a `prompt`-token prefill, then of each of `steps` decode steps after it."""
@@ -200,19 +221,26 @@ def compute_times(arch: Architecture, cfg: ModelConfig, shape: ExpertShape, devi
     pool, wide = ExpertPool(shape, device), ExpertPool(ExpertShape(cfg.hidden_size, 1, shape.dtype), device, 0)
     long = max(prefill_tokens, SHORT_PROMPT + 1)
     dense = DenseProbe(arch, cfg, shape.dtype, device, long)
+    one_wide, full = dense.model.moe_blocks()[0].source, _CyclingExperts(shape, cfg.num_moe_layers * cfg.top_k, device)
     dense.prefill_then_decode(long)  # warm-up
-    samples: dict[str, list[float]] = {k: [] for k in ("expert_s_1", "expert_s_64", "expert_overhead_s",
-                                                       "dense_decode_raw_s", "dense_decode_long_raw_s",
-                                                       "dense_prefill_raw_s")}
+    samples: dict[str, list[float]] = {k: [] for k in ("expert_s_64", "expert_overhead_s", "dense_decode_raw_s",
+                                                       "dense_decode_long_raw_s", "dense_prefill_raw_s",
+                                                       "decode_full_raw_s")}
     for _ in range(rounds):
-        samples["expert_s_1"].append(pool.seconds_per_call(1))
         samples["expert_s_64"].append(pool.seconds_per_call(64))
         samples["expert_overhead_s"].append(wide.seconds_per_call(1))
         samples["dense_decode_raw_s"] += dense.prefill_then_decode(SHORT_PROMPT)[1]
+        dense.use_experts(full)
+        samples["decode_full_raw_s"] += dense.prefill_then_decode(SHORT_PROMPT)[1]
+        dense.use_experts(one_wide)
         prefill, steps = dense.prefill_then_decode(long)
         samples["dense_prefill_raw_s"].append(prefill)
         samples["dense_decode_long_raw_s"] += steps
     out = {k: statistics.median(v) for k, v in samples.items()}
+    # one expert at 1 token as a decode step pays for it: the full-size step less the 1-wide one, per expert,
+    # plus the call overhead the 1-wide step already paid (an isolated loop over experts overstates it ~2x)
+    per_token = cfg.num_moe_layers * cfg.top_k
+    out["expert_s_1"] = (out["decode_full_raw_s"] - out["dense_decode_raw_s"]) / per_token + out["expert_overhead_s"]
     return out | {"dense_decode_kv": SHORT_PROMPT + (dense.steps + 1) / 2, "dense_long_kv": long + (dense.steps + 1) / 2}
 
 
