@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     for spec in specs:  # every run's needs, before the first one starts
         check_spec(spec, work.header, prior)
     h = work.header
-    steps = (f"order decode: every token replayed as its own step" if args.order == "decode" and args.batch == 1
+    steps = ("order decode: every token replayed as its own step" if args.order == "decode" and args.batch == 1
              and args.route_prompt is None else f"order {args.order}, batch {args.batch}")
     print(f"{args.trace}: {len(work.names)} requests, {len(work.phase_N)} tokens "
           f"({int((work.phase_N == DECODE).sum())} recorded as decode), {work.num_steps} steps ({steps}), "

@@ -162,7 +162,7 @@ class LLM:
             seqs = generate_ids(self.loaded.model, ids, params, self.eos_token_ids, stats, self._detokenize, on_text,
                                 self.loaded.device, hooks.on_phase, hooks.on_pass)
         self._finish(stats, seqs, recorder, record_trace, [p if isinstance(p, str) else None for p in prompts])
-        return [Completion(s.prompt_ids, s.out_ids, s.text, s.finish_reason or "length") for s in seqs]
+        return _completions(seqs)
 
     def replay(self, spec: ReplaySpec, params: SamplingParams | None = None, *,
                record_trace: str | os.PathLike[str] | None = None, record_hidden: bool = False) -> list[Completion]:
@@ -189,7 +189,7 @@ class LLM:
                 stats.add(part)
         self._finish(stats, seqs, recorder, record_trace, [None] * len(requests))
         stats.sections["replay"] = ReplayReport(str(spec.trace), [r.index for r in requests], spec.prompt_tokens)
-        return [Completion(s.prompt_ids, s.out_ids, s.text, s.finish_reason or "length") for s in seqs]
+        return _completions(seqs)
 
     def _finish(self, stats: RunStats, seqs: Sequence[SequenceState], recorder: TraceRecorder | None,
                 record_trace: str | os.PathLike[str] | None, prompts: Sequence[str | None]) -> None:
@@ -204,6 +204,10 @@ class LLM:
     @property
     def _detokenize(self) -> Detokenize | None:
         return self.tokenizer.decode if self.tokenizer is not None else None
+
+
+def _completions(seqs: Sequence[SequenceState]) -> list[Completion]:
+    return [Completion(s.prompt_ids, s.out_ids, s.text, s.finish_reason or "length") for s in seqs]
 
 
 class Wiring(NamedTuple):
