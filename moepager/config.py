@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moepager.errors import MoepagerError
+from moepager.experts.executor import KERNELS, Kernel
 from moepager.policies import UnknownPolicyError, make_policy
 from moepager.predictors import PREDICTORS
 from moepager.store.budget import Budget
@@ -94,11 +95,15 @@ class EngineConfig:
     """Expert memory budgets and paging."""
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     """Routing prediction and prefetch."""
+    expert_kernel: Kernel = "auto"
+    """How a layer's routed experts are computed (experts/executor.py): auto, loop, gather or grouped."""
 
     def __post_init__(self) -> None:
         if self.prefetch.predictor is not None and not self.store.paged:
             raise MoepagerError("prefetching needs a paged store: set --expert-memory (with every expert resident "
                                 "there is nothing to prefetch)")
+        if self.expert_kernel not in KERNELS:
+            raise MoepagerError(f"unknown expert kernel '{self.expert_kernel}'; choose from {', '.join(KERNELS)}")
         if self.threads is not None and self.threads < 1:
             raise MoepagerError(f"--threads must be >= 1, got {self.threads}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

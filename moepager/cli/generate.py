@@ -7,7 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from moepager.config import PrefetchConfig, StoreConfig
+from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
+from moepager.experts.executor import KERNELS
 from moepager.errors import MoepagerError
 from moepager.policies import ENGINE_POLICIES
 from moepager.outputs import check_file
@@ -38,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="convert weights (default: as stored)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--expert-kernel", choices=KERNELS, default="auto",
+                   help="how a layer's routed experts are computed: auto (per call: loop on the CPU, gather for "
+                        "small experts at one token, grouped on CUDA), loop, gather or grouped")
     add_store_arguments(p)
     add_prefetch_arguments(p)
     add_replay_arguments(p)
@@ -186,8 +190,9 @@ def run(args: argparse.Namespace) -> int:
                             stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     if replay is not None:  # a trace that cannot replay on this model is refused before the model loads
         load_replay(replay, read_config(args.model or default_model_path()))
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, threads=args.threads, store=store_config(args),
-              prefetch=prefetch_config(args), show_progress=not args.quiet)
+    llm = LLM(config=EngineConfig(model=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
+                                  store=store_config(args), prefetch=prefetch_config(args),
+                                  expert_kernel=args.expert_kernel), show_progress=not args.quiet)
     if replay is not None:
         return _replay(llm, replay, params, args)
     if llm.tokenizer is None:

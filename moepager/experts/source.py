@@ -1,20 +1,19 @@
-"""The seam between the MoE block and wherever expert weights live.
+"""Protocols of where expert weights come from: a reader that fills flat buffers, and the one-expert-at-a-time
+source that the slow reference `combine_experts` (experts/compute.py) reads.
 
-A MoE layer asks its `ExpertSource` for the experts it routed to, in the fixed order their outputs are
-summed in, and computes with each one before asking for the next. The source guarantees each expert's
-weights stay valid until then (an expert in use is never evicted). `ResidentExperts` keeps every expert in
-memory; `PagedExperts` pages them through the expert store under a budget.
+A source hands out the experts a layer routed to, in the fixed order their outputs are summed in, each valid
+until the next is requested. Both executors (experts/executor.py) are sources too, so tests can compare the
+fast path with the reference on the same weights.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
 
 from moepager.experts.weights import ExpertShape, ExpertWeights
-from moepager.store.store import ExpertStore
 from moepager.types import ExpertKey
 
 
@@ -30,41 +29,3 @@ class ExpertSource(Protocol):
     def stream(self, layer: int, experts: Sequence[int]) -> Iterator[ExpertWeights]:
         """Weights of `experts` of `layer`, in that order; each valid until the next one is requested."""
         ...
-
-
-class ResidentExperts:
-    """Every routed expert read once into its own flat buffer on `device` (the all-resident baseline)."""
-
-    def __init__(self, reader: ExpertReader, moe_layers: Sequence[int], num_experts: int,
-                 device: torch.device | str = "cpu", progress: Callable[[int], None] | None = None):
-        shape: ExpertShape = reader.shape
-        self._weights: dict[ExpertKey, ExpertWeights] = {}
-        staging = ExpertWeights.empty(shape) if torch.device(device).type != "cpu" else None
-        for layer in moe_layers:
-            for e in range(num_experts):
-                key = ExpertKey(layer, e)
-                w = ExpertWeights.empty(shape, device)
-                if staging is None:
-                    reader.read(key, w.buffer)
-                else:
-                    reader.read(key, staging.buffer)
-                    w.buffer.copy_(staging.buffer)
-                self._weights[key] = w
-                if progress is not None:
-                    progress(shape.nbytes)
-
-    def stream(self, layer: int, experts: Sequence[int]) -> Iterator[ExpertWeights]:
-        for e in experts:
-            yield self._weights[ExpertKey(layer, e)]
-
-
-class PagedExperts:
-    """The expert store's device slots seen as expert weights (one view per slot, made once)."""
-
-    def __init__(self, store: ExpertStore, shape: ExpertShape):
-        self.store = store
-        self._views = [ExpertWeights(buffer, shape) for buffer in store.device.buffers]
-
-    def stream(self, layer: int, experts: Sequence[int]) -> Iterator[ExpertWeights]:
-        for slot in self.store.stream(layer, experts):
-            yield self._views[slot]

@@ -8,7 +8,7 @@ from typing import Any
 
 from moepager.errors import CheckpointError
 from moepager.models.expert_reader import ExpertNaming
-from moepager.experts.source import ExpertSource
+from moepager.experts.executor import ExpertExecutor
 from moepager.models.config import ModelConfig, eos_ids, get
 from moepager.models.layers import CausalLM
 
@@ -28,7 +28,7 @@ class Architecture:
 
     name: str
     parse_config: Callable[[Mapping[str, Any]], ModelConfig]
-    build: Callable[[ModelConfig, ExpertSource], CausalLM]
+    build: Callable[[ModelConfig, ExpertExecutor], CausalLM]
     expert_naming: ExpertNaming
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moepager.errors import CheckpointError
-from moepager.experts.source import ExpertSource
+from moepager.experts.executor import ExpertExecutor
 from moepager.models.base import PER_EXPERT_MLP, Architecture, common_fields
 from moepager.models.config import ModelConfig, get, rope_from_raw
 from moepager.models.layers import CausalLM, DecoderLayer, DecoderStack, DenseMLP, MoEBlock, RotaryEmbedding
@@ -54,8 +54,8 @@ class DeepseekV2Router(nn.Module):
 class DeepseekMoEBlock(MoEBlock):
     """Routed experts plus `n_shared_experts` always-on experts fused into one MLP (both DeepSeek versions)."""
 
-    def __init__(self, cfg: ModelConfig, router: nn.Module, source: ExpertSource, layer: int):
-        super().__init__(router, source, layer, cfg.num_experts)
+    def __init__(self, cfg: ModelConfig, router: nn.Module, experts: ExpertExecutor, layer: int):
+        super().__init__(router, experts, layer, cfg.num_experts)
         self.shared_experts = DenseMLP(cfg.hidden_size, cfg.shared_intermediate_size)
 
     def shared_output(self, x_ND: torch.Tensor) -> torch.Tensor:
@@ -83,18 +83,18 @@ def parse_deepseek_config(raw: Mapping[str, Any], *, experts_key: str = "n_route
     )
 
 
-def build_deepseek(cfg: ModelConfig, source: ExpertSource, router: type[nn.Module], interleaved_rope: bool) -> CausalLM:
+def build_deepseek(cfg: ModelConfig, experts: ExpertExecutor, router: type[nn.Module], interleaved_rope: bool) -> CausalLM:
     layers = [
         DecoderLayer(cfg, MLAttention(cfg, interleaved_rope=interleaved_rope),
-                     DeepseekMoEBlock(cfg, router(cfg), source, i) if i in cfg.moe_layers
+                     DeepseekMoEBlock(cfg, router(cfg), experts, i) if i in cfg.moe_layers
                      else DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size))
         for i in range(cfg.num_layers)
     ]
     return CausalLM(cfg, DecoderStack(cfg, layers, RotaryEmbedding(cfg.rope, cfg.max_position_embeddings)))
 
 
-def build(cfg: ModelConfig, source: ExpertSource) -> CausalLM:
-    return build_deepseek(cfg, source, DeepseekV2Router, interleaved_rope=True)
+def build(cfg: ModelConfig, experts: ExpertExecutor) -> CausalLM:
+    return build_deepseek(cfg, experts, DeepseekV2Router, interleaved_rope=True)
 
 
 ARCHITECTURE = Architecture("DeepseekV2ForCausalLM", parse_deepseek_config, build, PER_EXPERT_MLP)

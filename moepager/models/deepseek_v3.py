@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moepager.experts.source import ExpertSource
+from moepager.experts.executor import ExpertExecutor
 from moepager.models.base import PER_EXPERT_MLP, Architecture
 from moepager.models.config import ModelConfig
 from moepager.models.deepseek_v2 import build_deepseek, parse_deepseek_config
@@ -53,8 +53,8 @@ def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
     return parse_deepseek_config(raw, experts_key=key)
 
 
-def build(cfg: ModelConfig, source: ExpertSource) -> CausalLM:
-    return build_deepseek(cfg, source, DeepseekV3Router, interleaved_rope=bool(cfg.raw.get("rope_interleave", True)))
+def build(cfg: ModelConfig, experts: ExpertExecutor) -> CausalLM:
+    return build_deepseek(cfg, experts, DeepseekV3Router, interleaved_rope=bool(cfg.raw.get("rope_interleave", True)))
 
 
 ARCHITECTURE = Architecture("DeepseekV3ForCausalLM", parse_config, build, PER_EXPERT_MLP)

@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moepager.experts.compute import combine_experts
-from moepager.experts.source import ExpertSource
+from moepager.experts.executor import ExpertExecutor
 from moepager.models.config import ModelConfig, RopeConfig
 from moepager.types import RoutingDecision
 
@@ -376,16 +375,17 @@ class RoutingFanOut:
 
 
 class MoEBlock(nn.Module):
-    """Router -> routed experts from the `ExpertSource` seam (+ shared experts, in subclasses).
+    """Router -> routed experts through the `ExpertExecutor` seam (+ shared experts, in subclasses).
 
     `gate` is the architecture's router module (registered as `gate`, as in transformers); it maps x_ND to a
-    RoutingDecision. The expert weights are not parameters of this module: they come from `source`.
+    RoutingDecision. The expert weights are not parameters of this module: `executor` holds them (resident,
+    or paged through the expert store) and computes the layer's routed experts in one call.
     """
 
-    def __init__(self, gate: nn.Module, source: ExpertSource, layer: int, num_experts: int):
+    def __init__(self, gate: nn.Module, experts: ExpertExecutor, layer: int, num_experts: int):
         super().__init__()
         self.gate = gate
-        self.source = source
+        self.executor = experts
         self.layer = layer
         self.num_experts = num_experts
         self.observer: RoutingObserver = NULL_OBSERVER
@@ -400,7 +400,7 @@ class MoEBlock(nn.Module):
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
         route = self.routing.route(self.layer, self.gate, x_ND)
         self.observer.routed(self.layer, x_ND, route)
-        out_ND = combine_experts(x_ND, route, self.source, self.layer, self.num_experts)
+        out_ND = self.executor.run(self.layer, x_ND, route)
         shared = self.shared_output(x_ND)
         return out_ND if shared is None else out_ND + shared
 

@@ -1,8 +1,8 @@
 """Building a model from a checkpoint directory: config -> architecture -> experts -> module -> weights.
 
-Routed experts are read one by one through an `ExpertReader` into the `ExpertSource` the caller chooses
-(all-resident by default); the module is then built around that source on the meta device, cast to the
-run's dtype while still empty, materialised, and filled with the non-expert weights.
+Routed experts are read one by one through an `ExpertReader` into the `ExpertExecutor` the caller chooses
+(all resident in one arena by default); the module is then built around that executor on the meta device,
+cast to the run's dtype while still empty, materialised, and filled with the non-expert weights.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from tqdm import tqdm
 
 from moepager.errors import CheckpointError
 from moepager.models.expert_reader import ExpertReader
-from moepager.experts.source import ExpertSource, ResidentExperts
+from moepager.experts.executor import ExpertExecutor, Kernel, ResidentExecutor
 from moepager.experts.weights import ExpertShape
 from moepager.models.config import ModelConfig
 from moepager.models.layers import CausalLM
 from moepager.models.loader import Checkpoint, load_module_weights
 from moepager.models.registry import architecture_for
 from moepager.store.disk import DirectIO
+from moepager.types import ExpertKey
 
 FP32_TENSORS = ("e_score_correction_bias",)
 """Tensors kept in fp32 whatever the model dtype (as transformers does)."""
@@ -30,7 +31,7 @@ FP32_TENSORS = ("e_score_correction_bias",)
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "float32": torch.float32, "fp32": torch.float32}
 
-SourceFactory = Callable[[ExpertReader, ModelConfig, Callable[[int], None]], ExpertSource]
+ExecutorFactory = Callable[[ExpertReader, ModelConfig, Callable[[int], None]], ExpertExecutor]
 
 
 @dataclass
@@ -38,7 +39,7 @@ class LoadedModel:
     checkpoint: Checkpoint
     config: ModelConfig
     model: CausalLM
-    experts: ExpertSource
+    experts: ExpertExecutor
     expert_shape: ExpertShape
     dtype: torch.dtype
     device: torch.device
@@ -57,9 +58,30 @@ def checkpoint_dtype(checkpoint: Checkpoint) -> torch.dtype:
     return loc.dtype if loc is not None else parse_dtype(str(checkpoint.config.get("torch_dtype", "float32")))
 
 
-def resident_source(device: torch.device) -> SourceFactory:
-    def make(reader: ExpertReader, cfg: ModelConfig, progress: Callable[[int], None]) -> ExpertSource:
-        return ResidentExperts(reader, cfg.moe_layers, cfg.num_experts, device, progress)
+def read_resident(reader: ExpertReader, moe_layers: list[int], num_experts: int, device: torch.device,
+                  progress: Callable[[int], None] | None = None) -> torch.Tensor:
+    """Every routed expert read into one arena on `device`: row i * num_experts + e is expert e of MoE layer i
+    (through one CPU staging buffer when the device is not the CPU)."""
+    shape = reader.shape
+    arena = torch.empty(len(moe_layers) * num_experts, shape.numel, dtype=shape.dtype, device=device)
+    staging = torch.empty(shape.numel, dtype=shape.dtype) if device.type != "cpu" else None
+    for i, layer in enumerate(moe_layers):
+        for e in range(num_experts):
+            row = arena[i * num_experts + e]
+            if staging is None:
+                reader.read(ExpertKey(layer, e), row)
+            else:
+                reader.read(ExpertKey(layer, e), staging)
+                row.copy_(staging)
+            if progress is not None:
+                progress(shape.nbytes)
+    return arena
+
+
+def resident_executor(device: torch.device, kernel: Kernel = "auto") -> ExecutorFactory:
+    def make(reader: ExpertReader, cfg: ModelConfig, progress: Callable[[int], None]) -> ExpertExecutor:
+        arena = read_resident(reader, cfg.moe_layers, cfg.num_experts, device, progress)
+        return ResidentExecutor(arena, reader.shape, cfg.moe_layers, cfg.num_experts, kernel)
     return make
 
 
@@ -70,7 +92,7 @@ def read_config(path: str | os.PathLike[str]) -> ModelConfig:
 
 
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None, device: str = "cpu",
-               source_factory: SourceFactory | None = None, show_progress: bool = True,
+               executor_factory: ExecutorFactory | None = None, show_progress: bool = True,
                direct_io: DirectIO = "auto") -> LoadedModel:
     checkpoint = Checkpoint(path)
     arch = architecture_for(checkpoint.config)
@@ -83,7 +105,7 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None, d
     total = sum(loc.nbytes // loc.dtype.itemsize * dtype.itemsize for loc in checkpoint.locations.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=not show_progress,
               leave=False) as bar:
-        experts = (source_factory or resident_source(dev))(reader, cfg, bar.update)
+        experts = (executor_factory or resident_executor(dev))(reader, cfg, bar.update)
         with torch.device("meta"):
             model = arch.build(cfg, experts)
         cast_model(model, dtype)

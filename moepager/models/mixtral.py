@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from moepager.models.expert_reader import ExpertNaming
-from moepager.experts.source import ExpertSource
+from moepager.experts.executor import ExpertExecutor
 from moepager.models.base import Architecture, common_fields
 from moepager.models.config import ModelConfig, get, rope_from_raw
 from moepager.models.layers import (Attention, CausalLM, DecoderLayer, DecoderStack, MoEBlock, RotaryEmbedding,
@@ -39,9 +39,9 @@ def router(cfg: ModelConfig) -> SoftmaxTopKRouter:
     return SoftmaxTopKRouter(cfg.hidden_size, cfg.num_experts, cfg.top_k, normalize=True, fp32_weights=True)
 
 
-def build(cfg: ModelConfig, source: ExpertSource) -> CausalLM:
+def build(cfg: ModelConfig, experts: ExpertExecutor) -> CausalLM:
     layers = [
-        DecoderLayer(cfg, Attention(cfg), MoEBlock(router(cfg), source, i, cfg.num_experts))
+        DecoderLayer(cfg, Attention(cfg), MoEBlock(router(cfg), experts, i, cfg.num_experts))
         for i in range(cfg.num_layers)
     ]
     stack = DecoderStack(cfg, layers, RotaryEmbedding(cfg.rope, cfg.max_position_embeddings))

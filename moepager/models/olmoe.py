@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from moepager.experts.source import ExpertSource
+from moepager.experts.executor import ExpertExecutor
 from moepager.models.base import PER_EXPERT_MLP, Architecture, common_fields
 from moepager.models.config import ModelConfig, get, rope_from_raw
 from moepager.models.layers import (Attention, CausalLM, DecoderLayer, DecoderStack, MoEBlock, RotaryEmbedding,
@@ -31,14 +31,14 @@ def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
     )
 
 
-def build(cfg: ModelConfig, source: ExpertSource) -> CausalLM:
+def build(cfg: ModelConfig, experts: ExpertExecutor) -> CausalLM:
     bias = bool(cfg.raw.get("attention_bias", False))
     clip = cfg.raw.get("clip_qkv")
     normalize = bool(cfg.raw.get("norm_topk_prob", False))
     layers = [
         DecoderLayer(cfg, Attention(cfg, qkv_bias=bias, o_bias=bias, qk_norm="full", clip_qkv=clip),
                      MoEBlock(SoftmaxTopKRouter(cfg.hidden_size, cfg.num_experts, cfg.top_k, normalize=normalize,
-                                                fp32_weights=False), source, i, cfg.num_experts))
+                                                fp32_weights=False), experts, i, cfg.num_experts))
         for i in range(cfg.num_layers)
     ]
     return CausalLM(cfg, DecoderStack(cfg, layers, RotaryEmbedding(cfg.rope, cfg.max_position_embeddings)))

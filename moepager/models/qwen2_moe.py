@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from moepager.errors import CheckpointError
-from moepager.experts.source import ExpertSource
+from moepager.experts.executor import ExpertExecutor
 from moepager.models.base import PER_EXPERT_MLP, Architecture, common_fields
 from moepager.models.config import ModelConfig, get, rope_from_raw
 from moepager.models.layers import (Attention, CausalLM, DecoderLayer, DecoderStack, DenseMLP, MoEBlock,
@@ -22,10 +22,10 @@ from moepager.models.layers import (Attention, CausalLM, DecoderLayer, DecoderSt
 
 
 class Qwen2MoEBlock(MoEBlock):
-    def __init__(self, cfg: ModelConfig, source: ExpertSource, layer: int):
+    def __init__(self, cfg: ModelConfig, experts: ExpertExecutor, layer: int):
         router = SoftmaxTopKRouter(cfg.hidden_size, cfg.num_experts, cfg.top_k,
                                    normalize=bool(cfg.raw.get("norm_topk_prob", False)), fp32_weights=False)
-        super().__init__(router, source, layer, cfg.num_experts)
+        super().__init__(router, experts, layer, cfg.num_experts)
         self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
@@ -63,11 +63,11 @@ def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
     return parse_qwen_config(raw, shared_expert=True)
 
 
-def build(cfg: ModelConfig, source: ExpertSource) -> CausalLM:
+def build(cfg: ModelConfig, experts: ExpertExecutor) -> CausalLM:
     qkv_bias = bool(cfg.raw.get("qkv_bias", True))
     layers = [
         DecoderLayer(cfg, Attention(cfg, qkv_bias=qkv_bias),
-                     Qwen2MoEBlock(cfg, source, i) if i in cfg.moe_layers
+                     Qwen2MoEBlock(cfg, experts, i) if i in cfg.moe_layers
                      else DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size))
         for i in range(cfg.num_layers)
     ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from moepager.experts.source import ExpertSource
+from moepager.experts.executor import ExpertExecutor
 from moepager.models.base import PER_EXPERT_MLP, Architecture
 from moepager.models.config import ModelConfig
 from moepager.models.layers import (Attention, CausalLM, DecoderLayer, DecoderStack, DenseMLP, MoEBlock,
@@ -20,7 +20,7 @@ def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
     return parse_qwen_config(raw, shared_expert=False)
 
 
-def build(cfg: ModelConfig, source: ExpertSource) -> CausalLM:
+def build(cfg: ModelConfig, experts: ExpertExecutor) -> CausalLM:
     bias = bool(cfg.raw.get("attention_bias", False))
     normalize = bool(cfg.raw.get("norm_topk_prob", False))
 
@@ -29,7 +29,7 @@ def build(cfg: ModelConfig, source: ExpertSource) -> CausalLM:
             return DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size)
         router = SoftmaxTopKRouter(cfg.hidden_size, cfg.num_experts, cfg.top_k, normalize=normalize,
                                    fp32_weights=False)
-        return MoEBlock(router, source, i, cfg.num_experts)
+        return MoEBlock(router, experts, i, cfg.num_experts)
 
     layers = [DecoderLayer(cfg, Attention(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head"), mlp(i))
               for i in range(cfg.num_layers)]

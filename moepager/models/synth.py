@@ -38,7 +38,7 @@ def tensor_specs(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     arch = ARCHITECTURES[config["architectures"][0]]
     cfg = arch.parse_config(config)
     with torch.device("meta"):
-        model = arch.build(cfg, source=None)  # type: ignore[arg-type]  # never called: no forward pass
+        model = arch.build(cfg, experts=None)  # type: ignore[arg-type]  # never called: no forward pass
     specs = [(model.disk_name(n), tuple(t.shape)) for n, t in model.state_dict().items()]
     f, d, naming = cfg.expert_intermediate_size, cfg.hidden_size, arch.expert_naming
     for layer in cfg.moe_layers:

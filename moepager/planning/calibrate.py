@@ -21,7 +21,7 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from moepager.experts.compute import expert_forward
+from moepager.experts.executor import ArenaKernels, combine, sort_by_expert
 from moepager.experts.weights import ExpertShape, ExpertWeights
 from moepager.models.base import Architecture
 from moepager.models.config import ModelConfig
@@ -38,7 +39,7 @@ from moepager.models.load import cast_model, checkpoint_dtype
 from moepager.models.loader import Checkpoint
 from moepager.models.registry import architecture_for
 from moepager.planning.cost import Calibration, CalibratedProfile, Device, Link
-from moepager.types import ExpertKey
+from moepager.types import ExpertKey, RoutingDecision
 
 Step = Callable[[str], None]
 """Progress: called with the name of each measurement as it finishes."""
@@ -85,32 +86,42 @@ class ExpertPool:
             return _timed(run, self.device) / self.count
 
 
-class _OneWideExperts:
-    """An ExpertSource whose every expert is one SwiGLU unit wide: the model runs with its routed experts
-    reduced to their fixed cost, so what remains is the model's non-expert time."""
+class _ArenaStandIn:
+    """An executor over a small arena whose rows stand in for every expert (`rows` picks them per call);
+    kernels are chosen as for experts of the model's real shape."""
 
-    def __init__(self, hidden: int, dtype: torch.dtype, device: torch.device):
-        self.weights = ExpertWeights(torch.randn(3 * hidden, device=device).mul_(0.02).to(dtype),
-                                     ExpertShape(hidden, 1, dtype))
+    def __init__(self, shape: ExpertShape, count: int, device: torch.device, real: ExpertShape):
+        arena = torch.randn(count, shape.numel, device=device).mul_(0.02).to(shape.dtype)
+        self.kernels = ArenaKernels(arena, shape, choose_as=real)
+        self.count, self._next = count, 0
 
-    def stream(self, layer: int, experts: Sequence[int]) -> Iterator[ExpertWeights]:
-        for _ in experts:
-            yield self.weights
+    def rows(self, n: int) -> list[int]:
+        return [0] * n
+
+    def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
+        work = sort_by_expert(x_ND, route)
+        return combine(x_ND, work, self.kernels.compute(work, self.rows(len(work.experts))))
 
 
-class _CyclingExperts:
-    """An ExpertSource handing out `count` distinct full-size experts in turn: one decode step of the model
-    reads as many different expert weights as a real one, from memory, between its real dense layers."""
+class _OneWideExperts(_ArenaStandIn):
+    """Every expert one SwiGLU unit wide: the model runs with its routed experts reduced to their fixed cost,
+    so what remains is the model's non-expert time."""
+
+    def __init__(self, real: ExpertShape, device: torch.device):
+        super().__init__(ExpertShape(real.hidden, 1, real.dtype), 1, device, real)
+
+
+class _CyclingExperts(_ArenaStandIn):
+    """`count` distinct full-size experts handed out in turn: one decode step of the model reads as many
+    different expert weights as a real one, from memory, between its real dense layers."""
 
     def __init__(self, shape: ExpertShape, count: int, device: torch.device):
-        self.experts = [ExpertWeights(torch.randn(shape.numel, device=device).mul_(0.02).to(shape.dtype), shape)
-                        for _ in range(count)]
-        self._next = 0
+        super().__init__(shape, count, device, shape)
 
-    def stream(self, layer: int, experts: Sequence[int]) -> Iterator[ExpertWeights]:
-        for _ in experts:
-            self._next = (self._next + 1) % len(self.experts)
-            yield self.experts[self._next]
+    def rows(self, n: int) -> list[int]:
+        out = [(self._next + i) % self.count for i in range(n)]
+        self._next = (self._next + n) % self.count
+        return out
 
 
 class DenseProbe:
@@ -118,17 +129,18 @@ class DenseProbe:
 
     def __init__(self, arch: Architecture, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                  longest: int, steps: int = 8):
-        self.model = arch.build(cfg, _OneWideExperts(cfg.hidden_size, dtype, device))  # type: ignore[arg-type]
+        self.model = arch.build(cfg, _OneWideExperts(ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size,
+                                                                 dtype), device))
         cast_model(self.model, dtype)
         self.model.to(device).eval()
         self.dtype, self.device, self.steps = dtype, device, steps
         gen = torch.Generator().manual_seed(0)
         self.ids = torch.randint(0, cfg.vocab_size, (1, longest + steps), generator=gen).to(device)
 
-    def use_experts(self, source: object) -> None:
-        """Route every MoE block's experts to `source` (1-wide or full-size)."""
+    def use_experts(self, executor: _ArenaStandIn) -> None:
+        """Compute every MoE block's experts with `executor` (1-wide or full-size)."""
         for block in self.model.moe_blocks():
-            block.source = source  # type: ignore[assignment]
+            block.executor = executor
 
     def prefill_then_decode(self, prompt: int) -> tuple[float, list[float]]:
         """Seconds of a `prompt`-token prefill, then of each of `steps` decode steps after it."""
@@ -221,7 +233,7 @@ def compute_times(arch: Architecture, cfg: ModelConfig, shape: ExpertShape, devi
     pool, wide = ExpertPool(shape, device), ExpertPool(ExpertShape(cfg.hidden_size, 1, shape.dtype), device, 0)
     long = max(prefill_tokens, SHORT_PROMPT + 1)
     dense = DenseProbe(arch, cfg, shape.dtype, device, long)
-    one_wide, full = dense.model.moe_blocks()[0].source, _CyclingExperts(shape, cfg.num_moe_layers * cfg.top_k, device)
+    one_wide, full = dense.model.moe_blocks()[0].executor, _CyclingExperts(shape, cfg.num_moe_layers * cfg.top_k, device)
     dense.prefill_then_decode(long)  # warm-up
     samples: dict[str, list[float]] = {k: [] for k in ("expert_s_64", "expert_overhead_s", "dense_decode_raw_s",
                                                        "dense_decode_long_raw_s", "dense_prefill_raw_s",

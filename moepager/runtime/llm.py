@@ -14,10 +14,10 @@ import torch
 
 from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
 from moepager.errors import InvalidRequestError
-from moepager.experts.source import PagedExperts
+from moepager.experts.executor import PagedExecutor
 from moepager.models.default import default_model_path
 from moepager.models.layers import NULL_OBSERVER, OWN_ROUTER, RoutingFanOut, RoutingObserver
-from moepager.models.load import LoadedModel, load_model, parse_dtype
+from moepager.models.load import LoadedModel, load_model, parse_dtype, resident_executor
 from moepager.outputs import check_file
 from moepager.runtime.generate import (
     Detokenize,
@@ -34,7 +34,7 @@ from moepager.runtime.prefetch import Prefetcher, build_prefetcher
 from moepager.runtime.replay import ReplayReport, ReplaySpec, RouteReplayer, check_record_path, load_replay
 from moepager.runtime.sampling import SamplingParams
 from moepager.runtime.stats import RunStats
-from moepager.runtime.store_setup import paged_source, store_report
+from moepager.runtime.store_setup import paged_executor, store_report
 from moepager.runtime.tokenizer import Tokenizer
 from moepager.trace.format import TraceHeader
 from moepager.trace.recorder import TraceRecorder
@@ -64,16 +64,16 @@ class LLM:
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
         path = Path(self.config.model) if self.config.model else default_model_path()
-        store_config, dev = self.config.store, torch.device(self.config.device)
+        store_config, dev, kernel = self.config.store, torch.device(self.config.device), self.config.expert_kernel
+        executor = paged_executor(store_config, dev, kernel) if store_config.paged else resident_executor(dev, kernel)
         self.loaded: LoadedModel = load_model(path, parse_dtype(self.config.dtype) if self.config.dtype else None,
-                                              self.config.device, paged_source(store_config, dev)
-                                              if store_config.paged else None, show_progress, store_config.direct_io)
+                                              self.config.device, executor, show_progress, store_config.direct_io)
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
         self.eos_token_ids = self._eos_token_ids()
         self.last_stats = RunStats()
         self.prefetcher: Prefetcher | None = None
         """Forecasts routing and loads experts ahead (kept across calls: an online expert-map store grows)."""
-        if self.config.prefetch.predictor is not None and isinstance(self.loaded.experts, PagedExperts):
+        if self.config.prefetch.predictor is not None and isinstance(self.loaded.experts, PagedExecutor):
             self.prefetcher = build_prefetcher(self.config.prefetch, self.loaded.model, self.loaded.experts.store)
 
     def _eos_token_ids(self) -> list[int]:
@@ -115,9 +115,10 @@ class LLM:
         prefetcher), and the generation loop's hooks that announce phases and passes to them."""
         experts, model = self.loaded.experts, self.loaded.model
         on_phase: OnPhase = ignore_phase
-        if isinstance(experts, PagedExperts):
-            experts.store.counters.reset()
-            on_phase = experts.store.counters.set_phase
+        store = experts.store if isinstance(experts, PagedExecutor) else None
+        if store is not None:
+            store.counters.reset()
+            on_phase = store.counters.set_phase
         observers: list[RoutingObserver] = [p for p in (recorder, self.prefetcher) if p is not None]
         parts = [p for p in (replayer, recorder, self.prefetcher) if p is not None]
         if self.prefetcher is not None:
@@ -128,10 +129,12 @@ class LLM:
             model.route_with(replayer)
 
         def on_pass(phase: Phase, rows: Sequence[int], counts: Sequence[int], token_ids_N: torch.Tensor) -> None:
+            if store is not None:
+                store.begin_pass()  # the one pass clock: policies, prefetcher and recorder all tick here
             for part in parts:
                 part.begin_pass(phase, rows, counts, token_ids_N)
         try:
-            yield Wiring(on_phase, on_pass if parts else ignore_pass)
+            yield Wiring(on_phase, on_pass if parts or store is not None else ignore_pass)
         finally:
             model.observe_routing(NULL_OBSERVER)
             model.route_with(OWN_ROUTER)

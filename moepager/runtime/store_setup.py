@@ -13,9 +13,10 @@ import torch
 
 from moepager.config import StoreConfig
 from moepager.errors import BudgetError
-from moepager.experts.source import ExpertReader, ExpertSource, PagedExperts
+from moepager.experts.executor import ExpertExecutor, Kernel, PagedExecutor
+from moepager.experts.source import ExpertReader
 from moepager.models.config import ModelConfig
-from moepager.models.load import SourceFactory
+from moepager.models.load import ExecutorFactory
 from moepager.policies import make_policy
 from moepager.store.budget import Budget, check_slots, format_bytes
 from moepager.store.slots import SlotTable
@@ -89,19 +90,20 @@ def build_store(config: StoreConfig, reader: ExpertReader, cfg: ModelConfig, dev
     return store
 
 
-def paged_source(config: StoreConfig, device: torch.device, host_tier: bool | None = None) -> SourceFactory:
-    """A load_model source factory for the store; `host_tier` defaults to whether the device is CUDA."""
-    def make(reader: ExpertReader, cfg: ModelConfig, progress: Callable[[int], None]) -> ExpertSource:
+def paged_executor(config: StoreConfig, device: torch.device, kernel: Kernel = "auto",
+                   host_tier: bool | None = None) -> ExecutorFactory:
+    """A load_model executor factory for the store; `host_tier` defaults to whether the device is CUDA."""
+    def make(reader: ExpertReader, cfg: ModelConfig, progress: Callable[[int], None]) -> ExpertExecutor:
         use_host = device.type == "cuda" if host_tier is None else host_tier
-        return PagedExperts(build_store(config, reader, cfg, device, use_host, progress), reader.shape)
+        return PagedExecutor(build_store(config, reader, cfg, device, use_host, progress), reader.shape, kernel)
     return make
 
 
-def store_report(source: ExpertSource, config: StoreConfig, prefill_tokens: int, decode_tokens: int) -> StoreReport:
+def store_report(experts: ExpertExecutor, config: StoreConfig, prefill_tokens: int, decode_tokens: int) -> StoreReport:
     """The run's expert section: how experts were held and, for the store, what it did per phase."""
-    if not isinstance(source, PagedExperts):
+    if not isinstance(experts, PagedExecutor):
         return StoreReport({"placement": "all resident"}, {})
-    store = source.store
+    store = experts.store
     described = {"device slots": store.device.table.capacity,
                  "read buffers": format_bytes(store.read_buffer_bytes),
                  "host slots": store.host.table.capacity if store.host is not None else "none (disk below)",

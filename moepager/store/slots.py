@@ -28,7 +28,7 @@ Scope = Literal["layer", "global"]
 
 def settled(ticket: Future[torch.cuda.Event | None] | None) -> bool:
     """True when a transfer is finished: its job ran (re-raising its error) and its CUDA copy completed."""
-    if ticket is None:
+    if ticket is None or ticket.cancelled():
         return True
     if not ticket.done():
         return False

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, as_completed, wait
+from dataclasses import dataclass
 
 import torch
 
@@ -48,6 +49,17 @@ class Tier:
         self.buffers = buffers
 
 
+@dataclass
+class Held:
+    """A layer's experts pinned by `acquire`: their device slots, in the order asked for."""
+
+    slots: list[int]
+    ready: list[int]
+    """Indices whose expert was resident or had landed when acquired."""
+    pending: list[int]
+    """Indices still loading when acquired."""
+
+
 class ExpertStore:
     def __init__(self, device: Tier, host: Tier | None, read: ReadExpert, transfers: Transfers,
                  read_buffer_bytes: int = 0):
@@ -58,8 +70,7 @@ class ExpertStore:
         self.transfers = transfers
         self.counters = StoreCounters()
         self.clock = 0
-        """Forward passes seen so far: the `step` policies are given."""
-        self._last_layer = -1
+        """Forward passes begun (`begin_pass`, called by the runtime): the `step` policies are given."""
 
     # -- filling at start -------------------------------------------------------------------------------
     def warm(self, keys: Sequence[ExpertKey], progress: Callable[[int], None] | None = None) -> None:
@@ -86,11 +97,63 @@ class ExpertStore:
                     progress(nbytes)
 
     # -- the hot path -----------------------------------------------------------------------------------
+    def begin_pass(self) -> None:
+        """The runtime starts a forward pass: the clock policies rank by ticks (they count tokens, not layers)."""
+        self.clock += 1
+
+    def acquire(self, layer: int, experts: Sequence[int]) -> Held:
+        """Pin slots holding all of `experts` of `layer` (at most the device capacity): hits are pinned first,
+        so no miss evicts them, then each miss claims a slot and starts loading. `wait` before computing with
+        a slot; `release` when the layer is done."""
+        table, counters = self.device.table, self.counters.current
+        keys = [ExpertKey(layer, e) for e in experts]
+        policy = table.policy
+        for key in keys:
+            policy.on_access(key, self.clock)
+        slots = [table.slot_of.get(key, -1) for key in keys]
+        held = Held(slots, [], [])
+        try:
+            for key, slot in zip(keys, slots):
+                if slot >= 0:
+                    self._hit(table, key, slot)
+            for i, key in enumerate(keys):
+                if slots[i] < 0:
+                    slot = self._claim(table, key, must=True)
+                    if slot is None:
+                        raise RuntimeError(f"expert store: no device slot can be freed for {key} "
+                                           f"(capacity {table.capacity})")
+                    self._load(key, slot, counters, ahead=False)
+                    counters.access(layer, False)
+                    table.pins[slot] += 1
+                    slots[i] = slot
+        except BaseException:
+            self.release(held)
+            raise
+        for i, slot in enumerate(slots):
+            ticket = table.ticket[slot]
+            (held.ready if ticket is None or ticket.done() else held.pending).append(i)
+        return held
+
+    def _hit(self, table: SlotTable, key: ExpertKey, slot: int) -> None:
+        if table.ahead.pop(key, None) is not None:
+            self.counters.current.prefetch_used += 1
+        table.stale.discard(key)
+        self.counters.current.access(key.layer, True)
+        table.pins[slot] += 1
+
+    def wait(self, held: Held, which: Iterable[int]) -> None:
+        """Block until the slots `which` (indices into held.slots) hold their experts."""
+        for i in which:
+            self._wait_ready(held.slots[i])
+
+    def release(self, held: Held) -> None:
+        for slot in held.slots:
+            if slot >= 0:
+                self._unpin(slot)
+        held.slots = []
+
     def stream(self, layer: int, experts: Sequence[int]) -> Iterator[int]:
         """Device slots holding `experts` of `layer`, in order; each is pinned until the next is requested."""
-        if layer <= self._last_layer:
-            self.clock += 1  # a new forward pass (policies count tokens, not layer calls)
-        self._last_layer = layer
         keys = [ExpertKey(layer, e) for e in experts]
         for key in keys:
             self.device.table.policy.on_access(key, self.clock)
@@ -120,17 +183,15 @@ class ExpertStore:
         while upcoming < len(keys):
             key = keys[upcoming]
             slot = table.slot_of.get(key)
-            hit = slot is not None
             if slot is None:
                 slot = self._claim(table, key, needed, must=not scheduled)
                 if slot is None:
                     break
                 self._load(key, slot, counters, ahead=False)
-            elif table.ahead.pop(key, None) is not None:
-                counters.prefetch_used += 1
-            table.stale.discard(key)
-            counters.access(key.layer, hit)
-            table.pins[slot] += 1
+                counters.access(key.layer, False)
+                table.pins[slot] += 1
+            else:
+                self._hit(table, key, slot)
             scheduled.append(slot)
             upcoming += 1
         return upcoming
@@ -265,11 +326,22 @@ class ExpertStore:
             ticket = table.ticket[slot]
             if ticket is not None and ticket.cancel():
                 table.forget(slot)
+                self._forget_cancelled_host_read(ticket)
                 counters.prefetch_cancelled += 1
             elif key.expert not in needed:
                 del table.ahead[key]
                 table.stale.add(key)
                 counters.prefetch_wasted += 1
+
+    def _forget_cancelled_host_read(self, ticket: Ticket) -> None:
+        """A cancelled prefetch through the host tier never read its expert: the host slot claimed for it holds
+        nothing valid, so it is freed (a demand load would otherwise find it there and wait on the cancelled
+        read)."""
+        if self.host is None:
+            return
+        for slot, t in enumerate(self.host.table.ticket):
+            if t is ticket:
+                self.host.table.forget(slot)
 
     def _drain(self, table: SlotTable) -> None:
         """Wait for every transfer in flight into or out of `table`'s slots."""

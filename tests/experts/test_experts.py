@@ -7,9 +7,10 @@ import torch.nn.functional as F
 
 from moepager.experts.compute import combine_experts, expert_forward
 from moepager.models.expert_reader import ExpertLayout, ExpertReader
-from moepager.experts.source import ResidentExperts
+from moepager.experts.executor import ResidentExecutor
 from moepager.experts.weights import ExpertShape, ExpertWeights
 from moepager.models.base import PER_EXPERT_MLP
+from moepager.models.load import read_resident
 from moepager.models.loader import Checkpoint
 from moepager.types import ExpertKey, RoutingDecision
 
@@ -68,12 +69,13 @@ def test_combine_matches_per_token_reference_and_visits_experts_in_order():
     assert source.requested == [[0, 1, 2, 3, 4]] and source.finished == 1
 
 
-def test_resident_source_holds_every_expert(hf_checkpoint):
+def test_resident_arena_holds_every_expert(hf_checkpoint):
     shape = ExpertShape(32, 16, torch.float32)
     reader = ExpertReader(Checkpoint(hf_checkpoint("olmoe")[1]), PER_EXPERT_MLP, shape, 0)
     seen = []
-    src = ResidentExperts(reader, moe_layers=[0, 1, 2], num_experts=8, progress=seen.append)
+    arena = read_resident(reader, [0, 1, 2], 8, torch.device("cpu"), progress=seen.append)
     assert len(seen) == 24 and sum(seen) == 24 * shape.nbytes
-    got = list(src.stream(2, [7, 3]))
+    executor = ResidentExecutor(arena, shape, [0, 1, 2], 8)
+    got = list(executor.stream(2, [7, 3]))
     ref = hf_checkpoint("olmoe")[0].model.layers[2].mlp.experts.down_proj
     assert torch.equal(got[0].down_DF, ref[7]) and torch.equal(got[1].down_DF, ref[3])

@@ -15,19 +15,20 @@ from moepager.models.load import load_model
 from moepager.policies import ENGINE_POLICIES
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
-from moepager.runtime.store_setup import paged_source
+from moepager.runtime.store_setup import paged_executor
 from tests.conftest import ARCHS, VOCAB, expert_budget
 
 CPU = torch.device("cpu")
 
 
-def logits_run(loaded, steps: int = 4) -> list[torch.Tensor]:
-    """Right-padded prefill of two prompts (lengths 13 and 9), then greedy decode steps; every logit tensor."""
+def logits_run(loaded, steps: int = 4, rows: int = 2) -> list[torch.Tensor]:
+    """Right-padded prefill of two prompts (lengths 13 and 9; the first alone with rows=1, so that decode runs
+    one token per step), then greedy decode steps; every logit tensor."""
     gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, VOCAB, (2, 13), generator=gen)
-    lens = torch.tensor([13, 9])
-    pos = torch.arange(13).expand(2, 13)
-    cache = loaded.model.make_cache(2, 13 + steps, torch.float32, CPU)
+    ids = torch.randint(0, VOCAB, (2, 13), generator=gen)[:rows]
+    lens = torch.tensor([13, 9])[:rows]
+    pos = torch.arange(13).expand(rows, 13)
+    cache = loaded.model.make_cache(rows, 13 + steps, torch.float32, CPU)
     out = []
     with torch.inference_mode():
         logits = loaded.model(ids, ForwardBatch.build(pos, valid_BT=pos < lens[:, None]), cache,
@@ -36,7 +37,7 @@ def logits_run(loaded, steps: int = 4) -> list[torch.Tensor]:
         for step in range(steps):
             nxt = logits.argmax(-1, keepdim=True)
             logits = loaded.model(nxt, ForwardBatch.build((lens + step)[:, None]), cache,
-                                  logits_at_B=torch.zeros(2, dtype=torch.long))
+                                  logits_at_B=torch.zeros(rows, dtype=torch.long))
             out.append(logits)
     return out
 
@@ -57,7 +58,7 @@ def test_every_budget_gives_the_resident_logits_bit_for_bit(hf_checkpoint, arch,
         for warm, scope in ((True, "layer"), (False, "global")):
             budget = str(slots * nbytes) if host_tier else expert_budget(nbytes, slots)  # host tier: buffers there
             config = StoreConfig(expert_memory=budget, warm=warm, scope=scope)
-            paged = load_model(path, source_factory=paged_source(config, CPU, host_tier=host_tier),
+            paged = load_model(path, executor_factory=paged_executor(config, CPU, host_tier=host_tier),
                                show_progress=False)
             got = logits_run(paged)
             assert all(torch.equal(a, b) for a, b in zip(got, ref)), (slots, warm, scope)
@@ -73,7 +74,7 @@ def test_every_policy_is_lossless(hf_checkpoint, policy):
     resident = load_model(path, show_progress=False)
     ref = logits_run(resident, steps=8)
     config = StoreConfig(expert_memory=expert_budget(resident.expert_shape.nbytes, 3), policy=policy, warm=False)
-    paged = load_model(path, source_factory=paged_source(config, CPU), show_progress=False)
+    paged = load_model(path, executor_factory=paged_executor(config, CPU), show_progress=False)
     assert all(torch.equal(a, b) for a, b in zip(logits_run(paged, steps=8), ref))
 
 
@@ -82,10 +83,10 @@ def test_small_host_tier_over_disk_is_lossless(hf_checkpoint):
     ref = logits_run(load_model(path, show_progress=False))
     config = StoreConfig(expert_memory="2", host_memory="3", warm=False)  # 2-byte budget is below the minimum
     with pytest.raises(BudgetError, match="below the minimum of 2"):
-        load_model(path, source_factory=paged_source(config, CPU, host_tier=True), show_progress=False)
+        load_model(path, executor_factory=paged_executor(config, CPU, host_tier=True), show_progress=False)
     shape = load_model(path, show_progress=False).expert_shape
     config = StoreConfig(expert_memory=str(2 * shape.nbytes), host_memory=expert_budget(shape.nbytes, 5))
-    paged = load_model(path, source_factory=paged_source(config, CPU, host_tier=True), show_progress=False)
+    paged = load_model(path, executor_factory=paged_executor(config, CPU, host_tier=True), show_progress=False)
     assert all(torch.equal(a, b) for a, b in zip(logits_run(paged), ref))
     phases = paged.experts.store.counters.phases
     assert sum(p.host_hits for p in phases.values()) > 0 and sum(p.disk_reads for p in phases.values()) > 0

@@ -53,7 +53,8 @@ def make_store(capacity, layers=(0, 1), scope="layer", host=None, reader=None, i
 
 
 def consume(store, layer, experts, check=None):
-    """Values seen for each expert, read while that expert is the one in use."""
+    """Values seen for each expert, read while that expert is the one in use (one forward pass per call)."""
+    store.begin_pass()
     seen = []
     for slot in store.stream(layer, experts):
         if check is not None:
@@ -155,3 +156,51 @@ def test_warm_fills_slots_respecting_quotas():
     store.warm([ExpertKey(layer, e) for e in range(4) for layer in (0, 1)])
     assert set(store.device.table.slot_of) == {ExpertKey(0, 0), ExpertKey(1, 0), ExpertKey(0, 1)}
     assert consume(store, 1, [0]) == [1000.0] and store.counters.current.loads_on_demand == 0
+
+
+def acquired(store, layer, experts):
+    """Values of `experts` through acquire/wait/release (the executor's path), one forward pass."""
+    store.begin_pass()
+    held = store.acquire(layer, experts)
+    try:
+        assert sorted(held.ready + held.pending) == list(range(len(experts)))
+        assert all(store.device.table.pins[s] >= 1 for s in held.slots)
+        store.wait(held, range(len(experts)))
+        return [float(store.device.buffers[s][0]) for s in held.slots]
+    finally:
+        store.release(held)
+
+
+@pytest.mark.parametrize("host", [None, 3, 12], ids=["disk", "small-host", "all-host"])
+def test_acquire_pins_a_whole_layer_and_agrees_with_stream(host):
+    """Same experts, same evictions: acquire (hits pinned before any miss claims a slot) and stream pick the
+    same victims, so the hit/miss counts the simulator checks are the same on both paths."""
+    a, _ = make_store(4, host=host)
+    b, _ = make_store(4, host=host)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(30):
+        layer = int(torch.randint(0, 2, (1,), generator=gen))
+        experts = sorted(torch.randperm(6, generator=gen)[: int(torch.randint(1, 5, (1,), generator=gen))].tolist())
+        assert acquired(a, layer, experts) == consume(b, layer, experts) == [value(ExpertKey(layer, e)) for e in experts]
+        assert a.device.table.slot_of.keys() == b.device.table.slot_of.keys()
+    ca, cb = a.counters.current, b.counters.current
+    assert (ca.hits, ca.misses) == (cb.hits, cb.misses)
+    assert all(p == 0 for p in a.device.table.pins)
+    a.close()
+    b.close()
+
+
+def test_a_prefetch_cancelled_through_the_host_tier_is_loaded_on_demand():
+    """Regression (H100, host cache over disk with expert-map prefetch): a prefetch still queued when its layer
+    routes is cancelled; its host slot held no expert, yet a demand load found it there and raised the
+    cancelled read's CancelledError."""
+    store, reader = make_store(4, layers=(0, 1), host=6)
+    reader.gate.clear()  # the prefetch lane's one thread blocks on its first read; the second stays queued
+    store.begin_pass()
+    assert store.prefetch(0, [1]) == 1 and store.prefetch(0, [2]) == 1
+    store.settle(0, [1, 2])  # (0, 2) is still queued: cancelled, to be loaded on demand
+    assert store.counters.current.prefetch_cancelled == 1
+    threading.Timer(0.05, reader.gate.set).start()
+    assert acquired(store, 0, [1, 2]) == [1.0, 2.0]
+    assert consume(store, 0, [2]) == [2.0]
+    store.close()

@@ -1,0 +1,218 @@
+"""The expert executor seam: `run(layer, x_ND, route) -> out_ND`, one call per MoE layer.
+
+Every executor computes a layer's routed experts from one arena (a `[rows, numel]` tensor whose rows are flat
+expert buffers, experts/weights.py) and sums their outputs in one fixed order, so its output does not depend
+on where the weights came from or when they arrived:
+1. `sort_by_expert`: the N*K (token, k) pairs sorted by expert id (stable), the used experts and their token
+   counts (the layer's one host sync: the expert ids must be known on the host to find their weights);
+2. a kernel computes each used expert on its contiguous slice of sorted tokens (rows of the arena);
+3. `combine`: outputs scaled by the routing weights, cast to x's dtype and `index_add_`-ed into zeros in
+   sorted order, i.e. every token sums its experts in ascending id order (experts/compute.py's reference).
+
+Kernels (measured on this project's 2-core CPU, bf16, benchmarks/experts_kernels.py; `auto` picks per call):
+- `loop`: one pair of GEMMs per used expert on its slice. Fastest on the CPU for real expert sizes
+  (DeepSeek-V2-Lite's 2048x1408 experts, top-6: 7.1 ms at 1 token, 82 ms at 64; gathering is 5x/50x slower).
+- `gather`: the used experts' weights indexed out of the arena (gpt-fast's `w1[expert_indices]`) and one
+  batched GEMM per projection for all K of a single token. Fastest for small experts at one token (demo-moe:
+  177 us against 275 us per layer), where fixed per-call cost dominates; copying K experts is cheap there.
+- `grouped`: `torch._grouped_mm` over the arena viewed as `[rows, 2F, D]` with per-row token offsets: no
+  gather and no Python loop over experts; no faster than `loop` on this CPU, but it is the GPU path.
+A paged arena (the store's device slots) computes what is resident at once and, with `loop`, each expert still
+loading as soon as it lands; `gather`/`grouped` wait for the layer's loads and then make their one call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from moepager.experts.compute import expert_forward
+from moepager.experts.weights import ExpertShape, ExpertWeights
+from moepager.store.store import ExpertStore
+from moepager.types import RoutingDecision
+
+Kernel = Literal["auto", "loop", "gather", "grouped"]
+KERNELS: tuple[Kernel, ...] = ("auto", "loop", "gather", "grouped")
+Act = Callable[[torch.Tensor], torch.Tensor]
+
+GATHER_MAX_BYTES = 4 << 20
+"""`auto` gathers (one token) while the K experts' bytes stay under this: copying them costs less than K calls."""
+
+
+class ExpertExecutor(Protocol):
+    def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
+        """Sum over each token's K routed experts of weight * expert(token), for MoE layer `layer`."""
+        ...
+
+
+@dataclass
+class SortedTokens:
+    """A layer's (token, k) pairs in expert order: M = N*K rows."""
+
+    x_MD: torch.Tensor
+    w_M1: torch.Tensor
+    token_M: torch.Tensor
+    """Which token of x_ND each sorted row is."""
+    experts: list[int]
+    """Distinct experts used, ascending."""
+    starts: list[int]
+    """Slice of sorted rows per used expert: starts[i]..starts[i+1]."""
+
+
+def sort_by_expert(x_ND: torch.Tensor, route: RoutingDecision) -> SortedTokens:
+    ids_NK, weights_NK = route.ids_TK, route.weights_TK
+    n, k = ids_NK.shape
+    sorted_M, order_M = torch.sort(ids_NK.reshape(-1), stable=True)
+    if n == 1:  # top-k ids are distinct: one row per expert
+        experts, starts = sorted_M.tolist(), list(range(k + 1))
+    else:
+        used, counts = torch.unique_consecutive(sorted_M, return_counts=True)
+        host = torch.cat((used, counts)).tolist()
+        experts, counts_list = host[: len(used)], host[len(used):]
+        starts = [0]
+        for c in counts_list:
+            starts.append(starts[-1] + c)
+    token_M = order_M // k
+    return SortedTokens(x_ND[token_M], weights_NK.reshape(-1)[order_M, None], token_M, experts, starts)
+
+
+def combine(x_ND: torch.Tensor, work: SortedTokens, y_MD: torch.Tensor) -> torch.Tensor:
+    """Weighted outputs summed per token in sorted (ascending expert id) order."""
+    out_ND = torch.zeros_like(x_ND)
+    out_ND.index_add_(0, work.token_M, (y_MD * work.w_M1).to(x_ND.dtype))
+    return out_ND
+
+
+class ArenaKernels:
+    """The three kernels over one arena; `views[row]` are the row's projection views."""
+
+    def __init__(self, arena: torch.Tensor, shape: ExpertShape, kernel: Kernel = "auto", act: Act = F.silu,
+                 choose_as: ExpertShape | None = None):
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown expert kernel '{kernel}'; choose from {', '.join(KERNELS)}")
+        d, f = shape.hidden, shape.intermediate
+        self.arena, self.shape, self.kernel, self.act = arena, shape, kernel, act
+        self.choose_as = choose_as or shape
+        """`auto` chooses as for experts of this shape (calibration's 1-wide stand-ins choose as the real ones)."""
+        self.views = [ExpertWeights(row, shape) for row in arena]
+        self.gate_up_R2FD = arena[:, : 2 * f * d].view(-1, 2 * f, d)
+        self.down_RDF = arena[:, 2 * f * d:].view(-1, d, f)
+
+    def choose(self, work: SortedTokens) -> Kernel:
+        if self.kernel != "auto":
+            return self.kernel
+        if self.arena.is_cuda:
+            return "grouped"
+        one_token = len(work.experts) == len(work.x_MD)
+        return "gather" if one_token and len(work.experts) * self.choose_as.nbytes <= GATHER_MAX_BYTES else "loop"
+
+    def loop(self, work: SortedTokens, rows: Sequence[int], which: Sequence[int], out_MD: torch.Tensor) -> None:
+        """Experts `which` (indices into work.experts) computed one by one into their slices of out_MD."""
+        for i in which:
+            s, e = work.starts[i], work.starts[i + 1]
+            out_MD[s:e] = expert_forward(work.x_MD[s:e], self.views[rows[i]], self.act)
+
+    def _row_per_token(self, work: SortedTokens, rows: Sequence[int]) -> torch.Tensor:
+        """The arena row of every sorted (token, k) pair."""
+        per_row = [r for i, r in enumerate(rows) for _ in range(work.starts[i + 1] - work.starts[i])]
+        return torch.tensor(per_row, device=self.arena.device)
+
+    def gather(self, work: SortedTokens, rows: Sequence[int]) -> torch.Tensor:
+        """Each (token, k) pair's expert weights indexed out of the arena, one batched GEMM per projection."""
+        index_M = self._row_per_token(work, rows)
+        h_M12F = torch.bmm(work.x_MD[:, None], self.gate_up_R2FD[index_M].transpose(1, 2))
+        gate, up = h_M12F.chunk(2, dim=-1)
+        return torch.bmm(self.act(gate) * up, self.down_RDF[index_M].transpose(1, 2))[:, 0]
+
+    def grouped(self, work: SortedTokens, rows: Sequence[int]) -> torch.Tensor:
+        """`_grouped_mm` over the arena: rows sorted by arena row, an offset per arena row (empty groups skip)."""
+        row_M = self._row_per_token(work, rows)
+        by_row = torch.argsort(row_M, stable=True)
+        offs = torch.cumsum(torch.bincount(row_M, minlength=len(self.arena)), 0).to(torch.int32)
+        h = torch._grouped_mm(work.x_MD[by_row], self.gate_up_R2FD.transpose(1, 2), offs=offs)
+        gate, up = h.chunk(2, dim=-1)
+        y = torch._grouped_mm(self.act(gate) * up, self.down_RDF.transpose(1, 2), offs=offs)
+        out_MD = torch.empty_like(y)
+        out_MD[by_row] = y
+        return out_MD
+
+    def compute(self, work: SortedTokens, rows: Sequence[int], kernel: Kernel | None = None) -> torch.Tensor:
+        """Every used expert at once (all of `rows` are ready)."""
+        kernel = kernel or self.choose(work)
+        if kernel == "gather":
+            return self.gather(work, rows)
+        if kernel == "grouped":
+            return self.grouped(work, rows)
+        out_MD = torch.empty_like(work.x_MD)
+        self.loop(work, rows, range(len(rows)), out_MD)
+        return out_MD
+
+
+class ResidentExecutor:
+    """Every routed expert in one arena on the device: row `base[layer] + expert`."""
+
+    def __init__(self, arena: torch.Tensor, shape: ExpertShape, moe_layers: Sequence[int], num_experts: int,
+                 kernel: Kernel = "auto"):
+        self.kernels = ArenaKernels(arena, shape, kernel)
+        self.base = {layer: i * num_experts for i, layer in enumerate(moe_layers)}
+
+    def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
+        work = sort_by_expert(x_ND, route)
+        base = self.base[layer]
+        return combine(x_ND, work, self.kernels.compute(work, [base + e for e in work.experts]))
+
+    def weights(self, layer: int, expert: int) -> ExpertWeights:
+        return self.kernels.views[self.base[layer] + expert]
+
+    def stream(self, layer: int, experts: Sequence[int]):  # noqa: ANN201 - the reference's ExpertSource seam
+        """Weights one by one (experts/compute.py's reference `combine_experts` reads them this way)."""
+        for e in experts:
+            yield self.weights(layer, e)
+
+
+class PagedExecutor:
+    """Experts paged through the expert store: the layer's experts are acquired at once (hits pinned, misses
+    loading), the resident ones computed, each loading one as it lands (`loop`) or all after the last lands
+    (`gather`/`grouped`), then released. A layer using more experts than the store has slots (a prefill under
+    a tiny budget) streams them one at a time instead (store.stream)."""
+
+    def __init__(self, store: ExpertStore, shape: ExpertShape, kernel: Kernel = "auto"):
+        self.store = store
+        self.kernels = ArenaKernels(store.device.buffers, shape, kernel)
+
+    def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
+        work = sort_by_expert(x_ND, route)
+        kernel = self.kernels.choose(work)
+        if len(work.experts) > self.store.device.table.capacity:
+            return combine(x_ND, work, self._streamed(layer, work, kernel))
+        held = self.store.acquire(layer, work.experts)
+        try:
+            if kernel == "loop":
+                y_MD = torch.empty_like(work.x_MD)
+                self.store.wait(held, held.ready)
+                self.kernels.loop(work, held.slots, held.ready, y_MD)
+                for i in held.pending:
+                    self.store.wait(held, [i])
+                    self.kernels.loop(work, held.slots, [i], y_MD)
+            else:
+                self.store.wait(held, range(len(held.slots)))
+                y_MD = self.kernels.compute(work, held.slots, kernel)
+        finally:
+            self.store.release(held)
+        return combine(x_ND, work, y_MD)
+
+    def _streamed(self, layer: int, work: SortedTokens, kernel: Kernel) -> torch.Tensor:
+        y_MD = torch.empty_like(work.x_MD)
+        for i, slot in enumerate(self.store.stream(layer, work.experts)):
+            s, e = work.starts[i], work.starts[i + 1]
+            one = SortedTokens(work.x_MD[s:e], work.w_M1[s:e], work.token_M[s:e], [work.experts[i]], [0, e - s])
+            y_MD[s:e] = self.kernels.compute(one, [slot], kernel)
+        return y_MD
+
+    def stream(self, layer: int, experts: Sequence[int]):  # noqa: ANN201 - the reference's ExpertSource seam
+        for slot in self.store.stream(layer, experts):
+            yield self.kernels.views[slot]
