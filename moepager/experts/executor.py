@@ -9,14 +9,16 @@ on where the weights came from or when they arrived:
 3. `combine`: outputs scaled by the routing weights, cast to x's dtype and `index_add_`-ed into zeros in
    sorted order, i.e. every token sums its experts in ascending id order (experts/compute.py's reference).
 
-Kernels (measured on this project's 2-core CPU, bf16, benchmarks/experts_kernels.py; `auto` picks per call):
-- `loop`: one pair of GEMMs per used expert on its slice. Fastest on the CPU for real expert sizes
-  (DeepSeek-V2-Lite's 2048x1408 experts, top-6: 7.1 ms at 1 token, 82 ms at 64; gathering is 5x/50x slower).
-- `gather`: the used experts' weights indexed out of the arena (gpt-fast's `w1[expert_indices]`) and one
-  batched GEMM per projection for all K of a single token. Fastest for small experts at one token (demo-moe:
-  177 us against 275 us per layer), where fixed per-call cost dominates; copying K experts is cheap there.
+Kernels (measured on this project's 2-core CPU, bf16; `auto` is `loop` on the CPU and `grouped` on CUDA):
+- `loop`: one pair of GEMMs per used expert on its slice. Fastest on the CPU: DeepSeek-V2-Lite's 2048x1408
+  experts, top-6, one layer: 7.1 ms at 1 token and 82 ms at 64 (gathering: 38 ms and 4.2 s); and in the
+  built-in model's whole decode step (benchmarks/peers.py: 265 against 253 tok/s at 1 thread, 275 against
+  256 at 2) although `gather` wins a lone layer of its tiny experts (177 against 275 us).
+- `gather`: each (token, k) pair's expert weights copied out of the arena (`index_select`, gpt-fast's
+  `w1[expert_indices]`) and one batched GEMM per projection.
 - `grouped`: `torch._grouped_mm` over the arena viewed as `[rows, 2F, D]` with per-row token offsets: no
-  gather and no Python loop over experts; no faster than `loop` on this CPU, but it is the GPU path.
+  gather and no Python loop over experts (on this CPU no faster than `loop`: 518 against 275 us at 1 token,
+  2.20 against 2.26 ms at 64); the GPU path.
 A paged arena (the store's device slots) computes what is resident at once and, with `loop`, each expert still
 loading as soon as it lands; `gather`/`grouped` wait for the layer's loads and then make their one call.
 """
@@ -38,9 +40,6 @@ from moepager.types import RoutingDecision
 Kernel = Literal["auto", "loop", "gather", "grouped"]
 KERNELS: tuple[Kernel, ...] = ("auto", "loop", "gather", "grouped")
 Act = Callable[[torch.Tensor], torch.Tensor]
-
-GATHER_MAX_BYTES = 4 << 20
-"""`auto` gathers (one token) while the K experts' bytes stay under this: copying them costs less than K calls."""
 
 
 class ExpertExecutor(Protocol):
@@ -77,7 +76,8 @@ def sort_by_expert(x_ND: torch.Tensor, route: RoutingDecision) -> SortedTokens:
         for c in counts_list:
             starts.append(starts[-1] + c)
     token_M = order_M // k
-    return SortedTokens(x_ND[token_M], weights_NK.reshape(-1)[order_M, None], token_M, experts, starts)
+    return SortedTokens(x_ND.index_select(0, token_M), weights_NK.reshape(-1, 1).index_select(0, order_M), token_M,
+                        experts, starts)
 
 
 def combine(x_ND: torch.Tensor, work: SortedTokens, y_MD: torch.Tensor) -> torch.Tensor:
@@ -90,14 +90,11 @@ def combine(x_ND: torch.Tensor, work: SortedTokens, y_MD: torch.Tensor) -> torch
 class ArenaKernels:
     """The three kernels over one arena; `views[row]` are the row's projection views."""
 
-    def __init__(self, arena: torch.Tensor, shape: ExpertShape, kernel: Kernel = "auto", act: Act = F.silu,
-                 choose_as: ExpertShape | None = None):
+    def __init__(self, arena: torch.Tensor, shape: ExpertShape, kernel: Kernel = "auto", act: Act = F.silu):
         if kernel not in KERNELS:
             raise ValueError(f"unknown expert kernel '{kernel}'; choose from {', '.join(KERNELS)}")
         d, f = shape.hidden, shape.intermediate
         self.arena, self.shape, self.kernel, self.act = arena, shape, kernel, act
-        self.choose_as = choose_as or shape
-        """`auto` chooses as for experts of this shape (calibration's 1-wide stand-ins choose as the real ones)."""
         self.views = [ExpertWeights(row, shape) for row in arena]
         self.gate_up_R2FD = arena[:, : 2 * f * d].view(-1, 2 * f, d)
         self.down_RDF = arena[:, 2 * f * d:].view(-1, d, f)
@@ -105,10 +102,7 @@ class ArenaKernels:
     def choose(self, work: SortedTokens) -> Kernel:
         if self.kernel != "auto":
             return self.kernel
-        if self.arena.is_cuda:
-            return "grouped"
-        one_token = len(work.experts) == len(work.x_MD)
-        return "gather" if one_token and len(work.experts) * self.choose_as.nbytes <= GATHER_MAX_BYTES else "loop"
+        return "grouped" if self.arena.is_cuda else "loop"
 
     def loop(self, work: SortedTokens, rows: Sequence[int], which: Sequence[int], out_MD: torch.Tensor) -> None:
         """Experts `which` (indices into work.experts) computed one by one into their slices of out_MD."""
@@ -124,9 +118,10 @@ class ArenaKernels:
     def gather(self, work: SortedTokens, rows: Sequence[int]) -> torch.Tensor:
         """Each (token, k) pair's expert weights indexed out of the arena, one batched GEMM per projection."""
         index_M = self._row_per_token(work, rows)
-        h_M12F = torch.bmm(work.x_MD[:, None], self.gate_up_R2FD[index_M].transpose(1, 2))
+        gate_up_M2FD = self.gate_up_R2FD.index_select(0, index_M)  # a row copy: advanced indexing is 5x slower
+        h_M12F = torch.bmm(work.x_MD[:, None], gate_up_M2FD.transpose(1, 2))
         gate, up = h_M12F.chunk(2, dim=-1)
-        return torch.bmm(self.act(gate) * up, self.down_RDF[index_M].transpose(1, 2))[:, 0]
+        return torch.bmm(self.act(gate) * up, self.down_RDF.index_select(0, index_M).transpose(1, 2))[:, 0]
 
     def grouped(self, work: SortedTokens, rows: Sequence[int]) -> torch.Tensor:
         """`_grouped_mm` over the arena: rows sorted by arena row, an offset per arena row (empty groups skip)."""

@@ -131,8 +131,9 @@ class ForwardBatch:
 
     positions_BT: torch.Tensor
     """Position (= cache index) of every new token."""
-    mask_B1TS: torch.Tensor
-    """True where query t of row b may attend to cache index s."""
+    mask_B1TS: torch.Tensor | None
+    """True where query t of row b may attend to cache index s; None when every query attends to the whole
+    prefix (one row decoding one token, no sliding window)."""
     kv_len: int
     """S: cache prefix every row's attention reads."""
     rows_B: torch.Tensor | None = None
@@ -142,8 +143,13 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, positions_BT: torch.Tensor, rows_B: torch.Tensor | None = None,
-              valid_BT: torch.Tensor | None = None, sliding_window: int | None = None) -> ForwardBatch:
-        kv_len = int(positions_BT.max()) + 1
+              valid_BT: torch.Tensor | None = None, sliding_window: int | None = None,
+              kv_len: int | None = None) -> ForwardBatch:
+        """`kv_len` (the largest position + 1) is read from the positions unless the caller knows it: on CUDA
+        reading it is a host sync."""
+        kv_len = int(positions_BT.max()) + 1 if kv_len is None else kv_len
+        if positions_BT.shape == (1, 1) and not (sliding_window and kv_len > sliding_window):
+            return cls(positions_BT, None, kv_len, rows_B, None)
         s = torch.arange(kv_len, device=positions_BT.device)
         pos = positions_BT[:, :, None]
         mask = s <= pos
@@ -191,15 +197,35 @@ class Attention(nn.Module):
         elif qk_norm == "full":
             self.q_norm, self.k_norm = RMSNorm(h * dh, cfg.rms_norm_eps), RMSNorm(hkv * dh, cfg.rms_norm_eps)
         self.clip_qkv = clip_qkv
+        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def make_cache(self, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
         shape = (rows, self.num_kv_heads, max_len, self.head_dim)
         return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
+    def fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q, k and v projections as one weight (and bias): made at the first call after the weights are in
+        place, with the three parameters turned into views of it, so it costs no memory and stays current."""
+        w = self.q_proj.weight
+        if self._qkv is None or self._qkv[0].data_ptr() != w.data_ptr() or self._qkv[0].device != w.device:
+            projs = (self.q_proj, self.k_proj, self.v_proj)
+            fused_w = torch.cat([p.weight.data for p in projs])
+            fused_b = torch.cat([p.bias.data for p in projs]) if self.q_proj.bias is not None else None
+            start = 0
+            for p in projs:
+                n = p.weight.shape[0]
+                p.weight.data = fused_w[start:start + n]
+                if fused_b is not None:
+                    p.bias.data = fused_b[start:start + n]
+                start += n
+            self._qkv = (fused_w, fused_b)
+        return self._qkv
+
     def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
                 cache: Sequence[torch.Tensor]) -> torch.Tensor:
         b, t, _ = x_BTD.shape
-        q, k, v = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = F.linear(x_BTD, *self.fused_qkv()).split((q_size, kv_size, kv_size), dim=-1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -263,6 +289,12 @@ class DecoderStack(nn.Module):
         self.rotary_emb = rope
 
 
+NATIVE_GEMV_MAX_HIDDEN = 1024
+"""A CPU forward of one token computes with torch's own GEMV kernels instead of oneDNN up to this hidden size:
+oneDNN's fixed cost per call dominates small matrices (bf16, 1 thread, measured: 128x256 23 us against 7,
+768x256 38 against 34) and its kernels win on large ones (2048x1408: 232 us against 267)."""
+
+
 class CausalLM(nn.Module):
     """A decoder stack plus the LM head; `forward` returns logits for the requested positions."""
 
@@ -323,6 +355,17 @@ class CausalLM(nn.Module):
     def forward(self, ids_BT: torch.Tensor, batch: ForwardBatch, cache: Sequence[Sequence[torch.Tensor]],
                 logits_at_B: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, V], or [B, V] at token index `logits_at_B[b]` of each row when given."""
+        if ids_BT.numel() == 1 and ids_BT.device.type == "cpu" and self.config.hidden_size <= NATIVE_GEMV_MAX_HIDDEN:
+            mkldnn = torch._C._get_mkldnn_enabled()
+            torch._C._set_mkldnn_enabled(False)
+            try:
+                return self._forward(ids_BT, batch, cache, logits_at_B)
+            finally:
+                torch._C._set_mkldnn_enabled(mkldnn)
+        return self._forward(ids_BT, batch, cache, logits_at_B)
+
+    def _forward(self, ids_BT: torch.Tensor, batch: ForwardBatch, cache: Sequence[Sequence[torch.Tensor]],
+                 logits_at_B: torch.Tensor | None) -> torch.Tensor:
         x_BTD = self.model.embed_tokens(ids_BT)
         rope = self.model.rotary_emb(batch.positions_BT, x_BTD.dtype)
         for layer, layer_cache in zip(self.model.layers, cache):
@@ -398,8 +441,9 @@ class MoEBlock(nn.Module):
         return None
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
-        route = self.routing.route(self.layer, self.gate, x_ND)
-        self.observer.routed(self.layer, x_ND, route)
+        route = self.gate(x_ND) if self.routing is OWN_ROUTER else self.routing.route(self.layer, self.gate, x_ND)
+        if self.observer is not NULL_OBSERVER:
+            self.observer.routed(self.layer, x_ND, route)
         out_ND = self.executor.run(self.layer, x_ND, route)
         shared = self.shared_output(x_ND)
         return out_ND if shared is None else out_ND + shared

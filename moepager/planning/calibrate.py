@@ -87,12 +87,11 @@ class ExpertPool:
 
 
 class _ArenaStandIn:
-    """An executor over a small arena whose rows stand in for every expert (`rows` picks them per call);
-    kernels are chosen as for experts of the model's real shape."""
+    """An executor over a small arena whose rows stand in for every expert (`rows` picks them per call)."""
 
-    def __init__(self, shape: ExpertShape, count: int, device: torch.device, real: ExpertShape):
+    def __init__(self, shape: ExpertShape, count: int, device: torch.device):
         arena = torch.randn(count, shape.numel, device=device).mul_(0.02).to(shape.dtype)
-        self.kernels = ArenaKernels(arena, shape, choose_as=real)
+        self.kernels = ArenaKernels(arena, shape)
         self.count, self._next = count, 0
 
     def rows(self, n: int) -> list[int]:
@@ -107,8 +106,8 @@ class _OneWideExperts(_ArenaStandIn):
     """Every expert one SwiGLU unit wide: the model runs with its routed experts reduced to their fixed cost,
     so what remains is the model's non-expert time."""
 
-    def __init__(self, real: ExpertShape, device: torch.device):
-        super().__init__(ExpertShape(real.hidden, 1, real.dtype), 1, device, real)
+    def __init__(self, hidden: int, dtype: torch.dtype, device: torch.device):
+        super().__init__(ExpertShape(hidden, 1, dtype), 1, device)
 
 
 class _CyclingExperts(_ArenaStandIn):
@@ -116,7 +115,7 @@ class _CyclingExperts(_ArenaStandIn):
     different expert weights as a real one, from memory, between its real dense layers."""
 
     def __init__(self, shape: ExpertShape, count: int, device: torch.device):
-        super().__init__(shape, count, device, shape)
+        super().__init__(shape, count, device)
 
     def rows(self, n: int) -> list[int]:
         out = [(self._next + i) % self.count for i in range(n)]
@@ -129,8 +128,7 @@ class DenseProbe:
 
     def __init__(self, arch: Architecture, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                  longest: int, steps: int = 8):
-        self.model = arch.build(cfg, _OneWideExperts(ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size,
-                                                                 dtype), device))
+        self.model = arch.build(cfg, _OneWideExperts(cfg.hidden_size, dtype, device))
         cast_model(self.model, dtype)
         self.model.to(device).eval()
         self.dtype, self.device, self.steps = dtype, device, steps

@@ -97,7 +97,7 @@ def generate_ids(model: CausalLM, prompts: Sequence[list[int]], params: Sampling
         ids_BT[i, : len(p)] = torch.tensor(p)
     positions_BT = torch.arange(t).expand(b, t)
     batch = ForwardBatch.build(positions_BT.to(dev), valid_BT=(positions_BT < lens[:, None]).to(dev),
-                               sliding_window=window)
+                               sliding_window=window, kv_len=t)
     with torch.inference_mode():
         on_phase("prefill")
         on_pass("prefill", range(b), lens.tolist(), torch.cat([torch.tensor(p, dtype=torch.long) for p in prompts]))
@@ -121,8 +121,9 @@ def generate_ids(model: CausalLM, prompts: Sequence[list[int]], params: Sampling
             if not active:
                 break
             rows = None if len(active) == b else torch.tensor(active, device=dev)
-            batch = ForwardBatch.build(torch.tensor([[seqs[r].position] for r in active], device=dev),
-                                       rows_B=rows, sliding_window=window)
+            positions = [seqs[r].position for r in active]
+            batch = ForwardBatch.build(torch.tensor(positions, device=dev)[:, None], rows_B=rows,
+                                       sliding_window=window, kv_len=max(positions) + 1)
             fed_BT = torch.tensor([[seqs[r].out_ids[-1]] for r in active], device=dev)
             on_pass("decode", active, [1] * len(active), fed_BT.flatten())
             logits_BV = model(fed_BT, batch, cache, logits_at_B=torch.zeros(len(active), dtype=torch.long, device=dev))
