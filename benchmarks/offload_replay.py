@@ -36,7 +36,7 @@ from moepager.planning.cost import CalibratedProfile, CostModel  # noqa: E402
 from moepager.runtime.llm import LLM  # noqa: E402
 from moepager.runtime.replay import ReplaySpec  # noqa: E402
 from moepager.trace.format import TraceReader, TraceWriter  # noqa: E402
-from moepager.trace.predict import fit_expert_maps, fit_transition  # noqa: E402
+from moepager.trace.predict import FITTERS, FitOptions  # noqa: E402
 from moepager.trace.report import summary  # noqa: E402
 from moepager.trace.simulate import SimSpec, simulate  # noqa: E402
 from moepager.trace.workload import Cut, load_workload  # noqa: E402
@@ -111,7 +111,7 @@ def fitted_predictors(trace: Path, fit: list[int], names: list[str]) -> dict[str
             if path.exists():
                 continue
             print(f"fitting {name} on {len(fit)} requests of {trace.name}")
-            fitted = fit_transition(reader, fit, [1, 2, 3]) if name == "transition" else fit_expert_maps(reader, fit)
+            fitted = FITTERS[name].fit(reader, fit, FitOptions(), lambda advance: None)
             fitted.save(path)
     return files
 

@@ -33,15 +33,14 @@ from benchmarks.common import (  # noqa: E402
 )
 from moepager.models.default import default_model_path  # noqa: E402
 from moepager.models.load import load_model  # noqa: E402
-from moepager.predictors import ExpertMapPredictor, make_predictor  # noqa: E402
+from moepager.predictors import make_predictor  # noqa: E402
 from moepager.runtime.prefetch import router_scores  # noqa: E402
 from moepager.trace.format import TraceReader  # noqa: E402
 from moepager.trace.predict import (  # noqa: E402
+    FITTERS,
+    FitOptions,
     PredictEval,
     evaluate,
-    fit_expert_maps,
-    fit_token_wise,
-    fit_transition,
     format_eval,
     split_requests,
 )
@@ -65,14 +64,13 @@ def public_trace(name: str, path: Path, quick: bool) -> list[dict]:
         if quick:
             train, test = train[:300], test[:100]
         print(f"{name}: fit on {len(train)} requests, evaluate on {len(test)}")
-        t0 = time.perf_counter()
-        transition = fit_transition(reader, train, DISTANCES)
-        fit_t = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        maps = ExpertMapPredictor(fit_expert_maps(reader, train, max_iterations=5000 if quick else 20_000))
-        fit_m = time.perf_counter() - t0
+        options = FitOptions(distances=tuple(DISTANCES), max_iterations=5000 if quick else 20_000)
+        fitted = []
+        for kind in ("transition", "expert-map"):
+            t0 = time.perf_counter()
+            fitted.append((FITTERS[kind].fit(reader, train, options, lambda advance: None), time.perf_counter() - t0))
         results = []
-        for predictor, fit_s in ((transition, fit_t), (maps, fit_m)):
+        for predictor, fit_s in fitted:
             for d in DISTANCES:
                 results.append(evaluate(predictor, reader, test, d, [k, 2 * k]))
                 rows.append(row(name, results[-1], k, fit_s))
@@ -93,11 +91,10 @@ def demo(quick: bool) -> list[dict]:
         h = valid.header
         k, everything = h.top_k, list(range(len(train)))
         fitted = []
-        for name, fit in (("transition", lambda: fit_transition(train, everything, DISTANCES + [h.num_layers])),
-                          ("expert-map", lambda: ExpertMapPredictor(fit_expert_maps(train, everything))),
-                          ("token-wise", lambda: fit_token_wise(train, everything, epochs=300))):
+        options = FitOptions(distances=tuple(DISTANCES + [h.num_layers]), epochs=300)
+        for name, fitter in FITTERS.items():
             t0 = time.perf_counter()
-            fitted.append((fit(), time.perf_counter() - t0))
+            fitted.append((fitter.fit(train, everything, options, lambda advance: None), time.perf_counter() - t0))
             print(f"fitted {name} on {len(everything)} training documents in {fitted[-1][1]:.1f} s")
         routers = router_scores(load_model(default_model_path(), show_progress=False).model)
         fitted.append((make_predictor("gate-lookahead", num_layers=h.num_layers, num_experts=h.num_experts,

@@ -38,7 +38,7 @@ from moepager.config import PrefetchConfig, StoreConfig  # noqa: E402
 from moepager.runtime.llm import LLM  # noqa: E402
 from moepager.runtime.sampling import SamplingParams  # noqa: E402
 from moepager.trace.format import TraceReader  # noqa: E402
-from moepager.trace.predict import fit_expert_maps, fit_token_wise, fit_transition  # noqa: E402
+from moepager.trace.predict import FITTERS, FitOptions  # noqa: E402
 
 PREDICTORS = [None, "gate-lookahead", "transition", "expert-map", "token-wise"]
 BUDGETS = ["25%", "50%"]
@@ -63,9 +63,8 @@ def fitted_files(name: str) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     with TraceReader(trace) as reader:
         everything = list(range(len(reader)))
-        fit_transition(reader, everything, [1, 2, 3]).save(files["transition"])
-        fit_expert_maps(reader, everything).save(files["expert-map"])
-        fit_token_wise(reader, everything, epochs=300).save(files["token-wise"])
+        for name, fitter in FITTERS.items():
+            fitter.fit(reader, everything, FitOptions(epochs=300), lambda advance: None).save(files[name])
     return files
 
 

@@ -11,17 +11,9 @@ from tqdm import tqdm
 
 from moepager.cli.predictor import parse_ints
 from moepager.outputs import atomic_file, check_file
-from moepager.predictors import PREDICTORS, ExpertMapPredictor, Predictor, PredictorError, make_predictor
+from moepager.predictors import PREDICTORS, Predictor, PredictorError, make_predictor
 from moepager.trace.format import TraceReader
-from moepager.trace.predict import (
-    PredictEval,
-    evaluate,
-    fit_expert_maps,
-    fit_token_wise,
-    fit_transition,
-    format_eval,
-    split_requests,
-)
+from moepager.trace.predict import FITTERS, FitOptions, PredictEval, evaluate, format_eval, split_requests
 
 HELP = "measure routing predictors on held-out requests of a trace (recall@k, precision@k per layer)"
 
@@ -39,18 +31,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build(name: str, reader: TraceReader, train: list[int], distances: list[int], model: str | None) -> Predictor:
+    """A fitted predictor learns on `train` (FITTERS); gate-lookahead applies the routers of `model`."""
     h = reader.header
-    if name == "transition":
-        with tqdm(total=1, desc="fitting transition", unit="fit", leave=False) as bar:
-            fitted = fit_transition(reader, train, distances)
-            bar.update()
-        return fitted
-    if name == "expert-map":
-        with tqdm(total=len(train), desc="fitting expert-map", unit="request", leave=False) as bar:
-            return ExpertMapPredictor(fit_expert_maps(reader, train, progress=bar.update))
-    if name == "token-wise":
-        with tqdm(total=200, desc="fitting token-wise", unit="epoch", leave=False) as bar:
-            return fit_token_wise(reader, train, progress=lambda epoch, loss: bar.update())
+    fitter = FITTERS.get(name)
+    if fitter is not None:
+        options = FitOptions(distances=tuple(distances))
+        with tqdm(total=fitter.total(train, options), desc=f"fitting {name}", unit=fitter.unit, leave=False) as bar:
+            return fitter.fit(reader, train, options, bar.update)
     assert model is not None  # checked up front (check_needs)
     from moepager.models.load import load_model
     from moepager.runtime.prefetch import router_scores
@@ -68,7 +55,7 @@ def check_needs(names: list[str], reader: TraceReader, model: str | None) -> Non
     if "token-wise" in names and (not len(reader) or reader.request(0).hidden_TLD is None):
         raise PredictorError(f"token-wise learns from router inputs, which {reader.path} does not hold; record a "
                              f"trace with `generate --record-trace PATH --record-hidden`")
-    if "gate-lookahead" in names:
+    if any(PREDICTORS[name].needs_routers for name in names):
         if model is None:
             raise PredictorError("gate-lookahead needs --model (the checkpoint the trace was recorded from)")
         from moepager.models.load import read_config

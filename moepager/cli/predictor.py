@@ -10,7 +10,7 @@ from tqdm import tqdm
 from moepager.outputs import atomic_file, check_file
 from moepager.predictors import FITTED, PredictorError
 from moepager.trace.format import TraceReader
-from moepager.trace.predict import fit_expert_maps, fit_token_wise, fit_transition
+from moepager.trace.predict import FITTERS, FitOptions
 
 HELP = "fit a routing predictor (transition tables, fMoE expert maps, SMoE token-wise) on a trace"
 
@@ -47,20 +47,11 @@ def run(args: argparse.Namespace) -> int:
             raise PredictorError(f"token-wise learns from router inputs, which {args.trace} does not hold; record a "
                                  f"trace with `generate --record-trace PATH --record-hidden`")
         everything = list(range(len(reader)))
-        if args.kind == "transition":
-            with tqdm(total=1, unit="fit", desc="transition tables") as bar:
-                fitted = fit_transition(reader, everything, parse_ints(args.distances, "--distances"))
-                bar.update()
-        elif args.kind == "expert-map":
-            with tqdm(total=len(everything), unit="request", desc="expert maps") as bar:
-                fitted = fit_expert_maps(reader, everything, args.capacity, args.distance, args.max_iterations,
-                                         progress=bar.update)
-        else:
-            with tqdm(total=args.epochs, unit="epoch", desc="token-wise") as bar:
-                def step(epoch: int, loss: float) -> None:
-                    bar.set_postfix(loss=f"{loss:.3f}")
-                    bar.update(1)
-                fitted = fit_token_wise(reader, everything, args.epochs, progress=step)
+        fitter = FITTERS[args.kind]
+        options = FitOptions(distances=tuple(parse_ints(args.distances, "--distances")), capacity=args.capacity,
+                             distance=args.distance, max_iterations=args.max_iterations, epochs=args.epochs)
+        with tqdm(total=fitter.total(everything, options), unit=fitter.unit, desc=args.kind) as bar:
+            fitted = fitter.fit(reader, everything, options, bar.update)
     with atomic_file(out) as tmp:
         fitted.save(tmp)
     print(f"wrote {args.out} ({args.kind}, fitted on {len(everything)} requests of {args.trace})")

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,17 +22,83 @@ from moepager.predictors.gate_lookahead import GateLookaheadPredictor, RouterSco
 from moepager.predictors.token_wise import TokenWisePredictor
 from moepager.predictors.transition import TransitionPredictor
 
-PREDICTORS = ["transition", "expert-map", "gate-lookahead", "token-wise"]
-FITTED = ["transition", "expert-map", "token-wise"]
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What building a predictor for a model may use."""
+
+    num_layers: int
+    num_experts: int
+    file: str | Path | None = None
+    """The fitted state (`moepager predictor fit`)."""
+    routers: list[RouterScores] | None = None
+    """The model's routers in MoE-layer order (gate lookahead applies them)."""
+    learn: bool = False
+    """Learn online while the engine runs (expert-map)."""
+    distance: int = 3
+    """The prefetch distance the predictor will be asked for."""
+
+
+@dataclass(frozen=True)
+class PredictorSpec:
+    """A registered predictor: how to build it, and what it needs (the same shape as POLICIES and CONVERTERS).
+    Fitting from a trace is registered beside the trace reader (trace/predict.py FITTERS)."""
+
+    build: Callable[[BuildContext], Predictor]
+    fitted: bool
+    """Its learned state lives in a file written by `moepager predictor fit`."""
+    online: bool = False
+    """It can learn while the engine runs (`--learn-maps`)."""
+    default_distance: int | None = None
+    """Prefetch distance in MoE layers when none is given; None: one token ahead (all L layers)."""
+    needs_routers: bool = False
+
+
+def _gate_lookahead(ctx: BuildContext) -> Predictor:
+    if ctx.routers is None:
+        raise PredictorError("gate-lookahead needs the model's routers: run it in the engine or give --model")
+    return GateLookaheadPredictor(ctx.routers)
+
+
+def _expert_map(ctx: BuildContext) -> Predictor:
+    store = ExpertMapStore.from_state(load_state(ctx.file, "expert-map")) if ctx.file else None
+    if store is None:
+        if not ctx.learn:
+            raise PredictorError("expert-map needs a map store file (--predictor-file) or online learning")
+        store = ExpertMapStore(ctx.num_layers, ctx.num_experts, "embedding", distance=ctx.distance)
+    _check("expert-map", (store.num_layers, store.num_experts), (ctx.num_layers, ctx.num_experts))
+    return ExpertMapPredictor(store, learn=ctx.learn)
+
+
+def _transition(ctx: BuildContext) -> Predictor:
+    transition = TransitionPredictor.from_state(_fitted_state(ctx, "transition"))
+    _check("transition", (transition.num_layers, transition.num_experts), (ctx.num_layers, ctx.num_experts))
+    if ctx.distance not in transition.distances:
+        raise PredictorError(f"the transition tables in {ctx.file} were fitted for distances "
+                             f"{sorted(transition.distances)}, not {ctx.distance}; refit with --distances")
+    return transition
+
+
+def _token_wise(ctx: BuildContext) -> Predictor:
+    token_wise = TokenWisePredictor.from_state(_fitted_state(ctx, "token-wise"))
+    _check("token-wise", tuple(token_wise.weights_LED.shape[:2]), (ctx.num_layers, ctx.num_experts))
+    return token_wise
+
+
+PREDICTORS: dict[str, PredictorSpec] = {
+    "transition": PredictorSpec(_transition, fitted=True, default_distance=1),
+    "expert-map": PredictorSpec(_expert_map, fitted=True, online=True, default_distance=3),
+    "gate-lookahead": PredictorSpec(_gate_lookahead, fitted=False, default_distance=1, needs_routers=True),
+    "token-wise": PredictorSpec(_token_wise, fitted=True),
+}
+FITTED = [name for name, spec in PREDICTORS.items() if spec.fitted]
 """Predictors whose learned state lives in a file written by `moepager predictor fit`."""
-ONLINE = ["expert-map"]
+ONLINE = [name for name, spec in PREDICTORS.items() if spec.online]
 """Predictors that can learn while the engine runs (`--learn-maps`)."""
-DEFAULT_DISTANCE = {"transition": 1, "expert-map": 3, "gate-lookahead": 1}
-"""Prefetch distance in MoE layers when none is given; token-wise predicts one token ahead (distance L)."""
 
 
 def default_distance(name: str, num_layers: int) -> int:
-    return min(DEFAULT_DISTANCE.get(name, num_layers), num_layers)
+    return min(PREDICTORS[name].default_distance or num_layers, num_layers)
 
 
 def load_state(path: str | Path, kind: str) -> dict:
@@ -52,33 +120,16 @@ def load_state(path: str | Path, kind: str) -> dict:
 def make_predictor(name: str, *, num_layers: int, num_experts: int, file: str | Path | None = None,
                    routers: list[RouterScores] | None = None, learn: bool = False, distance: int = 3) -> Predictor:
     """Build a registered predictor and check it fits the model's geometry (layers x experts)."""
-    if name not in PREDICTORS:
+    spec = PREDICTORS.get(name)
+    if spec is None:
         raise PredictorError(f"unknown predictor '{name}'; choose from {', '.join(PREDICTORS)}")
-    if name == "gate-lookahead":
-        if routers is None:
-            raise PredictorError("gate-lookahead needs the model's routers: run it in the engine or give --model")
-        return GateLookaheadPredictor(routers)
-    if name == "expert-map":
-        store = ExpertMapStore.from_state(load_state(file, name)) if file else None
-        if store is None:
-            if not learn:
-                raise PredictorError("expert-map needs a map store file (--predictor-file) or online learning")
-            store = ExpertMapStore(num_layers, num_experts, "embedding", distance=distance)
-        _check(name, (store.num_layers, store.num_experts), (num_layers, num_experts))
-        return ExpertMapPredictor(store, learn=learn)
-    if file is None:
+    return spec.build(BuildContext(num_layers, num_experts, file, routers, learn, distance))
+
+
+def _fitted_state(ctx: BuildContext, name: str) -> dict:
+    if ctx.file is None:
         raise PredictorError(f"{name} needs a fitted predictor file (`moepager predictor fit --kind {name}`)")
-    state = load_state(file, name)
-    if name == "transition":
-        transition = TransitionPredictor.from_state(state)
-        _check(name, (transition.num_layers, transition.num_experts), (num_layers, num_experts))
-        if distance not in transition.distances:
-            raise PredictorError(f"the transition tables in {file} were fitted for distances "
-                                 f"{sorted(transition.distances)}, not {distance}; refit with --distances")
-        return transition
-    token_wise = TokenWisePredictor.from_state(state)
-    _check(name, tuple(token_wise.weights_LED.shape[:2]), (num_layers, num_experts))
-    return token_wise
+    return load_state(ctx.file, name)
 
 
 def _check(name: str, got: tuple[int, ...], want: tuple[int, int]) -> None:
@@ -87,6 +138,6 @@ def _check(name: str, got: tuple[int, ...], want: tuple[int, int]) -> None:
                              f"{want[0]} x {want[1]}")
 
 
-__all__ = ["DEFAULT_DISTANCE", "FITTED", "ONLINE", "PREDICTORS", "ExpertMapPredictor", "ExpertMapStore", "Forecast",
+__all__ = ["BuildContext", "FITTED", "PredictorSpec", "ONLINE", "PREDICTORS", "ExpertMapPredictor", "ExpertMapStore", "Forecast",
            "GateLookaheadPredictor", "LayerObservation", "Predictor", "PredictorError", "TokenWisePredictor",
            "TransitionPredictor", "default_distance", "k_hot", "load_state", "make_predictor", "target_of"]

@@ -19,7 +19,7 @@ Shape legend: N rows, D hidden, E experts, K top-k, L MoE layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
@@ -79,6 +79,9 @@ class Forecast:
 class Predictor(Protocol):
     name: str
     """Registry name (reports)."""
+    semantic: Literal["embedding", "hashed-tokens"] | None
+    """The semantic embedding `start_iteration` needs per row: the model's token embeddings pooled over the
+    request ("embedding"), hashed token ids ("hashed-tokens", stores fitted on traces), or none."""
 
     def start_iteration(self, token_ids_N: torch.Tensor, sem_ND: torch.Tensor | None) -> None: ...
 

@@ -102,6 +102,14 @@ class ExpertMapStore:
 class ExpertMapPredictor:
     name = "expert-map"
 
+    def save(self, path: str | Path) -> None:
+        """The map store (what `moepager predictor fit --kind expert-map` writes)."""
+        self.store.save(path)
+
+    @property
+    def semantic(self) -> SemKind:
+        return self.store.sem_kind
+
     def __init__(self, store: ExpertMapStore, learn: bool = False):
         self.store = store
         self.learn = learn

@@ -21,7 +21,9 @@ RouterScores = Callable[[torch.Tensor], torch.Tensor]
 
 
 class GateLookaheadPredictor:
+
     name = "gate-lookahead"
+    semantic = None
 
     def __init__(self, routers: Sequence[RouterScores]):
         self.routers = list(routers)

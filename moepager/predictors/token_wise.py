@@ -22,7 +22,9 @@ from moepager.predictors.base import Forecast, LayerObservation
 
 
 class TokenWisePredictor:
+
     name = "token-wise"
+    semantic = None
 
     def __init__(self, weights_LED: torch.Tensor):
         self.weights_LED = weights_LED.float()

@@ -19,7 +19,9 @@ from moepager.predictors.base import Forecast, LayerObservation, target_of
 
 
 class TransitionPredictor:
+
     name = "transition"
+    semantic = None
 
     def __init__(self, tables: dict[tuple[int, int, int], torch.Tensor], num_layers: int, num_experts: int):
         self.tables = tables

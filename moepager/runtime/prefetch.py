@@ -25,7 +25,6 @@ import torch
 from moepager.config import PrefetchConfig
 from moepager.models.layers import CausalLM, MoEBlock
 from moepager.predictors import (
-    ExpertMapPredictor,
     Forecast,
     LayerObservation,
     Predictor,
@@ -161,14 +160,10 @@ def build_prefetcher(config: PrefetchConfig, model: CausalLM, store: ExpertStore
     predictor = make_predictor(config.predictor, num_layers=num_layers, num_experts=cfg.num_experts,
                                file=config.file, routers=routers, learn=config.learn, distance=distance)
     embed: SemanticEmbed | None = None
-    if isinstance(predictor, ExpertMapPredictor):
-        if predictor.store.sem_kind == "embedding":
-            table = model.model.embed_tokens
-
-            def embed(ids_N: torch.Tensor) -> torch.Tensor:
-                return table(ids_N.to(table.weight.device))
-        else:
-            embed = _hashed
+    if predictor.semantic == "embedding":
+        embed = _embedding(model.model.embed_tokens)
+    elif predictor.semantic == "hashed-tokens":
+        embed = _hashed
     plan = PrefetchPlan(distance, config.per_row or cfg.top_k, config.max_inflight or 2 * cfg.top_k)
     return Prefetcher(predictor, store, [b.layer for b in blocks], plan, embed)
 
@@ -186,6 +181,12 @@ def _router_scores(block: MoEBlock) -> Callable[[torch.Tensor], torch.Tensor]:
     def scores(x_ND: torch.Tensor) -> torch.Tensor:
         return gate(x_ND.to(device=weight.device, dtype=weight.dtype)).scores_TE.float().cpu()
     return scores
+
+
+def _embedding(table: torch.nn.Embedding) -> SemanticEmbed:
+    def embed(ids_N: torch.Tensor) -> torch.Tensor:
+        return table(ids_N.to(table.weight.device))
+    return embed
 
 
 def _hashed(ids_N: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from moepager.predictors import (
+    ExpertMapPredictor,
     ExpertMapStore,
     Forecast,
     LayerObservation,
@@ -120,6 +121,50 @@ def fit_token_wise(reader: TraceReader, train: Sequence[int], epochs: int = 200,
     nxt[np.cumsum(lengths) - 1] = -1
     init = torch.zeros(reader.header.num_layers, reader.header.num_experts, x.shape[2])
     return train_token_wise(x, ids, torch.from_numpy(nxt), init, epochs=epochs, progress=progress)
+
+
+@dataclass(frozen=True)
+class FitOptions:
+    """Options of the fitted predictors (each reads its own)."""
+
+    distances: tuple[int, ...] = (1, 2, 3)
+    """transition: the prefetch distances to fit tables for."""
+    capacity: int = DEFAULT_CAPACITY
+    """expert-map: maps kept."""
+    distance: int = 3
+    """expert-map: the prefetch distance its redundancy weights are for."""
+    max_iterations: int = 20_000
+    """expert-map: iterations sampled from the trace."""
+    epochs: int = 200
+    """token-wise: full-batch Adam epochs."""
+
+
+@dataclass(frozen=True)
+class Fitter:
+    """How a fitted predictor (predictors.PREDICTORS with `fitted`) learns from a trace's requests."""
+
+    fit: Callable[[TraceReader, Sequence[int], FitOptions, Progress], Predictor]
+    """(reader, training requests, options, progress(advance)) -> the predictor."""
+    unit: str
+    """What the progress counts."""
+    total: Callable[[Sequence[int], FitOptions], int]
+
+
+def _fit_transition(reader: TraceReader, train: Sequence[int], o: FitOptions, progress: Progress) -> Predictor:
+    fitted = fit_transition(reader, train, o.distances)
+    progress(1)
+    return fitted
+
+
+FITTERS: dict[str, Fitter] = {
+    "transition": Fitter(_fit_transition, "fit", lambda train, o: 1),
+    "expert-map": Fitter(lambda reader, train, o, progress: ExpertMapPredictor(fit_expert_maps(
+        reader, train, o.capacity, o.distance, o.max_iterations, progress=progress)), "request",
+        lambda train, o: len(train)),
+    "token-wise": Fitter(lambda reader, train, o, progress: fit_token_wise(
+        reader, train, o.epochs, progress=lambda epoch, loss: progress(1)), "epoch", lambda train, o: o.epochs),
+}
+"""Every fitted predictor's fitting, by registry name."""
 
 
 # -- evaluation -------------------------------------------------------------------------------------------------
