@@ -81,8 +81,14 @@ class LlamaCpp:
             if convert is None:
                 raise RuntimeError("no GGUF yet: pass --llama-convert PATH/convert_hf_to_gguf.py")
             gguf.parent.mkdir(parents=True, exist_ok=True)
-            subprocess.run([sys.executable, str(convert), str(path), "--outtype", "bf16", "--outfile", str(gguf)],
-                           check=True)
+            tree = convert.parent  # llama.cpp's tree: the converter imports its conversion/ and gguf-py/
+            driver = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/gguf-py']; sys.argv = sys.argv[1:]; "
+                      "import runpy, conversion.base as b; "
+                      # our BPE tokenizers are byte-level GPT-2 style; the converter only knows hashed presets
+                      "b.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'; "
+                      "runpy.run_path(sys.argv[0] + '/convert_hf_to_gguf.py', run_name='__main__')")
+            subprocess.run([sys.executable, "-c", driver, str(tree), str(path), "--outtype", "bf16",
+                            "--outfile", str(gguf)], check=True)
         self.model = llama_cpp.Llama(str(gguf), n_ctx=PROMPT + 512, n_threads=threads, verbose=False)
         self.threads = threads
 

@@ -10,7 +10,7 @@ from moepager.policies import UnknownPolicyError, make_policy
 from moepager.predictors import PREDICTORS
 from moepager.store.budget import Budget
 from moepager.store.disk import DirectIO
-from moepager.store.slots import Scope
+from moepager.types import Scope
 
 
 @dataclass(frozen=True)

@@ -26,5 +26,8 @@ class RoutingDecision(NamedTuple):
     scores_TE: torch.Tensor
 
 
+Scope = Literal["layer", "global"]
+"""An expert cache's sharing: a fixed share of slots per MoE layer, or every layer competing for all of them."""
+
 Phase = Literal["prefill", "decode"]
 """Which part of generation a forward pass belongs to (statistics are kept per phase)."""

@@ -33,11 +33,13 @@ class EvictionPolicy(Protocol):
         """Which of `candidates` (non-empty, all evictable) to evict now."""
         ...
 
-    uses_predictions: bool
-    """Whether `predict` changes the ranking (only then is it worth calling)."""
+
+class ForecastConsumer(Protocol):
+    """A policy that ranks with a predictor's forecasts (fMoE's eviction weighs by them); the prefetcher is
+    handed one when it is built and feeds it every forecast it makes."""
 
     def predict(self, layer: int, probs_E: np.ndarray) -> None:
-        """A predictor's latest probabilities for `layer`'s experts (fMoE's eviction weighs by them)."""
+        """A predictor's latest probabilities for `layer`'s experts."""
         ...
 
 
@@ -81,18 +83,13 @@ def recency_tiebreak(primary: np.ndarray, last: np.ndarray, step: int) -> np.nda
 class Ranked:
     """Base of every policy: the engine-side `EvictionPolicy` over a subclass's `priority`.
 
-    Subclasses define `priority(stats, step) -> array` (same shape as the stats; lowest is evicted). Class
-    attributes say how the simulator must drive the policy:
-    `offline`: needs the future (`next_use`), simulator only. `preload`: the cache starts full of the experts
-    with the highest prior. `admits_on_miss`: a missed expert is loaded into the cache (False: it is computed
-    elsewhere, e.g. on the CPU, and only prefetches change the cache).
+    Subclasses define `priority(stats, step) -> array` (same shape as the stats; lowest is evicted). How the
+    simulator drives a policy beyond ranking (offline, preloaded, misses run elsewhere) is the simulator's
+    (trace/simulate.py DRIVES). `predict` makes every Ranked a ForecastConsumer; `uses_predictions` says
+    whether `priority` reads `stats.prob` (only then is one handed to the prefetcher).
     """
 
-    offline = False
-    preload = False
-    admits_on_miss = True
     uses_predictions = False
-    """Whether `priority` reads `stats.prob` (callers skip `predict` otherwise)."""
 
     def __init__(self) -> None:
         self._index: dict[ExpertKey, int] = {}
@@ -102,7 +99,7 @@ class Ranked:
     def priority(self, stats: AccessStats, step: int) -> np.ndarray:
         raise NotImplementedError
 
-    def _slot(self, key: ExpertKey) -> int:
+    def _row(self, key: ExpertKey) -> int:
         i = self._index.get(key)
         if i is None:
             i = self._index[key] = len(self._index)
@@ -111,21 +108,21 @@ class Ranked:
         return i
 
     def on_access(self, key: ExpertKey, step: int) -> None:
-        i = self._slot(key)
+        i = self._row(key)
         self.stats.count[i] += 1
         self.stats.last[i] = step
 
     def predict(self, layer: int, probs_E: np.ndarray) -> None:
         index = self._layer_index.get(layer)
         if index is None or len(index) != len(probs_E):
-            index = self._layer_index[layer] = np.array([self._slot(ExpertKey(layer, e)) for e in range(len(probs_E))])
-        self.stats.prob[index] = probs_E  # after _slot: it may have grown the arrays
+            index = self._layer_index[layer] = np.array([self._row(ExpertKey(layer, e)) for e in range(len(probs_E))])
+        self.stats.prob[index] = probs_E  # after _row: it may have grown the arrays
 
     def score(self, key: ExpertKey, step: int) -> float:
         """`key`'s priority now (what `victim` compares)."""
-        return float(self.priority(self.stats.take(np.array([self._slot(key)])), step)[0])
+        return float(self.priority(self.stats.take(np.array([self._row(key)])), step)[0])
 
     def victim(self, candidates: Collection[ExpertKey], step: int) -> ExpertKey:
         keys = sorted(candidates)
-        index = np.fromiter((self._slot(k) for k in keys), np.int64, len(keys))
+        index = np.fromiter((self._row(k) for k in keys), np.int64, len(keys))
         return keys[int(np.argmin(self.priority(self.stats.take(index), step)))]

@@ -13,7 +13,5 @@ from moepager.policies.base import AccessStats, Ranked
 
 
 class Belady(Ranked):
-    offline = True
-
     def priority(self, stats: AccessStats, step: int) -> np.ndarray:
         return -stats.next_use.astype(np.float64)

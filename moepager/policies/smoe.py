@@ -4,7 +4,7 @@ After each token, a predictor ranks the experts the next token will use at each 
 that ranking skipping cached experts and loads exactly N (N transfers per layer per token, a steady PCIe
 load); Adaptive loads only those of the top N that are not cached (0..N). Each load replaces the cached
 expert with the fewest activations (LFU, ties least recent). A miss is computed on the CPU and never
-admitted (`admits_on_miss = False`). Defaults: N = 2 (the paper's best for DeepSeek-V3).
+admitted (the simulator drives it so: trace/simulate.py DRIVES). Defaults: N = 2 (the paper's best for DeepSeek-V3).
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from moepager.policies.base import AccessStats, Ranked, recency_tiebreak
 
 
 class SMoE(Ranked):
-    admits_on_miss = False
-
     def __init__(self, n: int = 2, adaptive: bool = False) -> None:
         super().__init__()
         if n < 1:

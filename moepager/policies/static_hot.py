@@ -12,7 +12,5 @@ from moepager.policies.base import AccessStats, Ranked
 
 
 class StaticHot(Ranked):
-    preload = True
-
     def priority(self, stats: AccessStats, step: int) -> np.ndarray:
         return stats.prior + (stats.last + 1.0) / (step + 2.0) * 1e-9

@@ -33,8 +33,9 @@ from moepager.predictors import (
     target_of,
 )
 from moepager.predictors.expert_map import hashed_tokens
+from moepager.policies.base import ForecastConsumer
 from moepager.store.store import ExpertStore
-from moepager.types import ExpertKey, Phase, RoutingDecision
+from moepager.types import Phase, RoutingDecision
 
 SemanticEmbed = Callable[[torch.Tensor], torch.Tensor]
 """token ids_N -> per-token vectors_ND whose running mean over a request is its semantic embedding (the
@@ -53,13 +54,15 @@ class PrefetchPlan:
 
 class Prefetcher:
     def __init__(self, predictor: Predictor, store: ExpertStore, moe_layers: Sequence[int], plan: PrefetchPlan,
-                 embed: SemanticEmbed | None = None):
+                 embed: SemanticEmbed | None = None, forecasts: ForecastConsumer | None = None):
         target_of(0, plan.distance, len(moe_layers))  # refuses a distance outside 1..L
         self.predictor, self.store, self.plan = predictor, store, plan
         self.moe_layers = list(moe_layers)
         self.position = {layer: i for i, layer in enumerate(moe_layers)}
         self.embed = embed
         """None when the predictor uses no semantic embedding."""
+        self.forecasts = forecasts
+        """Sees every target layer's mean forecast (an eviction policy that ranks by them: fMoE)."""
         self.pending: dict[tuple[int, int], dict[int, float]] = {}
         """(iteration, MoE position) -> expert -> probability mass, for targets not yet routed."""
         self.iteration = 0
@@ -121,9 +124,8 @@ class Prefetcher:
             forecast = forecast.rows(self._last_rows)
         entry = self.pending.setdefault((self.iteration + ahead, j), {})
         probs_NE = forecast.probs_NE
-        policy = self.store.device.table.policy
-        if policy.uses_predictions and len(probs_NE):
-            policy.predict(self.moe_layers[j], probs_NE.mean(0).numpy())
+        if self.forecasts is not None and len(probs_NE):
+            self.forecasts.predict(self.moe_layers[j], probs_NE.mean(0).numpy())
         for n, chosen in enumerate(forecast.select(self.plan.per_row)):
             for e in chosen:
                 entry[e] = entry.get(e, 0.0) + float(probs_NE[n, e])
@@ -133,18 +135,18 @@ class Prefetcher:
         room = self.plan.max_inflight - self.store.prefetches_in_flight()
         if room <= 0 or not self.pending:
             return
-        num_layers, quota = len(self.moe_layers), self.store.device.table.quota
+        num_layers = len(self.moe_layers)
         ranked = []
         for (iteration, j), entry in self.pending.items():
             until = (iteration - self.iteration) * num_layers + j - self.now
             layer = self.moe_layers[j]
-            best = sorted(entry.items(), key=lambda kv: -kv[1])[: quota.get(layer, len(entry))]
+            best = sorted(entry.items(), key=lambda kv: -kv[1])[: self.store.quota(layer)]
             ranked += [(mass / until, layer, e) for e, mass in best if until > 0]
         ranked.sort(key=lambda r: -r[0])
         for _, layer, e in ranked:
             if room <= 0:
                 break
-            if ExpertKey(layer, e) in self.store.device.table.slot_of:
+            if self.store.holds(layer, e):
                 continue
             room -= self.store.prefetch(layer, [e])
 
@@ -165,7 +167,7 @@ def build_prefetcher(config: PrefetchConfig, model: CausalLM, store: ExpertStore
     elif predictor.semantic == "hashed-tokens":
         embed = _hashed
     plan = PrefetchPlan(distance, config.per_row or cfg.top_k, config.max_inflight or 2 * cfg.top_k)
-    return Prefetcher(predictor, store, [b.layer for b in blocks], plan, embed)
+    return Prefetcher(predictor, store, [b.layer for b in blocks], plan, embed, store.forecast_consumer())
 
 
 def router_scores(model: CausalLM) -> list[Callable[[torch.Tensor], torch.Tensor]]:

@@ -176,11 +176,6 @@ class DiskFiles:
             raise CheckpointError(f"{path}: read failed at byte {offset + done}: {e.strerror or e}") from e
         return done
 
-    def drop_cache(self) -> None:
-        """Evict every opened file's pages from the OS page cache (benchmarks start cold with this)."""
-        for f in self._files.values():
-            os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-
     def close(self) -> None:
         with self._lock:
             _close_all(self._files)  # the finalizer stays armed for files opened after this

@@ -8,22 +8,20 @@ The table owns the invariants; the policy only ranks the candidates it is offere
   evicts among its own experts even while other layers' slots are free (so each layer is the fixed-size
   cache the trace simulator models); only when none of its own can go does it take a free slot, or one
   from a layer above its quota. With scope "global" all layers compete for all slots.
-- a `stale` expert (prefetched, then not used when its layer ran) is evicted before the policy's choice, and an
-  expert prefetched `ahead` (its layer has not routed yet) only after every other candidate.
+- which candidate goes is the policy's alone (the store wraps it in policies/prefetch_aware.py, which puts
+  wrongly prefetched experts first and not-yet-used prefetches last); `on_evict` hears of every eviction.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Literal
 
 import torch
 
 from moepager.policies.base import EvictionPolicy
-from moepager.types import ExpertKey
+from moepager.types import ExpertKey, Scope
 
-Scope = Literal["layer", "global"]
 
 
 def settled(ticket: Future[torch.cuda.Event | None] | None) -> bool:
@@ -51,12 +49,8 @@ class SlotTable:
         n = max(len(layers), 1)
         self.quota = {layer: capacity // n + (i < capacity % n) for i, layer in enumerate(layers)}
         self._free = list(range(capacity - 1, -1, -1))
-        self.stale: set[ExpertKey] = set()
-        """Prefetched but not used when their layer ran: evicted first (ExpertFlow's correction)."""
-        self.ahead: dict[ExpertKey, int] = {}
-        """Prefetched (loaded or loading) and not yet judged by their layer's routing: key -> slot."""
-        self.evicted_ahead = 0
-        """Prefetched experts evicted before their layer routed (wasted); the store collects the count."""
+        self.on_evict: Callable[[ExpertKey], None] | None = None
+        """Called with every evicted expert (the store judges prefetches with it)."""
 
     def evictable(self, key: ExpertKey) -> bool:
         slot = self.slot_of[key]
@@ -82,9 +76,8 @@ class SlotTable:
         if victim is not None:
             slot = self.slot_of.pop(victim)
             self.by_layer[victim.layer].discard(victim)
-            self.stale.discard(victim)
-            if self.ahead.pop(victim, None) is not None:
-                self.evicted_ahead += 1
+            if self.on_evict is not None:
+                self.on_evict(victim)
             self.ticket[slot] = None
         elif self._free:
             slot = self._free.pop()
@@ -94,16 +87,16 @@ class SlotTable:
         self.by_layer[key.layer].add(key)
         return slot
 
-    def forget(self, slot: int) -> None:
-        """Drop whatever `slot` holds and return it to the free list (after a failed load)."""
+    def forget(self, slot: int) -> ExpertKey | None:
+        """Drop whatever `slot` holds and return it to the free list (after a failed or cancelled load); returns
+        the expert it held."""
         key = next((k for k, s in self.slot_of.items() if s == slot), None)
         if key is not None:
             del self.slot_of[key]
             self.by_layer[key.layer].discard(key)
-            self.stale.discard(key)
-            self.ahead.pop(key, None)
         self.ticket[slot] = None
         self._free.append(slot)
+        return key
 
     def _groups(self, layer: int) -> list[Iterable[ExpertKey]]:
         if self.scope == "global":
@@ -118,10 +111,8 @@ class SlotTable:
                 allow_protected: bool) -> ExpertKey | None:
         for group in self._groups(layer):
             candidates = [k for k in group if k not in protect and self.evictable(k)]
-            for preferred in ([k for k in candidates if k in self.stale],
-                              [k for k in candidates if k not in self.ahead], candidates):
-                if preferred:
-                    return self.policy.victim(preferred, step)
+            if candidates:
+                return self.policy.victim(candidates, step)
         if allow_protected:
             candidates = [k for k in protect if k in self.slot_of and self.evictable(k)]
             if candidates:

@@ -14,7 +14,8 @@ Each yielded slot stays pinned until the consumer asks for the next, so an exper
 and a slot loading or being copied out of is never reused, so no load is issued twice.
 
 Prefetch (`prefetch`, fed by runtime/prefetch.py): loads issued ahead go to the transfer engine's prefetch
-lane and are tracked in `ahead` until their layer routes. Prefetches never evict each other. When a layer's
+lane and are tracked as `ahead` by the eviction order (policies/prefetch_aware.py, wrapped around the device
+tier's policy) until their layer routes. Prefetches never evict each other. When a layer's
 real routing arrives, `settle` judges that layer's prefetches (ExpertFlow's real-time correction): a needed
 one still queued is cancelled and loaded on demand at once instead; an unneeded one still queued is
 cancelled; an unneeded one already loaded is wasted and marked stale, so it is evicted before any expert
@@ -31,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moepager.policies.base import ForecastConsumer
+from moepager.policies.prefetch_aware import PrefetchAware
 from moepager.store.slots import SlotTable, settled
 from moepager.store.stats import PhaseCounters, StoreCounters
 from moepager.store.transfer import Transfers, completed
@@ -64,6 +67,11 @@ class ExpertStore:
     def __init__(self, device: Tier, host: Tier | None, read: ReadExpert, transfers: Transfers,
                  read_buffer_bytes: int = 0):
         self.device, self.host = device, host
+        policy = device.table.policy
+        self.order = policy if isinstance(policy, PrefetchAware) else PrefetchAware(policy)
+        """The device tier's eviction order: its policy, with prefetched experts ranked as ExpertFlow corrects."""
+        device.table.policy = self.order
+        device.table.on_evict = self._evicted
         self.read_buffer_bytes = read_buffer_bytes
         """Bytes the reading threads take for bounce/conversion buffers (inside the budget of the tier they fill)."""
         self.read = read
@@ -135,9 +143,8 @@ class ExpertStore:
         return held
 
     def _hit(self, table: SlotTable, key: ExpertKey, slot: int) -> None:
-        if table.ahead.pop(key, None) is not None:
+        if self.order.used(key):
             self.counters.current.prefetch_used += 1
-        table.stale.discard(key)
         self.counters.current.access(key.layer, True)
         table.pins[slot] += 1
 
@@ -203,12 +210,11 @@ class ExpertStore:
         if slot is None and must:
             self._drain(table)  # only loads in flight stand in the way: let them land
             slot = table.claim(key, self.clock, needed, allow_protected=True)
-        self._collect_evicted_ahead(table)
         return slot
 
-    def _collect_evicted_ahead(self, table: SlotTable) -> None:
-        self.counters.current.prefetch_wasted += table.evicted_ahead
-        table.evicted_ahead = 0
+    def _evicted(self, key: ExpertKey) -> None:
+        if self.order.forget(key):
+            self.counters.current.prefetch_wasted += 1  # a prefetch evicted before its layer routed
 
     def _wait_ready(self, slot: int) -> None:
         table = self.device.table
@@ -222,7 +228,7 @@ class ExpertStore:
         try:
             event = ticket.result()  # re-raises a failed read (e.g. the checkpoint changed on disk)
         except BaseException:
-            table.forget(slot)  # the slot holds no valid expert: a retry must read it again
+            self._forget(slot)  # the slot holds no valid expert: a retry must read it again
             raise
         if event is not None:
             torch.cuda.current_stream(self.device.buffers.device).wait_event(event)
@@ -302,18 +308,18 @@ class ExpertStore:
             key = ExpertKey(layer, e)
             if key in table.slot_of:
                 continue
-            slot = table.claim(key, self.clock, table.ahead, within_quota=True)
+            slot = table.claim(key, self.clock, self.order.ahead, within_quota=True)
             if slot is None:
                 break
             self._load(key, slot, counters, ahead=True)
-            table.ahead[key] = slot
+            self.order.prefetched(key, slot)
             issued += 1
         return issued
 
     @property
     def ahead(self) -> dict[ExpertKey, int]:
         """Experts prefetched whose layer has not routed since: key -> device slot."""
-        return self.device.table.ahead
+        return self.order.ahead
 
     def prefetches_in_flight(self) -> int:
         return sum(1 for slot in self.ahead.values() if not settled(self.device.table.ticket[slot]))
@@ -321,17 +327,36 @@ class ExpertStore:
     def settle(self, layer: int, experts: Sequence[int]) -> None:
         """`layer` routed to `experts`: judge the prefetches made for it (see the module note)."""
         table, counters, needed = self.device.table, self.counters.current, set(experts)
-        for key in [k for k in table.ahead if k.layer == layer]:
-            slot = table.ahead[key]
+        for key in [k for k in self.order.ahead if k.layer == layer]:
+            slot = self.order.ahead[key]
             ticket = table.ticket[slot]
             if ticket is not None and ticket.cancel():
-                table.forget(slot)
+                self._forget(slot)
                 self._forget_cancelled_host_read(ticket)
                 counters.prefetch_cancelled += 1
             elif key.expert not in needed:
-                del table.ahead[key]
-                table.stale.add(key)
+                self.order.unneeded(key)
                 counters.prefetch_wasted += 1
+
+    def _forget(self, slot: int) -> None:
+        """A device slot whose load failed or was cancelled holds nothing."""
+        key = self.device.table.forget(slot)
+        if key is not None:
+            self.order.forget(key)
+
+    # -- the prefetcher's view --------------------------------------------------------------------------
+    def holds(self, layer: int, expert: int) -> bool:
+        """Whether the expert is in a device slot (resident or loading)."""
+        return ExpertKey(layer, expert) in self.device.table.slot_of
+
+    def quota(self, layer: int) -> int:
+        """`layer`'s even share of the device slots (a layer's cache in layer scope)."""
+        return self.device.table.quota[layer]
+
+    def forecast_consumer(self) -> ForecastConsumer | None:
+        """The device tier's policy when it ranks by forecasts (fMoE), for the prefetcher to feed."""
+        inner = self.order.inner
+        return inner if getattr(inner, "uses_predictions", False) else None  # type: ignore[return-value]
 
     def _forget_cancelled_host_read(self, ticket: Ticket) -> None:
         """A cancelled prefetch through the host tier never read its expert: the host slot claimed for it holds

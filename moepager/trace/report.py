@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from moepager.planning.cost import CostModel
-from moepager.policies import make_policy
 from moepager.trace.format import DECODE, PREFILL
-from moepager.trace.simulate import SimResult, SimSpec, simulate
+from moepager.trace.simulate import SimResult, drive_of
 from moepager.trace.workload import Workload
-
-
-def sweep(work: Workload, specs: Sequence[SimSpec], prior_LE: np.ndarray | None = None,
-          on_result: Callable[[SimResult], None] | None = None) -> list[SimResult]:
-    results = []
-    for spec in specs:
-        results.append(simulate(work, spec, prior_LE))
-        if on_result is not None:
-            on_result(results[-1])
-    return results
 
 
 def summary(result: SimResult, work: Workload, cost: CostModel | None) -> dict[str, Any]:
@@ -40,7 +29,7 @@ def summary(result: SimResult, work: Workload, cost: CostModel | None) -> dict[s
         row["bytes_moved"] = result.loads * h.expert_bytes
         row["bytes_per_token"] = row["bytes_moved"] / max(tokens, 1)
     if cost is not None:
-        on_cpu = not make_policy(result.spec.policy).admits_on_miss
+        on_cpu = not drive_of(result.spec.policy).admits_on_miss
         t_S = cost.step_times(result.requested_SL, result.hits_SL, result.prefetch_loads_SL, result.step_tokens,
                               h.top_k, on_cpu, work.step_kv())
         decode = result.step_phase == DECODE

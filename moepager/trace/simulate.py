@@ -9,7 +9,7 @@ semantics, so a trace the engine recorded gives the engine's hits and misses (te
 - the clock is the step index; statistics (count, last) persist across evictions;
 - a step that needs more distinct experts in a layer than the capacity keeps only the first `capacity` of
   them in ascending id (the engine streams the rest through; only large prefill steps do this).
-Policies whose `admits_on_miss` is False (SMoE) never load on a miss (the expert runs on the CPU); after each
+Policies driven with `admits_on_miss` False (SMoE, see DRIVES) never load on a miss (the expert runs on the CPU); after each
 step they load what `admissions` picks from the forecast ranking, evicting by priority.
 
 Speed: per-layer caches are replayed with one set of array operations per step over all layers at once;
@@ -31,11 +31,37 @@ from moepager.policies import make_policy
 from moepager.policies.base import AccessStats, Ranked
 from moepager.trace.format import MISSING, TraceError, TraceHeader
 from moepager.trace.workload import Workload
+from moepager.types import Scope
 
-Scope = Literal["layer", "global"]
 ForecastKind = Literal["none", "repeat", "oracle", "prior"]
 FORECASTS: tuple[ForecastKind, ...] = ("none", "repeat", "oracle", "prior")
 Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class Drive:
+    """How the simulator drives a policy beyond its ranking: placement and prefetch, not eviction order."""
+
+    offline: bool = False
+    """It needs the future (`next_use`): simulator only."""
+    preload: bool = False
+    """The cache starts full of the experts with the highest prior."""
+    admits_on_miss: bool = True
+    """A missed expert is loaded into the cache (False: it is computed elsewhere, e.g. on the CPU, and only the
+    policy's `admissions` from the forecast change the cache)."""
+
+
+DRIVES: dict[str, Drive] = {
+    "belady": Drive(offline=True),
+    "static-hot": Drive(preload=True),
+    "smoe-fixed": Drive(admits_on_miss=False),
+    "smoe-adaptive": Drive(admits_on_miss=False),
+}
+"""Policies the simulator drives other than as a plain cache that admits every miss."""
+
+
+def drive_of(policy: str) -> Drive:
+    return DRIVES.get(policy, Drive())
 
 
 @dataclass(frozen=True)
@@ -90,7 +116,7 @@ class SimResult:
         return int(self.demand_loads_SL.sum() + self.prefetch_loads_SL.sum())
 
 
-class Forecast:
+class SimForecast:
     """Per step, a ranking `[L, R]` of the experts the next step is expected to use per layer, and from it
     fMoE's probabilities `[L, E+1]` (1/R on the ranked experts, or the prior's normalised frequencies)."""
 
@@ -145,9 +171,10 @@ class Forecast:
 def check_spec(spec: SimSpec, h: TraceHeader, prior_LE: np.ndarray | None) -> None:
     """Everything `simulate` would refuse about `spec`, checked before any replay runs."""
     try:
-        policy = make_policy(spec.policy, seed=spec.seed)
+        make_policy(spec.policy, seed=spec.seed)
     except ValueError as e:
         raise TraceError(str(e)) from None
+    drive = drive_of(spec.policy)
     most = h.num_experts if spec.scope == "layer" else h.num_experts * h.num_layers
     where = "per layer" if spec.scope == "layer" else "in all"
     if spec.capacity < h.top_k:
@@ -156,12 +183,12 @@ def check_spec(spec: SimSpec, h: TraceHeader, prior_LE: np.ndarray | None) -> No
     if spec.capacity > most:
         raise TraceError(f"capacity {spec.capacity} experts {where} is more than the trace has ({most}); use at "
                          f"most {most}")
-    if (policy.preload or spec.forecast == "prior") and prior_LE is None:
+    if (drive.preload or spec.forecast == "prior") and prior_LE is None:
         raise TraceError(f"policy '{spec.policy}' with forecast '{spec.forecast}' needs a prior (--prior)")
-    if not policy.admits_on_miss and spec.forecast == "none":
+    if not drive.admits_on_miss and spec.forecast == "none":
         raise TraceError(f"policy '{spec.policy}' prefetches from a forecast of the next step: give --forecast "
                          f"repeat, oracle or prior")
-    if not policy.admits_on_miss and spec.scope != "layer":
+    if not drive.admits_on_miss and spec.scope != "layer":
         raise TraceError(f"policy '{spec.policy}' manages fixed per-layer slots; use scope 'layer'")
     if prior_LE is not None and prior_LE.shape != (h.num_layers, h.num_experts):
         raise TraceError(f"prior shape {prior_LE.shape} does not match the trace ({h.num_layers}, {h.num_experts})")
@@ -171,17 +198,17 @@ def simulate(work: Workload, spec: SimSpec, prior_LE: np.ndarray | None = None,
              progress: Progress | None = None) -> SimResult:
     """Replay `work` through the policy and capacity of `spec`."""
     check_spec(spec, work.header, prior_LE)
-    policy = make_policy(spec.policy, seed=spec.seed)
+    policy, drive = make_policy(spec.policy, seed=spec.seed), drive_of(spec.policy)
     h = work.header
     ids = work.ids_NLK.astype(np.int64)
     ids[ids == MISSING] = h.num_experts  # the sink column: never cached, never counted
-    forecast = Forecast(spec.forecast, work, ids, prior_LE)
-    next_use = work.next_use_NLK() if policy.offline else None
+    forecast = SimForecast(spec.forecast, work, ids, prior_LE)
+    next_use = work.next_use_NLK() if drive.offline else None
     start = time.perf_counter()
     if spec.scope == "layer":
-        out = _replay_layers(work, policy, spec.capacity, ids, forecast, next_use, prior_LE, progress, spec.warm)
+        out = _replay_layers(work, policy, drive, spec.capacity, ids, forecast, next_use, prior_LE, progress, spec.warm)
     else:
-        out = _replay_global(work, policy, spec.capacity, ids, forecast, next_use, prior_LE, progress, spec.warm)
+        out = _replay_global(work, policy, drive, spec.capacity, ids, forecast, next_use, prior_LE, progress, spec.warm)
     return SimResult(spec, *out, step_phase=work.step_phase, step_tokens=np.diff(work.step_ptr),
                      wall_s=time.perf_counter() - start)
 
@@ -232,10 +259,10 @@ class _State:
         return self.requested, self.hits, self.demand, self.prefetch
 
 
-def _preload(state: _State, policy: Ranked, cap_L: np.ndarray, warm: bool) -> None:
-    if warm and not policy.preload:
+def _preload(state: _State, drive: Drive, cap_L: np.ndarray, warm: bool) -> None:
+    if warm and not drive.preload:
         state.cached[:, : state.e] = np.arange(state.e)[None, :] < cap_L[:, None]
-    if policy.preload:
+    if drive.preload:
         order = np.argsort(-state.stats.prior[:, : state.e], axis=1, kind="stable")
         keep = np.arange(state.e)[None, :] < cap_L[:, None]
         state.cached[np.broadcast_to(state.rows_L1, order.shape)[keep], order[keep]] = True
@@ -251,13 +278,13 @@ def _evict_layers(state: _State, policy: Ranked, step: int, count_L: np.ndarray,
     state.cached[np.broadcast_to(state.rows_L1, order.shape)[chosen], order[chosen]] = False
 
 
-def _replay_layers(work: Workload, policy: Ranked, capacity: int, ids: np.ndarray, forecast: Forecast,
+def _replay_layers(work: Workload, policy: Ranked, drive: Drive, capacity: int, ids: np.ndarray, forecast: SimForecast,
                    next_use: np.ndarray | None, prior_LE: np.ndarray | None, progress: Progress | None,
                    warm: bool = False):
     state = _State(work, prior_LE)
     cap_L = np.full(work.header.num_layers, capacity)
-    _preload(state, policy, cap_L, warm)
-    ptr, tokens, admits = work.step_ptr, work.step_tokens, policy.admits_on_miss
+    _preload(state, drive, cap_L, warm)
+    ptr, tokens, admits = work.step_ptr, work.step_tokens, drive.admits_on_miss
     wants_prob = forecast.kind != "none"
     for s in range(work.num_steps):
         toks = tokens[ptr[s]:ptr[s + 1]]
@@ -291,11 +318,11 @@ def _replay_layers(work: Workload, policy: Ranked, capacity: int, ids: np.ndarra
     return state.outputs()
 
 
-def _replay_global(work: Workload, policy: Ranked, capacity: int, ids: np.ndarray, forecast: Forecast,
+def _replay_global(work: Workload, policy: Ranked, drive: Drive, capacity: int, ids: np.ndarray, forecast: SimForecast,
                    next_use: np.ndarray | None, prior_LE: np.ndarray | None, progress: Progress | None,
                    warm: bool = False):
     state = _State(work, prior_LE)
-    if policy.preload:
+    if drive.preload:
         flat = np.argsort(-state.stats.prior[:, : state.e].ravel(), kind="stable")[:capacity]
         state.cached[flat // state.e, flat % state.e] = True
     elif warm:  # the engine's warm order: expert 0 of every layer, then expert 1, ...

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from moepager.policies.smoe import SMoE
+from moepager.trace.simulate import drive_of
 
 
 def test_fixed_n_walks_down_the_ranking_past_cached_experts():
@@ -22,4 +23,4 @@ def test_adaptive_loads_only_the_top_n_that_are_missing():
     cached[0, 0] = True
     ranked = np.array([[0, 1, 2, 3]])
     assert np.flatnonzero(SMoE(n=2, adaptive=True).admissions(ranked, cached)[0]).tolist() == [1]
-    assert SMoE.admits_on_miss is False
+    assert drive_of("smoe-adaptive").admits_on_miss is False

@@ -101,7 +101,7 @@ def test_fmoe_eviction_with_expert_map_forecasts_is_lossless(recorded):
     llm = LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", direct_io="off", policy="fmoe", warm=False),
               prefetch=PrefetchConfig("expert-map", file=str(files / "expert-map.pt")))
     assert [c.token_ids for c in llm.generate(PROMPTS, PARAMS)] == reference
-    policy = llm.loaded.experts.store.device.table.policy
+    policy = llm.loaded.experts.store.order.inner
     assert not np.isnan(policy.stats.prob[: len(policy._index)]).all()  # the forecasts reached the policy
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from moepager.policies.lru import LRU
+from moepager.policies.prefetch_aware import PrefetchAware
 from moepager.store.slots import SlotTable
 from moepager.types import ExpertKey
 from tests.store.test_store import consume, make_store, value
@@ -29,19 +30,33 @@ def test_settle_promotes_a_queued_needed_prefetch_and_marks_a_loaded_unneeded_on
     store.settle(1, [1, 5])
     c = store.counters.current
     assert c.prefetch_cancelled == 1 and ExpertKey(1, 1) not in store.device.table.slot_of
-    assert c.prefetch_wasted == 1 and ExpertKey(1, 0) in store.device.table.stale
+    assert c.prefetch_wasted == 1 and ExpertKey(1, 0) in store.order.stale
     assert store.ahead == {}
     reader.gate.set()
     assert consume(store, 1, [1, 5]) == [value(ExpertKey(1, 1)), value(ExpertKey(1, 5))]
     assert c.loads_on_demand == 2 and reader.reads.count(ExpertKey(1, 1)) == 1
 
 
-def test_stale_experts_are_evicted_before_the_policys_choice():
-    table = SlotTable(2, [0], LRU(), "layer")
-    old, fresh = ExpertKey(0, 1), ExpertKey(0, 2)
-    for step, key in enumerate([old, fresh]):
+def test_stale_experts_go_first_and_prefetches_ahead_last():
+    """The correction order is a decorator over any policy: the table only offers candidates."""
+    order = PrefetchAware(LRU())
+    table = SlotTable(3, [0], order, "layer")
+    old, fresh, ahead = ExpertKey(0, 1), ExpertKey(0, 2), ExpertKey(0, 3)
+    for step, key in enumerate([ahead, old, fresh]):
         table.claim(key, step)
-        table.policy.on_access(key, step)
-    table.stale.add(fresh)  # LRU would evict `old`; the stale prefetch goes first
-    table.claim(ExpertKey(0, 3), 5)
-    assert old in table.slot_of and fresh not in table.slot_of and fresh not in table.stale
+        order.on_access(key, step)
+    order.prefetched(ahead, table.slot_of[ahead])  # least recent, but its layer has not routed yet
+    order.stale.add(fresh)  # LRU would evict `ahead`, then `old`; the stale prefetch goes first
+    table.claim(ExpertKey(0, 4), 5)
+    order.on_access(ExpertKey(0, 4), 5)
+    assert fresh not in table.slot_of and {old, ahead} <= table.slot_of.keys()
+    table.claim(ExpertKey(0, 5), 6)
+    assert old not in table.slot_of and ahead in table.slot_of  # LRU's choice among the settled ones
+
+
+def test_a_prefetch_evicted_before_its_layer_routes_is_counted_wasted():
+    store, _ = make_store(2, layers=(0,))
+    assert store.prefetch(0, [4]) == 1
+    store._drain(store.device.table)
+    consume(store, 0, [0, 1])  # needs both slots: the prefetched expert must go
+    assert store.counters.current.prefetch_wasted == 1 and store.ahead == {}

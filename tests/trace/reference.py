@@ -9,6 +9,7 @@ import numpy as np
 
 from moepager.policies import make_policy
 from moepager.trace.format import MISSING
+from moepager.trace.simulate import drive_of
 from moepager.trace.workload import Workload
 from moepager.types import ExpertKey
 
@@ -16,19 +17,19 @@ from moepager.types import ExpertKey
 def reference_hits(work: Workload, name: str, capacity: int, scope: str,
                    prior_LE: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(requested_SL, hits_SL) replaying every access through on_access / victim."""
-    policy = make_policy(name)
+    policy, drive = make_policy(name), drive_of(name)
     num_layers = work.header.num_layers
-    next_use = work.next_use_NLK() if policy.offline else None
+    next_use = work.next_use_NLK() if drive.offline else None
     cached: set[ExpertKey] = set()
     if prior_LE is not None:
         for layer in range(num_layers):
             for e in range(work.header.num_experts):
-                slot = policy._slot(ExpertKey(layer, e))  # may grow the arrays: index after
+                slot = policy._row(ExpertKey(layer, e))  # may grow the arrays: index after
                 policy.stats.prior[slot] = prior_LE[layer, e]
-        if policy.preload and scope == "global":
+        if drive.preload and scope == "global":
             flat = np.argsort(-prior_LE.ravel(), kind="stable")[:capacity]
             cached |= {ExpertKey(*map(int, divmod(i, work.header.num_experts))) for i in flat}
-        elif policy.preload:
+        elif drive.preload:
             for layer in range(num_layers):
                 order = np.argsort(-prior_LE[layer], kind="stable")[:capacity]
                 cached |= {ExpertKey(layer, int(e)) for e in order}
@@ -44,7 +45,7 @@ def reference_hits(work: Workload, name: str, capacity: int, scope: str,
                 policy.on_access(key, s)
                 if next_use is not None:
                     where = np.argwhere(ids == key.expert)[0]
-                    slot = policy._slot(key)
+                    slot = policy._row(key)
                     policy.stats.next_use[slot] = next_use[toks[where[0]], layer, where[1]]
             requested[s, layer] = len(keys)
             hits[s, layer] = sum(k in cached for k in keys)

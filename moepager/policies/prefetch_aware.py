@@ -1,0 +1,59 @@
+"""ExpertFlow's correction order (ExpertFlow §3.3, real-time correction) as a decorator over any eviction policy.
+
+Prefetched experts share the cache with demand-loaded ones, so eviction needs two more facts than the inner
+policy ranks by: which experts were prefetched for a layer that has not routed yet (`ahead`), and which were
+prefetched and then not used when their layer ran (`stale`). The order among the candidates the store offers:
+1. stale experts first (a wrong prediction is evicted before anything that was used);
+2. then the inner policy's choice among experts that are not ahead;
+3. experts ahead only when nothing else can go.
+The store's prefetch lane reports what happens to each prefetch (`prefetched`, `used`, `unneeded`,
+`forget`); the store itself only enforces that a prefetch never evicts another (it protects `ahead`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from moepager.policies.base import EvictionPolicy
+from moepager.types import ExpertKey
+
+
+class PrefetchAware:
+    def __init__(self, inner: EvictionPolicy):
+        self.inner = inner
+        self.ahead: dict[ExpertKey, int] = {}
+        """Prefetched (loaded or loading) and not yet judged by their layer's routing: key -> slot."""
+        self.stale: set[ExpertKey] = set()
+        """Prefetched but not used when their layer ran."""
+
+    def on_access(self, key: ExpertKey, step: int) -> None:
+        self.inner.on_access(key, step)
+
+    def victim(self, candidates: Collection[ExpertKey], step: int) -> ExpertKey:
+        if self.stale:
+            stale = [k for k in candidates if k in self.stale]
+            if stale:
+                return self.inner.victim(stale, step)
+        if self.ahead:
+            settled = [k for k in candidates if k not in self.ahead]
+            if settled:
+                return self.inner.victim(settled, step)
+        return self.inner.victim(candidates, step)
+
+    def prefetched(self, key: ExpertKey, slot: int) -> None:
+        self.ahead[key] = slot
+
+    def used(self, key: ExpertKey) -> bool:
+        """`key` is used by its layer: True when it had been prefetched for it."""
+        self.stale.discard(key)
+        return self.ahead.pop(key, None) is not None
+
+    def unneeded(self, key: ExpertKey) -> None:
+        """`key` was prefetched and its layer routed elsewhere: evicted first from now on."""
+        del self.ahead[key]
+        self.stale.add(key)
+
+    def forget(self, key: ExpertKey) -> bool:
+        """`key` left the cache: True when it was still ahead (a prefetch evicted before its layer ran)."""
+        self.stale.discard(key)
+        return self.ahead.pop(key, None) is not None
