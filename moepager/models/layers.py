@@ -103,15 +103,10 @@ class RotaryEmbedding(nn.Module):
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
-    """Rotation of channel pairs (i, i + Dh/2)."""
-    cos, sin = cos_BTD[:, None], sin_BTD[:, None]
-    return x_BHTD * cos + rotate_half(x_BHTD) * sin
+    """Rotation of channel pairs (i, i + Dh/2): x * cos + rotate_half(x) * sin."""
+    x1, x2 = x_BHTD.chunk(2, dim=-1)
+    return x_BHTD * cos_BTD[:, None] + torch.cat((-x2, x1), dim=-1) * sin_BTD[:, None]
 
 
 def apply_rope_interleaved(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
@@ -166,6 +161,19 @@ def cache_write(cache_BHSD: torch.Tensor, new_BHTD: torch.Tensor, batch: Forward
     b, t = batch.positions_BT.shape
     rows = batch.rows_B if batch.rows_B is not None else torch.arange(b, device=cache_BHSD.device)
     cache_BHSD[rows[:, None].expand(b, t), :, batch.positions_BT] = new_BHTD.transpose(1, 2).to(cache_BHSD.dtype)
+
+
+def cache_update(caches: Sequence[torch.Tensor], new: Sequence[torch.Tensor], batch: ForwardBatch
+                 ) -> list[torch.Tensor]:
+    """Write each new tensor into its cache, then read every cache's prefix (keys and values in one call)."""
+    b, t = batch.positions_BT.shape
+    rows = batch.rows_B if batch.rows_B is not None else torch.arange(b, device=caches[0].device)
+    index = (rows[:, None].expand(b, t), slice(None), batch.positions_BT)
+    for cache_BHSD, new_BHTD in zip(caches, new):
+        cache_BHSD[index] = new_BHTD.transpose(1, 2).to(cache_BHSD.dtype)
+    if batch.rows_B is None:
+        return [c[:b, :, : batch.kv_len] for c in caches]
+    return [c[batch.rows_B, :, : batch.kv_len] for c in caches]
 
 
 def cache_read(cache_BHSD: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -236,10 +244,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q_BHTD, k_BHTD = apply_rope(q.transpose(1, 2), *rope), apply_rope(k.transpose(1, 2), *rope)
         v_BHTD = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cache_write(cache[0], k_BHTD, batch)
-        cache_write(cache[1], v_BHTD, batch)
-        out = F.scaled_dot_product_attention(q_BHTD, cache_read(cache[0], batch), cache_read(cache[1], batch),
-                                             attn_mask=batch.mask_B1TS,
+        k_all, v_all = cache_update(cache, (k_BHTD, v_BHTD), batch)
+        out = F.scaled_dot_product_attention(q_BHTD, k_all, v_all, attn_mask=batch.mask_B1TS,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -436,17 +442,19 @@ class MoEBlock(nn.Module):
         self.routing: RoutingSource = OWN_ROUTER
         """Decides the routing: the block's own router, or a replay of recorded routing."""
 
-    def shared_output(self, x_ND: torch.Tensor) -> torch.Tensor | None:
-        """Output of always-on shared experts; None when the architecture has none."""
-        return None
+    def shared_output(self, x_ND: torch.Tensor) -> torch.Tensor:
+        """Output of always-on shared experts (architectures that have them override this)."""
+        raise NotImplementedError
+
+    has_shared = False
+    """Whether `shared_output` adds always-on shared experts (subclasses that define it say so)."""
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
         route = self.gate(x_ND) if self.routing is OWN_ROUTER else self.routing.route(self.layer, self.gate, x_ND)
         if self.observer is not NULL_OBSERVER:
             self.observer.routed(self.layer, x_ND, route)
         out_ND = self.executor.run(self.layer, x_ND, route)
-        shared = self.shared_output(x_ND)
-        return out_ND if shared is None else out_ND + shared
+        return out_ND + self.shared_output(x_ND) if self.has_shared else out_ND
 
 
 class SoftmaxTopKRouter(nn.Module):

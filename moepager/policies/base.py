@@ -64,7 +64,8 @@ class AccessStats:
                    prob=np.full(shape, np.nan), prior=np.zeros(shape), next_use=np.full(shape, NEVER, np.int64))
 
     def take(self, index: np.ndarray) -> AccessStats:
-        return AccessStats(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+        return AccessStats(self.count[index], self.last[index], self.prob[index], self.prior[index],
+                           self.next_use[index])
 
     def grown(self, size: int) -> AccessStats:
         """A copy with room for `size` entries (1-D stats only); new entries are never-requested."""
@@ -124,5 +125,7 @@ class Ranked:
 
     def victim(self, candidates: Collection[ExpertKey], step: int) -> ExpertKey:
         keys = sorted(candidates)
-        index = np.fromiter((self._row(k) for k in keys), np.int64, len(keys))
-        return keys[int(np.argmin(self.priority(self.stats.take(index), step)))]
+        rows = [self._index.get(k) for k in keys]
+        if None in rows:  # never accessed (e.g. loaded at warm start): give it its row now
+            rows = [self._row(k) for k in keys]
+        return keys[int(np.argmin(self.priority(self.stats.take(np.array(rows)), step)))]

@@ -109,8 +109,13 @@ class SlotTable:
 
     def _victim(self, layer: int, step: int, protect: Mapping[ExpertKey, int],
                 allow_protected: bool) -> ExpertKey | None:
+        slot_of, pins, tickets = self.slot_of, self.pins, self.ticket
         for group in self._groups(layer):
-            candidates = [k for k in group if k not in protect and self.evictable(k)]
+            candidates = []
+            for k in group:
+                slot = slot_of[k]
+                if pins[slot] == 0 and k not in protect and (tickets[slot] is None or settled(tickets[slot])):
+                    candidates.append(k)
             if candidates:
                 return self.policy.victim(candidates, step)
         if allow_protected:
