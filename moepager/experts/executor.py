@@ -139,6 +139,21 @@ class ArenaKernels:
         out_MD[by_row] = y
         return out_MD
 
+    def grouped_rows(self, x_ND: torch.Tensor, route: RoutingDecision, base: int, count: int) -> torch.Tensor:
+        """`grouped` over arena rows base..base+count-1 (one resident layer, expert e at row base + e) without
+        the host ever seeing the expert ids: no sync, nothing in Python per expert (the GPU path)."""
+        ids_NK, weights_NK = route.ids_TK, route.weights_TK
+        sorted_M, order_M = torch.sort(ids_NK.reshape(-1), stable=True)
+        token_M = order_M // ids_NK.shape[1]
+        offs = torch.cumsum(torch.bincount(sorted_M, minlength=count), 0).to(torch.int32)
+        h = torch._grouped_mm(x_ND.index_select(0, token_M), self.gate_up_R2FD[base:base + count].transpose(1, 2),
+                              offs=offs)
+        gate, up = h.chunk(2, dim=-1)
+        y_MD = torch._grouped_mm(self.act(gate) * up, self.down_RDF[base:base + count].transpose(1, 2), offs=offs)
+        out_ND = torch.zeros_like(x_ND)
+        out_ND.index_add_(0, token_M, (y_MD * weights_NK.reshape(-1, 1).index_select(0, order_M)).to(x_ND.dtype))
+        return out_ND
+
     def compute(self, work: SortedTokens, rows: Sequence[int], kernel: Kernel | None = None) -> torch.Tensor:
         """Every used expert at once (all of `rows` are ready)."""
         kernel = kernel or (self.kernel if self.kernel != "auto" else self.choose(work))
@@ -158,8 +173,12 @@ class ResidentExecutor:
                  kernel: Kernel = "auto"):
         self.kernels = ArenaKernels(arena, shape, kernel)
         self.base = {layer: i * num_experts for i, layer in enumerate(moe_layers)}
+        self.num_experts = num_experts
+        self._grouped = kernel == "grouped" or (kernel == "auto" and arena.is_cuda)
 
     def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
+        if self._grouped:
+            return self.kernels.grouped_rows(x_ND, route, self.base[layer], self.num_experts)
         work = sort_by_expert(x_ND, route)
         base = self.base[layer]
         rows = [base + e for e in work.experts] if base else work.experts

@@ -25,3 +25,32 @@ def test_cuda_generation_matches_cpu(demo_checkpoint):
         assert a.token_ids[:8] == b.token_ids[:8]
     assert gpu_llm.last_stats.peak_cuda_bytes and gpu_llm.last_stats.peak_cuda_bytes > 0
     assert next(gpu_llm.loaded.model.parameters()).device.type == "cuda"
+
+
+def syncs_per_decode_token(llm: LLM) -> float:
+    """Host<->device synchronizations per decode step, counted with torch's sync debug mode (every
+    synchronizing CUDA call warns): the difference of a 17- and a 1-token generation over 16 steps."""
+    import warnings
+
+    def syncs(max_tokens: int) -> int:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                llm.generate("The history of", SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in caught)
+    syncs(2)
+    return (syncs(17) - syncs(1)) / 16
+
+
+def test_host_syncs_per_decode_token(demo_checkpoint):
+    """Issue 15: at most one sync per decode token all resident (sampling), one more per MoE layer paged (the
+    store must know which experts a layer routed to)."""
+    from moepager.config import StoreConfig
+
+    resident = LLM(demo_checkpoint, device="cuda", show_progress=False)
+    assert syncs_per_decode_token(resident) <= 1
+    paged = LLM(demo_checkpoint, device="cuda", show_progress=False, store=StoreConfig(expert_memory="50%"))
+    assert syncs_per_decode_token(paged) <= 1 + paged.loaded.config.num_moe_layers
