@@ -17,6 +17,7 @@ prompt at every budget (LRU), measured and modeled.
 from __future__ import annotations
 
 import argparse
+import json
 import gc
 import statistics
 import sys
@@ -70,6 +71,9 @@ def arguments(device: str, layers: int, threads: int | None) -> argparse.Argumen
     ap.add_argument("--all-combinations", action="store_true",
                     help="every policy with every predictor (default: predictors with the first policy only)")
     ap.add_argument("--fit-requests", type=int, default=1500, help="trace requests the predictors are fitted on")
+    ap.add_argument("--remodel", action="store_true",
+                    help="measure nothing: re-evaluate the cost model on the last run's measurements and profile "
+                         "(after a change to the model, not to the constants)")
     ap.set_defaults(device=device)
     return ap
 
@@ -177,6 +181,8 @@ def main(device: str, layers: int, threads: int | None, name: str) -> None:
     fit = list(range(args.fit_requests))
     requests = replayed_requests(trace, args.fit_requests, args.requests, args.prompt + args.decode)
     cut = Cut(args.prompt, args.decode)
+    if args.remodel:
+        return remodel(name, trace, requests, cut, args)
     spec = ReplaySpec(trace, requests, args.prompt, "match", args.decode)
     files = fitted_predictors(trace, fit, [p for p in args.predictors if p != "none"])
     print(f"calibrating {path.name} on {device} (before the runs) ...")
@@ -188,11 +194,7 @@ def main(device: str, layers: int, threads: int | None, name: str) -> None:
     profile = averaged(before, after)  # this shared machine drifts over a run: the model gets the run's mean
     profile.write(RESULTS / f"{name}_profile.json")
     cost = CostModel.profile(str(RESULTS / f"{name}_profile.json"), 0)
-    for row in rows:
-        if row["predictor"] == "none":
-            row["model"] = modeled(cost, trace, requests, cut, row["policy"], row["per_layer"] or 64)
-            row["modeled_tpot_ms"] = row["model"]["tpot_ms"]
-            row["model_error"] = row["modeled_tpot_ms"] / row["tpot_ms"] - 1
+    model_rows(rows, cost, trace, requests, cut)
     base = next(r["decode_tok_s"] for r in rows if r["per_layer"] is None)
     for r in rows:
         r["vs_resident"] = r["decode_tok_s"] / base
@@ -203,6 +205,36 @@ def main(device: str, layers: int, threads: int | None, name: str) -> None:
                             "profile": {"used": asdict(profile), "before": before.measured, "after": after.measured},
                             "rows": rows, "ttft": ttft})
     plot(rows, RESULTS / f"{name}.png", f"{path.name} on {device}, DeepSeek-V2-Lite routing replayed")
+    print(f"wrote {out} and {RESULTS / (name + '.png')}")
+
+
+def model_rows(rows: list[dict], cost: CostModel, trace: Path, requests: list[int], cut: Cut) -> None:
+    """The calibrated model's TPOT beside each measured configuration without prefetch."""
+    for row in rows:
+        if row["predictor"] == "none":
+            row["model"] = modeled(cost, trace, requests, cut, row["policy"], row["per_layer"] or 64)
+            row["modeled_tpot_ms"] = row["model"]["tpot_ms"]
+            row["model_error"] = row["modeled_tpot_ms"] / row["tpot_ms"] - 1
+
+
+def remodel(name: str, trace: Path, requests: list[int], cut: Cut, args: argparse.Namespace) -> None:
+    """The last run's measurements (results/NAME.json) and calibration (results/NAME_profile.json) with the
+    current cost model: the modeled columns are recomputed, nothing is measured again."""
+    data = json.loads((RESULTS / f"{name}.json").read_text())
+    if data["replayed_requests"] != requests:
+        raise SystemExit(f"results/{name}.json replayed requests {data['replayed_requests']}, not {requests}")
+    cost = CostModel.profile(str(RESULTS / f"{name}_profile.json"), 0)
+    model_rows(data["rows"], cost, trace, requests, cut)
+    request = replayed_requests(trace, args.fit_requests, 1, args.ttft_prompt + 1)
+    for t in data["ttft"]:
+        per_layer = next(r["per_layer"] for r in data["rows"] if r["budget"] == t["budget"]) or 64
+        t["modeled_ttft_ms"] = modeled(cost, trace, request, Cut(args.ttft_prompt, 0), "lru", per_layer)["ttft_ms"]
+        t["model_error"] = t["modeled_ttft_ms"] / t["ttft_ms"] - 1
+    data["remodeled"] = "modeled columns recomputed by --remodel from the same measurements and profile"
+    report(data["rows"], data["ttft"], args)
+    out = write_json(name, data)
+    plot(data["rows"], RESULTS / f"{name}.png", f"{Path(data['model']).name} on {args.device}, DeepSeek-V2-Lite "
+                                                f"routing replayed")
     print(f"wrote {out} and {RESULTS / (name + '.png')}")
 
 

@@ -4,8 +4,10 @@ Per step and MoE layer, with n distinct experts requested, h of them cached, m =
   c = one expert's compute: max(weight bytes / memory bandwidth, tokens * 2 * params / FLOP/s) + launch
   l = one expert's load: bytes / link bandwidth + per-transfer latency
   overlap "none":  layer = other + n*c + m*l          (load, then compute, one expert at a time)
-  overlap "layer": layer = other + max(n*c, l + m*c, m*l + c)
-    (moepager's store: hits compute while the misses load back to back; each miss computes when it lands)
+  overlap "layer": layer = other + max(n*c, l + m*c, l + (m-1)*bytes/bandwidth + c)
+    (moepager's store: a layer's misses are issued together, so the first lands after l and the rest follow
+    at the link's aggregate rate, the latency overlapping; hits compute meanwhile and each miss computes when
+    it lands)
   misses on the CPU (SMoE): layer = other + max(h*c, m*c_cpu)   (GPU and CPU run their experts in parallel)
 Prefetches (SMoE) use the link in the background; a step whose prefetch traffic outlasts its compute waits
 for the rest. `other` is the per-layer non-expert time: shared experts plus `dense_bytes_per_layer` read at
@@ -196,8 +198,9 @@ class CostModel:
             layer = other + np.maximum(h * c, m * self.compute_s(per_expert_tokens, DEVICES["cpu"]))
         elif self.overlap == "none":
             layer = other + n * c + m * load
-        else:  # every miss is loaded, admitted or streamed through
-            loaded = np.maximum(load + m * c, m * load + c)
+        else:  # every miss is loaded, admitted or streamed through; a layer's misses are in flight together
+            last_lands = load + np.maximum(m - 1, 0) * (self.expert_bytes / self.link.bytes_per_s)
+            loaded = np.maximum(load + m * c, last_lands + c)
             layer = other + np.where(m > 0, np.maximum(n * c, loaded), n * c)
         compute = layer.sum(1)
         if self.calibration is not None:

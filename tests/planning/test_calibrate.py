@@ -66,3 +66,18 @@ def test_calibrated_step_times_add_non_expert_time_and_interpolate_experts():
     t = longer.step_times(np.array([[1]]), np.array([[1]]), np.zeros((1, 1)), np.array([1]), 1, False,
                           np.array([120]))
     assert t.tolist() == [pytest.approx(1.0 + 10.0 + 0.01 * (120 - 20))]
+
+
+def test_a_layers_misses_load_together_paying_the_latency_once():
+    """The store issues a layer's misses at once on its I/O threads: the first lands after one load (rate +
+    latency), the rest follow at the aggregate rate; serial loads would pay the latency per miss."""
+    cal = Calibration(expert_bytes=1000, expert_s_1=0.1, expert_s_64=6.4, dense_decode_s=0.0, dense_decode_kv=20.0,
+                      dense_kv_s=0.0, dense_token_s=0.0, io_interference_s_per_byte=0.0, model="m", threads=1,
+                      device="cpu")
+    cost = CostModel(Device("d", 1e12, 1e15, 0.0), Link("l", 1000.0, 2.0), 1000, calibration=cal)
+    # 4 misses of one token each, top-4: first lands at 1 + 2 = 3 s, the last at 3 + 3 * 1 = 6 s, then computes
+    t = cost.step_times(np.array([[4]]), np.array([[0]]), np.zeros((1, 1)), np.array([1]), 4, False)
+    assert t.tolist() == [pytest.approx(6.0 + 0.1)]
+    serial = CostModel(cost.device, cost.link, 1000, overlap="none", calibration=cal)
+    t = serial.step_times(np.array([[4]]), np.array([[0]]), np.zeros((1, 1)), np.array([1]), 4, False)
+    assert t.tolist() == [pytest.approx(4 * 3.0 + 4 * 0.1)]
