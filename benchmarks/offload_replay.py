@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS, SHARED, converted, ensure_model, machine_state, print_table, write_json  # noqa: E402
 from moepager.config import PrefetchConfig, StoreConfig  # noqa: E402
-from moepager.planning.calibrate import CalibrateOptions, calibrate  # noqa: E402
+from moepager.planning.calibrate import CalibrateOptions, DiskSampler, calibrate  # noqa: E402
 from moepager.planning.cost import CalibratedProfile, CostModel  # noqa: E402
 from moepager.runtime.llm import LLM  # noqa: E402
 from moepager.runtime.replay import ReplaySpec  # noqa: E402
@@ -153,6 +153,7 @@ def measure(path: Path, cfg: Config, args: argparse.Namespace, spec: ReplaySpec,
                 "hit_rate": d.get("hit_rate", 1.0), "disk_MiB_per_token": d.get("bytes_disk_per_token", 0) / 2**20,
                 "h2d_MiB_per_token": d.get("bytes_host_to_device_per_token", 0) / 2**20,
                 "exposed_ms_per_token": 1e3 * d.get("exposed_s", 0.0) / max(decoded, 1),
+                "disk_GBps_in_run": d.get("disk_read_bytes_per_s", 0.0) / 1e9,
                 "prefetch_accuracy": d.get("prefetch_accuracy") if d.get("loads_ahead") else None,
                 "decoded": decoded}
     finally:
@@ -188,10 +189,20 @@ def main(device: str, layers: int, threads: int | None, name: str) -> None:
     print(f"calibrating {path.name} on {device} (before the runs) ...")
     options = CalibrateOptions(device, args.io_threads, prefill_tokens=args.ttft_prompt)
     before = calibrate(path, options)
-    rows = [measure(path, cfg, args, spec, files) for cfg in tqdm(configs(args), desc="configurations", unit="config")]
+    disk = DiskSampler(path, args.io_threads)
+    rows = []
+    for cfg in tqdm(configs(args), desc="configurations", unit="config"):
+        rows.append(measure(path, cfg, args, spec, files))
+        if device == "cpu":
+            disk.sample()  # the disk drifts during the run: the link is sampled between configurations
     print(f"calibrating {path.name} on {device} (after the runs) ...")
     after = calibrate(path, options)
     profile = averaged(before, after)  # this shared machine drifts over a run: the model gets the run's mean
+    if disk.samples:
+        for m in (before.measured, after.measured):
+            disk.samples.append((m["disk_Bps"], m["disk_single_read_s"]))
+        profile = replace(profile, link=disk.link(profile.calibration.expert_bytes))
+    disk.close()
     profile.write(RESULTS / f"{name}_profile.json")
     cost = CostModel.profile(str(RESULTS / f"{name}_profile.json"), 0)
     model_rows(rows, cost, trace, requests, cut)
@@ -202,7 +213,8 @@ def main(device: str, layers: int, threads: int | None, name: str) -> None:
     report(rows, ttft, args)
     out = write_json(name, {"machine": state, "model": str(path), "trace": str(trace), "replayed_requests": requests,
                             "fitted_on": f"requests 0:{args.fit_requests}", "args": vars(args),
-                            "profile": {"used": asdict(profile), "before": before.measured, "after": after.measured},
+                            "profile": {"used": asdict(profile), "before": before.measured, "after": after.measured,
+                                        "disk_samples": disk.samples},
                             "rows": rows, "ttft": ttft})
     plot(rows, RESULTS / f"{name}.png", f"{path.name} on {device}, DeepSeek-V2-Lite routing replayed")
     print(f"wrote {out} and {RESULTS / (name + '.png')}")

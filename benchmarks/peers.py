@@ -1,7 +1,7 @@
 """moepager against its peers on the CPU, all experts resident, bf16: decode tokens/s side by side in one run.
 
 Engines, each measured in interleaved rounds (median of per-token times over --decode steps after a 16-token
-prompt): moepager (expert kernel auto, and loop to compare the executor's candidates), HF transformers (a
+prompt): moepager (one row per --kernels entry, to compare the executor's candidates), HF transformers (a
 greedy loop over its DynamicCache: transformers without generate()'s overhead) and llama.cpp BF16 through
 `llama-cpp-python` when it is installed (`pip install llama-cpp-python`; the GGUF is converted with the
 `convert_hf_to_gguf.py` its source tree vendors, found through --llama-convert). Models: the built-in demo-moe
@@ -9,6 +9,7 @@ and `make-model --preset qwen3-30b-a3b --layers 4` (~1.08 GB of weights read per
 ratios to HF and llama.cpp, and the weight bytes per token divided by the time per token (achieved GB/s).
 
     python benchmarks/peers.py [--models demo qwen3-30b-a3b] [--threads 1 2] [--rounds 3] [--decode 64]
+        [--kernels auto loop gather grouped] [--llama-convert PATH/convert_hf_to_gguf.py]
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--kernels", nargs="+", default=["auto"], help="moepager expert kernels to run (one row each)")
     ap.add_argument("--llama-convert", type=Path, help="llama.cpp's convert_hf_to_gguf.py (to make the GGUF once)")
     args = ap.parse_args()
     state = machine_state()
@@ -126,10 +128,10 @@ def main() -> None:
     results, rows = [], []
     for name in args.models:
         path = model_path(name)
-        ours = {"moepager": Ours(path, "auto"), "moepager loop": Ours(path, "loop")}
+        ours = {f"moepager {k}": Ours(path, k) for k in args.kernels}
         peers = {"HF": HF(path)}
-        nbytes = weight_bytes_per_token(ours["moepager"].llm)
-        vocab = ours["moepager"].llm.loaded.config.vocab_size
+        first = next(iter(ours.values())).llm
+        nbytes, vocab = weight_bytes_per_token(first), first.loaded.config.vocab_size
         ids = torch.randint(0, vocab, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
         for threads in args.threads:
             torch.set_num_threads(threads)

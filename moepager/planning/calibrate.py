@@ -254,6 +254,37 @@ def compute_times(arch: Architecture, cfg: ModelConfig, shape: ExpertShape, devi
     return out | {"dense_decode_kv": SHORT_PROMPT + (dense.steps + 1) / 2, "dense_long_kv": long + (dense.steps + 1) / 2}
 
 
+class DiskSampler:
+    """Samples the disk rates again and again over a long run (a shared machine's disk drifts: 0.6 to 1.5 GB/s
+    within minutes here), each time on random experts not read before, as `calibrate` measures them."""
+
+    def __init__(self, path: str | os.PathLike[str], io_threads: int, seed: int = 1):
+        checkpoint = Checkpoint(path)
+        arch = architecture_for(checkpoint.config)
+        cfg = arch.parse_config(checkpoint.config)
+        shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, checkpoint_dtype(checkpoint))
+        self.reader = ExpertReader(checkpoint, arch.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0)
+        self.keys = [ExpertKey(layer, e) for layer in cfg.moe_layers for e in range(cfg.num_experts)]
+        self.io_threads, self.gen = io_threads, torch.Generator().manual_seed(seed)
+        self.samples: list[tuple[float, float]] = []
+
+    def sample(self, count: int = 48) -> tuple[float, float]:
+        """(aggregate bytes/s, seconds per single read) over `count` random experts; kept in `samples`."""
+        order = torch.randperm(len(self.keys), generator=self.gen)[:count].tolist()
+        self.samples.append(disk_rates(self.reader, [self.keys[i] for i in order], self.io_threads))
+        return self.samples[-1]
+
+    def link(self, nbytes: int) -> Link:
+        """The disk link at the samples' mean rate and single-read time."""
+        rate = statistics.fmean(s[0] for s in self.samples)
+        single = statistics.fmean(s[1] for s in self.samples)
+        return Link(f"disk, {self.io_threads} reads at once, mean of {len(self.samples)} samples", rate,
+                    max(0.0, single - nbytes / rate))
+
+    def close(self) -> None:
+        self.reader.files.close()
+
+
 def calibrate(path: str | os.PathLike[str], options: CalibrateOptions, step: Step | None = None) -> CalibratedProfile:
     """Measure this machine for the model at `path` (a checkpoint directory)."""
     step = step or (lambda _: None)

@@ -81,3 +81,16 @@ def test_a_layers_misses_load_together_paying_the_latency_once():
     serial = CostModel(cost.device, cost.link, 1000, overlap="none", calibration=cal)
     t = serial.step_times(np.array([[4]]), np.array([[0]]), np.zeros((1, 1)), np.array([1]), 4, False)
     assert t.tolist() == [pytest.approx(4 * 3.0 + 4 * 0.1)]
+
+
+def test_disk_sampler_averages_fresh_samples_into_one_link(demo_checkpoint):
+    from moepager.planning.calibrate import DiskSampler
+
+    sampler = DiskSampler(demo_checkpoint, io_threads=2)
+    try:
+        rates = [sampler.sample(count=4) for _ in range(3)]
+    finally:
+        sampler.close()
+    link = sampler.link(1000)
+    assert link.bytes_per_s == pytest.approx(sum(r[0] for r in rates) / 3) and link.latency_s >= 0
+    assert "mean of 3 samples" in link.name
