@@ -250,7 +250,10 @@ def compute_times(arch: Architecture, cfg: ModelConfig, shape: ExpertShape, devi
     # one expert at 1 token as a decode step pays for it: the full-size step less the 1-wide one, per expert,
     # plus the call overhead the 1-wide step already paid (an isolated loop over experts overstates it ~2x)
     per_token = cfg.num_moe_layers * cfg.top_k
-    out["expert_s_1"] = (out["decode_full_raw_s"] - out["dense_decode_raw_s"]) / per_token + out["expert_overhead_s"]
+    # an expert costs at least its call's fixed overhead: for experts so small that their weights add less than
+    # the two steps' timing noise, the difference alone can come out below it (even negative)
+    out["expert_s_1"] = max(out["decode_full_raw_s"] - out["dense_decode_raw_s"], 0.0) / per_token \
+        + out["expert_overhead_s"]
     return out | {"dense_decode_kv": SHORT_PROMPT + (dense.steps + 1) / 2, "dense_long_kv": long + (dense.steps + 1) / 2}
 
 

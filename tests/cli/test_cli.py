@@ -60,6 +60,18 @@ def test_generate_with_an_expert_budget_matches_resident_and_reports_paging(tiny
     assert data["config"]["device slots"] == 4 and data["prefill"]["loads_on_demand"] >= 4
 
 
+@pytest.mark.parametrize("kernel", ["gather", "grouped"])
+def test_every_expert_kernel_generates_the_same_text_resident_and_paged(tiny, capsys, kernel):
+    common = ["generate", "--model", str(tiny), "The history of", "--max-tokens", "8", "--ignore-eos", "--quiet"]
+    assert main(common + ["--expert-kernel", kernel]) == 0
+    resident = capsys.readouterr().out.split("\n")[0]
+    assert main(common + ["--expert-kernel", kernel, "--expert-memory", "25%", "--direct-io", "off"]) == 0
+    assert capsys.readouterr().out.split("\n")[0] == resident
+    with pytest.raises(SystemExit) as exit_info:
+        main(common + ["--expert-kernel", "simd"])
+    assert exit_info.value.code == 2 and "invalid choice: 'simd'" in capsys.readouterr().err
+
+
 def test_generate_several_prompts_and_chat(tiny, capsys):
     assert main(["generate", "--model", str(tiny), "one", "two", "--max-tokens", "3", "--chat", "--quiet",
                  "--temperature", "0.8", "--seed", "1", "--top-p", "0.9"]) == 0
