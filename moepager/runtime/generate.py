@@ -16,6 +16,7 @@ import torch
 
 from moepager.models.layers import CausalLM, ForwardBatch
 from moepager.errors import NumericalError
+from moepager.runtime.kv_pool import KVCachePool
 from moepager.runtime.sampling import NonFiniteLogits, Sampler, SamplingParams
 from moepager.runtime.stats import RunStats
 from moepager.types import Phase
@@ -81,8 +82,9 @@ class TextTracker:
 def generate_ids(model: CausalLM, prompts: Sequence[list[int]], params: SamplingParams, eos_ids: Sequence[int],
                  stats: RunStats, detokenize: Detokenize | None = None, on_text: OnText | None = None,
                  device: torch.device | str = "cpu", on_phase: OnPhase = ignore_phase,
-                 on_pass: OnPass = ignore_pass) -> list[SequenceState]:
-    """Generate for every prompt; fills `stats` with timings and announces each phase through `on_phase`."""
+                 on_pass: OnPass = ignore_pass, kv: KVCachePool | None = None) -> list[SequenceState]:
+    """Generate for every prompt; fills `stats` with timings and announces each phase through `on_phase`. The
+    KV cache comes from `kv` (reused across calls) or is allocated for this call."""
     dev = torch.device(device)
     t0 = time.perf_counter()
     seqs = [SequenceState(list(p)) for p in prompts]
@@ -91,7 +93,8 @@ def generate_ids(model: CausalLM, prompts: Sequence[list[int]], params: Sampling
     sampler, tracker = Sampler(params, b), TextTracker(detokenize, params, on_text)
     eos = set() if params.ignore_eos else set(eos_ids)
     window = model.config.sliding_window
-    cache = model.make_cache(b, t + params.max_tokens, next(model.parameters()).dtype, dev)
+    length = t + params.max_tokens
+    cache = kv.get(b, length) if kv is not None else model.make_cache(b, length, next(model.parameters()).dtype, dev)
     ids_BT = torch.zeros(b, t, dtype=torch.long)
     for i, p in enumerate(prompts):
         ids_BT[i, : len(p)] = torch.tensor(p)

@@ -30,6 +30,7 @@ from moepager.runtime.generate import (
     ignore_pass,
     ignore_phase,
 )
+from moepager.runtime.kv_pool import KVCachePool
 from moepager.runtime.prefetch import Prefetcher, build_prefetcher
 from moepager.runtime.replay import ReplayReport, ReplaySpec, RouteReplayer, check_record_path, load_replay
 from moepager.runtime.sampling import SamplingParams
@@ -71,6 +72,8 @@ class LLM:
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
         self.eos_token_ids = self._eos_token_ids()
         self.last_stats = RunStats()
+        self.kv = KVCachePool(self.loaded.model, self.loaded.dtype, self.loaded.device)
+        """The KV cache every call reuses (grown when a call needs more)."""
         self.prefetcher: Prefetcher | None = None
         """Forecasts routing and loads experts ahead (kept across calls: an online expert-map store grows)."""
         if self.config.prefetch.predictor is not None and isinstance(self.loaded.experts, PagedExecutor):
@@ -163,7 +166,7 @@ class LLM:
         recorder = self._recorder(len(ids), record_hidden) if record_trace is not None else None
         with self._wired(recorder, None) as hooks:
             seqs = generate_ids(self.loaded.model, ids, params, self.eos_token_ids, stats, self._detokenize, on_text,
-                                self.loaded.device, hooks.on_phase, hooks.on_pass)
+                                self.loaded.device, hooks.on_phase, hooks.on_pass, self.kv)
         self._finish(stats, seqs, recorder, record_trace, [p if isinstance(p, str) else None for p in prompts])
         return _completions(seqs)
 
@@ -188,7 +191,7 @@ class LLM:
                 on_pass = partial(_as_row, hooks.on_pass, row)
                 seqs += generate_ids(self.loaded.model, [r.prompt_ids], replace(params, max_tokens=r.max_tokens,
                                      ignore_eos=True, stop=()), [], part, None, None, self.loaded.device,
-                                     hooks.on_phase, on_pass)
+                                     hooks.on_phase, on_pass, self.kv)
                 stats.add(part)
         self._finish(stats, seqs, recorder, record_trace, [None] * len(requests))
         stats.sections["replay"] = ReplayReport(str(spec.trace), [r.index for r in requests], spec.prompt_tokens)
