@@ -79,6 +79,11 @@ class Forecast:
 class Predictor(Protocol):
     name: str
     """Registry name (reports)."""
+    needs_scores: bool
+    """`observe` reads the router's scores (`probs_NE`); otherwise the engine does not copy them off the device."""
+    hidden: Literal["host", "device"] | None
+    """Where `observe` wants the router's input `x_ND`: copied to the host, left where the model computes (its
+    routers run there: gate lookahead), or not at all."""
     semantic: Literal["embedding", "hashed-tokens"] | None
     """The semantic embedding `start_iteration` needs per row: the model's token embeddings pooled over the
     request ("embedding"), hashed token ids ("hashed-tokens", stores fitted on traces), or none."""

@@ -106,6 +106,9 @@ class ExpertMapPredictor:
         """The map store (what `moepager predictor fit --kind expert-map` writes)."""
         self.store.save(path)
 
+    needs_scores = True
+    hidden = None
+
     @property
     def semantic(self) -> SemKind:
         return self.store.sem_kind

@@ -24,6 +24,8 @@ class GateLookaheadPredictor:
 
     name = "gate-lookahead"
     semantic = None
+    needs_scores = False
+    hidden = "device"
 
     def __init__(self, routers: Sequence[RouterScores]):
         self.routers = list(routers)

@@ -25,6 +25,8 @@ class TokenWisePredictor:
 
     name = "token-wise"
     semantic = None
+    needs_scores = False
+    hidden = "host"
 
     def __init__(self, weights_LED: torch.Tensor):
         self.weights_LED = weights_LED.float()

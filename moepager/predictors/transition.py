@@ -22,6 +22,8 @@ class TransitionPredictor:
 
     name = "transition"
     semantic = None
+    needs_scores = False
+    hidden = None
 
     def __init__(self, tables: dict[tuple[int, int, int], torch.Tensor], num_layers: int, num_experts: int):
         self.tables = tables

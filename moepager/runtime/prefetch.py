@@ -37,6 +37,9 @@ from moepager.policies.base import ForecastConsumer
 from moepager.store.store import ExpertStore
 from moepager.types import Phase, RoutingDecision
 
+NO_SCORES = torch.empty(0, 0)
+"""The observation's scores for predictors that do not read them (they stay on the device, uncopied)."""
+
 SemanticEmbed = Callable[[torch.Tensor], torch.Tensor]
 """token ids_N -> per-token vectors_ND whose running mean over a request is its semantic embedding (the
 model's embedding layer, or expert_map.hashed_tokens for stores fitted on traces)."""
@@ -106,10 +109,14 @@ class Prefetcher:
     def routed(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> None:
         i = self.position[layer]
         self.now = i
-        self.store.settle(layer, route.ids_TK.flatten().tolist())
+        ids_NK = route.ids_TK.cpu()  # the one copy off the device every predictor needs
+        self.store.settle(layer, ids_NK.flatten().tolist())
         self.pending.pop((self.iteration, i), None)
-        self.predictor.observe(i, LayerObservation(route.scores_TE.float().cpu(), route.ids_TK.cpu(),
-                                                   x_ND.detach().cpu()))
+        predictor = self.predictor
+        probs_NE = route.scores_TE.float().cpu() if predictor.needs_scores else NO_SCORES
+        hidden = x_ND.detach()
+        predictor.observe(i, LayerObservation(probs_NE, ids_NK, hidden.cpu() if predictor.hidden == "host"
+                                              else hidden if predictor.hidden == "device" else None))
         j, ahead = target_of(i, self.plan.distance, len(self.moe_layers))
         self._enqueue(self.predictor.forecast(j, ahead), j, ahead)
         self._pump()
