@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ensure_model, machine_state, median_time, print_table, write_json  # noqa: E402
+from common import (RESULTS, bytes_per_decode_token, ensure_model, machine_state, median_time,  # noqa: E402
+                    print_table, write_json)
 
 from moepager.models.layers import ForwardBatch  # noqa: E402
 from moepager.runtime.llm import LLM  # noqa: E402
@@ -56,14 +57,6 @@ def ours_prefill(llm, ids):
 def ours_decode(llm, prompt, steps):
     llm.generate([prompt[0].tolist()], SamplingParams(max_tokens=steps + 1, ignore_eos=True))
     return llm.last_stats.decode_tokens_per_s
-
-
-def bytes_per_decode_token(llm) -> int:
-    """Weight bytes one decode token must read: every non-expert weight plus top-k experts per MoE layer."""
-    cfg, loaded = llm.loaded.config, llm.loaded
-    non_expert = sum(t.numel() * t.element_size() for n, t in loaded.model.state_dict().items()
-                     if n != "model.embed_tokens.weight" or cfg.tie_word_embeddings)
-    return non_expert + cfg.num_moe_layers * cfg.top_k * loaded.expert_shape.nbytes
 
 
 def gemv_bandwidth(nbytes: int = 256 << 20) -> float:

@@ -15,6 +15,7 @@ ratios to HF and llama.cpp, and the weight bytes per token divided by the time p
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ensure_model, machine_state, print_table, write_json  # noqa: E402
+from common import RESULTS, bytes_per_decode_token, ensure_model, machine_state, print_table, write_json  # noqa: E402
 
 from moepager.config import EngineConfig  # noqa: E402
 from moepager.models.default import default_model_path  # noqa: E402
@@ -32,15 +33,6 @@ from moepager.runtime.llm import LLM  # noqa: E402
 from moepager.runtime.sampling import SamplingParams  # noqa: E402
 
 PROMPT = 16
-
-
-def weight_bytes_per_token(llm: LLM) -> int:
-    """Weights one decode token reads: every non-expert weight (the embedding row aside) plus top-k experts
-    per MoE layer."""
-    cfg, loaded = llm.loaded.config, llm.loaded
-    non_expert = sum(t.numel() * t.element_size() for n, t in loaded.model.state_dict().items()
-                     if n != "model.embed_tokens.weight" or cfg.tie_word_embeddings)
-    return non_expert + cfg.num_moe_layers * cfg.top_k * loaded.expert_shape.nbytes
 
 
 class Ours:
@@ -119,11 +111,8 @@ def main() -> None:
     ap.add_argument("--llama-convert", type=Path, help="llama.cpp's convert_hf_to_gguf.py (to make the GGUF once)")
     args = ap.parse_args()
     state = machine_state()
-    try:
-        import llama_cpp  # noqa: F401
-        have_llama = True
-    except ImportError:
-        have_llama = False
+    have_llama = importlib.util.find_spec("llama_cpp") is not None
+    if not have_llama:
         print("llama.cpp: not measured (llama-cpp-python is not installed: pip install llama-cpp-python)")
     results, rows = [], []
     for name in args.models:
@@ -131,7 +120,7 @@ def main() -> None:
         ours = {f"moepager {k}": Ours(path, k) for k in args.kernels}
         peers = {"HF": HF(path)}
         first = next(iter(ours.values())).llm
-        nbytes, vocab = weight_bytes_per_token(first), first.loaded.config.vocab_size
+        nbytes, vocab = bytes_per_decode_token(first), first.loaded.config.vocab_size
         ids = torch.randint(0, vocab, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
         for threads in args.threads:
             torch.set_num_threads(threads)

@@ -57,15 +57,24 @@ class SortedTokens:
     token_M: torch.Tensor
     """Which token of x_ND each sorted row is."""
     experts: list[int]
-    """Distinct experts used, ascending."""
+    """Distinct experts used, ascending (empty when the ids were never read on the host)."""
     starts: list[int]
     """Slice of sorted rows per used expert: starts[i]..starts[i+1]."""
 
 
-def sort_by_expert(x_ND: torch.Tensor, route: RoutingDecision) -> SortedTokens:
+def _sorted_on_device(x_ND: torch.Tensor, route: RoutingDecision) -> tuple[SortedTokens, torch.Tensor]:
+    """The sorted tokens without reading anything on the host, and the sorted expert id of every row."""
     ids_NK, weights_NK = route.ids_TK, route.weights_TK
-    n, k = ids_NK.shape
     sorted_M, order_M = torch.sort(ids_NK.reshape(-1), stable=True)
+    token_M = order_M // ids_NK.shape[1]
+    work = SortedTokens(x_ND.index_select(0, token_M), weights_NK.reshape(-1, 1).index_select(0, order_M), token_M,
+                        [], [])
+    return work, sorted_M
+
+
+def sort_by_expert(x_ND: torch.Tensor, route: RoutingDecision) -> SortedTokens:
+    work, sorted_M = _sorted_on_device(x_ND, route)
+    n, k = route.ids_TK.shape
     if n == 1:  # top-k ids are distinct: one row per expert
         experts, starts = sorted_M.tolist(), list(range(k + 1))
     else:
@@ -75,9 +84,8 @@ def sort_by_expert(x_ND: torch.Tensor, route: RoutingDecision) -> SortedTokens:
         starts = [0]
         for c in counts_list:
             starts.append(starts[-1] + c)
-    token_M = order_M // k
-    return SortedTokens(x_ND.index_select(0, token_M), weights_NK.reshape(-1, 1).index_select(0, order_M), token_M,
-                        experts, starts)
+    work.experts, work.starts = experts, starts
+    return work
 
 
 def combine(x_ND: torch.Tensor, work: SortedTokens, y_MD: torch.Tensor) -> torch.Tensor:
@@ -95,14 +103,15 @@ class ArenaKernels:
             raise ValueError(f"unknown expert kernel '{kernel}'; choose from {', '.join(KERNELS)}")
         d, f = shape.hidden, shape.intermediate
         self.arena, self.shape, self.kernel, self.act = arena, shape, kernel, act
+        self.resolved: Kernel = kernel if kernel != "auto" else "grouped" if arena.is_cuda else "loop"
+        """The kernel every call uses (`auto` resolved by device)."""
         self.views = [ExpertWeights(row, shape) for row in arena]
         self.gate_up_R2FD = arena[:, : 2 * f * d].view(-1, 2 * f, d)
         self.down_RDF = arena[:, 2 * f * d:].view(-1, d, f)
 
     def choose(self, work: SortedTokens) -> Kernel:
-        if self.kernel != "auto":
-            return self.kernel
-        return "grouped" if self.arena.is_cuda else "loop"
+        """The kernel for `work` (today the same for every call: see `resolved`)."""
+        return self.resolved
 
     def loop(self, work: SortedTokens, rows: Sequence[int], which: Sequence[int], out_MD: torch.Tensor) -> None:
         """Experts `which` (indices into work.experts) computed one by one into their slices of out_MD (the
@@ -127,36 +136,30 @@ class ArenaKernels:
         gate, up = h_M12F.chunk(2, dim=-1)
         return torch.bmm(self.act(gate) * up, self.down_RDF.index_select(0, index_M).transpose(1, 2))[:, 0]
 
+    def _grouped_swiglu(self, x_MD: torch.Tensor, row_M: torch.Tensor, rows: slice) -> torch.Tensor:
+        """Experts of arena rows `rows` on x_MD, whose row i is for arena row rows.start + row_M[i] (ascending)."""
+        offs = torch.cumsum(torch.bincount(row_M, minlength=len(self.arena[rows])), 0).to(torch.int32)
+        h = torch._grouped_mm(x_MD, self.gate_up_R2FD[rows].transpose(1, 2), offs=offs)
+        gate, up = h.chunk(2, dim=-1)
+        return torch._grouped_mm(self.act(gate) * up, self.down_RDF[rows].transpose(1, 2), offs=offs)
+
     def grouped(self, work: SortedTokens, rows: Sequence[int]) -> torch.Tensor:
         """`_grouped_mm` over the arena: rows sorted by arena row, an offset per arena row (empty groups skip)."""
         row_M = self._row_per_token(work, rows)
         by_row = torch.argsort(row_M, stable=True)
-        offs = torch.cumsum(torch.bincount(row_M, minlength=len(self.arena)), 0).to(torch.int32)
-        h = torch._grouped_mm(work.x_MD[by_row], self.gate_up_R2FD.transpose(1, 2), offs=offs)
-        gate, up = h.chunk(2, dim=-1)
-        y = torch._grouped_mm(self.act(gate) * up, self.down_RDF.transpose(1, 2), offs=offs)
-        out_MD = torch.empty_like(y)
-        out_MD[by_row] = y
+        out_MD = torch.empty_like(work.x_MD)
+        out_MD[by_row] = self._grouped_swiglu(work.x_MD[by_row], row_M[by_row], slice(None))
         return out_MD
 
     def grouped_rows(self, x_ND: torch.Tensor, route: RoutingDecision, base: int, count: int) -> torch.Tensor:
         """`grouped` over arena rows base..base+count-1 (one resident layer, expert e at row base + e) without
         the host ever seeing the expert ids: no sync, nothing in Python per expert (the GPU path)."""
-        ids_NK, weights_NK = route.ids_TK, route.weights_TK
-        sorted_M, order_M = torch.sort(ids_NK.reshape(-1), stable=True)
-        token_M = order_M // ids_NK.shape[1]
-        offs = torch.cumsum(torch.bincount(sorted_M, minlength=count), 0).to(torch.int32)
-        h = torch._grouped_mm(x_ND.index_select(0, token_M), self.gate_up_R2FD[base:base + count].transpose(1, 2),
-                              offs=offs)
-        gate, up = h.chunk(2, dim=-1)
-        y_MD = torch._grouped_mm(self.act(gate) * up, self.down_RDF[base:base + count].transpose(1, 2), offs=offs)
-        out_ND = torch.zeros_like(x_ND)
-        out_ND.index_add_(0, token_M, (y_MD * weights_NK.reshape(-1, 1).index_select(0, order_M)).to(x_ND.dtype))
-        return out_ND
+        work, sorted_M = _sorted_on_device(x_ND, route)
+        return combine(x_ND, work, self._grouped_swiglu(work.x_MD, sorted_M, slice(base, base + count)))
 
     def compute(self, work: SortedTokens, rows: Sequence[int], kernel: Kernel | None = None) -> torch.Tensor:
         """Every used expert at once (all of `rows` are ready)."""
-        kernel = kernel or (self.kernel if self.kernel != "auto" else self.choose(work))
+        kernel = kernel or self.resolved
         if kernel == "gather":
             return self.gather(work, rows)
         if kernel == "grouped":
@@ -174,10 +177,9 @@ class ResidentExecutor:
         self.kernels = ArenaKernels(arena, shape, kernel)
         self.base = {layer: i * num_experts for i, layer in enumerate(moe_layers)}
         self.num_experts = num_experts
-        self._grouped = kernel == "grouped" or (kernel == "auto" and arena.is_cuda)
 
     def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
-        if self._grouped:
+        if self.kernels.resolved == "grouped":
             return self.kernels.grouped_rows(x_ND, route, self.base[layer], self.num_experts)
         work = sort_by_expert(x_ND, route)
         base = self.base[layer]
@@ -205,7 +207,7 @@ class PagedExecutor:
 
     def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
         work = sort_by_expert(x_ND, route)
-        kernel = self.kernels.choose(work)
+        kernel = self.kernels.resolved
         if len(work.experts) > self.store.device.table.capacity:
             return combine(x_ND, work, self._streamed(layer, work, kernel))
         held = self.store.acquire(layer, work.experts)

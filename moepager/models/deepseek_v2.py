@@ -54,8 +54,6 @@ class DeepseekV2Router(nn.Module):
 class DeepseekMoEBlock(MoEBlock):
     """Routed experts plus `n_shared_experts` always-on experts fused into one MLP (both DeepSeek versions)."""
 
-    has_shared = True
-
     def __init__(self, cfg: ModelConfig, router: nn.Module, experts: ExpertExecutor, layer: int):
         super().__init__(router, experts, layer, cfg.num_experts)
         self.shared_experts = DenseMLP(cfg.hidden_size, cfg.shared_intermediate_size)

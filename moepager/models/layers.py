@@ -157,16 +157,10 @@ class ForwardBatch:
         return cls(positions_BT, mask[:, None], kv_len, rows_B, valid_N)
 
 
-def cache_write(cache_BHSD: torch.Tensor, new_BHTD: torch.Tensor, batch: ForwardBatch) -> None:
-    """Store new keys/values at their positions (per row, so rows may be at different lengths)."""
-    b, t = batch.positions_BT.shape
-    rows = batch.rows_B if batch.rows_B is not None else torch.arange(b, device=cache_BHSD.device)
-    cache_BHSD[rows[:, None].expand(b, t), :, batch.positions_BT] = new_BHTD.transpose(1, 2).to(cache_BHSD.dtype)
-
-
 def cache_update(caches: Sequence[torch.Tensor], new: Sequence[torch.Tensor], batch: ForwardBatch
                  ) -> list[torch.Tensor]:
-    """Write each new tensor into its cache, then read every cache's prefix (keys and values in one call)."""
+    """Store each new tensor (keys, values, or MLA's one latent) at its positions in its cache (per row, so rows
+    may be at different lengths), then read every cache's prefix."""
     b, t = batch.positions_BT.shape
     rows = batch.rows_B if batch.rows_B is not None else torch.arange(b, device=caches[0].device)
     index = (rows[:, None].expand(b, t), slice(None), batch.positions_BT)
@@ -175,12 +169,6 @@ def cache_update(caches: Sequence[torch.Tensor], new: Sequence[torch.Tensor], ba
     if batch.rows_B is None:
         return [c[:b, :, : batch.kv_len] for c in caches]
     return [c[batch.rows_B, :, : batch.kv_len] for c in caches]
-
-
-def cache_read(cache_BHSD: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    if batch.rows_B is None:
-        return cache_BHSD[: batch.positions_BT.shape[0], :, : batch.kv_len]
-    return cache_BHSD[batch.rows_B, :, : batch.kv_len]
 
 
 QKNorm = Literal["head", "full"] | None
@@ -449,20 +437,18 @@ class MoEBlock(nn.Module):
         """Sees every routing decision (a trace recorder); the null one does nothing."""
         self.routing: RoutingSource = OWN_ROUTER
         """Decides the routing: the block's own router, or a replay of recorded routing."""
+        self._has_shared = type(self).shared_output is not MoEBlock.shared_output
 
     def shared_output(self, x_ND: torch.Tensor) -> torch.Tensor:
         """Output of always-on shared experts (architectures that have them override this)."""
         raise NotImplementedError
-
-    has_shared = False
-    """Whether `shared_output` adds always-on shared experts (subclasses that define it say so)."""
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
         route = self.gate(x_ND) if self.routing is OWN_ROUTER else self.routing.route(self.layer, self.gate, x_ND)
         if self.observer is not NULL_OBSERVER:
             self.observer.routed(self.layer, x_ND, route)
         out_ND = self.executor.run(self.layer, x_ND, route)
-        return out_ND + self.shared_output(x_ND) if self.has_shared else out_ND
+        return out_ND + self.shared_output(x_ND) if self._has_shared else out_ND
 
 
 class SoftmaxTopKRouter(nn.Module):

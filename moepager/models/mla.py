@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moepager.models.config import ModelConfig
-from moepager.models.layers import (ForwardBatch, RMSNorm, apply_rope, apply_rope_interleaved, cache_read,
-                                    cache_write, yarn_softmax_scale)
+from moepager.models.layers import (ForwardBatch, RMSNorm, apply_rope, apply_rope_interleaved, cache_update,
+                                    yarn_softmax_scale)
 
 
 class MLAttention(nn.Module):
@@ -58,8 +58,7 @@ class MLAttention(nn.Module):
         latent_B1TR = self.kv_a_layernorm(latent)[:, None]
         q_pe = self.rope_fn(q_pe, *rope)
         k_pe = self.rope_fn(k_pe[:, None], *rope)
-        cache_write(cache[0], torch.cat((latent_B1TR, k_pe), dim=-1), batch)
-        kv_B1SC = cache_read(cache[0], batch)
+        (kv_B1SC,) = cache_update(cache, (torch.cat((latent_B1TR, k_pe), dim=-1),), batch)
         w_HCR = self.kv_b_proj.weight.view(h, self.nope_dim + self.v_dim, r)
         q_abs_BHTR = torch.einsum("bhtn,hnr->bhtr", q_nope, w_HCR[:, : self.nope_dim])
         out_BHTR = F.scaled_dot_product_attention(torch.cat((q_abs_BHTR, q_pe), dim=-1), kv_B1SC,

@@ -22,8 +22,6 @@ from moepager.models.layers import (Attention, CausalLM, DecoderLayer, DecoderSt
 
 
 class Qwen2MoEBlock(MoEBlock):
-    has_shared = True
-
     def __init__(self, cfg: ModelConfig, experts: ExpertExecutor, layer: int):
         router = SoftmaxTopKRouter(cfg.hidden_size, cfg.num_experts, cfg.top_k,
                                    normalize=bool(cfg.raw.get("norm_topk_prob", False)), fp32_weights=False)

@@ -257,17 +257,36 @@ def compute_times(arch: Architecture, cfg: ModelConfig, shape: ExpertShape, devi
     return out | {"dense_decode_kv": SHORT_PROMPT + (dense.steps + 1) / 2, "dense_long_kv": long + (dense.steps + 1) / 2}
 
 
+@dataclass(frozen=True)
+class ModelParts:
+    """What calibration reads of a checkpoint: its architecture, geometry, expert shape and expert reader."""
+
+    checkpoint: Checkpoint
+    arch: Architecture
+    cfg: ModelConfig
+    shape: ExpertShape
+    reader: ExpertReader
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> ModelParts:
+        checkpoint = Checkpoint(path)
+        arch = architecture_for(checkpoint.config)
+        cfg = arch.parse_config(checkpoint.config)
+        shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, checkpoint_dtype(checkpoint))
+        reader = ExpertReader(checkpoint, arch.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0)
+        return cls(checkpoint, arch, cfg, shape, reader)
+
+    def expert_keys(self) -> list[ExpertKey]:
+        return [ExpertKey(layer, e) for layer in self.cfg.moe_layers for e in range(self.cfg.num_experts)]
+
+
 class DiskSampler:
     """Samples the disk rates again and again over a long run (a shared machine's disk drifts: 0.6 to 1.5 GB/s
     within minutes here), each time on random experts not read before, as `calibrate` measures them."""
 
     def __init__(self, path: str | os.PathLike[str], io_threads: int, seed: int = 1):
-        checkpoint = Checkpoint(path)
-        arch = architecture_for(checkpoint.config)
-        cfg = arch.parse_config(checkpoint.config)
-        shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, checkpoint_dtype(checkpoint))
-        self.reader = ExpertReader(checkpoint, arch.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0)
-        self.keys = [ExpertKey(layer, e) for layer in cfg.moe_layers for e in range(cfg.num_experts)]
+        parts = ModelParts.open(path)
+        self.reader, self.keys = parts.reader, parts.expert_keys()
         self.io_threads, self.gen = io_threads, torch.Generator().manual_seed(seed)
         self.samples: list[tuple[float, float]] = []
 
@@ -292,17 +311,13 @@ def calibrate(path: str | os.PathLike[str], options: CalibrateOptions, step: Ste
     """Measure this machine for the model at `path` (a checkpoint directory)."""
     step = step or (lambda _: None)
     device = torch.device(options.device)
-    checkpoint = Checkpoint(path)
-    arch = architecture_for(checkpoint.config)
-    cfg = arch.parse_config(checkpoint.config)
-    dtype = checkpoint_dtype(checkpoint)
-    shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, dtype)
+    parts = ModelParts.open(path)
+    checkpoint, arch, cfg, shape, reader = parts.checkpoint, parts.arch, parts.cfg, parts.shape, parts.reader
     measured = {"copy_Bps": copy_rate(device)}
     step("memory copy rate")
     measured |= compute_times(arch, cfg, shape, device, options.rounds, options.prefill_tokens)
     step(f"expert and non-expert compute, {options.rounds} rounds")
-    reader = ExpertReader(checkpoint, arch.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0)
-    every = [ExpertKey(layer, e) for layer in cfg.moe_layers for e in range(cfg.num_experts)]
+    every = parts.expert_keys()
     keys = [every[i] for i in torch.randperm(len(every), generator=torch.Generator().manual_seed(0)).tolist()]
     disk_Bps, single_s = disk_rates(reader, keys[: options.disk_experts], options.io_threads)
     measured |= {"disk_Bps": disk_Bps, "disk_single_read_s": single_s}

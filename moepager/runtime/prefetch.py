@@ -114,11 +114,14 @@ class Prefetcher:
         self.pending.pop((self.iteration, i), None)
         predictor = self.predictor
         probs_NE = route.scores_TE.float().cpu() if predictor.needs_scores else NO_SCORES
-        hidden = x_ND.detach()
-        predictor.observe(i, LayerObservation(probs_NE, ids_NK, hidden.cpu() if predictor.hidden == "host"
-                                              else hidden if predictor.hidden == "device" else None))
+        x_seen = None
+        if predictor.hidden == "host":
+            x_seen = x_ND.detach().cpu()
+        elif predictor.hidden == "device":
+            x_seen = x_ND.detach()
+        predictor.observe(i, LayerObservation(probs_NE, ids_NK, x_seen))
         j, ahead = target_of(i, self.plan.distance, len(self.moe_layers))
-        self._enqueue(self.predictor.forecast(j, ahead), j, ahead)
+        self._enqueue(predictor.forecast(j, ahead), j, ahead)
         self._pump()
 
     # -- queue ------------------------------------------------------------------------------------------------

@@ -113,7 +113,7 @@ class ExpertStore:
         """Pin slots holding all of `experts` of `layer` (at most the device capacity): hits are pinned first,
         so no miss evicts them, then each miss claims a slot and starts loading. `wait` before computing with
         a slot; `release` when the layer is done."""
-        table, counters = self.device.table, self.counters.current
+        table = self.device.table
         keys = [ExpertKey(layer, e) for e in experts]
         policy = table.policy
         for key in keys:
@@ -130,9 +130,7 @@ class ExpertStore:
                     if slot is None:
                         raise RuntimeError(f"expert store: no device slot can be freed for {key} "
                                            f"(capacity {table.capacity})")
-                    self._load(key, slot, counters, ahead=False)
-                    counters.access(layer, False)
-                    table.pins[slot] += 1
+                    self._miss(table, key, slot)
                     slots[i] = slot
         except BaseException:
             self.release(held)
@@ -141,6 +139,12 @@ class ExpertStore:
             ticket = table.ticket[slot]
             (held.ready if ticket is None or ticket.done() else held.pending).append(i)
         return held
+
+    def _miss(self, table: SlotTable, key: ExpertKey, slot: int) -> None:
+        """`key` was not resident: it starts loading on demand into `slot`, pinned."""
+        self._load(key, slot, self.counters.current, ahead=False)
+        self.counters.current.access(key.layer, False)
+        table.pins[slot] += 1
 
     def _hit(self, table: SlotTable, key: ExpertKey, slot: int) -> None:
         if self.order.used(key):
@@ -186,7 +190,7 @@ class ExpertStore:
     def _schedule(self, keys: list[ExpertKey], upcoming: int, scheduled: deque[int],
                   needed: dict[ExpertKey, int]) -> int:
         """Pin slots for keys[upcoming:] while that evicts nothing needed; returns the first unscheduled index."""
-        table, counters = self.device.table, self.counters.current
+        table = self.device.table
         while upcoming < len(keys):
             key = keys[upcoming]
             slot = table.slot_of.get(key)
@@ -194,9 +198,7 @@ class ExpertStore:
                 slot = self._claim(table, key, needed, must=not scheduled)
                 if slot is None:
                     break
-                self._load(key, slot, counters, ahead=False)
-                counters.access(key.layer, False)
-                table.pins[slot] += 1
+                self._miss(table, key, slot)
             else:
                 self._hit(table, key, slot)
             scheduled.append(slot)
