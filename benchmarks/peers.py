@@ -3,7 +3,8 @@
 Engines, each measured in interleaved rounds (median of per-token times over --decode steps after a 16-token
 prompt): moepager (one row per --kernels entry, to compare the executor's candidates), HF transformers (a
 greedy loop over its DynamicCache: transformers without generate()'s overhead) and llama.cpp BF16 through
-`llama-cpp-python` when it is installed (`pip install llama-cpp-python`; the GGUF is converted with the
+`llama-cpp-python` when it is installed (`pip install -e ".[peers]"`, which builds llama.cpp from source; on this
+project's CPU set CMAKE_ARGS as FACTS.md says, AMX off); the GGUF is converted with the
 `convert_hf_to_gguf.py` its source tree vendors, found through --llama-convert). Models: the built-in demo-moe
 and `make-model --preset qwen3-30b-a3b --layers 4` (~1.08 GB of weights read per token). Reports tok/s, the
 ratios to HF and llama.cpp, and the weight bytes per token divided by the time per token (achieved GB/s).
@@ -113,7 +114,7 @@ def main() -> None:
     state = machine_state()
     have_llama = importlib.util.find_spec("llama_cpp") is not None
     if not have_llama:
-        print("llama.cpp: not measured (llama-cpp-python is not installed: pip install llama-cpp-python)")
+        print("llama.cpp: not measured (llama-cpp-python is not installed: pip install -e \".[peers]\")")
     results, rows = [], []
     for name in args.models:
         path = model_path(name)

@@ -22,6 +22,8 @@ Kernels (measured on this project's 2-core CPU, bf16; `auto` is `loop` on the CP
   2.20 against 2.26 ms at 64); the GPU path.
 A paged arena (the store's device slots) computes what is resident at once and, with `loop`, each expert still
 loading as soon as it lands; `gather`/`grouped` wait for the layer's loads and then make their one call.
+
+Shape legend: N tokens, K top-k, M = N*K (token, k) pairs, D hidden, F expert FFN width, R arena rows.
 """
 
 from __future__ import annotations
