@@ -13,8 +13,9 @@ on where the weights came from or when they arrived:
 Kernels (measured on this project's 2-core CPU, bf16; `auto` is `loop` on the CPU and `grouped` on CUDA):
 - `loop`: one pair of GEMMs per used expert on its slice. Fastest on the CPU: DeepSeek-V2-Lite's 2048x1408
   experts, top-6, one layer: 7.1 ms at 1 token and 82 ms at 64 (gathering: 38 ms and 4.2 s); and in the
-  built-in model's whole decode step (benchmarks/peers.py: 265 against 253 tok/s at 1 thread, 275 against
-  256 at 2) although `gather` wins a lone layer of its tiny experts (177 against 275 us).
+  built-in model's whole decode step (`benchmarks/peers.py --kernels auto gather grouped`: loop 249, gather 228,
+  grouped 184 tok/s at 1 thread; 297, 281, 257 at 2) although `gather` wins a lone layer of its tiny experts
+  (177 against 275 us).
 - `gather`: each (token, k) pair's expert weights copied out of the arena (`index_select`, gpt-fast's
   `w1[expert_indices]`) and one batched GEMM per projection.
 - `grouped`: `torch._grouped_mm` over the arena viewed as `[rows, 2F, D]` with per-row token offsets: no
