@@ -10,17 +10,16 @@ on where the weights came from or when they arrived:
    sorted order, i.e. every token sums its experts in ascending id order: with the `loop` kernel the result is
    bit for bit that of experts/compute.py's reference `combine_experts` (tested).
 
-Kernels (measured on this project's 2-core CPU, bf16; `auto` is `loop` on the CPU and `grouped` on CUDA):
-- `loop`: one pair of GEMMs per used expert on its slice. Fastest on the CPU: DeepSeek-V2-Lite's 2048x1408
-  experts, top-6, one layer: 7.1 ms at 1 token and 82 ms at 64 (gathering: 38 ms and 4.2 s); and in the
-  built-in model's whole decode step (`benchmarks/peers.py --kernels auto gather grouped`: loop 249, gather 228,
-  grouped 184 tok/s at 1 thread; 297, 281, 257 at 2) although `gather` wins a lone layer of its tiny experts
-  (177 against 275 us).
+Kernels (bf16, this project's 2-core CPU, 1 thread, `python benchmarks/expert_kernels.py`; `auto` is `loop` on
+the CPU and `grouped` on CUDA):
+- `loop`: one pair of GEMMs per used expert on its slice. One DeepSeek-V2-Lite layer (2048x1408 experts,
+  top-6): 10.2 ms at 1 token, 125 ms at 64. Fastest in the built-in model's whole decode step
+  (`benchmarks/peers.py --kernels auto gather grouped`: loop 249, gather 228, grouped 184 tok/s at 1 thread;
+  297, 281, 257 at 2), although `gather` wins a lone layer of its tiny experts (0.28 against 0.47 ms).
 - `gather`: each (token, k) pair's expert weights copied out of the arena (`index_select`, gpt-fast's
-  `w1[expert_indices]`) and one batched GEMM per projection.
+  `w1[expert_indices]`) and one batched GEMM per projection (DeepSeek layer: 62 ms at 1 token, 9.6 s at 64).
 - `grouped`: `torch._grouped_mm` over the arena viewed as `[rows, 2F, D]` with per-row token offsets: no
-  gather and no Python loop over experts (on this CPU no faster than `loop`: 518 against 275 us at 1 token,
-  2.20 against 2.26 ms at 64); the GPU path.
+  gather and no Python loop over experts (DeepSeek layer: 11.9 ms at 1 token, 118 ms at 64); the GPU path.
 A paged arena (the store's device slots) computes what is resident at once and, with `loop`, each expert still
 loading as soon as it lands; `gather`/`grouped` wait for the layer's loads and then make their one call.
 

@@ -1,0 +1,107 @@
+"""The candidates the executor and the decode step choose between, measured on this CPU (bf16, 1 thread):
+1. one MoE layer's routed experts with each expert kernel (loop / gather / grouped, experts/executor.py) at 1
+   and 64 tokens, for the built-in model's experts (D=256, F=64, 32 experts, top-4) and DeepSeek-V2-Lite's
+   (D=2048, F=1408, 64 experts, top-6); the arena holds every expert of the layer;
+2. one linear layer at one token with oneDNN and with torch's own kernels, and the built-in model's whole
+   decode step both ways (what NATIVE_GEMV_MAX_HIDDEN in models/layers.py decides between; the benchmark
+   sets it to 0 for the oneDNN runs).
+Prints two tables and writes results/expert_kernels.json.
+
+    python benchmarks/expert_kernels.py [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import machine_state, median_time, print_table, write_json  # noqa: E402
+from moepager.experts.executor import ArenaKernels, combine, sort_by_expert  # noqa: E402
+from moepager.experts.weights import ExpertShape  # noqa: E402
+from moepager.types import RoutingDecision  # noqa: E402
+
+GEOMETRIES = {"demo-moe": (256, 64, 32, 4), "deepseek-v2-lite": (2048, 1408, 64, 6)}
+LINEARS = [(128, 256), (768, 256), (2816, 2048), (2048, 1408)]
+
+
+def layer_ms(kernels: ArenaKernels, kernel: str, x: torch.Tensor, route: RoutingDecision, reps: int) -> float:
+    def run() -> None:
+        work = sort_by_expert(x, route)
+        combine(x, work, kernels.compute(work, work.experts, kernel))  # type: ignore[arg-type]
+    with torch.inference_mode():
+        run()
+        return 1e3 * median_time(run, reps)
+
+
+def linear_us(out_f: int, in_f: int, native: bool, reps: int = 200) -> float:
+    w, x = torch.randn(out_f, in_f).to(torch.bfloat16), torch.randn(1, in_f).to(torch.bfloat16)
+    with torch.inference_mode(), torch.backends.mkldnn.flags(enabled=not native):
+        F.linear(x, w)
+        return 1e6 * median_time(lambda: F.linear(x, w), reps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for name, (d, f, e, k) in GEOMETRIES.items():
+        shape = ExpertShape(d, f, torch.bfloat16)
+        kernels = ArenaKernels(torch.randn(e, shape.numel, generator=gen).mul_(0.02).to(torch.bfloat16), shape)
+        for tokens in (1, 64):
+            ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(tokens)])
+            route = RoutingDecision(ids, torch.rand(tokens, k, generator=gen), torch.zeros(tokens, e))
+            x = torch.randn(tokens, d, generator=gen).to(torch.bfloat16)
+            reps = 50 if tokens == 1 or name == "demo-moe" else 5
+            row = {"experts": name, "tokens": tokens}
+            for kernel in ("loop", "gather", "grouped"):
+                slow = kernel == "gather" and tokens > 1 and name != "demo-moe"
+                row[f"{kernel}_ms"] = layer_ms(kernels, kernel, x, route, 1 if slow else reps)
+            layers.append(row)
+    print_table(["experts", "tokens", "loop ms", "gather ms", "grouped ms"],
+                [[r["experts"], r["tokens"], r["loop_ms"], r["gather_ms"], r["grouped_ms"]] for r in layers])
+    linears = [{"shape": f"{o}x{i}", "onednn_us": linear_us(o, i, False), "native_us": linear_us(o, i, True)}
+               for o, i in LINEARS]
+    print()
+    print_table(["weight (out x in)", "oneDNN us (1 token)", "torch native us"],
+                [[r["shape"], r["onednn_us"], r["native_us"]] for r in linears])
+    step = decode_step_tok_s()
+    print()
+    print_table(["built-in model decode", "oneDNN tok/s", "torch native tok/s", "native / oneDNN"],
+                [["median of 3 interleaved rounds", step["onednn"], step["native"], step["native"] / step["onednn"]]])
+    out = write_json("expert_kernels", {"machine": machine_state(), "threads": args.threads, "layers": layers,
+                                        "linears": linears, "decode_step_tok_s": step})
+    print(f"wrote {out}")
+
+
+def decode_step_tok_s(rounds: int = 3) -> dict[str, float]:
+    """The built-in model's decode tok/s with one-token forwards on oneDNN and on torch's own kernels."""
+    import statistics
+
+    from moepager.models import layers
+    from moepager.runtime.llm import LLM
+    from moepager.runtime.sampling import SamplingParams
+
+    llm, params = LLM(show_progress=False), SamplingParams(max_tokens=65, ignore_eos=True)
+    default, runs = layers.NATIVE_GEMV_MAX_HIDDEN, {"onednn": [], "native": []}
+    try:
+        for _ in range(rounds):
+            for label, limit in (("onednn", 0), ("native", default)):
+                layers.NATIVE_GEMV_MAX_HIDDEN = limit
+                llm.generate("The history of", params)
+                runs[label].append(llm.last_stats.decode_tokens_per_s)
+    finally:
+        layers.NATIVE_GEMV_MAX_HIDDEN = default
+    return {label: statistics.median(v) for label, v in runs.items()}
+
+
+if __name__ == "__main__":
+    main()
