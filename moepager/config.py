@@ -80,6 +80,27 @@ class PrefetchConfig:
 
 
 @dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching: how many requests run together and how much KV cache they share."""
+
+    max_num_seqs: int = 16
+    """Most requests in one step (the rest wait)."""
+    max_batched_tokens: int = 512
+    """Most tokens one step computes (decodes first, then prompt chunks fill the rest)."""
+    kv_cache_tokens: int = 16384
+    """Positions the KV cache holds over all running requests; when it runs out the youngest request is
+    preempted and recomputed later. A request that needs more than this alone grows it while nothing runs."""
+    block_size: int = 16
+    """Positions per KV cache block."""
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--max-num-seqs", self.max_num_seqs), ("--max-batched-tokens", self.max_batched_tokens),
+                            ("--kv-cache-tokens", self.kv_cache_tokens), ("--kv-block-size", self.block_size)):
+            if not isinstance(value, int) or value < 1:
+                raise MoepagerError(f"{flag} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """What to run and where."""
 
@@ -97,6 +118,8 @@ class EngineConfig:
     """Routing prediction and prefetch."""
     expert_kernel: Kernel = "auto"
     """How a layer's routed experts are computed (experts/executor.py): auto, loop, gather or grouped."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """Continuous batching and the KV cache."""
 
     def __post_init__(self) -> None:
         if self.prefetch.predictor is not None and not self.store.paged:

@@ -123,29 +123,40 @@ def apply_rope_interleaved(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD:
 
 @dataclass
 class ForwardBatch:
-    """Per-forward metadata shared by every layer."""
+    """Per-forward metadata shared by every layer.
+
+    The KV cache is either contiguous rows ([rows, H, S, Dh]: row b's position p at index p) or paged blocks
+    ([num_blocks, H, block_size, Dh]: row b's position p in block `block_table_BN[b, p // block_size]` at offset
+    p % block_size, written at the slots `slot_block_BT`/`slot_offset_BT` the engine assigns; padding tokens
+    write to a scratch block no row reads unmasked)."""
 
     positions_BT: torch.Tensor
-    """Position (= cache index) of every new token."""
+    """Position of every new token."""
     mask_B1TS: torch.Tensor | None
     """True where query t of row b may attend to cache index s; None when every query attends to the whole
     prefix (one row decoding one token, no sliding window)."""
     kv_len: int
     """S: cache prefix every row's attention reads."""
     rows_B: torch.Tensor | None = None
-    """Cache rows the B batch rows map to; None means rows 0..B-1 of the cache."""
+    """Cache rows the B batch rows map to; None means rows 0..B-1 of the cache (contiguous caches only)."""
     valid_N: torch.Tensor | None = None
     """Flat indices (into B*T) of real tokens when rows are right-padded; None means all are real."""
+    block_table_BN: torch.Tensor | None = None
+    """Paged caches: the blocks holding each row's positions, in order (padded with the scratch block)."""
+    slot_block_BT: torch.Tensor | None = None
+    slot_offset_BT: torch.Tensor | None = None
 
     @classmethod
     def build(cls, positions_BT: torch.Tensor, rows_B: torch.Tensor | None = None,
               valid_BT: torch.Tensor | None = None, sliding_window: int | None = None,
-              kv_len: int | None = None) -> ForwardBatch:
+              kv_len: int | None = None, paged: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+              ) -> ForwardBatch:
         """`kv_len` (the largest position + 1) is read from the positions unless the caller knows it: on CUDA
-        reading it is a host sync."""
+        reading it is a host sync. `paged` = (block table, slot blocks, slot offsets) for a paged cache."""
         kv_len = int(positions_BT.max()) + 1 if kv_len is None else kv_len
+        table, slot_block, slot_offset = paged if paged is not None else (None, None, None)
         if positions_BT.shape == (1, 1) and not (sliding_window and kv_len > sliding_window):
-            return cls(positions_BT, None, kv_len, rows_B, None)
+            return cls(positions_BT, None, kv_len, rows_B, None, table, slot_block, slot_offset)
         s = torch.arange(kv_len, device=positions_BT.device)
         pos = positions_BT[:, :, None]
         mask = s <= pos
@@ -154,13 +165,15 @@ class ForwardBatch:
         valid_N = None
         if valid_BT is not None and not bool(valid_BT.all()):
             valid_N = valid_BT.reshape(-1).nonzero().squeeze(1)
-        return cls(positions_BT, mask[:, None], kv_len, rows_B, valid_N)
+        return cls(positions_BT, mask[:, None], kv_len, rows_B, valid_N, table, slot_block, slot_offset)
 
 
 def cache_update(caches: Sequence[torch.Tensor], new: Sequence[torch.Tensor], batch: ForwardBatch
                  ) -> list[torch.Tensor]:
     """Store each new tensor (keys, values, or MLA's one latent) at its positions in its cache (per row, so rows
     may be at different lengths), then read every cache's prefix."""
+    if batch.block_table_BN is not None:
+        return _paged_update(caches, new, batch)
     b, t = batch.positions_BT.shape
     rows = batch.rows_B if batch.rows_B is not None else torch.arange(b, device=caches[0].device)
     index = (rows[:, None].expand(b, t), slice(None), batch.positions_BT)
@@ -169,6 +182,22 @@ def cache_update(caches: Sequence[torch.Tensor], new: Sequence[torch.Tensor], ba
     if batch.rows_B is None:
         return [c[:b, :, : batch.kv_len] for c in caches]
     return [c[batch.rows_B, :, : batch.kv_len] for c in caches]
+
+
+def _paged_update(caches: Sequence[torch.Tensor], new: Sequence[torch.Tensor], batch: ForwardBatch
+                  ) -> list[torch.Tensor]:
+    """cache_update on blocks ([num_blocks, H, block_size, Dh]): write at the assigned slots, then gather each
+    row's blocks into a contiguous [B, H, S, Dh] prefix (the same bytes attention reads anyway)."""
+    assert batch.block_table_BN is not None and batch.slot_block_BT is not None
+    index = (batch.slot_block_BT, slice(None), batch.slot_offset_BT)
+    out = []
+    b, n = batch.block_table_BN.shape
+    for cache_NHbD, new_BHTD in zip(caches, new):
+        cache_NHbD[index] = new_BHTD.transpose(1, 2).to(cache_NHbD.dtype)
+        _, h, block, d = cache_NHbD.shape
+        rows = cache_NHbD[batch.block_table_BN].transpose(1, 2).reshape(b, h, n * block, d)
+        out.append(rows[:, :, : batch.kv_len])
+    return out
 
 
 QKNorm = Literal["head", "full"] | None

@@ -1,36 +1,66 @@
-"""One KV cache per engine, preallocated and reused by every call instead of allocated per call.
+"""The engine's KV cache: fixed-size blocks from one preallocated pool, handed to requests and taken back.
 
-The cache is allocated at the first call's size and grown when a call needs more rows or positions (positions
-at least double, up to the model's context, so a run of growing prompts allocates O(log) times); a call gets
-views of its first rows and positions. Nothing needs clearing between calls: a row's attention reads only the
-positions its own tokens wrote in this call (positions are cache indices, and masks or the KV length stop every
-read at the row's own position).
+Every layer's cache is [num_blocks, H, block_size, Dh] (models/layers.py reads a row's blocks through its block
+table). Block 0 is scratch: padding tokens write there and padded block-table entries point there; attention
+masks every position a row has not written, so nothing needs clearing when a block changes hands. The pool is
+allocated at first use and grows (only while no request holds a block) when one request alone needs more.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from moepager.models.layers import CausalLM
 
 Cache = list[tuple[torch.Tensor, ...]]
+SCRATCH = 0
 
 
-class KVCachePool:
-    def __init__(self, model: CausalLM, dtype: torch.dtype, device: torch.device):
+class KVBlockPool:
+    def __init__(self, model: CausalLM, dtype: torch.dtype, device: torch.device, num_tokens: int, block_size: int):
         self.model, self.dtype, self.device = model, dtype, device
-        self.rows = self.length = 0
+        self.block_size = block_size
+        self.num_blocks = math.ceil(num_tokens / block_size) + 1
+        self.free: list[int] = list(range(self.num_blocks - 1, SCRATCH, -1))
         self.allocations = 0
         """How many times the cache was (re)allocated."""
         self._cache: Cache | None = None
 
-    def get(self, rows: int, length: int) -> Cache:
-        """Views of the cache for `rows` rows of `length` positions."""
-        if self._cache is None or rows > self.rows or length > self.length:
-            context = self.model.config.max_position_embeddings
-            self.rows = max(rows, self.rows)
-            self.length = max(length, min(2 * self.length, context))
-            self._cache = None  # let the old one go before the new one is allocated
-            self._cache = self.model.make_cache(self.rows, self.length, self.dtype, self.device)
+    @property
+    def capacity_tokens(self) -> int:
+        return (self.num_blocks - 1) * self.block_size
+
+    @property
+    def cache(self) -> Cache:
+        if self._cache is None:
+            self._cache = self.model.make_cache(self.num_blocks, self.block_size, self.dtype, self.device)
             self.allocations += 1
-        return [tuple(t[:rows, :, :length] for t in layer) for layer in self._cache]
+        return self._cache
+
+    def blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.block_size)
+
+    def reserve(self, blocks: list[int], tokens: int) -> bool:
+        """Extend `blocks` to hold `tokens` positions; False (and nothing taken) when the pool is short."""
+        need = self.blocks_for(tokens) - len(blocks)
+        if need > len(self.free):
+            return False
+        for _ in range(max(need, 0)):
+            blocks.append(self.free.pop())
+        return True
+
+    def release(self, blocks: list[int]) -> None:
+        self.free.extend(reversed(blocks))
+        blocks.clear()
+
+    def grow(self, tokens: int) -> None:
+        """Make room for one request of `tokens` positions; only while every block is free."""
+        if tokens <= self.capacity_tokens:
+            return
+        assert len(self.free) == self.num_blocks - 1, "the KV pool grows only while no request holds a block"
+        context = self.model.config.max_position_embeddings
+        self.num_blocks = self.blocks_for(max(tokens, min(2 * self.capacity_tokens, context))) + 1
+        self.free = list(range(self.num_blocks - 1, SCRATCH, -1))
+        self._cache = None  # let the old one go before the new one is allocated

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
-from typing import NamedTuple
+from typing import Protocol
 
 import torch
 
@@ -19,29 +19,21 @@ from moepager.models.default import default_model_path
 from moepager.models.layers import NULL_OBSERVER, OWN_ROUTER, RoutingFanOut, RoutingObserver
 from moepager.models.load import LoadedModel, load_model, parse_dtype, resident_executor
 from moepager.outputs import check_file
-from moepager.runtime.generate import (
-    Detokenize,
-    FinishReason,
-    OnPass,
-    OnPhase,
-    OnText,
-    SequenceState,
-    generate_ids,
-    ignore_pass,
-    ignore_phase,
-)
-from moepager.runtime.kv_pool import KVCachePool
+from moepager.runtime.engine import Engine
 from moepager.runtime.prefetch import Prefetcher, build_prefetcher
+from moepager.runtime.request import Detokenize, FinishReason, Request
 from moepager.runtime.replay import ReplayReport, ReplaySpec, RouteReplayer, check_record_path, load_replay
 from moepager.runtime.sampling import SamplingParams
 from moepager.runtime.stats import RunStats
 from moepager.runtime.store_setup import paged_executor, store_report
 from moepager.runtime.tokenizer import Tokenizer
 from moepager.trace.format import TraceHeader
-from moepager.trace.recorder import TraceRecorder
-from moepager.types import Phase
+from moepager.trace.recorder import RecordedRequest, TraceRecorder
+from moepager.types import PassInfo
 
 Prompt = str | list[int]
+OnText = Callable[[int, str], None]
+"""Called with (prompt index, newly final text) as generation proceeds."""
 
 
 @dataclass(frozen=True)
@@ -72,12 +64,18 @@ class LLM:
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
         self.eos_token_ids = self._eos_token_ids()
         self.last_stats = RunStats()
-        self.kv = KVCachePool(self.loaded.model, self.loaded.dtype, self.loaded.device)
-        """The KV cache every call reuses (grown when a call needs more)."""
+        experts = self.loaded.experts
+        self.store = experts.store if isinstance(experts, PagedExecutor) else None
         self.prefetcher: Prefetcher | None = None
         """Forecasts routing and loads experts ahead (kept across calls: an online expert-map store grows)."""
-        if self.config.prefetch.predictor is not None and isinstance(self.loaded.experts, PagedExecutor):
-            self.prefetcher = build_prefetcher(self.config.prefetch, self.loaded.model, self.loaded.experts.store)
+        if self.config.prefetch.predictor is not None and self.store is not None:
+            self.prefetcher = build_prefetcher(self.config.prefetch, self.loaded.model, self.store)
+            self.loaded.model.observe_routing(self.prefetcher)
+        self._pass_parts: list[PassPart] = [self.prefetcher] if self.prefetcher is not None else []
+        self.engine = Engine(self.loaded.model, self.loaded.dtype, self.loaded.device, self.config.scheduler,
+                             self.eos_token_ids, self._detokenize, self._on_pass,
+                             self.prefetcher.end_request if self.prefetcher is not None else _ignore_finish)
+        """The engine core every call (and the server) runs requests on; its KV cache is reused across calls."""
 
     def _eos_token_ids(self) -> list[int]:
         """End-of-sequence ids from config.json, generation_config.json and the tokenizer (read once)."""
@@ -105,70 +103,60 @@ class LLM:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         return ids
 
-    def _recorder(self, rows: int, hidden: bool) -> TraceRecorder:
+    def _recorder(self, hidden: bool) -> TraceRecorder:
         cfg, shape = self.loaded.config, self.loaded.expert_shape
         header = TraceHeader(model=str(self.loaded.checkpoint.path), moe_layers=tuple(cfg.moe_layers), num_experts=cfg.num_experts,
                              top_k=cfg.top_k, num_shared=int(cfg.shared_intermediate_size > 0),
                              expert_bytes=shape.nbytes, source="moepager generate --record-trace")
-        return TraceRecorder(header, rows, hidden)
+        return TraceRecorder(header, hidden)
+
+    def _on_pass(self, info: PassInfo) -> None:
+        """The one pass clock: the store's counters and policies, the prefetcher, recorder and replayer."""
+        if self.store is not None:
+            self.store.counters.set_phase(info.phase)
+            self.store.begin_pass()
+        for part in self._pass_parts:
+            part.begin_pass(info)
 
     @contextmanager
-    def _wired(self, recorder: TraceRecorder | None, replayer: RouteReplayer | None) -> Iterator[Wiring]:
-        """For one call: fresh store counters, the MoE blocks' routing source and observers (recorder,
-        prefetcher), and the generation loop's hooks that announce phases and passes to them."""
-        experts, model = self.loaded.experts, self.loaded.model
-        on_phase: OnPhase = ignore_phase
-        store = experts.store if isinstance(experts, PagedExecutor) else None
-        if store is not None:
-            store.counters.reset()
-            on_phase = store.counters.set_phase
+    def _wired(self, recorder: TraceRecorder | None, replayer: RouteReplayer | None) -> Iterator[None]:
+        """For one call: fresh store counters, and the recorder and replayer plugged into the model's routing
+        and the engine's passes (the prefetcher stays plugged in for the engine's life)."""
+        model, always = self.loaded.model, list(self._pass_parts)
+        if self.store is not None:
+            self.store.counters.reset()
         observers: list[RoutingObserver] = [p for p in (recorder, self.prefetcher) if p is not None]
-        parts = [p for p in (replayer, recorder, self.prefetcher) if p is not None]
-        if self.prefetcher is not None:
-            self.prefetcher.reset_requests()
+        self._pass_parts = [p for p in (replayer, recorder) if p is not None] + always
         if observers:
             model.observe_routing(observers[0] if len(observers) == 1 else RoutingFanOut(observers))
         if replayer is not None:
             model.route_with(replayer)
-
-        def on_pass(phase: Phase, rows: Sequence[int], counts: Sequence[int], token_ids_N: torch.Tensor) -> None:
-            if store is not None:
-                store.begin_pass()  # the one pass clock: policies, prefetcher and recorder all tick here
-            for part in parts:
-                part.begin_pass(phase, rows, counts, token_ids_N)
         try:
-            yield Wiring(on_phase, on_pass if parts or store is not None else ignore_pass)
+            yield
         finally:
-            model.observe_routing(NULL_OBSERVER)
+            self._pass_parts = always
+            model.observe_routing(self.prefetcher if self.prefetcher is not None else NULL_OBSERVER)
             model.route_with(OWN_ROUTER)
-
-    def _check_context(self, ids: Sequence[list[int]], max_tokens: int) -> None:
-        context = self.loaded.config.max_position_embeddings
-        longest = max(len(i) for i in ids)
-        if longest + max_tokens > context:
-            raise InvalidRequestError(f"prompt of {longest} tokens plus max_tokens {max_tokens} exceeds the "
-                                      f"model's context of {context} tokens")
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None, *,
                  chat: bool = False, on_text: OnText | None = None,
                  record_trace: str | os.PathLike[str] | None = None, record_hidden: bool = False) -> list[Completion]:
-        """Complete every prompt; `record_trace` also writes their routing (trace format v1) to that file,
-        with every router input too when `record_hidden`."""
+        """Complete every prompt (request i samples with seed + i); `record_trace` also writes their routing
+        (trace format v1) to that file, with every router input too when `record_hidden`."""
         params = params or SamplingParams()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if not prompts:
             raise InvalidRequestError("no prompts given")
         ids = [self.encode(p, chat) for p in prompts]  # type: ignore[union-attr]
-        self._check_context(ids, params.max_tokens)
+        requests = [self.engine.new_request(i, params, k, stream=on_text is not None, grow_kv=True)
+                    for k, i in enumerate(ids)]
         check_file(record_trace, "record_trace")
-        stats = RunStats(threads=torch.get_num_threads())
-        recorder = self._recorder(len(ids), record_hidden) if record_trace is not None else None
-        with self._wired(recorder, None) as hooks:
-            seqs = generate_ids(self.loaded.model, ids, params, self.eos_token_ids, stats, self._detokenize, on_text,
-                                self.loaded.device, hooks.on_phase, hooks.on_pass, self.kv)
-        self._finish(stats, seqs, recorder, record_trace, [p if isinstance(p, str) else None for p in prompts])
-        return _completions(seqs)
+        recorder = self._recorder(record_hidden) if record_trace is not None else None
+        with self._wired(recorder, None):
+            stats = self._run(requests, on_text)
+        self._finish(stats, requests, recorder, record_trace, [p if isinstance(p, str) else None for p in prompts])
+        return [_completion(r) for r in requests]
 
     def replay(self, spec: ReplaySpec, params: SamplingParams | None = None, *,
                record_trace: str | os.PathLike[str] | None = None, record_hidden: bool = False) -> list[Completion]:
@@ -179,29 +167,52 @@ class LLM:
         params = params or SamplingParams()
         check_record_path(spec, record_trace)
         check_file(record_trace, "record_trace")
-        requests = load_replay(spec, self.loaded.config)
-        for r in requests:
-            self._check_context([r.prompt_ids], r.max_tokens)
-        replayer = RouteReplayer(requests, self.loaded.config.moe_layers, self.loaded.device)
-        recorder = self._recorder(len(requests), record_hidden) if record_trace is not None else None
-        stats, seqs = RunStats(threads=torch.get_num_threads()), []
-        with self._wired(recorder, replayer) as hooks:
-            for row, r in enumerate(requests):
-                part = RunStats()
-                on_pass = partial(_as_row, hooks.on_pass, row)
-                seqs += generate_ids(self.loaded.model, [r.prompt_ids], replace(params, max_tokens=r.max_tokens,
-                                     ignore_eos=True, stop=()), [], part, None, None, self.loaded.device,
-                                     hooks.on_phase, on_pass, self.kv)
-                stats.add(part)
-        self._finish(stats, seqs, recorder, record_trace, [None] * len(requests))
-        stats.sections["replay"] = ReplayReport(str(spec.trace), [r.index for r in requests], spec.prompt_tokens)
-        return _completions(seqs)
+        recorded = load_replay(spec, self.loaded.config)
+        requests = [self.engine.new_request(r.prompt_ids, replace(params, max_tokens=r.max_tokens, ignore_eos=True,
+                                                                  stop=()), k, grow_kv=True)
+                    for k, r in enumerate(recorded)]
+        replayer = RouteReplayer({q.request_id: r for q, r in zip(requests, recorded)}, self.loaded.config.moe_layers,
+                                 self.loaded.device)
+        recorder = self._recorder(record_hidden) if record_trace is not None else None
+        stats = RunStats(threads=torch.get_num_threads())
+        with self._wired(recorder, replayer):
+            for request in requests:
+                stats.add(self._run([request], None))
+        self._finish(stats, requests, recorder, record_trace, [None] * len(requests))
+        stats.sections["replay"] = ReplayReport(str(spec.trace), [r.index for r in recorded], spec.prompt_tokens)
+        return [_completion(r) for r in requests]
 
-    def _finish(self, stats: RunStats, seqs: Sequence[SequenceState], recorder: TraceRecorder | None,
+    def _run(self, requests: Sequence[Request], on_text: OnText | None) -> RunStats:
+        """Add the requests to the idle engine and step until they finish. Steps that compute prompt tokens
+        count as prefill, the others as decode steps (TPOT); TTFT runs to the batch's first sampled token."""
+        assert not self.engine.has_work(), "LLM.generate runs on an idle engine (not beside a server)"
+        stats = RunStats(threads=torch.get_num_threads())
+        index = {r.request_id: k for k, r in enumerate(requests)}
+        start = time.perf_counter()
+        for r in requests:
+            r.stats.arrival_s = start
+            self.engine.add(r)
+        for outputs in self.engine.drain():
+            step = self.engine.last_step
+            if step is not None and step.prompt_tokens:
+                stats.prefill_s += step.duration_s
+            elif step is not None:
+                stats.tpot_s.append(step.duration_s)
+            if on_text is not None:
+                for out in outputs:
+                    if out.new_text:
+                        on_text(index[out.request_id], out.new_text)
+        stats.ttft_s = min(r.stats.first_token_s or start for r in requests) - start
+        stats.decode_s = sum(stats.tpot_s)
+        stats.num_prompts, stats.prompt_tokens = len(requests), sum(len(r.prompt_ids) for r in requests)
+        stats.generated_tokens = sum(len(r.out_ids) for r in requests)
+        return stats
+
+    def _finish(self, stats: RunStats, requests: Sequence[Request], recorder: TraceRecorder | None,
                 record_trace: str | os.PathLike[str] | None, prompts: Sequence[str | None]) -> None:
         if recorder is not None:
-            recorder.write(record_trace, [s.prompt_ids + s.out_ids for s in seqs], prompts,  # type: ignore[arg-type]
-                           self._detokenize)
+            recorder.write(record_trace, [RecordedRequest(r.request_id, r.prompt_ids, r.out_ids, p)  # type: ignore[arg-type]
+                                          for r, p in zip(requests, prompts)], self._detokenize)
         stats.finish(self.loaded.device)
         stats.sections["experts"] = store_report(self.loaded.experts, self.config.store, stats.prompt_tokens,
                                                  stats.generated_tokens - stats.num_prompts)
@@ -212,16 +223,13 @@ class LLM:
         return self.tokenizer.decode if self.tokenizer is not None else None
 
 
-def _completions(seqs: Sequence[SequenceState]) -> list[Completion]:
-    return [Completion(s.prompt_ids, s.out_ids, s.text, s.finish_reason or "length") for s in seqs]
+def _completion(r: Request) -> Completion:
+    return Completion(r.prompt_ids, r.out_ids, r.text.text, r.finish_reason or "length")
 
 
-class Wiring(NamedTuple):
-    on_phase: OnPhase
-    on_pass: OnPass
+class PassPart(Protocol):
+    def begin_pass(self, info: PassInfo) -> None: ...
 
 
-def _as_row(on_pass: OnPass, row: int, phase: Phase, rows: Sequence[int], counts: Sequence[int],
-            token_ids_N: torch.Tensor) -> None:
-    """A one-prompt generation loop's passes, announced as row `row` of the whole replay."""
-    on_pass(phase, [row], counts, token_ids_N)
+def _ignore_finish(request_id: int) -> None:
+    """No per-request state to forget without a prefetcher."""

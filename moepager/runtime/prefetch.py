@@ -35,7 +35,7 @@ from moepager.predictors import (
 from moepager.predictors.expert_map import hashed_tokens
 from moepager.policies.base import ForecastConsumer
 from moepager.store.store import ExpertStore
-from moepager.types import Phase, RoutingDecision
+from moepager.types import PassInfo, RoutingDecision
 
 NO_SCORES = torch.empty(0, 0)
 """The observation's scores for predictors that do not read them (they stay on the device, uncopied)."""
@@ -74,36 +74,37 @@ class Prefetcher:
         self._last_rows: list[int] = []
 
     # -- pass hook --------------------------------------------------------------------------------------------
-    def begin_pass(self, phase: Phase, rows: Sequence[int], counts: Sequence[int],
-                   token_ids_N: torch.Tensor | None = None) -> None:
+    def begin_pass(self, info: PassInfo) -> None:
         self.iteration += 1
         self.now = -1
         self.pending = {key: v for key, v in self.pending.items() if key[0] >= self.iteration}
-        ids_N = token_ids_N.cpu() if token_ids_N is not None else torch.zeros(0, dtype=torch.long)
-        sem_ND = self._semantic(rows, counts, ids_N) if self.embed is not None and len(ids_N) else None
-        self._last_rows = (torch.cumsum(torch.tensor(list(counts)), 0) - 1).tolist()
+        ids_N = info.token_ids_N
+        sem_ND = self._semantic(info, ids_N) if self.embed is not None and len(ids_N) else None
+        self._last_rows = (torch.cumsum(torch.tensor(info.counts), 0) - 1).tolist()
         self.predictor.start_iteration(ids_N, sem_ND)
         for j in range(min(self.plan.distance, len(self.moe_layers))):
             self._enqueue(self.predictor.forecast(j, 0), j, 0)
         self._pump()
 
-    def _semantic(self, rows: Sequence[int], counts: Sequence[int], ids_N: torch.Tensor) -> torch.Tensor:
-        """Each token row's request embedding so far: running means carried across passes per request row."""
+    def _semantic(self, info: PassInfo, ids_N: torch.Tensor) -> torch.Tensor:
+        """Each token row's request embedding so far: running means carried across passes per request (started
+        again when a request computes from its first token: new, or preempted)."""
         assert self.embed is not None
         with torch.no_grad():
             vec_ND = self.embed(ids_N).float().cpu()
-        out, start = [], 0
-        for row, n in zip(rows, counts, strict=True):
-            total, count = self._sem_sum.get(row, (torch.zeros(vec_ND.shape[1]), 0))
-            sums = total + torch.cumsum(vec_ND[start:start + n], 0)
+        out, offset = [], 0
+        for request, start, n in zip(info.requests, info.starts, info.counts, strict=True):
+            total, count = self._sem_sum.get(request, (torch.zeros(vec_ND.shape[1]), 0)) if start else (
+                torch.zeros(vec_ND.shape[1]), 0)
+            sums = total + torch.cumsum(vec_ND[offset:offset + n], 0)
             out.append(sums / (count + torch.arange(1, n + 1)[:, None]))
-            self._sem_sum[row] = (sums[-1], count + n)
-            start += n
+            self._sem_sum[request] = (sums[-1], count + n)
+            offset += n
         return torch.cat(out)
 
-    def reset_requests(self) -> None:
-        """A new batch of requests: forget the previous requests' semantic sums."""
-        self._sem_sum = {}
+    def end_request(self, request_id: int) -> None:
+        """A request finished: forget its semantic sum."""
+        self._sem_sum.pop(request_id, None)
 
     # -- routing observer -------------------------------------------------------------------------------------
     def routed(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> None:

@@ -8,8 +8,8 @@ shared experts, dense layers, the store, every policy, predictor and budget.
 Algorithm: requests are replayed one after another (batch 1, the simulator's `recorded` order). A request's
 prompt is its prefill tokens (or, with `prompt_tokens=N`, its first N tokens: a trace of prompts recorded in
 one forward pass replays as decode, valid because with a KV cache token t's routing depends only on tokens up
-to t) and it decodes one step per remaining token. Before each forward pass the generation loop says which
-requests' tokens it carries (`begin_pass`); the replayer slices those tokens' recorded ids, and every MoE block
+to t) and it decodes one step per remaining token. Before each forward pass the engine says which requests'
+tokens it carries and from which position (`begin_pass`); the replayer slices those tokens' recorded ids, and every MoE block
 asks it (`route`) instead of its own router. Weights come from the trace where it has them (Mixtral's
 renormalised top-2), otherwise from the model's own router scores at the replayed ids, renormalised to the
 total weight the router itself gave its own top-k (so a replay of the model's own routing changes nothing).
@@ -32,7 +32,7 @@ from torch import nn
 from moepager.models.config import ModelConfig
 from moepager.trace.format import MISSING, PREFILL, TraceError, TraceHeader, TraceReader, TraceRequest
 from moepager.trace.workload import Cut, chosen_requests, parse_requests
-from moepager.types import Phase, RoutingDecision
+from moepager.types import PassInfo, RoutingDecision
 
 RouteLayers = Literal["match", "first"]
 """match: the trace must have exactly the model's MoE layers; first: replay the trace's first L (a model
@@ -114,36 +114,33 @@ def _request(req: TraceRequest, i: int, cfg: ModelConfig) -> ReplayRequest:
 
 
 class RouteReplayer:
-    """The models' RoutingSource during a replay, and a pass hook of the generation loop (rows = requests)."""
+    """The models' RoutingSource during a replay, and a pass hook of the engine: `requests[request id]` is the
+    recorded request that engine request replays."""
 
-    def __init__(self, requests: Sequence[ReplayRequest], moe_layers: Sequence[int], device: torch.device):
+    def __init__(self, requests: dict[int, ReplayRequest], moe_layers: Sequence[int], device: torch.device):
         self.column = {layer: i for i, layer in enumerate(moe_layers)}
-        self._ids = [torch.from_numpy(r.ids_TLK.astype(np.int64)).to(device) for r in requests]
-        self._weights = [None if r.weights_TLK is None else torch.from_numpy(r.weights_TLK.astype(np.float32)).to(device)
-                         for r in requests]
-        self._has_missing = [bool((r.ids_TLK == MISSING).any()) for r in requests]
-        self.cursor = [0] * len(requests)
-        """Tokens of each request replayed so far."""
+        self._ids = {rid: torch.from_numpy(r.ids_TLK.astype(np.int64)).to(device) for rid, r in requests.items()}
+        self._weights = {rid: None if r.weights_TLK is None else torch.from_numpy(r.weights_TLK.astype(np.float32))
+                         .to(device) for rid, r in requests.items()}
+        self._has_missing = {rid: bool((r.ids_TLK == MISSING).any()) for rid, r in requests.items()}
         self._ids_NLK: torch.Tensor | None = None
         self._weights_NLK: torch.Tensor | None = None
         self._missing = False
 
-    def begin_pass(self, phase: Phase, rows: Sequence[int], counts: Sequence[int],
-                   token_ids_N: torch.Tensor | None = None) -> None:
-        """The next pass carries `counts[i]` tokens of request `rows[i]`: their recorded routing comes next."""
+    def begin_pass(self, info: PassInfo) -> None:
+        """The next pass carries `counts[i]` tokens of request `requests[i]` from position `starts[i]`: their
+        recorded routing comes next."""
         ids, weights = [], []
-        for row, n in zip(rows, counts, strict=True):
-            start = self.cursor[row]
-            if start + n > len(self._ids[row]):
-                raise RuntimeError(f"routing replay: request {row} ran past its {len(self._ids[row])} recorded tokens")
-            ids.append(self._ids[row][start:start + n])
-            w = self._weights[row]
+        for rid, start, n in zip(info.requests, info.starts, info.counts, strict=True):
+            if start + n > len(self._ids[rid]):
+                raise RuntimeError(f"routing replay: request {rid} ran past its {len(self._ids[rid])} recorded tokens")
+            ids.append(self._ids[rid][start:start + n])
+            w = self._weights[rid]
             weights.append(None if w is None else w[start:start + n])
-            self.cursor[row] = start + n
         self._ids_NLK = ids[0] if len(ids) == 1 else torch.cat(ids)
         self._weights_NLK = None if any(w is None for w in weights) else (
             weights[0] if len(weights) == 1 else torch.cat(weights))  # type: ignore[arg-type]
-        self._missing = any(self._has_missing[r] for r in rows)
+        self._missing = any(self._has_missing[r] for r in info.requests)
 
     def route(self, layer: int, gate: nn.Module, x_ND: torch.Tensor) -> RoutingDecision:
         own: RoutingDecision = gate(x_ND)

@@ -1,4 +1,10 @@
-"""Sampling parameters (validated) and the sampler: greedy, or seeded temperature / top-k / top-p."""
+"""Sampling parameters (validated) and per-request samplers: greedy, or seeded temperature / top-k / top-p /
+min-p sampling, with repetition, presence and frequency penalties and log-probabilities.
+
+Order of the logits processing (llama.cpp's and transformers' order): penalties, then temperature, then the
+top-k, top-p and min-p filters, then a draw from the request's own seeded generator. Log-probabilities are the
+model's (after penalties, before temperature and filters), as the OpenAI API reports them.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -24,12 +31,24 @@ class SamplingParams:
     """Sample among the k most likely tokens only; 0 disables."""
     top_p: float = 1.0
     """Sample among the smallest set of tokens whose probability reaches p; 1 disables."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely token's; 0 disables."""
+    repetition_penalty: float = 1.0
+    """Divide positive (multiply negative) logits of tokens already in the prompt or output by this; 1 disables
+    (the CTRL paper's penalty, as transformers and llama.cpp apply it)."""
+    presence_penalty: float = 0.0
+    """Subtract this from the logit of every token already generated (OpenAI's definition, -2..2)."""
+    frequency_penalty: float = 0.0
+    """Subtract this times the number of times a token was generated (OpenAI's definition, -2..2)."""
     seed: int | None = None
     """Seed of the sampler; request i of a batch uses seed + i. None draws a random seed."""
     stop: tuple[str, ...] = ()
     """Generation of a prompt ends before the first occurrence of any of these strings."""
     ignore_eos: bool = False
     """Keep generating past end-of-sequence tokens (benchmarks)."""
+    logprobs: int | None = None
+    """Report each sampled token's log-probability and this many most likely alternatives (0: the token's only);
+    None reports none."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -40,6 +59,16 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not math.isfinite(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or not -2 <= value <= 2:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise InvalidRequestError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty strings")
 
@@ -47,44 +76,110 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalised(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
-class Sampler:
-    """Picks next tokens for a batch; rows keep their own seeded generator across steps."""
 
-    def __init__(self, params: SamplingParams, rows: int):
+LLAMA_CPP_SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+"""llama.cpp's default sampler chain (common/common.h): what `chat`, `serve` and `generate` use unless told."""
+
+
+class TokenLogprobs(dict[int, float]):
+    """A sampled token's log-probability under key `token`, and its most likely alternatives' under theirs."""
+
+    def __init__(self, token: int, values: dict[int, float]):
+        super().__init__(values)
+        self.token = token
+
+
+class RequestSampler:
+    """One request's token picker: its parameters and its own seeded generator (so a request draws the same
+    tokens alone or inside any batch)."""
+
+    def __init__(self, params: SamplingParams, seed_offset: int = 0):
         self.params = params
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
-        self.seed = seed
-        self.generators = [torch.Generator().manual_seed(seed + i) for i in range(rows)]
+        self.seed = seed + seed_offset
+        self.generator = torch.Generator().manual_seed(self.seed)
+        self.plain = params.greedy and not params.penalised and params.logprobs is None
+        """Greedy with nothing to adjust or report: the batch's one argmax decides."""
 
-    def __call__(self, logits_BV: torch.Tensor, rows: Sequence[int]) -> list[int]:
-        """Next token of each batch row; `rows[b]` names the request (and generator) of row b.
+    def pick(self, logits_V: torch.Tensor, prompt: Sequence[int], generated: Sequence[int]
+             ) -> tuple[int, TokenLogprobs | None]:
+        """Next token from one row's logits, given the request's prompt and output so far."""
+        p = self.params
+        logits_V = logits_V.float()
+        if p.penalised:
+            logits_V = penalised(logits_V, prompt, generated, p)
+        if p.greedy:
+            token = int(logits_V.argmax())
+        else:
+            probs_V = filtered_probs(logits_V[None], p)[0]
+            token = int(torch.multinomial(probs_V, 1, generator=self.generator))
+        return token, (token_logprobs(logits_V, token, p.logprobs) if p.logprobs is not None else None)
 
-        Raises NonFiniteLogits when a row's logits hold NaN or infinity (checked in the same host sync that
-        fetches the tokens)."""
-        if self.params.greedy:
-            picked = torch.stack((logits_BV.argmax(dim=-1), torch.isfinite(logits_BV).all(dim=-1).long())).tolist()
-            if not all(picked[1]):
-                raise NonFiniteLogits([r for r, ok in zip(rows, picked[1]) if not ok])
-            return picked[0]
-        logits_BV = logits_BV.float().cpu()
-        finite_B = torch.isfinite(logits_BV).all(dim=-1)
-        if not bool(finite_B.all()):
-            raise NonFiniteLogits([r for r, ok in zip(rows, finite_B.tolist()) if not ok])
-        probs_BV = filtered_probs(logits_BV, self.params)
-        return [int(torch.multinomial(probs_BV[b], 1, generator=self.generators[r])) for b, r in enumerate(rows)]
+
+def sample_rows(logits_BV: torch.Tensor, requests: Sequence[Sampled]) -> list[tuple[int, TokenLogprobs | None]]:
+    """Next token of each row (row b for `requests[b]`). Plain greedy rows are decided in one argmax (the host
+    sync that also checks every row is finite); the others go through their own sampler on the host.
+
+    Raises NonFiniteLogits when a row's logits hold NaN or infinity."""
+    picked = torch.stack((logits_BV.argmax(dim=-1), torch.isfinite(logits_BV).all(dim=-1).long())).tolist()
+    if 0 in picked[1]:
+        raise NonFiniteLogits([b for b, ok in enumerate(picked[1]) if not ok])
+    out: list[tuple[int, TokenLogprobs | None]] = []
+    host_BV = None
+    for b, request in enumerate(requests):
+        if request.sampler.plain:
+            out.append((picked[0][b], None))
+            continue
+        host_BV = logits_BV.cpu() if host_BV is None else host_BV
+        out.append(request.sampler.pick(host_BV[b], request.prompt_ids, request.out_ids))
+    return out
+
+
+class Sampled(Protocol):
+    """What the sampler reads of a request."""
+
+    sampler: RequestSampler
+    prompt_ids: list[int]
+    out_ids: list[int]
 
 
 class NonFiniteLogits(Exception):
-    """Raised by the sampler; the generation loop turns it into a NumericalError naming where it began."""
+    """Raised by the sampler; the engine turns it into a NumericalError naming where it began."""
 
     def __init__(self, rows: list[int]):
         super().__init__(f"non-finite logits in rows {rows}")
         self.rows = rows
 
 
+def penalised(logits_V: torch.Tensor, prompt: Sequence[int], generated: Sequence[int], p: SamplingParams
+              ) -> torch.Tensor:
+    """Repetition penalty over the prompt and output; presence and frequency penalties over the output."""
+    logits_V = logits_V.clone()
+    if p.repetition_penalty != 1:
+        seen = torch.tensor(sorted(set(prompt) | set(generated)), dtype=torch.long)
+        values = logits_V[seen]
+        logits_V[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and generated:
+        counts_V = torch.bincount(torch.tensor(list(generated), dtype=torch.long), minlength=logits_V.shape[0])
+        logits_V -= p.frequency_penalty * counts_V + p.presence_penalty * (counts_V > 0)
+    return logits_V
+
+
+def token_logprobs(logits_V: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    logp_V = torch.log_softmax(logits_V.float(), dim=-1)
+    values = {token: float(logp_V[token])}
+    if top:
+        best = torch.topk(logp_V, top)
+        values.update(zip(best.indices.tolist(), best.values.tolist()))
+    return TokenLogprobs(token, values)
+
+
 def filtered_probs(logits_BV: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Softmax of logits / temperature restricted to the top-k and top-p sets."""
+    """Softmax of logits / temperature restricted to the top-k, top-p and min-p sets."""
     logits_BV = logits_BV / p.temperature
     if p.top_k and p.top_k < logits_BV.shape[-1]:
         kth = torch.topk(logits_BV, p.top_k, dim=-1).values[:, -1:]
@@ -94,4 +189,8 @@ def filtered_probs(logits_BV: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         cum_BV = torch.softmax(sorted_BV, dim=-1).cumsum(dim=-1)
         drop_BV = cum_BV - torch.softmax(sorted_BV, dim=-1) >= p.top_p  # mass before this token already >= p
         logits_BV = logits_BV.scatter(1, order_BV, sorted_BV.masked_fill(drop_BV, float("-inf")))
-    return torch.softmax(logits_BV, dim=-1)
+    probs_BV = torch.softmax(logits_BV, dim=-1)
+    if p.min_p > 0:
+        probs_BV = probs_BV.masked_fill(probs_BV < p.min_p * probs_BV.max(dim=-1, keepdim=True).values, 0)
+        probs_BV = probs_BV / probs_BV.sum(dim=-1, keepdim=True)
+    return probs_BV

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from moepager.errors import InvalidRequestError
-from moepager.runtime.generate import generate_ids
+from moepager.runtime.engine import Engine
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
-from moepager.runtime.stats import RunStats, percentile
+from moepager.runtime.stats import percentile
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +54,11 @@ def test_stop_string_truncates_and_finishes(llm):
 def test_eos_stops_generation(llm):
     free = llm.generate("The", SamplingParams(max_tokens=8, ignore_eos=True))[0]
     eos = free.token_ids[3]
-    seq = generate_ids(llm.loaded.model, [llm.encode("The")], SamplingParams(max_tokens=8), [eos], RunStats())[0]
-    assert seq.out_ids == free.token_ids[:3] and seq.finish_reason == "stop"
+    engine = Engine(llm.loaded.model, llm.loaded.dtype, llm.loaded.device, llm.config.scheduler, [eos], None)
+    request = engine.new_request(llm.encode("The"), SamplingParams(max_tokens=8))
+    engine.add(request)
+    list(engine.drain())
+    assert request.out_ids == free.token_ids[:3] and request.finish_reason == "stop"
 
 
 def test_max_tokens_and_statistics(llm, tmp_path):

@@ -1,10 +1,19 @@
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import pytest
 import torch
 
 from moepager.errors import InvalidRequestError
-from moepager.runtime.sampling import Sampler, SamplingParams, filtered_probs
+from moepager.runtime.sampling import RequestSampler, SamplingParams, filtered_probs, penalised, sample_rows
+
+
+@dataclass
+class Row:
+    sampler: RequestSampler
+    prompt_ids: list[int] = field(default_factory=list)
+    out_ids: list[int] = field(default_factory=list)
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(temperature=-0.5), dict(temperature=float("nan")),
@@ -27,12 +36,47 @@ def test_top_k_and_top_p_restrict_support():
 def test_seeded_sampling_is_reproducible_and_rows_independent():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     params = SamplingParams(temperature=1.0, seed=7)
-    a = [Sampler(params, 3)(logits, [0, 1, 2]) for _ in range(2)]
+
+    def draw(rows: list[int]) -> list[int]:
+        picked = sample_rows(logits[rows], [Row(RequestSampler(params, r)) for r in rows])
+        return [token for token, _ in picked]
+    a = [draw([0, 1, 2]) for _ in range(2)]
     assert a[0] == a[1]
     # Row 2 alone draws what it drew inside the batch: each request has its own generator.
-    assert Sampler(params, 3)(logits[2:], [2]) == [a[0][2]]
+    assert draw([2]) == [a[0][2]]
 
 
 def test_greedy_is_argmax():
     logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 0.0]])
-    assert Sampler(SamplingParams(), 2)(logits, [0, 1]) == [1, 0]
+    rows = [Row(RequestSampler(SamplingParams())) for _ in range(2)]
+    assert sample_rows(logits, rows) == [(1, None), (0, None)]
+
+
+@pytest.mark.parametrize("kwargs", [dict(min_p=1.5), dict(repetition_penalty=0.0), dict(presence_penalty=2.5),
+                                    dict(frequency_penalty=-3.0), dict(logprobs=-1), dict(logprobs=21)])
+def test_invalid_penalties_and_logprobs_are_rejected(kwargs):
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**kwargs)
+
+
+def test_min_p_drops_tokens_below_a_share_of_the_best():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    p = filtered_probs(logits, SamplingParams(temperature=1.0, min_p=0.35))
+    torch.testing.assert_close(p, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+
+
+def test_penalties_follow_their_definitions():
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    rep = penalised(logits, [0], [1], SamplingParams(repetition_penalty=2.0))
+    torch.testing.assert_close(rep, torch.tensor([1.0, -2.0, 0.5, 3.0]))  # positive divided, negative multiplied
+    pf = penalised(logits, [0], [3, 3, 2], SamplingParams(presence_penalty=0.5, frequency_penalty=0.25))
+    torch.testing.assert_close(pf, torch.tensor([2.0, -1.0, 0.5 - 0.75, 3.0 - 1.0]))  # only generated tokens count
+
+
+def test_a_repetition_penalty_changes_a_greedy_choice_and_logprobs_report_the_choice():
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    sampler = RequestSampler(SamplingParams(repetition_penalty=1.5, logprobs=2))
+    [(token, logprobs)] = sample_rows(logits, [Row(sampler, [0])])
+    assert token == 1 and logprobs is not None and logprobs.token == 1
+    assert set(logprobs) == {0, 1} and logprobs[1] > logprobs[0]
+    assert sum(torch.tensor(list(logprobs.values())).exp()) < 1

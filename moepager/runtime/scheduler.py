@@ -1,0 +1,81 @@
+"""Which requests run in the next step, and how many of their tokens.
+
+Algorithm (vLLM's, at our size): running requests first, oldest first, each taking what it needs (one token
+when decoding, the rest of its prompt otherwise) within the step's token budget; a request whose next tokens
+need a KV block the pool does not have preempts the youngest running request (its blocks freed, its tokens
+recomputed when it runs again) until the block is found. Then waiting requests are admitted in arrival order
+while the budget, the request limit and the pool allow, their prompts chunked to fit the budget.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+from moepager.config import SchedulerConfig
+from moepager.runtime.kv_pool import KVBlockPool
+from moepager.runtime.request import Request
+
+
+class Scheduled(NamedTuple):
+    """`count` tokens of `request` from its position `start` on."""
+
+    request: Request
+    start: int
+    count: int
+
+    @property
+    def completes(self) -> bool:
+        """After this step every token of the request is in the cache, so its next token is sampled."""
+        return self.start + self.count == self.request.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: KVBlockPool):
+        self.config, self.pool = config, pool
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> list[Scheduled]:
+        budget, rows, i = self.config.max_batched_tokens, [], 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            count = min(request.remaining, budget)
+            if not self.pool.reserve(request.blocks, request.num_computed + count):
+                victim = self.running.pop()  # the youngest; never one already scheduled (those sit before i)
+                self._preempt(victim)
+                continue
+            rows.append(Scheduled(request, request.num_computed, count))
+            budget -= count
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            count = min(request.remaining, budget)
+            if not self.pool.reserve(request.blocks, request.num_computed + count):
+                break
+            self.running.append(self.waiting.popleft())
+            rows.append(Scheduled(request, request.num_computed, count))
+            budget -= count
+        return rows
+
+    def _preempt(self, request: Request) -> None:
+        self.pool.release(request.blocks)
+        request.num_computed = 0
+        request.stats.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request) -> None:
+        """Take a finished (or aborted) request out, wherever it is, and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.pool.release(request.blocks)
+
+    def __len__(self) -> int:
+        return len(self.running) + len(self.waiting)
