@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
+from moepager.config import EngineConfig, PrefetchConfig, SchedulerConfig, StoreConfig
 from moepager.experts.executor import KERNELS
 from moepager.errors import MoepagerError
 from moepager.policies import ENGINE_POLICIES
@@ -17,9 +17,9 @@ from moepager.runtime.llm import LLM
 from moepager.models.default import default_model_path
 from moepager.models.load import read_config
 from moepager.runtime.replay import ReplaySpec, check_record_path, load_replay
-from moepager.runtime.sampling import SamplingParams
+from moepager.runtime.sampling import LLAMA_CPP_SAMPLING, SamplingParams
 
-HELP = "generate text for one or more prompts (one static batch) and print the run's statistics"
+HELP = "generate text for one or more prompts (batched together) and print the run's statistics"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,21 +29,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face checkpoint directory (default: the built-in demo model)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="tokens to generate per prompt (default 64; with --route-from: the trace's decode steps + 1)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    add_sampling_arguments(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="convert weights (default: as stored)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
-    p.add_argument("--expert-kernel", choices=KERNELS, default="auto",
-                   help="how a layer's routed experts are computed: auto (per call: loop on the CPU, gather for "
-                        "small experts at one token, grouped on CUDA), loop, gather or grouped")
-    add_store_arguments(p)
-    add_prefetch_arguments(p)
+    add_engine_arguments(p)
     add_replay_arguments(p)
     p.add_argument("--stats-json", metavar="PATH", help="also write the statistics as JSON")
     p.add_argument("--record-trace", metavar="PATH",
@@ -51,6 +41,56 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--record-hidden", action="store_true",
                    help="with --record-trace: also record every router input (float16; token-wise predictor training)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (default: llama.cpp's, temperature 0.8, top-k 40, top-p 0.95, min-p 0.05; "
+                             "--temperature 0 is greedy)")
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 0.8)")
+    g.add_argument("--top-k", type=int, default=None, help="default 40; 0 disables")
+    g.add_argument("--top-p", type=float, default=None, help="default 0.95; 1 disables")
+    g.add_argument("--min-p", type=float, default=None, help="default 0.05; 0 disables")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="over the prompt and output (1 disables)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, over the output (-2..2)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, over the output (-2..2)")
+    g.add_argument("--seed", type=int, default=None, help="seed of the sampler (default: random)")
+
+
+def sampling_params(args: argparse.Namespace, max_tokens: int, **more: object) -> SamplingParams:
+    """The sampling options, llama.cpp's defaults filling what is not given (none of them when greedy)."""
+    given = {k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k), ("top_p", args.top_p),
+                               ("min_p", args.min_p)) if v is not None}
+    defaults = {} if args.temperature == 0 else LLAMA_CPP_SAMPLING
+    return SamplingParams(**{**defaults, **given}, max_tokens=max_tokens, repetition_penalty=args.repetition_penalty,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          seed=args.seed, **more)  # type: ignore[arg-type]
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the model runs and how its experts and requests are held (generate, serve, chat)."""
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="convert weights (default: as stored)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--expert-kernel", choices=KERNELS, default="auto",
+                   help="how a layer's routed experts are computed: auto (per call: loop on the CPU, gather for "
+                        "small experts at one token, grouped on CUDA), loop, gather or grouped")
+    g = p.add_argument_group("continuous batching")
+    defaults = SchedulerConfig()
+    g.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="most requests in one step")
+    g.add_argument("--max-batched-tokens", type=int, default=defaults.max_batched_tokens,
+                   help="most tokens one step computes (prompts are chunked to fit)")
+    g.add_argument("--kv-cache-tokens", type=int, default=defaults.kv_cache_tokens,
+                   help="KV cache positions shared by the running requests (the youngest is preempted when full)")
+    add_store_arguments(p)
+    add_prefetch_arguments(p)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
+                                kv_cache_tokens=args.kv_cache_tokens)
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
+                        store=store_config(args), prefetch=prefetch_config(args), expert_kernel=args.expert_kernel,
+                        scheduler=scheduler)
 
 
 def add_store_arguments(p: argparse.ArgumentParser) -> None:
@@ -185,14 +225,11 @@ def run(args: argparse.Namespace) -> int:
     args.prompts = read_prompts(args)
     refuse_ignored_options(args)
     replay = replay_spec(args)
-    params = SamplingParams(max_tokens=64 if args.max_tokens is None else args.max_tokens,
-                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    params = sampling_params(args, 64 if args.max_tokens is None else args.max_tokens, stop=tuple(args.stop),
+                             ignore_eos=args.ignore_eos)
     if replay is not None:  # a trace that cannot replay on this model is refused before the model loads
         load_replay(replay, read_config(args.model or default_model_path()))
-    llm = LLM(config=EngineConfig(model=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
-                                  store=store_config(args), prefetch=prefetch_config(args),
-                                  expert_kernel=args.expert_kernel), show_progress=not args.quiet)
+    llm = LLM(config=engine_config(args), show_progress=not args.quiet)
     if replay is not None:
         return _replay(llm, replay, params, args)
     if llm.tokenizer is None:

@@ -115,8 +115,8 @@ class RequestSampler:
         if p.greedy:
             token = int(logits_V.argmax())
         else:
-            probs_V = filtered_probs(logits_V[None], p)[0]
-            token = int(torch.multinomial(probs_V, 1, generator=self.generator))
+            probs_C, ids_C = candidates(logits_V, p)
+            token = int(ids_C[torch.multinomial(probs_C, 1, generator=self.generator)])
         return token, (token_logprobs(logits_V, token, p.logprobs) if p.logprobs is not None else None)
 
 
@@ -178,19 +178,29 @@ def token_logprobs(logits_V: torch.Tensor, token: int, top: int) -> TokenLogprob
     return TokenLogprobs(token, values)
 
 
-def filtered_probs(logits_BV: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Softmax of logits / temperature restricted to the top-k, top-p and min-p sets."""
-    logits_BV = logits_BV / p.temperature
-    if p.top_k and p.top_k < logits_BV.shape[-1]:
-        kth = torch.topk(logits_BV, p.top_k, dim=-1).values[:, -1:]
-        logits_BV = logits_BV.masked_fill(logits_BV < kth, float("-inf"))
+def candidates(logits_V: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens sampling may pick and their probabilities, most likely first: the top-k (all tokens when
+    top_k is 0) at temperature, cut to the top-p mass and the min-p share of the best (llama.cpp's chain, which
+    also sorts only the top-k candidates: cheap next to a sort of the whole vocabulary)."""
+    if p.top_k and p.top_k < logits_V.shape[-1]:
+        values_C, ids_C = torch.topk(logits_V, p.top_k)
+    else:
+        values_C, ids_C = torch.sort(logits_V, descending=True)
+    probs_C = torch.softmax(values_C / p.temperature, dim=-1)
+    keep = probs_C.shape[0]
     if p.top_p < 1.0:
-        sorted_BV, order_BV = torch.sort(logits_BV, dim=-1, descending=True)
-        cum_BV = torch.softmax(sorted_BV, dim=-1).cumsum(dim=-1)
-        drop_BV = cum_BV - torch.softmax(sorted_BV, dim=-1) >= p.top_p  # mass before this token already >= p
-        logits_BV = logits_BV.scatter(1, order_BV, sorted_BV.masked_fill(drop_BV, float("-inf")))
-    probs_BV = torch.softmax(logits_BV, dim=-1)
+        before_C = probs_C.cumsum(0) - probs_C  # mass of the tokens before this one
+        keep = int((before_C < p.top_p).sum())
     if p.min_p > 0:
-        probs_BV = probs_BV.masked_fill(probs_BV < p.min_p * probs_BV.max(dim=-1, keepdim=True).values, 0)
-        probs_BV = probs_BV / probs_BV.sum(dim=-1, keepdim=True)
-    return probs_BV
+        keep = min(keep, int((probs_C >= p.min_p * probs_C[0]).sum()))
+    probs_C = probs_C[:max(keep, 1)]
+    return probs_C / probs_C.sum(), ids_C[:max(keep, 1)]
+
+
+def filtered_probs(logits_BV: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The full distribution `candidates` samples from, one row per batch row (zero outside the candidates)."""
+    out_BV = torch.zeros_like(logits_BV, dtype=torch.float32)
+    for b in range(logits_BV.shape[0]):
+        probs_C, ids_C = candidates(logits_BV[b].float(), p)
+        out_BV[b, ids_C] = probs_C
+    return out_BV

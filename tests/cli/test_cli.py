@@ -49,7 +49,8 @@ def test_info_shows_the_minimum_and_what_budgets_hold(tiny, capsys):
 
 
 def test_generate_with_an_expert_budget_matches_resident_and_reports_paging(tiny, tmp_path, capsys):
-    common = ["generate", "--model", str(tiny), "The history of", "--max-tokens", "8", "--ignore-eos", "--quiet"]
+    common = ["generate", "--model", str(tiny), "The history of", "--max-tokens", "8", "--ignore-eos", "--quiet",
+              "--temperature", "0"]
     assert main(common) == 0
     resident = capsys.readouterr().out.split("\n")[0]
     stats = tmp_path / "stats.json"
@@ -62,7 +63,8 @@ def test_generate_with_an_expert_budget_matches_resident_and_reports_paging(tiny
 
 @pytest.mark.parametrize("kernel", ["gather", "grouped"])
 def test_every_expert_kernel_generates_the_same_text_resident_and_paged(tiny, capsys, kernel):
-    common = ["generate", "--model", str(tiny), "The history of", "--max-tokens", "8", "--ignore-eos", "--quiet"]
+    common = ["generate", "--model", str(tiny), "The history of", "--max-tokens", "8", "--ignore-eos", "--quiet",
+              "--temperature", "0"]
     assert main(common + ["--expert-kernel", kernel]) == 0
     resident = capsys.readouterr().out.split("\n")[0]
     assert main(common + ["--expert-kernel", kernel, "--expert-memory", "25%", "--direct-io", "off"]) == 0

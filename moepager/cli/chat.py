@@ -1,0 +1,111 @@
+"""`moepager chat [--model PATH]`: an interactive chat in the terminal with the model's chat template.
+
+Answers stream as they are generated; the history is kept across turns (`/reset` forgets it, `/stats` prints
+the last answer's statistics, `/exit` or Ctrl-D quits). Ctrl-C stops the answer being written, not the program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moepager.cli.generate import add_engine_arguments, add_sampling_arguments, engine_config, refuse_ignored_options
+from moepager.cli.generate import sampling_params
+from moepager.errors import InvalidRequestError, MoepagerError
+from moepager.runtime.llm import LLM
+
+HELP = "chat with the model in the terminal (streaming; /reset, /stats, /exit; Ctrl-C stops an answer)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="Hugging Face checkpoint directory (default: the built-in demo model)")
+    p.add_argument("--system", help="a system message opening the conversation")
+    p.add_argument("--max-tokens", type=int, default=256, help="most tokens per answer (default 256)")
+    add_sampling_arguments(p)
+    add_engine_arguments(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+class Chat:
+    """The conversation: messages so far, and one answer at a time streamed from the engine."""
+
+    def __init__(self, llm: LLM, args: argparse.Namespace):
+        self.llm, self.args = llm, args
+        self.system = [{"role": "system", "content": args.system}] if args.system else []
+        self.messages: list[dict[str, str]] = list(self.system)
+
+    def reset(self) -> None:
+        self.messages = list(self.system)
+
+    def answer(self, text: str, write: callable = sys.stdout.write) -> str:  # type: ignore[valid-type]
+        """Stream the model's answer to `text`; Ctrl-C ends it early (what was written is kept)."""
+        assert self.llm.tokenizer is not None
+        self.messages.append({"role": "user", "content": text})
+        prompt = self.llm.tokenizer.apply_chat_template(self.messages)
+        ids = self.llm.encode(self.llm.tokenizer.encode(prompt, add_special_tokens=False))
+        context = self.llm.loaded.config.max_position_embeddings
+        if len(ids) >= context:
+            self.messages.pop()
+            raise InvalidRequestError(f"the conversation is {len(ids)} tokens, over the model's context of {context}: "
+                                      f"/reset to start again")
+        params = sampling_params(self.args, min(self.args.max_tokens, context - len(ids)))
+        engine = self.llm.engine
+        request = engine.new_request(ids, params, stream=True, grow_kv=True)
+        engine.add(request)
+        try:
+            for outputs in engine.drain():
+                for out in outputs:
+                    if out.new_text:
+                        write(out.new_text)
+                        sys.stdout.flush()
+        except KeyboardInterrupt:
+            engine.abort(request.request_id)
+            list(engine.drain())
+            write(" [stopped]")
+        self.messages.append({"role": "assistant", "content": request.text.text})
+        self.last = request
+        return request.text.text
+
+    def stats(self) -> str:
+        request = getattr(self, "last", None)
+        if request is None:
+            return "no answer yet"
+        s, n = request.stats, len(request.out_ids)
+        tpot = s.tpot_s
+        rate = f"{len(tpot) / sum(tpot):.1f} tok/s" if tpot and sum(tpot) else "n/a"
+        return (f"prompt {len(request.prompt_ids)} tokens, answer {n} tokens, TTFT {1e3 * (s.ttft_s or 0):.0f} ms, "
+                f"decode {rate}, history {len(self.messages)} messages")
+
+
+def run(args: argparse.Namespace) -> int:
+    args.record_trace = args.stats_json = None
+    args.record_hidden = False
+    refuse_ignored_options(args)
+    llm = LLM(config=engine_config(args), show_progress=not args.quiet)
+    if llm.tokenizer is None or not llm.tokenizer.chat_template:
+        raise MoepagerError("this checkpoint has no chat template (tokenizer_config.json chat_template); use generate")
+    chat = Chat(llm, args)
+    print("moepager chat — /reset forgets the conversation, /stats, /exit; Ctrl-C stops an answer", flush=True)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:
+            print()
+            continue
+        command = line.strip()
+        if command in ("/exit", "/quit"):
+            return 0
+        if command == "/reset":
+            chat.reset()
+            print("(conversation forgotten)")
+        elif command == "/stats":
+            print(chat.stats())
+        elif command:
+            try:
+                chat.answer(line)
+            except InvalidRequestError as e:
+                print(f"error: {e}")
+            print(flush=True)

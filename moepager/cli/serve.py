@@ -1,0 +1,39 @@
+"""`moepager serve [--model PATH] [--host H] [--port P]`: the OpenAI-compatible server and its web page."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from moepager.cli.generate import add_engine_arguments, engine_config, refuse_ignored_options
+from moepager.errors import MoepagerError
+from moepager.runtime.llm import LLM
+
+HELP = "serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming) with a live web page"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="Hugging Face checkpoint directory (default: the built-in demo model)")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: the directory's name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    add_engine_arguments(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bars and no access log")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from moepager.server.app import create_app
+
+    if not 0 < args.port < 65536:
+        raise MoepagerError(f"--port must be in 1..65535, got {args.port}")
+    args.record_trace = args.stats_json = None
+    args.record_hidden = False
+    refuse_ignored_options(args)
+    llm = LLM(config=engine_config(args), show_progress=not args.quiet)
+    name = args.served_model_name or Path(llm.loaded.checkpoint.path).name
+    print(f"serving {name} on http://{args.host}:{args.port} (web page at /, OpenAI API at /v1)", flush=True)
+    uvicorn.run(create_app(llm, name), host=args.host, port=args.port, log_level="warning",
+                access_log=not args.quiet)
+    return 0

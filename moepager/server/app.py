@@ -1,0 +1,251 @@
+"""`moepager serve`'s HTTP API: OpenAI's completions, chat completions and models, plus health, Prometheus
+metrics, JSON statistics and the web page.
+
+Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: malformed JSON and invalid fields
+are 400 with the reason, an unknown model 404; nothing a request sends can stop the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from importlib.resources import files
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+
+from moepager.errors import InvalidRequestError, MoepagerError
+from moepager.runtime.llm import LLM
+from moepager.runtime.request import Request as EngineRequest
+from moepager.runtime.request import RequestOutput
+from moepager.runtime.sampling import SamplingParams, TokenLogprobs
+from moepager.server.async_engine import AsyncEngine, Delivery
+from moepager.server.metrics import Metrics
+from moepager.server.protocol import ChatCompletionRequest, CompletionRequest
+
+CHAT_MAX_TOKENS = 1024
+"""A chat request without max_tokens generates at most this many (or up to the context, if shorter)."""
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+def error_response(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+
+
+def create_app(llm: LLM, model_name: str) -> FastAPI:
+    metrics = Metrics(llm.engine, llm.store, model_name)
+    engine = AsyncEngine(llm.engine, metrics)
+    context = llm.loaded.config.max_position_embeddings
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="moepager", lifespan=lifespan)
+    app.state.engine = engine
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"the request body is not valid JSON: {first.get('msg', '')}")
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid value')}", param=where or None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.code, exc.param)
+
+    @app.exception_handler(MoepagerError)
+    async def refused(request: Request, exc: MoepagerError) -> JSONResponse:
+        return error_response(400 if isinstance(exc, InvalidRequestError) else 500, str(exc))
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise ApiError(404, f"model '{name}' not found; this server serves '{model_name}'", "model_not_found",
+                           "model")
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(metrics.started_s),
+                                             "owned_by": "moepager", "max_model_len": context}]}
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.prometheus(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/stats")
+    async def stats() -> dict[str, Any]:
+        return metrics.snapshot()
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page() -> str:
+        return files("moepager.server").joinpath("static/index.html").read_text(encoding="utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: Request) -> Any:
+        check_model(body.model)
+        ids = llm.encode(body.prompt_value())
+        params = body.params(body.max_tokens if body.max_tokens is not None else 16, body.logprobs)
+        shape = CompletionShape(llm, model_name, ids, params)
+        return await respond(engine, http, ids, params, body.stream, shape.chunk, shape.final)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, http: Request) -> Any:
+        check_model(body.model)
+        if llm.tokenizer is None:
+            raise InvalidRequestError("this checkpoint has no tokenizer.json; chat needs one")
+        text = llm.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
+        ids = llm.encode(llm.tokenizer.encode(text, add_special_tokens=False))
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = body.params(limit if limit is not None else max(1, min(CHAT_MAX_TOKENS, context - len(ids))),
+                             body.chat_logprobs())
+        shape = ChatShape(llm, model_name, ids, params)
+        return await respond(engine, http, ids, params, body.stream, shape.chunk, shape.final)
+
+    return app
+
+
+Chunk = Callable[[RequestOutput], dict[str, Any]]
+Final = Callable[[EngineRequest], dict[str, Any]]
+
+
+async def respond(engine: AsyncEngine, http: Request, ids: list[int], params: SamplingParams, stream: bool,
+                  chunk: Chunk, final: Final) -> Any:
+    request, queue = engine.submit(ids, params)
+    if stream:
+        return StreamingResponse(stream_events(engine, request, queue, chunk), media_type="text/event-stream")
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    return None
+                continue
+            if isinstance(item, BaseException):
+                raise ApiError(500, f"generation failed: {item}")
+            if item.finished:
+                return final(request)
+    finally:
+        engine.abort(request.request_id)
+
+
+async def stream_events(engine: AsyncEngine, request: EngineRequest, queue: asyncio.Queue[Delivery],
+                        chunk: Chunk) -> AsyncIterator[str]:
+    """Server-sent events, one per step that changed the request; a client that goes away cancels this
+    generator, and `finally` aborts the request."""
+    try:
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                yield f"data: {json.dumps({'error': {'message': f'generation failed: {item}', 'type': 'server_error'}})}\n\n"
+                return
+            if item.new_text or item.finished or item.new_logprobs:
+                yield f"data: {json.dumps(chunk(item))}\n\n"
+            if item.finished:
+                yield "data: [DONE]\n\n"
+                return
+    finally:
+        engine.abort(request.request_id)
+
+
+class Shape:
+    """How one endpoint writes its chunks and final response."""
+
+    object_name = ""
+
+    def __init__(self, llm: LLM, model: str, ids: list[int], params: SamplingParams):
+        self.llm, self.model, self.prompt_tokens, self.params = llm, model, len(ids), params
+        self.id = f"{self.prefix}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+        self.first = True
+
+    prefix = "cmpl"
+
+    def envelope(self, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+
+    def usage(self, request: EngineRequest) -> dict[str, int]:
+        out = len(request.out_ids)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": out, "total_tokens": self.prompt_tokens + out}
+
+    def token_text(self, token: int) -> str:
+        return self.llm.tokenizer.decode([token]) if self.llm.tokenizer is not None else str(token)
+
+
+class CompletionShape(Shape):
+    def chunk(self, out: RequestOutput) -> dict[str, Any]:
+        return self.envelope("text_completion", {"index": 0, "text": out.new_text, "finish_reason": out.finish_reason,
+                                                 "logprobs": self.logprobs(out.new_logprobs)})
+
+    def final(self, request: EngineRequest) -> dict[str, Any]:
+        body = self.envelope("text_completion", {"index": 0, "text": request.text.text,
+                                                 "finish_reason": request.finish_reason,
+                                                 "logprobs": self.logprobs(request.logprobs)})
+        return {**body, "usage": self.usage(request)}
+
+    def logprobs(self, values: list[TokenLogprobs]) -> dict[str, Any] | None:
+        if self.params.logprobs is None:
+            return None
+        tokens = [self.token_text(v.token) for v in values]
+        offsets, at = [], 0
+        for text in tokens:
+            offsets.append(at)
+            at += len(text)
+        return {"tokens": tokens, "token_logprobs": [v[v.token] for v in values],
+                "top_logprobs": [{self.token_text(t): lp for t, lp in top(v, self.params.logprobs)} for v in values]
+                if self.params.logprobs else None,
+                "text_offset": offsets}
+
+
+class ChatShape(Shape):
+    prefix = "chatcmpl"
+
+    def chunk(self, out: RequestOutput) -> dict[str, Any]:
+        delta: dict[str, Any] = {"role": "assistant"} if self.first else {}
+        self.first = False
+        if out.new_text:
+            delta["content"] = out.new_text
+        return self.envelope("chat.completion.chunk", {"index": 0, "delta": delta, "finish_reason": out.finish_reason,
+                                                       "logprobs": self.logprobs(out.new_logprobs)})
+
+    def final(self, request: EngineRequest) -> dict[str, Any]:
+        body = self.envelope("chat.completion", {"index": 0, "finish_reason": request.finish_reason,
+                                                 "message": {"role": "assistant", "content": request.text.text},
+                                                 "logprobs": self.logprobs(request.logprobs)})
+        return {**body, "usage": self.usage(request)}
+
+    def logprobs(self, values: list[TokenLogprobs]) -> dict[str, Any] | None:
+        if self.params.logprobs is None:
+            return None
+
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            text = self.token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"content": [{**entry(v.token, v[v.token]),
+                             "top_logprobs": [entry(t, lp) for t, lp in top(v, self.params.logprobs)]}
+                            for v in values]}
+
+
+def top(values: TokenLogprobs, n: int) -> list[tuple[int, float]]:
+    """The n most likely tokens of a sampled position (the sampled token among them only if it is)."""
+    return sorted(values.items(), key=lambda item: -item[1])[:n]

@@ -1,0 +1,92 @@
+"""The engine stepping on its own thread, its outputs delivered to asyncio queues, one per request.
+
+Requests from any number of HTTP clients join the running batch at the next step (continuous batching). A
+request whose client goes away is aborted and frees its KV blocks at the next step. An exception inside a step
+fails the requests then running (each client gets the error) and the thread goes on serving new ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+from moepager.runtime.engine import Engine
+from moepager.runtime.request import Request, RequestOutput
+from moepager.runtime.sampling import SamplingParams
+from moepager.server.metrics import Metrics
+
+log = logging.getLogger("moepager.server")
+Delivery = RequestOutput | BaseException
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, metrics: Metrics):
+        self.engine, self.metrics = engine, metrics
+        self._queues: dict[int, asyncio.Queue[Delivery]] = {}
+        self._requests: dict[int, Request] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="moepager-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Request, asyncio.Queue[Delivery]]:
+        """Queue a request (InvalidRequestError when it cannot run: too long for the context or KV cache)."""
+        request = self.engine.new_request(prompt_ids, params, stream=True)
+        queue: asyncio.Queue[Delivery] = asyncio.Queue()
+        self._queues[request.request_id] = queue
+        self._requests[request.request_id] = request
+        self.engine.add(request)
+        self._wake.set()
+        return request, queue
+
+    def abort(self, request_id: int) -> None:
+        """The client went away (or the request was answered): forget it, and stop it if still running."""
+        if self._queues.pop(request_id, None) is not None:
+            self.engine.abort(request_id)
+            self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stopping:
+            if not self.engine.has_work():
+                self._wake.wait(0.1)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a bad request must not take the server down: fail what ran, go on
+                log.exception("engine step failed; failing the requests it ran")
+                self._fail_running(e)
+                continue
+            self.metrics.step(self.engine.last_step)
+            for out in outputs:
+                self._deliver(out.request_id, out)
+                if out.finished:
+                    self._queues.pop(out.request_id, None)
+                request = self._requests.pop(out.request_id, None) if out.finished else None
+                if request is not None:
+                    self.metrics.finish(request)
+
+    def _deliver(self, request_id: int, item: Delivery) -> None:
+        queue = self._queues.get(request_id)
+        if queue is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _fail_running(self, error: Exception) -> None:
+        for request_id in list(self.engine.requests):
+            self._deliver(request_id, error)
+            self._queues.pop(request_id, None)
+            self._requests.pop(request_id, None)
+            self.engine.abort(request_id)

@@ -1,0 +1,86 @@
+"""The OpenAI API's request bodies (the fields moepager honours) and how they become sampling parameters.
+
+Unset sampling fields take llama.cpp's defaults (runtime/sampling.py LLAMA_CPP_SAMPLING); `temperature: 0`
+is greedy. Beyond OpenAI's fields, llama.cpp's and vLLM's `top_k`, `min_p` and `repetition_penalty` are accepted.
+Range checks live in SamplingParams, so the server and the Python API refuse the same values the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from moepager.errors import InvalidRequestError
+from moepager.runtime.sampling import LLAMA_CPP_SAMPLING, SamplingParams
+
+
+class Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    n: int = 1
+    ignore_eos: bool = False
+
+    def params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        if self.n != 1:
+            raise InvalidRequestError(f"n must be 1 (one completion per request), got {self.n}")
+        given = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p), ("top_k", self.top_k),
+                                   ("min_p", self.min_p)) if v is not None}
+        defaults = {} if self.temperature == 0 else LLAMA_CPP_SAMPLING
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(**{**defaults, **given}, max_tokens=max_tokens, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                              seed=self.seed, stop=stop, ignore_eos=self.ignore_eos, logprobs=logprobs)
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[int] | list[str]
+    max_tokens: int | None = 16
+    """OpenAI's default for completions."""
+    logprobs: int | None = None
+
+    def prompt_value(self) -> str | list[int]:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
+            if len(self.prompt) != 1:
+                raise InvalidRequestError("one prompt per request (a list of several prompts is not supported)")
+            return self.prompt[0]  # type: ignore[return-value]
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise InvalidRequestError("prompt is empty")
+        return self.prompt  # type: ignore[return-value]
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def chat_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -1,0 +1,157 @@
+"""The OpenAI-compatible server, live on 127.0.0.1 with the built-in model, driven by the official `openai`
+client: completions and chat, streaming or not, many concurrent clients, malformed requests, a client that
+goes away mid-stream."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+
+import httpx
+import pytest
+
+from moepager.runtime.llm import LLM
+from moepager.runtime.sampling import SamplingParams
+
+from .conftest import live_server
+
+openai = pytest.importorskip("openai")
+
+PROMPTS = ["The history of", "Water is", "In the morning", "A long time ago", "The city", "Science", "My friend",
+           "On the river", "The king said", "Music", "The first day", "When the rain", "Old books", "The road",
+           "Every child", "At night the"]
+TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def alone() -> dict[str, str]:
+    """Each prompt's greedy text, generated alone by a separate engine."""
+    llm = LLM(show_progress=False)
+    params = SamplingParams(max_tokens=TOKENS, ignore_eos=True)
+    return {p: llm.generate(p, params)[0].text for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with live_server(LLM(show_progress=False)) as url:
+        yield url
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+GREEDY = dict(model="demo-moe", max_tokens=TOKENS, temperature=0, extra_body={"ignore_eos": True})
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == ["demo-moe"]
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+    metrics = httpx.get(f"{server}/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    for name in ("moepager_requests_running", "moepager_requests_waiting", "moepager_tokens_per_second",
+                 "moepager_time_to_first_token_seconds_bucket", "moepager_time_per_output_token_seconds_count",
+                 "moepager_expert_hit_rate", 'moepager_expert_bytes_total{tier="disk"}',
+                 "moepager_expert_load_exposed_seconds_total"):
+        assert name in metrics.text
+
+
+def test_completion_streamed_or_not_gives_the_text_generated_alone(client, alone):
+    whole = client.completions.create(prompt="The history of", **GREEDY)
+    assert whole.choices[0].text == alone["The history of"]
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == TOKENS
+    chunks = list(client.completions.create(prompt="The history of", stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks) == alone["The history of"]
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_streamed_or_not_agree_and_use_the_chat_template(client):
+    messages = [{"role": "user", "content": "Tell me about rivers."}]
+    whole = client.chat.completions.create(messages=messages, **GREEDY)
+    assert whole.choices[0].message.role == "assistant"
+    streamed = list(client.chat.completions.create(messages=messages, stream=True, **GREEDY))
+    assert streamed[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == whole.choices[0].message.content
+    assert whole.usage.prompt_tokens > len("Tell me about rivers.".split())  # the template's tokens count too
+
+
+def test_sixteen_concurrent_streaming_clients_each_get_their_text_alone(client, alone, server):
+    got: dict[str, str] = {}
+    errors: list[BaseException] = []
+
+    def one(prompt: str) -> None:
+        try:
+            stream = client.completions.create(prompt=prompt, stream=True, **GREEDY)
+            got[prompt] = "".join(c.choices[0].text for c in stream)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=one, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and got == alone
+    finished = re.search(r'moepager_requests_finished_total\{reason="length"\} (\d+)', httpx.get(f"{server}/metrics").text)
+    assert finished and int(finished.group(1)) >= len(PROMPTS)
+
+
+def test_seeded_sampling_repeats_and_logprobs_are_reported(client):
+    params = dict(model="demo-moe", max_tokens=8, temperature=0.9, seed=11, extra_body={"ignore_eos": True})
+    a = client.completions.create(prompt="Water is", **params).choices[0].text
+    assert client.completions.create(prompt="Water is", **params).choices[0].text == a
+    out = client.completions.create(prompt="Water is", logprobs=3, **GREEDY).choices[0]
+    assert len(out.logprobs.token_logprobs) == TOKENS and all(lp <= 0 for lp in out.logprobs.token_logprobs)
+    assert all(len(top) == 3 for top in out.logprobs.top_logprobs)
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=2,
+                                          **GREEDY).choices[0]
+    assert len(chat.logprobs.content) == TOKENS and all(len(t.top_logprobs) == 2 for t in chat.logprobs.content)
+
+
+@pytest.mark.parametrize("body, status, reason", [
+    (dict(prompt="hi", max_tokens=0), 400, "max_tokens must be a positive integer"),
+    (dict(prompt="hi", max_tokens=100_000), 400, "exceeds the model's context"),
+    (dict(prompt="word " * 5000, max_tokens=4), 400, "exceeds the model's context"),
+    (dict(prompt="hi", temperature=-1), 400, "temperature must be >= 0"),
+    (dict(prompt="hi", top_p=0), 400, "top_p must be in (0, 1]"),
+    (dict(prompt="hi", top_p=1.5), 400, "top_p must be in (0, 1]"),
+    (dict(prompt="hi", model="gpt-17"), 404, "model 'gpt-17' not found"),
+    (dict(prompt=[], max_tokens=4), 400, "prompt is empty"),
+    (dict(prompt=[10**9], max_tokens=4), 400, "prompt token ids must be in"),
+    (dict(max_tokens=4), 400, "prompt: Field required"),
+    (dict(prompt="hi", n=2), 400, "n must be 1"),
+])
+def test_malformed_completion_requests_get_a_4xx_with_the_reason(server, body, status, reason):
+    r = httpx.post(f"{server}/v1/completions", json={"model": "demo-moe", **body}, timeout=30)
+    assert r.status_code == status and reason in r.json()["error"]["message"]
+
+
+def test_bad_json_and_bad_chat_messages_are_refused(server, client):
+    r = httpx.post(f"{server}/v1/completions", content=b'{"prompt": "hi", ', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model="demo-moe", messages=[])
+    with pytest.raises(openai.BadRequestError, match="role"):
+        client.chat.completions.create(model="demo-moe", messages=[{"role": "robot", "content": "x"}])
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+def running(server: str) -> int:
+    return int(re.search(r"^moepager_requests_running (\d+)", httpx.get(f"{server}/metrics").text, re.M).group(1))
+
+
+def test_a_client_leaving_mid_stream_frees_its_request_and_the_server_goes_on(server, client, alone):
+    body = {"model": "demo-moe", "prompt": "The history of", "max_tokens": 2000, "stream": True, "temperature": 0,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                break  # one token arrived: now hang up
+    deadline = time.monotonic() + 30
+    while running(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert running(server) == 0
+    assert client.completions.create(prompt="The history of", **GREEDY).choices[0].text == alone["The history of"]
