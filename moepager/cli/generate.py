@@ -131,6 +131,8 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--route-prompt", type=int, metavar="N",
                    help="the first N tokens of each request are its prompt, every later token a decode step "
                         "(traces recorded as one forward pass per prompt, such as DeepSeek-V2-Lite's)")
+    g.add_argument("--route-concurrency", type=int, default=1, metavar="N",
+                   help="replay N requests at a time, continuously batched (default 1: one after another)")
     g.add_argument("--route-layers", choices=["match", "first"], default="match",
                    help="first: a model with fewer MoE layers replays the trace's first ones (default: they must match)")
 
@@ -140,6 +142,7 @@ def replay_spec(args: argparse.Namespace) -> ReplaySpec | None:
     if args.route_from is None:
         given = [flag for flag, value in (("--route-requests", args.route_requests),
                                           ("--route-prompt", args.route_prompt),
+                                          ("--route-concurrency", None if args.route_concurrency == 1 else 1),
                                           ("--route-layers", None if args.route_layers == "match" else 1)) if value]
         if given:
             raise MoepagerError(f"{', '.join(given)} need --route-from TRACE")
@@ -255,7 +258,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _replay(llm: LLM, spec: ReplaySpec, params: SamplingParams, args: argparse.Namespace) -> int:
-    completions = llm.replay(spec, params, record_trace=args.record_trace, record_hidden=args.record_hidden)
+    completions = llm.replay(spec, params, record_trace=args.record_trace, record_hidden=args.record_hidden,
+                             concurrency=args.route_concurrency)
     print(f"replayed {len(completions)} requests of {spec.trace}: "
           f"{sum(len(c.prompt_token_ids) for c in completions)} prompt tokens, "
           f"{sum(len(c.token_ids) - 1 for c in completions)} decode steps")

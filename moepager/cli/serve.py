@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import threading
 from pathlib import Path
 
 from moepager.cli.generate import add_engine_arguments, engine_config, refuse_ignored_options
@@ -34,6 +35,18 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(config=engine_config(args), show_progress=not args.quiet)
     name = args.served_model_name or Path(llm.loaded.checkpoint.path).name
     print(f"serving {name} on http://{args.host}:{args.port} (web page at /, OpenAI API at /v1)", flush=True)
-    uvicorn.run(create_app(llm, name), host=args.host, port=args.port, log_level="warning",
-                access_log=not args.quiet)
+    app = create_app(llm, name, engine_thread=False)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           access_log=not args.quiet))
+    http = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    http.start()
+    try:  # the engine steps on the main thread (see AsyncEngine.start); Ctrl-C lands here and stops both
+        app.state.engine.run(until=lambda: not http.is_alive())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.should_exit = True
+        http.join(timeout=30)
+    if not server.started:
+        raise MoepagerError(f"the server could not listen on {args.host}:{args.port} (in use, or not an address here?)")
     return 0

@@ -159,11 +159,15 @@ class LLM:
         return [_completion(r) for r in requests]
 
     def replay(self, spec: ReplaySpec, params: SamplingParams | None = None, *,
-               record_trace: str | os.PathLike[str] | None = None, record_hidden: bool = False) -> list[Completion]:
+               record_trace: str | os.PathLike[str] | None = None, record_hidden: bool = False,
+               concurrency: int = 1) -> list[Completion]:
         """Run the requests of a recorded trace with their recorded routing (runtime/replay.py), one after
-        another; the store, policies and predictors carry over from request to request, and `last_stats`
-        covers them all. `params` samples the generated tokens (their text does not steer routing here);
-        the number of tokens follows the trace."""
+        another (or `concurrency` at a time, continuously batched: the next joins as one finishes); the store,
+        policies and predictors carry over from request to request, and `last_stats` covers them all. `params`
+        samples the generated tokens (their text does not steer routing here); the number of tokens follows
+        the trace."""
+        if concurrency < 1:
+            raise InvalidRequestError(f"concurrency must be >= 1, got {concurrency}")
         params = params or SamplingParams()
         check_record_path(spec, record_trace)
         check_file(record_trace, "record_trace")
@@ -176,37 +180,46 @@ class LLM:
         recorder = self._recorder(record_hidden) if record_trace is not None else None
         stats = RunStats(threads=torch.get_num_threads())
         with self._wired(recorder, replayer):
-            for request in requests:
-                stats.add(self._run([request], None))
+            if concurrency == 1:
+                for request in requests:
+                    stats.add(self._run([request], None))
+            else:
+                stats = self._run(requests, None, concurrency)
         self._finish(stats, requests, recorder, record_trace, [None] * len(requests))
         stats.sections["replay"] = ReplayReport(str(spec.trace), [r.index for r in recorded], spec.prompt_tokens)
         return [_completion(r) for r in requests]
 
-    def _run(self, requests: Sequence[Request], on_text: OnText | None) -> RunStats:
-        """Add the requests to the idle engine and step until they finish. Steps that compute prompt tokens
-        count as prefill, the others as decode steps (TPOT); TTFT runs to the batch's first sampled token."""
+    def _run(self, requests: Sequence[Request], on_text: OnText | None, concurrency: int | None = None) -> RunStats:
+        """Run the requests on the idle engine, at most `concurrency` at a time (None: all at once; the next
+        joins as one finishes), and step until they finish. Steps that compute prompt tokens count as prefill,
+        the others as decode steps (TPOT); TTFT is the mean over requests from joining to the first token."""
         assert not self.engine.has_work(), "LLM.generate runs on an idle engine (not beside a server)"
         stats = RunStats(threads=torch.get_num_threads())
         index = {r.request_id: k for k, r in enumerate(requests)}
-        start = time.perf_counter()
-        for r in requests:
-            r.stats.arrival_s = start
-            self.engine.add(r)
+        pending = list(reversed(requests))
+        for _ in range(len(requests) if concurrency is None else concurrency):
+            if pending:
+                self._join(pending.pop())
         for outputs in self.engine.drain():
             step = self.engine.last_step
             if step is not None and step.prompt_tokens:
                 stats.prefill_s += step.duration_s
             elif step is not None:
                 stats.tpot_s.append(step.duration_s)
-            if on_text is not None:
-                for out in outputs:
-                    if out.new_text:
-                        on_text(index[out.request_id], out.new_text)
-        stats.ttft_s = min(r.stats.first_token_s or start for r in requests) - start
+            for out in outputs:
+                if on_text is not None and out.new_text:
+                    on_text(index[out.request_id], out.new_text)
+                if out.finished and pending:
+                    self._join(pending.pop())
+        stats.ttft_s = sum(r.stats.ttft_s or 0.0 for r in requests) / len(requests)
         stats.decode_s = sum(stats.tpot_s)
         stats.num_prompts, stats.prompt_tokens = len(requests), sum(len(r.prompt_ids) for r in requests)
         stats.generated_tokens = sum(len(r.out_ids) for r in requests)
         return stats
+
+    def _join(self, request: Request) -> None:
+        request.stats.arrival_s = time.perf_counter()
+        self.engine.add(request)
 
     def _finish(self, stats: RunStats, requests: Sequence[Request], recorder: TraceRecorder | None,
                 record_trace: str | os.PathLike[str] | None, prompts: Sequence[str | None]) -> None:

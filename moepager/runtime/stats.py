@@ -50,7 +50,7 @@ class RunStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     ttft_s: float = 0.0
-    """Start of the call to the first sampled token of the batch (tokenization + prefill)."""
+    """Mean over the requests of the time from joining the engine to their first sampled token."""
     prefill_s: float = 0.0
     decode_s: float = 0.0
     tpot_s: list[float] = field(default_factory=list)

@@ -44,14 +44,19 @@ def error_response(status: int, message: str, code: str | None = None, param: st
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
 
 
-def create_app(llm: LLM, model_name: str) -> FastAPI:
+def create_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI:
+    """The app; its engine steps on a thread of its own, or (`engine_thread=False`) on whichever thread calls
+    `app.state.engine.run()` (`moepager serve`: the main thread, with uvicorn on another)."""
     metrics = Metrics(llm.engine, llm.store, model_name)
     engine = AsyncEngine(llm.engine, metrics)
     context = llm.loaded.config.max_position_embeddings
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine.start()
+        if engine_thread:
+            engine.start()
+        else:
+            engine.attach()
         yield
         engine.stop()
 

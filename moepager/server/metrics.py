@@ -49,12 +49,17 @@ class Metrics:
         self.ttft = Histogram(LATENCY_BUCKETS_S)
         self.tpot = Histogram(LATENCY_BUCKETS_S)
         self.e2e = Histogram(LATENCY_BUCKETS_S)
+        self.steps = Histogram(LATENCY_BUCKETS_S)
         self._recent: deque[tuple[float, int]] = deque()
         self._lock = threading.Lock()
 
     # -- the engine thread ----------------------------------------------------------------------------------
     def step(self, step: StepStats | None) -> None:
-        if step is None or not step.sampled:
+        if step is None:
+            return
+        with self._lock:
+            self.steps.observe(step.duration_s)
+        if not step.sampled:
             return
         with self._lock:
             now = time.perf_counter()
@@ -155,4 +160,5 @@ class Metrics:
             lines += self.ttft.render("moepager_time_to_first_token_seconds", "Arrival to first token.")
             lines += self.tpot.render("moepager_time_per_output_token_seconds", "Gap between consecutive tokens.")
             lines += self.e2e.render("moepager_request_latency_seconds", "Arrival to finish.")
+            lines += self.steps.render("moepager_step_seconds", "Duration of each engine step (schedule, forward, sample).")
         return "\n".join(lines) + "\n"

@@ -50,10 +50,12 @@ def test_sorting_finds_each_used_expert_and_its_tokens():
     assert one.experts == [1, 2, 3] and one.starts == [0, 1, 2, 3]
 
 
-def test_auto_loops_on_the_cpu():
+def test_auto_loops_one_token_and_groups_more_on_the_cpu():
     shape = ExpertShape(16, 8, torch.bfloat16)
     kernels = ArenaKernels(torch.zeros(6, shape.numel, dtype=torch.bfloat16), shape)
-    assert {kernels.choose(sort_by_expert(torch.ones(n, 16), routed(n))) for n in (1, 4)} == {"loop"}
+    assert (kernels.choose(1), kernels.choose(4)) == ("loop", "grouped")
+    pinned = ArenaKernels(torch.zeros(6, shape.numel, dtype=torch.bfloat16), shape, "loop")
+    assert (pinned.choose(1), pinned.choose(4)) == ("loop", "loop")
 
 
 @pytest.mark.parametrize("kernel", ["loop", "gather", "grouped"])

@@ -77,6 +77,20 @@ def test_replay_is_lossless_at_every_budget(olmoe, tmp_path):
         assert llm.last_stats.sections["experts"].phases["decode"]["hit_rate"] < 1.0
 
 
+def test_concurrent_replay_batches_requests_without_changing_their_tokens(olmoe, tmp_path):
+    trace = random_trace(tmp_path / "t.mpt", lengths=(10, 14, 8, 12, 9), prefill=3, seed=5)
+    spec = ReplaySpec(trace)
+    llm = LLM(olmoe, show_progress=False)
+    sequential = [c.token_ids for c in llm.replay(spec)]
+    passes: list[int] = []
+    llm._pass_parts.append(type("Count", (), {"begin_pass": lambda self, info: passes.append(len(info.requests))})())
+    assert [c.token_ids for c in llm.replay(spec, concurrency=3, record_trace=tmp_path / "seen.mpt")] == sequential
+    assert max(passes) == 3  # three requests shared passes, never more
+    with TraceReader(trace) as want, TraceReader(tmp_path / "seen.mpt") as seen:
+        for a, b in zip(want, seen, strict=True):
+            assert (np.sort(a.ids_TLK, -1) == np.sort(b.ids_TLK, -1)).all()
+
+
 def test_route_prompt_turns_a_prompt_only_trace_into_decode_steps(olmoe, tmp_path):
     trace = random_trace(tmp_path / "p.mpt", lengths=(7, 9), prefill=9)  # every token recorded as prefill
     llm = LLM(olmoe, show_progress=False)

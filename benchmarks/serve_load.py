@@ -1,0 +1,232 @@
+"""Load on the server and on the engine's continuous batching: does batching pay?
+
+Part 1, HTTP: `moepager serve` with the built-in model (a subprocess, --threads 2) all resident and at a 25%
+expert budget; N concurrent streaming clients (the official `openai` async client) share a fixed number of
+requests (prompts from the demo model's validation documents, 32 tokens each, llama.cpp's default sampling).
+Reported per run: output throughput, TTFT and TPOT p50/p99, errors, and expert bytes moved per output token
+(from the server's /metrics). Issue 17's targets: 8 clients >= 3x one client's output throughput (resident),
+and fewer expert bytes per output token batched than alone at 25%.
+
+Part 2, real routing: HTTP requests route with the model's own router (random weights on real geometries:
+nearly static), so the paged real-geometry figure comes from replayed routing instead. A DeepSeek-V2-Lite
+geometry checkpoint (8 MoE layers, 64 experts, top-6) at a 25% budget replays requests of the DeepSeek-V2-Lite
+trace through the engine one at a time and 8 at a time (continuous batching, LLM.replay(concurrency=8)).
+
+Client and server share this machine's 2 cores; the client's share is part of what is measured.
+
+    python benchmarks/serve_load.py [--requests 32] [--tokens 32] [--clients 1 8] [--skip-replay]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+
+from benchmarks.common import SHARED, converted, demo_documents, ensure_model, machine_state, print_table  # noqa: E402
+from benchmarks.common import write_json  # noqa: E402
+from moepager.runtime.stats import percentile  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`moepager serve` as a subprocess, stopped on exit."""
+
+    def __init__(self, extra: list[str], threads: int):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "moepager.cli.main", "serve", "--port", str(self.port), "--threads",
+               str(threads), "--quiet", *extra]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def __enter__(self) -> Server:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the server exited: {self.proc.stderr.read() if self.proc.stderr else ''}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise SystemExit("the server did not start within 120 s")
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+    def counters(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics").text
+
+        def value(pattern: str) -> float:
+            m = re.search(pattern + r" ([0-9.e+-]+)$", text, re.M)
+            return float(m.group(1)) if m else 0.0
+        return {"tokens": value(r"^moepager_generation_tokens_total"),
+                "steps": value(r"^moepager_step_seconds_count"), "step_s": value(r"^moepager_step_seconds_sum"),
+                "bytes": value(r'^moepager_expert_bytes_total\{tier="disk"\}')
+                + value(r'^moepager_expert_bytes_total\{tier="host_to_device"\}')}
+
+
+SAMPLING: dict[str, float] = {}
+"""Extra sampling fields of every request (--greedy: temperature 0; default: the server's llama.cpp defaults)."""
+
+
+async def one_request(client: openai.AsyncOpenAI, prompt: str, tokens: int) -> dict[str, float]:
+    start = time.perf_counter()
+    first = last = None
+    stream = await client.completions.create(model="demo-moe", prompt=prompt, max_tokens=tokens, stream=True,
+                                             extra_body={"ignore_eos": True, **SAMPLING})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            last = time.perf_counter()
+            first = first or last
+    assert first is not None and last is not None
+    return {"ttft_s": first - start, "tpot_s": (last - first) / max(1, tokens - 1)}
+
+
+async def load(url: str, prompts: list[str], clients: int, tokens: int) -> dict[str, object]:
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=600, max_retries=0)
+    queue = list(prompts)
+    results: list[dict[str, float]] = []
+    errors: list[str] = []
+
+    async def worker() -> None:
+        while queue:
+            prompt = queue.pop()
+            try:
+                results.append(await one_request(client, prompt, tokens))
+            except Exception as e:  # noqa: BLE001 - counted, reported
+                errors.append(repr(e))
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    wall = time.perf_counter() - start
+    ttft, tpot = [r["ttft_s"] for r in results], [r["tpot_s"] for r in results]
+    return {"clients": clients, "requests": len(prompts), "wall_s": wall, "errors": len(errors),
+            "error_samples": errors[:3], "output_tok_s": len(results) * tokens / wall,
+            "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
+            "tpot_p50_ms": 1e3 * percentile(tpot, 50), "tpot_p99_ms": 1e3 * percentile(tpot, 99)}
+
+
+def http_part(args: argparse.Namespace) -> list[dict[str, object]]:
+    _, validation = demo_documents()
+    prompts = [" ".join(doc.split()[:24]) for doc in validation if len(doc.split()) >= 8][: args.requests]
+    if len(prompts) < args.requests:
+        prompts = (prompts * args.requests)[: args.requests]
+    rows = []
+    for label, extra in (("all resident", []), ("25% budget", ["--expert-memory", "25%"])):
+        with Server(extra, args.threads) as server:
+            asyncio.run(load(server.url, prompts[:4], 2, 4))  # warm-up: first-call set-up is not load
+            for clients in args.clients:
+                before = server.counters()
+                row = asyncio.run(load(server.url, prompts, clients, args.tokens))
+                after = server.counters()
+                moved = after["bytes"] - before["bytes"]
+                steps = max(1.0, after["steps"] - before["steps"])
+                row |= {"config": label, "expert_bytes_per_output_token": moved / max(1.0, after["tokens"] - before["tokens"]),
+                        "engine_steps": steps, "step_ms_mean": 1e3 * (after["step_s"] - before["step_s"]) / steps,
+                        "engine_busy": (after["step_s"] - before["step_s"]) / row["wall_s"]}
+                rows.append(row)
+                print(f"{label}, {clients} clients: {row['output_tok_s']:.1f} tok/s, {row['errors']} errors")
+    return rows
+
+
+def replay_part(args: argparse.Namespace) -> list[dict[str, object]]:
+    from moepager.config import EngineConfig, StoreConfig
+    from moepager.runtime.llm import LLM
+    from moepager.runtime.replay import ReplaySpec
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from offload_replay import cut_trace, replayed_requests
+
+    model = ensure_model("deepseek-v2-lite-L9", "deepseek-v2-lite", 9)
+    trace = cut_trace(converted("deepseek-csv", SHARED / "deepseek-v2-lite", "deepseek-v2-lite"), 8)
+    requests = replayed_requests(trace, 0, args.replay_requests, args.replay_prompt + args.replay_decode)
+    spec = ReplaySpec(trace, requests, args.replay_prompt, "match", args.replay_decode)
+    rows = []
+    for concurrency in (1, 8):
+        llm = LLM(config=EngineConfig(model=str(model), threads=args.threads,
+                                      store=StoreConfig(expert_memory="25%")), show_progress=False)
+        start = time.perf_counter()
+        out = llm.replay(spec, concurrency=concurrency)
+        wall = time.perf_counter() - start
+        stats = llm.last_stats
+        decode = stats.sections["experts"].phases["decode"]
+        generated = sum(len(c.token_ids) for c in out)
+        total_bytes = sum(p["bytes_disk"] + p["bytes_host_to_device"] for p in stats.sections["experts"].phases.values())
+        rows.append({"concurrency": concurrency, "requests": len(requests), "output_tok_s": generated / wall,
+                     "tpot_median_ms": 1e3 * stats.tpot_median_s, "decode_hit_rate": decode["hit_rate"],
+                     "expert_bytes_per_output_token": total_bytes / generated,
+                     "decode_bytes_disk_per_token": decode["bytes_disk_per_token"]})
+        print(f"replay at 25%, {concurrency} at a time: {rows[-1]['output_tok_s']:.2f} tok/s")
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--skip-replay", action="store_true")
+    p.add_argument("--greedy", action="store_true", help="temperature 0 instead of llama.cpp's sampling")
+    p.add_argument("--replay-requests", type=int, default=8)
+    p.add_argument("--replay-prompt", type=int, default=16)
+    p.add_argument("--replay-decode", type=int, default=16)
+    args = p.parse_args()
+    if args.greedy:
+        SAMPLING["temperature"] = 0.0
+    state = machine_state()
+    http = http_part(args)
+    print()
+    print_table(["config", "clients", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
+                 "errors", "expert B/out tok", "step ms", "engine busy"],
+                [[r["config"], r["clients"], r["output_tok_s"], r["ttft_p50_ms"], r["ttft_p99_ms"], r["tpot_p50_ms"],
+                  r["tpot_p99_ms"], r["errors"], f"{r['expert_bytes_per_output_token'] / 2**20:.2f} MiB",
+                  r["step_ms_mean"], f"{100 * r['engine_busy']:.0f}%"] for r in http])
+    ratios = {}
+    for label in ("all resident", "25% budget"):
+        by = {r["clients"]: r for r in http if r["config"] == label}
+        if 1 in by and len(by) > 1:
+            most = max(by)
+            ratios[label] = {"clients": most, "throughput_ratio": by[most]["output_tok_s"] / by[1]["output_tok_s"],
+                             "bytes_per_token_ratio": by[most]["expert_bytes_per_output_token"]
+                             / max(1.0, by[1]["expert_bytes_per_output_token"])}
+            print(f"{label}: {most} clients / 1 client: throughput {ratios[label]['throughput_ratio']:.2f}x, "
+                  f"expert bytes per output token {ratios[label]['bytes_per_token_ratio']:.2f}x")
+    replay = [] if args.skip_replay else replay_part(args)
+    if replay:
+        print()
+        print_table(["at a time", "requests", "out tok/s", "TPOT median ms", "decode hit rate", "expert B/out tok"],
+                    [[r["concurrency"], r["requests"], r["output_tok_s"], r["tpot_median_ms"],
+                      f"{100 * r['decode_hit_rate']:.1f}%", f"{r['expert_bytes_per_output_token'] / 2**20:.1f} MiB"]
+                     for r in replay])
+        a, b = replay
+        print(f"replayed DeepSeek-V2-Lite routing at 25%: 8 at a time / 1: throughput "
+              f"{b['output_tok_s'] / a['output_tok_s']:.2f}x, expert bytes per output token "
+              f"{b['expert_bytes_per_output_token'] / a['expert_bytes_per_output_token']:.2f}x")
+    path = write_json("serve_load", {"machine": state, "args": vars(args), "http": http, "ratios": ratios,
+                                     "replay": replay})
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
