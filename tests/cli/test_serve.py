@@ -1,0 +1,57 @@
+"""`moepager serve` as users start it: listens, answers, stops cleanly on Ctrl-C; a busy port is one clear error."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tests.server.conftest import free_port
+
+
+def start(port: int) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "moepager.cli.main", "serve", "--port", str(port), "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise AssertionError(f"server did not come up: {proc.stderr.read() if proc.poll() is not None else ''}")
+
+
+def test_serve_answers_and_stops_on_ctrl_c():
+    port = free_port()
+    proc = start(port)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc)
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "The history of", "max_tokens": 4, "temperature": 0},
+                       timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "demo-moe"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert "serving demo-moe" in proc.stdout.read()
+    finally:
+        proc.kill()
+
+
+def test_a_port_in_use_is_one_clear_error():
+    port = free_port()
+    first = start(port)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", first)
+        second = start(port)
+        assert second.wait(timeout=60) == 2
+        assert f"could not listen on 127.0.0.1:{port}" in second.stderr.read()
+    finally:
+        first.kill()
