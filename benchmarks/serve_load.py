@@ -119,6 +119,7 @@ async def load(url: str, prompts: list[str], clients: int, tokens: int) -> dict[
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(clients)))
     wall = time.perf_counter() - start
+    await client.close()
     ttft, tpot = [r["ttft_s"] for r in results], [r["tpot_s"] for r in results]
     return {"clients": clients, "requests": len(prompts), "wall_s": wall, "errors": len(errors),
             "error_samples": errors[:3], "output_tok_s": len(results) * tokens / wall,
@@ -132,7 +133,7 @@ def http_part(args: argparse.Namespace) -> list[dict[str, object]]:
     if len(prompts) < args.requests:
         prompts = (prompts * args.requests)[: args.requests]
     rows = []
-    for label, extra in (("all resident", []), ("25% budget", ["--expert-memory", "25%"])):
+    for label, extra in (("all resident", []), ("25% budget", ["--expert-memory", "25%", "--policy", args.policy])):
         with Server(extra, args.threads) as server:
             asyncio.run(load(server.url, prompts[:4], 2, 4))  # warm-up: first-call set-up is not load
             for clients in args.clients:
@@ -164,7 +165,8 @@ def replay_part(args: argparse.Namespace) -> list[dict[str, object]]:
     rows = []
     for concurrency in (1, 8):
         llm = LLM(config=EngineConfig(model=str(model), threads=args.threads,
-                                      store=StoreConfig(expert_memory="25%")), show_progress=False)
+                                      store=StoreConfig(expert_memory="25%", policy=args.policy)),
+                  show_progress=False)
         start = time.perf_counter()
         out = llm.replay(spec, concurrency=concurrency)
         wall = time.perf_counter() - start
@@ -188,6 +190,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--skip-replay", action="store_true")
     p.add_argument("--greedy", action="store_true", help="temperature 0 instead of llama.cpp's sampling")
+    p.add_argument("--policy", default="lru", help="eviction policy of the 25%% runs (default lru)")
     p.add_argument("--replay-requests", type=int, default=8)
     p.add_argument("--replay-prompt", type=int, default=16)
     p.add_argument("--replay-decode", type=int, default=16)
@@ -223,7 +226,7 @@ def main() -> None:
         print(f"replayed DeepSeek-V2-Lite routing at 25%: 8 at a time / 1: throughput "
               f"{b['output_tok_s'] / a['output_tok_s']:.2f}x, expert bytes per output token "
               f"{b['expert_bytes_per_output_token'] / a['expert_bytes_per_output_token']:.2f}x")
-    path = write_json("serve_load", {"machine": state, "args": vars(args), "http": http, "ratios": ratios,
+    path = write_json("serve_load" if args.policy == "lru" else f"serve_load_{args.policy}", {"machine": state, "args": vars(args), "http": http, "ratios": ratios,
                                      "replay": replay})
     print(f"\nwrote {path}")
 

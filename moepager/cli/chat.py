@@ -8,11 +8,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
-from moepager.cli.generate import add_engine_arguments, add_sampling_arguments, engine_config, refuse_ignored_options
-from moepager.cli.generate import sampling_params
+from moepager.cli.generate import (
+    add_engine_arguments,
+    add_sampling_arguments,
+    engine_config,
+    refuse_ignored_engine_options,
+    sampling_params,
+)
 from moepager.errors import InvalidRequestError, MoepagerError
 from moepager.runtime.llm import LLM
+from moepager.runtime.request import Request
 
 HELP = "chat with the model in the terminal (streaming; /reset, /stats, /exit; Ctrl-C stops an answer)"
 
@@ -33,11 +40,13 @@ class Chat:
         self.llm, self.args = llm, args
         self.system = [{"role": "system", "content": args.system}] if args.system else []
         self.messages: list[dict[str, str]] = list(self.system)
+        self.last: Request | None = None
+        """The last answer's request (its statistics)."""
 
     def reset(self) -> None:
         self.messages = list(self.system)
 
-    def answer(self, text: str, write: callable = sys.stdout.write) -> str:  # type: ignore[valid-type]
+    def answer(self, text: str, write: Callable[[str], object] = sys.stdout.write) -> str:
         """Stream the model's answer to `text`; Ctrl-C ends it early (what was written is kept)."""
         assert self.llm.tokenizer is not None
         self.messages.append({"role": "user", "content": text})
@@ -67,7 +76,7 @@ class Chat:
         return request.text.text
 
     def stats(self) -> str:
-        request = getattr(self, "last", None)
+        request = self.last
         if request is None:
             return "no answer yet"
         s, n = request.stats, len(request.out_ids)
@@ -78,9 +87,7 @@ class Chat:
 
 
 def run(args: argparse.Namespace) -> int:
-    args.record_trace = args.stats_json = None
-    args.record_hidden = False
-    refuse_ignored_options(args)
+    refuse_ignored_engine_options(args)
     llm = LLM(config=engine_config(args), show_progress=not args.quiet)
     if llm.tokenizer is None or not llm.tokenizer.chat_template:
         raise MoepagerError("this checkpoint has no chat template (tokenizer_config.json chat_template); use generate")

@@ -170,7 +170,19 @@ def store_config(args: argparse.Namespace) -> StoreConfig:
 
 
 def refuse_ignored_options(args: argparse.Namespace) -> None:
-    """The one rule for options that would do nothing in this run: refuse them, saying what they need."""
+    """generate's options that would do nothing in this run, then the engine's (`refuse_ignored_engine_options`)."""
+    if args.record_trace is None and args.record_hidden:
+        raise MoepagerError("--record-hidden does nothing without --record-trace")
+    refuse_ignored_engine_options(args)
+    if args.record_trace and args.stats_json and Path(args.record_trace).resolve() == Path(args.stats_json).resolve():
+        raise MoepagerError("--record-trace and --stats-json name the same file")
+    check_file(args.record_trace, "--record-trace")
+    check_file(args.stats_json, "--stats-json")
+
+
+def refuse_ignored_engine_options(args: argparse.Namespace) -> None:
+    """The one rule for engine options (generate, serve, chat) that would do nothing in this run: refuse them,
+    saying what they need."""
     paged = args.expert_memory is not None or args.host_memory is not None
     needs = [
         (not paged, "a paged store (--expert-memory or --host-memory)",
@@ -180,7 +192,6 @@ def refuse_ignored_options(args: argparse.Namespace) -> None:
          {"--predictor-file": args.predictor_file, "--prefetch-distance": args.prefetch_distance,
           "--prefetch-k": args.prefetch_k, "--prefetch-inflight": args.prefetch_inflight,
           "--learn-maps": args.learn_maps}),
-        (args.record_trace is None, "--record-trace", {"--record-hidden": args.record_hidden}),
     ]
     for missing, what, options in needs:
         given = [flag for flag, value in options.items() if value not in (None, False)]
@@ -193,10 +204,6 @@ def refuse_ignored_options(args: argparse.Namespace) -> None:
     if args.threads is not None and args.threads > cores:
         raise MoepagerError(f"--threads {args.threads} is more than this machine's {cores} CPU cores; oversubscribed "
                             f"threads make every step wait for the others (10-100x slower): use at most {cores}")
-    if args.record_trace and args.stats_json and Path(args.record_trace).resolve() == Path(args.stats_json).resolve():
-        raise MoepagerError("--record-trace and --stats-json name the same file")
-    check_file(args.record_trace, "--record-trace")
-    check_file(args.stats_json, "--stats-json")
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:

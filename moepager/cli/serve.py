@@ -6,7 +6,7 @@ import argparse
 import threading
 from pathlib import Path
 
-from moepager.cli.generate import add_engine_arguments, engine_config, refuse_ignored_options
+from moepager.cli.generate import add_engine_arguments, engine_config, refuse_ignored_engine_options
 from moepager.errors import MoepagerError
 from moepager.runtime.llm import LLM
 
@@ -29,9 +29,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise MoepagerError(f"--port must be in 1..65535, got {args.port}")
-    args.record_trace = args.stats_json = None
-    args.record_hidden = False
-    refuse_ignored_options(args)
+    refuse_ignored_engine_options(args)
     llm = LLM(config=engine_config(args), show_progress=not args.quiet)
     name = args.served_model_name or Path(llm.loaded.checkpoint.path).name
     print(f"serving {name} on http://{args.host}:{args.port} (web page at /, OpenAI API at /v1)", flush=True)

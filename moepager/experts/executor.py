@@ -186,12 +186,13 @@ class ResidentExecutor:
         self.num_experts = num_experts
 
     def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
-        if self.kernels.resolved == "grouped":
+        kernel = self.kernels.choose(x_ND.shape[0])
+        if kernel == "grouped":  # the layer's own rows only: empty groups still cost (CPU: 0.57 against 0.37 ms)
             return self.kernels.grouped_rows(x_ND, route, self.base[layer], self.num_experts)
         work = sort_by_expert(x_ND, route)
         base = self.base[layer]
         rows = [base + e for e in work.experts] if base else work.experts
-        return combine(x_ND, work, self.kernels.compute(work, rows, self.kernels.choose(x_ND.shape[0])))
+        return combine(x_ND, work, self.kernels.compute(work, rows, kernel))
 
     def weights(self, layer: int, expert: int) -> ExpertWeights:
         return self.kernels.views[self.base[layer] + expert]
