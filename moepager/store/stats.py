@@ -41,9 +41,9 @@ class PhaseCounters:
     load_s: float = 0.0
     """Read and copy durations summed over I/O threads."""
     exposed_s: float = 0.0
-    in_flight: list[tuple[float, float]] = field(default_factory=list)
+    in_flight: IntervalUnion = field(default_factory=lambda: IntervalUnion())
     """(issued, completed) of every load, for the wall time during which loads were in flight."""
-    disk_busy: list[tuple[float, float]] = field(default_factory=list)
+    disk_busy: IntervalUnion = field(default_factory=lambda: IntervalUnion())
     """(start, end) of every disk read, to compute the read bandwidth the disk actually delivered."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -56,12 +56,12 @@ class PhaseCounters:
             self.disk_reads += 1
             self.bytes_disk += nbytes
             self.load_s += end - start
-            self.disk_busy.append((start, end))
+            self.disk_busy.add(start, end)
 
     def loaded(self, issued: float, completed: float) -> None:
         """A load issued at `issued` finished at `completed` (perf_counter seconds); any thread."""
         with self._lock:
-            self.in_flight.append((issued, completed))
+            self.in_flight.add(issued, completed)
 
     def copy(self, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -71,12 +71,12 @@ class PhaseCounters:
     @property
     def disk_busy_s(self) -> float:
         """Wall time during which at least one disk read was running."""
-        return union_s(self.disk_busy)
+        return self.disk_busy.total_s
 
     @property
     def load_wall_s(self) -> float:
         """Wall time during which at least one load was in flight (issued, not yet complete)."""
-        return union_s(self.in_flight)
+        return self.in_flight.total_s
 
     def summary(self, tokens: int, expert_bytes: int = 0) -> dict[str, Any]:
         layers = sorted(set(self.hits) | set(self.misses))
@@ -109,6 +109,38 @@ class PhaseCounters:
             "disk_busy_s": busy,
             "disk_read_bytes_per_s": self.bytes_disk / busy if busy else 0.0,
         }
+
+
+class IntervalUnion:
+    """The length of a union of (start, end) intervals, in bounded memory (a server adds them for days): beyond
+    `keep` intervals, those ending more than `horizon_s` before the latest start are folded into a total (a load
+    never takes that long, so no later interval can overlap them)."""
+
+    def __init__(self, keep: int = 4096, horizon_s: float = 60.0):
+        self.keep, self.horizon_s = keep, horizon_s
+        self.intervals: list[tuple[float, float]] = []
+        self.folded_s = 0.0
+
+    def add(self, start: float, end: float) -> None:
+        self.intervals.append((start, end))
+        if len(self.intervals) > self.keep:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Merge into disjoint intervals; fold those that end before the horizon, keep the rest."""
+        cutoff = max(a for a, _ in self.intervals) - self.horizon_s
+        merged: list[tuple[float, float]] = []
+        for a, b in sorted(self.intervals):
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        self.folded_s += sum(b - a for a, b in merged if b < cutoff)
+        self.intervals = [iv for iv in merged if iv[1] >= cutoff]
+
+    @property
+    def total_s(self) -> float:
+        return self.folded_s + union_s(self.intervals)
 
 
 def union_s(intervals: list[tuple[float, float]]) -> float:
