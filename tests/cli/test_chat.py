@@ -45,7 +45,8 @@ def test_ctrl_c_stops_the_answer_not_the_chat(llm, chat_args):
 
     def interrupt_after_first_piece(text: str) -> None:
         written.append(text)
-        raise KeyboardInterrupt
+        if len(written) == 1:
+            raise KeyboardInterrupt
     partial = chat.answer("Tell me about the sea.", interrupt_after_first_piece)
     assert written[:1] == [partial] and written[-1] == " [stopped]"
     assert not llm.engine.has_work() and len(llm.engine.pool.free) == llm.engine.pool.num_blocks - 1
