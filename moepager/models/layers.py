@@ -150,9 +150,10 @@ class ForwardBatch:
     def build(cls, positions_BT: torch.Tensor, rows_B: torch.Tensor | None = None,
               valid_BT: torch.Tensor | None = None, sliding_window: int | None = None,
               kv_len: int | None = None, paged: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-              ) -> ForwardBatch:
+              valid_N: torch.Tensor | None = None) -> ForwardBatch:
         """`kv_len` (the largest position + 1) is read from the positions unless the caller knows it: on CUDA
-        reading it is a host sync. `paged` = (block table, slot blocks, slot offsets) for a paged cache."""
+        reading it is a host sync, and so is finding the real tokens in `valid_BT` (callers that know them pass
+        `valid_N` instead). `paged` = (block table, slot blocks, slot offsets) for a paged cache."""
         kv_len = int(positions_BT.max()) + 1 if kv_len is None else kv_len
         table, slot_block, slot_offset = paged if paged is not None else (None, None, None)
         if positions_BT.shape == (1, 1) and not (sliding_window and kv_len > sliding_window):
@@ -162,8 +163,7 @@ class ForwardBatch:
         mask = s <= pos
         if sliding_window:
             mask &= pos - s < sliding_window
-        valid_N = None
-        if valid_BT is not None and not bool(valid_BT.all()):
+        if valid_N is None and valid_BT is not None and not bool(valid_BT.all()):
             valid_N = valid_BT.reshape(-1).nonzero().squeeze(1)
         return cls(positions_BT, mask[:, None], kv_len, rows_B, valid_N, table, slot_block, slot_offset)
 

@@ -20,7 +20,7 @@ from moepager.config import SchedulerConfig
 from moepager.errors import InvalidRequestError
 from moepager.models.layers import CausalLM
 from moepager.runtime.kv_pool import KVBlockPool
-from moepager.runtime.request import Detokenize, Request, RequestOutput, TextTracker
+from moepager.runtime.request import Detokenize, FinishReason, Request, RequestOutput, TextTracker
 from moepager.runtime.runner import ModelRunner, OnPass, ignore_pass
 from moepager.runtime.sampling import NonFiniteLogits, RequestSampler, SamplingParams, sample_rows
 from moepager.runtime.scheduler import Scheduled, Scheduler
@@ -88,7 +88,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run, sample, retire; the outputs of every request that changed."""
-        start = time.perf_counter()
+        start, self.last_step = time.perf_counter(), None
         outputs = self._take_inbox()
         rows = self.scheduler.schedule()
         if rows:
@@ -134,8 +134,8 @@ class Engine:
             outputs.append(request.append(token, logprobs, now))
         return outputs
 
-    def _retire(self, request: Request, reason: str | None) -> None:
-        request.finish_reason = request.finish_reason or reason  # type: ignore[assignment]
+    def _retire(self, request: Request, reason: FinishReason | None) -> None:
+        request.finish_reason = request.finish_reason or reason
         request.stats.finished_s = time.perf_counter()
         self.scheduler.finish(request)
         del self.requests[request.request_id]

@@ -50,37 +50,50 @@ class ModelRunner:
         return out
 
     def _forward(self, rows: Sequence[Scheduled]) -> torch.Tensor:
-        """Plain loops, not comprehensions: this runs every decode step."""
-        t, bs = max(r.count for r in rows), self.pool.block_size
-        ids, positions, valid, slot_block, slot_offset, tables, last = [], [], [], [], [], [], []
+        """Plain loops, not comprehensions: this runs every decode step. The batch's metadata is built on the
+        host and reaches the device in one copy (on CUDA from pinned memory, asynchronously: no host sync)."""
+        b, t, bs = len(rows), max(r.count for r in rows), self.pool.block_size
+        ids, positions, slot_block, slot_offset, tables, last, valid, fed = [], [], [], [], [], [], [], []
         kv_len = 0
-        for r in rows:
+        for i, r in enumerate(rows):
             request, blocks, n, pad = r.request, r.request.blocks, r.count, t - r.count
             tokens = (request.prompt_ids + request.out_ids)[r.start:r.start + n]
-            ids.append(tokens + [0] * pad)
+            ids += tokens + [0] * pad
+            fed += tokens
             pos = range(r.start, r.start + t)
-            positions.append(pos)
-            valid.append([True] * n + [False] * pad)
-            slot_block.append([blocks[p // bs] for p in pos[:n]] + [SCRATCH] * pad)
-            slot_offset.append([p % bs for p in pos[:n]] + list(range(pad)))
+            positions += pos
+            slot_block += [blocks[p // bs] for p in pos[:n]] + [SCRATCH] * pad
+            slot_offset += [p % bs for p in pos[:n]] + [p % bs for p in range(pad)]
             tables.append(blocks)
             last.append(n - 1)
+            valid += range(i * t, i * t + n)
             kv_len = max(kv_len, r.start + n)
         width = -(-kv_len // bs)
-        dev = self.device
-        paged = (torch.tensor([x[:width] + [SCRATCH] * (width - len(x)) for x in tables], device=dev),
-                 torch.tensor(slot_block, device=dev), torch.tensor(slot_offset, device=dev) % bs)
-        batch = ForwardBatch.build(torch.tensor(positions, device=dev), valid_BT=torch.tensor(valid, device=dev),
-                                   sliding_window=self.window, kv_len=kv_len, paged=paged)
-        ids_BT = torch.tensor(ids, device=dev)
-        self.on_pass(self._info(rows, ids_BT))
-        logits_BV = self.model(ids_BT, batch, self.pool.cache, logits_at_B=torch.tensor(last, device=dev))
+        table = [block for x in tables for block in x[:width] + [SCRATCH] * (width - len(x))]
+        padded = len(valid) < b * t
+        parts = [ids, positions, slot_block, slot_offset, table, last] + ([valid] if padded else [])
+        ids_BT, positions_BT, block_BT, offset_BT, table_BW, last_B, *valid_N = self._to_device(parts)
+        shape = (b, t)
+        batch = ForwardBatch.build(positions_BT.view(shape), valid_N=valid_N[0] if padded else None,
+                                   sliding_window=self.window, kv_len=kv_len,
+                                   paged=(table_BW.view(b, width), block_BT.view(shape), offset_BT.view(shape)))
+        self.on_pass(self._info(rows, torch.tensor(fed)))
+        ids_BT = ids_BT.view(shape)
+        logits_BV = self.model(ids_BT, batch, self.pool.cache, logits_at_B=last_B)
         for r in rows:
             r.request.num_computed = r.start + r.count
         self._last = (ids_BT, batch)
         return logits_BV
 
-    def _info(self, rows: Sequence[Scheduled], ids_BT: torch.Tensor) -> PassInfo:
+    def _to_device(self, parts: list[list[int]]) -> list[torch.Tensor]:
+        """Integer lists as device tensors, through one host tensor and one copy."""
+        host = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory().to(self.device, non_blocking=True)
+        return list(host.split([len(part) for part in parts]))
+
+    def _info(self, rows: Sequence[Scheduled], fed_N: torch.Tensor) -> PassInfo:
+        """The pass as observers see it; its tokens come from the host lists (on CUDA: no copy back, no sync)."""
         phases: list[Phase] = []
         requests, starts, counts = [], [], []
         for r in rows:
@@ -88,10 +101,8 @@ class ModelRunner:
             requests.append(r.request.request_id)
             starts.append(r.start)
             counts.append(r.count)
-        fed_N = ids_BT.flatten() if len(rows) == 1 or min(counts) == ids_BT.shape[1] else ids_BT[
-            torch.arange(ids_BT.shape[1]) < torch.tensor(counts)[:, None]]
         return PassInfo(next(self.passes), "prefill" if "prefill" in phases else "decode", tuple(requests),
-                        tuple(starts), tuple(counts), tuple(phases), fed_N.cpu())
+                        tuple(starts), tuple(counts), tuple(phases), fed_N)
 
     def non_finite(self, decode_step: int | None) -> NumericalError:
         """Name where NaN or infinity first appeared in the last pass (re-run with the same positions)."""
