@@ -71,7 +71,7 @@ class LLM:
         if self.config.prefetch.predictor is not None and self.store is not None:
             self.prefetcher = build_prefetcher(self.config.prefetch, self.loaded.model, self.store)
             self.loaded.model.observe_routing(self.prefetcher)
-        self._pass_parts: list[PassPart] = [self.prefetcher] if self.prefetcher is not None else []
+        self._pass_parts: list[PassPart] = self._parts(None, None)
         self.engine = Engine(self.loaded.model, self.loaded.dtype, self.loaded.device, self.config.scheduler,
                              self.eos_token_ids, self._detokenize, self._on_pass,
                              self.prefetcher.end_request if self.prefetcher is not None else _ignore_finish)
@@ -110,11 +110,12 @@ class LLM:
                              expert_bytes=shape.nbytes, source="moepager generate --record-trace")
         return TraceRecorder(header, hidden)
 
+    def _parts(self, replayer: RouteReplayer | None, recorder: TraceRecorder | None) -> list[PassPart]:
+        """What each pass is announced to, in order: the store's clock first (the prefetcher's loads use it)."""
+        return [p for p in (self.store, replayer, recorder, self.prefetcher) if p is not None]
+
     def _on_pass(self, info: PassInfo) -> None:
         """The one pass clock: the store's counters and policies, the prefetcher, recorder and replayer."""
-        if self.store is not None:
-            self.store.counters.set_phase(info.phase)
-            self.store.begin_pass()
         for part in self._pass_parts:
             part.begin_pass(info)
 
@@ -122,11 +123,11 @@ class LLM:
     def _wired(self, recorder: TraceRecorder | None, replayer: RouteReplayer | None) -> Iterator[None]:
         """For one call: fresh store counters, and the recorder and replayer plugged into the model's routing
         and the engine's passes (the prefetcher stays plugged in for the engine's life)."""
-        model, always = self.loaded.model, list(self._pass_parts)
+        model = self.loaded.model
         if self.store is not None:
             self.store.counters.reset()
         observers: list[RoutingObserver] = [p for p in (recorder, self.prefetcher) if p is not None]
-        self._pass_parts = [p for p in (replayer, recorder) if p is not None] + always
+        self._pass_parts = self._parts(replayer, recorder)
         if observers:
             model.observe_routing(observers[0] if len(observers) == 1 else RoutingFanOut(observers))
         if replayer is not None:
@@ -134,7 +135,7 @@ class LLM:
         try:
             yield
         finally:
-            self._pass_parts = always
+            self._pass_parts = self._parts(None, None)
             model.observe_routing(self.prefetcher if self.prefetcher is not None else NULL_OBSERVER)
             model.route_with(OWN_ROUTER)
 

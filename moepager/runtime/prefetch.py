@@ -75,7 +75,7 @@ class Prefetcher:
 
     # -- pass hook --------------------------------------------------------------------------------------------
     def begin_pass(self, info: PassInfo) -> None:
-        self.iteration += 1
+        self.iteration = info.pass_id + 1
         self.now = -1
         self.pending = {key: v for key, v in self.pending.items() if key[0] >= self.iteration}
         ids_N = info.token_ids_N

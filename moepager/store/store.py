@@ -37,7 +37,7 @@ from moepager.policies.prefetch_aware import PrefetchAware
 from moepager.store.slots import SlotTable, settled
 from moepager.store.stats import PhaseCounters, StoreCounters
 from moepager.store.transfer import Transfers, completed
-from moepager.types import ExpertKey
+from moepager.types import ExpertKey, PassInfo
 
 ReadExpert = Callable[[ExpertKey, torch.Tensor], int]
 """Fills a flat CPU buffer with an expert from disk; returns the bytes read."""
@@ -78,7 +78,7 @@ class ExpertStore:
         self.transfers = transfers
         self.counters = StoreCounters()
         self.clock = 0
-        """Forward passes begun (`begin_pass`, called by the runtime): the `step` policies are given."""
+        """The current pass (`begin_pass`: the engine's pass id + 1): the `step` policies are given."""
 
     # -- filling at start -------------------------------------------------------------------------------
     def warm(self, keys: Sequence[ExpertKey], progress: Callable[[int], None] | None = None) -> None:
@@ -105,9 +105,11 @@ class ExpertStore:
                     progress(nbytes)
 
     # -- the hot path -----------------------------------------------------------------------------------
-    def begin_pass(self) -> None:
-        """The runtime starts a forward pass: the clock policies rank by ticks (they count tokens, not layers)."""
-        self.clock += 1
+    def begin_pass(self, info: PassInfo) -> None:
+        """The engine starts a forward pass: its id is the clock policies rank by (they count passes, not layers),
+        its phase picks the counters."""
+        self.clock = info.pass_id + 1
+        self.counters.set_phase(info.phase)
 
     def acquire(self, layer: int, experts: Sequence[int]) -> Held:
         """Pin slots holding all of `experts` of `layer` (at most the device capacity): hits are pinned first,

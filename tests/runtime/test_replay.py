@@ -83,7 +83,8 @@ def test_concurrent_replay_batches_requests_without_changing_their_tokens(olmoe,
     llm = LLM(olmoe, show_progress=False)
     sequential = [c.token_ids for c in llm.replay(spec)]
     passes: list[int] = []
-    llm._pass_parts.append(type("Count", (), {"begin_pass": lambda self, info: passes.append(len(info.requests))})())
+    announce = llm.engine.runner.on_pass
+    llm.engine.runner.on_pass = lambda info: (passes.append(len(info.requests)), announce(info))
     assert [c.token_ids for c in llm.replay(spec, concurrency=3, record_trace=tmp_path / "seen.mpt")] == sequential
     assert max(passes) == 3  # three requests shared passes, never more
     with TraceReader(trace) as want, TraceReader(tmp_path / "seen.mpt") as seen:

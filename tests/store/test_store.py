@@ -12,7 +12,7 @@ from moepager.policies.lru import LRU
 from moepager.store.slots import SlotTable
 from moepager.store.store import ExpertStore, Tier
 from moepager.store.transfer import Transfers
-from moepager.types import ExpertKey
+from moepager.types import ExpertKey, PassInfo
 
 NUMEL = 16
 
@@ -52,9 +52,15 @@ def make_store(capacity, layers=(0, 1), scope="layer", host=None, reader=None, i
     return store, reader
 
 
+def next_pass(store) -> None:
+    """The store's next forward pass, as the engine announces it (in the phase the test set)."""
+    phase = next(p for p, c in store.counters.phases.items() if c is store.counters.current)
+    store.begin_pass(PassInfo(store.clock, phase, (0,), (0,), (1,), (phase,), torch.zeros(1, dtype=torch.long)))
+
+
 def consume(store, layer, experts, check=None):
     """Values seen for each expert, read while that expert is the one in use (one forward pass per call)."""
-    store.begin_pass()
+    next_pass(store)
     seen = []
     for slot in store.stream(layer, experts):
         if check is not None:
@@ -160,7 +166,7 @@ def test_warm_fills_slots_respecting_quotas():
 
 def acquired(store, layer, experts):
     """Values of `experts` through acquire/wait/release (the executor's path), one forward pass."""
-    store.begin_pass()
+    next_pass(store)
     held = store.acquire(layer, experts)
     try:
         assert sorted(held.ready + held.pending) == list(range(len(experts)))
@@ -196,7 +202,7 @@ def test_a_prefetch_cancelled_through_the_host_tier_is_loaded_on_demand():
     cancelled read's CancelledError."""
     store, reader = make_store(4, layers=(0, 1), host=6)
     reader.gate.clear()  # the prefetch lane's one thread blocks on its first read; the second stays queued
-    store.begin_pass()
+    next_pass(store)
     assert store.prefetch(0, [1]) == 1 and store.prefetch(0, [2]) == 1
     store.settle(0, [1, 2])  # (0, 2) is still queued: cancelled, to be loaded on demand
     assert store.counters.current.prefetch_cancelled == 1
