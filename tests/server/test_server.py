@@ -155,3 +155,22 @@ def test_a_client_leaving_mid_stream_frees_its_request_and_the_server_goes_on(se
         time.sleep(0.05)
     assert running(server) == 0
     assert client.completions.create(prompt="The history of", **GREEDY).choices[0].text == alone["The history of"]
+
+
+def test_a_failing_step_fails_its_requests_and_the_server_goes_on(alone):
+    llm = LLM(show_progress=False)
+    run, failures = llm.engine.runner.run, [RuntimeError("injected failure")]
+
+    def fail_once(rows):  # noqa: ANN001, ANN202 - ModelRunner.run's signature
+        if failures:
+            raise failures.pop()
+        return run(rows)
+    llm.engine.runner.run = fail_once  # type: ignore[method-assign]
+    with live_server(llm) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
+        with pytest.raises(openai.InternalServerError, match="injected failure"):
+            client.completions.create(prompt="The history of", **GREEDY)
+        assert client.completions.create(prompt="The history of", **GREEDY).choices[0].text == alone["The history of"]
+        stats = httpx.get(f"{url}/v1/stats").json()
+        assert stats["requests_running"] == 0 and stats["kv_cache"]["blocks_used"] == 0
+        assert stats["experts"]["paged"] is False and stats["generation_tokens"] == TOKENS
