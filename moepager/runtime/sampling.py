@@ -105,37 +105,47 @@ class RequestSampler:
         self.plain = params.greedy and not params.penalised and params.logprobs is None
         """Greedy with nothing to adjust or report: the batch's one argmax decides."""
 
-    def pick(self, logits_V: torch.Tensor, prompt: Sequence[int], generated: Sequence[int]
-             ) -> tuple[int, TokenLogprobs | None]:
-        """Next token from one row's logits, given the request's prompt and output so far."""
+    @property
+    def filters(self) -> tuple[float, int, float, float]:
+        """What shapes the distribution this request samples from: rows that share it are filtered together."""
         p = self.params
-        logits_V = logits_V.float()
-        if p.penalised:
-            logits_V = penalised(logits_V, prompt, generated, p)
-        if p.greedy:
-            token = int(logits_V.argmax())
-        else:
-            probs_C, ids_C = candidates(logits_V, p)
-            token = int(ids_C[torch.multinomial(probs_C, 1, generator=self.generator)])
-        return token, (token_logprobs(logits_V, token, p.logprobs) if p.logprobs is not None else None)
+        return p.temperature, p.top_k, p.top_p, p.min_p
 
 
 def sample_rows(logits_BV: torch.Tensor, requests: Sequence[Sampled]) -> list[tuple[int, TokenLogprobs | None]]:
     """Next token of each row (row b for `requests[b]`). Plain greedy rows are decided in one argmax (the host
-    sync that also checks every row is finite); the others go through their own sampler on the host.
+    sync that also checks every row is finite). The others are penalised row by row on the host, then rows that
+    sample with the same filters get their candidates together (`candidates` is row-independent, so a request
+    draws the same token alone or in any batch), each drawing from its own generator.
 
     Raises NonFiniteLogits when a row's logits hold NaN or infinity."""
     picked = torch.stack((logits_BV.argmax(dim=-1), torch.isfinite(logits_BV).all(dim=-1).long())).tolist()
     if 0 in picked[1]:
         raise NonFiniteLogits([b for b, ok in enumerate(picked[1]) if not ok])
-    out: list[tuple[int, TokenLogprobs | None]] = []
-    host_BV = None
-    for b, request in enumerate(requests):
-        if request.sampler.plain:
-            out.append((picked[0][b], None))
-            continue
-        host_BV = logits_BV.cpu() if host_BV is None else host_BV
-        out.append(request.sampler.pick(host_BV[b], request.prompt_ids, request.out_ids))
+    tokens: list[int] = picked[0]
+    slow = [b for b, r in enumerate(requests) if not r.sampler.plain]
+    if not slow:
+        return [(t, None) for t in tokens]
+    host_BV = logits_BV[slow].float().cpu()
+    groups: dict[tuple[float, int, float, float], list[int]] = {}
+    for i, b in enumerate(slow):
+        r = requests[b]
+        if r.sampler.params.penalised:
+            host_BV[i] = penalised(host_BV[i], r.prompt_ids, r.out_ids, r.sampler.params)
+        if r.sampler.params.greedy:
+            tokens[b] = int(host_BV[i].argmax())
+        else:
+            groups.setdefault(r.sampler.filters, []).append(i)
+    for rows in groups.values():
+        probs_GC, ids_GC = candidates(host_BV[rows], requests[slow[rows[0]]].sampler.params)
+        for g, i in enumerate(rows):
+            choice = torch.multinomial(probs_GC[g], 1, generator=requests[slow[i]].sampler.generator)
+            tokens[slow[i]] = int(ids_GC[g, choice])
+    out: list[tuple[int, TokenLogprobs | None]] = [(t, None) for t in tokens]
+    for i, b in enumerate(slow):
+        top = requests[b].sampler.params.logprobs
+        if top is not None:
+            out[b] = (tokens[b], token_logprobs(host_BV[i], tokens[b], top))
     return out
 
 
@@ -178,29 +188,25 @@ def token_logprobs(logits_V: torch.Tensor, token: int, top: int) -> TokenLogprob
     return TokenLogprobs(token, values)
 
 
-def candidates(logits_V: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens sampling may pick and their probabilities, most likely first: the top-k (all tokens when
-    top_k is 0) at temperature, cut to the top-p mass and the min-p share of the best (llama.cpp's chain, which
-    also sorts only the top-k candidates: cheap next to a sort of the whole vocabulary)."""
-    if p.top_k and p.top_k < logits_V.shape[-1]:
-        values_C, ids_C = torch.topk(logits_V, p.top_k)
+def candidates(logits_BV: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the tokens sampling may pick, most likely first, and their probabilities (zero for the dropped
+    ones): the top-k (all tokens when top_k is 0) at temperature, cut to the top-p mass and the min-p share of the
+    best (llama.cpp's chain, which also sorts only the top-k candidates: cheap next to sorting the vocabulary)."""
+    if p.top_k and p.top_k < logits_BV.shape[-1]:
+        values_BC, ids_BC = torch.topk(logits_BV, p.top_k, dim=-1)
     else:
-        values_C, ids_C = torch.sort(logits_V, descending=True)
-    probs_C = torch.softmax(values_C / p.temperature, dim=-1)
-    keep = probs_C.shape[0]
+        values_BC, ids_BC = torch.sort(logits_BV, dim=-1, descending=True)
+    probs_BC = torch.softmax(values_BC / p.temperature, dim=-1)
+    keep_BC = torch.ones_like(probs_BC, dtype=torch.bool)
     if p.top_p < 1.0:
-        before_C = probs_C.cumsum(0) - probs_C  # mass of the tokens before this one
-        keep = int((before_C < p.top_p).sum())
+        keep_BC &= probs_BC.cumsum(-1) - probs_BC < p.top_p  # the mass before this token is still short of p
     if p.min_p > 0:
-        keep = min(keep, int((probs_C >= p.min_p * probs_C[0]).sum()))
-    probs_C = probs_C[:max(keep, 1)]
-    return probs_C / probs_C.sum(), ids_C[:max(keep, 1)]
+        keep_BC &= probs_BC >= p.min_p * probs_BC[:, :1]
+    probs_BC = probs_BC * keep_BC
+    return probs_BC / probs_BC.sum(-1, keepdim=True), ids_BC
 
 
 def filtered_probs(logits_BV: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """The full distribution `candidates` samples from, one row per batch row (zero outside the candidates)."""
-    out_BV = torch.zeros_like(logits_BV, dtype=torch.float32)
-    for b in range(logits_BV.shape[0]):
-        probs_C, ids_C = candidates(logits_BV[b].float(), p)
-        out_BV[b, ids_C] = probs_C
-    return out_BV
+    """The full distribution `candidates` samples from (zero outside the candidates)."""
+    probs_BC, ids_BC = candidates(logits_BV.float(), p)
+    return torch.zeros_like(logits_BV, dtype=torch.float32).scatter(1, ids_BC, probs_BC)
