@@ -120,11 +120,14 @@ class IntervalUnion:
         self.keep, self.horizon_s = keep, horizon_s
         self.intervals: list[tuple[float, float]] = []
         self.folded_s = 0.0
+        self._limit = keep
+        """Fold when this many intervals are held: at least twice what the last fold kept (amortised O(log n))."""
 
     def add(self, start: float, end: float) -> None:
         self.intervals.append((start, end))
-        if len(self.intervals) > self.keep:
+        if len(self.intervals) > self._limit:
             self._fold()
+            self._limit = max(self.keep, 2 * len(self.intervals))
 
     def _fold(self) -> None:
         """Merge into disjoint intervals; fold those that end before the horizon, keep the rest."""
