@@ -11,7 +11,8 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.resources import files
 from typing import Any
@@ -111,7 +112,7 @@ def create_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI
         ids = llm.encode(body.prompt_value())
         params = body.params(body.max_tokens if body.max_tokens is not None else 16, body.logprobs)
         shape = CompletionShape(llm, model_name, ids, params)
-        return await respond(engine, http, ids, params, body.stream, shape.chunk, shape.final)
+        return await respond(engine, http, ids, params, body.stream, body.include_usage, shape)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, http: Request) -> Any:
@@ -124,20 +125,17 @@ def create_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI
         params = body.params(limit if limit is not None else max(1, min(CHAT_MAX_TOKENS, context - len(ids))),
                              body.chat_logprobs())
         shape = ChatShape(llm, model_name, ids, params)
-        return await respond(engine, http, ids, params, body.stream, shape.chunk, shape.final)
+        return await respond(engine, http, ids, params, body.stream, body.include_usage, shape)
 
     return app
 
 
-Chunk = Callable[[RequestOutput], dict[str, Any]]
-Final = Callable[[EngineRequest], dict[str, Any]]
-
-
 async def respond(engine: AsyncEngine, http: Request, ids: list[int], params: SamplingParams, stream: bool,
-                  chunk: Chunk, final: Final) -> Any:
+                  include_usage: bool, shape: Shape) -> Any:
     request, queue = engine.submit(ids, params)
     if stream:
-        return StreamingResponse(stream_events(engine, request, queue, chunk), media_type="text/event-stream")
+        return StreamingResponse(stream_events(engine, request, queue, shape, include_usage),
+                                 media_type="text/event-stream")
     try:
         while True:
             try:
@@ -149,15 +147,15 @@ async def respond(engine: AsyncEngine, http: Request, ids: list[int], params: Sa
             if isinstance(item, BaseException):
                 raise ApiError(500, f"generation failed: {item}")
             if item.finished:
-                return final(request)
+                return shape.final(request)
     finally:
         engine.abort(request.request_id)
 
 
-async def stream_events(engine: AsyncEngine, request: EngineRequest, queue: asyncio.Queue[Delivery],
-                        chunk: Chunk) -> AsyncIterator[str]:
-    """Server-sent events, one per step that changed the request; a client that goes away cancels this
-    generator, and `finally` aborts the request."""
+async def stream_events(engine: AsyncEngine, request: EngineRequest, queue: asyncio.Queue[Delivery], shape: Shape,
+                        include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events, one per step that changed the request (then the usage, if asked); a client that goes
+    away cancels this generator, and `finally` aborts the request."""
     try:
         while True:
             item = await queue.get()
@@ -165,18 +163,21 @@ async def stream_events(engine: AsyncEngine, request: EngineRequest, queue: asyn
                 yield f"data: {json.dumps({'error': {'message': f'generation failed: {item}', 'type': 'server_error'}})}\n\n"
                 return
             if item.new_text or item.finished or item.new_logprobs:
-                yield f"data: {json.dumps(chunk(item))}\n\n"
+                yield f"data: {json.dumps(shape.chunk(item))}\n\n"
             if item.finished:
+                if include_usage:
+                    usage = {**shape.envelope(shape.chunk_object), "choices": [], "usage": shape.usage(request)}
+                    yield f"data: {json.dumps(usage)}\n\n"
                 yield "data: [DONE]\n\n"
                 return
     finally:
         engine.abort(request.request_id)
 
 
-class Shape:
+class Shape(ABC):
     """How one endpoint writes its chunks and final response."""
 
-    object_name = ""
+    chunk_object = "text_completion"
 
     def __init__(self, llm: LLM, model: str, ids: list[int], params: SamplingParams):
         self.llm, self.model, self.prompt_tokens, self.params = llm, model, len(ids), params
@@ -186,8 +187,17 @@ class Shape:
 
     prefix = "cmpl"
 
-    def envelope(self, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+    def envelope(self, obj: str, choice: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": [choice] if choice is not None else []}
+
+    @abstractmethod
+    def chunk(self, out: RequestOutput) -> dict[str, Any]:
+        """One streamed event's body."""
+
+    @abstractmethod
+    def final(self, request: EngineRequest) -> dict[str, Any]:
+        """The whole response of a request that was not streamed."""
 
     def usage(self, request: EngineRequest) -> dict[str, int]:
         out = len(request.out_ids)
@@ -224,6 +234,7 @@ class CompletionShape(Shape):
 
 class ChatShape(Shape):
     prefix = "chatcmpl"
+    chunk_object = "chat.completion.chunk"
 
     def chunk(self, out: RequestOutput) -> dict[str, Any]:
         delta: dict[str, Any] = {"role": "assistant"} if self.first else {}

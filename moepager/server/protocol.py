@@ -15,6 +15,11 @@ from moepager.errors import InvalidRequestError
 from moepager.runtime.sampling import LLAMA_CPP_SAMPLING, SamplingParams
 
 
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    """A last chunk, with no choices, carries the request's token usage."""
+
+
 class Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -30,8 +35,13 @@ class Sampling(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: int = 1
     ignore_eos: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
 
     def params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         if self.n != 1:

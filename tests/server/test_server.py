@@ -68,6 +68,17 @@ def test_completion_streamed_or_not_gives_the_text_generated_alone(client, alone
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_a_stream_can_end_with_its_usage(client):
+    chunks = list(client.completions.create(prompt="Water is", stream=True, stream_options={"include_usage": True},
+                                            **GREEDY))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == TOKENS
+    assert chunks[-1].usage.prompt_tokens + TOKENS == chunks[-1].usage.total_tokens
+    chat = list(client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], stream=True,
+                                               stream_options={"include_usage": True}, **GREEDY))
+    assert chat[-1].choices == [] and chat[-1].usage.completion_tokens == TOKENS
+    assert all(c.usage is None for c in chat[:-1])
+
+
 def test_chat_streamed_or_not_agree_and_use_the_chat_template(client):
     messages = [{"role": "user", "content": "Tell me about rivers."}]
     whole = client.chat.completions.create(messages=messages, **GREEDY)
