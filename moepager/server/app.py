@@ -30,6 +30,8 @@ from moepager.server.async_engine import AsyncEngine, Delivery
 from moepager.server.metrics import Metrics
 from moepager.server.protocol import ChatCompletionRequest, CompletionRequest
 
+DISCONNECT_CHECK_S = 0.5
+"""How often a request that is not streamed checks that its client is still there."""
 CHAT_MAX_TOKENS = 1024
 """A chat request without max_tokens generates at most this many (or up to the context, if shorter)."""
 
@@ -137,16 +139,19 @@ async def respond(engine: AsyncEngine, http: Request, ids: list[int], params: Sa
         return StreamingResponse(stream_events(engine, request, queue, shape, include_usage),
                                  media_type="text/event-stream")
     try:
+        checked = time.monotonic()
         while True:
             try:
-                item = await asyncio.wait_for(queue.get(), timeout=0.5)
+                item = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_CHECK_S)
             except asyncio.TimeoutError:
+                item = None
+            if time.monotonic() - checked >= DISCONNECT_CHECK_S:  # tokens may arrive faster than the check
+                checked = time.monotonic()
                 if await http.is_disconnected():
                     return None
-                continue
             if isinstance(item, BaseException):
                 raise ApiError(500, f"generation failed: {item}")
-            if item.finished:
+            if item is not None and item.finished:
                 return shape.final(request)
     finally:
         engine.abort(request.request_id)

@@ -185,3 +185,13 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on(alone):
         stats = httpx.get(f"{url}/v1/stats").json()
         assert stats["requests_running"] == 0 and stats["kv_cache"]["blocks_used"] == 0
         assert stats["experts"]["paged"] is False and stats["generation_tokens"] == TOKENS
+
+
+def test_a_client_giving_up_on_a_non_streamed_request_frees_it(server):
+    body = {"model": "demo-moe", "prompt": "The history of", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json=body, timeout=0.5)
+    deadline = time.monotonic() + 30
+    while running(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert running(server) == 0
