@@ -117,3 +117,17 @@ def test_a_trace_recorded_under_preemption_equals_one_recorded_alone(demo_checkp
                 want = next(iter(one))
             assert (got.ids_TLK == want.ids_TLK).all() and (got.phase_T == want.phase_T).all()
             assert (got.token_ids_T == want.token_ids_T).all()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "olmoe", "deepseek_v2", "deepseek_v3"])
+def test_every_architecture_batches_chunks_and_preempts_without_changing_tokens(hf_checkpoint, arch):
+    """Paged KV blocks under every attention kind (GQA, full-width q/k norm, MLA's latent cache)."""
+    _, path = hf_checkpoint(arch)
+    prompts = [[5, 9, 2, 7, 1, 3, 4, 8, 6, 11, 12], [7, 1], [3, 3, 9, 20, 4]]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    single = LLM(path, show_progress=False)
+    alone = [single.generate([p], params)[0].token_ids for p in prompts]
+    tight = SchedulerConfig(max_batched_tokens=6, kv_cache_tokens=24, block_size=4)
+    llm = LLM(config=EngineConfig(model=str(path), scheduler=tight), show_progress=False)
+    assert [c.token_ids for c in llm.generate(prompts, params)] == alone
+    assert llm.engine.scheduler.preemptions > 0
