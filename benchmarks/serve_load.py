@@ -54,7 +54,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "moepager.cli.main", "serve", "--port", str(self.port), "--threads",
-               str(threads), "--quiet", *extra]
+               str(threads), "--served-model-name", SERVED, "--quiet", *extra]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
@@ -86,6 +86,8 @@ class Server:
                 + value(r'^moepager_expert_bytes_total\{tier="host_to_device"\}')}
 
 
+SERVED = "served"
+"""The name every server of this script serves its model under."""
 SAMPLING: dict[str, float] = {}
 """Extra sampling fields of every request (--greedy: temperature 0; default: the server's llama.cpp defaults)."""
 
@@ -93,7 +95,7 @@ SAMPLING: dict[str, float] = {}
 async def one_request(client: openai.AsyncOpenAI, prompt: str, tokens: int) -> dict[str, float]:
     start = time.perf_counter()
     first = last = None
-    stream = await client.completions.create(model="demo-moe", prompt=prompt, max_tokens=tokens, stream=True,
+    stream = await client.completions.create(model=SERVED, prompt=prompt, max_tokens=tokens, stream=True,
                                              extra_body={"ignore_eos": True, **SAMPLING})
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
@@ -132,17 +134,24 @@ def http_part(args: argparse.Namespace) -> list[dict[str, object]]:
     prompts = [" ".join(doc.split()[:24]) for doc in validation if len(doc.split()) >= 8][: args.requests]
     if len(prompts) < args.requests:
         prompts = (prompts * args.requests)[: args.requests]
+    runs = [("all resident", [], prompts, args.clients, args.tokens),
+            ("25% budget", ["--expert-memory", "25%", "--policy", args.policy], prompts, args.clients, args.tokens)]
+    if args.real_geometry:
+        model = str(ensure_model("qwen3-30b-a3b-L4", "qwen3-30b-a3b", 4))
+        runs.append(("qwen3-30b-a3b L4, 25%", ["--model", model, "--expert-memory", "25%", "--policy", args.policy],
+                     prompts[: args.real_requests], [1, 4], args.real_tokens))
     rows = []
-    for label, extra in (("all resident", []), ("25% budget", ["--expert-memory", "25%", "--policy", args.policy])):
+    for label, extra, chosen, clients_list, tokens in runs:
         with Server(extra, args.threads) as server:
-            asyncio.run(load(server.url, prompts[:4], 2, 4))  # warm-up: first-call set-up is not load
-            for clients in args.clients:
+            asyncio.run(load(server.url, chosen[:2], 2, 2))  # warm-up: first-call set-up is not load
+            for clients in clients_list:
                 before = server.counters()
-                row = asyncio.run(load(server.url, prompts, clients, args.tokens))
+                row = asyncio.run(load(server.url, chosen, clients, tokens))
                 after = server.counters()
                 moved = after["bytes"] - before["bytes"]
                 steps = max(1.0, after["steps"] - before["steps"])
-                row |= {"config": label, "expert_bytes_per_output_token": moved / max(1.0, after["tokens"] - before["tokens"]),
+                row |= {"config": label, "tokens": tokens,
+                        "expert_bytes_per_output_token": moved / max(1.0, after["tokens"] - before["tokens"]),
                         "engine_steps": steps, "step_ms_mean": 1e3 * (after["step_s"] - before["step_s"]) / steps,
                         "engine_busy": (after["step_s"] - before["step_s"]) / row["wall_s"]}
                 rows.append(row)
@@ -189,6 +198,12 @@ def main() -> None:
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--skip-replay", action="store_true")
+    p.add_argument("--real-geometry", action="store_true",
+                   help="also serve a qwen3-30b-a3b-geometry checkpoint (4 layers) at 25%% to 1 and 4 clients (its "
+                        "random-weight routing is nearly static: a serving check, not an offloading figure)")
+    p.add_argument("--real-requests", type=int, default=8)
+    p.add_argument("--out", help="name of the JSON under benchmarks/results/ (default serve_load[_POLICY])")
+    p.add_argument("--real-tokens", type=int, default=8)
     p.add_argument("--greedy", action="store_true", help="temperature 0 instead of llama.cpp's sampling")
     p.add_argument("--policy", default="lru", help="eviction policy of the 25%% runs (default lru)")
     p.add_argument("--replay-requests", type=int, default=8)
@@ -206,7 +221,7 @@ def main() -> None:
                   r["tpot_p99_ms"], r["errors"], f"{r['expert_bytes_per_output_token'] / 2**20:.2f} MiB",
                   r["step_ms_mean"], f"{100 * r['engine_busy']:.0f}%"] for r in http])
     ratios = {}
-    for label in ("all resident", "25% budget"):
+    for label in dict.fromkeys(r["config"] for r in http):
         by = {r["clients"]: r for r in http if r["config"] == label}
         if 1 in by and len(by) > 1:
             most = max(by)
@@ -226,7 +241,7 @@ def main() -> None:
         print(f"replayed DeepSeek-V2-Lite routing at 25%: 8 at a time / 1: throughput "
               f"{b['output_tok_s'] / a['output_tok_s']:.2f}x, expert bytes per output token "
               f"{b['expert_bytes_per_output_token'] / a['expert_bytes_per_output_token']:.2f}x")
-    path = write_json("serve_load" if args.policy == "lru" else f"serve_load_{args.policy}", {"machine": state, "args": vars(args), "http": http, "ratios": ratios,
+    path = write_json(args.out or ("serve_load" if args.policy == "lru" else f"serve_load_{args.policy}"), {"machine": state, "args": vars(args), "http": http, "ratios": ratios,
                                      "replay": replay})
     print(f"\nwrote {path}")
 
