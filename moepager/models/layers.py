@@ -323,8 +323,9 @@ oneDNN's fixed cost per call dominates small matrices and its kernels win on lar
 `python benchmarks/expert_kernels.py`: 128x256 17 us against 6.8, 768x256 29 against 28, 2048x1408 215 against
 254; the built-in model's decode step 269 tok/s against 171)."""
 NATIVE_MAX_TOKENS = 16
-"""... and so does a CPU forward of up to this many tokens (a batch of decodes): at the built-in model's sizes torch's
-own kernels decode 8 concurrent requests 1.2x faster than oneDNN (752 against 619 tok/s, 2 threads)."""
+"""A MoE block on up to this many tokens (a batch of decodes) computes its router and experts with torch's own kernels
+too, the rest of the forward with oneDNN: at 8 rows oneDNN wins the dense projections (LM head 8192x256: 209 us
+against 1,236; 512x256: 29 against 79) and loses the small router and expert matrices (32x256: 17 against 9)."""
 
 
 class CausalLM(nn.Module):
@@ -390,7 +391,7 @@ class CausalLM(nn.Module):
         if ids_BT.is_cuda:
             with sdpa_kernel(CUDA_ATTENTION):
                 return self._forward(ids_BT, batch, cache, logits_at_B)
-        if ids_BT.numel() <= NATIVE_MAX_TOKENS and self.config.hidden_size <= NATIVE_GEMV_MAX_HIDDEN:
+        if ids_BT.numel() == 1 and self.config.hidden_size <= NATIVE_GEMV_MAX_HIDDEN:
             mkldnn = torch._C._get_mkldnn_enabled()
             torch._C._set_mkldnn_enabled(False)
             try:
@@ -477,11 +478,20 @@ class MoEBlock(nn.Module):
         raise NotImplementedError
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
-        route = self.gate(x_ND) if self.routing is OWN_ROUTER else self.routing.route(self.layer, self.gate, x_ND)
-        if self.observer is not NULL_OBSERVER:
-            self.observer.routed(self.layer, x_ND, route)
-        out_ND = self.executor.run(self.layer, x_ND, route)
-        return out_ND + self.shared_output(x_ND) if self._has_shared else out_ND
+        # A few tokens on the CPU: torch's own kernels for the router's and experts' small matrices (NATIVE_MAX_TOKENS)
+        native = (x_ND.shape[0] <= NATIVE_MAX_TOKENS and x_ND.shape[1] <= NATIVE_GEMV_MAX_HIDDEN and not x_ND.is_cuda
+                  and torch._C._get_mkldnn_enabled())
+        if native:
+            torch._C._set_mkldnn_enabled(False)
+        try:
+            route = self.gate(x_ND) if self.routing is OWN_ROUTER else self.routing.route(self.layer, self.gate, x_ND)
+            if self.observer is not NULL_OBSERVER:
+                self.observer.routed(self.layer, x_ND, route)
+            out_ND = self.executor.run(self.layer, x_ND, route)
+            return out_ND + self.shared_output(x_ND) if self._has_shared else out_ND
+        finally:
+            if native:
+                torch._C._set_mkldnn_enabled(True)
 
 
 class SoftmaxTopKRouter(nn.Module):
