@@ -48,10 +48,8 @@ class Chat:
 
     def answer(self, text: str, write: Callable[[str], object] = sys.stdout.write) -> str:
         """Stream the model's answer to `text`; Ctrl-C ends it early (what was written is kept)."""
-        assert self.llm.tokenizer is not None
         self.messages.append({"role": "user", "content": text})
-        prompt = self.llm.tokenizer.apply_chat_template(self.messages)
-        ids = self.llm.encode(self.llm.tokenizer.encode(prompt, add_special_tokens=False))
+        ids = self.llm.encode_chat(self.messages)
         context = self.llm.loaded.config.max_position_embeddings
         if len(ids) >= context:
             self.messages.pop()

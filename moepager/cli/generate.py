@@ -17,7 +17,7 @@ from moepager.runtime.llm import LLM
 from moepager.models.default import default_model_path
 from moepager.models.load import read_config
 from moepager.runtime.replay import ReplaySpec, check_record_path, load_replay
-from moepager.runtime.sampling import LLAMA_CPP_SAMPLING, SamplingParams
+from moepager.runtime.sampling import SamplingParams, llama_cpp_sampling
 
 HELP = "generate text for one or more prompts (batched together) and print the run's statistics"
 
@@ -58,12 +58,9 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
 
 def sampling_params(args: argparse.Namespace, max_tokens: int, **more: object) -> SamplingParams:
     """The sampling options, llama.cpp's defaults filling what is not given (none of them when greedy)."""
-    given = {k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k), ("top_p", args.top_p),
-                               ("min_p", args.min_p)) if v is not None}
-    defaults = {} if args.temperature == 0 else LLAMA_CPP_SAMPLING
-    return SamplingParams(**{**defaults, **given}, max_tokens=max_tokens, repetition_penalty=args.repetition_penalty,
-                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          seed=args.seed, **more)  # type: ignore[arg-type]
+    return llama_cpp_sampling(args.temperature, args.top_k, args.top_p, args.min_p, max_tokens=max_tokens,
+                              repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                              frequency_penalty=args.frequency_penalty, seed=args.seed, **more)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:

@@ -26,7 +26,7 @@ from moepager.runtime.sampling import NonFiniteLogits, RequestSampler, SamplingP
 from moepager.runtime.scheduler import Scheduled, Scheduler
 
 
-def _ignore_finish(request_id: int) -> None:
+def ignore_finish(request_id: int) -> None:
     """The `on_finish` of engines with no per-request state outside them."""
 
 
@@ -43,7 +43,7 @@ class StepStats:
 class Engine:
     def __init__(self, model: CausalLM, dtype: torch.dtype, device: torch.device, config: SchedulerConfig,
                  eos_ids: Sequence[int], detokenize: Detokenize | None, on_pass: OnPass = ignore_pass,
-                 on_finish: Callable[[int], None] = _ignore_finish):
+                 on_finish: Callable[[int], None] = ignore_finish):
         self.model, self.config = model, config
         self.pool = KVBlockPool(model, dtype, device, config.kv_cache_tokens, config.block_size)
         self.scheduler = Scheduler(config, self.pool)
@@ -92,7 +92,7 @@ class Engine:
         outputs = self._take_inbox()
         rows = self.scheduler.schedule()
         if rows:
-            decodes = [r.request.decoding for r in rows].count(True)
+            decodes = [r.decoding for r in rows].count(True)
             done = self.runner.run(rows)
             outputs += self._sample(done)
             self.last_step = StepStats(time.perf_counter() - start, sum([r.count for r in rows]) - decodes, decodes,

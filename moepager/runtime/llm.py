@@ -19,7 +19,7 @@ from moepager.models.default import default_model_path
 from moepager.models.layers import NULL_OBSERVER, OWN_ROUTER, RoutingFanOut, RoutingObserver
 from moepager.models.load import LoadedModel, load_model, parse_dtype, resident_executor
 from moepager.outputs import check_file
-from moepager.runtime.engine import Engine
+from moepager.runtime.engine import Engine, ignore_finish
 from moepager.runtime.prefetch import Prefetcher, build_prefetcher
 from moepager.runtime.request import Detokenize, FinishReason, Request
 from moepager.runtime.replay import ReplayReport, ReplaySpec, RouteReplayer, check_record_path, load_replay
@@ -74,7 +74,7 @@ class LLM:
         self._pass_parts: list[PassPart] = self._parts(None, None)
         self.engine = Engine(self.loaded.model, self.loaded.dtype, self.loaded.device, self.config.scheduler,
                              self.eos_token_ids, self._detokenize, self._on_pass,
-                             self.prefetcher.end_request if self.prefetcher is not None else _ignore_finish)
+                             self.prefetcher.end_request if self.prefetcher is not None else ignore_finish)
         """The engine core every call (and the server) runs requests on; its KV cache is reused across calls."""
 
     def _eos_token_ids(self) -> list[int]:
@@ -92,10 +92,19 @@ class LLM:
         elif self.tokenizer is None:
             raise InvalidRequestError("this checkpoint has no tokenizer.json; pass token ids instead of text")
         elif chat:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            return self.encode_chat([{"role": "user", "content": prompt}])
         else:
             ids = self.tokenizer.encode(prompt)
+        return self._checked(ids)
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """A conversation through the tokenizer's chat template, ending with the assistant's turn to answer."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("this checkpoint has no tokenizer.json; chat needs one")
+        text = self.tokenizer.apply_chat_template(messages)
+        return self._checked(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _checked(self, ids: list[int]) -> list[int]:
         vocab = self.loaded.config.vocab_size
         if not ids:
             raise InvalidRequestError("prompt is empty")
@@ -243,7 +252,3 @@ def _completion(r: Request) -> Completion:
 
 class PassPart(Protocol):
     def begin_pass(self, info: PassInfo) -> None: ...
-
-
-def _ignore_finish(request_id: int) -> None:
-    """No per-request state to forget without a prefetcher."""

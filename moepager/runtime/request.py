@@ -109,19 +109,17 @@ class Request:
         """Positions the cache must hold by the end: the prompt, then every output token but the last."""
         return len(self.prompt_ids) + self.params.max_tokens - 1
 
-    def token(self, i: int) -> int:
+    def tokens(self, start: int, count: int) -> list[int]:
+        """Tokens start..start+count-1 of the prompt followed by the output, without joining the two."""
         n = len(self.prompt_ids)
-        return self.prompt_ids[i] if i < n else self.out_ids[i - n]
+        if start >= n:
+            return self.out_ids[start - n:start - n + count]
+        return self.prompt_ids[start:start + count] + self.out_ids[:max(0, start + count - n)]
 
     @property
     def remaining(self) -> int:
         """Tokens not yet in the cache: the prompt (or a chunk's rest), or the one output token to decode."""
         return self.num_tokens - self.num_computed
-
-    @property
-    def decoding(self) -> bool:
-        """The next step feeds its last output token (a decode row); otherwise prompt tokens (a prefill row)."""
-        return bool(self.out_ids) and self.remaining == 1
 
     def append(self, token: int, logprobs: TokenLogprobs | None, now: float) -> RequestOutput:
         """Record a sampled token; decide whether the request ends."""

@@ -57,7 +57,7 @@ class ModelRunner:
         kv_len = 0
         for i, r in enumerate(rows):
             request, blocks, n, pad = r.request, r.request.blocks, r.count, t - r.count
-            tokens = (request.prompt_ids + request.out_ids)[r.start:r.start + n]
+            tokens = request.tokens(r.start, n)
             ids += tokens + [0] * pad
             fed += tokens
             pos = range(r.start, r.start + t)
@@ -97,7 +97,7 @@ class ModelRunner:
         phases: list[Phase] = []
         requests, starts, counts = [], [], []
         for r in rows:
-            phases.append("decode" if r.count == 1 and r.request.decoding else "prefill")
+            phases.append("decode" if r.decoding else "prefill")
             requests.append(r.request.request_id)
             starts.append(r.start)
             counts.append(r.count)

@@ -85,6 +85,16 @@ LLAMA_CPP_SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
 """llama.cpp's default sampler chain (common/common.h): what `chat`, `serve` and `generate` use unless told."""
 
 
+def llama_cpp_sampling(temperature: float | None, top_k: int | None, top_p: float | None, min_p: float | None,
+                       **fields: object) -> SamplingParams:
+    """Sampling parameters with llama.cpp's defaults filling the filters not given (none of them when greedy:
+    `temperature` 0); `fields` are SamplingParams' other fields."""
+    given = {k: v for k, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p))
+             if v is not None}
+    defaults = {} if temperature == 0 else LLAMA_CPP_SAMPLING
+    return SamplingParams(**{**defaults, **given}, **fields)  # type: ignore[arg-type]
+
+
 class TokenLogprobs(dict[int, float]):
     """A sampled token's log-probability under key `token`, and its most likely alternatives' under theirs."""
 

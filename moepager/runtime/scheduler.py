@@ -23,6 +23,8 @@ class Scheduled(NamedTuple):
     request: Request
     start: int
     count: int
+    decoding: bool
+    """A decode row: the request's last output token (otherwise prompt tokens, or tokens computed again)."""
 
     @property
     def completes(self) -> bool:
@@ -44,12 +46,13 @@ class Scheduler:
         budget, rows, i = self.config.max_batched_tokens, [], 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            count = min(request.remaining, budget)
+            remaining = request.remaining
+            count = min(remaining, budget)
             if not self.pool.reserve(request.blocks, request.num_computed + count):
                 victim = self.running.pop()  # the youngest; never one already scheduled (those sit before i)
                 self._preempt(victim)
                 continue
-            rows.append(Scheduled(request, request.num_computed, count))
+            rows.append(Scheduled(request, request.num_computed, count, remaining == 1 and bool(request.out_ids)))
             budget -= count
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -58,7 +61,7 @@ class Scheduler:
             if not self.pool.reserve(request.blocks, request.num_computed + count):
                 break
             self.running.append(self.waiting.popleft())
-            rows.append(Scheduled(request, request.num_computed, count))
+            rows.append(Scheduled(request, request.num_computed, count, False))  # it joins: its prompt (or all again)
             budget -= count
         return rows
 
@@ -76,6 +79,3 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.pool.release(request.blocks)
-
-    def __len__(self) -> int:
-        return len(self.running) + len(self.waiting)

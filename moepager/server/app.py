@@ -104,9 +104,11 @@ def create_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI
     async def stats() -> dict[str, Any]:
         return metrics.snapshot()
 
+    web_page = files("moepager.server").joinpath("static/index.html").read_text(encoding="utf-8")
+
     @app.get("/", response_class=HTMLResponse)
     async def page() -> str:
-        return files("moepager.server").joinpath("static/index.html").read_text(encoding="utf-8")
+        return web_page
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request) -> Any:
@@ -119,10 +121,7 @@ def create_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, http: Request) -> Any:
         check_model(body.model)
-        if llm.tokenizer is None:
-            raise InvalidRequestError("this checkpoint has no tokenizer.json; chat needs one")
-        text = llm.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
-        ids = llm.encode(llm.tokenizer.encode(text, add_special_tokens=False))
+        ids = llm.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.params(limit if limit is not None else max(1, min(CHAT_MAX_TOKENS, context - len(ids))),
                              body.chat_logprobs())

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from moepager.errors import InvalidRequestError
-from moepager.runtime.sampling import LLAMA_CPP_SAMPLING, SamplingParams
+from moepager.runtime.sampling import SamplingParams, llama_cpp_sampling
 
 
 class StreamOptions(BaseModel):
@@ -46,13 +46,11 @@ class Sampling(BaseModel):
     def params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         if self.n != 1:
             raise InvalidRequestError(f"n must be 1 (one completion per request), got {self.n}")
-        given = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p), ("top_k", self.top_k),
-                                   ("min_p", self.min_p)) if v is not None}
-        defaults = {} if self.temperature == 0 else LLAMA_CPP_SAMPLING
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(**{**defaults, **given}, max_tokens=max_tokens, presence_penalty=self.presence_penalty,
-                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                              seed=self.seed, stop=stop, ignore_eos=self.ignore_eos, logprobs=logprobs)
+        return llama_cpp_sampling(self.temperature, self.top_k, self.top_p, self.min_p, max_tokens=max_tokens,
+                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                                  repetition_penalty=self.repetition_penalty, seed=self.seed, stop=stop,
+                                  ignore_eos=self.ignore_eos, logprobs=logprobs)
 
 
 class CompletionRequest(Sampling):
