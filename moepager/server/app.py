@@ -47,6 +47,26 @@ def error_response(status: int, message: str, code: str | None = None, param: st
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
 
 
+def install_error_handlers(app: FastAPI) -> None:
+    """Every refusal in OpenAI's error shape: invalid bodies 400, our own errors 400 (a bad request) or 500."""
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"the request body is not valid JSON: {first.get('msg', '')}")
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid value')}", param=where or None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.code, exc.param)
+
+    @app.exception_handler(MoepagerError)
+    async def refused(request: Request, exc: MoepagerError) -> JSONResponse:
+        return error_response(400 if isinstance(exc, InvalidRequestError) else 500, str(exc))
+
+
 def create_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI:
     """The app; its engine steps on a thread of its own, or (`engine_thread=False`) on whichever thread calls
     `app.state.engine.run()` (`moepager serve`: the main thread, with uvicorn on another)."""
@@ -66,21 +86,7 @@ def create_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI
     app = FastAPI(title="moepager", lifespan=lifespan)
     app.state.engine = engine
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        if first.get("type") == "json_invalid":
-            return error_response(400, f"the request body is not valid JSON: {first.get('msg', '')}")
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid value')}", param=where or None)
-
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.code, exc.param)
-
-    @app.exception_handler(MoepagerError)
-    async def refused(request: Request, exc: MoepagerError) -> JSONResponse:
-        return error_response(400 if isinstance(exc, InvalidRequestError) else 500, str(exc))
+    install_error_handlers(app)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:

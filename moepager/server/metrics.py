@@ -57,13 +57,11 @@ class Metrics:
     def step(self, step: StepStats | None) -> None:
         if step is None:
             return
+        now = time.perf_counter()
         with self._lock:
             self.steps.observe(step.duration_s)
-        if not step.sampled:
-            return
-        with self._lock:
-            now = time.perf_counter()
-            self._recent.append((now, step.sampled))
+            if step.sampled:
+                self._recent.append((now, step.sampled))
             while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
                 self._recent.popleft()
 
