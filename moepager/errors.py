@@ -23,3 +23,7 @@ class BudgetError(MoepagerError):
 
 class NumericalError(MoepagerError):
     """A forward pass produced NaN or infinity (corrupt weights, or a dtype that overflows)."""
+
+
+class ConfigError(MoepagerError):
+    """An option, or a combination of options, that this model or machine cannot run."""

@@ -14,14 +14,15 @@ import torch
 import torch.nn.functional as F
 
 from moepager.experts.source import ExpertSource
-from moepager.experts.weights import ExpertWeights
+from moepager.experts.weights import AnyExpertWeights
 from moepager.types import RoutingDecision
 
 
-def expert_forward(x_TD: torch.Tensor, w: ExpertWeights, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def expert_forward(x_TD: torch.Tensor, w: AnyExpertWeights, act: Callable[[torch.Tensor], torch.Tensor]
+                   ) -> torch.Tensor:
     """SwiGLU expert: down(act(gate x) * up x)."""
-    gate_TF, up_TF = F.linear(x_TD, w.gate_up_2FD).chunk(2, dim=-1)
-    return F.linear(act(gate_TF) * up_TF, w.down_DF)
+    gate_TF, up_TF = w.gate_up(x_TD).chunk(2, dim=-1)
+    return w.down(act(gate_TF) * up_TF)
 
 
 def combine_experts(x_TD: torch.Tensor, route: RoutingDecision, source: ExpertSource, layer: int,

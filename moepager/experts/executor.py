@@ -35,7 +35,9 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 
-from moepager.experts.weights import ExpertShape, ExpertWeights
+from moepager.experts.compute import expert_forward
+from moepager.experts.weights import AnyExpertWeights, ExpertShape, expert_view
+from moepager.errors import ConfigError
 from moepager.store.store import ExpertStore
 from moepager.types import RoutingDecision
 
@@ -103,14 +105,20 @@ class ArenaKernels:
     def __init__(self, arena: torch.Tensor, shape: ExpertShape, kernel: Kernel = "auto", act: Act = F.silu):
         if kernel not in KERNELS:
             raise ValueError(f"unknown expert kernel '{kernel}'; choose from {', '.join(KERNELS)}")
+        if shape.quant is not None and kernel not in ("auto", "loop"):
+            raise ConfigError(f"the '{kernel}' expert kernel computes float experts only; {shape.format_name} "
+                              "experts run the 'loop' kernel (--expert-kernel auto or loop)")
         d, f = shape.hidden, shape.intermediate
         self.arena, self.shape, self.kernel, self.act = arena, shape, kernel, act
-        self.resolved: Kernel = kernel if kernel != "auto" else "grouped" if arena.is_cuda else "loop"
+        self.quantized = shape.quant is not None
+        self.resolved: Kernel = kernel if kernel != "auto" else "grouped" if arena.is_cuda and not self.quantized \
+            else "loop"
         """The kernel of one-token calls (`auto` resolved by device; see `choose` for more tokens)."""
-        self._grouped_batches = kernel == "auto" and not arena.is_cuda
-        self.views = [ExpertWeights(row, shape) for row in arena]
-        self.gate_up_R2FD = arena[:, : 2 * f * d].view(-1, 2 * f, d)
-        self.down_RDF = arena[:, 2 * f * d:].view(-1, d, f)
+        self._grouped_batches = kernel == "auto" and not arena.is_cuda and not self.quantized
+        self.views: list[AnyExpertWeights] = [expert_view(row, shape) for row in arena]
+        if not self.quantized:
+            self.gate_up_R2FD = arena[:, : 2 * f * d].view(-1, 2 * f, d)
+            self.down_RDF = arena[:, 2 * f * d:].view(-1, d, f)
 
     def choose(self, tokens: int) -> Kernel:
         """The kernel for a call on `tokens` tokens: `auto` on the CPU is `loop` for one token and `grouped` for more (a batch of
@@ -124,6 +132,10 @@ class ArenaKernels:
         """Experts `which` (indices into work.experts) computed one by one into their slices of out_MD (the
         reference's `expert_forward`, written out: this is the hottest loop of a decode step)."""
         views, act, x_MD, starts = self.views, self.act, work.x_MD, work.starts
+        if self.quantized:  # the formats' own kernels (experts/quant.py)
+            for i in which:
+                out_MD[starts[i]:starts[i + 1]] = expert_forward(x_MD[starts[i]:starts[i + 1]], views[rows[i]], act)
+            return
         for i in which:
             s, e = starts[i], starts[i + 1]
             w = views[rows[i]]
@@ -194,7 +206,7 @@ class ResidentExecutor:
         rows = [base + e for e in work.experts] if base else work.experts
         return combine(x_ND, work, self.kernels.compute(work, rows, kernel))
 
-    def weights(self, layer: int, expert: int) -> ExpertWeights:
+    def weights(self, layer: int, expert: int) -> AnyExpertWeights:
         return self.kernels.views[self.base[layer] + expert]
 
     def stream(self, layer: int, experts: Sequence[int]):  # noqa: ANN201 - the reference's ExpertSource seam

@@ -5,6 +5,11 @@
 The layout is detected from the names present, per checkpoint. An expert's pieces are read in place from
 the safetensors files (`store/disk.py`: O_DIRECT, no page cache) straight into its flat buffer
 `[gate 2F x D rows | down D x F]`; only a dtype conversion goes through a per-thread scratch buffer.
+
+Quantized runs (experts/quant.py): a float checkpoint's expert is read into a per-thread float buffer and
+quantized into the slot; a quantized checkpoint (`moepager quantize`, models/quantized.py) stores each
+projection's integers, scales and zeros per expert, read into per-thread scratch and laid out for the kernel
+(int8: copied; int4: repacked for the CPU kernel), or dequantized when the run asks for float experts.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from pathlib import Path
 import torch
 
 from moepager.errors import CheckpointError
-from moepager.experts.weights import ExpertShape
+from moepager.experts.quant import QuantFormat, QuantizedProjection, dequantize_projection, quantize_expert
+from moepager.experts.weights import ExpertShape, ExpertWeights, expert_view
 from moepager.models.loader import Checkpoint, TensorLocation
 from moepager.store.disk import DirectIO, DiskFiles, Span, bounce_bytes
 from moepager.types import ExpertKey
@@ -54,11 +60,15 @@ class ExpertReader:
     """Reads expert (layer, e) from `checkpoint` into a preallocated flat buffer, converting dtype."""
 
     def __init__(self, checkpoint: Checkpoint, naming: ExpertNaming, shape: ExpertShape, first_moe_layer: int,
-                 direct: DirectIO = "auto"):
+                 direct: DirectIO = "auto", stored: QuantFormat | None = None):
         self.checkpoint = checkpoint
         self.naming = naming
         self.shape = shape
-        self.layout = self._detect(first_moe_layer)
+        self.stored = stored
+        """The quantized format the checkpoint holds its experts in (None: float)."""
+        self.layout = self._detect(first_moe_layer) if stored is None else ExpertLayout.PER_EXPERT
+        if stored is not None:
+            self.checkpoint.location(naming.gate.format(layer=first_moe_layer, expert=0) + "_scale")
         self.direct = direct
         self.files = DiskFiles(direct, bounce_bytes(shape.nbytes))
         self._local = threading.local()
@@ -67,9 +77,14 @@ class ExpertReader:
     def buffer_bytes_per_thread(self) -> int:
         """Memory each reading thread allocates besides the expert slots: the O_DIRECT bounce buffer, plus a
         whole expert in the stored dtype when it must be converted."""
+        bounce = self.files.bounce_nbytes if self.direct != "off" else 0
+        if self.stored is not None:
+            return bounce + sum(t.nbytes for p in self._quant_scratch() for t in (p.q, p.scale, p.zero)
+                                if t is not None) + (self.shape.float_shape.nbytes if self.shape.quant is None else 0)
         stored = {p.dtype for p in self.pieces(self._first)}
-        convert = self.shape.numel * max(d.itemsize for d in stored) if stored != {self.shape.dtype} else 0
-        return (self.files.bounce_nbytes if self.direct != "off" else 0) + convert
+        numel = self.shape.float_shape.numel
+        convert = numel * max(d.itemsize for d in stored) if stored != {self.shape.dtype} else 0
+        return bounce + convert + (self.shape.float_shape.nbytes if self.shape.quant is not None else 0)
 
     def _detect(self, layer: int) -> ExpertLayout:
         if self.checkpoint.has(self.naming.fused_gate_up.format(layer=layer)):
@@ -106,7 +121,24 @@ class ExpertReader:
         return Piece(loc.path, loc.offset + row * numel * loc.dtype.itemsize, loc.dtype, start, numel)
 
     def read(self, key: ExpertKey, out_flat: torch.Tensor) -> int:
-        """Fill `out_flat` (1-D, the shape's dtype, CPU) with the expert; returns bytes read from disk."""
+        """Fill `out_flat` (1-D, the shape's buffer dtype, CPU) with the expert; returns bytes read from disk."""
+        if self.stored is not None:
+            gate_up, down, nbytes = self._read_quantized(key)
+            if self.shape.quant is None:
+                w = ExpertWeights(out_flat, self.shape)
+                w.gate_up_2FD.copy_(dequantize_projection(gate_up, self.stored))
+                w.down_DF.copy_(dequantize_projection(down, self.stored))
+            else:
+                expert_view(out_flat, self.shape).store(gate_up, down)
+            return nbytes
+        if self.shape.quant is None:
+            return self._read_float(key, out_flat)
+        scratch = self._float_scratch()
+        nbytes = self._read_float(key, scratch.buffer)
+        quantize_expert(scratch.gate_up_2FD, scratch.down_DF, expert_view(out_flat, self.shape), self.shape.dtype)
+        return nbytes
+
+    def _read_float(self, key: ExpertKey, out_flat: torch.Tensor) -> int:
         spans, converts = [], []
         for p in self.pieces(key):
             dest = out_flat[p.start: p.start + p.numel]
@@ -127,5 +159,58 @@ class ExpertReader:
         if bufs is None:
             bufs = self._local.bufs = {}
         if dtype not in bufs:
-            bufs[dtype] = torch.empty(self.shape.numel, dtype=dtype)
+            bufs[dtype] = torch.empty(self.shape.float_shape.numel, dtype=dtype)
         return bufs[dtype]
+
+    def _float_scratch(self) -> ExpertWeights:
+        """This thread's float expert, quantized into the slot after each read."""
+        w = getattr(self._local, "float_expert", None)
+        if w is None:
+            w = self._local.float_expert = ExpertWeights.empty(self.shape.float_shape)
+        return w
+
+    def _quant_scratch(self) -> tuple[QuantizedProjection, QuantizedProjection]:
+        """This thread's (gate_up, down) in checkpoint form: rows of gate then up, as stored per expert."""
+        parts = getattr(self._local, "quant", None)
+        if parts is None:
+            fmt, dtype = self.stored, self.shape.dtype
+            d, f = self.shape.hidden, self.shape.intermediate
+
+            def proj(n: int, k: int) -> QuantizedProjection:
+                if fmt.bits == 8:
+                    return QuantizedProjection(torch.empty(n, k, dtype=torch.int8), torch.empty(n, dtype=dtype))
+                g = k // fmt.group
+                return QuantizedProjection(torch.empty(n, k // 2, dtype=torch.uint8), torch.empty(n, g, dtype=dtype),
+                                           torch.empty(n, g, dtype=dtype) if fmt.zero_point else None)
+            parts = self._local.quant = (proj(2 * f, d), proj(d, f))
+        return parts
+
+    def _read_quantized(self, key: ExpertKey) -> tuple[QuantizedProjection, QuantizedProjection, int]:
+        """The expert's projections from a quantized checkpoint: integers, scales and zeros, gate rows then up."""
+        layer, e = key
+        gate_up, down = self._quant_scratch()
+        names = {"gate": self.naming.gate, "up": self.naming.up, "down": self.naming.down}
+        spans, converts = [], []
+        for proj, which in ((gate_up, ("gate", "up")), (down, ("down",))):
+            for suffix, dest in (("", proj.q), ("_scale", proj.scale), ("_zero", proj.zero)):
+                if dest is None:
+                    continue
+                row = 0
+                for w in which:
+                    name = names[w].format(layer=layer, expert=e) + suffix
+                    loc = self.checkpoint.location(name)
+                    part = dest[row: row + (loc.shape[0] if loc.shape else 0)]
+                    if loc.shape != tuple(part.shape) or row + loc.shape[0] > dest.shape[0]:
+                        raise CheckpointError(f"tensor '{name}' has shape {list(loc.shape)}; the checkpoint's "
+                                              f"quantization_config implies {list(part.shape)}")
+                    row += loc.shape[0]
+                    if loc.dtype == part.dtype:
+                        spans.append(Span(loc.path, loc.offset, part.view(-1).view(torch.uint8)))
+                    else:
+                        tmp = torch.empty(loc.shape, dtype=loc.dtype)
+                        spans.append(Span(loc.path, loc.offset, tmp.view(-1).view(torch.uint8)))
+                        converts.append((part, tmp))
+        nbytes = self.files.read(spans)
+        for dest, tmp in converts:
+            dest.copy_(tmp)
+        return gate_up, down, nbytes

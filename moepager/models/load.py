@@ -17,6 +17,7 @@ from tqdm import tqdm
 from moepager.errors import CheckpointError
 from moepager.models.expert_reader import ExpertReader
 from moepager.experts.executor import ExpertExecutor, Kernel, ResidentExecutor
+from moepager.experts.quant import check_shape
 from moepager.experts.weights import ExpertShape
 from moepager.models.config import ModelConfig
 from moepager.models.layers import CausalLM
@@ -63,8 +64,8 @@ def read_resident(reader: ExpertReader, moe_layers: list[int], num_experts: int,
     """Every routed expert read into one arena on `device`: row i * num_experts + e is expert e of MoE layer i
     (through one CPU staging buffer when the device is not the CPU)."""
     shape = reader.shape
-    arena = torch.empty(len(moe_layers) * num_experts, shape.numel, dtype=shape.dtype, device=device)
-    staging = torch.empty(shape.numel, dtype=shape.dtype) if device.type != "cpu" else None
+    arena = torch.empty(len(moe_layers) * num_experts, shape.numel, dtype=shape.buffer_dtype, device=device)
+    staging = torch.empty(shape.numel, dtype=shape.buffer_dtype) if device.type != "cpu" else None
     for i, layer in enumerate(moe_layers):
         for e in range(num_experts):
             row = arena[i * num_experts + e]
@@ -93,16 +94,27 @@ def read_config(path: str | os.PathLike[str]) -> ModelConfig:
 
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None, device: str = "cpu",
                executor_factory: ExecutorFactory | None = None, show_progress: bool = True,
-               direct_io: DirectIO = "auto") -> LoadedModel:
+               direct_io: DirectIO = "auto", expert_dtype: str | None = None, int4_group: int | None = None,
+               int4_zero_point: bool | None = None) -> LoadedModel:
+    """A checkpoint ready to run. `expert_dtype` (bf16/fp16/fp32/int8/int4; None: as stored) is the format
+    routed experts are held and computed in; int8/int4 are lossy and opt-in (experts/quant.py)."""
+    from moepager.models.quantized import expert_format, stored_format  # it imports this module
+
     checkpoint = Checkpoint(path)
     arch = architecture_for(checkpoint.config)
     cfg = arch.parse_config(checkpoint.config)
+    stored = stored_format(checkpoint.config)
     dtype = dtype or checkpoint_dtype(checkpoint)
     dev = torch.device(device)
-    shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, dtype)
+    quant = expert_format(expert_dtype, stored, dtype, dev, int4_group, int4_zero_point)
+    if quant is not None:
+        check_shape(cfg.hidden_size, cfg.expert_intermediate_size, quant)
+    shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, dtype, quant)
     reader = ExpertReader(checkpoint, arch.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0,
-                          direct_io)
-    total = sum(loc.nbytes // loc.dtype.itemsize * dtype.itemsize for loc in checkpoint.locations.values())
+                          direct_io, stored)
+    dense = sum(loc.nbytes // loc.dtype.itemsize * dtype.itemsize for name, loc in checkpoint.locations.items()
+                if ".experts." not in name)
+    total = dense + cfg.num_moe_layers * cfg.num_experts * shape.nbytes
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=not show_progress,
               leave=False) as bar:
         experts = (executor_factory or resident_executor(dev))(reader, cfg, bar.update)

@@ -162,7 +162,7 @@ def disk_rates(reader: ExpertReader, keys: Sequence[ExpertKey], io_threads: int)
     buffers as the store reads them; half the keys for each measurement."""
     shape = reader.shape
     half = max(1, len(keys) // 2)
-    bufs = [torch.empty(shape.numel, dtype=shape.dtype) for _ in range(max(io_threads, 1))]
+    bufs = [torch.empty(shape.numel, dtype=shape.buffer_dtype) for _ in range(max(io_threads, 1))]
     single = []
     for i, key in enumerate(keys[:half]):
         start = time.perf_counter()
@@ -183,7 +183,7 @@ def io_interference(pool: ExpertPool, reader: ExpertReader, keys: Sequence[Exper
     stop, read = threading.Event(), [0] * io_threads
 
     def reading(t: int) -> None:
-        buf, i = torch.empty(reader.shape.numel, dtype=reader.shape.dtype), t
+        buf, i = torch.empty(reader.shape.numel, dtype=reader.shape.buffer_dtype), t
         while not stop.is_set():
             read[t] += reader.read(keys[i % len(keys)], buf)
             i += io_threads

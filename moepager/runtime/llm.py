@@ -60,7 +60,9 @@ class LLM:
         store_config, dev, kernel = self.config.store, torch.device(self.config.device), self.config.expert_kernel
         executor = paged_executor(store_config, dev, kernel) if store_config.paged else resident_executor(dev, kernel)
         self.loaded: LoadedModel = load_model(path, parse_dtype(self.config.dtype) if self.config.dtype else None,
-                                              self.config.device, executor, show_progress, store_config.direct_io)
+                                              self.config.device, executor, show_progress, store_config.direct_io,
+                                              self.config.expert_dtype, self.config.int4_group,
+                                              self.config.int4_zero_point)
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
         self.eos_token_ids = self._eos_token_ids()
         self.last_stats = RunStats()
@@ -237,6 +239,7 @@ class LLM:
             recorder.write(record_trace, [RecordedRequest(r.request_id, r.prompt_ids, r.out_ids, p)  # type: ignore[arg-type]
                                           for r, p in zip(requests, prompts)], self._detokenize)
         stats.finish(self.loaded.device)
+        stats.experts = self.loaded.expert_shape.format_name
         stats.sections["experts"] = store_report(self.loaded.experts, self.config.store, stats.prompt_tokens,
                                                  stats.generated_tokens - stats.num_prompts)
         self.last_stats = stats

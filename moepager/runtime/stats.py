@@ -56,6 +56,8 @@ class RunStats:
     tpot_s: list[float] = field(default_factory=list)
     """Duration of every decode step (one token for every unfinished prompt)."""
     threads: int = 0
+    experts: str = ""
+    """The format routed experts ran in (bfloat16, int8, int4 ...; quantized formats are lossy)."""
     peak_rss_bytes: int = 0
     peak_cuda_bytes: int | None = None
     sections: dict[str, Section] = field(default_factory=dict)
@@ -118,6 +120,7 @@ class RunStats:
             ("prefill", f"{self.prefill_tokens_per_s:.1f} tok/s"),
             ("decode", f"{self.decode_tokens_per_s:.1f} tok/s"),
             ("threads", f"{self.threads}"),
+            ("expert format", self.experts + (" (lossy)" if self.experts.startswith("int") else "")),
             ("peak RSS", f"{self.peak_rss_bytes / 2**20:.0f} MiB"),
         ]
         if self.peak_cuda_bytes is not None:

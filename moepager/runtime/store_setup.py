@@ -65,7 +65,7 @@ def _tier(slots: int, cfg: ModelConfig, reader: ExpertReader, device: torch.devi
           pin: bool, what: str) -> Tier:
     shape = reader.shape
     _check_fits(slots * shape.nbytes, device, what)
-    arena = torch.empty(slots, shape.numel, dtype=shape.dtype, device=device, pin_memory=pin)
+    arena = torch.empty(slots, shape.numel, dtype=shape.buffer_dtype, device=device, pin_memory=pin)
     table = SlotTable(slots, cfg.moe_layers, make_policy(config.policy, engine=True), config.scope)
     return Tier(table, arena)
 

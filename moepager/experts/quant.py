@@ -1,0 +1,278 @@
+"""Weight-only quantized experts: int8 (symmetric, one scale per output channel) and int4 (groups along the
+input dimension, one scale and one zero per group). Lossy, so opt-in (`--expert-dtype int8|int4`).
+
+Formulas (what `moepager quantize` writes and every kernel computes with; q is the stored integer):
+- int8: w = q * scale[row], q in [-127, 127], scale = absmax(row) / 127.
+- int4: w = (q - 8) * scale[row, group] + zero[row, group], q in [0, 15]. Symmetric (the default, exactly
+  llama.cpp's Q4_0 when the group is 32): scale = m / -8 where m is the group's value of largest magnitude,
+  zero = 0 (ggml's `quantize_row_q4_0`). With zero points: scale = (max - min) / 15, zero = min + 8 * scale
+  (tinygemm's convention, which torch's int4 kernels use).
+Scales are rounded to the run's dtype before the integers are chosen, so the stored integers are exact for
+the scales the kernels multiply by.
+
+An expert's flat buffer (experts/weights.py) is then bytes: [q gate_up | q down | gate_up scales | down
+scales], each section 64-byte aligned. int4 weights sit in the buffer in the layout of the kernel that reads
+them: on the CPU torch's `_convert_weight_to_int4pack_for_cpu` layout (a blocked permutation made once, when
+an expert is read), elsewhere the plain nibble layout of the checkpoint (low nibble = even input index).
+
+Kernels (one projection, `python benchmarks/expert_kernels.py --formats`; 1 thread, this 2-core CPU):
+- int8: `aten._weight_int8pack_mm` (a GEMV kernel: its time grows linearly with tokens) for up to
+  INT8_PACKED_MAX_TOKENS tokens; above, dequantising to the run's dtype and one GEMM is faster (a
+  1536x2048 projection: 194 against 364 us bf16 at 1 token; 1.6 ms packed against 2.1 ms dequantised at 16;
+  5.7 against 3.8 ms at 64).
+- int4 on the CPU: `aten._weight_int4pack_mm_for_cpu` at every size (no faster dequantiser exists for its
+  layout; prefills of many tokens run slower than bf16: 24 against 8 ms for 256 tokens of that projection).
+- CUDA (not yet run on a GPU): both dequantise to the run's dtype and call one GEMM: the store still holds,
+  reads and copies the quantized bytes, so a budget holds 2x (int8) or ~4x (int4) the experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+ExpertDType = Literal["bf16", "fp16", "fp32", "int8", "int4"]
+EXPERT_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32", "int8", "int4")
+INT4_GROUPS = (32, 64, 128)
+INT8_PACKED_MAX_TOKENS = 32
+"""int8 calls on more tokens than this dequantise and run one GEMM (see the module note)."""
+ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """How an expert's weights are quantized and laid out in memory."""
+
+    bits: Literal[8, 4]
+    group: int = 0
+    """int4: input elements per scale (32, 64 or 128); 0 for int8 (one scale per output channel)."""
+    zero_point: bool = False
+    """int4: asymmetric groups with a zero each (otherwise symmetric, zero = 0)."""
+    layout: Literal["cpu", "plain"] = "cpu"
+    """int4 weights in the buffer: torch's CPU int4pack layout, or plain nibbles (CUDA, checkpoints)."""
+
+    @property
+    def name(self) -> str:
+        if self.bits == 8:
+            return "int8"
+        return f"int4 (groups of {self.group}{', zero points' if self.zero_point else ', symmetric'})"
+
+
+def parse_expert_dtype(name: str, group: int = 32, zero_point: bool = False,
+                       device: torch.device | str = "cpu") -> QuantFormat | None:
+    """The QuantFormat for `--expert-dtype name` (None for a float dtype); clear errors for anything else."""
+    from moepager.errors import ConfigError
+
+    if name not in EXPERT_DTYPES:
+        raise ConfigError(f"unknown --expert-dtype '{name}'; choose from {', '.join(EXPERT_DTYPES)}")
+    if name == "int8":
+        return QuantFormat(8)
+    if name == "int4":
+        if group not in INT4_GROUPS:
+            raise ConfigError(f"int4 group size must be one of {', '.join(map(str, INT4_GROUPS))}, not {group}")
+        return QuantFormat(4, group, zero_point, "cpu" if torch.device(device).type == "cpu" else "plain")
+    return None
+
+
+@dataclass(frozen=True)
+class Section:
+    offset: int
+    """Bytes from the start of the buffer."""
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def sections(hidden: int, intermediate: int, dtype: torch.dtype, fmt: QuantFormat) -> tuple[list[Section], int]:
+    """The buffer's sections (q gate_up, q down, gate_up scales, down scales) and its total size in bytes."""
+    d, f = hidden, intermediate
+    if fmt.bits == 8:
+        parts = [(torch.int8, (2 * f, d)), (torch.int8, (d, f)), (dtype, (2 * f,)), (dtype, (d,))]
+    else:
+        parts = [(torch.uint8, (2 * f, d // 2)), (torch.uint8, (d, f // 2)),
+                 (dtype, (d // fmt.group, 2 * f, 2)), (dtype, (f // fmt.group, d, 2))]
+    out, at = [], 0
+    for dt, shape in parts:
+        s = Section(at, dt, shape)
+        out.append(s)
+        at = _align(at + s.nbytes)
+    return out, at
+
+
+def check_shape(hidden: int, intermediate: int, fmt: QuantFormat) -> None:
+    """Refuse geometries the int4 kernels cannot take, saying why."""
+    from moepager.errors import ConfigError
+
+    if fmt.bits != 4:
+        return
+    for name, k in (("hidden size", hidden), ("expert intermediate size", intermediate)):
+        if k % fmt.group:
+            raise ConfigError(f"int4 group size {fmt.group} does not divide the {name} {k}; choose a group from "
+                              f"{', '.join(str(g) for g in INT4_GROUPS if k % g == 0) or 'none (use int8)'}")
+    if fmt.layout == "cpu" and (hidden % 16 or 2 * intermediate % 16):
+        raise ConfigError(f"int4 experts on the CPU need the hidden size ({hidden}) and twice the expert "
+                          f"intermediate size ({2 * intermediate}) to be multiples of 16 (torch's int4 kernel); "
+                          "use int8")
+
+
+# ---- quantizing float weights ------------------------------------------------------------------------------
+
+
+def _round_up_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype`, never below x (so no weight falls outside the integer range after rounding the scale)."""
+    y = x.to(dtype)
+    low = y.float() < x
+    if low.any():
+        y = torch.where(low, torch.nextafter(y.float(), torch.full_like(x, float("inf"))).to(dtype), y)
+        y = torch.where(y.float() < x, (x * (1 + 2 ** -7)).to(dtype), y)
+    return y
+
+
+def quantize_int8(w_NK: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K], scale [N] in `dtype`)."""
+    w = w_NK.float()
+    scale = _round_up_to(w.abs().amax(1).clamp(min=1e-12) / 127, dtype)
+    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_int4(w_NK: torch.Tensor, group: int, zero_point: bool, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q uint8 in [0, 15] [N, K], scale [N, K/group], zero [N, K/group], both in `dtype`)."""
+    n, k = w_NK.shape
+    w = w_NK.float().reshape(n, k // group, group)
+    if zero_point:
+        lo, hi = w.amin(-1), w.amax(-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-12).to(dtype)
+        zero = (lo + 8 * scale.float()).to(dtype)
+    else:  # ggml's Q4_0: the value of largest magnitude maps to -8
+        idx = w.abs().argmax(-1, keepdim=True)
+        m = torch.gather(w, -1, idx)[..., 0]
+        scale = torch.where(m == 0, torch.full_like(m, 1e-12), m / -8).to(dtype)
+        zero = torch.zeros_like(scale)
+    s, z = scale.float()[..., None], zero.float()[..., None]
+    q = torch.round((w - z) / s + 8).clamp_(0, 15).to(torch.uint8).reshape(n, k)
+    return q, scale, zero
+
+
+def pack_nibbles(q_NK: torch.Tensor) -> torch.Tensor:
+    """[N, K] values in [0, 15] -> [N, K/2] bytes, low nibble the even input index."""
+    q = q_NK.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_nibbles(p_NH: torch.Tensor) -> torch.Tensor:
+    """[N, K/2] bytes -> [N, K] values in [0, 15] (uint8)."""
+    return torch.stack((p_NH & 15, p_NH >> 4), -1).reshape(p_NH.shape[0], -1)
+
+
+def dequantize_int4(q_NK: torch.Tensor, scale_NG: torch.Tensor, zero_NG: torch.Tensor) -> torch.Tensor:
+    """Float32 weights from unpacked int4 values and their group scales and zeros."""
+    n, k = q_NK.shape
+    g = k // scale_NG.shape[1]
+    w = (q_NK.float().reshape(n, -1, g) - 8) * scale_NG.float()[..., None] + zero_NG.float()[..., None]
+    return w.reshape(n, k)
+
+
+@dataclass
+class QuantizedProjection:
+    """One projection in checkpoint form: int8 q [N, K] or int4 packed nibbles [N, K/2], scales, zeros."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None = None
+
+
+def quantize_projection(w_NK: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype) -> QuantizedProjection:
+    if fmt.bits == 8:
+        return QuantizedProjection(*quantize_int8(w_NK, dtype))
+    q, scale, zero = quantize_int4(w_NK, fmt.group, fmt.zero_point, dtype)
+    return QuantizedProjection(pack_nibbles(q), scale, zero if fmt.zero_point else None)
+
+
+def dequantize_projection(p: QuantizedProjection, fmt: QuantFormat) -> torch.Tensor:
+    """Float32 weights of a projection in checkpoint form."""
+    if fmt.bits == 8:
+        return p.q.float() * p.scale.float()[:, None]
+    zero = p.zero if p.zero is not None else torch.zeros_like(p.scale)
+    return dequantize_int4(unpack_nibbles(p.q), p.scale, zero)
+
+
+# ---- an expert's buffer -------------------------------------------------------------------------------------
+
+
+class QuantExpertWeights:
+    """Views into a quantized expert's byte buffer, and its two projections as callables on [T, K] inputs."""
+
+    __slots__ = ("buffer", "fmt", "q_gate_up", "q_down", "s_gate_up", "s_down", "_dim")
+
+    def __init__(self, buffer: torch.Tensor, hidden: int, intermediate: int, dtype: torch.dtype, fmt: QuantFormat):
+        secs, nbytes = sections(hidden, intermediate, dtype, fmt)
+        if buffer.dim() != 1 or buffer.dtype != torch.uint8 or buffer.numel() != nbytes:
+            raise ValueError(f"a {fmt.name} expert buffer must be 1-D uint8 of {nbytes} bytes")
+        self.buffer, self.fmt = buffer, fmt
+        q_gu, q_dn, s_gu, s_dn = (buffer[s.offset: s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in secs)
+        self.q_gate_up, self.q_down, self.s_gate_up, self.s_down = q_gu, q_dn, s_gu, s_dn
+        self._dim = (hidden, intermediate)
+
+    def gate_up(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return self._mm(x_TD, self.q_gate_up, self.s_gate_up)
+
+    def down(self, x_TF: torch.Tensor) -> torch.Tensor:
+        return self._mm(x_TF, self.q_down, self.s_down)
+
+    def _mm(self, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        fmt = self.fmt
+        if fmt.bits == 8:
+            if x.shape[0] <= INT8_PACKED_MAX_TOKENS and not x.is_cuda:
+                return torch.ops.aten._weight_int8pack_mm(x, q, s)
+            return F.linear(x, q.to(x.dtype) * s[:, None])
+        if fmt.layout == "cpu":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, fmt.group, s)
+        return F.linear(x, dequantize_int4(unpack_nibbles(q), s[..., 0].t(), s[..., 1].t()).to(x.dtype))
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 (gate_up [2F, D], down [D, F]): what the kernels compute with (tests and error reports)."""
+        d, f = self._dim
+        if self.fmt.bits == 8:
+            return (self.q_gate_up.float() * self.s_gate_up.float()[:, None],
+                    self.q_down.float() * self.s_down.float()[:, None])
+        eye_d, eye_f = torch.eye(d, dtype=self.s_gate_up.dtype), torch.eye(f, dtype=self.s_gate_up.dtype)
+        return self.gate_up(eye_d).float().t(), self.down(eye_f).float().t()
+
+    def store(self, gate_up: QuantizedProjection, down: QuantizedProjection) -> None:
+        """Fill the buffer from the two projections in checkpoint form (int4: repacked for the CPU kernel)."""
+        for proj, q, s in ((gate_up, self.q_gate_up, self.s_gate_up), (down, self.q_down, self.s_down)):
+            if self.fmt.bits == 8:
+                q.copy_(proj.q)
+                s.copy_(proj.scale)
+                continue
+            if self.fmt.layout == "cpu":
+                q.copy_(torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_nibbles(proj.q).to(torch.int32), 1))
+            else:
+                q.copy_(proj.q)
+            s[..., 0].copy_(proj.scale.t())
+            if proj.zero is None:
+                s[..., 1].zero_()
+            else:
+                s[..., 1].copy_(proj.zero.t())
+
+
+def quantize_expert(gate_up_2FD: torch.Tensor, down_DF: torch.Tensor, out: QuantExpertWeights,
+                    dtype: torch.dtype) -> None:
+    """Quantize one float expert into `out`'s buffer."""
+    fmt = out.fmt
+    out.store(quantize_projection(gate_up_2FD, fmt, dtype), quantize_projection(down_DF, fmt, dtype))
