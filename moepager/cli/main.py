@@ -8,11 +8,13 @@ import sys
 from importlib import metadata
 from collections.abc import Sequence
 
-from moepager.cli import calibrate, chat, generate, info, make_model, predict_eval, predictor, serve, simulate, trace
+from moepager.cli import calibrate, chat, generate, info, make_model, predict_eval, predictor, quantize, serve, simulate, \
+    trace
 from moepager.errors import MoepagerError
 
 COMMANDS = {"generate": generate, "serve": serve, "chat": chat, "info": info, "make-model": make_model, "simulate": simulate,
-            "trace": trace, "predictor": predictor, "predict-eval": predict_eval, "calibrate": calibrate}
+            "trace": trace, "predictor": predictor, "predict-eval": predict_eval, "calibrate": calibrate,
+            "quantize": quantize}
 
 
 class _Parser(argparse.ArgumentParser):

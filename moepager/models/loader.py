@@ -9,6 +9,7 @@ reads experts in place from these same locations). Truncated or corrupt files ar
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from moepager.errors import CheckpointError
+from moepager.outputs import atomic_file
 from moepager.store.disk import DiskFiles, Span
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -27,7 +29,10 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "I64": torch.int64,
     "I32": torch.int32,
+    "I8": torch.int8,
+    "U8": torch.uint8,
 }
+SAFETENSORS_NAMES: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
@@ -172,3 +177,59 @@ def load_module_weights(module: torch.nn.Module, checkpoint: Checkpoint, disk_na
             checkpoint.read_exact_into(disk_name(name), tensor.data)
             if progress is not None:
                 progress(tensor.numel() * tensor.element_size())
+
+
+def write_safetensors(path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                      produce: Callable[[str], torch.Tensor], progress: Callable[[int], None] | None = None) -> None:
+    """Write one safetensors file tensor by tensor (header first, then each `produce(name)` in order), so a
+    file of many GB never needs its size in RAM. Written to a temporary name and renamed when complete."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape in entries:
+        nbytes = dtype.itemsize
+        for s in shape:
+            nbytes *= s
+        header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # keep tensor data 8-byte aligned
+    with atomic_file(path) as tmp, open(tmp, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for name, dtype, shape in entries:
+            t = produce(name)
+            if t.dtype != dtype or tuple(t.shape) != shape:
+                raise ValueError(f"tensor '{name}' is {t.dtype} {list(t.shape)}, its header says {dtype} {list(shape)}")
+            f.write(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
+            if progress is not None:
+                progress(t.numel() * t.element_size())
+
+
+def shard_names(count: int) -> list[str]:
+    """Hub names of `count` safetensors shards."""
+    return ["model.safetensors"] if count == 1 else \
+        [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def write_index(out_dir: Path, names: list[str], shards: list[list[tuple[str, torch.dtype, tuple[int, ...]]]]) -> None:
+    """model.safetensors.index.json for a sharded checkpoint (nothing for one file)."""
+    if len(shards) < 2:
+        return
+    total = sum(d.itemsize * math.prod(s) for shard in shards for _, d, s in shard)
+    index = {"metadata": {"total_size": total}, "weight_map": {t: n for n, shard in zip(names, shards) for t, _, _ in shard}}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def split_shards(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], shard_bytes: int
+                 ) -> list[list[tuple[str, torch.dtype, tuple[int, ...]]]]:
+    """Consecutive entries grouped into shards of at most `shard_bytes` (a larger tensor gets its own)."""
+    shards: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, dtype, shape in entries:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, dtype, shape))
+        size += nbytes
+    return shards

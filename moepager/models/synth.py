@@ -22,11 +22,11 @@ from tqdm import tqdm
 
 from moepager.errors import MoepagerError
 from moepager.models.load import DTYPES
+from moepager.models.loader import shard_names, split_shards, write_index, write_safetensors
 from moepager.models.registry import ARCHITECTURES
 from moepager.models.synth_presets import PRESETS, preset_config
 from moepager.outputs import atomic_dir, check_dir
 
-SAFETENSORS_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 INIT_STD = 0.02
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -55,43 +55,6 @@ def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: t
     if name.endswith("bias"):
         return torch.zeros(shape, dtype=torch.float32 if "correction" in name else dtype)
     return (torch.randn(shape, generator=gen) * INIT_STD).to(dtype)
-
-
-def _shards(specs: list[tuple[str, tuple[int, ...]]], itemsize: int, shard_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    size = 0
-    for name, shape in specs:
-        nbytes = math.prod(shape) * itemsize
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, shape))
-        size += nbytes
-    return shards
-
-
-def _write_shard(path: Path, specs: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, gen: torch.Generator,
-                 bar: tqdm) -> None:
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    dtypes = {}
-    for name, shape in specs:
-        dt = torch.float32 if "correction_bias" in name else dtype
-        dtypes[name] = dt
-        nbytes = math.prod(shape) * dt.itemsize
-        header[name] = {"dtype": SAFETENSORS_NAMES[dt], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # keep tensor data 8-byte aligned
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for name, shape in specs:
-            t = _random_tensor(name, shape, dtypes[name], gen)
-            f.write(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
-            bar.update(t.numel() * t.element_size())
-    os.replace(tmp, path)
 
 
 def write_tokenizer(out: Path, vocab_size: int) -> int:
@@ -151,19 +114,18 @@ def _write_checkpoint(out_dir: Path, config: dict[str, Any], torch_dtype: torch.
                       desc: str, show_progress: bool) -> None:
     config["eos_token_id"] = write_tokenizer(out_dir, config["vocab_size"])
     config["dtype"] = str(torch_dtype).removeprefix("torch.")
-    specs = tensor_specs(config)
-    shards = _shards(specs, torch_dtype.itemsize, shard_bytes)
+    entries = [(name, torch.float32 if "correction_bias" in name else torch_dtype, shape)
+               for name, shape in tensor_specs(config)]
+    shards = split_shards(entries, shard_bytes)
     gen = torch.Generator().manual_seed(seed)
-    total = sum(math.prod(s) * torch_dtype.itemsize for _, s in specs)
-    names = ["model.safetensors"] if len(shards) == 1 else \
-        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    shapes = {name: shape for name, _, shape in entries}
+    dtypes = {name: dt for name, dt, _ in entries}
+    total = sum(math.prod(s) * dt.itemsize for _, dt, s in entries)
+    names = shard_names(len(shards))
     with tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not show_progress) as bar:
         for name, shard in zip(names, shards):
-            _write_shard(out_dir / name, shard, torch_dtype, gen, bar)
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {t: n for n, shard in zip(names, shards) for t, _ in shard}}
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+            write_safetensors(out_dir / name, shard, lambda t: _random_tensor(t, shapes[t], dtypes[t], gen), bar.update)
+    write_index(out_dir, names, shards)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
 
 
