@@ -7,7 +7,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -16,6 +15,7 @@ from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
 from moepager.errors import InvalidRequestError
 from moepager.experts.executor import PagedExecutor
 from moepager.models.default import default_model_path
+from moepager.models.gguf_io import resolve_model_path
 from moepager.models.layers import NULL_OBSERVER, OWN_ROUTER, RoutingFanOut, RoutingObserver
 from moepager.models.load import LoadedModel, load_model, parse_dtype, resident_executor
 from moepager.outputs import check_file
@@ -56,7 +56,7 @@ class LLM:
                                              prefetch=prefetch or PrefetchConfig())
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
-        path = Path(self.config.model) if self.config.model else default_model_path()
+        path = resolve_model_path(self.config.model) if self.config.model else default_model_path()
         store_config, dev, kernel = self.config.store, torch.device(self.config.device), self.config.expert_kernel
         executor = paged_executor(store_config, dev, kernel) if store_config.paged else resident_executor(dev, kernel)
         self.loaded: LoadedModel = load_model(path, parse_dtype(self.config.dtype) if self.config.dtype else None,

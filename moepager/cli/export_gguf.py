@@ -1,0 +1,24 @@
+"""`moepager export-gguf`: a checkpoint as a GGUF file llama.cpp runs (models/gguf_io.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+from moepager.models.default import default_model_path
+from moepager.models.gguf_io import EXPORT_TYPES, export_gguf
+
+HELP = "write a checkpoint (qwen3moe, qwen2moe, olmoe, mixtral) as a GGUF file, tokenizer included"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint directory (default: the built-in model)")
+    p.add_argument("--type", choices=EXPORT_TYPES, default="bf16",
+                   help="bf16/f16: every matrix in that type; q8_0/q4_0: routed experts quantized as llama.cpp's "
+                        "Q8_0/Q4_0 (lossy), every other tensor as stored")
+    p.add_argument("--out", required=True, help="the .gguf file to write")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = export_gguf(args.model or default_model_path(), args.out, args.type)
+    print(f"wrote {out} (run it: moepager generate --model {out} PROMPT)")
+    return 0
