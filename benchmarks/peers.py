@@ -1,16 +1,17 @@
-"""moepager against its peers on the CPU, all experts resident, bf16: decode tokens/s side by side in one run.
+"""moepager against its peers on the CPU, all experts resident, bf16 or quantized experts: decode tokens/s side by side.
 
 Engines, each measured in interleaved rounds (median of per-token times over --decode steps after a 16-token
-prompt): moepager (one row per --kernels entry, to compare the executor's candidates), HF transformers (a
-greedy loop over its DynamicCache: transformers without generate()'s overhead) and llama.cpp BF16 through
-`llama-cpp-python` when it is installed (`pip install -e ".[peers]"`, which builds llama.cpp from source; on this
-project's CPU set CMAKE_ARGS as FACTS.md says, AMX off); the GGUF is converted with the
-`convert_hf_to_gguf.py` its source tree vendors, found through --llama-convert). Models: the built-in demo-moe
-and `make-model --preset qwen3-30b-a3b --layers 4` (~1.08 GB of weights read per token). Reports tok/s, the
-ratios to HF and llama.cpp, and the weight bytes per token divided by the time per token (achieved GB/s).
+prompt): moepager (one row per --kernels entry and --formats entry: bf16, or --expert-dtype int8/int4), HF
+transformers (a greedy loop over its DynamicCache; bf16) and llama.cpp through `llama-cpp-python` when it is
+installed (`pip install -e ".[peers]"`, which builds llama.cpp from source; on this project's CPU set CMAKE_ARGS
+as FACTS.md says, AMX off) on the same weights written by our own `moepager export-gguf`: BF16, or Q8_0/Q4_0
+experts with every other tensor bf16 (what moepager's int8/int4 quantize). Our bf16 export is tensor for tensor
+what llama.cpp's own convert_hf_to_gguf.py writes. Models: the built-in demo-moe and `make-model --preset
+qwen3-30b-a3b --layers 4` (~1.08 GB of weights read per token in bf16). Reports tok/s, the ratios to HF and to
+llama.cpp in the same format, and the weight bytes per token divided by the time per token (achieved GB/s).
 
     python benchmarks/peers.py [--models demo qwen3-30b-a3b] [--threads 1 2] [--rounds 3] [--decode 64]
-        [--kernels auto loop gather grouped] [--llama-convert PATH/convert_hf_to_gguf.py]
+        [--kernels auto loop gather grouped] [--formats bf16 int8 int4] [--no-hf] [--out peers]
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,8 +37,9 @@ PROMPT = 16
 
 
 class Ours:
-    def __init__(self, path: Path, kernel: str):
-        self.llm = LLM(config=EngineConfig(model=str(path), expert_kernel=kernel), show_progress=False)
+    def __init__(self, path: Path, kernel: str, expert_dtype: str | None = None):
+        self.llm = LLM(config=EngineConfig(model=str(path), expert_kernel=kernel, expert_dtype=expert_dtype),
+                       show_progress=False)
 
     def tpot(self, ids: list[int], steps: int) -> list[float]:
         self.llm.generate([ids], SamplingParams(max_tokens=steps + 1, ignore_eos=True))
@@ -67,22 +68,15 @@ class HF:
 
 
 class LlamaCpp:
-    def __init__(self, path: Path, convert: Path | None, threads: int):
+    def __init__(self, path: Path, gguf_type: str, threads: int):
         import llama_cpp
 
-        gguf = RESULTS / "gguf" / f"{path.name}-bf16.gguf"
-        if not gguf.exists():
-            if convert is None:
-                raise RuntimeError("no GGUF yet: pass --llama-convert PATH/convert_hf_to_gguf.py")
+        from moepager.models.gguf_io import export_gguf
+
+        gguf = RESULTS / "gguf" / f"{path.name}-{gguf_type}.gguf"
+        if not gguf.exists():  # our export-gguf (tensor for tensor what llama.cpp's own converter writes in bf16)
             gguf.parent.mkdir(parents=True, exist_ok=True)
-            tree = convert.parent  # llama.cpp's tree: the converter imports its conversion/ and gguf-py/
-            driver = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/gguf-py']; sys.argv = sys.argv[1:]; "
-                      "import runpy, conversion.base as b; "
-                      # our BPE tokenizers are byte-level GPT-2 style; the converter only knows hashed presets
-                      "b.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'; "
-                      "runpy.run_path(sys.argv[0] + '/convert_hf_to_gguf.py', run_name='__main__')")
-            subprocess.run([sys.executable, "-c", driver, str(tree), str(path), "--outtype", "bf16",
-                            "--outfile", str(gguf)], check=True)
+            export_gguf(path, gguf, gguf_type)
         self.model = llama_cpp.Llama(str(gguf), n_ctx=PROMPT + 512, n_threads=threads, verbose=False)
         self.threads = threads
 
@@ -102,6 +96,10 @@ def model_path(name: str) -> Path:
     return default_model_path() if name == "demo" else ensure_model(f"{name}-L4", name, 4)
 
 
+GGUF_TYPES = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}
+PEER_LABELS = {"bf16": "llama.cpp BF16", "int8": "llama.cpp Q8_0", "int4": "llama.cpp Q4_0"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["demo", "qwen3-30b-a3b"])
@@ -109,7 +107,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--kernels", nargs="+", default=["auto"], help="moepager expert kernels to run (one row each)")
-    ap.add_argument("--llama-convert", type=Path, help="llama.cpp's convert_hf_to_gguf.py (to make the GGUF once)")
+    ap.add_argument("--formats", nargs="+", default=["bf16"], choices=list(GGUF_TYPES),
+                    help="expert formats: moepager --expert-dtype F against llama.cpp's BF16/Q8_0/Q4_0 of the same "
+                         "weights (experts quantized, the rest bf16: `moepager export-gguf --type`)")
+    ap.add_argument("--no-hf", action="store_true", help="leave transformers out")
+    ap.add_argument("--out", default="peers", help="results/NAME.json")
     args = ap.parse_args()
     state = machine_state()
     have_llama = importlib.util.find_spec("llama_cpp") is not None
@@ -118,35 +120,40 @@ def main() -> None:
     results, rows = [], []
     for name in args.models:
         path = model_path(name)
-        ours = {f"moepager {k}": Ours(path, k) for k in args.kernels}
-        peers = {"HF": HF(path)}
-        first = next(iter(ours.values())).llm
-        nbytes, vocab = bytes_per_decode_token(first), first.loaded.config.vocab_size
+        ours = {f"moepager {k}" + ("" if fmt == "bf16" else f" {fmt}"): (fmt, Ours(path, k, None if fmt == "bf16" else fmt))
+                for fmt in args.formats for k in args.kernels}
+        peers = {} if args.no_hf else {"HF": ("bf16", HF(path))}
+        nbytes = {fmt: bytes_per_decode_token(engine.llm) for fmt, engine in ours.values()}
+        vocab = next(iter(ours.values()))[1].llm.loaded.config.vocab_size
         ids = torch.randint(0, vocab, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
         for threads in args.threads:
             torch.set_num_threads(threads)
             engines = {**ours, **peers}
             if have_llama:
-                try:
-                    engines["llama.cpp BF16"] = LlamaCpp(path, args.llama_convert, threads)
-                except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
-                    print(f"llama.cpp on {name}: not measured ({e})")
-            for engine in engines.values():
+                for fmt in args.formats:
+                    try:
+                        engines[PEER_LABELS[fmt]] = (fmt, LlamaCpp(path, GGUF_TYPES[fmt], threads))
+                    except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
+                        print(f"{PEER_LABELS[fmt]} on {name}: not measured ({e})")
+            for _, engine in engines.values():
                 engine.tpot(ids, 4)  # warm-up
             times: dict[str, list[float]] = {k: [] for k in engines}
             for _ in range(args.rounds):
-                for label, engine in engines.items():
+                for label, (_, engine) in engines.items():
                     times[label] += engine.tpot(ids, args.decode)
             tok_s = {label: 1 / statistics.median(t) for label, t in times.items()}
+            fmts = {label: fmt for label, (fmt, _) in engines.items()}
             r = {"model": name, "threads": threads, "bytes_per_token": nbytes, "tok_s": tok_s,
-                 "GBps": {label: v * nbytes / 1e9 for label, v in tok_s.items()}}
+                 "GBps": {label: v * nbytes[fmts[label]] / 1e9 for label, v in tok_s.items()}}
             results.append(r)
             for label, v in tok_s.items():
-                rows.append([name, threads, label, v, v / tok_s["HF"],
-                             v / tok_s["llama.cpp BF16"] if "llama.cpp BF16" in tok_s else "-", v * nbytes / 1e9])
-    print_table(["model", "threads", "engine", "decode tok/s", "x HF", "x llama.cpp BF16", "GB/s of weights"], rows)
-    out = write_json("peers", {"machine": state, "decode_steps": args.decode, "rounds": args.rounds,
-                               "results": results})
+                peer = PEER_LABELS[fmts[label]]
+                rows.append([name, threads, label, v, v / tok_s["HF"] if "HF" in tok_s else "-",
+                             v / tok_s[peer] if peer in tok_s else "-", v * nbytes[fmts[label]] / 1e9])
+    print_table(["model", "threads", "engine", "decode tok/s", "x HF", "x llama.cpp (same format)",
+                 "GB/s of weights"], rows)
+    out = write_json(args.out, {"machine": state, "decode_steps": args.decode, "rounds": args.rounds,
+                                "formats": args.formats, "results": results})
     print(f"\nwrote {out}")
 
 
