@@ -7,7 +7,13 @@
    sets it to 0 for the oneDNN runs).
 Prints two tables and writes results/expert_kernels.json.
 
-    python benchmarks/expert_kernels.py [--threads 1]
+With --formats, instead: one projection of quantized experts (experts/quant.py) against bf16 at 1-256 tokens,
+for the qwen3-30b-a3b, DeepSeek-V2-Lite and the built-in model's shapes: bf16 F.linear, int8 with torch's
+`_weight_int8pack_mm` and dequantised + F.linear, int4 with `_weight_int4pack_mm_for_cpu`; and the time to
+repack one int4 projection into that kernel's layout (what every int4 expert read costs), ours against torch's op. Writes
+results/expert_formats.json.
+
+    python benchmarks/expert_kernels.py [--threads 1] [--formats]
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import machine_state, median_time, print_table, write_json  # noqa: E402
 from moepager.experts.executor import ArenaKernels, combine, sort_by_expert  # noqa: E402
+from moepager.experts.quant import (QuantExpertWeights, QuantFormat, pack_int4_cpu, pack_nibbles,  # noqa: E402
+                                    quantize_expert, unpack_nibbles)
 from moepager.experts.weights import ExpertShape  # noqa: E402
 from moepager.types import RoutingDecision  # noqa: E402
 
@@ -49,8 +57,11 @@ def linear_us(out_f: int, in_f: int, native: bool, reps: int = 200) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--formats", action="store_true", help="quantized expert projections instead (see above)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.formats:
+        return formats(args.threads)
     gen = torch.Generator().manual_seed(0)
     layers = []
     for name, (d, f, e, k) in GEOMETRIES.items():
@@ -79,6 +90,48 @@ def main() -> None:
                 [["median of 3 interleaved rounds", step["onednn"], step["native"], step["native"] / step["onednn"]]])
     out = write_json("expert_kernels", {"machine": machine_state(), "threads": args.threads, "layers": layers,
                                         "linears": linears, "decode_step_tok_s": step})
+    print(f"wrote {out}")
+
+
+FORMAT_SHAPES = {"qwen3-30b-a3b": (2048, 768), "deepseek-v2-lite": (2048, 1408), "demo-moe": (256, 64)}
+
+
+def formats(threads: int) -> None:
+    """Per projection (the gate_up one, [2F, D]): microseconds by format and token count, and the int4 repack."""
+    rows = []
+    for name, (d, f) in FORMAT_SHAPES.items():
+        gen = torch.Generator().manual_seed(0)
+        gate_up, down = torch.randn(2 * f, d, generator=gen) * 0.02, torch.randn(d, f, generator=gen) * 0.02
+        quant = {}
+        for label, fmt in (("int8", QuantFormat(8)), ("int4", QuantFormat(4, 32))):
+            shape = ExpertShape(d, f, torch.bfloat16, fmt)
+            w = QuantExpertWeights(torch.empty(shape.numel, dtype=torch.uint8), d, f, torch.bfloat16, fmt)
+            quantize_expert(gate_up, down, w, torch.bfloat16)
+            quant[label] = w
+        w_bf16, w8 = gate_up.to(torch.bfloat16), quant["int8"]
+        q4 = torch.randint(0, 16, (2 * f, d), dtype=torch.uint8, generator=gen)
+        plain = pack_nibbles(q4)
+        repack_us = 1e6 * median_time(lambda: pack_int4_cpu(plain), 20)
+        torch_op_us = 1e6 * median_time(
+            lambda: torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_nibbles(plain).to(torch.int32), 1), 5)
+        for tokens in (1, 16, 64, 256):
+            x = torch.randn(tokens, d, generator=gen).to(torch.bfloat16)
+            reps = 100 if tokens <= 16 else 10
+            with torch.inference_mode():
+                row = {"shape": f"{name} gate_up {2 * f}x{d}", "tokens": tokens,
+                       "bf16_us": 1e6 * median_time(lambda: F.linear(x, w_bf16), reps),
+                       "int8_packed_us": 1e6 * median_time(
+                           lambda: torch.ops.aten._weight_int8pack_mm(x, w8.q_gate_up, w8.s_gate_up), reps),
+                       "int8_dequant_us": 1e6 * median_time(
+                           lambda: F.linear(x, w8.q_gate_up.to(x.dtype) * w8.s_gate_up[:, None]), reps),
+                       "int4_packed_us": 1e6 * median_time(lambda: quant["int4"].gate_up(x), reps),
+                       "int4_repack_us": repack_us, "int4_repack_torch_op_us": torch_op_us}
+            rows.append(row)
+    print_table(["projection", "tokens", "bf16 us", "int8 packed us", "int8 dequant+GEMM us", "int4 packed us",
+                 "int4 repack us (per read)", "torch's repack op us"],
+                [[r["shape"], r["tokens"], r["bf16_us"], r["int8_packed_us"], r["int8_dequant_us"],
+                  r["int4_packed_us"], r["int4_repack_us"], r["int4_repack_torch_op_us"]] for r in rows])
+    out = write_json("expert_formats", {"machine": machine_state(), "threads": threads, "rows": rows})
     print(f"wrote {out}")
 
 

@@ -12,16 +12,17 @@ the scales the kernels multiply by.
 
 An expert's flat buffer (experts/weights.py) is then bytes: [q gate_up | q down | gate_up scales | down
 scales], each section 64-byte aligned. int4 weights sit in the buffer in the layout of the kernel that reads
-them: on the CPU torch's `_convert_weight_to_int4pack_for_cpu` layout (a blocked permutation made once, when
-an expert is read), elsewhere the plain nibble layout of the checkpoint (low nibble = even input index).
+them: on the CPU torch's `_convert_weight_to_int4pack_for_cpu` layout (a blocked permutation made when an expert
+is read, `pack_int4_cpu`), elsewhere the plain nibble layout of the checkpoint (low nibble = even input index).
 
 Kernels (one projection, `python benchmarks/expert_kernels.py --formats`; 1 thread, this 2-core CPU):
 - int8: `aten._weight_int8pack_mm` (a GEMV kernel: its time grows linearly with tokens) for up to
   INT8_PACKED_MAX_TOKENS tokens; above, dequantising to the run's dtype and one GEMM is faster (a
-  1536x2048 projection: 194 against 364 us bf16 at 1 token; 1.6 ms packed against 2.1 ms dequantised at 16;
-  5.7 against 3.8 ms at 64).
-- int4 on the CPU: `aten._weight_int4pack_mm_for_cpu` at every size (no faster dequantiser exists for its
-  layout; prefills of many tokens run slower than bf16: 24 against 8 ms for 256 tokens of that projection).
+  1536x2048 projection: 159 against 274 us bf16 at 1 token; 1.26 ms packed against 1.71 ms dequantised and
+  0.65 ms bf16 at 16; 5.2 against 3.1 ms (bf16 2.3) at 64). Past one token both are slower than bf16: weight-only
+  quantization pays at decode, where bytes decide, and costs in prefill.
+- int4 on the CPU: `aten._weight_int4pack_mm_for_cpu` at every size (170 us at 1 token; 19.3 against 7.7 ms
+  bf16 at 256: no faster dequantiser exists for its layout).
 - CUDA (not yet run on a GPU): both dequantise to the run's dtype and call one GEMM: the store still holds,
   reads and copies the quantized bytes, so a budget holds 2x (int8) or ~4x (int4) the experts.
 """
@@ -179,6 +180,23 @@ def unpack_nibbles(p_NH: torch.Tensor) -> torch.Tensor:
     return torch.stack((p_NH & 15, p_NH >> 4), -1).reshape(p_NH.shape[0], -1)
 
 
+def pack_int4_cpu(p_NH: torch.Tensor) -> torch.Tensor:
+    """Plain nibbles [N, K/2] -> the layout of torch's CPU int4 kernel (`_convert_weight_to_int4pack_for_cpu`):
+    blocks of 64 output rows, each stored [K, 32] bytes, byte j holding row j (low nibble) and row j + 32 (high)
+    of the block. Written with tensor ops, ~12x faster than that op (1.6 against 19.6 ms for a 2816x2048
+    projection at 1 thread, which every int4 expert read pays: `benchmarks/expert_kernels.py --formats`); rows
+    that do not fill blocks of 64 use the op."""
+    n, h = p_NH.shape
+    if n % 64:
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_nibbles(p_NH).to(torch.int32), 1)
+    block = p_NH.view(n // 64, 2, 32, h)
+    a, b = block[:, 0], block[:, 1]  # [blocks, 32, K/2]: rows j and j + 32; even input index in the low nibble
+    out = torch.empty(n // 64, h, 2, 32, dtype=torch.uint8)
+    out[:, :, 0] = ((a & 15) | (b << 4)).transpose(1, 2)  # input 2i: row j low, row j + 32 high
+    out[:, :, 1] = ((a >> 4) | (b & 0xF0)).transpose(1, 2)  # input 2i + 1
+    return out.view(n, h)
+
+
 def dequantize_int4(q_NK: torch.Tensor, scale_NG: torch.Tensor, zero_NG: torch.Tensor) -> torch.Tensor:
     """Float32 weights from unpacked int4 values and their group scales and zeros."""
     n, k = q_NK.shape
@@ -261,7 +279,7 @@ class QuantExpertWeights:
                 s.copy_(proj.scale)
                 continue
             if self.fmt.layout == "cpu":
-                q.copy_(torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_nibbles(proj.q).to(torch.int32), 1))
+                q.copy_(pack_int4_cpu(proj.q))
             else:
                 q.copy_(proj.q)
             s[..., 0].copy_(proj.scale.t())

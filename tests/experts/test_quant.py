@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from moepager.errors import ConfigError
 from moepager.experts.compute import expert_forward
-from moepager.experts.quant import (INT8_PACKED_MAX_TOKENS, QuantExpertWeights, QuantFormat, check_shape,
+from moepager.experts.quant import (INT8_PACKED_MAX_TOKENS, QuantExpertWeights, QuantFormat, check_shape, pack_int4_cpu,
                                     dequantize_projection, pack_nibbles, parse_expert_dtype, quantize_expert,
                                     quantize_int4, quantize_int8, quantize_projection, unpack_nibbles)
 from moepager.experts.weights import ExpertShape, ExpertWeights, expert_view
@@ -125,3 +125,10 @@ def test_bad_formats_are_refused_with_the_reason():
         check_shape(256, 36, QuantFormat(4, 4))  # (a group size the CLI never offers, to reach the check)
     check_shape(256, 96, QuantFormat(4, 32))
     check_shape(100, 30, QuantFormat(8))
+
+
+@pytest.mark.parametrize("n,k", [(128, 64), (192, 96), (48, 64), (2816 // 4, 256)])
+def test_the_cpu_int4_layout_is_torchs(n, k):
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    want = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    assert torch.equal(pack_int4_cpu(pack_nibbles(q)), want)
