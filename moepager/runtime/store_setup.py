@@ -6,6 +6,8 @@ decode step pins at once), and the arenas fit in the memory that is actually fre
 
 from __future__ import annotations
 
+import sys
+
 from collections.abc import Callable, Sequence
 
 import psutil
@@ -95,6 +97,10 @@ def paged_executor(config: StoreConfig, device: torch.device, kernel: Kernel = "
     """A load_model executor factory for the store; `host_tier` defaults to whether the device is CUDA."""
     def make(reader: ExpertReader, cfg: ModelConfig, progress: Callable[[int], None]) -> ExpertExecutor:
         use_host = device.type == "cuda" if host_tier is None else host_tier
+        if reader.shape.quant is not None and reader.stored is None:
+            print(f"warning: paging {reader.shape.format_name} experts out of a float checkpoint reads float bytes "
+                  "and quantizes every miss; `moepager quantize` writes a checkpoint that reads the quantized "
+                  "bytes", file=sys.stderr)
         return PagedExecutor(build_store(config, reader, cfg, device, use_host, progress), reader.shape, kernel)
     return make
 
