@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from dataclasses import replace
+
+from moepager.experts.weights import ExpertShape
 from moepager.models.default import default_model_path
+from moepager.models.gguf_io import resolve_model_path
+from moepager.models.quantized import stored_format
 from moepager.models.load import checkpoint_dtype
 from moepager.models.loader import Checkpoint
 from moepager.models.registry import architecture_for
@@ -31,14 +36,16 @@ def count(n: int) -> str:
 
 
 def describe(path: str, budgets: Sequence[str] = ()) -> list[tuple[str, str]]:
-    ckpt = Checkpoint(path)
+    ckpt = Checkpoint(resolve_model_path(path))
     cfg = architecture_for(ckpt.config).parse_config(ckpt.config)
-    dtype = checkpoint_dtype(ckpt)
-    total = sum(loc.nbytes // loc.dtype.itemsize for loc in ckpt.locations.values())
+    dtype, stored = checkpoint_dtype(ckpt), stored_format(ckpt.config)
     per_expert = 3 * cfg.hidden_size * cfg.expert_intermediate_size
     experts = per_expert * cfg.num_moe_layers * cfg.num_experts
+    total = experts + sum(loc.nbytes // loc.dtype.itemsize for n, loc in ckpt.locations.items() if ".experts." not in n)
     active = total - experts + per_expert * cfg.num_moe_layers * cfg.top_k
-    expert_nbytes, num_routed = per_expert * dtype.itemsize, cfg.num_moe_layers * cfg.num_experts
+    quant = None if stored is None else replace(stored, layout="cpu")
+    shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, dtype, quant)
+    expert_nbytes, num_routed = shape.nbytes, cfg.num_moe_layers * cfg.num_experts
     buffers = (StoreConfig().io_threads + 1) * bounce_bytes(expert_nbytes)  # stored dtype = run dtype here
     return [
         ("architecture", cfg.architecture),
@@ -49,11 +56,12 @@ def describe(path: str, budgets: Sequence[str] = ()) -> list[tuple[str, str]]:
         ("vocabulary", f"{cfg.vocab_size}"),
         ("context", f"{cfg.max_position_embeddings}"),
         ("dtype on disk", str(dtype).removeprefix("torch.")),
+        ("expert format", shape.format_name + (" (lossy; the format a run holds by default)" if quant else "")),
         ("parameters", f"{count(total)} total, {count(active)} active per token"),
         ("expert parameters", f"{count(experts)} ({100 * experts / total:.1f}%)"),
         ("non-expert parameters", count(total - experts)),
         ("bytes per expert", size(expert_nbytes)),
-        ("all experts", f"{num_routed} experts, {size(experts * dtype.itemsize)}"),
+        ("all experts", f"{num_routed} experts, {size(num_routed * expert_nbytes)}"),
         ("non-expert weights", size((total - experts) * dtype.itemsize) + " (always resident)"),
         ("read buffers", f"{size(buffers)} (O_DIRECT bounce buffers of {StoreConfig().io_threads} I/O threads + 1 "
                          f"prefetch; inside every --expert-memory budget on the CPU, --host-memory on CUDA)"),

@@ -132,6 +132,10 @@ def test_quantize_cli_and_a_run_that_says_its_format(demo_checkpoint, tmp_path, 
     assert stored_format(config) == QuantFormat(4, 32, False, "plain")
     assert (out / "tokenizer.json").exists() and not list(tmp_path.glob(".int4.partial*"))
     capsys.readouterr()
+    assert main(["info", "--model", str(out)]) == 0
+    info = capsys.readouterr().out
+    shape = load_model(out, show_progress=False).expert_shape
+    assert "int4 (groups of 32, symmetric)" in info and f"bytes per expert       {shape.nbytes / 1024:.2f} KiB" in info
     assert main(["generate", "--model", str(out), "--max-tokens", "4", "--temperature", "0", "Water"]) == 0
     assert "int4 (groups of 32, symmetric) (lossy)" in capsys.readouterr().out
     assert main(["generate", "--model", str(demo_checkpoint), "--expert-dtype", "int8", "--max-tokens", "4",
@@ -159,7 +163,8 @@ def test_bad_options_and_checkpoints_get_one_clear_error(checkpoints, demo_check
         quantize_checkpoint(q8, tmp_path / "again", "int4", show_progress=False)
     # a quantized checkpoint that lost a scale
     ckpt = Checkpoint(q8)
-    kept = [(n, loc.dtype, loc.shape) for n, loc in ckpt.locations.items() if not n.endswith("experts.3.down_proj.weight_scale")]
+    lost = "experts.3.down_proj.weight_scale"
+    kept = [(n, loc.dtype, loc.shape) for n, loc in ckpt.locations.items() if not n.endswith(lost)]
 
     def produce(name):
         t = torch.empty(ckpt.locations[name].shape, dtype=ckpt.locations[name].dtype)
