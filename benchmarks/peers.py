@@ -120,8 +120,8 @@ def main() -> None:
     results, rows = [], []
     for name in args.models:
         path = model_path(name)
-        ours = {f"moepager {k}" + ("" if fmt == "bf16" else f" {fmt}"): (fmt, Ours(path, k, None if fmt == "bf16" else fmt))
-                for fmt in args.formats for k in args.kernels}
+        ours = {f"moepager {k}" + ("" if fmt == "bf16" else f" {fmt}"):
+                (fmt, Ours(path, k, None if fmt == "bf16" else fmt)) for fmt in args.formats for k in args.kernels}
         peers = {} if args.no_hf else {"HF": ("bf16", HF(path))}
         nbytes = {fmt: bytes_per_decode_token(engine.llm) for fmt, engine in ours.values()}
         vocab = next(iter(ours.values()))[1].llm.loaded.config.vocab_size

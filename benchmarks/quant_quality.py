@@ -7,7 +7,9 @@ whose top-1 next token equals the bf16 run's. Targets (issue 16): int8 perplexit
 int4 <= +5% and >= 95%.
 
 Per-layer error: each MoE block's output in the quantized run divided by the bf16 block's, on the bf16 run's
-own inputs to that block (so errors do not accumulate from earlier layers): ||y_q - y|| / ||y||. The real
+own inputs to that block (so errors do not accumulate from earlier layers): ||y_q - y|| / ||y||. The row
+`fp32 (whole model)` runs every weight in fp32: how far bf16's own rounding moves the same measures (a floor for
+what any format can agree with bf16). The real
 geometry is `make-model --preset qwen3-30b-a3b --layers 4` (random weights: their distribution is Gaussian,
 real weights have heavier tails, which favours zero points and small groups more than this shows).
 
@@ -34,6 +36,7 @@ from moepager.runtime.tokenizer import Tokenizer  # noqa: E402
 
 FORMATS = {  # name -> load_model options
     "bf16": {},
+    "fp32 (whole model)": dict(dtype=torch.float32),  # the reference's own rounding noise, for scale
     "int8": dict(expert_dtype="int8"),
     "int4 g32": dict(expert_dtype="int4", int4_group=32),
     "int4 g32 zp": dict(expert_dtype="int4", int4_group=32, int4_zero_point=True),
@@ -74,7 +77,7 @@ def layer_errors(loaded, inputs: list[list[torch.Tensor]], ref_blocks: list[MoEB
         for block, ref, xs in zip(moe_blocks(loaded), ref_blocks, inputs):
             num = den = 0.0
             for x in xs:
-                y, yq = ref(x).float(), block(x).float()
+                y, yq = ref(x).float(), block(x.to(block.gate.weight.dtype)).float()
                 num += float((yq - y).pow(2).sum())
                 den += float(y.pow(2).sum())
             errs.append(math.sqrt(num / den))

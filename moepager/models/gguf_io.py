@@ -50,6 +50,8 @@ HF_ARCHS = {v: k for k, v in GGUF_ARCHS.items()}
 EXPORT_TYPES = ("bf16", "f16", "q8_0", "q4_0")
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+F32_TENSORS = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+"""Written in F32 whatever the type, as llama.cpp's converter does (norms and routers; 1-D tensors too)."""
 BLOCK = 32
 QWEN2_PRE = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
              "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
@@ -139,7 +141,7 @@ def _tokenizer_metadata(writer: Any, directory: Path, config: dict[str, Any]) ->
     tok = json.loads(path.read_text(encoding="utf-8"))
     model = tok.get("model", {})
     pre = tok.get("pre_tokenizer") or {}
-    byte_level = pre.get("type") == "ByteLevel" or any(p.get("type") == "ByteLevel" for p in pre.get("pretokenizers", []))
+    byte_level = any(p.get("type") == "ByteLevel" for p in [pre, *pre.get("pretokenizers", [])])
     if model.get("type") != "BPE" or not byte_level or model.get("byte_fallback"):
         raise ConfigError("export-gguf writes byte-level BPE tokenizers (GPT-2 style: Qwen, OLMoE, moepager's own); "
                           "this tokenizer is not one (SentencePiece-style tokenizers are not supported yet)")
@@ -258,7 +260,7 @@ def export_gguf(model: str | os.PathLike[str], out: str | os.PathLike[str], type
             checkpoint.read_exact_into(hf_name, t)
             if name == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
                 t = _permute(t, heads if "q_proj" in hf_name else kv_heads)
-            keep_f32 = t.dim() <= 1 or gname.endswith(("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))
+            keep_f32 = t.dim() <= 1 or gname.endswith(F32_TENSORS)
             _add(writer, gname, t, torch.float32 if keep_f32 else float_type)
         d, f, e_count = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts
         scratch = ExpertWeights.empty(shape)
@@ -454,7 +456,7 @@ def _convert_gguf(path: Path, out: Path, show_progress: bool) -> None:
         data = torch.from_numpy(np.array(t.data))  # a copy: the reader's arrays are read-only memory maps
         kind = t.tensor_type.name
         if kind == "BF16":
-            out_t = data.view(torch.int16).view(torch.bfloat16) if data.dtype != torch.uint8 else data.view(torch.bfloat16)
+            out_t = data.view(torch.uint8).view(torch.bfloat16)
         elif kind in ("F16", "F32"):
             out_t = data
         else:

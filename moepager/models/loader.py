@@ -189,7 +189,8 @@ def write_safetensors(path: Path, entries: list[tuple[str, torch.dtype, tuple[in
         nbytes = dtype.itemsize
         for s in shape:
             nbytes *= s
-        header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # keep tensor data 8-byte aligned
@@ -216,7 +217,8 @@ def write_index(out_dir: Path, names: list[str], shards: list[list[tuple[str, to
     if len(shards) < 2:
         return
     total = sum(d.itemsize * math.prod(s) for shard in shards for _, d, s in shard)
-    index = {"metadata": {"total_size": total}, "weight_map": {t: n for n, shard in zip(names, shards) for t, _, _ in shard}}
+    weight_map = {t: n for n, shard in zip(names, shards) for t, _, _ in shard}
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,7 @@ def expert_format(requested: str | None, stored: QuantFormat | None, dtype: torc
     if stored is not None:
         asked = parse_expert_dtype(requested, group or stored.group or 32,
                                    stored.zero_point if zero_point is None else zero_point, device)
-        if asked is None or (asked.bits, asked.group, asked.zero_point) != (stored.bits, stored.group, stored.zero_point):
+        if asked is None or replace(asked, layout=stored.layout) != stored:
             raise ConfigError(f"this checkpoint stores {stored.name} experts; run it in that format (no "
                               "--expert-dtype) or dequantized (--expert-dtype bf16), or quantize its float original")
         return QuantFormat(stored.bits, stored.group, stored.zero_point, layout)
@@ -175,8 +176,8 @@ def quantize_checkpoint(model: str | os.PathLike[str], out: str | os.PathLike[st
     shards = split_shards(entries, shard_bytes)
     names = shard_names(len(shards))
     total = sum(math.prod(s) * dt.itemsize for _, dt, s in entries)
-    with atomic_dir(out_dir, force) as tmp, tqdm(total=total, unit="B", unit_scale=True, desc=f"quantizing ({fmt.name})",
-                                                 disable=not show_progress) as bar:
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"quantizing ({fmt.name})", disable=not show_progress)
+    with atomic_dir(out_dir, force) as tmp, bar:
         for name, shard in zip(names, shards):
             write_safetensors(tmp / name, shard, produce, bar.update)
         write_index(tmp, names, shards)
