@@ -138,6 +138,12 @@ def measure(path: Path, cfg: Config, args: argparse.Namespace, spec: ReplaySpec,
                                                                      io_threads=args.io_threads)
     prefetch = PrefetchConfig(cfg.predictor, str(files[cfg.predictor])) if cfg.predictor else PrefetchConfig()
     llm = LLM(path, device=args.device, threads=args.threads, store=store, prefetch=prefetch, show_progress=False)
+    return {"config": cfg.label, "budget": cfg.budget, "policy": cfg.policy, "predictor": cfg.predictor or "none"} \
+        | replayed_run(llm, spec, args.layers)
+
+
+def replayed_run(llm: LLM, spec: ReplaySpec, layers: int) -> dict:
+    """Replay `spec` on `llm` and return the run's figures; the store is closed and the model freed after."""
     try:
         llm.replay(spec)
         s = llm.last_stats
@@ -145,8 +151,8 @@ def measure(path: Path, cfg: Config, args: argparse.Namespace, spec: ReplaySpec,
         experts = s.sections["experts"].to_dict()
         d = experts.get("decode", {})
         slots = experts["config"].get("device slots")
-        return {"config": cfg.label, "budget": cfg.budget, "policy": cfg.policy, "predictor": cfg.predictor or "none",
-                "per_layer": None if slots is None else slots // args.layers,
+        return {"slots": slots, "per_layer": None if slots is None else slots // layers,
+                "expert_bytes": llm.loaded.expert_shape.nbytes,
                 "decode_tok_s": decoded / s.decode_s if decoded else None,
                 "tpot_ms": 1e3 * s.decode_s / decoded if decoded else None,
                 "tpot_median_ms": 1e3 * s.tpot_median_s, "ttft_ms": 1e3 * s.ttft_s,

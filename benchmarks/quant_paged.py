@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmarks.offload_replay import cut_trace, replayed_requests  # noqa: E402
+from benchmarks.offload_replay import cut_trace, replayed_requests, replayed_run  # noqa: E402
 from common import SHARED, converted, ensure_model, machine_state, print_table, write_json  # noqa: E402
 
 from moepager.config import EngineConfig, StoreConfig  # noqa: E402
@@ -46,22 +46,7 @@ def run(path: Path, fmt: str, budget_bytes: int | None, spec: ReplaySpec, args: 
     store = StoreConfig(expert_memory=str(budget_bytes), io_threads=args.io_threads) if budget_bytes else StoreConfig()
     llm = LLM(config=EngineConfig(model=str(quantized(path, fmt)), threads=args.threads, store=store),
               show_progress=False)
-    try:
-        llm.replay(spec)
-        s = llm.last_stats
-        decoded = s.generated_tokens - s.num_prompts
-        experts = s.sections["experts"].to_dict()
-        d = experts.get("decode", {})
-        return {"format": fmt, "expert_bytes": llm.loaded.expert_shape.nbytes,
-                "slots": experts["config"].get("device slots"), "hit_rate": d.get("hit_rate", 1.0),
-                "decode_tok_s": decoded / s.decode_s, "tpot_ms": 1e3 * s.decode_s / decoded,
-                "tpot_median_ms": 1e3 * s.tpot_median_s,
-                "disk_MiB_per_token": d.get("bytes_disk_per_token", 0) / 2**20}
-    finally:
-        if hasattr(llm.loaded.experts, "store"):
-            llm.loaded.experts.store.close()
-        del llm
-        gc.collect()
+    return {"format": fmt} | replayed_run(llm, spec, args.layers)
 
 
 def main() -> None:
