@@ -114,6 +114,6 @@ def store_report(experts: ExpertExecutor, config: StoreConfig, prefill_tokens: i
                  "read buffers": format_bytes(store.read_buffer_bytes),
                  "host slots": store.host.table.capacity if store.host is not None else "none (disk below)",
                  "policy": config.policy, "scope": config.scope}
-    phases, nbytes = store.counters.phases, store.device.buffers[0].numel() * store.device.buffers.element_size()
+    phases, nbytes = store.counters.phases, store.device.expert_nbytes
     return StoreReport(described, {"prefill": phases["prefill"].summary(prefill_tokens, nbytes),
                                    "decode": phases["decode"].summary(decode_tokens, nbytes)})

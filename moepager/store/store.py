@@ -51,6 +51,11 @@ class Tier:
         self.table = table
         self.buffers = buffers
 
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of one expert's buffer (whatever its format: the store only moves bytes)."""
+        return self.buffers[0].numel() * self.buffers.element_size()
+
 
 @dataclass
 class Held:
@@ -84,7 +89,7 @@ class ExpertStore:
     def warm(self, keys: Sequence[ExpertKey], progress: Callable[[int], None] | None = None) -> None:
         """Load `keys` into free slots before any request: the host tier from disk (on the I/O pool), then the
         device tier from the host tier, or from disk when there is none (a CPU run)."""
-        nbytes = self.device.buffers[0].numel() * self.device.buffers.element_size()
+        nbytes = self.device.expert_nbytes
         if self.host is not None:
             reads = [self.transfers.submit(self.read, key, self.host.buffers[self.host.table.claim(key, 0)])
                      for key in keys[: self.host.table.capacity]]

@@ -23,12 +23,12 @@ CPU = torch.device("cpu")
 
 def logits_run(loaded, steps: int = 4, rows: int = 2) -> list[torch.Tensor]:
     """Right-padded prefill of two prompts (lengths 13 and 9; the first alone with rows=1, so that decode runs
-    one token per step), then greedy decode steps; every logit tensor."""
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, VOCAB, (2, 13), generator=gen)[:rows]
-    lens = torch.tensor([13, 9])[:rows]
-    pos = torch.arange(13).expand(rows, 13)
-    cache = loaded.model.make_cache(rows, 13 + steps, torch.float32, CPU)
+    one token per step), then greedy decode steps on the model's device; every logit tensor."""
+    gen, dev = torch.Generator().manual_seed(3), loaded.device
+    ids = torch.randint(0, VOCAB, (2, 13), generator=gen)[:rows].to(dev)
+    lens = torch.tensor([13, 9])[:rows].to(dev)
+    pos = torch.arange(13, device=dev).expand(rows, 13)
+    cache = loaded.model.make_cache(rows, 13 + steps, torch.float32, dev)
     out = []
     with torch.inference_mode():
         logits = loaded.model(ids, ForwardBatch.build(pos, valid_BT=pos < lens[:, None]), cache,
@@ -37,7 +37,7 @@ def logits_run(loaded, steps: int = 4, rows: int = 2) -> list[torch.Tensor]:
         for step in range(steps):
             nxt = logits.argmax(-1, keepdim=True)
             logits = loaded.model(nxt, ForwardBatch.build((lens + step)[:, None]), cache,
-                                  logits_at_B=torch.zeros(rows, dtype=torch.long))
+                                  logits_at_B=torch.zeros(rows, dtype=torch.long, device=dev))
             out.append(logits)
     return out
 
