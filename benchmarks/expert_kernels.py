@@ -35,7 +35,8 @@ from moepager.experts.weights import ExpertShape  # noqa: E402
 from moepager.types import RoutingDecision  # noqa: E402
 
 GEOMETRIES = {"demo-moe": (256, 64, 32, 4), "deepseek-v2-lite": (2048, 1408, 64, 6)}
-LINEARS = [(128, 256), (768, 256), (2816, 2048), (2048, 1408)]
+LINEARS = [(128, 256), (768, 256), (8192, 256), (2816, 2048), (2048, 1408), (4096, 2048), (151936, 2048)]
+"""Expert, attention and LM-head shapes of the built-in model, DeepSeek-V2-Lite and qwen3-30b-a3b (its LM head last)."""
 
 
 def layer_ms(kernels: ArenaKernels, kernel: str, x: torch.Tensor, route: RoutingDecision, reps: int) -> float:
@@ -47,7 +48,8 @@ def layer_ms(kernels: ArenaKernels, kernel: str, x: torch.Tensor, route: Routing
         return 1e3 * median_time(run, reps)
 
 
-def linear_us(out_f: int, in_f: int, native: bool, reps: int = 200) -> float:
+def linear_us(out_f: int, in_f: int, native: bool, reps: int = 0) -> float:
+    reps = reps or (10 if out_f * in_f > 10**8 else 200)
     w, x = torch.randn(out_f, in_f).to(torch.bfloat16), torch.randn(1, in_f).to(torch.bfloat16)
     with torch.inference_mode(), torch.backends.mkldnn.flags(enabled=not native):
         F.linear(x, w)

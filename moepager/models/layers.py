@@ -317,11 +317,16 @@ CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SD
 """Attention backends on CUDA, chosen explicitly: not cuDNN's, which plans again for every new KV length (5.8 ms
 of CPU per call measured on an H100: a decode step at a fresh length is several times slower than at a warm one)."""
 
-NATIVE_GEMV_MAX_HIDDEN = 1024
-"""A CPU forward of one token computes with torch's own GEMV kernels instead of oneDNN up to this hidden size:
-oneDNN's fixed cost per call dominates small matrices and its kernels win on large ones (bf16, 1 thread,
-`python benchmarks/expert_kernels.py`: 128x256 17 us against 6.8, 768x256 29 against 28, 2048x1408 215 against
-254; the built-in model's decode step 269 tok/s against 171)."""
+NATIVE_GEMV_MAX_HIDDEN = 16384
+"""A CPU forward of one token computes with torch's own GEMV kernels instead of oneDNN up to this hidden size (every
+supported model). Per matrix the two trade wins, and the big ones decide (bf16, 1 thread, `python
+benchmarks/expert_kernels.py`, oneDNN against native, us): 128x256 16.5 / 6.2, 768x256 28.6 / 28.0, 8192x256 168 /
+288, 2816x2048 488 / 490, 2048x1408 211 / 256, 4096x2048 818 / 731, and qwen3-30b-a3b's LM head 151936x2048
+62,273 / 27,834; the built-in model's whole decode step runs 275 tok/s native against 234. (It was 1024, leaving
+models of hidden size 2048 on oneDNN, until that LM head showed the cost.)"""
+NATIVE_BATCH_MAX_HIDDEN = 1024
+"""The MoE block's native kernels on a few tokens (NATIVE_MAX_TOKENS) apply up to this hidden size (measured on the
+built-in model's geometry only)."""
 NATIVE_MAX_TOKENS = 16
 """A MoE block on up to this many tokens (a batch of decodes) computes its router and experts with torch's own kernels
 too, the rest of the forward with oneDNN: at 8 rows oneDNN wins the dense projections (LM head 8192x256: 209 us
@@ -479,7 +484,7 @@ class MoEBlock(nn.Module):
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
         # A few tokens on the CPU: torch's own kernels for the router's and experts' small matrices (NATIVE_MAX_TOKENS)
-        native = (x_ND.shape[0] <= NATIVE_MAX_TOKENS and x_ND.shape[1] <= NATIVE_GEMV_MAX_HIDDEN and not x_ND.is_cuda
+        native = (x_ND.shape[0] <= NATIVE_MAX_TOKENS and x_ND.shape[1] <= NATIVE_BATCH_MAX_HIDDEN and not x_ND.is_cuda
                   and torch._C._get_mkldnn_enabled())
         if native:
             torch._C._set_mkldnn_enabled(False)
