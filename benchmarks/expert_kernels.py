@@ -13,7 +13,9 @@ for the qwen3-30b-a3b, DeepSeek-V2-Lite and the built-in model's shapes: bf16 F.
 repack one int4 projection into that kernel's layout (what every int4 expert read costs), ours against torch's op. Writes
 results/expert_formats.json.
 
-    python benchmarks/expert_kernels.py [--threads 1] [--formats]
+With --step-only [MODEL] [--expert-dtype F]: only the decode-step comparison, on MODEL.
+
+    python benchmarks/expert_kernels.py [--threads 1] [--formats | --step-only [MODEL] [--expert-dtype F]]
 """
 
 from __future__ import annotations
@@ -60,10 +62,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--formats", action="store_true", help="quantized expert projections instead (see above)")
+    ap.add_argument("--step-only", metavar="MODEL", nargs="?", const="",
+                    help="only the decode step, oneDNN against native, of MODEL (default: the built-in one)")
+    ap.add_argument("--expert-dtype", help="with --step-only: the experts' format")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.formats:
         return formats(args.threads)
+    if args.step_only is not None:
+        step = decode_step_tok_s(model=args.step_only or None, expert_dtype=args.expert_dtype, tokens=32)
+        print_table(["decode step", "oneDNN tok/s", "torch native tok/s", "native / oneDNN"],
+                    [[args.step_only or "built-in model", step["onednn"], step["native"],
+                      step["native"] / step["onednn"]]])
+        return None
     gen = torch.Generator().manual_seed(0)
     layers = []
     for name, (d, f, e, k) in GEOMETRIES.items():
@@ -137,21 +148,25 @@ def formats(threads: int) -> None:
     print(f"wrote {out}")
 
 
-def decode_step_tok_s(rounds: int = 3) -> dict[str, float]:
-    """The built-in model's decode tok/s with one-token forwards on oneDNN and on torch's own kernels."""
+def decode_step_tok_s(rounds: int = 3, model: str | None = None, expert_dtype: str | None = None,
+                      tokens: int = 64) -> dict[str, float]:
+    """A model's decode tok/s (default: the built-in one) with one-token forwards on oneDNN and on torch's own
+    kernels, interleaved."""
     import statistics
 
+    from moepager.config import EngineConfig
     from moepager.models import layers
     from moepager.runtime.llm import LLM
     from moepager.runtime.sampling import SamplingParams
 
-    llm, params = LLM(show_progress=False), SamplingParams(max_tokens=65, ignore_eos=True)
+    llm = LLM(config=EngineConfig(model=model, expert_dtype=expert_dtype), show_progress=False)
+    params = SamplingParams(max_tokens=tokens + 1, ignore_eos=True)
     default, runs = layers.NATIVE_GEMV_MAX_HIDDEN, {"onednn": [], "native": []}
     try:
         for _ in range(rounds):
             for label, limit in (("onednn", 0), ("native", default)):
                 layers.NATIVE_GEMV_MAX_HIDDEN = limit
-                llm.generate("The history of", params)
+                llm.generate([list(range(100, 116))], params)
                 runs[label].append(llm.last_stats.decode_tokens_per_s)
     finally:
         layers.NATIVE_GEMV_MAX_HIDDEN = default
