@@ -194,3 +194,17 @@ def test_an_interrupted_quantize_leaves_nothing(demo_checkpoint, tmp_path, monke
     with pytest.raises(KeyboardInterrupt):
         quantize_checkpoint(demo_checkpoint, tmp_path / "out", "int8", show_progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_in_bf16_a_quantized_checkpoint_and_load_time_quantization_agree_bit_for_bit(tmp_path, name):
+    from moepager.models.synth import make_model
+
+    path = make_model(tmp_path / "bf16", "tiny", "qwen3_moe", dtype="bfloat16", show_progress=False)
+    at_load = LLM(path, show_progress=False, config=EngineConfig(model=str(path), expert_dtype=name))
+    stored = LLM(_quantize(path, tmp_path / "q", name), show_progress=False)
+    assert stored.loaded.expert_shape == at_load.loaded.expert_shape
+    assert torch.equal(stored.loaded.experts.kernels.arena, at_load.loaded.experts.kernels.arena)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    assert stored.generate(["The history of"], params)[0].token_ids == \
+        at_load.generate(["The history of"], params)[0].token_ids
