@@ -10,8 +10,8 @@ Prints two tables and writes results/expert_kernels.json.
 With --formats, instead: one projection of quantized experts (experts/quant.py) against bf16 at 1-256 tokens,
 for the qwen3-30b-a3b, DeepSeek-V2-Lite and the built-in model's shapes: bf16 F.linear, int8 with torch's
 `_weight_int8pack_mm` and dequantised + F.linear, int4 with `_weight_int4pack_mm_for_cpu`; and the time to
-repack one int4 projection into that kernel's layout (what every int4 expert read costs), ours against torch's op. Writes
-results/expert_formats.json.
+repack one int4 projection into that kernel's layout (what every int4 expert read costs), ours against torch's
+op. Writes results/expert_formats.json.
 
 With --step-only [MODEL] [--expert-dtype F]: only the decode-step comparison, on MODEL.
 

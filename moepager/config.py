@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moepager.errors import ConfigError, MoepagerError
-from moepager.experts.quant import EXPERT_DTYPES, INT4_GROUPS
+from moepager.errors import MoepagerError
+from moepager.experts.quant import check_expert_options
 from moepager.experts.executor import KERNELS, Kernel
 from moepager.policies import UnknownPolicyError, make_policy
 from moepager.predictors import PREDICTORS
@@ -133,12 +133,7 @@ class EngineConfig:
         if self.prefetch.predictor is not None and not self.store.paged:
             raise MoepagerError("prefetching needs a paged store: set --expert-memory (with every expert resident "
                                 "there is nothing to prefetch)")
-        if self.expert_dtype is not None and self.expert_dtype not in EXPERT_DTYPES:
-            raise ConfigError(f"unknown --expert-dtype '{self.expert_dtype}'; choose from {', '.join(EXPERT_DTYPES)}")
-        if self.expert_dtype not in (None, "int4") and (self.int4_group is not None or self.int4_zero_point):
-            raise ConfigError("--int4-group and --int4-zero-points need --expert-dtype int4")
-        if self.int4_group is not None and self.int4_group not in INT4_GROUPS:
-            raise ConfigError(f"--int4-group must be one of {', '.join(map(str, INT4_GROUPS))}, not {self.int4_group}")
+        check_expert_options(self.expert_dtype, self.int4_group, self.int4_zero_point)
         if self.expert_kernel not in KERNELS:
             raise MoepagerError(f"unknown expert kernel '{self.expert_kernel}'; choose from {', '.join(KERNELS)}")
         if self.threads is not None and self.threads < 1:

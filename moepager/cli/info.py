@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from dataclasses import replace
+import torch
 
 from moepager.experts.weights import ExpertShape
 from moepager.models.default import default_model_path
+from moepager.models.expert_reader import is_routed_expert
 from moepager.models.gguf_io import resolve_model_path
-from moepager.models.quantized import stored_format
+from moepager.models.quantized import expert_format, stored_format
 from moepager.models.load import checkpoint_dtype
 from moepager.models.loader import Checkpoint
 from moepager.models.registry import architecture_for
@@ -41,9 +42,10 @@ def describe(path: str, budgets: Sequence[str] = ()) -> list[tuple[str, str]]:
     dtype, stored = checkpoint_dtype(ckpt), stored_format(ckpt.config)
     per_expert = 3 * cfg.hidden_size * cfg.expert_intermediate_size
     experts = per_expert * cfg.num_moe_layers * cfg.num_experts
-    total = experts + sum(loc.nbytes // loc.dtype.itemsize for n, loc in ckpt.locations.items() if ".experts." not in n)
+    total = experts + sum(loc.nbytes // loc.dtype.itemsize for n, loc in ckpt.locations.items()
+                          if not is_routed_expert(n))
     active = total - experts + per_expert * cfg.num_moe_layers * cfg.top_k
-    quant = None if stored is None else replace(stored, layout="cpu")
+    quant = expert_format(None, stored, dtype, torch.device("cpu"))  # what a run holds by default
     shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, dtype, quant)
     expert_nbytes, num_routed = shape.nbytes, cfg.num_moe_layers * cfg.num_experts
     buffers = (StoreConfig().io_threads + 1) * bounce_bytes(expert_nbytes)  # stored dtype = run dtype here

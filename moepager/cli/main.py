@@ -8,8 +8,8 @@ import sys
 from importlib import metadata
 from collections.abc import Sequence
 
-from moepager.cli import calibrate, chat, export_gguf, generate, info, make_model, predict_eval, predictor, quantize, serve, simulate, \
-    trace
+from moepager.cli import (calibrate, chat, export_gguf, generate, info, make_model, predict_eval, predictor, quantize,
+                          serve, simulate, trace)
 from moepager.errors import MoepagerError
 
 COMMANDS = {"generate": generate, "serve": serve, "chat": chat, "info": info, "make-model": make_model, "simulate": simulate,

@@ -35,7 +35,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-ExpertDType = Literal["bf16", "fp16", "fp32", "int8", "int4"]
+from moepager.errors import ConfigError
+
 EXPERT_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32", "int8", "int4")
 INT4_GROUPS = (32, 64, 128)
 INT8_PACKED_MAX_TOKENS = 32
@@ -66,11 +67,19 @@ class QuantFormat:
         return f"int4 (groups of {self.group}{', zero points' if self.zero_point else ', symmetric'})"
 
 
+def check_expert_options(expert_dtype: str | None, group: int | None, zero_point: bool | None) -> None:
+    """Refuse an unknown `--expert-dtype`, and int4 options without int4 or with a group the kernels lack."""
+    if expert_dtype is not None and expert_dtype not in EXPERT_DTYPES:
+        raise ConfigError(f"unknown --expert-dtype '{expert_dtype}'; choose from {', '.join(EXPERT_DTYPES)}")
+    if expert_dtype != "int4" and (group is not None or zero_point):
+        raise ConfigError("--int4-group and --int4-zero-points need --expert-dtype int4")
+    if group is not None and group not in INT4_GROUPS:
+        raise ConfigError(f"--int4-group must be one of {', '.join(map(str, INT4_GROUPS))}, not {group}")
+
+
 def parse_expert_dtype(name: str, group: int = 32, zero_point: bool = False,
                        device: torch.device | str = "cpu") -> QuantFormat | None:
     """The QuantFormat for `--expert-dtype name` (None for a float dtype); clear errors for anything else."""
-    from moepager.errors import ConfigError
-
     if name not in EXPERT_DTYPES:
         raise ConfigError(f"unknown --expert-dtype '{name}'; choose from {', '.join(EXPERT_DTYPES)}")
     if name == "int8":
@@ -115,8 +124,6 @@ def sections(hidden: int, intermediate: int, dtype: torch.dtype, fmt: QuantForma
 
 def check_shape(hidden: int, intermediate: int, fmt: QuantFormat) -> None:
     """Refuse geometries the int4 kernels cannot take, saying why."""
-    from moepager.errors import ConfigError
-
     if fmt.bits != 4:
         return
     for name, k in (("hidden size", hidden), ("expert intermediate size", intermediate)):
@@ -205,6 +212,16 @@ def dequantize_int4(q_NK: torch.Tensor, scale_NG: torch.Tensor, zero_NG: torch.T
     return w.reshape(n, k)
 
 
+def projection_tensors(fmt: QuantFormat, n: int, k: int, dtype: torch.dtype
+                       ) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """The stored tensors of one [N, K] projection in checkpoint form: (name suffix, dtype, shape) of the
+    integers, the scales in `dtype` and, for int4 with zero points, the zeros."""
+    if fmt.bits == 8:
+        return [("", torch.int8, (n, k)), ("_scale", dtype, (n,))]
+    parts = [("", torch.uint8, (n, k // 2)), ("_scale", dtype, (n, k // fmt.group))]
+    return parts + [("_zero", dtype, (n, k // fmt.group))] if fmt.zero_point else parts
+
+
 @dataclass
 class QuantizedProjection:
     """One projection in checkpoint form: int8 q [N, K] or int4 packed nibbles [N, K/2], scales, zeros."""
@@ -212,6 +229,14 @@ class QuantizedProjection:
     q: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor | None = None
+
+    @classmethod
+    def empty(cls, fmt: QuantFormat, n: int, k: int, dtype: torch.dtype) -> QuantizedProjection:
+        return cls(*(torch.empty(shape, dtype=dt) for _, dt, shape in projection_tensors(fmt, n, k, dtype)))
+
+    def tensor(self, suffix: str) -> torch.Tensor | None:
+        """The tensor stored under the projection's name + `suffix` ("", "_scale" or "_zero")."""
+        return {"": self.q, "_scale": self.scale, "_zero": self.zero}[suffix]
 
 
 def quantize_projection(w_NK: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype) -> QuantizedProjection:
@@ -263,7 +288,7 @@ class QuantExpertWeights:
         return F.linear(x, dequantize_int4(unpack_nibbles(q), s[..., 0].t(), s[..., 1].t()).to(x.dtype))
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Float32 (gate_up [2F, D], down [D, F]): what the kernels compute with (tests and error reports)."""
+        """Float32 (gate_up [2F, D], down [D, F]): what the kernels compute with (for tests)."""
         d, f = self._dim
         if self.fmt.bits == 8:
             return (self.q_gate_up.float() * self.s_gate_up.float()[:, None],

@@ -14,6 +14,7 @@ projection's integers, scales and zeros per expert, read into per-thread scratch
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from enum import Enum
@@ -22,7 +23,8 @@ from pathlib import Path
 import torch
 
 from moepager.errors import CheckpointError
-from moepager.experts.quant import QuantFormat, QuantizedProjection, dequantize_projection, quantize_expert
+from moepager.experts.quant import (QuantFormat, QuantizedProjection, dequantize_projection, projection_tensors,
+                                    quantize_expert)
 from moepager.experts.weights import ExpertShape, ExpertWeights, expert_view
 from moepager.models.loader import Checkpoint, TensorLocation
 from moepager.store.disk import DirectIO, DiskFiles, Span, bounce_bytes
@@ -38,6 +40,12 @@ class ExpertNaming:
     down: str
     fused_gate_up: str
     fused_down: str
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether a stored tensor holds routed-expert weights, in every supported architecture's naming (shared
+    experts are `shared_expert(s).`, so they do not match)."""
+    return ".experts." in name
 
 
 class ExpertLayout(Enum):
@@ -79,8 +87,10 @@ class ExpertReader:
         whole expert in the stored dtype when it must be converted."""
         bounce = self.files.bounce_nbytes if self.direct != "off" else 0
         if self.stored is not None:
-            return bounce + sum(t.nbytes for p in self._quant_scratch() for t in (p.q, p.scale, p.zero)
-                                if t is not None) + (self.shape.float_shape.nbytes if self.shape.quant is None else 0)
+            d, f = self.shape.hidden, self.shape.intermediate
+            scratch = sum(dt.itemsize * math.prod(shape) for n, k in ((2 * f, d), (d, f))
+                          for _, dt, shape in projection_tensors(self.stored, n, k, self.shape.dtype))
+            return bounce + scratch + (self.shape.float_shape.nbytes if self.shape.quant is None else 0)
         stored = {p.dtype for p in self.pieces(self._first)}
         numel = self.shape.float_shape.numel
         convert = numel * max(d.itemsize for d in stored) if stored != {self.shape.dtype} else 0
@@ -173,34 +183,27 @@ class ExpertReader:
         """This thread's (gate_up, down) in checkpoint form: rows of gate then up, as stored per expert."""
         parts = getattr(self._local, "quant", None)
         if parts is None:
-            fmt, dtype = self.stored, self.shape.dtype
             d, f = self.shape.hidden, self.shape.intermediate
-
-            def proj(n: int, k: int) -> QuantizedProjection:
-                if fmt.bits == 8:
-                    return QuantizedProjection(torch.empty(n, k, dtype=torch.int8), torch.empty(n, dtype=dtype))
-                g = k // fmt.group
-                return QuantizedProjection(torch.empty(n, k // 2, dtype=torch.uint8), torch.empty(n, g, dtype=dtype),
-                                           torch.empty(n, g, dtype=dtype) if fmt.zero_point else None)
-            parts = self._local.quant = (proj(2 * f, d), proj(d, f))
+            parts = self._local.quant = (QuantizedProjection.empty(self.stored, 2 * f, d, self.shape.dtype),
+                                         QuantizedProjection.empty(self.stored, d, f, self.shape.dtype))
         return parts
 
     def _read_quantized(self, key: ExpertKey) -> tuple[QuantizedProjection, QuantizedProjection, int]:
         """The expert's projections from a quantized checkpoint: integers, scales and zeros, gate rows then up."""
         layer, e = key
         gate_up, down = self._quant_scratch()
-        names = {"gate": self.naming.gate, "up": self.naming.up, "down": self.naming.down}
         spans, converts = [], []
-        for proj, which in ((gate_up, ("gate", "up")), (down, ("down",))):
-            for suffix, dest in (("", proj.q), ("_scale", proj.scale), ("_zero", proj.zero)):
+        for proj, names in ((gate_up, (self.naming.gate, self.naming.up)), (down, (self.naming.down,))):
+            for suffix in ("", "_scale", "_zero"):
+                dest = proj.tensor(suffix)
                 if dest is None:
                     continue
                 row = 0
-                for w in which:
-                    name = names[w].format(layer=layer, expert=e) + suffix
+                for template in names:
+                    name = template.format(layer=layer, expert=e) + suffix
                     loc = self.checkpoint.location(name)
                     part = dest[row: row + (loc.shape[0] if loc.shape else 0)]
-                    if loc.shape != tuple(part.shape) or row + loc.shape[0] > dest.shape[0]:
+                    if loc.shape != tuple(part.shape):
                         raise CheckpointError(f"tensor '{name}' has shape {list(loc.shape)}; the checkpoint's "
                                               f"quantization_config implies {list(part.shape)}")
                     row += loc.shape[0]

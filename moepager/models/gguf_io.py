@@ -33,14 +33,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from moepager.errors import CheckpointError, ConfigError
-from moepager.experts.quant import (QuantFormat, QuantizedProjection, dequantize_int4, pack_nibbles, quantize_int4,
-                                    quantize_int8, unpack_nibbles)
+from moepager.experts.quant import (QuantFormat, QuantizedProjection, dequantize_int4, pack_nibbles,
+                                    projection_tensors, quantize_int4, quantize_int8, unpack_nibbles)
 from moepager.experts.weights import ExpertShape, ExpertWeights
-from moepager.models.expert_reader import ExpertReader
-from moepager.models.loader import Checkpoint, shard_names, split_shards, write_index, write_safetensors
+from moepager.models.config import ModelConfig
+from moepager.models.expert_reader import ExpertReader, is_routed_expert
+from moepager.models.loader import Checkpoint, write_shards
 from moepager.outputs import atomic_dir, atomic_file
 from moepager.models.registry import architecture_for
 
@@ -185,105 +185,122 @@ def export_gguf(model: str | os.PathLike[str], out: str | os.PathLike[str], type
     """Write checkpoint `model` as a GGUF file of `type_` (bf16, f16, q8_0, q4_0) to `out` (atomically)."""
     gguf = _gguf()
     from moepager.models.load import checkpoint_dtype
-    from moepager.models.quantized import stored_format
 
     if type_ not in EXPORT_TYPES:
         raise ConfigError(f"unknown --type '{type_}'; choose from {', '.join(EXPORT_TYPES)}")
     checkpoint = Checkpoint(model)
-    config = checkpoint.config
-    hf_arch = config.get("architectures", ["?"])[0]
-    if hf_arch not in GGUF_ARCHS:
-        raise ConfigError(f"export-gguf supports {', '.join(sorted(GGUF_ARCHS))}, not {hf_arch}")
-    if stored_format(config) is not None:
-        raise ConfigError(f"{checkpoint.path} is a moepager-quantized checkpoint; export its float original")
-    arch = architecture_for(config)
-    cfg = arch.parse_config(config)
-    if tuple(cfg.moe_layers) != tuple(range(cfg.num_layers)):
-        raise ConfigError("export-gguf needs every layer to be a MoE layer (llama.cpp's qwen2moe/qwen3moe have no "
-                          f"dense layers); this model's MoE layers are {list(cfg.moe_layers)}")
-    rope = config.get("rope_parameters") or {}
-    if (rope.get("rope_type") or "default") != "default" or config.get("rope_scaling"):
-        raise ConfigError("export-gguf writes the default rotary embedding only; this model scales it")
-    name = GGUF_ARCHS[hf_arch]
-    dtype = checkpoint_dtype(checkpoint)
+    cfg = _exportable(checkpoint)
     out_path = Path(out)
     if out_path.is_dir():
         raise ConfigError(f"--out {out_path} is a directory; give a file name such as model.gguf")
     if not out_path.parent.is_dir():
         raise ConfigError(f"--out: {out_path.parent} does not exist")
+    dtype = checkpoint_dtype(checkpoint)
     float_type = {"f16": torch.float16, "bf16": torch.bfloat16}.get(type_, dtype)
-    if float_type == torch.float32:
-        float_type = torch.bfloat16
-    ftype = {"bf16": gguf.LlamaFileType.MOSTLY_BF16, "f16": gguf.LlamaFileType.MOSTLY_F16,
-             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[type_]
-    mapped = _name_map(name, cfg.num_layers)
-    heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
+    float_type = torch.bfloat16 if float_type == torch.float32 else float_type
+    name = GGUF_ARCHS[cfg.architecture]
     with atomic_file(out_path) as tmp:
         writer = gguf.GGUFWriter(tmp, name)
-        writer.add_name(checkpoint.path.name)
-        writer.add_block_count(cfg.num_layers)
-        writer.add_context_length(cfg.max_position_embeddings)
-        writer.add_embedding_length(cfg.hidden_size)
-        writer.add_feed_forward_length(int(config.get("intermediate_size", cfg.expert_intermediate_size)))
-        writer.add_head_count(heads)
-        writer.add_head_count_kv(kv_heads)
-        writer.add_rope_freq_base(float(cfg.rope.theta))
-        writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-        writer.add_expert_count(cfg.num_experts)
-        writer.add_expert_used_count(cfg.top_k)
-        writer.add_expert_feed_forward_length(cfg.expert_intermediate_size)
-        writer.add_key_length(cfg.head_dim)
-        writer.add_value_length(cfg.head_dim)
-        if name == "llama":
-            writer.add_rope_dimension_count(cfg.head_dim)
-            writer.add_vocab_size(cfg.vocab_size)
-        if name == "qwen2moe":
-            writer.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
-        if name == "qwen3moe":
-            writer.add_expert_weights_norm(bool(config.get("norm_topk_prob", False)))
-        writer.add_file_type(ftype)
-        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        _tokenizer_metadata(writer, checkpoint.path, config)
-
-        shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, dtype)
-        reader = ExpertReader(checkpoint, arch.expert_naming, shape, cfg.moe_layers[0], "off")
-        from moepager.models.quantized import expert_tensor_names
-
-        experts = expert_tensor_names(reader, list(cfg.moe_layers), cfg.num_experts)
-        for hf_name, loc in checkpoint.locations.items():
-            if hf_name in experts:
-                continue
-            gname = mapped(hf_name)
-            if gname is None:
-                raise ConfigError(f"tensor '{hf_name}' has no GGUF name for {name}")
-            t = torch.empty(loc.shape, dtype=loc.dtype)
-            checkpoint.read_exact_into(hf_name, t)
-            if name == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-                t = _permute(t, heads if "q_proj" in hf_name else kv_heads)
-            keep_f32 = t.dim() <= 1 or gname.endswith(F32_TENSORS)
-            _add(writer, gname, t, torch.float32 if keep_f32 else float_type)
-        d, f, e_count = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts
-        scratch = ExpertWeights.empty(shape)
-        for layer in cfg.moe_layers:
-            gate = torch.empty(e_count, f, d, dtype=dtype)
-            up = torch.empty(e_count, f, d, dtype=dtype)
-            down = torch.empty(e_count, d, f, dtype=dtype)
-            for e in range(e_count):
-                reader.read((layer, e), scratch.buffer)
-                gate[e], up[e], down[e] = scratch.gate_up_2FD[:f], scratch.gate_up_2FD[f:], scratch.down_DF
-            for gname, t in zip(_expert_names(layer), (gate, up, down)):
-                if type_ in ("q8_0", "q4_0"):
-                    blocks = (q8_0_blocks if type_ == "q8_0" else q4_0_blocks)(t.reshape(-1, t.shape[-1]))
-                    qtype = gguf.GGMLQuantizationType.Q8_0 if type_ == "q8_0" else gguf.GGMLQuantizationType.Q4_0
-                    writer.add_tensor(gname, blocks.reshape(*t.shape[:-1], -1).numpy(), raw_dtype=qtype)
-                else:
-                    _add(writer, gname, t, float_type)
+        _write_metadata(writer, name, cfg, checkpoint, type_)
+        _add_dense(writer, name, cfg, checkpoint, float_type)
+        _add_experts(writer, cfg, checkpoint, ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, dtype),
+                     type_, float_type)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file(progress=show_progress)
         writer.close()
     checkpoint.files.close()
     return out_path
+
+
+def _exportable(checkpoint: Checkpoint) -> ModelConfig:
+    """The checkpoint's parsed config, or the reason llama.cpp's architectures cannot take it."""
+    from moepager.models.quantized import stored_format
+
+    config = checkpoint.config
+    hf_arch = config.get("architectures", ["?"])[0]
+    if hf_arch not in GGUF_ARCHS:
+        raise ConfigError(f"export-gguf supports {', '.join(sorted(GGUF_ARCHS))}, not {hf_arch}")
+    if stored_format(config) is not None:
+        raise ConfigError(f"{checkpoint.path} is a moepager-quantized checkpoint; export its float original")
+    cfg = architecture_for(config).parse_config(config)
+    if tuple(cfg.moe_layers) != tuple(range(cfg.num_layers)):
+        raise ConfigError("export-gguf needs every layer to be a MoE layer (llama.cpp's qwen2moe/qwen3moe have no "
+                          f"dense layers); this model's MoE layers are {list(cfg.moe_layers)}")
+    rope = config.get("rope_parameters") or {}
+    if (rope.get("rope_type") or "default") != "default" or config.get("rope_scaling"):
+        raise ConfigError("export-gguf writes the default rotary embedding only; this model scales it")
+    return cfg
+
+
+def _write_metadata(writer: Any, name: str, cfg: ModelConfig, checkpoint: Checkpoint, type_: str) -> None:
+    gguf = _gguf()
+    config = checkpoint.config
+    writer.add_name(checkpoint.path.name)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(int(config.get("intermediate_size", cfg.expert_intermediate_size)))
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_rope_freq_base(float(cfg.rope.theta))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.top_k)
+    writer.add_expert_feed_forward_length(cfg.expert_intermediate_size)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    if name == "llama":
+        writer.add_rope_dimension_count(cfg.head_dim)
+        writer.add_vocab_size(cfg.vocab_size)
+    if name == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
+    if name == "qwen3moe":
+        writer.add_expert_weights_norm(bool(config.get("norm_topk_prob", False)))
+    writer.add_file_type({"bf16": gguf.LlamaFileType.MOSTLY_BF16, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[type_])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    _tokenizer_metadata(writer, checkpoint.path, config)
+
+
+def _add_dense(writer: Any, name: str, cfg: ModelConfig, checkpoint: Checkpoint, float_type: torch.dtype) -> None:
+    """Every tensor but the routed experts, under its GGUF name (norms and routers in F32)."""
+    mapped = _name_map(name, cfg.num_layers)
+    for hf_name, loc in checkpoint.locations.items():
+        if is_routed_expert(hf_name):
+            continue
+        gname = mapped(hf_name)
+        if gname is None:
+            raise ConfigError(f"tensor '{hf_name}' has no GGUF name for {name}")
+        t = torch.empty(loc.shape, dtype=loc.dtype)
+        checkpoint.read_exact_into(hf_name, t)
+        if name == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            t = _permute(t, cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads)
+        _add(writer, gname, t, torch.float32 if t.dim() <= 1 or gname.endswith(F32_TENSORS) else float_type)
+
+
+def _add_experts(writer: Any, cfg: ModelConfig, checkpoint: Checkpoint, shape: ExpertShape, type_: str,
+                 float_type: torch.dtype) -> None:
+    """Each MoE layer's experts as three stacked tensors, in `float_type` or quantized to Q8_0/Q4_0."""
+    gguf = _gguf()
+    naming = architecture_for(checkpoint.config).expert_naming
+    reader = ExpertReader(checkpoint, naming, shape, cfg.moe_layers[0], "off")
+    d, f, e_count = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts
+    scratch = ExpertWeights.empty(shape)
+    for layer in cfg.moe_layers:
+        gate = torch.empty(e_count, f, d, dtype=shape.dtype)
+        up = torch.empty(e_count, f, d, dtype=shape.dtype)
+        down = torch.empty(e_count, d, f, dtype=shape.dtype)
+        for e in range(e_count):
+            reader.read((layer, e), scratch.buffer)
+            gate[e], up[e], down[e] = scratch.gate_up_2FD[:f], scratch.gate_up_2FD[f:], scratch.down_DF
+        for gname, t in zip(_expert_names(layer), (gate, up, down)):
+            if type_ in ("q8_0", "q4_0"):
+                blocks = (q8_0_blocks if type_ == "q8_0" else q4_0_blocks)(t.reshape(-1, t.shape[-1]))
+                qtype = gguf.GGMLQuantizationType.Q8_0 if type_ == "q8_0" else gguf.GGMLQuantizationType.Q4_0
+                writer.add_tensor(gname, blocks.reshape(*t.shape[:-1], -1).numpy(), raw_dtype=qtype)
+            else:
+                _add(writer, gname, t, float_type)
 
 
 def _add(writer: Any, name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
@@ -413,126 +430,128 @@ def _tokenizer_from_gguf(reader: Any, out: Path) -> None:
 
 def _convert_gguf(path: Path, out: Path, show_progress: bool) -> None:
     from moepager.models.quantized import quantization_config
-    from moepager.models.synth import tensor_specs
 
     reader = _open(path)
     arch = _field(reader, "general.architecture")
     if arch not in HF_ARCHS:
         raise CheckpointError(f"GGUF architecture '{arch}' is not supported; moepager reads "
                               f"{', '.join(sorted(HF_ARCHS))}")
-    tensors = {t.name: t for t in reader.tensors}
     bad = sorted({t.tensor_type.name for t in reader.tensors} - set(READ_TYPES))
     if bad:
         raise CheckpointError(f"{path}: tensor types {', '.join(bad)} are not supported; moepager reads "
                               f"{', '.join(READ_TYPES)}")
-    vocab = int(tensors["token_embd.weight"].shape[-1])
-    config = _config_from_gguf(reader, arch, vocab, "output.weight" not in tensors)
-    specs = dict(tensor_specs(config))
-    mapped = _name_map(arch, config["num_hidden_layers"])
-    hf_arch = architecture_for(config)
-    cfg = hf_arch.parse_config(config)
-    naming = hf_arch.expert_naming
-    expert_types = {tensors[n].tensor_type.name for layer in cfg.moe_layers for n in _expert_names(layer)
-                    if n in tensors}
-    fmt = QuantFormat(4, BLOCK) if expert_types == {"Q4_0"} else QuantFormat(8) if expert_types == {"Q8_0"} else None
-    float_dtype = torch.bfloat16
-    for t in reader.tensors:
-        if t.tensor_type.name in ("BF16", "F16") and not t.name.endswith("_exps.weight"):
-            float_dtype = torch.bfloat16 if t.tensor_type.name == "BF16" else torch.float16
-            break
-    dense: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for hf_name, shape in specs.items():
-        if ".experts." in hf_name:
-            continue
-        gname = mapped(hf_name)
-        if gname not in tensors:
-            if hf_name == "lm_head.weight" and config["tie_word_embeddings"]:
-                continue
-            raise CheckpointError(f"{path}: tensor '{gname}' ({hf_name}) is missing")
-        dense[hf_name] = (gname, tuple(shape))
-
-    def as_torch(gname: str, shape: tuple[int, ...]) -> torch.Tensor:
-        t = tensors[gname]
-        data = torch.from_numpy(np.array(t.data))  # a copy: the reader's arrays are read-only memory maps
-        kind = t.tensor_type.name
-        if kind == "BF16":
-            out_t = data.view(torch.uint8).view(torch.bfloat16)
-        elif kind in ("F16", "F32"):
-            out_t = data
-        else:
-            n, k = int(np.prod(shape[:-1])), shape[-1]
-            out_t = (q8_0_values if kind == "Q8_0" else q4_0_values)(data.view(torch.uint8), n, k).to(float_dtype)
-        if out_t.numel() != int(np.prod(shape)):
-            raise CheckpointError(f"{path}: tensor '{gname}' has {out_t.numel()} elements, the config implies {shape}")
-        return out_t.reshape(shape)
-
+    tensors = GGUFTensors(path, reader)
+    config = _config_from_gguf(reader, arch, int(tensors.meta["token_embd.weight"].shape[-1]),
+                               "output.weight" not in tensors.meta)
+    cfg = architecture_for(config).parse_config(config)
     entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
-    produce_map: dict[str, Callable[[], torch.Tensor]] = {}
-    for hf_name, (gname, shape) in dense.items():
-        def dense_tensor(gname: str = gname, shape: tuple[int, ...] = shape, hf_name: str = hf_name) -> torch.Tensor:
-            t = as_torch(gname, shape)
-            if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-                t = _unpermute(t, cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads)
-            return t.contiguous()
-        kind = tensors[gname].tensor_type.name
-        dt = FLOAT_TYPES.get(kind, float_dtype)
-        entries.append((hf_name, dt, shape))
-        produce_map[hf_name] = dense_tensor
-
-    d, f = cfg.hidden_size, cfg.expert_intermediate_size
-    cache: dict[str, torch.Tensor | QuantizedProjection] = {}
-
-    def expert_part(layer: int, which: int, e: int, suffix: str) -> torch.Tensor:
-        gname = _expert_names(layer)[which]
-        n, k = (f, d) if which < 2 else (d, f)
-        if gname not in cache:
-            cache.clear()
-            t = tensors.get(gname)
-            if t is None:
-                raise CheckpointError(f"{path}: tensor '{gname}' is missing")
-            cache[gname] = torch.from_numpy(np.array(t.data))
-        raw = cache[gname]
-        kind = tensors[gname].tensor_type.name
-        if fmt is None:
-            return as_torch(gname, (cfg.num_experts, n, k))[e].contiguous()
-        per = raw.view(torch.uint8).reshape(cfg.num_experts, -1)[e]
-        if fmt.bits == 4:
-            p = q4_0_to_int4(per, n, k)
-        else:
-            q, s = quantize_int8(q8_0_values(per, n, k), torch.float16)
-            p = QuantizedProjection(q, s)
-        assert kind in ("Q4_0", "Q8_0")
-        return {"": p.q, "_scale": p.scale}[suffix].contiguous()
-
-    templates = (naming.gate, naming.up, naming.down)
-    for layer in cfg.moe_layers:
-        for e in range(cfg.num_experts):
-            for which, tmpl in enumerate(templates):
-                name = tmpl.format(layer=layer, expert=e)
-                n, k = (f, d) if which < 2 else (d, f)
-                if fmt is None:
-                    kind = tensors[_expert_names(layer)[which]].tensor_type.name
-                    dt = FLOAT_TYPES.get(kind, float_dtype)  # mixed quantized types: dequantized
-                    parts = [("", dt, (n, k))]
-                elif fmt.bits == 4:
-                    parts = [("", torch.uint8, (n, k // 2)), ("_scale", torch.float16, (n, k // BLOCK))]
-                else:
-                    parts = [("", torch.int8, (n, k)), ("_scale", torch.float16, (n,))]
-                for suffix, dt, shp in parts:
-                    entries.append((name + suffix, dt, shp))
-                    produce_map[name + suffix] = (lambda layer=layer, which=which, e=e, suffix=suffix:
-                                                  expert_part(layer, which, e, suffix))
-    shards = split_shards(entries, 4 << 30)
-    names = shard_names(len(shards))
-    total = sum(int(np.prod(s)) * dt.itemsize for _, dt, s in entries)
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"converting {path.name}", disable=not show_progress,
-              leave=False) as bar:
-        for shard_name, shard in zip(names, shards):
-            write_safetensors(out / shard_name, shard, lambda n: produce_map[n](), bar.update)
-    write_index(out, names, shards)
+    produce: dict[str, Callable[[], torch.Tensor]] = {}
+    _dense_entries(tensors, arch, config, cfg, entries, produce)
+    fmt = _expert_entries(tensors, cfg, entries, produce)
+    write_shards(out, entries, lambda name: produce[name](), desc=f"converting {path.name}",
+                 show_progress=show_progress, leave=False)
     _tokenizer_from_gguf(reader, out)
-    config["dtype"] = str(float_dtype).removeprefix("torch.")
+    config["dtype"] = str(tensors.float_dtype).removeprefix("torch.")
     if fmt is not None:
         config["quantization_config"] = quantization_config(fmt)
     config["converted_from"] = str(path.resolve())
     (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+class GGUFTensors:
+    """A GGUF file's tensors as torch tensors in HF shapes, the last one converted kept (an expert stack is
+    asked for expert by expert)."""
+
+    def __init__(self, path: Path, reader: Any):
+        self.path, self.meta = path, {t.name: t for t in reader.tensors}
+        floats = [t.tensor_type.name for t in reader.tensors
+                  if t.tensor_type.name in ("BF16", "F16") and not t.name.endswith("_exps.weight")]
+        self.float_dtype = torch.float16 if floats[:1] == ["F16"] else torch.bfloat16
+        """The dtype dequantized tensors are written in: the file's first 16-bit dense tensor's, else bf16."""
+        self._last: tuple[str, torch.Tensor] | None = None
+
+    def kind(self, gname: str) -> str:
+        if gname not in self.meta:
+            raise CheckpointError(f"{self.path}: tensor '{gname}' is missing")
+        return self.meta[gname].tensor_type.name
+
+    def raw(self, gname: str) -> torch.Tensor:
+        """The tensor's bytes, copied (the reader's arrays are read-only memory maps)."""
+        self.kind(gname)
+        return torch.from_numpy(np.array(self.meta[gname].data)).view(torch.uint8)
+
+    def floats(self, gname: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor in `shape`, as stored when it is F32/F16/BF16, dequantized to `float_dtype` otherwise."""
+        if self._last is not None and self._last[0] == gname:
+            return self._last[1]
+        kind, data = self.kind(gname), self.raw(gname)
+        n, k = int(np.prod(shape[:-1])), shape[-1]
+        if kind in FLOAT_TYPES:
+            t = data.view(FLOAT_TYPES[kind])
+        else:
+            t = (q8_0_values if kind == "Q8_0" else q4_0_values)(data, n, k).to(self.float_dtype)
+        if t.numel() != n * k:
+            raise CheckpointError(f"{self.path}: tensor '{gname}' has {t.numel()} elements, the config implies "
+                                  f"{shape}")
+        self._last = (gname, t.reshape(shape))
+        return self._last[1]
+
+
+def _dense_entries(tensors: GGUFTensors, arch: str, config: dict[str, Any], cfg: ModelConfig,
+                   entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                   produce: dict[str, Callable[[], torch.Tensor]]) -> None:
+    """Every tensor but the routed experts, under its HF name (llama's q/k rows unpermuted)."""
+    from moepager.models.synth import tensor_specs
+
+    mapped = _name_map(arch, config["num_hidden_layers"])
+    for hf_name, shape in tensor_specs(config):
+        if is_routed_expert(hf_name):
+            continue
+        gname = mapped(hf_name)
+        if gname not in tensors.meta and hf_name == "lm_head.weight" and config["tie_word_embeddings"]:
+            continue
+        kind = tensors.kind(gname)
+
+        def dense(gname: str = gname, shape: tuple[int, ...] = tuple(shape), hf_name: str = hf_name) -> torch.Tensor:
+            t = tensors.floats(gname, shape)
+            if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+                t = _unpermute(t, cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads)
+            return t.contiguous()
+        entries.append((hf_name, FLOAT_TYPES.get(kind, tensors.float_dtype), tuple(shape)))
+        produce[hf_name] = dense
+
+
+def _expert_entries(tensors: GGUFTensors, cfg: ModelConfig, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                    produce: dict[str, Callable[[], torch.Tensor]]) -> QuantFormat | None:
+    """Every routed expert's tensors under the architecture's per-expert names; returns the quantized format
+    they take (all Q4_0: int4; all Q8_0: int8; otherwise float)."""
+    kinds = {tensors.kind(n) for layer in cfg.moe_layers for n in _expert_names(layer)}
+    fmt = QuantFormat(4, BLOCK) if kinds == {"Q4_0"} else QuantFormat(8) if kinds == {"Q8_0"} else None
+    d, f, count = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts
+    converted: dict[str, list[QuantizedProjection]] = {}  # the last stack's experts in our format
+
+    def projection(gname: str, e: int, n: int, k: int) -> QuantizedProjection:
+        if gname not in converted:
+            converted.clear()
+            per = tensors.raw(gname).reshape(count, -1)
+            converted[gname] = [q4_0_to_int4(per[i], n, k) if fmt.bits == 4
+                                else QuantizedProjection(*quantize_int8(q8_0_values(per[i], n, k), torch.float16))
+                                for i in range(count)]
+        return converted[gname][e]
+
+    naming = architecture_for(cfg.raw).expert_naming
+    for layer in cfg.moe_layers:
+        for e in range(count):
+            for template, gname, (n, k) in zip((naming.gate, naming.up, naming.down), _expert_names(layer),
+                                               ((f, d), (f, d), (d, f))):
+                name = template.format(layer=layer, expert=e)
+                if fmt is None:
+                    entries.append((name, FLOAT_TYPES.get(tensors.kind(gname), tensors.float_dtype), (n, k)))
+                    produce[name] = (lambda gname=gname, e=e, n=n, k=k:
+                                     tensors.floats(gname, (count, n, k))[e].contiguous())
+                    continue
+                for suffix, dt, shp in projection_tensors(fmt, n, k, torch.float16):
+                    entries.append((name + suffix, dt, shp))
+                    produce[name + suffix] = (lambda gname=gname, e=e, n=n, k=k, suffix=suffix:
+                                              projection(gname, e, n, k).tensor(suffix).contiguous())
+    return fmt

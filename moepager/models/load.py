@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from moepager.errors import CheckpointError
-from moepager.models.expert_reader import ExpertReader
+from moepager.models.expert_reader import ExpertReader, is_routed_expert
 from moepager.experts.executor import ExpertExecutor, Kernel, ResidentExecutor
 from moepager.experts.quant import check_shape
 from moepager.experts.weights import ExpertShape
@@ -115,7 +115,7 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None, d
     reader = ExpertReader(checkpoint, arch.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0,
                           direct_io, stored)
     dense = sum(loc.nbytes // loc.dtype.itemsize * dtype.itemsize for name, loc in checkpoint.locations.items()
-                if ".experts." not in name)
+                if not is_routed_expert(name))
     total = dense + cfg.num_moe_layers * cfg.num_experts * shape.nbytes
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=not show_progress,
               leave=False) as bar:

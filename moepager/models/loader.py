@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from moepager.errors import CheckpointError
 from moepager.outputs import atomic_file
@@ -235,3 +236,17 @@ def split_shards(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], shard_
         shards[-1].append((name, dtype, shape))
         size += nbytes
     return shards
+
+
+def write_shards(out_dir: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 produce: Callable[[str], torch.Tensor], shard_bytes: int = 4 << 30, desc: str = "writing",
+                 show_progress: bool = True, leave: bool = True) -> None:
+    """A checkpoint's tensors under `out_dir`: safetensors shards of at most `shard_bytes` (and their index when
+    there are several), each tensor made by `produce(name)` as it is written, with a progress bar of bytes."""
+    shards = split_shards(entries, shard_bytes)
+    names = shard_names(len(shards))
+    total = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in entries)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not show_progress, leave=leave) as bar:
+        for name, shard in zip(names, shards):
+            write_safetensors(out_dir / name, shard, produce, bar.update)
+    write_index(out_dir, names, shards)

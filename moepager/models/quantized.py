@@ -20,7 +20,6 @@ disk reads and host copies shrink with it.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 from dataclasses import replace
@@ -28,14 +27,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from moepager.errors import CheckpointError, ConfigError
-from moepager.experts.quant import (INT4_GROUPS, QuantFormat, QuantizedProjection, check_shape, parse_expert_dtype,
-                                    quantize_projection)
+from moepager.experts.quant import (INT4_GROUPS, QuantFormat, QuantizedProjection, check_expert_options, check_shape,
+                                    parse_expert_dtype, projection_tensors, quantize_projection)
 from moepager.experts.weights import ExpertShape, ExpertWeights
-from moepager.models.expert_reader import ExpertLayout, ExpertReader
-from moepager.models.loader import Checkpoint, shard_names, split_shards, write_index, write_safetensors
+from moepager.models.config import ModelConfig
+from moepager.models.expert_reader import ExpertLayout, ExpertNaming, ExpertReader
+from moepager.models.loader import Checkpoint, write_shards
 from moepager.models.registry import architecture_for
 from moepager.outputs import atomic_dir, check_dir
 from moepager.types import ExpertKey
@@ -81,11 +80,10 @@ def expert_format(requested: str | None, stored: QuantFormat | None, dtype: torc
     """The format a run holds its routed experts in: `requested` (`--expert-dtype`; None: as stored), checked
     against what the checkpoint stores and the run's dtype. A quantized checkpoint runs in its own format or
     dequantized to float; it is never requantized to another one."""
+    check_expert_options(requested, group, zero_point)
     layout = "cpu" if device.type == "cpu" else "plain"
     if requested is None:
-        if group is not None or zero_point:
-            raise ConfigError("--int4-group and --int4-zero-points need --expert-dtype int4")
-        return None if stored is None else QuantFormat(stored.bits, stored.group, stored.zero_point, layout)
+        return None if stored is None else replace(stored, layout=layout)
     if requested in FLOAT_EXPERT_DTYPES:
         if FLOAT_EXPERT_DTYPES[requested] != dtype:
             raise ConfigError(f"--expert-dtype {requested} differs from the run's dtype "
@@ -98,7 +96,7 @@ def expert_format(requested: str | None, stored: QuantFormat | None, dtype: torc
         if asked is None or replace(asked, layout=stored.layout) != stored:
             raise ConfigError(f"this checkpoint stores {stored.name} experts; run it in that format (no "
                               "--expert-dtype) or dequantized (--expert-dtype bf16), or quantize its float original")
-        return QuantFormat(stored.bits, stored.group, stored.zero_point, layout)
+        return replace(stored, layout=layout)
     return parse_expert_dtype(requested, group or 32, bool(zero_point), device)
 
 
@@ -126,36 +124,18 @@ def quantize_checkpoint(model: str | os.PathLike[str], out: str | os.PathLike[st
         raise ConfigError(f"{checkpoint.path} is already quantized; quantize its float original")
     if experts not in ("int8", "int4"):
         raise ConfigError(f"--experts must be int8 or int4, not '{experts}'")
-    fmt = parse_expert_dtype(experts, group, zero_point, "cuda")  # plain layout: the checkpoint's
-    assert fmt is not None
+    fmt = replace(parse_expert_dtype(experts, group, zero_point), layout="plain")  # the checkpoint's layout
     arch = architecture_for(checkpoint.config)
     cfg = arch.parse_config(checkpoint.config)
-    dtype = checkpoint_dtype(checkpoint)
     check_shape(cfg.hidden_size, cfg.expert_intermediate_size, fmt)
     out_dir = check_dir(out, "--out", force)
     if out_dir.resolve() == checkpoint.path.resolve():
         raise ConfigError("--out must differ from --model")
-    shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, dtype)
+    shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, checkpoint_dtype(checkpoint))
     reader = ExpertReader(checkpoint, arch.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0, "off")
     replaced = expert_tensor_names(reader, cfg.moe_layers, cfg.num_experts)
-    entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
-    sources: dict[str, tuple[ExpertKey, int, str, slice]] = {}
-    for name, loc in checkpoint.locations.items():
-        if name not in replaced:
-            entries.append((name, loc.dtype, loc.shape))
-    d, f, naming = cfg.hidden_size, cfg.expert_intermediate_size, arch.expert_naming
-    for layer in cfg.moe_layers:
-        for e in range(cfg.num_experts):
-            for proj, tmpl, rows, k in ((0, naming.gate, slice(0, f), d), (0, naming.up, slice(f, 2 * f), d),
-                                        (1, naming.down, slice(0, d), f)):
-                base, n = tmpl.format(layer=layer, expert=e), rows.stop - rows.start
-                parts = [("", torch.int8 if fmt.bits == 8 else torch.uint8, (n, k) if fmt.bits == 8 else (n, k // 2)),
-                         ("_scale", dtype, (n,) if fmt.bits == 8 else (n, k // fmt.group))]
-                if fmt.zero_point:
-                    parts.append(("_zero", dtype, (n, k // fmt.group)))
-                for suffix, dt, shp in parts:
-                    entries.append((base + suffix, dt, shp))
-                    sources[base + suffix] = ((layer, e), proj, suffix, rows)
+    entries = [(name, loc.dtype, loc.shape) for name, loc in checkpoint.locations.items() if name not in replaced]
+    sources = _quantized_entries(entries, cfg, arch.expert_naming, fmt, shape.dtype)
     scratch = ExpertWeights.empty(shape)
     current: dict[ExpertKey, tuple[QuantizedProjection, QuantizedProjection]] = {}
 
@@ -165,22 +145,15 @@ def quantize_checkpoint(model: str | os.PathLike[str], out: str | os.PathLike[st
             checkpoint.read_exact_into(name, t)
             return t
         key, proj, suffix, rows = sources[name]
-        if key not in current:
+        if key not in current:  # the expert's tensors are written one after another: read and quantize it once
             current.clear()
             reader.read(key, scratch.buffer)
-            current[key] = (quantize_projection(scratch.gate_up_2FD, fmt, dtype),
-                            quantize_projection(scratch.down_DF, fmt, dtype))
-        p = current[key][proj]
-        return {"": p.q, "_scale": p.scale, "_zero": p.zero}[suffix][rows].contiguous()
+            current[key] = (quantize_projection(scratch.gate_up_2FD, fmt, shape.dtype),
+                            quantize_projection(scratch.down_DF, fmt, shape.dtype))
+        return current[key][proj].tensor(suffix)[rows].contiguous()
 
-    shards = split_shards(entries, shard_bytes)
-    names = shard_names(len(shards))
-    total = sum(math.prod(s) * dt.itemsize for _, dt, s in entries)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"quantizing ({fmt.name})", disable=not show_progress)
-    with atomic_dir(out_dir, force) as tmp, bar:
-        for name, shard in zip(names, shards):
-            write_safetensors(tmp / name, shard, produce, bar.update)
-        write_index(tmp, names, shards)
+    with atomic_dir(out_dir, force) as tmp:
+        write_shards(tmp, entries, produce, shard_bytes, f"quantizing ({fmt.name})", show_progress)
         config = dict(checkpoint.config) | {"quantization_config": quantization_config(fmt)}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for src in checkpoint.path.iterdir():  # tokenizer, generation config, chat template, ...
@@ -189,3 +162,21 @@ def quantize_checkpoint(model: str | os.PathLike[str], out: str | os.PathLike[st
                 shutil.copy2(src, tmp / src.name)
     checkpoint.files.close()
     return out_dir
+
+
+def _quantized_entries(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], cfg: ModelConfig,
+                       naming: ExpertNaming, fmt: QuantFormat, dtype: torch.dtype
+                       ) -> dict[str, tuple[ExpertKey, int, str, slice]]:
+    """Append every routed expert's quantized tensors to `entries`, expert by expert; returns where each comes
+    from: (expert, projection 0 = gate_up / 1 = down, name suffix, rows of that projection)."""
+    d, f = cfg.hidden_size, cfg.expert_intermediate_size
+    sources: dict[str, tuple[ExpertKey, int, str, slice]] = {}
+    for layer in cfg.moe_layers:
+        for e in range(cfg.num_experts):
+            for proj, template, rows, k in ((0, naming.gate, slice(0, f), d), (0, naming.up, slice(f, 2 * f), d),
+                                            (1, naming.down, slice(0, d), f)):
+                base = template.format(layer=layer, expert=e)
+                for suffix, dt, shp in projection_tensors(fmt, rows.stop - rows.start, k, dtype):
+                    entries.append((base + suffix, dt, shp))
+                    sources[base + suffix] = (ExpertKey(layer, e), proj, suffix, rows)
+    return sources

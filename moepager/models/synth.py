@@ -10,7 +10,6 @@ configured vocabulary, so every token id decodes to text.
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Iterator
 from importlib import resources
@@ -18,11 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from moepager.errors import MoepagerError
 from moepager.models.load import DTYPES
-from moepager.models.loader import shard_names, split_shards, write_index, write_safetensors
+from moepager.models.loader import write_shards
 from moepager.models.registry import ARCHITECTURES
 from moepager.models.synth_presets import PRESETS, preset_config
 from moepager.outputs import atomic_dir, check_dir
@@ -116,16 +114,11 @@ def _write_checkpoint(out_dir: Path, config: dict[str, Any], torch_dtype: torch.
     config["dtype"] = str(torch_dtype).removeprefix("torch.")
     entries = [(name, torch.float32 if "correction_bias" in name else torch_dtype, shape)
                for name, shape in tensor_specs(config)]
-    shards = split_shards(entries, shard_bytes)
     gen = torch.Generator().manual_seed(seed)
     shapes = {name: shape for name, _, shape in entries}
     dtypes = {name: dt for name, dt, _ in entries}
-    total = sum(math.prod(s) * dt.itemsize for _, dt, s in entries)
-    names = shard_names(len(shards))
-    with tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not show_progress) as bar:
-        for name, shard in zip(names, shards):
-            write_safetensors(out_dir / name, shard, lambda t: _random_tensor(t, shapes[t], dtypes[t], gen), bar.update)
-    write_index(out_dir, names, shards)
+    write_shards(out_dir, entries, lambda t: _random_tensor(t, shapes[t], dtypes[t], gen), shard_bytes, desc,
+                 show_progress)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
 
 

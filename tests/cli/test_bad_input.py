@@ -62,7 +62,7 @@ def test_an_interrupted_make_model_leaves_the_old_model_and_no_partial_files(tin
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(synth, "write_safetensors", interrupted)
+    monkeypatch.setattr(synth, "write_shards", interrupted)
     assert main(["make-model", "--preset", "tiny", "--arch", "mixtral", "--out", str(out), "--force"]) == 130
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no .partial directory, no .tmp shards
