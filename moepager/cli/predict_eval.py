@@ -13,7 +13,16 @@ from moepager.cli.predictor import parse_ints
 from moepager.outputs import atomic_file, check_file
 from moepager.predictors import PREDICTORS, Predictor, PredictorError, make_predictor
 from moepager.trace.format import TraceReader
-from moepager.trace.predict import FITTERS, FitOptions, PredictEval, evaluate, format_eval, split_requests
+from moepager.trace.predict import (
+    FITTERS,
+    PASS,
+    FitOptions,
+    PredictEval,
+    distance_label,
+    evaluate,
+    format_eval,
+    split_requests,
+)
 
 HELP = "measure routing predictors on held-out requests of a trace (recall@k, precision@k per layer)"
 
@@ -21,7 +30,8 @@ HELP = "measure routing predictors on held-out requests of a trace (recall@k, pr
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="trace file (moepager format)")
     p.add_argument("--predictor", required=True, help=f"comma-separated, from {', '.join(PREDICTORS)}")
-    p.add_argument("--distance", default="1", help="prefetch distances in MoE layers, e.g. 1,2,3 (default 1)")
+    p.add_argument("--distance", default="1", help="prefetch distances in MoE layers, e.g. pass,1,2,3 (default 1); "
+                   "'pass' forecasts every layer of a token before any of them runs (head, path)")
     p.add_argument("--k", help="cut-offs for recall@k (default: top-k and twice top-k)")
     p.add_argument("--test-fraction", type=float, default=0.3, help="held-out share of requests (default 0.3)")
     p.add_argument("--seed", type=int, default=0, help="split seed")
@@ -35,7 +45,7 @@ def build(name: str, reader: TraceReader, train: list[int], distances: list[int]
     h = reader.header
     fitter = FITTERS.get(name)
     if fitter is not None:
-        options = FitOptions(distances=tuple(distances))
+        options = FitOptions(distances=tuple(d for d in distances if d != PASS) or (1,))
         with tqdm(total=fitter.total(train, options), desc=f"fitting {name}", unit=fitter.unit, leave=False) as bar:
             return fitter.fit(reader, train, options, bar.update)
     assert model is not None  # checked up front (check_needs)
@@ -66,7 +76,7 @@ def check_needs(names: list[str], reader: TraceReader, model: str | None) -> Non
 
 def run(args: argparse.Namespace) -> int:
     names = [n.strip() for n in args.predictor.split(",") if n.strip()]
-    distances = parse_ints(args.distance, "--distance")
+    distances = parse_ints(args.distance, "--distance", {"pass": PASS})
     json_out = check_file(args.json, "--json")
     results: list[PredictEval] = []
     with TraceReader(args.trace) as reader:
@@ -93,7 +103,7 @@ def _report(results: list[PredictEval], per_layer: bool, top_k: int, json_out: P
     if per_layer:
         for r in results:
             recalls = " ".join(f"{r.recall(top_k, t) or 0:.2f}" for t in r.tallies)
-            print(f"{r.predictor} d={r.distance} recall@{top_k} per layer: {recalls}")
+            print(f"{r.predictor} d={distance_label(r.distance)} recall@{top_k} per layer: {recalls}")
     if json_out is not None:
         with atomic_file(json_out) as tmp:
             tmp.write_text(json.dumps([r.to_json() for r in results], indent=2))

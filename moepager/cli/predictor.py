@@ -15,12 +15,15 @@ from moepager.trace.predict import FITTERS, FitOptions
 HELP = "fit a routing predictor (transition tables, fMoE expert maps, SMoE token-wise) on a trace"
 
 
-def parse_ints(text: str, flag: str) -> list[int]:
+def parse_ints(text: str, flag: str, words: dict[str, int] | None = None) -> list[int]:
+    """Comma-separated positive integers (and the named values in `words`, e.g. pass = 0)."""
+    words = words or {}
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = [words[x.strip()] if x.strip() in words else int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise PredictorError(f"{flag} takes comma-separated integers, got '{text}'") from None
-    if not values or min(values) < 1:
+        named = f" or {', '.join(words)}" if words else ""
+        raise PredictorError(f"{flag} takes comma-separated integers{named}, got '{text}'") from None
+    if not values or any(v < 1 and v not in words.values() for v in values):
         raise PredictorError(f"{flag} needs positive integers, got '{text}'")
     return values
 
@@ -38,6 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="expert-map: iterations sampled from the trace for the store (default 20000)")
     f.add_argument("--distance", type=int, default=3, help="expert-map: prefetch distance (redundancy weights)")
     f.add_argument("--epochs", type=int, default=200, help="token-wise: full-batch Adam epochs (default 200)")
+    f.add_argument("--sources", type=int, default=1,
+                   help="transition: observed layers combined per forecast (default 1: co-occurrence with back-off)")
+    f.add_argument("--alpha", type=float, default=8.0,
+                   help="transition: back-off mass towards the target layer's frequencies (default 8)")
+    f.add_argument("--head-epochs", type=int, default=4, help="head, path: passes over the trace (default 4)")
+    f.add_argument("--seed", type=int, default=0, help="head, path: training seed")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
         everything = list(range(len(reader)))
         fitter = FITTERS[args.kind]
         options = FitOptions(distances=tuple(parse_ints(args.distances, "--distances")), capacity=args.capacity,
-                             distance=args.distance, max_iterations=args.max_iterations, epochs=args.epochs)
+                             distance=args.distance, max_iterations=args.max_iterations, epochs=args.epochs,
+                             sources=args.sources, alpha=args.alpha, head_epochs=args.head_epochs, seed=args.seed)
         with tqdm(total=fitter.total(everything, options), unit=fitter.unit, desc=args.kind) as bar:
             fitted = fitter.fit(reader, everything, options, bar.update)
     with atomic_file(out) as tmp:

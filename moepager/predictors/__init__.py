@@ -6,6 +6,7 @@
 | expert-map | gate distributions (+ semantic embedding) | a map store fitted on a trace, and/or online |
 | gate-lookahead | the model's routers and hidden states | nothing (uses the next layers' routers) |
 | token-wise | hidden states | per-layer gate-shaped predictors trained on a trace recorded with hidden states |
+| head | expert ids (+ token ids) | a logistic head per layer over the last layers' experts and the token, fitted on a trace |
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from moepager.predictors.base import Forecast, LayerObservation, Predictor, PredictorError, k_hot, target_of
 from moepager.predictors.expert_map import ExpertMapPredictor, ExpertMapStore
+from moepager.predictors.head import HeadPredictor
 from moepager.predictors.gate_lookahead import GateLookaheadPredictor, RouterScores
 from moepager.predictors.token_wise import TokenWisePredictor
 from moepager.predictors.transition import TransitionPredictor
@@ -79,6 +81,15 @@ def _transition(ctx: BuildContext) -> Predictor:
     return transition
 
 
+def _head(ctx: BuildContext) -> Predictor:
+    head = HeadPredictor.from_state(_fitted_state(ctx, "head"))
+    _check("head", (head.num_layers, head.num_experts), (ctx.num_layers, ctx.num_experts))
+    if ctx.distance not in head.distances:
+        raise PredictorError(f"the heads in {ctx.file} were fitted for distances {sorted(head.distances - {0})}, "
+                             f"not {ctx.distance}; refit with --distances")
+    return head
+
+
 def _token_wise(ctx: BuildContext) -> Predictor:
     token_wise = TokenWisePredictor.from_state(_fitted_state(ctx, "token-wise"))
     _check("token-wise", tuple(token_wise.weights_LED.shape[:2]), (ctx.num_layers, ctx.num_experts))
@@ -90,6 +101,7 @@ PREDICTORS: dict[str, PredictorSpec] = {
     "expert-map": PredictorSpec(_expert_map, fitted=True, online=True, default_distance=3),
     "gate-lookahead": PredictorSpec(_gate_lookahead, fitted=False, default_distance=1, needs_routers=True),
     "token-wise": PredictorSpec(_token_wise, fitted=True),
+    "head": PredictorSpec(_head, fitted=True, default_distance=1),
 }
 FITTED = [name for name, spec in PREDICTORS.items() if spec.fitted]
 """Predictors whose learned state lives in a file written by `moepager predictor fit`."""
@@ -139,5 +151,5 @@ def _check(name: str, got: tuple[int, ...], want: tuple[int, int]) -> None:
 
 
 __all__ = ["BuildContext", "FITTED", "PredictorSpec", "ONLINE", "PREDICTORS", "ExpertMapPredictor", "ExpertMapStore", "Forecast",
-           "GateLookaheadPredictor", "LayerObservation", "Predictor", "PredictorError", "TokenWisePredictor",
+           "GateLookaheadPredictor", "HeadPredictor", "LayerObservation", "Predictor", "PredictorError", "TokenWisePredictor",
            "TransitionPredictor", "default_distance", "k_hot", "load_state", "make_predictor", "target_of"]

@@ -13,6 +13,7 @@ Shape legend: T tokens, L MoE layers, K top-k, E experts, D hidden.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,11 +33,15 @@ from moepager.predictors import (
     k_hot,
     target_of,
 )
+from moepager.predictors import head
 from moepager.predictors.expert_map import DEFAULT_CAPACITY, HASH_DIM, hashed_tokens, prefix_means
 from moepager.predictors.token_wise import train_token_wise
 from moepager.trace.format import TraceHeader, TraceReader, TraceRequest
 
 Progress = Callable[[int], None]
+PASS = 0
+"""The distance that stands for "the whole coming pass, before any of its layers runs" (a path predictor's
+setting: every layer forecast from the token and what came before it)."""
 
 
 def split_requests(n: int, test_fraction: float = 0.3, seed: int = 0) -> tuple[list[int], list[int]]:
@@ -70,6 +75,17 @@ def observations(request: TraceRequest, header: TraceHeader) -> list[LayerObserv
     return out
 
 
+def row_token_ids(request: TraceRequest) -> torch.Tensor:
+    """The rows' token ids; for a trace of token strings, a stable 63-bit hash of each string stands in (fit and
+    evaluation see the same ids); empty without either."""
+    if request.token_ids_T is not None:
+        return torch.from_numpy(request.token_ids_T.astype(np.int64))
+    if request.tokens:
+        return torch.tensor([int.from_bytes(hashlib.blake2b(t.encode(), digest_size=8).digest(), "little") >> 1
+                             for t in request.tokens], dtype=torch.long)
+    return torch.zeros(0, dtype=torch.long)
+
+
 def semantic_rows(request: TraceRequest) -> torch.Tensor | None:
     """The hashed-tokens semantic embedding of each row (prefix means); None without token ids or strings."""
     tokens = request.token_ids_T.tolist() if request.token_ids_T is not None else request.tokens
@@ -77,11 +93,17 @@ def semantic_rows(request: TraceRequest) -> torch.Tensor | None:
 
 
 # -- fitting ----------------------------------------------------------------------------------------------------
-def fit_transition(reader: TraceReader, train: Sequence[int], distances: Sequence[int]) -> TransitionPredictor:
+def fit_transition(reader: TraceReader, train: Sequence[int], distances: Sequence[int], sources: int = 1,
+                   alpha: float = 8.0) -> TransitionPredictor:
+    """Tables for `distances` and, with several sources, the older layers' distances too (d + 1, d + 2, ...)."""
     requests = [reader.request(i) for i in train]
     ids = torch.from_numpy(np.concatenate([r.ids_TLK for r in requests]).astype(np.int64))
     request_N = torch.from_numpy(np.repeat(np.arange(len(requests)), [r.num_tokens for r in requests]))
-    return TransitionPredictor.fit(ids, request_N, reader.header.num_experts, distances)
+    num_layers = reader.header.num_layers
+    wanted = sorted({d + extra for d in distances for extra in range(sources) if d + extra <= num_layers})
+    fitted = TransitionPredictor.fit(ids, request_N, reader.header.num_experts, wanted)
+    fitted.alpha, fitted.sources = alpha, sources
+    return fitted
 
 
 def fit_expert_maps(reader: TraceReader, train: Sequence[int], capacity: int = DEFAULT_CAPACITY,
@@ -128,7 +150,11 @@ class FitOptions:
     """Options of the fitted predictors (each reads its own)."""
 
     distances: tuple[int, ...] = (1, 2, 3)
-    """transition: the prefetch distances to fit tables for."""
+    """transition and head: the prefetch distances to fit for."""
+    sources: int = 1
+    """transition: observed layers combined per forecast (1: the co-occurrence-with-back-off baseline)."""
+    alpha: float = 8.0
+    """transition: back-off mass (counts) towards the target layer's frequencies."""
     capacity: int = DEFAULT_CAPACITY
     """expert-map: maps kept."""
     distance: int = 3
@@ -137,6 +163,9 @@ class FitOptions:
     """expert-map: iterations sampled from the trace."""
     epochs: int = 200
     """token-wise: full-batch Adam epochs."""
+    head_epochs: int = 4
+    """head and path: passes over the training tokens."""
+    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -151,9 +180,21 @@ class Fitter:
 
 
 def _fit_transition(reader: TraceReader, train: Sequence[int], o: FitOptions, progress: Progress) -> Predictor:
-    fitted = fit_transition(reader, train, o.distances)
+    fitted = fit_transition(reader, train, o.distances, o.sources, o.alpha)
     progress(1)
     return fitted
+
+
+def fit_head(reader: TraceReader, train: Sequence[int], o: FitOptions, progress: Progress) -> Predictor:
+    """The learned head for every fitted distance and the pass (distance 0, when the trace has tokens)."""
+    requests = [reader.request(i) for i in train]
+    ids = torch.from_numpy(np.concatenate([r.ids_TLK for r in requests]).astype(np.int64))
+    request_N = torch.from_numpy(np.repeat(np.arange(len(requests)), [r.num_tokens for r in requests]))
+    tokens = [row_token_ids(r) for r in requests]
+    have_tokens = all(len(t) == r.num_tokens for t, r in zip(tokens, requests)) and len(requests) > 0
+    return head.fit_head(ids, request_N, reader.header.num_experts, (0, *o.distances),
+                         torch.cat(tokens).tolist() if have_tokens else None, epochs=o.head_epochs, seed=o.seed,
+                         progress=progress)
 
 
 FITTERS: dict[str, Fitter] = {
@@ -163,6 +204,7 @@ FITTERS: dict[str, Fitter] = {
         lambda train, o: len(train)),
     "token-wise": Fitter(lambda reader, train, o, progress: fit_token_wise(
         reader, train, o.epochs, progress=lambda epoch, loss: progress(1)), "epoch", lambda train, o: o.epochs),
+    "head": Fitter(fit_head, "epoch", lambda train, o: o.head_epochs * (len(o.distances) + 1)),
 }
 """Every fitted predictor's fitting, by registry name."""
 
@@ -219,7 +261,7 @@ class PredictEval:
             return {"coverage": self.coverage(t), **{f"recall@{k}": self.recall(k, t) for k in self.ks},
                     **{f"precision@{k}": self.precision(k, t) for k in self.ks},
                     **({"selected_size": sel[0], "selected_recall": sel[1]} if sel else {})}
-        return {"predictor": self.predictor, "distance": self.distance, "requests": self.requests,
+        return {"predictor": self.predictor, "distance": "pass" if self.distance == PASS else self.distance, "requests": self.requests,
                 "tokens": self.tokens, "overall": row(None),
                 "per_layer": {str(layer): row(t) for layer, t in zip(self.layers, self.tallies)}}
 
@@ -227,14 +269,20 @@ class PredictEval:
 def evaluate(predictor: Predictor, reader: TraceReader, requests: Sequence[int], distance: int,
              ks: Sequence[int], progress: Progress | None = None) -> PredictEval:
     h = reader.header
+    ks = list(dict.fromkeys(ks))  # a cut-off asked for twice is counted once
     tallies = [LayerTally() for _ in range(h.num_layers)]
     tokens = 0
     for index in requests:
         request = reader.request(index)
         tokens += request.num_tokens
         obs = observations(request, h)
-        predictor.start_iteration(torch.from_numpy(request.token_ids_T) if request.token_ids_T is not None
-                                  else torch.zeros(0, dtype=torch.long), semantic_rows(request))
+        predictor.start_iteration(row_token_ids(request), semantic_rows(request))
+        if distance == PASS:  # the whole pass ahead: every layer forecast before any of them runs
+            for j in range(h.num_layers):
+                _tally(tallies[j], predictor.forecast(j, 0), obs[j].ids_NK, 0, ks)
+            if progress is not None:
+                progress(1)
+            continue
         for i in range(h.num_layers):
             predictor.observe(i, obs[i])
             j, ahead = target_of(i, distance, h.num_layers)
@@ -278,9 +326,13 @@ def format_eval(results: Sequence[PredictEval]) -> str:
     for r in results:
         recalls = "  ".join(f"{_pct(r.recall(k)):>9}" for k in r.ks)
         sel = r.selected()
-        lines.append(f"{r.predictor:<16} {r.distance:>8}  {_pct(r.coverage()):>8}  {recalls}  "
+        lines.append(f"{r.predictor:<16} {distance_label(r.distance):>8}  {_pct(r.coverage()):>8}  {recalls}  "
                      + (f"{sel[0]:.1f}, {_pct(sel[1])}" if sel else "-"))
     return "\n".join(lines)
+
+
+def distance_label(distance: int) -> str:
+    return "pass" if distance == PASS else str(distance)
 
 
 def _pct(x: float | None) -> str:

@@ -56,3 +56,33 @@ def test_saved_tables_load_through_the_registry(tmp_path):
         make_predictor("transition", num_layers=3, num_experts=E, file=tmp_path / "bad.pt", distance=1)
     with pytest.raises(PredictorError, match="unknown predictor 'oracle'"):
         make_predictor("oracle", num_layers=3, num_experts=E)
+
+
+def test_rare_sources_back_off_to_the_target_layers_frequencies():
+    # expert 0 at layer 0 is seen once, followed by expert 1; everything else goes 2 -> 3
+    ids = torch.tensor([[[0], [1]]] + [[[2], [3]]] * 50)
+    p = TransitionPredictor.fit(ids, torch.arange(51), E, distances=[1])
+    probs = p.backed_off((0, 1, 0))
+    assert probs[2].argmax() == 3 and probs[2, 3] > 0.8  # a frequent source speaks for itself
+    assert probs[0].argmax() == 3  # one sighting of 0 -> 1 is outweighed by the target's frequencies (alpha 8)
+    assert torch.allclose(probs.sum(1), torch.ones(E))
+
+
+def test_several_sources_combine_the_older_layers_tables():
+    # layer 2 copies layer 0 and ignores layer 1 (random): one source (layer 1) cannot tell, two can
+    g = torch.Generator().manual_seed(0)
+    first = torch.randint(0, E, (400,), generator=g)
+    ids = torch.stack([first, torch.randint(0, E, (400,), generator=g), first], 1)[:, :, None]
+    one = TransitionPredictor.fit(ids, torch.arange(400), E, distances=[1, 2])
+    two = TransitionPredictor.fit(ids, torch.arange(400), E, distances=[1, 2])
+    two.sources = 2
+    for p in (one, two):
+        observe(p, ids, 1)
+    right = [(p.forecast(2, 0).top(1)[:, 0] == first).float().mean().item() for p in (one, two)]
+    assert right[0] < 0.4 and right[1] > 0.95
+
+
+def test_old_smoothed_tables_are_refused_with_the_fix(tmp_path):
+    torch.save({"kind": "transition", "num_layers": 3, "num_experts": E, "tables": {}}, tmp_path / "old.pt")
+    with pytest.raises(PredictorError, match="refit it"):
+        make_predictor("transition", num_layers=3, num_experts=E, file=tmp_path / "old.pt", distance=1)

@@ -1,0 +1,231 @@
+"""A learned linear head over several routing sources: the baseline a predictor has to beat on real traces.
+
+A co-occurrence table forecasts layer j from the experts of one source layer, one expert at a time: it adds
+the rows P(e' at j | e at i) of the experts chosen at i. On real routing the set of experts chosen at the
+last few layers says much more than its members taken one by one, and the token itself says more again.
+This head is a logistic model, one per (target layer, distance), over:
+- the experts chosen at the last three observed layers (multi-hot, `SOURCES` slots);
+- for a target in the row's next iteration (ahead 1), the experts the row chose at the target layer itself
+  (the previous token's routing at that layer);
+- the token of the row being observed, hashed into `buckets`, through a shared low-rank embedding
+  (`rank` wide, one projection per target layer); optional, and left out where the engine's token ids would
+  not match the trace's (a trace of token strings, an engine of token ids).
+logits_E = bias_j + sum over slots s of W_js[chosen experts at s] + proj_j(embed(bucket)). Trained with
+binary cross-entropy on the chosen set (multi-label, as ExpertFlow trains its path predictor), Adam, seeded.
+Distance 0 is the "pass" head: before any layer of the row runs, from the token alone (what a stateless
+predictor can say about the whole coming pass; the path predictor adds the request's context).
+Stateless across iterations like every predictor here: the previous token's routing is only used for
+next-iteration targets, where it is the row just observed.
+Shape legend: N rows, L MoE layers, S source slots, K top-k, E experts, B token buckets, R rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from moepager.predictors.base import Forecast, LayerObservation, PredictorError
+
+SOURCES = 4
+"""Source slots: the last three observed layers, and the target layer of the row just observed (ahead 1)."""
+DEFAULT_BUCKETS = 8192
+DEFAULT_RANK = 32
+
+
+def token_buckets(tokens: Sequence[str | int], buckets: int) -> torch.Tensor:
+    """A stable hash of each token (id or string) into 0..buckets-1 (the same for the engine and traces)."""
+    out = torch.empty(len(tokens), dtype=torch.long)
+    for t, tok in enumerate(tokens):
+        out[t] = int.from_bytes(hashlib.blake2b(str(tok).encode(), digest_size=8).digest(), "little") % buckets
+    return out
+
+
+def source_layers(target: int, distance: int, num_layers: int) -> tuple[list[int], int]:
+    """(the source layer of each slot, -1 where absent; ahead) for a forecast of `target` at `distance`
+    (0: the pass head, no sources)."""
+    if distance == 0:
+        return [-1] * SOURCES, 0
+    last = target - distance
+    ahead = int(last < 0)
+    if ahead:
+        last += num_layers
+    slots = [layer if layer >= 0 else -1 for layer in (last, last - 1, last - 2)]
+    return slots + [target if ahead else -1], ahead
+
+
+class HeadModel(torch.nn.Module):
+    """One distance's heads for every target layer."""
+
+    def __init__(self, num_layers: int, num_experts: int, buckets: int, rank: int, tokens: bool):
+        super().__init__()
+        e = num_experts
+        self.num_experts = e
+        self.weight = torch.nn.Parameter(torch.zeros(num_layers, SOURCES * (e + 1), e))
+        self.bias = torch.nn.Parameter(torch.zeros(num_layers, e))
+        self.embed = torch.nn.Embedding(buckets, rank) if tokens else None
+        self.proj = torch.nn.Parameter(torch.zeros(num_layers, rank, e)) if tokens else None
+        if self.embed is not None:
+            torch.nn.init.normal_(self.embed.weight, std=0.1)
+
+    def forward(self, src_NLSK: torch.Tensor, bucket_NL: torch.Tensor | None) -> torch.Tensor:
+        """logits_NLE from source experts (-1 absent) and the observed row's token bucket per target layer."""
+        n, num_layers, s, k = src_NLSK.shape
+        e = self.num_experts
+        col = (src_NLSK.clamp(min=-1) % (e + 1)) + torch.arange(s)[None, None, :, None] * (e + 1)
+        hot_NLX = torch.zeros(n, num_layers, s * (e + 1)).scatter_(2, col.flatten(2), 1.0)
+        hot_NLX[..., e::e + 1] = 0.0  # the "absent" column of every slot carries no weight
+        logits = torch.einsum("nlx,lxe->nle", hot_NLX, self.weight) + self.bias
+        if self.embed is not None and bucket_NL is not None:
+            logits = logits + torch.einsum("nlr,lre->nle", self.embed(bucket_NL), self.proj)
+        return logits
+
+
+class HeadPredictor:
+    name = "head"
+    semantic = None
+    needs_scores = False
+    hidden = None
+
+    def __init__(self, models: dict[int, HeadModel], num_layers: int, num_experts: int, buckets: int,
+                 rank: int, tokens: bool):
+        self.models = models
+        """distance (0: the pass head) -> HeadModel."""
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.buckets, self.rank, self.tokens = buckets, rank, tokens
+        self._seen: dict[int, torch.Tensor] = {}
+        self._last = -1
+        self._bucket_N: torch.Tensor | None = None
+
+    @property
+    def distances(self) -> set[int]:
+        return set(self.models)
+
+    def start_iteration(self, token_ids_N: torch.Tensor, sem_ND: torch.Tensor | None) -> None:
+        self._seen, self._last = {}, -1
+        self._bucket_N = token_buckets(token_ids_N.tolist(), self.buckets) if self.tokens and len(token_ids_N) \
+            else None
+
+    def observe(self, layer: int, obs: LayerObservation) -> None:
+        self._seen[layer] = obs.ids_NK.long()
+        self._last = layer
+
+    @torch.no_grad()
+    def forecast(self, layer: int, ahead: int) -> Forecast | None:
+        if self._last < 0:
+            distance = 0 if ahead == 0 else None
+        else:
+            distance = layer - self._last if ahead == 0 else self.num_layers - self._last + layer
+        model = self.models.get(distance) if distance is not None else None
+        if model is None:
+            return None
+        slots, _ = source_layers(layer, distance, self.num_layers)
+        rows = self._rows()
+        if rows == 0:
+            return None
+        k = next(iter(self._seen.values())).shape[1] if self._seen else 1
+        src = torch.stack([self._seen[s] if s >= 0 and s in self._seen else torch.full((rows, k), -1)
+                           for s in slots], 1)
+        logits_NLE = _layer_forward(model, layer, src, self._bucket_N)
+        return Forecast(torch.sigmoid(logits_NLE))
+
+    def _rows(self) -> int:
+        if self._seen:
+            return len(next(iter(self._seen.values())))
+        return 0 if self._bucket_N is None else len(self._bucket_N)
+
+    def save(self, path: str | Path) -> None:
+        torch.save({"kind": self.name, "num_layers": self.num_layers, "num_experts": self.num_experts,
+                    "buckets": self.buckets, "rank": self.rank, "tokens": self.tokens,
+                    "models": {str(d): m.state_dict() for d, m in self.models.items()}}, path)
+
+    @classmethod
+    def from_state(cls, state: dict) -> HeadPredictor:
+        models = {}
+        for d, weights in state["models"].items():
+            model = HeadModel(state["num_layers"], state["num_experts"], state["buckets"], state["rank"],
+                              state["tokens"])
+            model.load_state_dict(weights)
+            models[int(d)] = model.eval()
+        return cls(models, state["num_layers"], state["num_experts"], state["buckets"], state["rank"],
+                   state["tokens"])
+
+
+def _layer_forward(model: HeadModel, layer: int, src_NSK: torch.Tensor, bucket_N: torch.Tensor | None) -> torch.Tensor:
+    """One target layer's logits_NE (the forward restricted to that layer's head)."""
+    e = model.num_experts
+    n, s, _ = src_NSK.shape
+    col = (src_NSK.clamp(min=-1) % (e + 1)) + torch.arange(s)[None, :, None] * (e + 1)
+    hot_NX = torch.zeros(n, s * (e + 1)).scatter_(1, col.flatten(1), 1.0)
+    hot_NX[:, e::e + 1] = 0.0
+    logits = hot_NX @ model.weight[layer] + model.bias[layer]
+    if model.embed is not None and bucket_N is not None:
+        logits = logits + model.embed(bucket_N) @ model.proj[layer]
+    return logits
+
+
+def training_pairs(ids_NLK: torch.Tensor, request_N: torch.Tensor, bucket_N: torch.Tensor | None,
+                   distance: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(src_NLSK, bucket_NL of the observed row, target ids_NLK, valid_NL) for one distance over N tokens of
+    several requests (rows in order within each request). The observed row is the target's own row (ahead 0)
+    or the one before it (ahead 1); a next-iteration target whose row has no previous row in the same request
+    is not valid."""
+    n, num_layers, k = ids_NLK.shape
+    ids = ids_NLK.long()
+    prev = torch.full_like(ids, -1)
+    has_prev = torch.zeros(n, dtype=torch.bool)
+    has_prev[1:] = request_N[1:] == request_N[:-1]
+    prev[1:][has_prev[1:]] = ids[:-1][has_prev[1:]]
+    bucket_NL = None
+    if bucket_N is not None:
+        bucket_NL = bucket_N[:, None].repeat(1, num_layers)
+    src = torch.full((n, num_layers, SOURCES, k), -1, dtype=torch.long)
+    valid = torch.ones(n, num_layers, dtype=torch.bool)
+    for j in range(num_layers):
+        slots, ahead = source_layers(j, distance, num_layers)
+        rows = prev if ahead else ids
+        for s, layer in enumerate(slots):
+            if layer >= 0:
+                src[:, j, s] = rows[:, layer]
+        if ahead:
+            valid[:, j] = has_prev
+            if bucket_NL is not None:
+                bucket_NL[1:, j] = bucket_N[:-1]
+    return src, bucket_NL, ids, valid
+
+
+def fit_head(ids_NLK: torch.Tensor, request_N: torch.Tensor, num_experts: int, distances: Sequence[int],
+             tokens: Sequence[str | int] | None, epochs: int = 4, buckets: int = DEFAULT_BUCKETS,
+             rank: int = DEFAULT_RANK, batch: int = 2048, lr: float = 0.03, seed: int = 0,
+             progress: Callable[[int], None] | None = None) -> HeadPredictor:
+    """Fit one HeadModel per distance (0 = the pass head) on N tokens of several requests."""
+    if epochs < 1:
+        raise PredictorError(f"the head needs at least one epoch, got {epochs}")
+    num_layers = ids_NLK.shape[1]
+    bucket_N = token_buckets(tokens, buckets) if tokens is not None else None
+    models = {}
+    for d in sorted(set(distances)):
+        if d == 0 and bucket_N is None:
+            continue  # the pass head has nothing to go on without tokens
+        torch.manual_seed(seed)
+        model = HeadModel(num_layers, num_experts, buckets, rank, bucket_N is not None)
+        src, bucket_NL, target, valid = training_pairs(ids_NLK, request_N, bucket_N, d)
+        y_NLE = torch.zeros(*target.shape[:2], num_experts).scatter_(2, target.clamp(min=0),
+                                                                     (target >= 0).float())
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        generator = torch.Generator().manual_seed(seed)
+        for _ in range(epochs):
+            for b in torch.randperm(len(src), generator=generator).split(batch):
+                logits = model(src[b], bucket_NL[b] if bucket_NL is not None else None)
+                loss = F.binary_cross_entropy_with_logits(logits, y_NLE[b], reduction="none").mean(2)
+                loss = (loss * valid[b]).sum() / valid[b].sum().clamp(min=1)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            if progress is not None:
+                progress(1)
+        models[d] = model.eval()
+    return HeadPredictor(models, num_layers, num_experts, buckets, rank, bucket_N is not None)
