@@ -16,15 +16,20 @@ HELP = "fit a routing predictor (transition tables, fMoE expert maps, SMoE token
 
 
 def parse_ints(text: str, flag: str, words: dict[str, int] | None = None) -> list[int]:
-    """Comma-separated positive integers (and the named values in `words`, e.g. pass = 0)."""
+    """Comma-separated positive integers (and the named values in `words`, e.g. pass)."""
     words = words or {}
-    try:
-        values = [words[x.strip()] if x.strip() in words else int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        named = f" or {', '.join(words)}" if words else ""
-        raise PredictorError(f"{flag} takes comma-separated integers{named}, got '{text}'") from None
-    if not values or any(v < 1 and v not in words.values() for v in values):
-        raise PredictorError(f"{flag} needs positive integers, got '{text}'")
+    values = []
+    for item in (x.strip() for x in text.split(",")):
+        if item in words:
+            values.append(words[item])
+            continue
+        try:
+            values.append(int(item))
+        except ValueError:
+            named = f" or {', '.join(words)}" if words else ""
+            raise PredictorError(f"{flag} takes comma-separated integers{named}, got '{text}'") from None
+        if values[-1] < 1:
+            raise PredictorError(f"{flag} needs positive integers, got '{text}'")
     return values
 
 
