@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from moepager.outputs import atomic_file, check_file
 from moepager.predictors import FITTED, PredictorError
+from moepager.predictors.path import SHAPES
 from moepager.trace.format import TraceReader
 from moepager.trace.predict import FITTERS, FitOptions
 
@@ -50,8 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="transition: observed layers combined per forecast (default 1: co-occurrence with back-off)")
     f.add_argument("--alpha", type=float, default=8.0,
                    help="transition: back-off mass towards the target layer's frequencies (default 8)")
-    f.add_argument("--head-epochs", type=int, default=4, help="head, path: passes over the trace (default 4)")
+    f.add_argument("--head-epochs", type=int, default=4, help="head: passes over the trace (default 4)")
+    f.add_argument("--path-epochs", type=int, default=20, help="path: passes over the trace (default 20)")
     f.add_argument("--seed", type=int, default=0, help="head, path: training seed")
+    f.add_argument("--shape", choices=sorted(SHAPES), default="small",
+                   help="path: small (2 causal layers, d_model 64) or paper (ExpertFlow's d_model 32, d_ff 2048, 6 layers)")
+    f.add_argument("--resume", help="path: checkpoint after every epoch here, and continue from it if it exists")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,7 +69,10 @@ def run(args: argparse.Namespace) -> int:
         fitter = FITTERS[args.kind]
         options = FitOptions(distances=tuple(parse_ints(args.distances, "--distances")), capacity=args.capacity,
                              distance=args.distance, max_iterations=args.max_iterations, epochs=args.epochs,
-                             sources=args.sources, alpha=args.alpha, head_epochs=args.head_epochs, seed=args.seed)
+                             sources=args.sources, alpha=args.alpha, head_epochs=args.head_epochs,
+                             path_epochs=args.path_epochs,
+                             seed=args.seed,
+                             path_shape=args.shape, resume=args.resume)
         with tqdm(total=fitter.total(everything, options), unit=fitter.unit, desc=args.kind) as bar:
             fitted = fitter.fit(reader, everything, options, bar.update)
     with atomic_file(out) as tmp:

@@ -7,6 +7,7 @@
 | gate-lookahead | the model's routers and hidden states | nothing (uses the next layers' routers) |
 | token-wise | hidden states | per-layer gate-shaped predictors trained on a trace recorded with hidden states |
 | head | expert ids (+ token ids) | a logistic head per layer over the last layers' experts and the token, fitted on a trace |
+| path | token ids | ExpertFlow's routing path predictor: a small causal transformer, every layer before the pass |
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from moepager.predictors.base import Forecast, LayerObservation, Predictor, PredictorError, k_hot, target_of
 from moepager.predictors.expert_map import ExpertMapPredictor, ExpertMapStore
 from moepager.predictors.head import HeadPredictor
+from moepager.predictors.path import PathPredictor
 from moepager.predictors.gate_lookahead import GateLookaheadPredictor, RouterScores
 from moepager.predictors.token_wise import TokenWisePredictor
 from moepager.predictors.transition import TransitionPredictor
@@ -90,6 +92,12 @@ def _head(ctx: BuildContext) -> Predictor:
     return head
 
 
+def _path(ctx: BuildContext) -> Predictor:
+    path = PathPredictor.from_state(_fitted_state(ctx, "path"))
+    _check("path", (path.num_layers, path.num_experts), (ctx.num_layers, ctx.num_experts))
+    return path
+
+
 def _token_wise(ctx: BuildContext) -> Predictor:
     token_wise = TokenWisePredictor.from_state(_fitted_state(ctx, "token-wise"))
     _check("token-wise", tuple(token_wise.weights_LED.shape[:2]), (ctx.num_layers, ctx.num_experts))
@@ -102,6 +110,7 @@ PREDICTORS: dict[str, PredictorSpec] = {
     "gate-lookahead": PredictorSpec(_gate_lookahead, fitted=False, default_distance=1, needs_routers=True),
     "token-wise": PredictorSpec(_token_wise, fitted=True),
     "head": PredictorSpec(_head, fitted=True, default_distance=1),
+    "path": PredictorSpec(_path, fitted=True),
 }
 FITTED = [name for name, spec in PREDICTORS.items() if spec.fitted]
 """Predictors whose learned state lives in a file written by `moepager predictor fit`."""
@@ -151,5 +160,5 @@ def _check(name: str, got: tuple[int, ...], want: tuple[int, int]) -> None:
 
 
 __all__ = ["BuildContext", "FITTED", "PredictorSpec", "ONLINE", "PREDICTORS", "ExpertMapPredictor", "ExpertMapStore", "Forecast",
-           "GateLookaheadPredictor", "HeadPredictor", "LayerObservation", "Predictor", "PredictorError", "TokenWisePredictor",
+           "GateLookaheadPredictor", "HeadPredictor", "LayerObservation", "PathPredictor", "Predictor", "PredictorError", "TokenWisePredictor",
            "TransitionPredictor", "default_distance", "k_hot", "load_state", "make_predictor", "target_of"]

@@ -81,6 +81,8 @@ class Prefetcher:
         ids_N = info.token_ids_N
         sem_ND = self._semantic(info, ids_N) if self.embed is not None and len(ids_N) else None
         self._last_rows = (torch.cumsum(torch.tensor(info.counts), 0) - 1).tolist()
+        if getattr(self.predictor, "stateful", False):  # it keeps per-request state (the path predictor's KV)
+            self.predictor.begin_rows(info.requests, info.starts, info.counts)
         self.predictor.start_iteration(ids_N, sem_ND)
         for j in range(min(self.plan.distance, len(self.moe_layers))):
             self._enqueue(self.predictor.forecast(j, 0), j, 0)
@@ -103,8 +105,10 @@ class Prefetcher:
         return torch.cat(out)
 
     def end_request(self, request_id: int) -> None:
-        """A request finished: forget its semantic sum."""
+        """A request finished: forget its semantic sum (and the predictor its state)."""
         self._sem_sum.pop(request_id, None)
+        if getattr(self.predictor, "stateful", False):
+            self.predictor.end_request(request_id)
 
     # -- routing observer -------------------------------------------------------------------------------------
     def routed(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> None:

@@ -33,7 +33,7 @@ from moepager.predictors import (
     k_hot,
     target_of,
 )
-from moepager.predictors import head
+from moepager.predictors import head, path
 from moepager.predictors.expert_map import DEFAULT_CAPACITY, HASH_DIM, hashed_tokens, prefix_means
 from moepager.predictors.token_wise import train_token_wise
 from moepager.trace.format import TraceHeader, TraceReader, TraceRequest
@@ -164,8 +164,14 @@ class FitOptions:
     epochs: int = 200
     """token-wise: full-batch Adam epochs."""
     head_epochs: int = 4
-    """head and path: passes over the training tokens."""
+    """head: passes over the training tokens."""
     seed: int = 0
+    path_epochs: int = 20
+    """path: passes over the training requests."""
+    path_shape: str = "small"
+    """path: "small" (decoder-only, 2 layers) or "paper" (ExpertFlow's widths, 6 causal layers)."""
+    resume: str | None = None
+    """path: a checkpoint written after every epoch, continued from when it exists."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +203,17 @@ def fit_head(reader: TraceReader, train: Sequence[int], o: FitOptions, progress:
                          progress=progress)
 
 
+def fit_path(reader: TraceReader, train: Sequence[int], o: FitOptions, progress: Progress) -> Predictor:
+    requests = [reader.request(i) for i in train]
+    tokens = [row_token_ids(r) for r in requests]
+    if any(len(t) != r.num_tokens for t, r in zip(tokens, requests)):
+        raise PredictorError(f"the path predictor reads tokens, and {reader.path} has requests without token ids "
+                             f"or strings")
+    return path.fit_path([t.tolist() for t in tokens], [torch.from_numpy(r.ids_TLK.astype(np.int64))
+                                                       for r in requests], reader.header.num_experts,
+                         path.SHAPES[o.path_shape], o.path_epochs, seed=o.seed, resume=o.resume, progress=progress)
+
+
 FITTERS: dict[str, Fitter] = {
     "transition": Fitter(_fit_transition, "fit", lambda train, o: 1),
     "expert-map": Fitter(lambda reader, train, o, progress: ExpertMapPredictor(fit_expert_maps(
@@ -205,6 +222,7 @@ FITTERS: dict[str, Fitter] = {
     "token-wise": Fitter(lambda reader, train, o, progress: fit_token_wise(
         reader, train, o.epochs, progress=lambda epoch, loss: progress(1)), "epoch", lambda train, o: o.epochs),
     "head": Fitter(fit_head, "epoch", lambda train, o: o.head_epochs * (len(o.distances) + 1)),
+    "path": Fitter(fit_path, "epoch", lambda train, o: o.path_epochs),
 }
 """Every fitted predictor's fitting, by registry name."""
 
