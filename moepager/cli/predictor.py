@@ -51,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="transition: observed layers combined per forecast (default 1: co-occurrence with back-off)")
     f.add_argument("--alpha", type=float, default=8.0,
                    help="transition: back-off mass towards the target layer's frequencies (default 8)")
+    f.add_argument("--no-tokens", action="store_true",
+                   help="head: leave the token out (when the engine's token ids will not match the trace's tokens)")
     f.add_argument("--head-epochs", type=int, default=4, help="head: passes over the trace (default 4)")
     f.add_argument("--path-epochs", type=int, default=20, help="path: passes over the trace (default 20)")
     f.add_argument("--seed", type=int, default=0, help="head, path: training seed")
@@ -70,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         options = FitOptions(distances=tuple(parse_ints(args.distances, "--distances")), capacity=args.capacity,
                              distance=args.distance, max_iterations=args.max_iterations, epochs=args.epochs,
                              sources=args.sources, alpha=args.alpha, head_epochs=args.head_epochs,
-                             path_epochs=args.path_epochs,
+                             path_epochs=args.path_epochs, tokens=not args.no_tokens,
                              seed=args.seed,
                              path_shape=args.shape, resume=args.resume)
         with tqdm(total=fitter.total(everything, options), unit=fitter.unit, desc=args.kind) as bar:

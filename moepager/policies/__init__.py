@@ -15,6 +15,7 @@ from moepager.policies.fmoe import FMoE
 from moepager.policies.lcp import LCP
 from moepager.policies.lfu import LFU
 from moepager.policies.lru import LRU
+from moepager.policies.plec import PLEC
 from moepager.policies.rnd import RND
 from moepager.policies.smoe import SMoE
 from moepager.policies.static_hot import StaticHot
@@ -36,6 +37,7 @@ POLICIES: dict[str, PolicySpec] = {
     "lcp": PolicySpec(LCP, True),
     "rnd": PolicySpec(RND, True, seeded=True),
     "fmoe": PolicySpec(FMoE, True),
+    "plec": PolicySpec(PLEC, True),
     "static-hot": PolicySpec(StaticHot, False),
     "smoe-fixed": PolicySpec(lambda: SMoE(adaptive=False), False),
     "smoe-adaptive": PolicySpec(lambda: SMoE(adaptive=True), False),

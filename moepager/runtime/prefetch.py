@@ -8,7 +8,8 @@ Algorithm (per forward pass; the Prefetcher is a RoutingObserver plus the genera
    requests for layer i are dropped (too late); the predictor observes the layer and forecasts the target
    `distance` layers ahead (wrapping into the next token); the forecast's rows are selected (top-k, or fMoE's
    similarity rule) and merged into the queue; the eviction policy sees the target layer's mean forecast (fMoE's
-   eviction ranks by p * freq).
+   eviction ranks by p * freq); a policy that ranks by predicted next use (PLEC) also sees layer i's forecast
+   for the next token, made once layer i has routed.
 3. the queue is pumped: highest priority first, priority = probability mass / layers until needed (fMoE's
    p / (l - l_now)), at most `max_inflight` prefetches loading at once, at most a layer's cache quota per
    target layer, on the transfer engine's prefetch lane while the model keeps computing.
@@ -65,7 +66,9 @@ class Prefetcher:
         self.embed = embed
         """None when the predictor uses no semantic embedding."""
         self.forecasts = forecasts
-        """Sees every target layer's mean forecast (an eviction policy that ranks by them: fMoE)."""
+        """Sees every target layer's mean forecast (an eviction policy that ranks by them: fMoE, PLEC)."""
+        self.next_use = forecasts is not None and getattr(forecasts, "ranks_next_use", False)
+        """The policy also wants, once a layer has routed, the forecast of that layer at the next token (PLEC)."""
         self.pending: dict[tuple[int, int], dict[int, float]] = {}
         """(iteration, MoE position) -> expert -> probability mass, for targets not yet routed."""
         self.iteration = 0
@@ -125,6 +128,10 @@ class Prefetcher:
         elif predictor.hidden == "device":
             x_seen = x_ND.detach()
         predictor.observe(i, LayerObservation(probs_NE, ids_NK, x_seen))
+        if self.next_use:  # PLEC ranks layer i's experts by their forecast use at the next token
+            after = predictor.forecast(i, 1)
+            if after is not None and len(after.probs_NE):
+                self.forecasts.predict(layer, after.rows(self._last_rows).probs_NE.mean(0).numpy())
         j, ahead = target_of(i, self.plan.distance, len(self.moe_layers))
         self._enqueue(predictor.forecast(j, ahead), j, ahead)
         self._pump()

@@ -166,6 +166,8 @@ class FitOptions:
     head_epochs: int = 4
     """head: passes over the training tokens."""
     seed: int = 0
+    tokens: bool = True
+    """head: use the token as a feature (off where the engine's token ids will not match the trace's tokens)."""
     path_epochs: int = 20
     """path: passes over the training requests."""
     path_shape: str = "small"
@@ -197,7 +199,7 @@ def fit_head(reader: TraceReader, train: Sequence[int], o: FitOptions, progress:
     ids = torch.from_numpy(np.concatenate([r.ids_TLK for r in requests]).astype(np.int64))
     request_N = torch.from_numpy(np.repeat(np.arange(len(requests)), [r.num_tokens for r in requests]))
     tokens = [row_token_ids(r) for r in requests]
-    have_tokens = all(len(t) == r.num_tokens for t, r in zip(tokens, requests)) and len(requests) > 0
+    have_tokens = o.tokens and all(len(t) == r.num_tokens for t, r in zip(tokens, requests)) and len(requests) > 0
     return head.fit_head(ids, request_N, reader.header.num_experts, (0, *o.distances),
                          torch.cat(tokens).tolist() if have_tokens else None, epochs=o.head_epochs, seed=o.seed,
                          progress=progress)
@@ -309,6 +311,39 @@ def evaluate(predictor: Predictor, reader: TraceReader, requests: Sequence[int],
             progress(1)
     return PredictEval(predictor.name, distance, list(ks),
                        list(h.moe_layers), tallies, len(requests), tokens)
+
+
+def forecast_ranks(predictor: Predictor, reader: TraceReader, requests: Sequence[int], distance: int,
+                   width: int, progress: Progress | None = None) -> np.ndarray:
+    """For every token of `requests` (in order) and every layer, the `width` experts the predictor ranks first
+    in the forecast it makes at `distance` (PASS: before the token's pass), int16, -1 where it makes none (a
+    next-iteration target of a request's first token, or a predictor that cannot forecast it)."""
+    h = reader.header
+    out = []
+    for index in requests:
+        request = reader.request(index)
+        obs = observations(request, h)
+        ranks = np.full((request.num_tokens, h.num_layers, width), -1, np.int16)
+        predictor.start_iteration(row_token_ids(request), semantic_rows(request))
+        if distance == PASS:
+            for j in range(h.num_layers):
+                _put(ranks[:, j], predictor.forecast(j, 0), 0, width)
+        else:
+            for i in range(h.num_layers):
+                predictor.observe(i, obs[i])
+                j, ahead = target_of(i, distance, h.num_layers)
+                _put(ranks[:, j], predictor.forecast(j, ahead), ahead, width)
+        out.append(ranks)
+        if progress is not None:
+            progress(1)
+    return np.concatenate(out) if out else np.zeros((0, h.num_layers, width), np.int16)
+
+
+def _put(ranks_TR: np.ndarray, forecast: Forecast | None, ahead: int, width: int) -> None:
+    if forecast is None or len(ranks_TR) <= ahead:
+        return
+    top = forecast.top(width)[: len(ranks_TR) - ahead].numpy()
+    ranks_TR[ahead:, : top.shape[1]] = top
 
 
 def _tally(tally: LayerTally, forecast: Forecast | None, chosen_TK: torch.Tensor, ahead: int,

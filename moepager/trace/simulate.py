@@ -33,8 +33,8 @@ from moepager.trace.format import MISSING, TraceError, TraceHeader
 from moepager.trace.workload import Workload
 from moepager.types import Scope
 
-ForecastKind = Literal["none", "repeat", "oracle", "prior"]
-FORECASTS: tuple[ForecastKind, ...] = ("none", "repeat", "oracle", "prior")
+ForecastKind = Literal["none", "repeat", "oracle", "prior", "predictor"]
+FORECASTS: tuple[ForecastKind, ...] = ("none", "repeat", "oracle", "prior", "predictor")
 Progress = Callable[[int], None]
 
 
@@ -77,10 +77,14 @@ class SimSpec:
     warm: bool = False
     """Start with the cache full the way the engine's warm start fills it (expert 0 of every layer, then expert
     1, ...: experts 0..capacity-1 of each layer in layer scope) instead of empty."""
+    prefetch: int = 0
+    """Experts per token and layer loaded from a fitted predictor's forecast before the layer runs (PLEC's
+    layer-order prefetch; needs forecast "predictor" with prefetch ranks); 0: none."""
 
     @property
     def label(self) -> str:
         extra = f"/{self.forecast}" if self.forecast != "none" else ""
+        extra += f"+pf{self.prefetch}" if self.prefetch else ""
         return f"{self.policy}{extra}@{self.capacity}{'g' if self.scope == 'global' else ''}"
 
 
@@ -116,12 +120,25 @@ class SimResult:
         return int(self.demand_loads_SL.sum() + self.prefetch_loads_SL.sum())
 
 
+@dataclass(frozen=True)
+class Forecasts:
+    """A fitted predictor's forecasts replayed from a trace (trace/predict.py forecast_ranks), per token of the
+    workload: experts ranked most likely first, -1 where there is none."""
+
+    next_NLR: np.ndarray | None = None
+    """For token n's *next* token at each layer, made once token n's layer has routed (what eviction ranks by:
+    the predicted next use)."""
+    ahead_NLR: np.ndarray | None = None
+    """For token n itself at each layer, made before that layer runs (what prefetch loads)."""
+
+
 class SimForecast:
     """Per step, a ranking `[L, R]` of the experts the next step is expected to use per layer, and from it
     fMoE's probabilities `[L, E+1]` (1/R on the ranked experts, or the prior's normalised frequencies)."""
 
-    def __init__(self, kind: ForecastKind, work: Workload, ids_NLK: np.ndarray, prior_LE: np.ndarray | None):
-        self.kind, self.work, self.ids_NLK = kind, work, ids_NLK
+    def __init__(self, kind: ForecastKind, work: Workload, ids_NLK: np.ndarray, prior_LE: np.ndarray | None,
+                 replayed: Forecasts | None = None):
+        self.kind, self.work, self.ids_NLK, self.replayed = kind, work, ids_NLK, replayed
         num_layers, e = work.header.num_layers, work.header.num_experts
         if kind == "prior":
             if prior_LE is None:
@@ -138,11 +155,24 @@ class SimForecast:
             return self._static_ranked
         if self.kind == "none":
             raise TraceError("this policy needs a forecast of the next step's experts (--forecast)")
+        if self.kind == "predictor":
+            assert self.replayed is not None and self.replayed.next_NLR is not None
+            return self._union(self.replayed.next_NLR, step)
         source = step if self.kind == "repeat" else step + 1
         if source >= self.work.num_steps:
             return np.full((len(self._rows_L1), 1), -1)
-        toks = self.work.step_tokens[self.work.step_ptr[source]:self.work.step_ptr[source + 1]]
-        ids = self.ids_NLK[toks]
+        return self._union(self.ids_NLK, source)
+
+    def ahead(self, step: int, width: int) -> np.ndarray:
+        """The `width` experts per layer to prefetch before `step` runs (-1: none), from the replayed forecast."""
+        assert self.replayed is not None and self.replayed.ahead_NLR is not None
+        ranked = self._union(self.replayed.ahead_NLR[:, :, :width], step)
+        return ranked[:, : width * (self.work.step_ptr[step + 1] - self.work.step_ptr[step])]
+
+    def _union(self, ids_NLX: np.ndarray, step: int) -> np.ndarray:
+        """The step's tokens' rankings per layer: one token's as it is, several by how many tokens name each."""
+        toks = self.work.step_tokens[self.work.step_ptr[step]:self.work.step_ptr[step + 1]]
+        ids = ids_NLX[toks].astype(np.int64)
         if len(toks) == 1:
             ranked = ids[0].copy()
         else:
@@ -151,7 +181,7 @@ class SimForecast:
             np.add.at(counts, (self._rows_L1[None], ids), 1)
             ranked = np.argsort(-counts[:, :e], axis=1, kind="stable")
             ranked[np.take_along_axis(counts[:, :e], ranked, 1) == 0] = -1
-        ranked[ranked >= self.work.header.num_experts] = -1
+        ranked[(ranked >= self.work.header.num_experts) | (ranked < 0)] = -1
         return ranked
 
     def prob(self, step: int) -> np.ndarray:
@@ -192,21 +222,44 @@ def check_spec(spec: SimSpec, h: TraceHeader, prior_LE: np.ndarray | None) -> No
         raise TraceError(f"policy '{spec.policy}' manages fixed per-layer slots; use scope 'layer'")
     if prior_LE is not None and prior_LE.shape != (h.num_layers, h.num_experts):
         raise TraceError(f"prior shape {prior_LE.shape} does not match the trace ({h.num_layers}, {h.num_experts})")
+    if spec.prefetch and (spec.forecast != "predictor" or spec.scope != "layer" or not drive.admits_on_miss):
+        raise TraceError("prefetch replays a fitted predictor's forecasts (--forecast predictor) into per-layer "
+                         f"caches of a policy that admits misses; not '{spec.policy}' with forecast "
+                         f"'{spec.forecast}' in scope '{spec.scope}'")
+    if spec.prefetch < 0 or spec.prefetch > spec.capacity:
+        raise TraceError(f"prefetch {spec.prefetch} experts must be between 0 and the capacity {spec.capacity}")
+
+
+def check_replayed(spec: SimSpec, replayed: Forecasts | None, num_tokens: int) -> None:
+    """A replayed forecast is there when the spec asks for one, and covers the workload's tokens."""
+    if spec.forecast != "predictor":
+        return
+    if replayed is None or replayed.next_NLR is None:
+        raise TraceError("forecast 'predictor' needs a fitted predictor's forecasts (--predictor NAME "
+                         "--predictor-file PATH)")
+    if spec.prefetch and replayed.ahead_NLR is None:
+        raise TraceError("prefetch needs the predictor's forecasts ahead of each layer (--prefetch-distance)")
+    for name in ("next_NLR", "ahead_NLR"):
+        ranks = getattr(replayed, name)
+        if ranks is not None and len(ranks) != num_tokens:
+            raise TraceError(f"the replayed forecasts cover {len(ranks)} tokens, the workload has {num_tokens}")
 
 
 def simulate(work: Workload, spec: SimSpec, prior_LE: np.ndarray | None = None,
-             progress: Progress | None = None) -> SimResult:
-    """Replay `work` through the policy and capacity of `spec`."""
+             progress: Progress | None = None, replayed: Forecasts | None = None) -> SimResult:
+    """Replay `work` through the policy and capacity of `spec` (forecast "predictor": `replayed`)."""
     check_spec(spec, work.header, prior_LE)
+    check_replayed(spec, replayed, len(work.ids_NLK))
     policy, drive = make_policy(spec.policy, seed=spec.seed), drive_of(spec.policy)
     h = work.header
     ids = work.ids_NLK.astype(np.int64)
     ids[ids == MISSING] = h.num_experts  # the sink column: never cached, never counted
-    forecast = SimForecast(spec.forecast, work, ids, prior_LE)
+    forecast = SimForecast(spec.forecast, work, ids, prior_LE, replayed)
     next_use = work.next_use_NLK() if drive.offline else None
     start = time.perf_counter()
     if spec.scope == "layer":
-        out = _replay_layers(work, policy, drive, spec.capacity, ids, forecast, next_use, prior_LE, progress, spec.warm)
+        out = _replay_layers(work, policy, drive, spec.capacity, ids, forecast, next_use, prior_LE, progress, spec.warm,
+                             spec.prefetch)
     else:
         out = _replay_global(work, policy, drive, spec.capacity, ids, forecast, next_use, prior_LE, progress, spec.warm)
     return SimResult(spec, *out, step_phase=work.step_phase, step_tokens=np.diff(work.step_ptr),
@@ -278,15 +331,36 @@ def _evict_layers(state: _State, policy: Ranked, step: int, count_L: np.ndarray,
     state.cached[np.broadcast_to(state.rows_L1, order.shape)[chosen], order[chosen]] = False
 
 
+def _prefetch_layers(state: _State, policy: Ranked, step: int, ahead_LR: np.ndarray, cap_L: np.ndarray) -> np.ndarray:
+    """PLEC's layer-order prefetch with per-layer caches: load each layer's forecast experts that are not cached,
+    evicting the lowest-priority experts outside the forecast; the forecast experts are protected. Returns the
+    loads per layer."""
+    want = np.zeros_like(state.cached)
+    valid = ahead_LR >= 0
+    want[np.broadcast_to(state.rows_L1, ahead_LR.shape)[valid], ahead_LR[valid]] = True
+    want[:, state.e] = False
+    load = want & ~state.cached
+    if load.any():
+        over = state.cached.sum(1) + load.sum(1) - cap_L
+        if over.max() > 0:
+            _evict_layers(state, policy, step, over, want)
+        room = cap_L - state.cached.sum(1)
+        load &= np.cumsum(load, axis=1) <= room[:, None]
+        state.cached |= load
+    return load.sum(1)
+
+
 def _replay_layers(work: Workload, policy: Ranked, drive: Drive, capacity: int, ids: np.ndarray, forecast: SimForecast,
                    next_use: np.ndarray | None, prior_LE: np.ndarray | None, progress: Progress | None,
-                   warm: bool = False):
+                   warm: bool = False, prefetch: int = 0):
     state = _State(work, prior_LE)
     cap_L = np.full(work.header.num_layers, capacity)
     _preload(state, drive, cap_L, warm)
     ptr, tokens, admits = work.step_ptr, work.step_tokens, drive.admits_on_miss
     wants_prob = forecast.kind != "none"
     for s in range(work.num_steps):
+        if prefetch:  # before the step's layers run: ranked by the previous step's forecasts
+            state.prefetch[s] = _prefetch_layers(state, policy, s, forecast.ahead(s, prefetch), cap_L)
         toks = tokens[ptr[s]:ptr[s + 1]]
         req = state.request(s, ids[toks], None if next_use is None else next_use[toks])
         hit = req & state.cached

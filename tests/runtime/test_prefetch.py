@@ -12,7 +12,7 @@ from moepager.errors import MoepagerError
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from moepager.trace.format import TraceReader
-from moepager.trace.predict import fit_expert_maps, fit_token_wise, fit_transition
+from moepager.trace.predict import FITTERS, FitOptions, fit_expert_maps, fit_token_wise, fit_transition
 
 PROMPTS = [[5, 9, 2, 40, 41], [7, 1, 3]]
 PARAMS = SamplingParams(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
@@ -32,12 +32,17 @@ def recorded(hf_checkpoint, tmp_path_factory):
         fit_transition(reader, everything, [1, 2, 3]).save(out / "transition.pt")
         fit_expert_maps(reader, everything, capacity=50).save(out / "expert-map.pt")
         fit_token_wise(reader, everything, epochs=50).save(out / "token-wise.pt")
+        num_layers = reader.header.num_layers
+        options = FitOptions(distances=(1, num_layers), head_epochs=2, path_epochs=2)
+        for name in ("head", "path"):
+            FITTERS[name].fit(reader, everything, options, lambda advance: None).save(out / f"{name}.pt")
     return path, reference, out
 
 
 @pytest.mark.parametrize("predictor, fitted, scope", [
     ("gate-lookahead", False, "layer"), ("transition", True, "layer"), ("expert-map", True, "layer"),
-    ("expert-map", False, "global"), ("token-wise", True, "layer"), ("gate-lookahead", False, "global")])
+    ("expert-map", False, "global"), ("token-wise", True, "layer"), ("gate-lookahead", False, "global"),
+    ("head", True, "layer"), ("path", True, "layer"), ("path", True, "global")])
 def test_every_predictor_prefetches_without_changing_outputs(recorded, predictor, fitted, scope):
     path, reference, files = recorded
     llm = LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", direct_io="off", scope=scope, warm=False),
@@ -102,6 +107,17 @@ def test_fmoe_eviction_with_expert_map_forecasts_is_lossless(recorded):
               prefetch=PrefetchConfig("expert-map", file=str(files / "expert-map.pt")))
     assert [c.token_ids for c in llm.generate(PROMPTS, PARAMS)] == reference
     policy = llm.loaded.experts.store.order.inner
+    assert not np.isnan(policy.stats.prob[: len(policy._index)]).all()  # the forecasts reached the policy
+
+
+def test_plec_eviction_ranks_by_the_heads_next_token_forecasts_and_is_lossless(recorded):
+    path, reference, files = recorded
+    llm = LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", direct_io="off", policy="plec", warm=False),
+              prefetch=PrefetchConfig("head", file=str(files / "head.pt"), per_row=1))
+    assert [c.token_ids for c in llm.generate(PROMPTS, PARAMS)] == reference
+    prefetcher = llm.loaded.prefetcher if hasattr(llm.loaded, "prefetcher") else None
+    policy = llm.loaded.experts.store.order.inner
+    assert type(policy).__name__ == "PLEC" and (prefetcher is None or prefetcher.next_use)
     assert not np.isnan(policy.stats.prob[: len(policy._index)]).all()  # the forecasts reached the policy
 
 
