@@ -71,6 +71,14 @@ def arguments(device: str, layers: int, threads: int | None) -> argparse.Argumen
     ap.add_argument("--all-combinations", action="store_true",
                     help="every policy with every predictor (default: predictors with the first policy only)")
     ap.add_argument("--fit-requests", type=int, default=1500, help="trace requests the predictors are fitted on")
+    ap.add_argument("--prefetch-k", type=int, help="experts prefetched per forecast row (default: the model's top-k)")
+    ap.add_argument("--out", help="results name (default: the script's)")
+    ap.add_argument("--no-ttft", action="store_true", help="skip the TTFT table")
+    ap.add_argument("--configs", nargs="+", metavar="POLICY[+PREDICTOR]",
+                    help="exactly these configurations at every budget below 100% (instead of --policies x "
+                         "--predictors), e.g. lru plec+head")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the configurations this many times, interleaved (A B A B ...: the disk drifts)")
     ap.add_argument("--remodel", action="store_true",
                     help="measure nothing: re-evaluate the cost model on the last run's measurements and profile "
                          "(after a change to the model, not to the constants)")
@@ -79,6 +87,11 @@ def arguments(device: str, layers: int, threads: int | None) -> argparse.Argumen
 
 
 def configs(args: argparse.Namespace) -> list[Config]:
+    if args.configs:
+        resident = [Config(b) for b in args.budgets if b in ("100%", "all")]
+        paged = [Config(b, c.partition("+")[0], c.partition("+")[2] or None)
+                 for b in args.budgets if b not in ("100%", "all") for c in args.configs]
+        return resident + paged * args.repeat
     out = []
     predictors = [None if p == "none" else p for p in args.predictors]
     for budget in args.budgets:
@@ -111,11 +124,14 @@ def fitted_predictors(trace: Path, fit: list[int], names: list[str]) -> dict[str
     out.mkdir(parents=True, exist_ok=True)
     with TraceReader(trace) as reader:
         for name in names:
-            path = files[name] = out / f"{trace.stem}-fit{len(fit)}-{name}.pt"
+            path = files[name] = out / f"{trace.stem}-fit{len(fit)}-{name}-v2.pt"
             if path.exists():
                 continue
             print(f"fitting {name} on {len(fit)} requests of {trace.name}")
-            fitted = FITTERS[name].fit(reader, fit, FitOptions(), lambda advance: None)
+            # the head also forecasts each layer at the next token (distance L: PLEC's next use); the engine's
+            # token ids are not the trace's token strings, so it leaves the token out
+            options = FitOptions(distances=(1, 2, 3, reader.header.num_layers), tokens=False)
+            fitted = FITTERS[name].fit(reader, fit, options, lambda advance: None)
             fitted.save(path)
     return files
 
@@ -136,7 +152,8 @@ def replayed_requests(trace: Path, fit: int, count: int, tokens: int, from_end: 
 def measure(path: Path, cfg: Config, args: argparse.Namespace, spec: ReplaySpec, files: dict[str, Path]) -> dict:
     store = None if cfg.budget in ("100%", "all") else StoreConfig(expert_memory=cfg.budget, policy=cfg.policy,
                                                                      io_threads=args.io_threads)
-    prefetch = PrefetchConfig(cfg.predictor, str(files[cfg.predictor])) if cfg.predictor else PrefetchConfig()
+    prefetch = PrefetchConfig(cfg.predictor, str(files[cfg.predictor]), per_row=args.prefetch_k) if cfg.predictor \
+        else PrefetchConfig()
     llm = LLM(path, device=args.device, threads=args.threads, store=store, prefetch=prefetch, show_progress=False)
     return {"config": cfg.label, "budget": cfg.budget, "policy": cfg.policy, "predictor": cfg.predictor or "none"} \
         | replayed_run(llm, spec, args.layers)
@@ -177,6 +194,7 @@ def modeled(cost: CostModel, trace: Path, requests: list[int], cut: Cut, policy:
 
 def main(device: str, layers: int, threads: int | None, name: str) -> None:
     args = arguments(device, layers, threads).parse_args()
+    name = args.out or name
     if args.threads:
         torch.set_num_threads(args.threads)
     state = machine_state() | {"threads": torch.get_num_threads(), "device": device}
@@ -191,7 +209,8 @@ def main(device: str, layers: int, threads: int | None, name: str) -> None:
     if args.remodel:
         return remodel(name, trace, requests, cut, args)
     spec = ReplaySpec(trace, requests, args.prompt, "match", args.decode)
-    files = fitted_predictors(trace, fit, [p for p in args.predictors if p != "none"])
+    wanted = {c.predictor for c in configs(args) if c.predictor}
+    files = fitted_predictors(trace, fit, sorted(wanted))
     print(f"calibrating {path.name} on {device} (before the runs) ...")
     options = CalibrateOptions(device, args.io_threads, prefill_tokens=args.ttft_prompt)
     before = calibrate(path, options)
@@ -212,10 +231,10 @@ def main(device: str, layers: int, threads: int | None, name: str) -> None:
     profile.write(RESULTS / f"{name}_profile.json")
     cost = CostModel.profile(str(RESULTS / f"{name}_profile.json"), 0)
     model_rows(rows, cost, trace, requests, cut)
-    base = next(r["decode_tok_s"] for r in rows if r["per_layer"] is None)
+    base = next((r["decode_tok_s"] for r in rows if r["per_layer"] is None), None)
     for r in rows:
-        r["vs_resident"] = r["decode_tok_s"] / base
-    ttft = ttft_rows(path, trace, args, cost)
+        r["vs_resident"] = r["decode_tok_s"] / base if base else None
+    ttft = [] if args.no_ttft else ttft_rows(path, trace, args, cost)
     report(rows, ttft, args)
     out = write_json(name, {"machine": state, "model": str(path), "trace": str(trace), "replayed_requests": requests,
                             "fitted_on": f"requests 0:{args.fit_requests}", "args": vars(args),
@@ -299,6 +318,15 @@ def report(rows: list[dict], ttft: list[dict], args: argparse.Namespace) -> None
     print(f"calibrated model vs measured TPOT: worst {max(errors):.1%} "
           f"({'within' if max(errors) <= TOLERANCE else 'OUTSIDE'} +-{TOLERANCE:.0%}), median "
           f"{statistics.median(errors):.1%} over {len(errors)} configurations")
+    by_config: dict[str, list[float]] = {}
+    for r in rows:
+        by_config.setdefault(r["config"], []).append(r["tpot_ms"])
+    if any(len(v) > 1 for v in by_config.values()):
+        first = next(iter(v for k, v in by_config.items() if not k.startswith("100%")), None)
+        print("median TPOT over the repeats: " + ", ".join(
+            f"{k} {statistics.median(v):.1f} ms ({len(v)} runs"
+            + (f", {statistics.median(first) / statistics.median(v):.3f}x the first)" if first else ")")
+            for k, v in by_config.items()))
     own = [r for r in rows if "model_own_disk_error" in r]
     if own:
         print("the same model with each configuration's own effective disk rate (the store's bytes / disk-busy time "

@@ -46,6 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--max-iterations", type=int, default=20_000,
                    help="expert-map: iterations sampled from the trace for the store (default 20000)")
     f.add_argument("--distance", type=int, default=3, help="expert-map: prefetch distance (redundancy weights)")
+    f.add_argument("--neighbours", type=int, default=1,
+                   help="expert-map: average the best N matching maps (default 1: fMoE's single best)")
+    f.add_argument("--trajectory-only", action="store_true",
+                   help="expert-map: match by routing trajectory only (no semantic embedding)")
     f.add_argument("--epochs", type=int, default=200, help="token-wise: full-batch Adam epochs (default 200)")
     f.add_argument("--sources", type=int, default=1,
                    help="transition: observed layers combined per forecast (default 1: co-occurrence with back-off)")
@@ -73,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
                              distance=args.distance, max_iterations=args.max_iterations, epochs=args.epochs,
                              sources=args.sources, alpha=args.alpha, head_epochs=args.head_epochs,
                              path_epochs=args.path_epochs, tokens=not args.no_tokens,
+                             neighbours=args.neighbours, trajectory_only=args.trajectory_only,
                              seed=args.seed,
                              path_shape=args.shape, resume=args.resume)
         with tqdm(total=fitter.total(everything, options), unit=fitter.unit, desc=args.kind) as bar:

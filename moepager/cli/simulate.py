@@ -13,11 +13,13 @@ from moepager.errors import MoepagerError
 from moepager.outputs import atomic_file, check_file
 from moepager.planning.cost import PROFILES, CostModel
 from moepager.policies import POLICIES
+from moepager.predictors import FITTED, make_predictor
 from moepager.store.budget import Budget, format_bytes
 from moepager.trace.format import DECODE, TraceError, TraceReader
 from moepager.trace.report import format_table, plot_hit_rates, summary
-from moepager.trace.simulate import FORECASTS, SimSpec, check_spec, simulate
-from moepager.trace.workload import Cut, Workload, load_workload, parse_requests
+from moepager.trace.predict import replay_forecasts
+from moepager.trace.simulate import FORECASTS, Forecasts, SimSpec, check_spec, simulate
+from moepager.trace.workload import Cut, Workload, chosen_requests, load_workload, parse_requests
 
 HELP = "replay a routing trace through cache policies: hit rates, traffic and modeled TPOT/TTFT"
 
@@ -41,7 +43,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warm", action="store_true",
                    help="start with the cache filled as the engine's warm start fills it (default: empty, as --cold)")
     p.add_argument("--forecast", choices=FORECASTS, default="none",
-                   help="next-step experts for fmoe probabilities and smoe prefetch (default none)")
+                   help="next-step experts for fmoe/plec probabilities and smoe prefetch (default none); "
+                        "predictor: a fitted predictor's forecasts (--predictor, --predictor-file)")
+    p.add_argument("--predictor", choices=FITTED, help="--forecast predictor: which fitted predictor")
+    p.add_argument("--predictor-file", help="--forecast predictor: the file `moepager predictor fit` wrote")
+    p.add_argument("--prefetch", type=int, default=0, metavar="N",
+                   help="--forecast predictor: load the forecast's N most likely experts of each layer before it "
+                        "runs (PLEC's layer-order prefetch; default 0: eviction only)")
+    p.add_argument("--prefetch-distance", type=int, default=1, metavar="D",
+                   help="--prefetch: forecasts made D MoE layers ahead (default 1)")
     p.add_argument("--prior", help="frequency prior: a trace file (its request counts) or FILE:NAME of its priors")
     p.add_argument("--profile", metavar="NAME|FILE.json",
                    help=f"hardware profile for modeled TPOT/TTFT: one of {', '.join(sorted(PROFILES))}, or a "
@@ -73,6 +83,28 @@ def load_prior(text: str | None, work: Workload) -> np.ndarray | None:
         raise TraceError(f"prior {path} has {prior.shape} layers x experts; the trace has "
                          f"{(work.header.num_layers, work.header.num_experts)}")
     return prior
+
+
+def predicted(args: argparse.Namespace, work: Workload, cut: Cut) -> Forecasts | None:
+    """A fitted predictor's forecasts over the replayed requests (--forecast predictor), made before any run."""
+    if args.forecast != "predictor":
+        if args.predictor or args.prefetch:
+            raise TraceError("--predictor and --prefetch replay a fitted predictor's forecasts: add --forecast "
+                             "predictor")
+        return None
+    if not args.predictor or not args.predictor_file:
+        raise TraceError("--forecast predictor needs --predictor NAME and --predictor-file PATH")
+    if cut != Cut():
+        raise TraceError("--forecast predictor replays whole requests as recorded; drop --route-prompt, "
+                         "--decode-steps and --layers (cut the trace with `trace` tools first)")
+    h = work.header
+    predictor = make_predictor(args.predictor, num_layers=h.num_layers, num_experts=h.num_experts,
+                               file=args.predictor_file, distance=args.prefetch_distance)
+    with TraceReader(args.trace) as reader:
+        chosen = chosen_requests(parse_requests(args.requests) if args.requests else None, len(reader), args.trace)
+        with tqdm(total=len(chosen), desc=f"{args.predictor} forecasts", unit="request", leave=False) as bar:
+            return replay_forecasts(predictor, reader, chosen, work.request_N,
+                                    args.prefetch_distance if args.prefetch else None, bar.update)
 
 
 def capacities(text: str, work: Workload, expert_bytes: int, scope: str) -> list[int]:
@@ -112,10 +144,11 @@ def run(args: argparse.Namespace) -> int:
                                      dense_bytes_per_layer=args.dense_bytes_per_layer, overlap=args.overlap)
         except ValueError as e:
             raise TraceError(str(e)) from None
-    specs = [SimSpec(p.strip(), c, args.scope, args.forecast, warm=args.warm) for p in args.policy.split(",")
-             for c in capacities(args.capacity, work, expert_bytes, args.scope)]
+    specs = [SimSpec(p.strip(), c, args.scope, args.forecast, warm=args.warm, prefetch=args.prefetch)
+             for p in args.policy.split(",") for c in capacities(args.capacity, work, expert_bytes, args.scope)]
     for spec in specs:  # every run's needs, before the first one starts
         check_spec(spec, work.header, prior)
+    replayed = predicted(args, work, cut)
     h = work.header
     steps = ("order decode: every token replayed as its own step" if args.order == "decode" and args.batch == 1
              and args.route_prompt is None else f"order {args.order}, batch {args.batch}")
@@ -127,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
         with tqdm(total=len(specs) * work.num_steps, desc="simulating", unit="step", unit_scale=True) as bar:
             for spec in specs:
                 done = bar.n
-                rows.append(summary(simulate(work, spec, prior, lambda s: bar.update(done + s - bar.n)), work, cost))
+                rows.append(summary(simulate(work, spec, prior, lambda s: bar.update(done + s - bar.n), replayed),
+                                    work, cost))
                 bar.update(done + work.num_steps - bar.n)
     finally:  # what finished is printed and saved even when a later run fails or is interrupted
         if rows:

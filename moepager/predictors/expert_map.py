@@ -16,6 +16,13 @@ Semantic embeddings (`sem_kind`): "embedding" pools the model's embedding layer 
 far (the paper's choice; the engine's online stores); "hashed-tokens" is the stand-in for traces without a
 model: a feature-hashed bag of the request's token ids (or strings) so far. A store fitted on a trace keeps
 its kind, and the engine computes the same kind when it uses that store.
+Neighbours (`neighbours` m > 1, not in the paper): the forecast averages the target layer of the m best-matching
+maps, weighted by their similarity, instead of taking the single best. On top-1 (or K-hot) traces without gate
+scores a stored map is one-hot per layer, so one matched map names exactly K experts for the target and ranks
+the rest arbitrarily (recall@2K = recall@K), and a trajectory's cosine with thousands of one-hot prefixes ties
+between many maps; the single best map then collapses to a near-random pick. Averaging the m best turns the
+matches into a ranking. Semantic kind "none" is the trajectory-only mode for traces without tokens: before
+any layer of the iteration is observed it forecasts the store's mean map (the layer's frequencies).
 Shape legend: N rows, C stored maps, L MoE layers, E experts, D embedding width.
 """
 
@@ -33,7 +40,7 @@ from moepager.predictors.base import Forecast, LayerObservation, PredictorError
 
 DEFAULT_CAPACITY = 1000
 HASH_DIM = 256
-SemKind = Literal["embedding", "hashed-tokens"]
+SemKind = Literal["embedding", "hashed-tokens", "none"]
 
 
 def hashed_tokens(tokens: Sequence[str | int], dim: int = HASH_DIM) -> torch.Tensor:
@@ -55,10 +62,12 @@ class ExpertMapStore:
     """Up to `capacity` (semantic embedding, expert map) pairs, deduplicated by redundancy."""
 
     def __init__(self, num_layers: int, num_experts: int, sem_kind: SemKind, capacity: int = DEFAULT_CAPACITY,
-                 distance: int = 3):
+                 distance: int = 3, neighbours: int = 1):
         if capacity < 1:
             raise PredictorError(f"expert map store capacity must be at least 1, got {capacity}")
-        self.capacity, self.distance, self.sem_kind = capacity, distance, sem_kind
+        if neighbours < 1:
+            raise PredictorError(f"expert maps need at least 1 neighbour, got {neighbours}")
+        self.capacity, self.distance, self.sem_kind, self.neighbours = capacity, distance, sem_kind, neighbours
         self.maps_CLE = torch.zeros(0, num_layers, num_experts)
         self.sem_CD = torch.zeros(0, 0)
 
@@ -89,12 +98,13 @@ class ExpertMapStore:
 
     def save(self, path: str | Path) -> None:
         torch.save({"kind": "expert-map", "maps": self.maps_CLE, "sem": self.sem_CD, "capacity": self.capacity,
-                    "distance": self.distance, "sem_kind": self.sem_kind}, path)
+                    "distance": self.distance, "sem_kind": self.sem_kind, "neighbours": self.neighbours}, path)
 
     @classmethod
     def from_state(cls, state: dict) -> ExpertMapStore:
         maps, sem = state["maps"], state["sem"]
-        store = cls(maps.shape[1], maps.shape[2], state["sem_kind"], state["capacity"], state["distance"])
+        store = cls(maps.shape[1], maps.shape[2], state["sem_kind"], state["capacity"], state["distance"],
+                    state.get("neighbours", 1))
         store.maps_CLE, store.sem_CD = maps.float(), sem.float()
         return store
 
@@ -110,8 +120,8 @@ class ExpertMapPredictor:
     hidden = None
 
     @property
-    def semantic(self) -> SemKind:
-        return self.store.sem_kind
+    def semantic(self) -> SemKind | None:
+        return None if self.store.sem_kind == "none" else self.store.sem_kind
 
     def __init__(self, store: ExpertMapStore, learn: bool = False):
         self.store = store
@@ -122,10 +132,12 @@ class ExpertMapPredictor:
         self._norm2_NC: torch.Tensor | None = None
         self._own2_N: torch.Tensor | None = None
         self._observed: list[torch.Tensor] = []
+        self._tokens = 0
 
     def start_iteration(self, token_ids_N: torch.Tensor, sem_ND: torch.Tensor | None) -> None:
         self._finish_iteration()
         self._sem_ND = None if sem_ND is None else sem_ND.float()
+        self._tokens = len(token_ids_N)
         self._dots_NC = self._norm2_NC = self._own2_N = None
         self._observed = []
 
@@ -145,12 +157,26 @@ class ExpertMapPredictor:
             return None
         if ahead == 0 and self._dots_NC is not None:
             score_NC = self._dots_NC / (self._own2_N[:, None] * self._norm2_NC).sqrt().clamp(min=1e-12)
-        elif self._sem_ND is not None and self._sem_ND.shape[1] == self.store.sem_CD.shape[1]:
+        elif self.store.sem_kind != "none" and self._sem_ND is not None and \
+                self._sem_ND.shape[1] == self.store.sem_CD.shape[1]:
             score_NC = F.normalize(self._sem_ND, dim=1) @ F.normalize(self.store.sem_CD, dim=1).T
+        elif self.store.sem_kind == "none" and ahead == 0 and self._rows():  # trajectory-only, nothing observed
+            return Forecast(self.store.maps_CLE[:, layer].mean(0, keepdim=True).expand(self._rows(), -1))
         else:
             return None
-        best_N, y_N = score_NC.max(1)
-        return Forecast(self.store.maps_CLE[y_N, layer], best_N)
+        m = min(self.store.neighbours, score_NC.shape[1])
+        if m == 1:
+            best_N, y_N = score_NC.max(1)
+            return Forecast(self.store.maps_CLE[y_N, layer], best_N)
+        best_NM, y_NM = score_NC.topk(m, dim=1)
+        weight_NM = best_NM.clamp(min=0) + 1e-6
+        probs_NE = (weight_NM[..., None] * self.store.maps_CLE[y_NM, layer]).sum(1) / weight_NM.sum(1, keepdim=True)
+        return Forecast(probs_NE, best_NM[:, 0])
+
+    def _rows(self) -> int:
+        if self._observed:
+            return len(self._observed[0])
+        return self._tokens if self._tokens else 0 if self._sem_ND is None else len(self._sem_ND)
 
     def _finish_iteration(self) -> None:
         """Online mode: a fully observed iteration becomes a stored map."""

@@ -37,6 +37,7 @@ from moepager.predictors import head, path
 from moepager.predictors.expert_map import DEFAULT_CAPACITY, HASH_DIM, hashed_tokens, prefix_means
 from moepager.predictors.token_wise import train_token_wise
 from moepager.trace.format import TraceHeader, TraceReader, TraceRequest
+from moepager.trace.simulate import Forecasts
 
 Progress = Callable[[int], None]
 PASS = 0
@@ -108,18 +109,21 @@ def fit_transition(reader: TraceReader, train: Sequence[int], distances: Sequenc
 
 def fit_expert_maps(reader: TraceReader, train: Sequence[int], capacity: int = DEFAULT_CAPACITY,
                     distance: int = 3, max_iterations: int = 20_000, seed: int = 0,
-                    progress: Progress | None = None) -> ExpertMapStore:
+                    progress: Progress | None = None, neighbours: int = 1,
+                    trajectory_only: bool = False) -> ExpertMapStore:
     """fMoE's offline store: iterations of the training requests (a seeded sample of at most
     `max_iterations`) inserted with redundancy-based replacement. Requests without token ids or strings get a
-    zero semantic embedding (the semantic search then cannot forecast for them)."""
+    zero semantic embedding (the semantic search then cannot forecast for them); `trajectory_only` stores none
+    (semantic kind "none")."""
     h = reader.header
     total = sum(reader.request(i).num_tokens for i in train) if len(train) else 0
     keep = min(1.0, max_iterations / max(total, 1))
     rng = np.random.default_rng(seed)
-    store = ExpertMapStore(h.num_layers, h.num_experts, "hashed-tokens", capacity, distance)
+    store = ExpertMapStore(h.num_layers, h.num_experts, "none" if trajectory_only else "hashed-tokens", capacity,
+                           distance, neighbours)
     for i in train:
         request = reader.request(i)
-        sem = semantic_rows(request)
+        sem = None if trajectory_only else semantic_rows(request)
         if sem is None:
             sem = torch.zeros(request.num_tokens, HASH_DIM)
         rows = np.flatnonzero(rng.random(request.num_tokens) < keep)
@@ -161,6 +165,10 @@ class FitOptions:
     """expert-map: the prefetch distance its redundancy weights are for."""
     max_iterations: int = 20_000
     """expert-map: iterations sampled from the trace."""
+    neighbours: int = 1
+    """expert-map: best-matching maps averaged per forecast (1: fMoE's single best map)."""
+    trajectory_only: bool = False
+    """expert-map: match by routing trajectory only (no semantic embedding; traces without tokens)."""
     epochs: int = 200
     """token-wise: full-batch Adam epochs."""
     head_epochs: int = 4
@@ -219,7 +227,8 @@ def fit_path(reader: TraceReader, train: Sequence[int], o: FitOptions, progress:
 FITTERS: dict[str, Fitter] = {
     "transition": Fitter(_fit_transition, "fit", lambda train, o: 1),
     "expert-map": Fitter(lambda reader, train, o, progress: ExpertMapPredictor(fit_expert_maps(
-        reader, train, o.capacity, o.distance, o.max_iterations, progress=progress)), "request",
+        reader, train, o.capacity, o.distance, o.max_iterations, progress=progress, neighbours=o.neighbours,
+        trajectory_only=o.trajectory_only)), "request",
         lambda train, o: len(train)),
     "token-wise": Fitter(lambda reader, train, o, progress: fit_token_wise(
         reader, train, o.epochs, progress=lambda epoch, loss: progress(1)), "epoch", lambda train, o: o.epochs),
@@ -337,6 +346,26 @@ def forecast_ranks(predictor: Predictor, reader: TraceReader, requests: Sequence
         if progress is not None:
             progress(1)
     return np.concatenate(out) if out else np.zeros((0, h.num_layers, width), np.int16)
+
+
+def replay_forecasts(predictor: Predictor, reader: TraceReader, requests: Sequence[int], request_N: np.ndarray,
+                     prefetch_distance: int | None, progress: Progress | None = None) -> Forecasts:
+    """What the simulator replays into a policy (`--forecast predictor`): for each token of `requests` (laid
+    out as `request_N` numbers them), the forecast of its next token at every layer, made once the token's layer
+    has routed (distance L; the predicted next use PLEC evicts by; 2K wide), and, with `prefetch_distance`, the
+    forecast of the token itself made that many layers ahead (K wide; what prefetch loads)."""
+    h = reader.header
+    made = forecast_ranks(predictor, reader, requests, h.num_layers, 2 * h.top_k, progress)
+    if (made < 0).all():
+        raise PredictorError(f"{predictor.name} makes no forecast of a layer at the next token (distance "
+                             f"{h.num_layers}); fit it for that distance (--distances ...,{h.num_layers})")
+    following = np.full_like(made, -1)
+    same = request_N[1:] == request_N[:-1]
+    following[:-1][same] = made[1:][same]
+    ahead = None
+    if prefetch_distance is not None:
+        ahead = forecast_ranks(predictor, reader, requests, prefetch_distance, h.top_k)
+    return Forecasts(following, ahead)
 
 
 def _put(ranks_TR: np.ndarray, forecast: Forecast | None, ahead: int, width: int) -> None:

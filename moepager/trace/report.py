@@ -19,7 +19,8 @@ def summary(result: SimResult, work: Workload, cost: CostModel | None) -> dict[s
     h = work.header
     tokens = int(result.step_tokens.sum())
     row: dict[str, Any] = {
-        "policy": result.spec.policy, "forecast": result.spec.forecast, "capacity": result.spec.capacity,
+        "policy": result.spec.policy, "forecast": result.spec.forecast, "prefetch": result.spec.prefetch,
+        "capacity": result.spec.capacity,
         "scope": result.spec.scope, "hit_rate": result.hit_rate(), "prefill_hit_rate": result.hit_rate(PREFILL),
         "decode_hit_rate": result.hit_rate(DECODE), "misses": result.misses, "loads": result.loads,
         "loads_per_token": result.loads / max(tokens, 1), "tokens": tokens, "steps": len(result.step_tokens),
@@ -50,7 +51,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
     lines = [head]
     for r in rows:
-        name = r["policy"] + (f"/{r['forecast']}" if r["forecast"] != "none" else "")
+        name = r["policy"] + (f"/{r['forecast']}" if r["forecast"] != "none" else "") + \
+            (f"+pf{r['prefetch']}" if r.get("prefetch") else "")
         lines.append([name, f"{r['capacity']}{' global' if r['scope'] == 'global' else ''}", pct(r["hit_rate"]),
                       pct(r["prefill_hit_rate"]), pct(r["decode_hit_rate"]), f"{r['loads_per_token']:.2f}",
                       num(r.get("bytes_per_token", 0) / 2**20 if "bytes_per_token" in r else None, ".1f"),
@@ -70,7 +72,8 @@ def plot_hit_rates(rows: Sequence[dict[str, Any]], path: str | Path, title: str)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     lines: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
-        name = r["policy"] + (f"/{r['forecast']}" if r["forecast"] != "none" else "")
+        name = r["policy"] + (f"/{r['forecast']}" if r["forecast"] != "none" else "") + \
+            (f"+pf{r['prefetch']}" if r.get("prefetch") else "")
         lines.setdefault(name, []).append((r["capacity"], 100 * r["hit_rate"]))
     for name, points in lines.items():
         points.sort()

@@ -15,7 +15,7 @@ from moepager.types import ExpertKey
 
 def test_registry_names_and_errors():
     assert isinstance(make_policy("lru"), LRU)
-    assert ENGINE_POLICIES == ["lru", "lfu", "lcp", "rnd", "fmoe"]
+    assert ENGINE_POLICIES == ["lru", "lfu", "lcp", "rnd", "fmoe", "plec"]
     with pytest.raises(UnknownPolicyError, match=r"unknown eviction policy 'lur'; choose from \['belady', "):
         make_policy("lur")
     with pytest.raises(UnknownPolicyError, match="'belady' runs only in the trace simulator"):

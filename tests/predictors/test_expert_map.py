@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moepager.predictors import ExpertMapPredictor, ExpertMapStore, LayerObservation, make_predictor
+from moepager.predictors import ExpertMapPredictor, ExpertMapStore, LayerObservation, k_hot, make_predictor
 from moepager.predictors.expert_map import hashed_tokens, prefix_means
 
 L, E = 3, 4
@@ -56,3 +56,29 @@ def test_hashed_semantics_are_running_means_of_token_hashes():
     assert vec.shape == (3, 256) and torch.equal(vec[0], vec[2]) and vec.abs().sum(1).tolist() == [1, 1, 1]
     means = prefix_means(vec)
     assert torch.allclose(means[1], (vec[0] + vec[1]) / 2)
+
+
+def test_neighbours_turn_one_hot_matches_into_a_ranking_and_trajectory_only_needs_no_tokens():
+    # top-1 maps over 2 layers of 4 experts: after expert 0 at layer 0, layer 1 is expert 1 twice, expert 2 once
+    ids = torch.tensor([[[0], [1]], [[0], [1]], [[0], [2]], [[3], [3]]])
+    maps = torch.stack([k_hot(ids[:, layer], 4) for layer in range(2)], 1)
+    store = ExpertMapStore(2, 4, "none", capacity=10, neighbours=3)
+    store.add(torch.zeros(4, 1), maps)
+    p = ExpertMapPredictor(store)
+    assert p.semantic is None
+    p.start_iteration(torch.tensor([0]), None)
+    before = p.forecast(1, 0).probs_NE[0]  # nothing observed: the store's mean map
+    assert torch.allclose(before, maps[:, 1].mean(0))
+    p.observe(0, LayerObservation(k_hot(torch.tensor([[0]]), 4), torch.tensor([[0]])))
+    ranked = p.forecast(1, 0).top(3)[0].tolist()
+    assert ranked[:2] == [1, 2]  # the three matching maps vote: 1 twice, then 2
+    assert p.forecast(0, 1) is None  # no semantic search in trajectory-only mode
+    single = ExpertMapPredictor(ExpertMapStore.from_state({**_state(store), "neighbours": 1}))
+    single.start_iteration(torch.tensor([0]), None)
+    single.observe(0, LayerObservation(k_hot(torch.tensor([[0]]), 4), torch.tensor([[0]])))
+    assert (single.forecast(1, 0).probs_NE[0] > 0).sum() == 1  # fMoE's best map names one expert only
+
+
+def _state(store):
+    return {"maps": store.maps_CLE, "sem": store.sem_CD, "capacity": store.capacity, "distance": store.distance,
+            "sem_kind": store.sem_kind}

@@ -100,3 +100,38 @@ def test_cost_model_orders_overlap_and_links():
     all_hits = model.step_times(n, n, z, tokens, 2, False)[0]
     assert all_hits == pytest.approx(8 * model.compute_s(0.5))
     assert t_layer > all_hits
+
+
+def test_replayed_forecasts_drive_plec_eviction_and_prefetch(tmp_path):
+    from moepager.trace.simulate import Forecasts
+
+    # one layer, top-1 of 4 experts, 2 slots: the sequence cycles 0 1 2 0 1 2 ..., which LRU always misses
+    sequence = [0, 1, 2] * 10
+    work = _one_layer_trace(tmp_path / "c.mpt", sequence)
+    exact_next = np.array(sequence[1:] + [-1], np.int16).reshape(-1, 1, 1)  # the true next use
+    lru = simulate(work, SimSpec("lru", 2))
+    assert lru.hit_rate() == 0.0
+    evict = simulate(work, SimSpec("plec", 2, forecast="predictor"), replayed=Forecasts(next_NLR=exact_next))
+    assert evict.hit_rate() > 0.4 and evict.prefetch_loads_SL.sum() == 0  # keeps what comes next
+    ahead = np.array(sequence, np.int16).reshape(-1, 1, 1)  # a perfect forecast of each token, made before it
+    both = simulate(work, SimSpec("plec", 2, forecast="predictor", prefetch=1),
+                    replayed=Forecasts(next_NLR=exact_next, ahead_NLR=ahead))
+    assert both.hit_rate() == 1.0 and both.demand_loads_SL.sum() == 0  # every expert is there when it routes
+    wrong = simulate(work, SimSpec("lru", 2, forecast="predictor", prefetch=1),
+                     replayed=Forecasts(next_NLR=exact_next, ahead_NLR=(ahead + 1) % 4))
+    assert wrong.hit_rate() == 0.0 and wrong.loads > lru.loads  # wrong forecasts only cost loads
+
+
+def test_replayed_forecasts_are_checked(tmp_path):
+    from moepager.trace.simulate import Forecasts
+
+    work = _one_layer_trace(tmp_path / "c.mpt", [0, 1, 2, 3])
+    with pytest.raises(TraceError, match="needs a fitted predictor's forecasts"):
+        simulate(work, SimSpec("plec", 2, forecast="predictor"))
+    with pytest.raises(TraceError, match="cover 2 tokens, the workload has 4"):
+        simulate(work, SimSpec("plec", 2, forecast="predictor"), replayed=Forecasts(np.zeros((2, 1, 1), np.int16)))
+    with pytest.raises(TraceError, match="prefetch replays a fitted predictor's forecasts"):
+        simulate(work, SimSpec("lru", 2, prefetch=1))
+    with pytest.raises(TraceError, match="prefetch needs the predictor's forecasts ahead"):
+        simulate(work, SimSpec("lru", 2, forecast="predictor", prefetch=1),
+                 replayed=Forecasts(np.zeros((4, 1, 1), np.int16)))

@@ -31,3 +31,25 @@ def test_simulate_errors(tmp_path, capsys):
     assert main(["simulate", str(trace), "--policy", "static-hot"]) == 2
     err = capsys.readouterr().err
     assert "unknown eviction policy 'lur'" in err and "use at least 2" in err and "needs a prior" in err
+
+
+def test_simulate_replays_a_fitted_predictors_forecasts(tmp_path, capsys):
+    trace = random_trace(tmp_path / "t.mpt")
+    head = tmp_path / "head.pt"
+    assert main(["predictor", "fit", "--kind", "head", "--trace", str(trace), "--out", str(head),
+                 "--distances", "1,3", "--head-epochs", "2"]) == 0
+    out_json = tmp_path / "r.json"
+    assert main(["simulate", str(trace), "--policy", "lru,plec", "--capacity", "4", "--forecast", "predictor",
+                 "--predictor", "head", "--predictor-file", str(head), "--prefetch", "2", "--json", str(out_json)]) == 0
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [r["prefetch"] for r in rows] == [2, 2] and "plec/predictor+pf2" in capsys.readouterr().out
+    assert all(r["loads"] >= r["misses"] for r in rows)  # prefetches are loads too
+    assert main(["simulate", str(trace), "--policy", "plec", "--prefetch", "2"]) == 2
+    assert main(["simulate", str(trace), "--policy", "plec", "--forecast", "predictor"]) == 2
+    no_next = tmp_path / "near.pt"
+    assert main(["predictor", "fit", "--kind", "head", "--trace", str(trace), "--out", str(no_next),
+                 "--distances", "1", "--head-epochs", "1"]) == 0
+    assert main(["simulate", str(trace), "--policy", "plec", "--forecast", "predictor", "--predictor", "head",
+                 "--predictor-file", str(no_next)]) == 2
+    err = capsys.readouterr().err
+    assert "(--forecast predictor)" in err and "needs --predictor NAME" in err and "--distances ...,3" in err
