@@ -65,7 +65,8 @@ class PrefetchConfig:
     distance: int | None = None
     """MoE layers between a forecast and its target; None: the predictor's own (DEFAULT_DISTANCE)."""
     per_row: int | None = None
-    """Experts prefetched per forecast row (fMoE's similarity rule may add more); None: the model's top-k."""
+    """Experts prefetched per forecast row (fMoE's similarity rule may add more); None: the model's top-k; 0:
+    prefetch nothing, the forecasts only rank evictions (fmoe, plec)."""
     max_inflight: int | None = None
     """Prefetches loading at once; None: twice the model's top-k."""
     learn: bool = False
@@ -74,10 +75,11 @@ class PrefetchConfig:
     def __post_init__(self) -> None:
         if self.predictor is not None and self.predictor not in PREDICTORS:
             raise MoepagerError(f"unknown predictor '{self.predictor}'; choose from {', '.join(PREDICTORS)}")
-        for flag, value in (("--prefetch-distance", self.distance), ("--prefetch-k", self.per_row),
-                            ("--prefetch-inflight", self.max_inflight)):
+        for flag, value in (("--prefetch-distance", self.distance), ("--prefetch-inflight", self.max_inflight)):
             if value is not None and value < 1:
                 raise MoepagerError(f"{flag} must be >= 1, got {value}")
+        if self.per_row is not None and self.per_row < 0:
+            raise MoepagerError(f"--prefetch-k must be >= 0 (0: forecasts only rank evictions), got {self.per_row}")
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,8 @@ def add_prefetch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefetch-distance", type=int, metavar="D",
                    help="MoE layers between forecast and target (default: transition/gate-lookahead 1, "
                         "expert-map 3, token-wise one token)")
-    g.add_argument("--prefetch-k", type=int, metavar="K", help="experts prefetched per forecast row (default top-k)")
+    g.add_argument("--prefetch-k", type=int, metavar="K", help="experts prefetched per forecast row (default top-k; 0: none, the forecasts only "
+                   "rank evictions for --policy fmoe/plec)")
     g.add_argument("--prefetch-inflight", type=int, metavar="N", help="prefetches loading at once (default 2 x top-k)")
     g.add_argument("--learn-maps", action="store_true", help="expert-map: add each iteration's map to the store")
 

@@ -51,7 +51,7 @@ class PrefetchPlan:
     distance: int
     """MoE layers between the layer a forecast is made after and its target."""
     per_row: int
-    """Experts per forecast row (the floor of fMoE's similarity rule)."""
+    """Experts per forecast row (the floor of fMoE's similarity rule); 0: none (forecasts only rank evictions)."""
     max_inflight: int
     """Prefetches loading at the same time, at most."""
 
@@ -148,6 +148,8 @@ class Prefetcher:
         probs_NE = forecast.probs_NE
         if self.forecasts is not None and len(probs_NE):
             self.forecasts.predict(self.moe_layers[j], probs_NE.mean(0).numpy())
+        if not self.plan.per_row:  # forecasts rank evictions only
+            return
         for n, chosen in enumerate(forecast.select(self.plan.per_row)):
             for e in chosen:
                 entry[e] = entry.get(e, 0.0) + float(probs_NE[n, e])
@@ -188,7 +190,8 @@ def build_prefetcher(config: PrefetchConfig, model: CausalLM, store: ExpertStore
         embed = _embedding(model.model.embed_tokens)
     elif predictor.semantic == "hashed-tokens":
         embed = _hashed
-    plan = PrefetchPlan(distance, config.per_row or cfg.top_k, config.max_inflight or 2 * cfg.top_k)
+    per_row = cfg.top_k if config.per_row is None else config.per_row
+    plan = PrefetchPlan(distance, per_row, config.max_inflight or 2 * cfg.top_k)
     return Prefetcher(predictor, store, [b.layer for b in blocks], plan, embed, store.forecast_consumer())
 
 

@@ -121,6 +121,19 @@ def test_plec_eviction_ranks_by_the_heads_next_token_forecasts_and_is_lossless(r
     assert not np.isnan(policy.stats.prob[: len(policy._index)]).all()  # the forecasts reached the policy
 
 
+def test_forecasts_can_rank_evictions_without_prefetching(recorded):
+    path, reference, files = recorded
+    llm = LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", direct_io="off", policy="plec", warm=False),
+              prefetch=PrefetchConfig("head", file=str(files / "head.pt"), per_row=0))
+    assert [c.token_ids for c in llm.generate(PROMPTS, PARAMS)] == reference
+    phases = llm.last_stats.sections["experts"].phases
+    assert sum(p["loads_ahead"] for p in phases.values()) == 0
+    policy = llm.loaded.experts.store.order.inner
+    assert not np.isnan(policy.stats.prob[: len(policy._index)]).all()
+    with pytest.raises(MoepagerError, match="--prefetch-k must be >= 0"):
+        PrefetchConfig("head", per_row=-1)
+
+
 def test_predict_eval_runs_model_predictors_on_a_recorded_trace(recorded, capsys):
     path, _, files = recorded
     assert main(["predict-eval", "--trace", str(files / "t.mpt"), "--predictor", "gate-lookahead,token-wise",
