@@ -77,18 +77,14 @@ def _expert_map(ctx: BuildContext) -> Predictor:
 def _transition(ctx: BuildContext) -> Predictor:
     transition = TransitionPredictor.from_state(_fitted_state(ctx, "transition"))
     _check("transition", (transition.num_layers, transition.num_experts), (ctx.num_layers, ctx.num_experts))
-    if ctx.distance not in transition.distances:
-        raise PredictorError(f"the transition tables in {ctx.file} were fitted for distances "
-                             f"{sorted(transition.distances)}, not {ctx.distance}; refit with --distances")
+    _check_distance("transition tables", transition.distances, ctx)
     return transition
 
 
 def _head(ctx: BuildContext) -> Predictor:
     head = HeadPredictor.from_state(_fitted_state(ctx, "head"))
     _check("head", (head.num_layers, head.num_experts), (ctx.num_layers, ctx.num_experts))
-    if ctx.distance not in head.distances:
-        raise PredictorError(f"the heads in {ctx.file} were fitted for distances {sorted(head.distances - {0})}, "
-                             f"not {ctx.distance}; refit with --distances")
+    _check_distance("heads", head.distances - {0}, ctx)
     return head
 
 
@@ -151,6 +147,12 @@ def _fitted_state(ctx: BuildContext, name: str) -> dict:
     if ctx.file is None:
         raise PredictorError(f"{name} needs a fitted predictor file (`moepager predictor fit --kind {name}`)")
     return load_state(ctx.file, name)
+
+
+def _check_distance(what: str, fitted: set[int], ctx: BuildContext) -> None:
+    if ctx.distance not in fitted:
+        raise PredictorError(f"the {what} in {ctx.file} were fitted for distances {sorted(fitted)}, not "
+                             f"{ctx.distance}; refit with --distances")
 
 
 def _check(name: str, got: tuple[int, ...], want: tuple[int, int]) -> None:

@@ -73,12 +73,7 @@ class HeadModel(torch.nn.Module):
 
     def forward(self, src_NLSK: torch.Tensor, bucket_NL: torch.Tensor | None) -> torch.Tensor:
         """logits_NLE from source experts (-1 absent) and the observed row's token bucket per target layer."""
-        n, num_layers, s, k = src_NLSK.shape
-        e = self.num_experts
-        col = (src_NLSK.clamp(min=-1) % (e + 1)) + torch.arange(s)[None, None, :, None] * (e + 1)
-        hot_NLX = torch.zeros(n, num_layers, s * (e + 1)).scatter_(2, col.flatten(2), 1.0)
-        hot_NLX[..., e::e + 1] = 0.0  # the "absent" column of every slot carries no weight
-        logits = torch.einsum("nlx,lxe->nle", hot_NLX, self.weight) + self.bias
+        logits = torch.einsum("nlx,lxe->nle", multi_hot(src_NLSK, self.num_experts), self.weight) + self.bias
         if self.embed is not None and bucket_NL is not None:
             logits = logits + torch.einsum("nlr,lre->nle", self.embed(bucket_NL), self.proj)
         return logits
@@ -154,14 +149,19 @@ class HeadPredictor:
                    state["tokens"])
 
 
+def multi_hot(src_SK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[..., S, K] expert ids (-1 absent) -> [..., S * (E + 1)]: one block of E + 1 columns per slot, a 1 for each
+    chosen expert; the last column of a block stands for "absent" and is left 0, so it carries no weight."""
+    e = num_experts
+    col = (src_SK.clamp(min=-1) % (e + 1)) + torch.arange(src_SK.shape[-2])[:, None] * (e + 1)
+    hot = torch.zeros(*src_SK.shape[:-2], src_SK.shape[-2] * (e + 1)).scatter_(-1, col.flatten(-2), 1.0)
+    hot[..., e::e + 1] = 0.0
+    return hot
+
+
 def _layer_forward(model: HeadModel, layer: int, src_NSK: torch.Tensor, bucket_N: torch.Tensor | None) -> torch.Tensor:
     """One target layer's logits_NE (the forward restricted to that layer's head)."""
-    e = model.num_experts
-    n, s, _ = src_NSK.shape
-    col = (src_NSK.clamp(min=-1) % (e + 1)) + torch.arange(s)[None, :, None] * (e + 1)
-    hot_NX = torch.zeros(n, s * (e + 1)).scatter_(1, col.flatten(1), 1.0)
-    hot_NX[:, e::e + 1] = 0.0
-    logits = hot_NX @ model.weight[layer] + model.bias[layer]
+    logits = multi_hot(src_NSK, model.num_experts) @ model.weight[layer] + model.bias[layer]
     if model.embed is not None and bucket_N is not None:
         logits = logits + model.embed(bucket_N) @ model.proj[layer]
     return logits
