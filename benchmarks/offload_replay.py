@@ -50,10 +50,13 @@ class Config:
     budget: str
     policy: str = "lru"
     predictor: str | None = None
+    per_row: int | None = None
+    """Experts prefetched per forecast row (None: --prefetch-k or the model's top-k; 0: forecasts rank evictions only)."""
 
     @property
     def label(self) -> str:
-        return f"{self.budget} {self.policy}" + (f" +{self.predictor}" if self.predictor else "")
+        k = "" if self.per_row is None else f" k{self.per_row}"
+        return f"{self.budget} {self.policy}" + (f" +{self.predictor}{k}" if self.predictor else "")
 
 
 def arguments(device: str, layers: int, threads: int | None) -> argparse.ArgumentParser:
@@ -74,9 +77,9 @@ def arguments(device: str, layers: int, threads: int | None) -> argparse.Argumen
     ap.add_argument("--prefetch-k", type=int, help="experts prefetched per forecast row (default: the model's top-k)")
     ap.add_argument("--out", help="results name (default: the script's)")
     ap.add_argument("--no-ttft", action="store_true", help="skip the TTFT table")
-    ap.add_argument("--configs", nargs="+", metavar="POLICY[+PREDICTOR]",
-                    help="exactly these configurations at every budget below 100% (instead of --policies x "
-                         "--predictors), e.g. lru plec+head")
+    ap.add_argument("--configs", nargs="+", metavar="POLICY[+PREDICTOR[:K]]",
+                    help="exactly these configurations at every budget below 100%% (instead of --policies x "
+                         "--predictors), e.g. lru plec+head:0 plec+head:1 (K experts prefetched per row)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the configurations this many times, interleaved (A B A B ...: the disk drifts)")
     ap.add_argument("--remodel", action="store_true",
@@ -89,8 +92,7 @@ def arguments(device: str, layers: int, threads: int | None) -> argparse.Argumen
 def configs(args: argparse.Namespace) -> list[Config]:
     if args.configs:
         resident = [Config(b) for b in args.budgets if b in ("100%", "all")]
-        paged = [Config(b, c.partition("+")[0], c.partition("+")[2] or None)
-                 for b in args.budgets if b not in ("100%", "all") for c in args.configs]
+        paged = [parse_config(b, c) for b in args.budgets if b not in ("100%", "all") for c in args.configs]
         return resident + paged * args.repeat
     out = []
     predictors = [None if p == "none" else p for p in args.predictors]
@@ -103,6 +105,13 @@ def configs(args: argparse.Namespace) -> list[Config]:
                 if predictor is None or i == 0 or args.all_combinations:
                     out.append(Config(budget, policy, predictor))
     return out
+
+
+def parse_config(budget: str, text: str) -> Config:
+    """POLICY[+PREDICTOR[:K]] at `budget`."""
+    policy, _, rest = text.partition("+")
+    predictor, _, k = rest.partition(":")
+    return Config(budget, policy, predictor or None, int(k) if k else None)
 
 
 def cut_trace(trace: Path, layers: int) -> Path:
@@ -152,7 +161,8 @@ def replayed_requests(trace: Path, fit: int, count: int, tokens: int, from_end: 
 def measure(path: Path, cfg: Config, args: argparse.Namespace, spec: ReplaySpec, files: dict[str, Path]) -> dict:
     store = None if cfg.budget in ("100%", "all") else StoreConfig(expert_memory=cfg.budget, policy=cfg.policy,
                                                                      io_threads=args.io_threads)
-    prefetch = PrefetchConfig(cfg.predictor, str(files[cfg.predictor]), per_row=args.prefetch_k) if cfg.predictor \
+    per_row = args.prefetch_k if cfg.per_row is None else cfg.per_row
+    prefetch = PrefetchConfig(cfg.predictor, str(files[cfg.predictor]), per_row=per_row) if cfg.predictor \
         else PrefetchConfig()
     llm = LLM(path, device=args.device, threads=args.threads, store=store, prefetch=prefetch, show_progress=False)
     return {"config": cfg.label, "budget": cfg.budget, "policy": cfg.policy, "predictor": cfg.predictor or "none"} \
