@@ -21,6 +21,7 @@ Shape legend: N rows, D hidden, E experts, K top-k, L MoE layers.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -100,6 +101,12 @@ class Predictor(Protocol):
 
 class PredictorError(MoepagerError):
     """A predictor cannot be built or used as asked (missing activations, wrong shapes, unknown name)."""
+
+
+def stable_hash(token: str | int) -> int:
+    """A 64-bit hash of a token (id or string) that is the same in every process (Python's hash() is salted):
+    what the hashed-token features of expert maps, the head and the path predictor key on."""
+    return int.from_bytes(hashlib.blake2b(str(token).encode(), digest_size=8).digest(), "little")
 
 
 def k_hot(ids_NK: torch.Tensor, num_experts: int) -> torch.Tensor:

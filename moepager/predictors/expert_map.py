@@ -28,7 +28,6 @@ Shape legend: N rows, C stored maps, L MoE layers, E experts, D embedding width.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -36,7 +35,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from moepager.predictors.base import Forecast, LayerObservation, PredictorError
+from moepager.predictors.base import Forecast, LayerObservation, PredictorError, stable_hash
 
 DEFAULT_CAPACITY = 1000
 HASH_DIM = 256
@@ -47,7 +46,7 @@ def hashed_tokens(tokens: Sequence[str | int], dim: int = HASH_DIM) -> torch.Ten
     """Per token, a signed one-hot vector at hash(token) (feature hashing), tokens_TD."""
     out = torch.zeros(len(tokens), dim)
     for t, tok in enumerate(tokens):
-        h = int.from_bytes(hashlib.blake2b(str(tok).encode(), digest_size=8).digest(), "little")
+        h = stable_hash(tok)
         out[t, h % dim] = 1.0 if (h >> 32) & 1 else -1.0
     return out
 
@@ -174,9 +173,8 @@ class ExpertMapPredictor:
         return Forecast(probs_NE, best_NM[:, 0])
 
     def _rows(self) -> int:
-        if self._observed:
-            return len(self._observed[0])
-        return self._tokens if self._tokens else 0 if self._sem_ND is None else len(self._sem_ND)
+        """Rows of this iteration: observed ones, else its tokens (0 when neither is known yet)."""
+        return len(self._observed[0]) if self._observed else self._tokens
 
     def _finish_iteration(self) -> None:
         """Online mode: a fully observed iteration becomes a stored map."""

@@ -21,14 +21,13 @@ Shape legend: N rows, L MoE layers, S source slots, K top-k, E experts, B token 
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from moepager.predictors.base import Forecast, LayerObservation, PredictorError
+from moepager.predictors.base import Forecast, LayerObservation, PredictorError, stable_hash
 
 SOURCES = 4
 """Source slots: the last three observed layers, and the target layer of the row just observed (ahead 1)."""
@@ -40,7 +39,7 @@ def token_buckets(tokens: Sequence[str | int], buckets: int) -> torch.Tensor:
     """A stable hash of each token (id or string) into 0..buckets-1 (the same for the engine and traces)."""
     out = torch.empty(len(tokens), dtype=torch.long)
     for t, tok in enumerate(tokens):
-        out[t] = int.from_bytes(hashlib.blake2b(str(tok).encode(), digest_size=8).digest(), "little") % buckets
+        out[t] = stable_hash(tok) % buckets
     return out
 
 

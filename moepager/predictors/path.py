@@ -135,10 +135,9 @@ class PathPredictor:
             seen, past = self._cache.get(request, (0, None))
             if start == 0 or start != seen:  # new, or preempted and computed again: start over
                 seen, past = 0, None
-            logits, past = self.model(bucket_N[None, offset:offset + n], past)
-            past = [(k[:, :, -self.model.shape.window:], v[:, :, -self.model.shape.window:]) for k, v in past]
+            logits, past = self._step(bucket_N[offset:offset + n], past)
             self._cache[request] = (seen + n, past)
-            out.append(logits[0])
+            out.append(logits)
             offset += n
         self._rows = None
         self._probs_NLE = torch.sigmoid(torch.cat(out))
@@ -147,10 +146,15 @@ class PathPredictor:
         """logits_NLE of a whole request, window by window, each window seeing the one before it."""
         window, out, past = self.model.shape.window, [], None
         for start in range(0, len(bucket_N), window):
-            logits, past = self.model(bucket_N[None, start:start + window], past)
-            past = [(k[:, :, -window:], v[:, :, -window:]) for k, v in past]
-            out.append(logits[0])
+            logits, past = self._step(bucket_N[start:start + window], past)
+            out.append(logits)
         return torch.cat(out)
+
+    def _step(self, bucket_T: torch.Tensor, past: list | None) -> tuple[torch.Tensor, list]:
+        """One request's next tokens on top of its cache: logits_TLE, and the cache cut to the last `window`."""
+        window = self.model.shape.window
+        logits, past = self.model(bucket_T[None], past)
+        return logits[0], [(k[:, :, -window:], v[:, :, -window:]) for k, v in past]
 
     def observe(self, layer: int, obs: LayerObservation) -> None:
         """The path is fixed before the pass runs: observations change nothing."""

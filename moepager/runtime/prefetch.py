@@ -68,6 +68,8 @@ class Prefetcher:
         self.forecasts = forecasts
         """Sees every target layer's mean forecast (an eviction policy that ranks by them: fMoE, PLEC)."""
         self.next_use = forecasts is not None and getattr(forecasts, "ranks_next_use", False)
+        self.stateful = getattr(predictor, "stateful", False)
+        """The predictor keeps per-request state (the path predictor's KV cache): it is told the rows' requests."""
         """The policy also wants, once a layer has routed, the forecast of that layer at the next token (PLEC)."""
         self.pending: dict[tuple[int, int], dict[int, float]] = {}
         """(iteration, MoE position) -> expert -> probability mass, for targets not yet routed."""
@@ -84,7 +86,7 @@ class Prefetcher:
         ids_N = info.token_ids_N
         sem_ND = self._semantic(info, ids_N) if self.embed is not None and len(ids_N) else None
         self._last_rows = (torch.cumsum(torch.tensor(info.counts), 0) - 1).tolist()
-        if getattr(self.predictor, "stateful", False):  # it keeps per-request state (the path predictor's KV)
+        if self.stateful:
             self.predictor.begin_rows(info.requests, info.starts, info.counts)
         self.predictor.start_iteration(ids_N, sem_ND)
         for j in range(min(self.plan.distance, len(self.moe_layers))):
@@ -110,7 +112,7 @@ class Prefetcher:
     def end_request(self, request_id: int) -> None:
         """A request finished: forget its semantic sum (and the predictor its state)."""
         self._sem_sum.pop(request_id, None)
-        if getattr(self.predictor, "stateful", False):
+        if self.stateful:
             self.predictor.end_request(request_id)
 
     # -- routing observer -------------------------------------------------------------------------------------

@@ -13,8 +13,7 @@ Shape legend: T tokens, L MoE layers, K top-k, E experts, D hidden.
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +32,7 @@ from moepager.predictors import (
     k_hot,
     target_of,
 )
+from moepager.predictors.base import stable_hash
 from moepager.predictors import head, path
 from moepager.predictors.expert_map import DEFAULT_CAPACITY, HASH_DIM, hashed_tokens, prefix_means
 from moepager.predictors.token_wise import train_token_wise
@@ -82,8 +82,7 @@ def row_token_ids(request: TraceRequest) -> torch.Tensor:
     if request.token_ids_T is not None:
         return torch.from_numpy(request.token_ids_T.astype(np.int64))
     if request.tokens:
-        return torch.tensor([int.from_bytes(hashlib.blake2b(t.encode(), digest_size=8).digest(), "little") >> 1
-                             for t in request.tokens], dtype=torch.long)
+        return torch.tensor([stable_hash(t) >> 1 for t in request.tokens], dtype=torch.long)
     return torch.zeros(0, dtype=torch.long)
 
 
@@ -94,12 +93,18 @@ def semantic_rows(request: TraceRequest) -> torch.Tensor | None:
 
 
 # -- fitting ----------------------------------------------------------------------------------------------------
-def fit_transition(reader: TraceReader, train: Sequence[int], distances: Sequence[int], sources: int = 1,
-                   alpha: float = 8.0) -> TransitionPredictor:
-    """Tables for `distances` and, with several sources, the older layers' distances too (d + 1, d + 2, ...)."""
+def stacked(reader: TraceReader, train: Sequence[int]) -> tuple[list[TraceRequest], torch.Tensor, torch.Tensor]:
+    """The training requests, their ids_NLK one after another, and which request each row is (request_N)."""
     requests = [reader.request(i) for i in train]
     ids = torch.from_numpy(np.concatenate([r.ids_TLK for r in requests]).astype(np.int64))
     request_N = torch.from_numpy(np.repeat(np.arange(len(requests)), [r.num_tokens for r in requests]))
+    return requests, ids, request_N
+
+
+def fit_transition(reader: TraceReader, train: Sequence[int], distances: Sequence[int], sources: int = 1,
+                   alpha: float = 8.0) -> TransitionPredictor:
+    """Tables for `distances` and, with several sources, the older layers' distances too (d + 1, d + 2, ...)."""
+    _, ids, request_N = stacked(reader, train)
     num_layers = reader.header.num_layers
     wanted = sorted({d + extra for d in distances for extra in range(sources) if d + extra <= num_layers})
     fitted = TransitionPredictor.fit(ids, request_N, reader.header.num_experts, wanted)
@@ -203,9 +208,7 @@ def _fit_transition(reader: TraceReader, train: Sequence[int], o: FitOptions, pr
 
 def fit_head(reader: TraceReader, train: Sequence[int], o: FitOptions, progress: Progress) -> Predictor:
     """The learned head for every fitted distance and the pass (distance 0, when the trace has tokens)."""
-    requests = [reader.request(i) for i in train]
-    ids = torch.from_numpy(np.concatenate([r.ids_TLK for r in requests]).astype(np.int64))
-    request_N = torch.from_numpy(np.repeat(np.arange(len(requests)), [r.num_tokens for r in requests]))
+    requests, ids, request_N = stacked(reader, train)
     tokens = [row_token_ids(r) for r in requests]
     have_tokens = o.tokens and all(len(t) == r.num_tokens for t, r in zip(tokens, requests)) and len(requests) > 0
     return head.fit_head(ids, request_N, reader.header.num_experts, (0, *o.distances),
@@ -295,29 +298,43 @@ class PredictEval:
                 "per_layer": {str(layer): row(t) for layer, t in zip(self.layers, self.tallies)}}
 
 
+def _forecasts(predictor: Predictor, reader: TraceReader, requests: Sequence[int], distance: int,
+               progress: Progress | None) -> Iterator[tuple[TraceRequest, list[LayerObservation],
+                                                            Iterator[tuple[int, int, Forecast | None]]]]:
+    """Per request (its tokens the rows of one iteration): the request, its observations, and the forecasts the
+    predictor makes at `distance` as (target layer, ahead, forecast), made as the layers are observed (PASS:
+    every layer before any is observed). Consume each request's forecasts before asking for the next request."""
+    h = reader.header
+
+    def made(obs: list[LayerObservation]) -> Iterator[tuple[int, int, Forecast | None]]:
+        if distance == PASS:
+            for j in range(h.num_layers):
+                yield j, 0, predictor.forecast(j, 0)
+            return
+        for i in range(h.num_layers):
+            predictor.observe(i, obs[i])
+            j, ahead = target_of(i, distance, h.num_layers)
+            yield j, ahead, predictor.forecast(j, ahead)
+
+    for index in requests:
+        request = reader.request(index)
+        obs = observations(request, h)
+        predictor.start_iteration(row_token_ids(request), semantic_rows(request))
+        yield request, obs, made(obs)
+        if progress is not None:
+            progress(1)
+
+
 def evaluate(predictor: Predictor, reader: TraceReader, requests: Sequence[int], distance: int,
              ks: Sequence[int], progress: Progress | None = None) -> PredictEval:
     h = reader.header
     ks = list(dict.fromkeys(ks))  # a cut-off asked for twice is counted once
     tallies = [LayerTally() for _ in range(h.num_layers)]
     tokens = 0
-    for index in requests:
-        request = reader.request(index)
+    for request, obs, made in _forecasts(predictor, reader, requests, distance, progress):
         tokens += request.num_tokens
-        obs = observations(request, h)
-        predictor.start_iteration(row_token_ids(request), semantic_rows(request))
-        if distance == PASS:  # the whole pass ahead: every layer forecast before any of them runs
-            for j in range(h.num_layers):
-                _tally(tallies[j], predictor.forecast(j, 0), obs[j].ids_NK, 0, ks)
-            if progress is not None:
-                progress(1)
-            continue
-        for i in range(h.num_layers):
-            predictor.observe(i, obs[i])
-            j, ahead = target_of(i, distance, h.num_layers)
-            _tally(tallies[j], predictor.forecast(j, ahead), obs[j].ids_NK, ahead, ks)
-        if progress is not None:
-            progress(1)
+        for j, ahead, forecast in made:
+            _tally(tallies[j], forecast, obs[j].ids_NK, ahead, ks)
     return PredictEval(predictor.name, distance, list(ks),
                        list(h.moe_layers), tallies, len(requests), tokens)
 
@@ -329,22 +346,11 @@ def forecast_ranks(predictor: Predictor, reader: TraceReader, requests: Sequence
     next-iteration target of a request's first token, or a predictor that cannot forecast it)."""
     h = reader.header
     out = []
-    for index in requests:
-        request = reader.request(index)
-        obs = observations(request, h)
+    for request, _, made in _forecasts(predictor, reader, requests, distance, progress):
         ranks = np.full((request.num_tokens, h.num_layers, width), -1, np.int16)
-        predictor.start_iteration(row_token_ids(request), semantic_rows(request))
-        if distance == PASS:
-            for j in range(h.num_layers):
-                _put(ranks[:, j], predictor.forecast(j, 0), 0, width)
-        else:
-            for i in range(h.num_layers):
-                predictor.observe(i, obs[i])
-                j, ahead = target_of(i, distance, h.num_layers)
-                _put(ranks[:, j], predictor.forecast(j, ahead), ahead, width)
+        for j, ahead, forecast in made:
+            _put(ranks[:, j], forecast, ahead, width)
         out.append(ranks)
-        if progress is not None:
-            progress(1)
     return np.concatenate(out) if out else np.zeros((0, h.num_layers, width), np.int16)
 
 
