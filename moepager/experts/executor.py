@@ -20,8 +20,9 @@ on CUDA, and on the CPU `loop` for one token and `grouped` for more: batched dec
   `w1[expert_indices]`) and one batched GEMM per projection (DeepSeek layer: 62 ms at 1 token, 9.6 s at 64).
 - `grouped`: `torch._grouped_mm` over the arena viewed as `[rows, 2F, D]` with per-row token offsets: no
   gather and no Python loop over experts (DeepSeek layer: 11.9 ms at 1 token, 118 ms at 64); the GPU path.
-A paged arena (the store's device slots) computes what is resident at once and, with `loop`, each expert still
-loading as soon as it lands; `gather`/`grouped` wait for the layer's loads and then make their one call.
+A paged arena (the store's device slots) computes what is resident at once, then the experts still loading as
+they land: one at a time with `loop`, and with `gather`/`grouped` in one call per batch of those that have landed
+(a paged prefill computes while its loads run; each row's result does not depend on which call computed it).
 
 Shape legend: N tokens, K top-k, M = N*K (token, k) pairs, D hidden, F expert FFN width, R arena rows.
 """
@@ -232,19 +233,40 @@ class PagedExecutor:
             return combine(x_ND, work, self._streamed(layer, work, kernel))
         held = self.store.acquire(layer, work.experts)
         try:
+            y_MD = torch.empty_like(work.x_MD)
+            self.store.wait(held, held.ready)
             if kernel == "loop":
-                y_MD = torch.empty_like(work.x_MD)
-                self.store.wait(held, held.ready)
                 self.kernels.loop(work, held.slots, held.ready, y_MD)
                 for i in held.pending:
                     self.store.wait(held, [i])
                     self.kernels.loop(work, held.slots, [i], y_MD)
-            else:
-                self.store.wait(held, range(len(held.slots)))
+            elif not held.pending:
                 y_MD = self.kernels.compute(work, held.slots, kernel)
+            else:  # the resident ones at once, then each batch of loads that has landed
+                self._some(work, held.slots, held.ready, kernel, y_MD)
+                pending = held.pending
+                while pending:
+                    landed = self.store.wait_landed(held, pending)
+                    self._some(work, held.slots, landed, kernel, y_MD)
+                    done = set(landed)
+                    pending = [i for i in pending if i not in done]
         finally:
             self.store.release(held)
         return combine(x_ND, work, y_MD)
+
+    def _some(self, work: SortedTokens, rows: Sequence[int], which: Sequence[int], kernel: Kernel,
+              out_MD: torch.Tensor) -> None:
+        """Experts `which` (indices into work.experts) computed in one call into their rows of out_MD."""
+        if not which:
+            return
+        pieces = [(work.starts[i], work.starts[i + 1]) for i in which]
+        index_M = torch.cat([torch.arange(s, e, device=out_MD.device) for s, e in pieces])
+        starts = [0]
+        for s, e in pieces:
+            starts.append(starts[-1] + e - s)
+        part = SortedTokens(work.x_MD.index_select(0, index_M), work.w_M1.index_select(0, index_M),
+                            work.token_M.index_select(0, index_M), [work.experts[i] for i in which], starts)
+        out_MD[index_M] = self.kernels.compute(part, [rows[i] for i in which], kernel)
 
     def _streamed(self, layer: int, work: SortedTokens, kernel: Kernel) -> torch.Tensor:
         y_MD = torch.empty_like(work.x_MD)

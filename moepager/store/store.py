@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, as_completed, wait
+from concurrent.futures import FIRST_COMPLETED, Future, as_completed, wait
 from dataclasses import dataclass
 
 import torch
@@ -163,6 +163,19 @@ class ExpertStore:
         """Block until the slots `which` (indices into held.slots) hold their experts."""
         for i in which:
             self._wait_ready(held.slots[i])
+
+    def wait_landed(self, held: Held, which: Sequence[int]) -> list[int]:
+        """Block until at least one of the slots `which` (indices into held.slots) holds its expert; returns
+        every one that does, each claimed as `wait` claims it (so a caller computes whatever landed first)."""
+        table = self.device.table
+        loading = [t for i in which if (t := table.ticket[held.slots[i]]) is not None and not t.done()]
+        if which and len(loading) == len(which):
+            start = time.perf_counter()
+            wait(loading, return_when=FIRST_COMPLETED)
+            self.counters.current.exposed_s += time.perf_counter() - start
+        landed = [i for i in which if (t := table.ticket[held.slots[i]]) is None or t.done()]
+        self.wait(held, landed)
+        return landed
 
     def release(self, held: Held) -> None:
         for slot in held.slots:

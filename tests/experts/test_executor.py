@@ -75,3 +75,51 @@ def test_paged_execution_equals_resident_bit_for_bit_with_each_kernel(hf_checkpo
             got = logits_run(paged, rows=1) + logits_run(paged)
             assert all(torch.equal(a, b) for a, b in zip(got, ref)), (slots, host_tier)
             paged.experts.store.close()
+
+
+def test_a_paged_prefill_computes_landed_experts_while_others_still_load():
+    """`grouped` over several tokens: experts that landed are computed while a slow read is still running
+    (the slow one is computed when it lands), and the result is the resident executor's, bit for bit."""
+    import threading
+
+    from moepager.experts.executor import PagedExecutor
+    from moepager.policies.lru import LRU
+    from moepager.store.slots import SlotTable
+    from moepager.store.store import ExpertStore, Tier
+    from moepager.store.transfer import Transfers
+    from moepager.types import ExpertKey
+
+    gen = torch.Generator().manual_seed(3)
+    shape = ExpertShape(16, 8, torch.float32)
+    arena = torch.randn(6, shape.numel, generator=gen)
+    x, route = torch.randn(9, 16, generator=gen), routed(9, experts=6, k=3, seed=4)
+    slow, gate = 0, threading.Event()
+
+    def read(key: ExpertKey, out: torch.Tensor) -> int:
+        if key.expert == slow:
+            gate.wait(timeout=10)
+        out.copy_(arena[key.expert])
+        return out.numel() * out.element_size()
+
+    store = ExpertStore(Tier(SlotTable(6, [0], LRU(), "layer"), torch.zeros(6, shape.numel)), None, read,
+                        Transfers(CPU, io_threads=2))
+    executor = PagedExecutor(store, shape, "grouped")
+    calls: list[list[int]] = []
+    compute = executor.kernels.compute
+
+    def recording(work, rows, kernel=None):
+        calls.append(list(work.experts))
+        if slow not in work.experts:
+            gate.set()  # the slow read may finish only after something else was computed
+        return compute(work, rows, kernel)
+
+    executor.kernels.compute = recording
+    try:
+        got = executor.run(0, x, route)
+    finally:
+        gate.set()
+        store.close()
+    ref = ResidentExecutor(arena, shape, moe_layers=[0], num_experts=6, kernel="grouped").run(0, x, route)
+    assert torch.equal(got, ref)
+    assert len(calls) >= 2 and slow not in calls[0] and slow in calls[-1], calls
+    assert sorted(e for c in calls for e in c) == sorted(set(route.ids_TK.flatten().tolist()))
