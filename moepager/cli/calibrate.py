@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
                                 f"+{c.dense_token_s * 1e3:.3f} ms per further prefill token"),
             ("disk", f"{m['disk_Bps'] / 1e9:.2f} GB/s with {args.io_threads} reads at once; one read "
                      f"{m['disk_single_read_s'] * 1e3:.1f} ms (random experts)"),
-            ("compute lost to reads", f"{m['io_interference_s_per_byte'] * 1e3 * 2**20:.2f} ms per MiB read beside it")]
+            ("compute beside reads", f"{100 * m['io_slowdown']:.0f}% slower while disk reads run")]
     if "h2d_Bps" in m:
         rows.append(("host->device", f"{m['h2d_Bps'] / 1e9:.1f} GB/s from pinned memory"))
     width = max(len(k) for k, _ in rows)

@@ -176,26 +176,25 @@ def disk_rates(reader: ExpertReader, keys: Sequence[ExpertKey], io_threads: int)
     return done / wall, statistics.median(single)
 
 
-def io_interference(pool: ExpertPool, reader: ExpertReader, keys: Sequence[ExpertKey], io_threads: int) -> float:
-    """Compute seconds lost per byte read while disk reads run beside the compute threads (on a small CPU the
+def io_slowdown(pool: ExpertPool, reader: ExpertReader, keys: Sequence[ExpertKey], io_threads: int) -> float:
+    """How much slower expert compute runs while disk reads run beside it, as a fraction (on a small CPU the
     reading threads' copies, syscalls and DMA share cores and memory bandwidth with the expert GEMVs)."""
     alone = statistics.median(pool.seconds_per_call(1) for _ in range(3))
-    stop, read = threading.Event(), [0] * io_threads
+    stop = threading.Event()
 
     def reading(t: int) -> None:
         buf, i = torch.empty(reader.shape.numel, dtype=reader.shape.buffer_dtype), t
         while not stop.is_set():
-            read[t] += reader.read(keys[i % len(keys)], buf)
+            reader.read(keys[i % len(keys)], buf)
             i += io_threads
     threads = [threading.Thread(target=reading, args=(t,), daemon=True) for t in range(io_threads)]
     for t in threads:
         t.start()
-    busy = [pool.seconds_per_call(1) for _ in range(3)]
+    busy = statistics.median(pool.seconds_per_call(1) for _ in range(3))
     stop.set()
     for t in threads:
         t.join()
-    lost_s = max(0.0, statistics.median(busy) - alone) * pool.count * len(busy)
-    return lost_s / max(1, sum(read))
+    return max(0.0, busy / alone - 1)
 
 
 def h2d_rate(nbytes: int, device: torch.device) -> float:
@@ -322,7 +321,7 @@ def calibrate(path: str | os.PathLike[str], options: CalibrateOptions, step: Ste
     disk_Bps, single_s = disk_rates(reader, keys[: options.disk_experts], options.io_threads)
     measured |= {"disk_Bps": disk_Bps, "disk_single_read_s": single_s}
     step("disk reads (O_DIRECT where allowed)")
-    measured["io_interference_s_per_byte"] = 0.0 if device.type == "cuda" else io_interference(
+    measured["io_slowdown"] = 0.0 if device.type == "cuda" else io_slowdown(
         ExpertPool(shape, device), reader, keys[options.disk_experts:] or keys, options.io_threads)
     reader.files.close()
     step("compute slowed by reads running beside it")
@@ -343,6 +342,6 @@ def calibrate(path: str | os.PathLike[str], options: CalibrateOptions, step: Ste
         dense_decode_s=max(0.0, decode_s - experts_per_token * overhead), dense_decode_kv=kv0,
         dense_kv_s=max(0.0, (measured["dense_decode_long_raw_s"] - decode_s) / (kv1 - kv0)),
         dense_token_s=max(0.0, (prefill_s - decode_s) / (max(options.prefill_tokens, SHORT_PROMPT + 1) - 1)),
-        io_interference_s_per_byte=measured["io_interference_s_per_byte"], model=str(checkpoint.path),
+        io_slowdown=measured["io_slowdown"], model=str(checkpoint.path),
         threads=torch.get_num_threads(), device=device.type)
     return CalibratedProfile(name, dev, link, calibration, measured)

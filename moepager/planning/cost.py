@@ -18,9 +18,10 @@ for this machine what FACTS.md and benchmarks/offload_cpu.py measured.
 Calibrated profiles (`moepager calibrate`, planning/calibrate.py) replace the nominal numbers with this
 machine's measurements for one model: c(t) is interpolated between the measured expert times at 1 and 64
 tokens (each includes the call's fixed overhead); the link is the measured disk (or host->device) rate and
-latency for random experts; each miss also slows the compute it runs beside by the measured interference
-(bytes loaded x seconds lost per byte: on a small CPU reads share cores and memory with the GEMVs, so
-this time is not hidden by overlap); and each step pays the model's measured non-expert time (attention, dense and shared MLPs, router, LM head) in
+latency for random experts; compute that runs while loads are in flight is slowed by the measured fraction
+`io_slowdown` (on a small CPU reads share cores and memory with the GEMVs): within a layer, the compute that
+overlaps the layer's loads (at most the time until its last load lands), and within a step the compute that
+background prefetches overlap; a layer waiting on its loads hides its slowed compute; and each step pays the model's measured non-expert time (attention, dense and shared MLPs, router, LM head) in
 place of `other`: a decode step dense_decode + dense_kv * (KV length - the length it was measured at), since
 attention reads the whole cache; a step of t > 1 tokens dense_decode + (t - 1) * dense_token.
 """
@@ -95,8 +96,8 @@ class Calibration:
     """Further non-expert time of a decode step per cached position (attention reads the whole cache)."""
     dense_token_s: float
     """Non-expert time of each further token of a step (prefill)."""
-    io_interference_s_per_byte: float
-    """Compute time lost per byte loaded while loads run beside the compute (CPU: shared cores and memory)."""
+    io_slowdown: float
+    """How much slower compute runs while loads run beside it (0.3: 30% slower; CPU: shared cores and memory)."""
     model: str
     threads: int
     device: str
@@ -114,6 +115,8 @@ class Calibration:
 
 
 PROFILE_KIND = "moepager-profile"
+PROFILE_VERSION = 2
+"""2: io_slowdown (a fraction of the compute that overlaps loads) replaced version 1's seconds lost per byte."""
 
 
 @dataclass(frozen=True)
@@ -131,15 +134,18 @@ class CalibratedProfile:
         """Written to a temporary name beside `path`, then renamed: a reader never sees half a profile."""
         out = Path(path)
         tmp = out.with_name(out.name + ".partial")
-        tmp.write_text(json.dumps({"kind": PROFILE_KIND, "version": 1, **asdict(self)}, indent=1) + "\n")
+        tmp.write_text(json.dumps({"kind": PROFILE_KIND, "version": PROFILE_VERSION, **asdict(self)}, indent=1) + "\n")
         os.replace(tmp, out)
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> CalibratedProfile:
         try:
             raw: dict[str, Any] = json.loads(Path(path).read_text())
-            if raw.get("kind") != PROFILE_KIND or raw.get("version") != 1:
-                raise ValueError("not a moepager profile (version 1)")
+            if raw.get("kind") != PROFILE_KIND:
+                raise ValueError(f"not a moepager profile (version {PROFILE_VERSION})")
+            if raw.get("version") != PROFILE_VERSION:
+                raise ValueError(f"profile version {raw.get('version')}, written by an older moepager; this one "
+                                 f"reads version {PROFILE_VERSION}")
             return cls(raw["name"], Device(**raw["device"]), Link(**raw["link"]), Calibration(**raw["calibration"]),
                        dict(raw["measured"]))
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -194,18 +200,22 @@ class CostModel:
         c = self.compute_s(per_expert_tokens)
         other = self.num_shared * self.compute_s(tokens_S[:, None]) + self.dense_bytes_per_layer / self.device.mem_Bps
         load = self.expert_bytes / self.link.bytes_per_s + self.link.latency_s
+        sigma = 0.0 if self.calibration is None else self.calibration.io_slowdown
         if misses_on_cpu:
             layer = other + np.maximum(h * c, m * self.compute_s(per_expert_tokens, DEVICES["cpu"]))
         elif self.overlap == "none":
             layer = other + n * c + m * load
         else:  # every miss is loaded, admitted or streamed through; a layer's misses are in flight together
             last_lands = load + np.maximum(m - 1, 0) * (self.expert_bytes / self.link.bytes_per_s)
-            loaded = np.maximum(load + m * c, last_lands + c)
-            layer = other + np.where(m > 0, np.maximum(n * c, loaded), n * c)
+            # compute running before the last load lands is slowed by sigma; the last expert's is not
+            slowed = sigma * np.minimum(np.maximum(n - 1, 0) * c, last_lands)
+            slowed_misses = sigma * np.minimum(np.maximum(m - 1, 0) * c, last_lands - load)
+            loaded = np.maximum(load + m * c + slowed_misses, last_lands + c)
+            layer = other + np.where(m > 0, np.maximum(n * c + slowed, loaded), n * c)
         compute = layer.sum(1)
         if self.calibration is not None:
-            interference = m.sum(1) * self.expert_bytes * self.calibration.io_interference_s_per_byte
             kv = None if kv_S is None else kv_S.astype(np.float64)
-            compute = compute + self.calibration.dense_s(tokens_S.astype(np.float64), kv) + interference
+            compute = compute + self.calibration.dense_s(tokens_S.astype(np.float64), kv)
         background = prefetch_SL.sum(1) * load
+        compute = compute + sigma * np.minimum(compute, background)
         return compute + np.maximum(0.0, background - compute)

@@ -30,13 +30,18 @@ def summary(result: SimResult, work: Workload, cost: CostModel | None) -> dict[s
         row["bytes_moved"] = result.loads * h.expert_bytes
         row["bytes_per_token"] = row["bytes_moved"] / max(tokens, 1)
     if cost is not None:
-        on_cpu = not drive_of(result.spec.policy).admits_on_miss
-        t_S = cost.step_times(result.requested_SL, result.hits_SL, result.prefetch_loads_SL, result.step_tokens,
-                              h.top_k, on_cpu, work.step_kv())
+        t_S = step_seconds(result, work, cost)
         decode = result.step_phase == DECODE
         row["tpot_ms"] = 1e3 * float(t_S[decode].sum() / max(result.step_tokens[decode].sum(), 1))
         row["ttft_ms"] = 1e3 * float(t_S[~decode].mean()) if (~decode).any() else None
     return row
+
+
+def step_seconds(result: SimResult, work: Workload, cost: CostModel) -> np.ndarray:
+    """The cost model's seconds for every replayed step, in order."""
+    on_cpu = not drive_of(result.spec.policy).admits_on_miss
+    return cost.step_times(result.requested_SL, result.hits_SL, result.prefetch_loads_SL, result.step_tokens,
+                           work.header.top_k, on_cpu, work.step_kv())
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:

@@ -34,6 +34,11 @@ def test_calibrate_writes_a_profile_that_simulate_uses(demo_checkpoint, tmp_path
 def test_a_profile_for_other_experts_or_a_broken_file_is_refused(tmp_path):
     profile = CalibratedProfile("p", Device("d", 1e10, 1e12, 1e-5), Link("l", 1e9, 1e-4),
                                 Calibration(1000, 1e-4, 2e-4, 1e-3, 20.0, 0.0, 1e-5, 0.0, "m", 2, "cpu"), {})
+    old = tmp_path / "v1.json"
+    profile.write(old)
+    old.write_text(old.read_text().replace('"version": 2', '"version": 1'))
+    with pytest.raises(MoepagerError, match="version 1, written by an older moepager"):
+        CostModel.profile(str(old), 1000)
     profile.write(tmp_path / "p.json")
     with pytest.raises(ValueError, match="calibrated for 1000-byte experts"):
         CostModel.profile(str(tmp_path / "p.json"), 2000)
@@ -45,7 +50,7 @@ def test_a_profile_for_other_experts_or_a_broken_file_is_refused(tmp_path):
 
 def test_calibrated_step_times_add_non_expert_time_and_interpolate_experts():
     cal = Calibration(expert_bytes=1000, expert_s_1=1.0, expert_s_64=64.0, dense_decode_s=10.0, dense_decode_kv=20.0,
-                      dense_kv_s=0.0, dense_token_s=0.5, io_interference_s_per_byte=0.0, model="m", threads=1,
+                      dense_kv_s=0.0, dense_token_s=0.5, io_slowdown=0.0, model="m", threads=1,
                       device="cpu")
     cost = CostModel(Device("d", 1e12, 1e15, 0.0), Link("l", 1000.0, 0.0), 1000, calibration=cal)
     # one layer, 2 experts requested, both hit, one token of top-2: 2 experts x c(1) + dense(1)
@@ -57,10 +62,22 @@ def test_calibrated_step_times_add_non_expert_time_and_interpolate_experts():
     # a miss: load 1000 bytes at 1000 B/s = 1 s; max(n*c, l + m*c, m*l + c) = max(1, 2, 2)
     t = cost.step_times(np.array([[1]]), np.array([[0]]), np.zeros((1, 1)), np.array([1]), 1, False)
     assert t.tolist() == [2.0 + 10.0]
-    # reads slow the compute beside them: 1000 bytes x 1 ms per byte... scaled down: 1e-3 s per byte
-    slowed = CostModel(cost.device, cost.link, 1000, calibration=replace(cal, io_interference_s_per_byte=1e-3))
+    # reads slow only the compute that runs beside them: one miss alone computes after it lands (nothing slowed);
+    # 3 hits + 1 miss: 3 s of hits run while the 1 s load is in flight, 1 s of it slowed by 50%:
+    # max(n*c + 0.5 * min(3, 1), l + c, l + c) = 4.5
+    slowed = CostModel(cost.device, cost.link, 1000, calibration=replace(cal, io_slowdown=0.5))
     t = slowed.step_times(np.array([[1]]), np.array([[0]]), np.zeros((1, 1)), np.array([1]), 1, False)
-    assert t.tolist() == [2.0 + 10.0 + 1.0]
+    assert t.tolist() == [2.0 + 10.0]
+    t = slowed.step_times(np.array([[4]]), np.array([[3]]), np.zeros((1, 1)), np.array([1]), 4, False)
+    assert t.tolist() == [4.5 + 10.0]
+    # a layer waiting on its loads hides the slowed compute: 4 misses at 250 B/s land at 4, 8, 12, 16 s; the
+    # first three compute (slowed) before the last lands, which then computes: 17 s
+    slow_link = CostModel(cost.device, Link("l", 250.0, 0.0), 1000, calibration=replace(cal, io_slowdown=0.5))
+    t = slow_link.step_times(np.array([[4]]), np.array([[0]]), np.zeros((1, 1)), np.array([1]), 4, False)
+    assert t.tolist() == [17.0 + 10.0]
+    # background prefetches (2 s of loads) slow the step's compute they overlap (12 s): 2 s of it by 50%
+    t = slowed.step_times(np.array([[1]]), np.array([[1]]), np.array([[2]]), np.array([1]), 1, False)
+    assert t.tolist() == [11.0 + 1.0]
     # a decode step's non-expert time grows with the KV cache it attends over
     longer = CostModel(cost.device, cost.link, 1000, calibration=replace(cal, dense_kv_s=0.01))
     t = longer.step_times(np.array([[1]]), np.array([[1]]), np.zeros((1, 1)), np.array([1]), 1, False,
@@ -72,7 +89,7 @@ def test_a_layers_misses_load_together_paying_the_latency_once():
     """The store issues a layer's misses at once on its I/O threads: the first lands after one load (rate +
     latency), the rest follow at the aggregate rate; serial loads would pay the latency per miss."""
     cal = Calibration(expert_bytes=1000, expert_s_1=0.1, expert_s_64=6.4, dense_decode_s=0.0, dense_decode_kv=20.0,
-                      dense_kv_s=0.0, dense_token_s=0.0, io_interference_s_per_byte=0.0, model="m", threads=1,
+                      dense_kv_s=0.0, dense_token_s=0.0, io_slowdown=0.0, model="m", threads=1,
                       device="cpu")
     cost = CostModel(Device("d", 1e12, 1e15, 0.0), Link("l", 1000.0, 2.0), 1000, calibration=cal)
     # 4 misses of one token each, top-4: first lands at 1 + 2 = 3 s, the last at 3 + 3 * 1 = 6 s, then computes
