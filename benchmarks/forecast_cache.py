@@ -17,7 +17,7 @@ replayed one after another in decode order: LRU, LCP, Belady, PLEC on the head's
 (eviction by predicted next use only), and PLEC with prefetch of the head's 1 / K most likely experts per layer
 at distance 1 (hits are experts resident when their layer routes, as ExpertFlow counts them). Per row: hit
 ratio, the share of the LRU->Belady gap it closes, and transfers per token-layer (all loads, demand loads).
-Usage: python benchmarks/forecast_cache.py [--quick] [--only deepseek mixtral demo] [--path-shape small|paper]
+Usage: python benchmarks/forecast_cache.py [--quick] [--only deepseek mixtral demo] [--path-shape small|paper|t5]
 (writes results/forecast_cache.json and .png)
 """
 
@@ -156,7 +156,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="subsets of every trace (a smoke run)")
     ap.add_argument("--only", nargs="+", default=["deepseek", "mixtral", "demo"], choices=["deepseek", "mixtral", "demo"])
-    ap.add_argument("--path-shape", default="small", choices=["small", "paper"])
+    ap.add_argument("--path-shape", default="small", choices=["small", "paper", "t5"])
     args = ap.parse_args()
     state = machine_state()
     predictor_rows, cache_rows = [], []

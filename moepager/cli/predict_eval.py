@@ -38,14 +38,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="gate-lookahead: the checkpoint whose routers to apply (the trace's model)")
     p.add_argument("--per-layer", action="store_true", help="also print recall@top-k per layer")
     p.add_argument("--json", metavar="PATH", help="write every result (with per-layer figures) as JSON")
+    p.add_argument("--prompt", type=int, metavar="N",
+                   help="each request's first N tokens are its prompt, the rest generated (as a replay with "
+                        "--route-prompt N runs it; what the path predictor's T5 layout encodes); default: the "
+                        "recorded phases")
 
 
-def build(name: str, reader: TraceReader, train: list[int], distances: list[int], model: str | None) -> Predictor:
+def build(name: str, reader: TraceReader, train: list[int], distances: list[int], model: str | None,
+          prompt: int | None = None) -> Predictor:
     """A fitted predictor learns on `train` (FITTERS); gate-lookahead applies the routers of `model`."""
     h = reader.header
     fitter = FITTERS.get(name)
     if fitter is not None:
-        options = FitOptions(distances=tuple(d for d in distances if d != PASS) or (1,))
+        options = FitOptions(distances=tuple(d for d in distances if d != PASS) or (1,), prompt=prompt)
         with tqdm(total=fitter.total(train, options), desc=f"fitting {name}", unit=fitter.unit, leave=False) as bar:
             return fitter.fit(reader, train, options, bar.update)
     assert model is not None  # checked up front (check_needs)
@@ -87,10 +92,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"{h.model}: {len(train)} requests to fit on, {len(test)} held out; top-{h.top_k} of {h.num_experts}")
         try:
             for name in names:
-                predictor = build(name, reader, train, distances, args.model)
+                predictor = build(name, reader, train, distances, args.model, args.prompt)
                 for d in distances:
                     with tqdm(total=len(test), unit="request", desc=f"{name} d={d}", leave=False) as bar:
-                        results.append(evaluate(predictor, reader, test, d, ks, progress=bar.update))
+                        results.append(evaluate(predictor, reader, test, d, ks, progress=bar.update,
+                                                prompt=args.prompt))
         finally:  # what finished is printed and saved even when a later predictor fails or is interrupted
             _report(results, args.per_layer, h.top_k, json_out)
     return 0

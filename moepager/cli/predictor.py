@@ -61,7 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--path-epochs", type=int, default=20, help="path: passes over the trace (default 20)")
     f.add_argument("--seed", type=int, default=0, help="head, path: training seed")
     f.add_argument("--shape", choices=sorted(SHAPES), default="small",
-                   help="path: small (2 causal layers, d_model 64) or paper (ExpertFlow's d_model 32, d_ff 2048, 6 layers)")
+                   help="path: small (2 causal layers, d_model 64), paper (ExpertFlow's d_model 32, d_ff 2048, 6 "
+                        "causal layers) or t5 (the paper's 6 + 6 encoder-decoder: the encoder reads the prompt)")
+    f.add_argument("--prompt", type=int, metavar="N",
+                   help="path (t5): each request's first N tokens are its prompt (as a replay with --route-prompt N "
+                        "runs it; default: the recorded phases)")
     f.add_argument("--resume", help="path: checkpoint after every epoch here, and continue from it if it exists")
 
 
@@ -79,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
                              path_epochs=args.path_epochs, tokens=not args.no_tokens,
                              neighbours=args.neighbours, trajectory_only=args.trajectory_only,
                              seed=args.seed,
-                             path_shape=args.shape, resume=args.resume)
+                             path_shape=args.shape, resume=args.resume, prompt=args.prompt)
         with tqdm(total=fitter.total(everything, options), unit=fitter.unit, desc=args.kind) as bar:
             fitted = fitter.fit(reader, everything, options, bar.update)
     with atomic_file(out) as tmp:

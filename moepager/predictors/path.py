@@ -5,14 +5,21 @@ layer's routing for each of them: one head per MoE layer (d_model -> E), trained
 with binary cross-entropy over the L x E routing path (eq. 3), AdamW (weight decay 0.01, cosine schedule, 16
 sequences a batch; lr 3e-3, not the paper's 1e-3: on traces of a few thousand requests 1e-3 leaves the model
 far from converged in 20 epochs, 34.8% against 70.2% recall@4 on the built-in model's validation trace).
-Shape: the paper's is T5-small with d_model 32 and d_ff 2048 (6 + 6 layers, 8 heads of 64). Here the model is
-decoder-only, because decode-order routing may only depend on the tokens so far (a bidirectional encoder
-would read tokens the engine has not produced yet); `PAPER` keeps the paper's widths with 6 causal layers,
-`SMALL` is a lighter one (2 layers, d_model 64, d_ff 256). No position encoding (causal attention orders the
-tokens by itself); the context is the last `window` tokens of the request.
-In the engine it keeps its own KV cache per request: each decode pass adds one token per request and
-forecasts that token's whole path before the first MoE layer runs (distance "pass"; `--prefetch-distance L`).
-Offline evaluation feeds a request's tokens as the rows of one iteration and runs them causally in one go.
+Shapes (`SHAPES`):
+- `t5`: the paper's, T5-small with d_model 32 and d_ff 2048: 6 encoder + 6 decoder blocks, 8 heads of 64.
+  The encoder reads a request's prompt with full (bidirectional) attention, as the paper's does, and its own
+  heads forecast the prompt tokens' paths: a prompt is known whole before its prefill pass runs, so a prompt
+  token may see the ones after it. The decoder reads the generated tokens causally, with cross-attention to
+  the encoded prompt; its heads forecast each generated token's path (the seed digest's resolution A3, the
+  targets unshifted). A prompt that arrives in chunks is encoded again with each chunk (what it has so far).
+- `paper`: the paper's widths, decoder-only (6 causal blocks over every token, prompt and generated alike).
+- `small`: decoder-only, lighter (2 blocks, d_model 64, d_ff 256).
+No position encoding (causal attention orders the tokens by itself; the encoder's prompt is a bag of tokens,
+ordered through the decoder's view of it only); the context is the last `window` tokens of each part.
+In the engine it keeps its own state per request (the encoded prompt, the decoder's KV cache): each decode
+pass adds one token per request and forecasts that token's whole path before the first MoE layer runs
+(distance "pass"; `--prefetch-distance L`). Offline evaluation feeds a request's prompt and then its
+generated tokens as two rows of one iteration.
 Tokens are hashed into `vocab` buckets (head.token_buckets), so token ids and trace token strings both work.
 Shape legend: N rows (tokens), B sequences, T positions, D d_model, H heads, C d_kv, L MoE layers, E experts.
 """
@@ -29,6 +36,7 @@ import torch.nn.functional as F
 
 from moepager.predictors.base import Forecast, LayerObservation, PredictorError
 from moepager.predictors.head import token_buckets
+from moepager.types import Phase
 
 
 @dataclass(frozen=True)
@@ -41,16 +49,43 @@ class PathShape:
     vocab: int = 32768
     """Token hash buckets (T5's vocabulary is 32,128)."""
     window: int = 256
-    """Tokens of context (the KV cache keeps at most this many per request)."""
+    """Tokens of context (the KV cache keeps at most this many per request; the encoder the prompt's last)."""
+    encoder_layers: int = 0
+    """The T5 layout when > 0: this many encoder blocks over the prompt, `layers` decoder blocks with
+    cross-attention over the generated tokens; 0: decoder-only over every token."""
 
 
 PAPER = PathShape()
+T5 = PathShape(encoder_layers=6)
 SMALL = PathShape(layers=2, d_model=64, d_ff=256, heads=4, d_kv=16)
-SHAPES = {"paper": PAPER, "small": SMALL}
+SHAPES = {"t5": T5, "paper": PAPER, "small": SMALL}
+
+
+class _CrossAttention(torch.nn.Module):
+    """Decoder positions attend over the encoded prompt (T5's encoder-decoder attention)."""
+
+    def __init__(self, s: PathShape):
+        super().__init__()
+        inner = s.heads * s.d_kv
+        self.heads, self.d_kv = s.heads, s.d_kv
+        self.q = torch.nn.Linear(s.d_model, inner, bias=False)
+        self.kv = torch.nn.Linear(s.d_model, 2 * inner, bias=False)
+        self.out = torch.nn.Linear(inner, s.d_model, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor, memory_BPD: torch.Tensor, mask_BP: torch.Tensor | None) -> torch.Tensor:
+        b, t, _ = x_BTD.shape
+        q = self.q(x_BTD).view(b, t, self.heads, self.d_kv).transpose(1, 2)
+        k, v = self.kv(memory_BPD).view(b, memory_BPD.shape[1], 2, self.heads, self.d_kv).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask_BP is None else mask_BP[:, None, None])
+        return self.out(att.transpose(1, 2).reshape(b, t, -1))
+
+
+Memory = tuple[torch.Tensor, "torch.Tensor | None"]
+"""The encoded prompt (memory_BPD) and which of its positions are real (mask_BP; None: all)."""
 
 
 class _Block(torch.nn.Module):
-    def __init__(self, s: PathShape):
+    def __init__(self, s: PathShape, cross: bool = False):
         super().__init__()
         inner = s.heads * s.d_kv
         self.heads, self.d_kv = s.heads, s.d_kv
@@ -58,17 +93,28 @@ class _Block(torch.nn.Module):
         self.qkv = torch.nn.Linear(s.d_model, 3 * inner, bias=False)
         self.out = torch.nn.Linear(inner, s.d_model, bias=False)
         self.ff1, self.ff2 = torch.nn.Linear(s.d_model, s.d_ff), torch.nn.Linear(s.d_ff, s.d_model)
+        self.norm3 = torch.nn.LayerNorm(s.d_model) if cross else None
+        self.cross = _CrossAttention(s) if cross else None
 
-    def forward(self, x_BTD: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None
+    def forward(self, x_BTD: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None,
+                memory: Memory | None = None, causal: bool = True, mask_BT: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Causal self-attention over `past` and the new positions (or, `causal=False`, full attention over
+        the positions `mask_BT` marks real: the encoder), then cross-attention to `memory` (decoder blocks)."""
         b, t, _ = x_BTD.shape
         q, k, v = self.qkv(self.norm1(x_BTD)).view(b, t, 3, self.heads, self.d_kv).permute(2, 0, 3, 1, 4)
         if past is not None:
             k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
-        offset = k.shape[2] - t
-        mask = torch.ones(t, k.shape[2], dtype=torch.bool).tril(offset)
+        if causal:
+            mask = torch.ones(t, k.shape[2], dtype=torch.bool).tril(k.shape[2] - t)
+        else:
+            mask = None if mask_BT is None else mask_BT[:, None, None]
         att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x_BTD = x_BTD + self.out(att.transpose(1, 2).reshape(b, t, -1))
+        if self.cross is not None and self.norm3 is not None:
+            if memory is None:
+                raise PredictorError("a decoder block of the T5 path predictor needs the encoded prompt")
+            x_BTD = x_BTD + self.cross(self.norm3(x_BTD), *memory)
         x_BTD = x_BTD + self.ff2(F.gelu(self.ff1(self.norm2(x_BTD))))
         return x_BTD, (k, v)
 
@@ -78,20 +124,53 @@ class PathModel(torch.nn.Module):
         super().__init__()
         self.shape, self.num_layers, self.num_experts = shape, num_layers, num_experts
         self.embed = torch.nn.Embedding(shape.vocab, shape.d_model)
-        self.blocks = torch.nn.ModuleList(_Block(shape) for _ in range(shape.layers))
+        """Shared by the encoder and the decoder (T5 ties them)."""
+        self.blocks = torch.nn.ModuleList(_Block(shape, cross=self.encoded) for _ in range(shape.layers))
         self.norm = torch.nn.LayerNorm(shape.d_model)
         self.heads = torch.nn.Linear(shape.d_model, num_layers * num_experts)
         """The L per-layer heads (d_model -> E each) as one matrix."""
+        if self.encoded:
+            self.encoder = torch.nn.ModuleList(_Block(shape) for _ in range(shape.encoder_layers))
+            self.encoder_norm = torch.nn.LayerNorm(shape.d_model)
+            self.prompt_heads = torch.nn.Linear(shape.d_model, num_layers * num_experts)
+            """The prompt tokens' L heads, on the encoder's states."""
 
-    def forward(self, bucket_BT: torch.Tensor, past: list | None = None) -> tuple[torch.Tensor, list]:
-        """logits_BTLE for the new positions, and the blocks' (K, V) including them."""
+    @property
+    def encoded(self) -> bool:
+        return self.shape.encoder_layers > 0
+
+    def encode(self, bucket_BP: torch.Tensor, mask_BP: torch.Tensor | None = None) -> tuple[Memory, torch.Tensor]:
+        """The prompt through the encoder: the memory the decoder attends to, and the prompt's logits_BPLE."""
+        x = self.embed(bucket_BP)
+        for block in self.encoder:
+            x, _ = block(x, None, causal=False, mask_BT=mask_BP)
+        memory_BPD = self.encoder_norm(x)
+        b, p, _ = x.shape
+        return (memory_BPD, mask_BP), self.prompt_heads(memory_BPD).view(b, p, self.num_layers, self.num_experts)
+
+    def forward(self, bucket_BT: torch.Tensor, past: list | None = None, memory: Memory | None = None
+                ) -> tuple[torch.Tensor, list]:
+        """logits_BTLE for the new positions, and the blocks' (K, V) including them (`memory`: the encoded
+        prompt, for the T5 layout's decoder)."""
         x = self.embed(bucket_BT)
         cache = []
         for i, block in enumerate(self.blocks):
-            x, kv = block(x, None if past is None else past[i])
+            x, kv = block(x, None if past is None else past[i], memory)
             cache.append(kv)
         b, t, _ = x.shape
         return self.heads(self.norm(x)).view(b, t, self.num_layers, self.num_experts), cache
+
+
+@dataclass
+class _RequestState:
+    """What the predictor keeps of one request between passes."""
+
+    seen: int = 0
+    past: list | None = None
+    """The decoder blocks' (K, V), the last `window` positions."""
+    prompt_T: torch.Tensor | None = None
+    """T5 layout: the prompt's token buckets so far (the last `window`) and their encoding."""
+    memory: Memory | None = None
 
 
 class PathPredictor:
@@ -100,23 +179,24 @@ class PathPredictor:
     needs_scores = False
     hidden = None
     stateful = True
-    """It keeps each request's KV cache across passes (the engine tells it the rows' requests: `begin_rows`)."""
+    """It keeps each request's state across passes (the engine tells it the rows' requests: `begin_rows`)."""
 
     def __init__(self, model: PathModel):
         self.model = model.eval()
         self.num_layers, self.num_experts = model.num_layers, model.num_experts
         self._probs_NLE: torch.Tensor | None = None
-        self._rows: tuple[Sequence[int], Sequence[int], Sequence[int]] | None = None
-        self._cache: dict[int, tuple[int, list]] = {}
-        """request -> (tokens seen, the blocks' (K, V))."""
+        self._rows: tuple[Sequence[int], Sequence[int], Sequence[int], Sequence[Phase]] | None = None
+        self._cache: dict[int, _RequestState] = {}
 
     @property
     def distances(self) -> set[int]:
         return set(range(self.num_layers + 1))
 
-    def begin_rows(self, requests: Sequence[int], starts: Sequence[int], counts: Sequence[int]) -> None:
-        """The coming iteration's rows: `counts[i]` tokens of request `requests[i]` from position `starts[i]`."""
-        self._rows = (requests, starts, counts)
+    def begin_rows(self, requests: Sequence[int], starts: Sequence[int], counts: Sequence[int],
+                   phases: Sequence[Phase] | None = None) -> None:
+        """The coming iteration's rows: `counts[i]` tokens of request `requests[i]` from position `starts[i]`,
+        prompt tokens (`phases[i]` "prefill") or generated ones (default: generated)."""
+        self._rows = (requests, starts, counts, phases or ("decode",) * len(requests))
 
     def end_request(self, request: int) -> None:
         self._cache.pop(request, None)
@@ -127,34 +207,35 @@ class PathPredictor:
             self._probs_NLE = None
             return
         bucket_N = token_buckets(token_ids_N.tolist(), self.model.shape.vocab)
-        if self._rows is None:  # offline: the rows are one request's tokens in order
-            self._probs_NLE = torch.sigmoid(self._run(bucket_N))
+        if self._rows is None:  # offline, no rows given: one request's tokens in order, all of them its prompt
+            self._probs_NLE = torch.sigmoid(self._advance(_RequestState(), bucket_N, "prefill"))
             return
         out, offset = [], 0
-        for request, start, n in zip(*self._rows, strict=True):
-            seen, past = self._cache.get(request, (0, None))
-            if start == 0 or start != seen:  # new, or preempted and computed again: start over
-                seen, past = 0, None
-            logits, past = self._step(bucket_N[offset:offset + n], past)
-            self._cache[request] = (seen + n, past)
-            out.append(logits)
+        for request, start, n, phase in zip(*self._rows, strict=True):
+            state = self._cache.get(request)
+            if state is None or start == 0 or start != state.seen:  # new, or preempted and computed again
+                state = self._cache[request] = _RequestState()
+            out.append(self._advance(state, bucket_N[offset:offset + n], phase))
             offset += n
         self._rows = None
         self._probs_NLE = torch.sigmoid(torch.cat(out))
 
-    def _run(self, bucket_N: torch.Tensor) -> torch.Tensor:
-        """logits_NLE of a whole request, window by window, each window seeing the one before it."""
-        window, out, past = self.model.shape.window, [], None
-        for start in range(0, len(bucket_N), window):
-            logits, past = self._step(bucket_N[start:start + window], past)
-            out.append(logits)
+    def _advance(self, state: _RequestState, bucket_T: torch.Tensor, phase: Phase) -> torch.Tensor:
+        """logits_TLE of one request's next tokens, window by window, each seeing what came before it."""
+        window, out = self.model.shape.window, []
+        for start in range(0, len(bucket_T), window):
+            piece = bucket_T[start:start + window]
+            if self.model.encoded and (phase == "prefill" or state.memory is None):
+                prompt = piece if state.prompt_T is None else torch.cat([state.prompt_T, piece])
+                state.prompt_T = prompt[-window:]
+                state.memory, logits = self.model.encode(state.prompt_T[None])
+                out.append(logits[0, -len(piece):])
+            else:
+                logits, past = self.model(piece[None], state.past, state.memory)
+                state.past = [(k[:, :, -window:], v[:, :, -window:]) for k, v in past]
+                out.append(logits[0])
+            state.seen += len(piece)
         return torch.cat(out)
-
-    def _step(self, bucket_T: torch.Tensor, past: list | None) -> tuple[torch.Tensor, list]:
-        """One request's next tokens on top of its cache: logits_TLE, and the cache cut to the last `window`."""
-        window = self.model.shape.window
-        logits, past = self.model(bucket_T[None], past)
-        return logits[0], [(k[:, :, -window:], v[:, :, -window:]) for k, v in past]
 
     def observe(self, layer: int, obs: LayerObservation) -> None:
         """The path is fixed before the pass runs: observations change nothing."""
@@ -183,27 +264,49 @@ def model_from(state: dict) -> PathModel:
     return model
 
 
-def _sequences(buckets: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], window: int
-               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Requests cut into windows of at most `window` tokens (the training samples)."""
-    out = []
-    for bucket_T, target_TLK in zip(buckets, targets):
-        for start in range(0, len(bucket_T), window):
-            out.append((bucket_T[start:start + window], target_TLK[start:start + window]))
+Sample = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""(prompt buckets, their ids_TLK, generated buckets, their ids_TLK); decoder-only samples leave the prompt
+part empty."""
+
+
+def _samples(buckets: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], prompts: Sequence[int],
+             shape: PathShape) -> list[Sample]:
+    """Requests cut into windows of at most `window` tokens (the training samples). Decoder-only: every token is
+    one causal sequence. T5: each prompt window alone, and the prompt's last window beside every window of
+    the generated tokens."""
+    window, out = shape.window, []
+    for bucket_T, target_TLK, p in zip(buckets, targets, prompts):
+        if not shape.encoder_layers:
+            p = 0
+        elif p == 0:  # a request without a prompt: its first token stands in for one
+            p = 1
+        empty_b, empty_t = bucket_T[:0], target_TLK[:0]
+        starts = range(0, p, window)
+        for start in starts[:-1]:
+            out.append((bucket_T[start:start + window], target_TLK[start:start + window], empty_b, empty_t))
+        last = (bucket_T[max(0, p - window):p], target_TLK[max(0, p - window):p])
+        generated = range(p, len(bucket_T), window)
+        if not generated and p:
+            out.append((*last, empty_b, empty_t))
+        for start in generated:
+            out.append((*last, bucket_T[start:start + window], target_TLK[start:start + window]))
     return out
 
 
 def fit_path(tokens: Sequence[Sequence[str | int]], ids: Sequence[torch.Tensor], num_experts: int,
              shape: PathShape = SMALL, epochs: int = 20, batch: int = 16, lr: float = 3e-3, seed: int = 0,
-             resume: str | Path | None = None, progress: Callable[[int], None] | None = None) -> PathPredictor:
-    """Train on requests (token lists and their ids_TLK). With `resume`, a checkpoint file is written after
-    every epoch (atomically) and training continues from it when it exists: same seed, same result."""
+             resume: str | Path | None = None, progress: Callable[[int], None] | None = None,
+             prompts: Sequence[int] | None = None) -> PathPredictor:
+    """Train on requests (token lists and their ids_TLK; `prompts`: how many of each request's first tokens are
+    its prompt, for the T5 layout, default all). With `resume`, a checkpoint file is written after every epoch
+    (atomically) and training continues from it when it exists: same seed, same result."""
     if not tokens:
         raise PredictorError("the path predictor needs requests with token ids or token strings to learn from")
     num_layers = ids[0].shape[1]
     torch.manual_seed(seed)
     model = PathModel(shape, num_layers, num_experts)
-    samples = _sequences([token_buckets(list(t), shape.vocab) for t in tokens], ids, shape.window)
+    samples = _samples([token_buckets(list(t), shape.vocab) for t in tokens], ids,
+                       [len(t) for t in tokens] if prompts is None else prompts, shape)
     steps_per_epoch = math.ceil(len(samples) / batch)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, epochs * steps_per_epoch))
@@ -231,19 +334,38 @@ def fit_path(tokens: Sequence[Sequence[str | int]], ids: Sequence[torch.Tensor],
     return PathPredictor(model)
 
 
-def _train_step(model: PathModel, batch: list[tuple[torch.Tensor, torch.Tensor]], opt: torch.optim.Optimizer) -> None:
-    """One step over padded sequences: BCE over every (position, layer, expert) of the real positions."""
-    length = max(len(b) for b, _ in batch)
-    bucket_BT = torch.zeros(len(batch), length, dtype=torch.long)
-    y_BTLE = torch.zeros(len(batch), length, model.num_layers, model.num_experts)
-    real_BT = torch.zeros(len(batch), length, dtype=torch.bool)
-    for i, (bucket_T, ids_TLK) in enumerate(batch):
+def _padded(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], num_layers: int, num_experts: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sequences padded at the end: bucket_BT, the multi-hot targets y_BTLE, and which positions are real."""
+    length = max(len(b) for b, _ in parts)
+    bucket_BT = torch.zeros(len(parts), length, dtype=torch.long)
+    y_BTLE = torch.zeros(len(parts), length, num_layers, num_experts)
+    real_BT = torch.zeros(len(parts), length, dtype=torch.bool)
+    for i, (bucket_T, ids_TLK) in enumerate(parts):
         t = len(bucket_T)
         bucket_BT[i, :t], real_BT[i, :t] = bucket_T, True
         y_BTLE[i, :t].scatter_(2, ids_TLK.long().clamp(min=0), (ids_TLK >= 0).float())
-    logits, _ = model(bucket_BT)
-    loss = F.binary_cross_entropy_with_logits(logits, y_BTLE, reduction="none").mean((2, 3))
-    loss = (loss * real_BT).sum() / real_BT.sum()
+    return bucket_BT, y_BTLE, real_BT
+
+
+def _train_step(model: PathModel, batch: list[Sample], opt: torch.optim.Optimizer) -> None:
+    """One step over padded sequences: BCE over every (position, layer, expert) of the real positions, the
+    prompt's (through the encoder, T5) and the generated tokens' alike."""
+    def bce(logits: torch.Tensor, y: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        return (F.binary_cross_entropy_with_logits(logits, y, reduction="none").mean((2, 3)) * real).sum()
+
+    L, E = model.num_layers, model.num_experts
+    total, count, memory = torch.zeros(()), 0, None
+    if model.encoded:
+        prompt_BP, y_prompt, real_BP = _padded([(b, t) for b, t, _, _ in batch], L, E)
+        memory, logits = model.encode(prompt_BP, real_BP)
+        total, count = total + bce(logits, y_prompt, real_BP), count + int(real_BP.sum())
+    generated = [(b, t) for _, _, b, t in batch]
+    if any(len(b) for b, _ in generated):
+        gen_BT, y_gen, real_BT = _padded(generated, L, E)
+        logits, _ = model(gen_BT, None, memory)
+        total, count = total + bce(logits, y_gen, real_BT), count + int(real_BT.sum())
+    loss = total / max(count, 1)
     opt.zero_grad()
     loss.backward()
     opt.step()

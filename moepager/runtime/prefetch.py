@@ -87,7 +87,7 @@ class Prefetcher:
         sem_ND = self._semantic(info, ids_N) if self.embed is not None and len(ids_N) else None
         self._last_rows = (torch.cumsum(torch.tensor(info.counts), 0) - 1).tolist()
         if self.stateful:
-            self.predictor.begin_rows(info.requests, info.starts, info.counts)
+            self.predictor.begin_rows(info.requests, info.starts, info.counts, info.row_phases)
         self.predictor.start_iteration(ids_N, sem_ND)
         for j in range(min(self.plan.distance, len(self.moe_layers))):
             self._enqueue(self.predictor.forecast(j, 0), j, 0)

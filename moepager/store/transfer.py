@@ -1,7 +1,10 @@
 """Moving expert bytes: I/O thread pools for disk reads and a named CUDA stream for host->device copies.
 
 Two lanes: on-demand loads go to `pool`; prefetches go to `ahead_pool` (one thread by default), so a demand
-load never waits in a queue behind speculative ones, and a queued prefetch can still be cancelled.
+load never waits in a queue behind speculative ones, and a queued prefetch can still be cancelled. A prefetch
+also starts only while no demand load is in flight: it uses the link when demand leaves it idle (the compute
+of hits, dense layers, attention) instead of sharing it with loads the model is waiting for; on a disk-bound
+machine a prefetch issued beside demand reads slowed them as much as it saved.
 
 Every transfer is a `Future` whose result is the CUDA event that marks the end of its copy (None when the
 copy was synchronous or there was none). Consumers wait on the host for the future (disk) and on the GPU
@@ -10,6 +13,7 @@ for the event (`stream.wait_event`); only benchmarks and tests synchronize.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,9 +37,34 @@ class Transfers:
         self.ahead_pool = ThreadPoolExecutor(max(ahead_threads, 1), thread_name_prefix="moepager-prefetch")
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         """The named stream host->device copies run on, beside the compute stream."""
+        self._demand = 0
+        """Demand loads submitted and not finished."""
+        self._idle = threading.Condition()
 
     def submit(self, fn: Callable[..., T], *args: object, ahead: bool = False) -> Future[T]:
-        return (self.ahead_pool if ahead else self.pool).submit(fn, *args)
+        if ahead:
+            return self.ahead_pool.submit(self._when_idle, fn, *args)
+        with self._idle:
+            self._demand += 1
+        future = self.pool.submit(fn, *args)
+        future.add_done_callback(self._demand_done)
+        return future
+
+    def _demand_done(self, _: Future) -> None:
+        with self._idle:
+            self._demand -= 1
+            if self._demand == 0:
+                self._idle.notify_all()
+
+    def _when_idle(self, fn: Callable[..., T], *args: object) -> T:
+        """Run a prefetch once no demand load is in flight (one arriving after it started shares the link)."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._demand == 0)
+        return fn(*args)
+
+    def demand_in_flight(self) -> int:
+        with self._idle:
+            return self._demand
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None) -> tuple[
             torch.cuda.Event | None, float]:

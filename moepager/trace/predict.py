@@ -36,7 +36,7 @@ from moepager.predictors.base import stable_hash
 from moepager.predictors import head, path
 from moepager.predictors.expert_map import DEFAULT_CAPACITY, HASH_DIM, hashed_tokens, prefix_means
 from moepager.predictors.token_wise import train_token_wise
-from moepager.trace.format import TraceHeader, TraceReader, TraceRequest
+from moepager.trace.format import PREFILL, TraceHeader, TraceReader, TraceRequest
 from moepager.trace.simulate import Forecasts
 
 Progress = Callable[[int], None]
@@ -184,7 +184,11 @@ class FitOptions:
     path_epochs: int = 20
     """path: passes over the training requests."""
     path_shape: str = "small"
-    """path: "small" (decoder-only, 2 layers) or "paper" (ExpertFlow's widths, 6 causal layers)."""
+    """path: "small" (decoder-only, 2 layers), "paper" (ExpertFlow's widths, 6 causal layers) or "t5" (the
+    paper's 6 + 6 encoder-decoder)."""
+    prompt: int | None = None
+    """path (t5): each request's first N tokens are its prompt, the rest generated (as a replay with
+    `--route-prompt N` runs it); default: the recorded phases."""
     resume: str | None = None
     """path: a checkpoint written after every epoch, continued from when it exists."""
 
@@ -224,7 +228,17 @@ def fit_path(reader: TraceReader, train: Sequence[int], o: FitOptions, progress:
                              f"or strings")
     return path.fit_path([t.tolist() for t in tokens], [torch.from_numpy(r.ids_TLK.astype(np.int64))
                                                        for r in requests], reader.header.num_experts,
-                         path.SHAPES[o.path_shape], o.path_epochs, seed=o.seed, resume=o.resume, progress=progress)
+                         path.SHAPES[o.path_shape], o.path_epochs, seed=o.seed, resume=o.resume, progress=progress,
+                         prompts=[prompt_length(r, o.prompt) for r in requests])
+
+
+def prompt_length(request: TraceRequest, prompt: int | None = None) -> int:
+    """How many of the request's first tokens are its prompt: `prompt` (a replay's `--route-prompt`), else
+    its recorded prefill tokens."""
+    if prompt is not None:
+        return min(prompt, request.num_tokens)
+    decode = np.flatnonzero(request.phase_T != PREFILL)
+    return int(decode[0]) if len(decode) else request.num_tokens
 
 
 FITTERS: dict[str, Fitter] = {
@@ -299,9 +313,10 @@ class PredictEval:
 
 
 def _forecasts(predictor: Predictor, reader: TraceReader, requests: Sequence[int], distance: int,
-               progress: Progress | None) -> Iterator[tuple[TraceRequest, list[LayerObservation],
-                                                            Iterator[tuple[int, int, Forecast | None]]]]:
-    """Per request (its tokens the rows of one iteration): the request, its observations, and the forecasts the
+               progress: Progress | None, prompt: int | None = None
+               ) -> Iterator[tuple[TraceRequest, list[LayerObservation], Iterator[tuple[int, int, Forecast | None]]]]:
+    """Per request (its tokens the rows of one iteration: a stateful predictor is told its prompt and its
+    generated tokens as two rows, `prompt_length`): the request, its observations, and the forecasts the
     predictor makes at `distance` as (target layer, ahead, forecast), made as the layers are observed (PASS:
     every layer before any is observed). Consume each request's forecasts before asking for the next request."""
     h = reader.header
@@ -316,22 +331,31 @@ def _forecasts(predictor: Predictor, reader: TraceReader, requests: Sequence[int
             j, ahead = target_of(i, distance, h.num_layers)
             yield j, ahead, predictor.forecast(j, ahead)
 
+    stateful = getattr(predictor, "stateful", False)
     for index in requests:
         request = reader.request(index)
         obs = observations(request, h)
+        if stateful:
+            p, n = prompt_length(request, prompt), request.num_tokens
+            rows = [(0, p, "prefill"), (p, n - p, "decode")]
+            rows = [r for r in rows if r[1]]
+            predictor.begin_rows([index] * len(rows), [r[0] for r in rows], [r[1] for r in rows],
+                                 [r[2] for r in rows])
         predictor.start_iteration(row_token_ids(request), semantic_rows(request))
         yield request, obs, made(obs)
+        if stateful:
+            predictor.end_request(index)
         if progress is not None:
             progress(1)
 
 
 def evaluate(predictor: Predictor, reader: TraceReader, requests: Sequence[int], distance: int,
-             ks: Sequence[int], progress: Progress | None = None) -> PredictEval:
+             ks: Sequence[int], progress: Progress | None = None, prompt: int | None = None) -> PredictEval:
     h = reader.header
     ks = list(dict.fromkeys(ks))  # a cut-off asked for twice is counted once
     tallies = [LayerTally() for _ in range(h.num_layers)]
     tokens = 0
-    for request, obs, made in _forecasts(predictor, reader, requests, distance, progress):
+    for request, obs, made in _forecasts(predictor, reader, requests, distance, progress, prompt):
         tokens += request.num_tokens
         for j, ahead, forecast in made:
             _tally(tallies[j], forecast, obs[j].ids_NK, ahead, ks)
@@ -340,13 +364,13 @@ def evaluate(predictor: Predictor, reader: TraceReader, requests: Sequence[int],
 
 
 def forecast_ranks(predictor: Predictor, reader: TraceReader, requests: Sequence[int], distance: int,
-                   width: int, progress: Progress | None = None) -> np.ndarray:
+                   width: int, progress: Progress | None = None, prompt: int | None = None) -> np.ndarray:
     """For every token of `requests` (in order) and every layer, the `width` experts the predictor ranks first
     in the forecast it makes at `distance` (PASS: before the token's pass), int16, -1 where it makes none (a
     next-iteration target of a request's first token, or a predictor that cannot forecast it)."""
     h = reader.header
     out = []
-    for request, _, made in _forecasts(predictor, reader, requests, distance, progress):
+    for request, _, made in _forecasts(predictor, reader, requests, distance, progress, prompt):
         ranks = np.full((request.num_tokens, h.num_layers, width), -1, np.int16)
         for j, ahead, forecast in made:
             _put(ranks[:, j], forecast, ahead, width)

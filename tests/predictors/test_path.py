@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from moepager.predictors import PathPredictor, PredictorError, make_predictor
-from moepager.predictors.path import PAPER, PathModel, PathShape, fit_path
+from moepager.predictors.path import PAPER, T5, PathModel, PathShape, fit_path
 
 E, L = 8, 3
 TINY = PathShape(layers=1, d_model=32, d_ff=64, heads=2, d_kv=8, vocab=256, window=16)
+TINY_T5 = PathShape(layers=1, d_model=32, d_ff=64, heads=2, d_kv=8, vocab=256, window=16, encoder_layers=1)
+PROMPT = 10
 
 
 def requests(n: int, seed: int = 0) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -107,3 +109,65 @@ def test_the_paper_shape_has_expertflows_widths():
     block = 3 * 32 * 512 + 512 * 32 + (32 * 2048 + 2048) + (2048 * 32 + 32) + 2 * 2 * 32
     expected = 32768 * 32 + 6 * block + 2 * 32 + 12 * (32 * 128 + 128)
     assert sum(p.numel() for p in model.parameters()) == expected  # 2.3 M: a few MB, like the paper's 7.21 MB
+
+
+@pytest.fixture(scope="module")
+def fitted_t5() -> PathPredictor:
+    toks, ids = requests(60)
+    return fit_path(toks, ids, E, TINY_T5, epochs=60, lr=1e-2, prompts=[PROMPT] * len(toks))
+
+
+def _two_rows(predictor: PathPredictor, request: int, t: list[int]) -> None:
+    """The offline evaluation's way: the prompt and the generated tokens as two rows of one iteration."""
+    p = min(PROMPT, len(t))
+    rows = [r for r in ((0, p, "prefill"), (p, len(t) - p, "decode")) if r[1]]
+    predictor.begin_rows([request] * len(rows), [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+    predictor.start_iteration(torch.tensor(t), None)
+
+
+def test_the_t5_layout_forecasts_prompt_and_generated_tokens(fitted_t5):
+    """The encoder's heads forecast the prompt's paths, the decoder's (cross-attending to the prompt) the
+    generated tokens'."""
+    toks, ids = requests(10, seed=1)
+    right = {"prefill": [], "decode": []}
+    for r, (t, i) in enumerate(zip(toks, ids)):
+        _two_rows(fitted_t5, r, t)
+        for layer in range(L):
+            top = fitted_t5.forecast(layer, 0).top(2).sort(1).values
+            ok = (top == i[:, layer].sort(1).values).all(1).float()
+            right["prefill"].append(ok[:PROMPT].mean())
+            if len(t) > PROMPT:
+                right["decode"].append(ok[PROMPT:].mean())
+        fitted_t5.end_request(r)
+    assert torch.stack(right["prefill"]).mean() > 0.9 and torch.stack(right["decode"]).mean() > 0.9
+
+
+def test_the_t5_layouts_incremental_passes_match_the_offline_run(fitted_t5):
+    """A prompt in two chunks (the second chunk sees the whole prompt, as the offline run does), then one
+    generated token a pass against the decoder's KV cache: the offline forecasts, from the second chunk on."""
+    t = list(range(3, 25))
+    _two_rows(fitted_t5, 0, t)
+    offline = fitted_t5.forecast(2, 0).probs_NE
+    fitted_t5.end_request(0)
+    fitted_t5.begin_rows((5,), (0,), (2,), ("prefill",))
+    fitted_t5.start_iteration(torch.tensor(t[:2]), None)
+    got = []
+    fitted_t5.begin_rows((5,), (2,), (PROMPT - 2,), ("prefill",))
+    fitted_t5.start_iteration(torch.tensor(t[2:PROMPT]), None)
+    got.append(fitted_t5.forecast(2, 0).probs_NE)
+    for pos in range(PROMPT, len(t)):
+        fitted_t5.begin_rows((5,), (pos,), (1,), ("decode",))
+        fitted_t5.start_iteration(torch.tensor([t[pos]]), None)
+        got.append(fitted_t5.forecast(2, 0).probs_NE)
+    assert torch.allclose(torch.cat(got), offline[2:], atol=1e-5)
+    fitted_t5.end_request(5)
+    assert not fitted_t5._cache
+
+
+def test_the_t5_shape_is_the_papers_encoder_decoder():
+    model = PathModel(T5, 12, 128)
+    block = 3 * 32 * 512 + 512 * 32 + (32 * 2048 + 2048) + (2048 * 32 + 32) + 2 * 2 * 32
+    cross = 32 * 512 + 32 * 1024 + 512 * 32 + 2 * 32
+    heads = 32 * 12 * 128 + 12 * 128
+    expected = 32768 * 32 + 6 * block + 6 * (block + cross) + 2 * 2 * 32 + 2 * heads
+    assert sum(p.numel() for p in model.parameters()) == expected
