@@ -263,9 +263,13 @@ def main(device: str, layers: int, threads: int | None, name: str) -> None:
 
 def model_rows(rows: list[dict], cost: CostModel, trace: Path, requests: list[int], cut: Cut) -> None:
     """The calibrated model's TPOT beside each measured configuration without prefetch."""
+    done: dict[tuple[str, int], dict] = {}  # repeats of a configuration share its (deterministic) model
     for row in rows:
         if row["predictor"] == "none":
-            row["model"] = modeled(cost, trace, requests, cut, row["policy"], row["per_layer"] or 64)
+            key = (row["policy"], row["per_layer"] or 64)
+            if key not in done:
+                done[key] = modeled(cost, trace, requests, cut, *key)
+            row["model"] = done[key]
             row["modeled_tpot_ms"] = row["model"]["tpot_ms"]
             row["model_error"] = row["modeled_tpot_ms"] / row["tpot_ms"] - 1
             if row.get("disk_GBps_in_run"):  # diagnostic: the disk drifts between configurations
@@ -354,10 +358,11 @@ def report(rows: list[dict], ttft: list[dict], args: argparse.Namespace) -> None
         first = next((median[k] for k in by_config if not k.startswith("100%")), None)
         print("median TPOT over the repeats against the first paged configuration's: " + ", ".join(
             f"{k} {first / median[k]:.3f}x" for k in by_config if not k.startswith("100%")))
-    worst = max(errors.values(), key=abs)
-    print(f"calibrated model vs measured TPOT{' (medians over the repeats)' if repeats > 1 else ''}: worst "
-          f"{worst:+.1%} ({'within' if abs(worst) <= TOLERANCE else 'OUTSIDE'} +-{TOLERANCE:.0%}), median "
-          f"{statistics.median(abs(e) for e in errors.values()):.1%} over {len(errors)} configurations")
+    worst = max(errors.values(), key=abs, default=None)
+    if worst is not None:
+        print(f"calibrated model vs measured TPOT{' (medians over the repeats)' if repeats > 1 else ''}: worst "
+              f"{worst:+.1%} ({'within' if abs(worst) <= TOLERANCE else 'OUTSIDE'} +-{TOLERANCE:.0%}), median "
+              f"{statistics.median(abs(e) for e in errors.values()):.1%} over {len(errors)} configurations")
     own = [r for r in rows if "model_own_disk_error" in r]
     if own:
         print("the same model with each configuration's own effective disk rate (the store's bytes / disk-busy time "

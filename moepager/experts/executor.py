@@ -233,16 +233,17 @@ class PagedExecutor:
             return combine(x_ND, work, self._streamed(layer, work, kernel))
         held = self.store.acquire(layer, work.experts)
         try:
-            y_MD = torch.empty_like(work.x_MD)
             self.store.wait(held, held.ready)
-            if kernel == "loop":
+            if kernel != "loop" and not held.pending:
+                y_MD = self.kernels.compute(work, held.slots, kernel)
+            elif kernel == "loop":
+                y_MD = torch.empty_like(work.x_MD)
                 self.kernels.loop(work, held.slots, held.ready, y_MD)
                 for i in held.pending:
                     self.store.wait(held, [i])
                     self.kernels.loop(work, held.slots, [i], y_MD)
-            elif not held.pending:
-                y_MD = self.kernels.compute(work, held.slots, kernel)
             else:  # the resident ones at once, then each batch of loads that has landed
+                y_MD = torch.empty_like(work.x_MD)
                 self._some(work, held.slots, held.ready, kernel, y_MD)
                 pending = held.pending
                 while pending:

@@ -62,19 +62,20 @@ SHAPES = {"t5": T5, "paper": PAPER, "small": SMALL}
 
 
 class _CrossAttention(torch.nn.Module):
-    """Decoder positions attend over the encoded prompt (T5's encoder-decoder attention)."""
+    """Decoder positions attend over the encoded prompt (T5's encoder-decoder attention, pre-norm)."""
 
     def __init__(self, s: PathShape):
         super().__init__()
         inner = s.heads * s.d_kv
         self.heads, self.d_kv = s.heads, s.d_kv
+        self.norm = torch.nn.LayerNorm(s.d_model)
         self.q = torch.nn.Linear(s.d_model, inner, bias=False)
         self.kv = torch.nn.Linear(s.d_model, 2 * inner, bias=False)
         self.out = torch.nn.Linear(inner, s.d_model, bias=False)
 
     def forward(self, x_BTD: torch.Tensor, memory_BPD: torch.Tensor, mask_BP: torch.Tensor | None) -> torch.Tensor:
         b, t, _ = x_BTD.shape
-        q = self.q(x_BTD).view(b, t, self.heads, self.d_kv).transpose(1, 2)
+        q = self.q(self.norm(x_BTD)).view(b, t, self.heads, self.d_kv).transpose(1, 2)
         k, v = self.kv(memory_BPD).view(b, memory_BPD.shape[1], 2, self.heads, self.d_kv).permute(2, 0, 3, 1, 4)
         att = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask_BP is None else mask_BP[:, None, None])
         return self.out(att.transpose(1, 2).reshape(b, t, -1))
@@ -93,7 +94,6 @@ class _Block(torch.nn.Module):
         self.qkv = torch.nn.Linear(s.d_model, 3 * inner, bias=False)
         self.out = torch.nn.Linear(inner, s.d_model, bias=False)
         self.ff1, self.ff2 = torch.nn.Linear(s.d_model, s.d_ff), torch.nn.Linear(s.d_ff, s.d_model)
-        self.norm3 = torch.nn.LayerNorm(s.d_model) if cross else None
         self.cross = _CrossAttention(s) if cross else None
 
     def forward(self, x_BTD: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None,
@@ -111,10 +111,10 @@ class _Block(torch.nn.Module):
             mask = None if mask_BT is None else mask_BT[:, None, None]
         att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x_BTD = x_BTD + self.out(att.transpose(1, 2).reshape(b, t, -1))
-        if self.cross is not None and self.norm3 is not None:
+        if self.cross is not None:
             if memory is None:
                 raise PredictorError("a decoder block of the T5 path predictor needs the encoded prompt")
-            x_BTD = x_BTD + self.cross(self.norm3(x_BTD), *memory)
+            x_BTD = x_BTD + self.cross(x_BTD, *memory)
         x_BTD = x_BTD + self.ff2(F.gelu(self.ff1(self.norm2(x_BTD))))
         return x_BTD, (k, v)
 

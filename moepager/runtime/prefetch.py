@@ -68,9 +68,9 @@ class Prefetcher:
         self.forecasts = forecasts
         """Sees every target layer's mean forecast (an eviction policy that ranks by them: fMoE, PLEC)."""
         self.next_use = forecasts is not None and getattr(forecasts, "ranks_next_use", False)
-        self.stateful = getattr(predictor, "stateful", False)
-        """The predictor keeps per-request state (the path predictor's KV cache): it is told the rows' requests."""
         """The policy also wants, once a layer has routed, the forecast of that layer at the next token (PLEC)."""
+        self.stateful = getattr(predictor, "stateful", False)
+        """The predictor keeps per-request state (the path predictor's): it is told the rows' requests."""
         self.pending: dict[tuple[int, int], dict[int, float]] = {}
         """(iteration, MoE position) -> expert -> probability mass, for targets not yet routed."""
         self.iteration = 0

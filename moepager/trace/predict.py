@@ -337,10 +337,8 @@ def _forecasts(predictor: Predictor, reader: TraceReader, requests: Sequence[int
         obs = observations(request, h)
         if stateful:
             p, n = prompt_length(request, prompt), request.num_tokens
-            rows = [(0, p, "prefill"), (p, n - p, "decode")]
-            rows = [r for r in rows if r[1]]
-            predictor.begin_rows([index] * len(rows), [r[0] for r in rows], [r[1] for r in rows],
-                                 [r[2] for r in rows])
+            starts, counts, phases = zip(*[r for r in ((0, p, "prefill"), (p, n - p, "decode")) if r[1]])
+            predictor.begin_rows([index] * len(starts), starts, counts, phases)
         predictor.start_iteration(row_token_ids(request), semantic_rows(request))
         yield request, obs, made(obs)
         if stateful:

@@ -44,6 +44,12 @@ def step_seconds(result: SimResult, work: Workload, cost: CostModel) -> np.ndarr
                            work.header.top_k, on_cpu, work.step_kv())
 
 
+def _label(row: dict[str, Any]) -> str:
+    """A summary row's policy, forecast and prefetch, e.g. plec/predictor+pf1."""
+    return row["policy"] + (f"/{row['forecast']}" if row["forecast"] != "none" else "") + \
+        (f"+pf{row['prefetch']}" if row.get("prefetch") else "")
+
+
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     head = ["policy", "capacity", "hit %", "prefill %", "decode %", "loads/token", "MiB/token", "TPOT ms",
             "TTFT ms", "sim s"]
@@ -56,8 +62,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
     lines = [head]
     for r in rows:
-        name = r["policy"] + (f"/{r['forecast']}" if r["forecast"] != "none" else "") + \
-            (f"+pf{r['prefetch']}" if r.get("prefetch") else "")
+        name = _label(r)
         lines.append([name, f"{r['capacity']}{' global' if r['scope'] == 'global' else ''}", pct(r["hit_rate"]),
                       pct(r["prefill_hit_rate"]), pct(r["decode_hit_rate"]), f"{r['loads_per_token']:.2f}",
                       num(r.get("bytes_per_token", 0) / 2**20 if "bytes_per_token" in r else None, ".1f"),
@@ -77,8 +82,7 @@ def plot_hit_rates(rows: Sequence[dict[str, Any]], path: str | Path, title: str)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     lines: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
-        name = r["policy"] + (f"/{r['forecast']}" if r["forecast"] != "none" else "") + \
-            (f"+pf{r['prefetch']}" if r.get("prefetch") else "")
+        name = _label(r)
         lines.setdefault(name, []).append((r["capacity"], 100 * r["hit_rate"]))
     for name, points in lines.items():
         points.sort()
