@@ -30,6 +30,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -81,8 +82,12 @@ class _CrossAttention(torch.nn.Module):
         return self.out(att.transpose(1, 2).reshape(b, t, -1))
 
 
-Memory = tuple[torch.Tensor, "torch.Tensor | None"]
-"""The encoded prompt (memory_BPD) and which of its positions are real (mask_BP; None: all)."""
+class Memory(NamedTuple):
+    """The encoded prompt the decoder attends to."""
+
+    memory_BPD: torch.Tensor
+    mask_BP: torch.Tensor | None
+    """Which prompt positions are real (padding in training batches); None: all."""
 
 
 class _Block(torch.nn.Module):
@@ -146,7 +151,7 @@ class PathModel(torch.nn.Module):
             x, _ = block(x, None, causal=False, mask_BT=mask_BP)
         memory_BPD = self.encoder_norm(x)
         b, p, _ = x.shape
-        return (memory_BPD, mask_BP), self.prompt_heads(memory_BPD).view(b, p, self.num_layers, self.num_experts)
+        return Memory(memory_BPD, mask_BP), self.prompt_heads(memory_BPD).view(b, p, self.num_layers, self.num_experts)
 
     def forward(self, bucket_BT: torch.Tensor, past: list | None = None, memory: Memory | None = None
                 ) -> tuple[torch.Tensor, list]:
@@ -264,9 +269,13 @@ def model_from(state: dict) -> PathModel:
     return model
 
 
-Sample = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-"""(prompt buckets, their ids_TLK, generated buckets, their ids_TLK); decoder-only samples leave the prompt
-part empty."""
+class Sample(NamedTuple):
+    """One training window; decoder-only samples leave the prompt part empty."""
+
+    prompt_T: torch.Tensor
+    prompt_ids_TLK: torch.Tensor
+    generated_T: torch.Tensor
+    generated_ids_TLK: torch.Tensor
 
 
 def _samples(buckets: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], prompts: Sequence[int],
@@ -283,13 +292,13 @@ def _samples(buckets: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], p
         empty_b, empty_t = bucket_T[:0], target_TLK[:0]
         starts = range(0, p, window)
         for start in starts[:-1]:
-            out.append((bucket_T[start:start + window], target_TLK[start:start + window], empty_b, empty_t))
+            out.append(Sample(bucket_T[start:start + window], target_TLK[start:start + window], empty_b, empty_t))
         last = (bucket_T[max(0, p - window):p], target_TLK[max(0, p - window):p])
         generated = range(p, len(bucket_T), window)
         if not generated and p:
-            out.append((*last, empty_b, empty_t))
+            out.append(Sample(*last, empty_b, empty_t))
         for start in generated:
-            out.append((*last, bucket_T[start:start + window], target_TLK[start:start + window]))
+            out.append(Sample(*last, bucket_T[start:start + window], target_TLK[start:start + window]))
     return out
 
 
@@ -357,10 +366,10 @@ def _train_step(model: PathModel, batch: list[Sample], opt: torch.optim.Optimize
     L, E = model.num_layers, model.num_experts
     total, count, memory = torch.zeros(()), 0, None
     if model.encoded:
-        prompt_BP, y_prompt, real_BP = _padded([(b, t) for b, t, _, _ in batch], L, E)
+        prompt_BP, y_prompt, real_BP = _padded([(b.prompt_T, b.prompt_ids_TLK) for b in batch], L, E)
         memory, logits = model.encode(prompt_BP, real_BP)
         total, count = total + bce(logits, y_prompt, real_BP), count + int(real_BP.sum())
-    generated = [(b, t) for _, _, b, t in batch]
+    generated = [(b.generated_T, b.generated_ids_TLK) for b in batch]
     if any(len(b) for b, _ in generated):
         gen_BT, y_gen, real_BT = _padded(generated, L, E)
         logits, _ = model(gen_BT, None, memory)
