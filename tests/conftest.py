@@ -80,8 +80,10 @@ def demo_checkpoint(tmp_path_factory) -> Path:
 
 
 def expert_budget(nbytes: int, experts: int, io_threads: int = 4) -> str:
-    """An --expert-memory byte budget holding exactly `experts` experts of `nbytes` beside the store's O_DIRECT
-    read buffers (which every budget includes: one bounce buffer per I/O thread and for the prefetch lane)."""
+    """An --expert-memory byte budget caching exactly `experts` experts of `nbytes` beside the store's stream
+    rows and O_DIRECT read buffers (which every budget below all includes: one bounce buffer per I/O thread and
+    for the prefetch lane)."""
+    from moepager.runtime.store_setup import STREAM_ROWS
     from moepager.store.disk import bounce_bytes
 
-    return str(experts * nbytes + (io_threads + 1) * bounce_bytes(nbytes))
+    return str((experts + STREAM_ROWS) * nbytes + (io_threads + 1) * bounce_bytes(nbytes))

@@ -16,6 +16,7 @@ from moepager.models.load import checkpoint_dtype
 from moepager.models.loader import Checkpoint
 from moepager.models.registry import architecture_for
 from moepager.config import StoreConfig
+from moepager.runtime.store_setup import stream_rows
 from moepager.store.budget import Budget
 from moepager.store.disk import bounce_bytes
 from moepager.store.budget import format_bytes as size
@@ -75,7 +76,10 @@ def describe(path: str, budgets: Sequence[str] = ()) -> list[tuple[str, str]]:
 def budget_row(text: str, expert_nbytes: int, num_routed: int, minimum: int, buffers: int) -> tuple[str, str]:
     slots = Budget.parse(text, "--expert-memory").slots(expert_nbytes, num_routed, buffers)
     verdict = "below the minimum" if slots < minimum else f"{100 * slots / num_routed:.1f}% of experts"
-    return f"--expert-memory {text}", f"{slots} experts ({size(slots * expert_nbytes)} + {size(buffers)} read buffers), {verdict}"
+    streams = stream_rows(slots, num_routed)
+    held = f": {slots - streams} cached + {streams} stream rows" if streams else ""
+    return f"--expert-memory {text}", (f"{slots} experts ({size(slots * expert_nbytes)} + {size(buffers)} read "
+                                       f"buffers){held}, {verdict}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,9 +20,9 @@ on CUDA, and on the CPU `loop` for one token and `grouped` for more: batched dec
   `w1[expert_indices]`) and one batched GEMM per projection (DeepSeek layer: 62 ms at 1 token, 9.6 s at 64).
 - `grouped`: `torch._grouped_mm` over the arena viewed as `[rows, 2F, D]` with per-row token offsets: no
   gather and no Python loop over experts (DeepSeek layer: 11.9 ms at 1 token, 118 ms at 64); the GPU path.
-A paged arena (the store's device slots) computes what is resident at once, then the experts still loading as
-they land: one at a time with `loop`, and with `gather`/`grouped` in one call per batch of those that have landed
-(a paged prefill computes while its loads run; each row's result does not depend on which call computed it).
+A paged arena (the store's device slots and stream rows) computes what is resident at once, then the experts
+still loading as they land, in one call per batch of those that have landed (`loop`: one by one), a prefill
+computing while its loads run; each row's result does not depend on which call computed it.
 
 Shape legend: N tokens, K top-k, M = N*K (token, k) pairs, D hidden, F expert FFN width, R arena rows.
 """
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal, Protocol
 
 import torch
@@ -218,9 +219,9 @@ class ResidentExecutor:
 
 class PagedExecutor:
     """Experts paged through the expert store: the layer's experts are acquired at once (hits pinned, misses
-    loading), the resident ones computed, each loading one as it lands (`loop`) or all after the last lands
-    (`gather`/`grouped`), then released. A layer using more experts than the store has slots (a prefill under
-    a tiny budget) streams them one at a time instead (store.stream)."""
+    loading, those beyond the layer's cache queued for the store's stream rows), the resident ones computed,
+    then each batch of loads that has landed (`loop`: expert by expert), each stream row handed back to the
+    store as soon as its expert is computed, until none is left; then released."""
 
     def __init__(self, store: ExpertStore, shape: ExpertShape, kernel: Kernel = "auto"):
         self.store = store
@@ -229,34 +230,29 @@ class PagedExecutor:
     def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
         work = sort_by_expert(x_ND, route)
         kernel = self.kernels.choose(x_ND.shape[0])
-        if len(work.experts) > self.store.device.table.capacity:
-            return combine(x_ND, work, self._streamed(layer, work, kernel))
         held = self.store.acquire(layer, work.experts)
         try:
             self.store.wait(held, held.ready)
-            if kernel != "loop" and not held.pending:
+            if kernel != "loop" and not held.pending and not held.queued:
                 y_MD = self.kernels.compute(work, held.slots, kernel)
-            elif kernel == "loop":
+            else:
                 y_MD = torch.empty_like(work.x_MD)
-                self.kernels.loop(work, held.slots, held.ready, y_MD)
-                for i in held.pending:
-                    self.store.wait(held, [i])
-                    self.kernels.loop(work, held.slots, [i], y_MD)
-            else:  # the resident ones at once, then each batch of loads that has landed
-                y_MD = torch.empty_like(work.x_MD)
-                self._some(work, held.slots, held.ready, kernel, y_MD)
-                pending = held.pending
+                some = self.kernels.loop if kernel == "loop" else partial(self._some, kernel=kernel)
+                some(work, held.slots, held.ready, y_MD)
+                pending = held.pending + (self.store.recycle(held, held.ready) if held.streaming else [])
                 while pending:
                     landed = self.store.wait_landed(held, pending)
-                    self._some(work, held.slots, landed, kernel, y_MD)
+                    some(work, held.slots, landed, y_MD)
                     done = set(landed)
                     pending = [i for i in pending if i not in done]
+                    if held.streaming:
+                        pending += self.store.recycle(held, landed)
         finally:
             self.store.release(held)
         return combine(x_ND, work, y_MD)
 
-    def _some(self, work: SortedTokens, rows: Sequence[int], which: Sequence[int], kernel: Kernel,
-              out_MD: torch.Tensor) -> None:
+    def _some(self, work: SortedTokens, rows: Sequence[int], which: Sequence[int], out_MD: torch.Tensor,
+              kernel: Kernel) -> None:
         """Experts `which` (indices into work.experts) computed in one call into their rows of out_MD."""
         if not which:
             return
@@ -268,14 +264,6 @@ class PagedExecutor:
         part = SortedTokens(work.x_MD.index_select(0, index_M), work.w_M1.index_select(0, index_M),
                             work.token_M.index_select(0, index_M), [work.experts[i] for i in which], starts)
         out_MD[index_M] = self.kernels.compute(part, [rows[i] for i in which], kernel)
-
-    def _streamed(self, layer: int, work: SortedTokens, kernel: Kernel) -> torch.Tensor:
-        y_MD = torch.empty_like(work.x_MD)
-        for i, slot in enumerate(self.store.stream(layer, work.experts)):
-            s, e = work.starts[i], work.starts[i + 1]
-            one = SortedTokens(work.x_MD[s:e], work.w_M1[s:e], work.token_M[s:e], [work.experts[i]], [0, e - s])
-            y_MD[s:e] = self.kernels.compute(one, [slot], kernel)
-        return y_MD
 
     def stream(self, layer: int, experts: Sequence[int]):  # noqa: ANN201 - the reference's ExpertSource seam
         for slot in self.store.stream(layer, experts):

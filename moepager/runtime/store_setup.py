@@ -25,8 +25,11 @@ from moepager.store.slots import SlotTable
 from moepager.store.stats import StoreReport
 from moepager.store.store import ExpertStore, Tier
 from moepager.store.transfer import Transfers
-from moepager.types import ExpertKey
+from moepager.types import ExpertKey, Scope
 
+STREAM_ROWS = 2
+"""Device rows, out of the budget, that experts a layer needs beyond its cache stream through (two: one loads
+while the other is computed with, SMoE's ping-pong buffers)."""
 RAM_HEADROOM = 0.9
 """Share of the currently available RAM that expert buffers may take (the rest is for activations, OS)."""
 
@@ -63,12 +66,20 @@ def _check_fits(nbytes: int, device: torch.device, what: str) -> None:
                           f"{format_bytes(available)} is available; lower the budget")
 
 
+def stream_rows(slots: int, num_routed: int) -> int:
+    """Rows of a device budget of `slots` experts (of `num_routed` in all) that stream experts through instead
+    of caching them: none when the budget holds every expert (no layer ever needs more than it holds)."""
+    return 0 if slots >= num_routed else min(STREAM_ROWS, slots)
+
+
 def _tier(slots: int, cfg: ModelConfig, reader: ExpertReader, device: torch.device, config: StoreConfig,
-          pin: bool, what: str) -> Tier:
+          pin: bool, what: str, streams: int = 0, scope: Scope | None = None) -> Tier:
+    """`slots` rows of buffers: the last `streams` of them stream rows, the rest the cache."""
     shape = reader.shape
     _check_fits(slots * shape.nbytes, device, what)
     arena = torch.empty(slots, shape.numel, dtype=shape.buffer_dtype, device=device, pin_memory=pin)
-    table = SlotTable(slots, cfg.moe_layers, make_policy(config.policy, engine=True), config.scope)
+    table = SlotTable(slots - streams, cfg.moe_layers, make_policy(config.policy, engine=True),
+                      scope or config.scope, streams)
     return Tier(table, arena)
 
 
@@ -82,10 +93,12 @@ def build_store(config: StoreConfig, reader: ExpertReader, cfg: ModelConfig, dev
     host = None
     if host_tier:
         host_slots = budget_slots(config.host_memory or "all", "--host-memory", cfg, nbytes, buffers)
+        # the host tier is one cache for all layers: the device tier above it keeps the per-layer quotas
         host = _tier(host_slots, cfg, reader, torch.device("cpu"), config, device.type == "cuda",
-                     f"--host-memory {config.host_memory or 'all'} ({host_slots} experts)")
+                     f"--host-memory {config.host_memory or 'all'} ({host_slots} experts)", scope="global")
     tier = _tier(device_slots, cfg, reader, device, config, False,
-                 f"--expert-memory {config.expert_memory or 'all'} ({device_slots} experts)")
+                 f"--expert-memory {config.expert_memory or 'all'} ({device_slots} experts)",
+                 stream_rows(device_slots, cfg.num_moe_layers * cfg.num_experts))
     store = ExpertStore(tier, host, reader.read, Transfers(device, config.io_threads), buffers)
     if config.warm:
         store.warm(warm_order(cfg.moe_layers, cfg.num_experts), progress)
@@ -111,6 +124,7 @@ def store_report(experts: ExpertExecutor, config: StoreConfig, prefill_tokens: i
         return StoreReport({"placement": "all resident"}, {})
     store = experts.store
     described = {"device slots": store.device.table.capacity,
+                 "stream rows": len(store.device.table.stream_rows),
                  "read buffers": format_bytes(store.read_buffer_bytes),
                  "host slots": store.host.table.capacity if store.host is not None else "none (disk below)",
                  "policy": config.policy, "scope": config.scope}

@@ -4,10 +4,13 @@ The table owns the invariants; the policy only ranks the candidates it is offere
 - a pinned slot (its expert is being computed with, or is scheduled to be) is never offered;
 - a slot whose load (or copy out of it) is still in flight is never offered, so no load is issued twice
   and no buffer is overwritten while a transfer uses it;
-- with scope "layer", every MoE layer has a quota of slots (capacity split evenly); a layer at its quota
-  evicts among its own experts even while other layers' slots are free (so each layer is the fixed-size
-  cache the trace simulator models); only when none of its own can go does it take a free slot, or one
-  from a layer above its quota. With scope "global" all layers compete for all slots.
+- with scope "layer", every MoE layer has a quota of slots (capacity split evenly) and never holds more: a
+  layer at its quota evicts among its own experts even while other layers' slots are free, and when none of
+  its own can go the claim fails (so each layer is the fixed-size cache the trace simulator models; the
+  store streams an expert that finds no slot through a stream row). With scope "global" all layers compete
+  for all slots.
+- stream rows (`stream_rows`, after the `capacity` cached slots in the arena) are buffers an expert passes
+  through without being cached: the table tracks their pins and transfers, never offers them to a claim.
 - which candidate goes is the policy's alone (the store wraps it in policies/prefetch_aware.py, which puts
   wrongly prefetched experts first and not-yet-used prefetches last); `on_evict` hears of every eviction.
 """
@@ -35,15 +38,19 @@ def settled(ticket: Future[torch.cuda.Event | None] | None) -> bool:
 
 
 class SlotTable:
-    def __init__(self, capacity: int, layers: Sequence[int], policy: EvictionPolicy, scope: Scope):
+    def __init__(self, capacity: int, layers: Sequence[int], policy: EvictionPolicy, scope: Scope,
+                 stream_rows: int = 0):
         self.capacity = capacity
         self.policy = policy
         self.scope = scope
+        self.stream_rows = list(range(capacity, capacity + stream_rows))
+        """Rows after the cached slots that experts stream through uncached (the store hands them out)."""
+        rows = capacity + stream_rows
         self.slot_of: dict[ExpertKey, int] = {}
-        self.pins = [0] * capacity
-        self.ticket: list[Future[torch.cuda.Event | None] | None] = [None] * capacity
-        """The transfer in flight into (or out of) each slot; None once awaited."""
-        self.free_event: list[torch.cuda.Event | None] = [None] * capacity
+        self.pins = [0] * rows
+        self.ticket: list[Future[torch.cuda.Event | None] | None] = [None] * rows
+        """The transfer in flight into (or out of) each slot or stream row; None once awaited."""
+        self.free_event: list[torch.cuda.Event | None] = [None] * rows
         """CUDA: recorded on the compute stream after the slot's expert was last used; copies into it wait."""
         self.by_layer: dict[int, set[ExpertKey]] = {layer: set() for layer in layers}
         n = max(len(layers), 1)
@@ -60,18 +67,18 @@ class SlotTable:
         return [t for t in self.ticket if t is not None]
 
     def claim(self, key: ExpertKey, step: int, protect: Mapping[ExpertKey, int] | None = None,
-              allow_protected: bool = False, within_quota: bool = False) -> int | None:
+              allow_protected: bool = False) -> int | None:
         """A slot for `key` (free, or freed by evicting a victim); None when nothing may be evicted.
 
         `protect` maps experts still needed soon to the order they are needed in: they are evicted only with
-        `allow_protected`, and then the one needed last goes first. `within_quota` (prefetches) never lets a
-        layer at its quota take a free slot beyond it.
+        `allow_protected`, and then the one needed last goes first. A layer at its quota (scope "layer")
+        evicts one of its own or gets nothing.
         """
         full = self.scope == "layer" and len(self.by_layer[key.layer]) >= self.quota[key.layer]
         victim = None
         if full or not self._free:  # with a free slot at hand, nothing still needed is evicted
-            victim = self._victim(key.layer, step, protect or {}, allow_protected and not self._free)
-        if victim is None and full and within_quota:
+            victim = self._victim(key.layer, step, protect or {}, allow_protected)
+        if victim is None and full:
             return None
         if victim is not None:
             slot = self.slot_of.pop(victim)
@@ -90,36 +97,32 @@ class SlotTable:
     def forget(self, slot: int) -> ExpertKey | None:
         """Drop whatever `slot` holds and return it to the free list (after a failed or cancelled load); returns
         the expert it held."""
+        self.ticket[slot] = None
+        if slot >= self.capacity:  # a stream row holds nothing cached
+            return None
         key = next((k for k, s in self.slot_of.items() if s == slot), None)
         if key is not None:
             del self.slot_of[key]
             self.by_layer[key.layer].discard(key)
-        self.ticket[slot] = None
         self._free.append(slot)
         return key
 
-    def _groups(self, layer: int) -> list[Iterable[ExpertKey]]:
-        if self.scope == "global":
-            return [self.slot_of]
-        own = self.by_layer[layer]
-        if len(own) >= self.quota[layer]:
-            return [own] if self._free else [own, self.slot_of]
-        over = [k for lay, keys in self.by_layer.items() if len(keys) > self.quota[lay] for k in keys]
-        return [over, own, self.slot_of]
-
     def _victim(self, layer: int, step: int, protect: Mapping[ExpertKey, int],
                 allow_protected: bool) -> ExpertKey | None:
+        """The policy's pick among the unpinned, settled, unprotected experts of `layer` (scope "layer": no
+        layer exceeds its quota, so one below it has a free slot) or of every layer."""
         slot_of, pins, tickets = self.slot_of, self.pins, self.ticket
-        for group in self._groups(layer):
-            candidates = []
-            for k in group:
-                slot = slot_of[k]
-                if pins[slot] == 0 and k not in protect and (tickets[slot] is None or settled(tickets[slot])):
-                    candidates.append(k)
-            if candidates:
-                return self.policy.victim(candidates, step)
+        group: Iterable[ExpertKey] = self.slot_of if self.scope == "global" else self.by_layer[layer]
+        candidates = []
+        for k in group:
+            slot = slot_of[k]
+            if pins[slot] == 0 and k not in protect and (tickets[slot] is None or settled(tickets[slot])):
+                candidates.append(k)
+        if candidates:
+            return self.policy.victim(candidates, step)
         if allow_protected:
-            candidates = [k for k in protect if k in self.slot_of and self.evictable(k)]
+            candidates = [k for k in protect if k in self.slot_of and self.evictable(k)
+                          and (self.scope == "global" or k.layer == layer)]
             if candidates:
                 return max(candidates, key=protect.__getitem__)
         return None

@@ -5,13 +5,16 @@ Tiers: `device` slots are where experts are computed (GPU memory, or RAM on a CP
 disk directly (a CPU run: the host *is* the device). Every slot is one flat preallocated buffer holding all
 projections of one expert (a row of one arena tensor per tier); nothing is allocated while decoding.
 
-`stream(layer, experts)` is what a MoE layer calls. Algorithm: walk the layer's experts in the fixed order
-they are summed in; keep ahead of the consumer by pinning each upcoming expert's slot as soon as it can be
-had without evicting anything the layer still needs (hits are pinned, misses start loading into free or
-evicted slots, on the I/O pool / copy stream); when nothing is scheduled and the next expert has no slot,
-evict the still-needed expert needed last (capacity below the layer's distinct experts, e.g. at prefill).
-Each yielded slot stays pinned until the consumer asks for the next, so an expert in use is never evicted,
-and a slot loading or being copied out of is never reused, so no load is issued twice.
+`acquire(layer, experts)` is what a MoE layer calls (experts/executor.py). Algorithm: pin the hits first, so
+no miss evicts them; each miss then claims a slot the layer may fill (its quota in scope "layer", any slot in
+scope "global"), evicting by the policy among the experts the layer does not need, and starts loading (on the
+I/O pool / copy stream). A layer needing more experts than its cache holds (a prefill, a large batch) keeps
+the first misses that fit, in the order asked for, and streams the rest through the stream rows, buffers
+outside the cache that an expert passes through uncached: loads into them start at once and each row takes
+the next miss when its expert has been computed (`recycle`). So a layer never takes another layer's slots,
+and the cache ends each layer exactly as the trace simulator's (tests/trace/test_agreement.py). Every slot
+stays pinned until `release`, so an expert in use is never evicted, and a slot loading or being copied out of
+is never reused, so no load is issued twice.
 
 Prefetch (`prefetch`, fed by runtime/prefetch.py): loads issued ahead go to the transfer engine's prefetch
 lane and are tracked as `ahead` by the eviction order (policies/prefetch_aware.py, wrapped around the device
@@ -25,7 +28,6 @@ that was actually used. Prefetched experts occupy the same slots, so they count 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, as_completed, wait
 from dataclasses import dataclass
@@ -59,13 +61,20 @@ class Tier:
 
 @dataclass
 class Held:
-    """A layer's experts pinned by `acquire`: their device slots, in the order asked for."""
+    """A layer's experts pinned by `acquire`: their device slots (or stream rows), in the order asked for."""
 
+    layer: int
+    experts: Sequence[int]
     slots: list[int]
+    """Each expert's slot or stream row; -1 while it waits for a stream row, and once its row moved on."""
     ready: list[int]
     """Indices whose expert was resident or had landed when acquired."""
     pending: list[int]
-    """Indices still loading when acquired."""
+    """Indices still loading when acquired (stream rows included)."""
+    queued: list[int]
+    """Indices waiting for a stream row (`recycle` starts them)."""
+    streaming: int = 0
+    """Indices in stream rows now (nothing for `recycle` to do when 0)."""
 
 
 class ExpertStore:
@@ -117,35 +126,72 @@ class ExpertStore:
         self.counters.set_phase(info.phase)
 
     def acquire(self, layer: int, experts: Sequence[int]) -> Held:
-        """Pin slots holding all of `experts` of `layer` (at most the device capacity): hits are pinned first,
-        so no miss evicts them, then each miss claims a slot and starts loading. `wait` before computing with
-        a slot; `release` when the layer is done."""
+        """Pin slots holding `experts` of `layer`: hits are pinned first, so no miss evicts them; then the misses,
+        in the order given, claim the slots the layer may still fill (its quota, or the whole tier in scope
+        "global", less its hits) and start loading; the misses beyond those (a prefill or a large batch needing
+        more experts than the layer's cache holds) stream through the stream rows, uncached, each row reused
+        once `recycle` hears its expert was computed. `wait`/`wait_landed` before computing with a slot;
+        `release` when the layer is done."""
         table = self.device.table
         keys = [ExpertKey(layer, e) for e in experts]
         policy = table.policy
         for key in keys:
             policy.on_access(key, self.clock)
         slots = [table.slot_of.get(key, -1) for key in keys]
-        held = Held(slots, [], [])
+        held = Held(layer, experts, slots, [], [], [])
         try:
-            for key, slot in zip(keys, slots):
+            misses = []
+            for i, slot in enumerate(slots):  # loops, not comprehensions: this runs per layer and token
                 if slot >= 0:
-                    self._hit(table, key, slot)
-            for i, key in enumerate(keys):
-                if slots[i] < 0:
-                    slot = self._claim(table, key, must=True)
-                    if slot is None:
-                        raise RuntimeError(f"expert store: no device slot can be freed for {key} "
-                                           f"(capacity {table.capacity})")
-                    self._miss(table, key, slot)
-                    slots[i] = slot
+                    self._hit(table, keys[i], slot)
+                else:
+                    misses.append(i)
+            room = (table.quota[layer] if table.scope == "layer" else table.capacity) - (len(keys) - len(misses))
+            if len(misses) > room and not table.stream_rows:
+                raise RuntimeError(f"expert store: layer {layer} needs {len(keys)} experts at once but holds "
+                                   f"{room + len(keys) - len(misses)} and has no stream rows")
+            for i in misses[: max(room, 0)]:
+                slot = self._claim(table, keys[i])
+                if slot is None:
+                    raise RuntimeError(f"expert store: no device slot can be freed for {keys[i]} "
+                                       f"(capacity {table.capacity})")
+                self._miss(table, keys[i], slot)
+                slots[i] = slot
+            held.queued = misses[max(room, 0):]
+            for row in table.stream_rows[: len(held.queued)]:
+                self._stream_next(held, row)
         except BaseException:
             self.release(held)
             raise
         for i, slot in enumerate(slots):
+            if slot < 0:
+                continue
             ticket = table.ticket[slot]
             (held.ready if ticket is None or ticket.done() else held.pending).append(i)
         return held
+
+    def _stream_next(self, held: Held, row: int) -> int:
+        """The next queued miss of `held` starts loading into stream `row` (pinned); returns its index."""
+        i = held.queued.pop(0)
+        held.slots[i] = row
+        held.streaming += 1
+        self._miss(self.device.table, ExpertKey(held.layer, held.experts[i]), row)
+        return i
+
+    def recycle(self, held: Held, computed: Iterable[int]) -> list[int]:
+        """The experts `computed` (indices into held.slots) are done with: each stream row among their slots
+        takes the next queued miss. Returns the indices that started loading (add them to those awaited)."""
+        started = []
+        for i in computed:
+            row = held.slots[i]
+            if row < self.device.table.capacity:
+                continue
+            self._unpin(row)
+            held.slots[i] = -1
+            held.streaming -= 1
+            if held.queued:
+                started.append(self._stream_next(held, row))
+        return started
 
     def _miss(self, table: SlotTable, key: ExpertKey, slot: int) -> None:
         """`key` was not resident: it starts loading on demand into `slot`, pinned."""
@@ -167,13 +213,19 @@ class ExpertStore:
     def wait_landed(self, held: Held, which: Sequence[int]) -> list[int]:
         """Block until at least one of the slots `which` (indices into held.slots) holds its expert; returns
         every one that does, each claimed as `wait` claims it (so a caller computes whatever landed first)."""
-        table = self.device.table
-        loading = [t for i in which if (t := table.ticket[held.slots[i]]) is not None and not t.done()]
+        tickets, slots = self.device.table.ticket, held.slots
+        loading = []
+        for i in which:
+            if (t := tickets[slots[i]]) is not None and not t.done():
+                loading.append(t)
         if which and len(loading) == len(which):
             start = time.perf_counter()
             wait(loading, return_when=FIRST_COMPLETED)
             self.counters.current.exposed_s += time.perf_counter() - start
-        landed = [i for i in which if (t := table.ticket[held.slots[i]]) is None or t.done()]
+        landed = []
+        for i in which:
+            if (t := tickets[slots[i]]) is None or t.done():
+                landed.append(i)
         self.wait(held, landed)
         return landed
 
@@ -181,57 +233,26 @@ class ExpertStore:
         for slot in held.slots:
             if slot >= 0:
                 self._unpin(slot)
-        held.slots = []
+        held.slots, held.queued = [], []
 
     def stream(self, layer: int, experts: Sequence[int]) -> Iterator[int]:
-        """Device slots holding `experts` of `layer`, in order; each is pinned until the next is requested."""
-        keys = [ExpertKey(layer, e) for e in experts]
-        for key in keys:
-            self.device.table.policy.on_access(key, self.clock)
-        needed = {key: i for i, key in enumerate(keys)}
-        scheduled: deque[int] = deque()
-        current, upcoming = None, 0
+        """Device slots (or stream rows) holding `experts` of `layer`, one by one in order (`acquire`'s pins
+        held until the last is consumed)."""
+        held = self.acquire(layer, experts)
         try:
-            for key in keys:
-                upcoming = self._schedule(keys, upcoming, scheduled, needed)
-                if not scheduled:
-                    raise RuntimeError(f"expert store: no device slot can be freed for {key} "
-                                       f"(capacity {self.device.table.capacity})")
-                current = scheduled.popleft()
-                del needed[key]
-                self._wait_ready(current)
-                yield current
-                self._unpin(current)
-                current = None
+            for i in range(len(experts)):
+                self._wait_ready(held.slots[i])
+                yield held.slots[i]
+                self.recycle(held, [i])
         finally:
-            for slot in ([current] if current is not None else []) + list(scheduled):
-                self._unpin(slot)
+            self.release(held)
 
-    def _schedule(self, keys: list[ExpertKey], upcoming: int, scheduled: deque[int],
-                  needed: dict[ExpertKey, int]) -> int:
-        """Pin slots for keys[upcoming:] while that evicts nothing needed; returns the first unscheduled index."""
-        table = self.device.table
-        while upcoming < len(keys):
-            key = keys[upcoming]
-            slot = table.slot_of.get(key)
-            if slot is None:
-                slot = self._claim(table, key, needed, must=not scheduled)
-                if slot is None:
-                    break
-                self._miss(table, key, slot)
-            else:
-                self._hit(table, key, slot)
-            scheduled.append(slot)
-            upcoming += 1
-        return upcoming
-
-    def _claim(self, table: SlotTable, key: ExpertKey, needed: dict[ExpertKey, int] | None = None,
-               must: bool = True) -> int | None:
-        """A slot for `key`; when one `must` be had, still-needed experts may go and in-flight loads are awaited."""
-        slot = table.claim(key, self.clock, needed, allow_protected=must)
-        if slot is None and must:
-            self._drain(table)  # only loads in flight stand in the way: let them land
-            slot = table.claim(key, self.clock, needed, allow_protected=True)
+    def _claim(self, table: SlotTable, key: ExpertKey) -> int | None:
+        """A slot for `key`, awaiting the loads in flight when only they stand in the way."""
+        slot = table.claim(key, self.clock)
+        if slot is None:
+            self._drain(table)
+            slot = table.claim(key, self.clock)
         return slot
 
     def _evicted(self, key: ExpertKey) -> None:
@@ -330,7 +351,7 @@ class ExpertStore:
             key = ExpertKey(layer, e)
             if key in table.slot_of:
                 continue
-            slot = table.claim(key, self.clock, self.order.ahead, within_quota=True)
+            slot = table.claim(key, self.clock, self.order.ahead)
             if slot is None:
                 break
             self._load(key, slot, counters, ahead=True)

@@ -7,8 +7,9 @@ semantics, so a trace the engine recorded gives the engine's hits and misses (te
   the layer runs; misses are loaded, each evicting the lowest-priority unprotected expert of the layer (layer
   scope) or of any layer (global scope, layers in order); ties go to the lower (layer, expert);
 - the clock is the step index; statistics (count, last) persist across evictions;
-- a step that needs more distinct experts in a layer than the capacity keeps only the first `capacity` of
-  them in ascending id (the engine streams the rest through; only large prefill steps do this).
+- a step that needs more distinct experts in a layer than its cache holds keeps its hits and, of its misses,
+  the first that fit in ascending id; the rest stream through uncached (the engine's stream rows), loaded
+  all the same (prefill steps and large batches do this).
 Policies driven with `admits_on_miss` False (SMoE, see DRIVES) never load on a miss (the expert runs on the CPU); after each
 step they load what `admissions` picks from the forecast ranking, evicting by priority.
 
@@ -95,7 +96,7 @@ class SimResult:
     """Distinct experts each step requested per layer."""
     hits_SL: np.ndarray
     demand_loads_SL: np.ndarray
-    """Experts loaded on a miss (admitted to the cache)."""
+    """Experts loaded on a miss (admitted to the cache, or streamed through when it has no room)."""
     prefetch_loads_SL: np.ndarray
     """Experts loaded ahead of use (SMoE's token-wise prefetch)."""
     step_phase: np.ndarray
@@ -374,11 +375,11 @@ def _replay_layers(work: Workload, policy: Ranked, drive: Drive, capacity: int, 
             if over.max() > 0:
                 _evict_layers(state, policy, s, over, req)
             miss = req & ~hit
+            state.demand[s] = nreq - nhit  # every miss is loaded, cached or streamed through
             room = cap_L - state.cached.sum(1)
             if (room < nreq - nhit).any():  # more distinct experts than slots: keep the first `room`
                 miss &= np.cumsum(miss, axis=1) <= room[:, None]
             state.cached |= miss
-            state.demand[s] = miss.sum(1)
         else:
             load = np.zeros_like(req)
             load[:, : state.e] = policy.admissions(forecast.ranked(s), state.cached[:, : state.e])
@@ -420,6 +421,7 @@ def _replay_global(work: Workload, policy: Ranked, drive: Drive, capacity: int, 
             state.requested[s, layer], state.hits[s, layer] = len(want), int(hit.sum())
             masked[layer] = np.where(cached[layer] & ~req[layer], prio[layer], np.inf)  # in use: protected
             misses = want[~hit]
+            state.demand[s, layer] = len(misses)  # every miss is loaded, cached or streamed through
             for expert in misses:
                 if occupancy >= capacity:
                     i = int(np.argmin(masked))
@@ -429,7 +431,6 @@ def _replay_global(work: Workload, policy: Ranked, drive: Drive, capacity: int, 
                     occupancy -= 1
                 cached[layer, expert] = True
                 occupancy += 1
-                state.demand[s, layer] += 1
             masked[layer] = np.where(cached[layer], prio[layer], np.inf)
         if progress is not None and s % 1024 == 0:
             progress(s)

@@ -44,7 +44,8 @@ def test_info_shows_the_minimum_and_what_budgets_hold(tiny, capsys):
     assert "read buffers 40.00 KiB" in text  # 5 reading threads x 8 KiB bounce buffers
     assert "minimum expert memory 88.00 KiB (one MoE layer's top-2 + read buffers)" in text
     # 2 layers x 8 experts of 24 KiB: half of their 384 KiB, less the buffers, holds 6
-    assert "--expert-memory 50% 6 experts (144.00 KiB + 40.00 KiB read buffers), 37.5% of experts" in text
+    assert ("--expert-memory 50% 6 experts (144.00 KiB + 40.00 KiB read buffers): 4 cached + 2 stream rows, "
+            "37.5% of experts") in text
     assert "--expert-memory 100KiB 2 experts" in text
 
 
@@ -58,7 +59,8 @@ def test_generate_with_an_expert_budget_matches_resident_and_reports_paging(tiny
     out = capsys.readouterr().out
     assert out.split("\n")[0] == resident and "decode expert hit rate" in out
     data = json.loads(stats.read_text())["experts"]
-    assert data["config"]["device slots"] == 4 and data["prefill"]["loads_on_demand"] >= 4
+    assert (data["config"]["device slots"], data["config"]["stream rows"]) == (2, 2)  # 25% of 16 experts
+    assert data["prefill"]["loads_on_demand"] >= 4
 
 
 @pytest.mark.parametrize("kernel", ["gather", "grouped"])

@@ -106,7 +106,8 @@ def test_generate_reports_expert_statistics(demo_checkpoint, tmp_path):
     experts = json.loads((tmp_path / "s.json").read_text())["experts"]
     decode = experts["decode"]
     cfg = llm.loaded.config
-    assert experts["config"]["device slots"] == cfg.num_moe_layers * cfg.num_experts // 4
+    rows = experts["config"]["device slots"] + experts["config"]["stream rows"]  # both inside the budget
+    assert rows == cfg.num_moe_layers * cfg.num_experts // 4 and experts["config"]["stream rows"] == 2
     assert 0 <= decode["hit_rate"] < 1 and decode["loads_on_demand"] > 0 and decode["bytes_disk_per_token"] > 0
     assert decode["load_s"] >= decode["exposed_s"] >= 0 and len(decode["hit_rate_per_layer"]) == cfg.num_moe_layers
     assert "all resident" in resident.last_stats.table()

@@ -41,14 +41,16 @@ def value(key: ExpertKey) -> float:
     return 1000.0 * key.layer + key.expert
 
 
-def make_store(capacity, layers=(0, 1), scope="layer", host=None, reader=None, io_threads=2):
+def make_store(capacity, layers=(0, 1), scope="layer", host=None, reader=None, io_threads=2, streams=2):
+    """A store of `capacity` cached slots and `streams` stream rows (over a host tier of `host` slots, one cache
+    for all layers as the engine builds it)."""
     reader = reader or FakeReader()
 
-    def tier(n):
-        return Tier(SlotTable(n, list(layers), LRU(), scope), torch.zeros(n, NUMEL))
+    def tier(n, scope, streams=0):
+        return Tier(SlotTable(n, list(layers), LRU(), scope, streams), torch.zeros(n + streams, NUMEL))
 
-    store = ExpertStore(tier(capacity), tier(host) if host else None, reader, Transfers(torch.device("cpu"),
-                                                                                        io_threads))
+    store = ExpertStore(tier(capacity, scope, streams), tier(host, "global") if host else None, reader,
+                        Transfers(torch.device("cpu"), io_threads))
     return store, reader
 
 
@@ -124,6 +126,57 @@ def test_global_scope_lets_one_layer_take_every_slot():
     assert set(store.device.table.slot_of) == {ExpertKey(0, e) for e in range(4)}
 
 
+def cached(store) -> set[ExpertKey]:
+    return set(store.device.table.slot_of)
+
+
+def test_a_layer_needing_more_than_its_quota_streams_the_rest_and_takes_no_other_layers_slot():
+    store, reader = make_store(4, layers=(0, 1))  # quotas 2 and 2, two stream rows
+    consume(store, 1, [0, 1])
+    assert consume(store, 0, [0, 1, 2, 3, 4]) == [0, 1, 2, 3, 4]
+    assert cached(store) == {ExpertKey(1, 0), ExpertKey(1, 1), ExpertKey(0, 0), ExpertKey(0, 1)}  # first misses
+    consume(store, 0, [1, 3])  # 3 streamed through: a miss again, evicting layer 0's least recent (0)
+    assert cached(store) == {ExpertKey(1, 0), ExpertKey(1, 1), ExpertKey(0, 1), ExpertKey(0, 3)}
+    assert consume(store, 0, [0, 1, 2, 3]) == [0, 1, 2, 3]  # hits 1 and 3 fill the quota: 0 and 2 stream
+    assert cached(store) == {ExpertKey(1, 0), ExpertKey(1, 1), ExpertKey(0, 1), ExpertKey(0, 3)}
+    c = store.counters.current
+    assert (c.hits[0], c.misses[0], c.loads_on_demand) == (3, 8, 2 + 8) and len(reader.reads) == 10
+    assert all(p == 0 for p in store.device.table.pins)
+
+
+def test_a_layer_with_no_slot_of_its_own_streams_everything():
+    store, reader = make_store(1, layers=(0, 1), streams=1)  # quotas 1 and 0: layer 1 has only the stream row
+    for _ in range(2):
+        assert consume(store, 1, [2, 4, 5]) == [1002, 1004, 1005]
+    assert cached(store) == set() and len(reader.reads) == 6
+
+
+def test_without_stream_rows_a_layer_beyond_its_quota_is_refused():
+    store, _ = make_store(2, layers=(0,), streams=0)
+    with pytest.raises(RuntimeError, match="needs 3 experts at once but holds 2 and has no stream rows"):
+        consume(store, 0, [0, 1, 2])
+    assert all(p == 0 for p in store.device.table.pins)
+
+
+def test_a_stream_row_is_reused_only_after_its_expert_was_computed():
+    """The executor's protocol: loads into the stream rows start at acquire; `recycle` hands each row on."""
+    store, reader = make_store(1, layers=(0,), streams=2)
+    next_pass(store)
+    held = store.acquire(0, [0, 1, 2, 3])
+    assert held.queued == [3] and held.streaming == 2  # 0 cached, 1 and 2 in the rows, 3 waits
+    rows = {held.slots[1], held.slots[2]}
+    assert rows == set(store.device.table.stream_rows)
+    store.wait(held, [0, 1, 2])
+    assert float(store.device.buffers[held.slots[2]][0]) == 2.0
+    assert store.recycle(held, [0, 2]) == [3]  # 0 is cached (nothing to hand on); 2's row takes 3
+    assert held.slots[3] in rows and held.slots[2] == -1
+    store.wait(held, [3])
+    assert float(store.device.buffers[held.slots[3]][0]) == 3.0
+    assert float(store.device.buffers[held.slots[1]][0]) == 1.0  # the other row still holds 1
+    store.release(held)
+    assert all(p == 0 for p in store.device.table.pins) and cached(store) == {ExpertKey(0, 0)}
+
+
 def test_hits_misses_and_bytes_are_counted_per_phase():
     store, reader = make_store(4, layers=(0,))
     store.counters.set_phase("prefill")
@@ -140,9 +193,9 @@ def test_hits_misses_and_bytes_are_counted_per_phase():
 
 def test_host_tier_serves_repeat_misses_without_disk():
     store, reader = make_store(2, layers=(0,), host=6)
-    consume(store, 0, [0, 1, 2, 3])
-    consume(store, 0, [0, 1])
-    assert len(reader.reads) == 4  # the second 0 and 1 came from the host tier
+    consume(store, 0, [0, 1, 2, 3])  # 0 and 1 cached, 2 and 3 streamed through
+    consume(store, 0, [2, 3])
+    assert len(reader.reads) == 4  # the second 2 and 3 came from the host tier
     c = store.counters.current
     assert c.host_hits == 2 and c.bytes_host_to_device == 6 * NUMEL * 4
 

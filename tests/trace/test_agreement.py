@@ -86,3 +86,27 @@ def test_simulator_agrees_with_a_replayed_run(hf_checkpoint, tmp_path, policy, w
     row = json.loads((tmp_path / "sim.json").read_text())["rows"][0]
     assert row["decode_hit_rate"] == pytest.approx(llm.last_stats.sections["experts"].phases["decode"]["hit_rate"])
     assert sum(phases["decode"].misses.values()) > 0
+
+
+@pytest.mark.parametrize("policy, scope, per_layer", [("lru", "layer", 3), ("lfu", "layer", 2), ("lru", "global", 2)])
+def test_layers_needing_more_experts_than_their_cache_stream_the_rest_as_the_simulator_does(
+        hf_checkpoint, tmp_path, policy, scope, per_layer):
+    """8-token prompts route to more distinct experts per layer than the layer's cache holds: the store keeps
+    the hits and the first misses that fit, streams the rest through its stream rows, and takes no slot from
+    another layer, so every later step's hits and misses still equal the simulator's."""
+    _, path = hf_checkpoint("olmoe")
+    trace = random_trace(tmp_path / "t.mpt", lengths=(12, 9, 15), prefill=15, seed=5, skew=0.5)
+    nbytes = LLM(path, show_progress=False).loaded.expert_shape.nbytes
+    llm = LLM(path, store=StoreConfig(expert_memory=expert_budget(nbytes, per_layer * 3), policy=policy, warm=False,
+                                      scope=scope), show_progress=False)
+    llm.replay(ReplaySpec(trace, prompt_tokens=8))
+    phases = llm.loaded.experts.store.counters.phases
+    capacity = per_layer if scope == "layer" else per_layer * 3
+    work = load_workload(str(trace), "recorded", cut=Cut(prompt_tokens=8))
+    sim = simulate(work, SimSpec(policy, capacity, scope))
+    assert (sim.requested_SL > capacity).any()  # some steps really overflow
+    assert_same_hits_and_misses(phases, sim, llm.loaded.config.moe_layers)
+    loads = sum(p.loads_on_demand for p in phases.values())
+    assert loads == sim.loads  # every miss was loaded once: cached or streamed through
+    table = llm.loaded.experts.store.device.table
+    assert all(len(keys) <= table.quota[layer] for layer, keys in table.by_layer.items()) or scope == "global"
