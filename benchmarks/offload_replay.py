@@ -182,7 +182,7 @@ def replayed_run(llm: LLM, spec: ReplaySpec, layers: int, times: int = 1) -> dic
         s = llm.last_stats
         decoded = s.generated_tokens - s.num_prompts
         experts = s.sections["experts"].to_dict()
-        d = experts.get("decode", {})
+        d, pre = experts.get("decode", {}), experts.get("prefill", {})
         slots = experts["config"].get("device slots")
         return {"slots": slots, "per_layer": None if slots is None else slots // layers,
                 "expert_bytes": llm.loaded.expert_shape.nbytes,
@@ -194,6 +194,8 @@ def replayed_run(llm: LLM, spec: ReplaySpec, layers: int, times: int = 1) -> dic
                 "exposed_ms_per_token": 1e3 * d.get("exposed_s", 0.0) / max(decoded, 1),
                 "disk_GBps_in_run": d.get("disk_read_bytes_per_s", 0.0) / 1e9,
                 "prefetch_accuracy": d.get("prefetch_accuracy") if d.get("loads_ahead") else None,
+                "prefill_hit_rate": pre.get("hit_rate", 1.0),
+                "prefill_disk_GBps": pre.get("disk_read_bytes_per_s", 0.0) / 1e9,
                 "decoded": decoded}
     finally:
         if llm.loaded.experts is not None and hasattr(llm.loaded.experts, "store"):
@@ -320,7 +322,8 @@ def ttft_rows(path: Path, trace: Path, args: argparse.Namespace, cost: CostModel
     for budget in tqdm(args.budgets, desc=f"TTFT at {args.ttft_prompt} tokens", unit="budget"):
         row = measure(path, Config(budget), args, spec, {}, times=2)
         t = {"budget": budget, "per_layer": row["per_layer"] or 64, "ttft_ms": row["ttft_ms"],
-             "cold_ttft_ms": row["ttft_runs_ms"][0]}
+             "cold_ttft_ms": row["ttft_runs_ms"][0], "prefill_hit_rate": row["prefill_hit_rate"],
+             "prefill_disk_GBps": row["prefill_disk_GBps"]}
         out.append(t | modeled_ttft(cost, trace, request, args.ttft_prompt, t["per_layer"], t["ttft_ms"]))
     return out
 
@@ -371,9 +374,10 @@ def report(rows: list[dict], ttft: list[dict], args: argparse.Namespace) -> None
     print()
     if ttft:
         print_table(["budget", f"TTFT ms ({args.ttft_prompt}-token prompt, 2nd run)", "modeled ms", "model err",
-                     "1st (cold) run ms"],
+                     "1st (cold) run ms", "prefill hits", "prefill disk GB/s"],
                     [[t["budget"], t["ttft_ms"], t["modeled_ttft_ms"], f"{t['model_error']:+.1%}",
-                      opt(t.get("cold_ttft_ms"), ".0f")] for t in ttft])
+                      opt(t.get("cold_ttft_ms"), ".0f"), opt(t.get("prefill_hit_rate"), ".1%"),
+                      opt(t.get("prefill_disk_GBps") or None, ".2f")] for t in ttft])
 
 
 def plot(rows: list[dict], out: Path, title: str) -> None:
