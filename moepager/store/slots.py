@@ -17,7 +17,7 @@ The table owns the invariants; the policy only ranks the candidates it is offere
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -59,25 +59,16 @@ class SlotTable:
         self.on_evict: Callable[[ExpertKey], None] | None = None
         """Called with every evicted expert (the store judges prefetches with it)."""
 
-    def evictable(self, key: ExpertKey) -> bool:
-        slot = self.slot_of[key]
-        return self.pins[slot] == 0 and settled(self.ticket[slot])
-
     def busy(self) -> Iterable[Future[torch.cuda.Event | None]]:
         return [t for t in self.ticket if t is not None]
 
-    def claim(self, key: ExpertKey, step: int, protect: Mapping[ExpertKey, int] | None = None,
-              allow_protected: bool = False) -> int | None:
-        """A slot for `key` (free, or freed by evicting a victim); None when nothing may be evicted.
-
-        `protect` maps experts still needed soon to the order they are needed in: they are evicted only with
-        `allow_protected`, and then the one needed last goes first. A layer at its quota (scope "layer")
-        evicts one of its own or gets nothing.
-        """
+    def claim(self, key: ExpertKey, step: int, protect: Container[ExpertKey] = ()) -> int | None:
+        """A slot for `key` (free, or freed by evicting a victim other than those in `protect`); None when
+        nothing may be evicted. A layer at its quota (scope "layer") evicts one of its own or gets nothing."""
         full = self.scope == "layer" and len(self.by_layer[key.layer]) >= self.quota[key.layer]
         victim = None
-        if full or not self._free:  # with a free slot at hand, nothing still needed is evicted
-            victim = self._victim(key.layer, step, protect or {}, allow_protected)
+        if full or not self._free:  # with a free slot at hand, nothing is evicted
+            victim = self._victim(key.layer, step, protect)
         if victim is None and full:
             return None
         if victim is not None:
@@ -107,8 +98,7 @@ class SlotTable:
         self._free.append(slot)
         return key
 
-    def _victim(self, layer: int, step: int, protect: Mapping[ExpertKey, int],
-                allow_protected: bool) -> ExpertKey | None:
+    def _victim(self, layer: int, step: int, protect: Container[ExpertKey]) -> ExpertKey | None:
         """The policy's pick among the unpinned, settled, unprotected experts of `layer` (scope "layer": no
         layer exceeds its quota, so one below it has a free slot) or of every layer."""
         slot_of, pins, tickets = self.slot_of, self.pins, self.ticket
@@ -118,11 +108,4 @@ class SlotTable:
             slot = slot_of[k]
             if pins[slot] == 0 and k not in protect and (tickets[slot] is None or settled(tickets[slot])):
                 candidates.append(k)
-        if candidates:
-            return self.policy.victim(candidates, step)
-        if allow_protected:
-            candidates = [k for k in protect if k in self.slot_of and self.evictable(k)
-                          and (self.scope == "global" or k.layer == layer)]
-            if candidates:
-                return max(candidates, key=protect.__getitem__)
-        return None
+        return self.policy.victim(candidates, step) if candidates else None
