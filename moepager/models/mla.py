@@ -12,12 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moepager.models.config import ModelConfig
-from moepager.models.layers import (ForwardBatch, RMSNorm, apply_rope, apply_rope_interleaved, cache_update,
-                                    yarn_softmax_scale)
+from moepager.models.layers import (ForwardBatch, RMSNorm, apply_rope, apply_rope_interleaved, attention,
+                                    cache_update, yarn_softmax_scale)
 
 
 class MLAttention(nn.Module):
@@ -61,8 +60,7 @@ class MLAttention(nn.Module):
         (kv_B1SC,) = cache_update(cache, (torch.cat((latent_B1TR, k_pe), dim=-1),), batch)
         w_HCR = self.kv_b_proj.weight.view(h, self.nope_dim + self.v_dim, r)
         q_abs_BHTR = torch.einsum("bhtn,hnr->bhtr", q_nope, w_HCR[:, : self.nope_dim])
-        out_BHTR = F.scaled_dot_product_attention(torch.cat((q_abs_BHTR, q_pe), dim=-1), kv_B1SC,
-                                                  kv_B1SC[..., :r], attn_mask=batch.mask_B1TS, scale=self.scale,
-                                                  enable_gqa=True)
+        out_BHTR = attention(torch.cat((q_abs_BHTR, q_pe), dim=-1), kv_B1SC, kv_B1SC[..., :r], batch.mask_B1TS,
+                             self.scale)
         out_BHTV = torch.einsum("bhtr,hvr->bhtv", out_BHTR, w_HCR[:, self.nope_dim:])
         return self.o_proj(out_BHTV.transpose(1, 2).reshape(b, t, h * self.v_dim))
