@@ -57,8 +57,11 @@ def main() -> None:
             for b in (1, 8):
                 for s in (64, 512, 2048):
                     q, k, v, mask = inputs(b, h, hkv, dk, dv, s, gen)
-                    expanded = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # noqa: E731
-                    folded = lambda: attention(q, k, v, mask)  # noqa: E731
+                    def expanded():
+                        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+                    def folded():
+                        return attention(q, k, v, mask)
                     for fn in (expanded, folded):
                         fn()  # warm-up
                     t_gqa = median_time(expanded, args.reps)

@@ -129,14 +129,16 @@ def sample_rows(logits_BV: torch.Tensor, requests: Sequence[Sampled]) -> list[tu
     draws the same token alone or in any batch), each drawing from its own generator.
 
     Raises NonFiniteLogits when a row's logits hold NaN or infinity."""
-    picked = torch.stack((logits_BV.argmax(dim=-1), torch.isfinite(logits_BV).all(dim=-1).long())).tolist()
+    logits_BV = logits_BV.float()  # CPU argmax and isfinite of bf16 cost 3.5x more (216 against 62 us at 8 rows)
+    finite_B = logits_BV.abs().amax(dim=-1).isfinite()  # NaN propagates through amax, and either infinity shows
+    picked = torch.stack((logits_BV.argmax(dim=-1), finite_B.long())).tolist()
     if 0 in picked[1]:
         raise NonFiniteLogits([b for b, ok in enumerate(picked[1]) if not ok])
     tokens: list[int] = picked[0]
     slow = [b for b, r in enumerate(requests) if not r.sampler.plain]
     if not slow:
         return [(t, None) for t in tokens]
-    host_BV = logits_BV[slow].float().cpu()
+    host_BV = logits_BV[slow].cpu()
     groups: dict[tuple[float, int, float, float], list[int]] = {}
     for i, b in enumerate(slow):
         r = requests[b]

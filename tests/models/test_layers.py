@@ -20,7 +20,8 @@ def test_attention_equals_sdpa_over_expanded_kv_heads(heads, kv_heads, rows, que
     q = torch.randn(rows, heads, queries, dk, generator=gen)
     k, v = torch.randn(rows, kv_heads, s, dk, generator=gen), torch.randn(rows, kv_heads, s, dv, generator=gen)
     lengths = torch.tensor([s, 7, 9][:rows])
-    mask = torch.arange(s)[None, None, None, :] < lengths[:, None, None, None] - torch.arange(queries)[None, None, :, None]
+    last_BT = lengths[:, None] - queries + torch.arange(queries)  # the queries are each row's last positions
+    mask = torch.arange(s)[None, None, None, :] <= last_BT[:, None, :, None]
     repeat = heads // kv_heads
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1),
                                          attn_mask=mask, scale=0.3)
