@@ -208,7 +208,7 @@ def attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, 
     query heads are G queries: [B, Hkv, G, D] against [B, Hkv, S, D], the same scores with no key/value head
     expanded and G times fewer kernel rows. On the CPU (bf16, 2 threads, `python benchmarks/attention.py`) SDPA's
     `enable_gqa` at one query is 2-10x slower on the built-in model's heads (equal bit for bit), 7-19x on
-    qwen3-30b-a3b's and Mixtral's, and 14-62x on DeepSeek-V2's absorbed MLA at 512 and more positions (0.85 against
+    qwen3-30b-a3b's and Mixtral's, and 15-62x on DeepSeek-V2's absorbed MLA at 512 and more positions (0.85 against
     20.9 ms a layer); there the results differ by bf16 rounding (at most 2e-3)."""
     b, h, t, d = q_BHTD.shape
     hkv = k_BHSD.shape[1]
