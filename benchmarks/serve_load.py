@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -97,35 +98,38 @@ SAMPLING: dict[str, float] = {}
 """Extra sampling fields of every request (--greedy: temperature 0; default: the server's llama.cpp defaults)."""
 
 
-async def openai_request(client: openai.AsyncOpenAI, url: str, prompt: str, tokens: int) -> dict[str, float]:
-    start = time.perf_counter()
-    first = last = None
+async def openai_texts(client: openai.AsyncOpenAI, url: str, prompt: str, tokens: int) -> AsyncIterator[str]:
+    """One streaming completion's text pieces, through the official client."""
     stream = await client.completions.create(model=SERVED, prompt=prompt, max_tokens=tokens, stream=True,
                                              extra_body={"ignore_eos": True, **SAMPLING})
     async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
-            last = time.perf_counter()
-            first = first or last
-    assert first is not None and last is not None
-    return {"ttft_s": first - start, "tpot_s": (last - first) / max(1, tokens - 1)}
+        if chunk.choices:
+            yield chunk.choices[0].text
 
 
-async def raw_request(client: httpx.AsyncClient, url: str, prompt: str, tokens: int) -> dict[str, float]:
-    """The same request with the server-sent events read off the wire (as vLLM's benchmark_serving reads them):
-    one `json.loads` per event instead of the `openai` client's typed objects."""
-    start = time.perf_counter()
-    first = last = None
+async def raw_texts(client: httpx.AsyncClient, url: str, prompt: str, tokens: int) -> AsyncIterator[str]:
+    """The same, with the server-sent events read off the wire (as vLLM's benchmark_serving reads them): one
+    `json.loads` per event instead of the `openai` client's typed objects."""
     body = {"model": SERVED, "prompt": prompt, "max_tokens": tokens, "stream": True, "ignore_eos": True,
             **SAMPLING}
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            choices = json.loads(line[6:]).get("choices")
-            if choices and choices[0]["text"]:
-                last = time.perf_counter()
-                first = first or last
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choices = json.loads(line[6:]).get("choices")
+                if choices:
+                    yield choices[0]["text"]
+
+
+async def timed(texts: AsyncIterator[str], tokens: int) -> dict[str, float]:
+    """TTFT and TPOT of one request, from the arrival of its non-empty text pieces (the request is sent when
+    the iteration starts)."""
+    start = time.perf_counter()
+    first = last = None
+    async for text in texts:
+        if text:
+            last = time.perf_counter()
+            first = first or last
     assert first is not None and last is not None
     return {"ttft_s": first - start, "tpot_s": (last - first) / max(1, tokens - 1)}
 
@@ -133,17 +137,14 @@ async def raw_request(client: httpx.AsyncClient, url: str, prompt: str, tokens: 
 CLIENTS = ("raw", "openai")
 """Load generators: `raw` parses the event stream itself (a light client, so the server's share of the 2 cores
 is what the figure measures); `openai` is the official client, whose per-event parsing costs ~3x the server's
-per-event work (0.27 against 0.09 ms of CPU) and runs on the same 2 cores."""
+per-event work (0.27 against 0.09 ms of CPU, per-thread CPU time from /proc during an 8-client run) and runs on
+the same 2 cores."""
 
 
 async def load(url: str, prompts: list[str], clients: int, tokens: int, kind: str = "raw") -> dict[str, object]:
-    if kind == "openai":
-        client: openai.AsyncOpenAI | httpx.AsyncClient = openai.AsyncOpenAI(
-            base_url=f"{url}/v1", api_key="unused", timeout=600, max_retries=0)
-        one = openai_request
-    else:
-        client = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients))
-        one = raw_request
+    client = (openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=600, max_retries=0)
+              if kind == "openai" else httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients)))
+    texts = openai_texts if kind == "openai" else raw_texts
     queue = list(prompts)
     results: list[dict[str, float]] = []
     errors: list[str] = []
@@ -152,13 +153,13 @@ async def load(url: str, prompts: list[str], clients: int, tokens: int, kind: st
         while queue:
             prompt = queue.pop()
             try:
-                results.append(await one(client, url, prompt, tokens))  # type: ignore[arg-type]
+                results.append(await timed(texts(client, url, prompt, tokens), tokens))  # type: ignore[arg-type]
             except Exception as e:  # noqa: BLE001 - counted, reported
                 errors.append(repr(e))
-    start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(clients)))
-    wall = time.perf_counter() - start
-    await (client.close() if kind == "openai" else client.aclose())  # type: ignore[union-attr]
+    async with client:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        wall = time.perf_counter() - start
     ttft, tpot = [r["ttft_s"] for r in results], [r["tpot_s"] for r in results]
     return {"client": kind, "clients": clients, "requests": len(prompts), "wall_s": wall, "errors": len(errors),
             "error_samples": errors[:3], "output_tok_s": len(results) * tokens / wall,
