@@ -233,6 +233,33 @@ def replay_part(args: argparse.Namespace) -> list[dict[str, object]]:
     return rows
 
 
+def http_report(http: list[dict[str, object]], repeat: int) -> dict[str, dict[str, float]]:
+    """Print the HTTP runs and, per (config, client), the most clients' ratios to one client's medians."""
+    print()
+    print_table(["config", "client", "clients", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
+                 "TPOT p99 ms", "errors", "expert B/out tok", "step ms", "engine busy"],
+                [[r["config"], r["client"], r["clients"], r["output_tok_s"], r["ttft_p50_ms"], r["ttft_p99_ms"],
+                  r["tpot_p50_ms"], r["tpot_p99_ms"], r["errors"],
+                  f"{r['expert_bytes_per_output_token'] / 2**20:.2f} MiB", r["step_ms_mean"],
+                  f"{100 * r['engine_busy']:.0f}%"] for r in http])
+    ratios = {}
+    for label, kind in dict.fromkeys((r["config"], r["client"]) for r in http):
+        runs = [r for r in http if (r["config"], r["client"]) == (label, kind)]
+        by = {n: {key: statistics.median(r[key] for r in runs if r["clients"] == n)
+                  for key in ("output_tok_s", "expert_bytes_per_output_token")} for n in {r["clients"] for r in runs}}
+        if 1 in by and len(by) > 1:
+            most = max(by)
+            ratios[f"{label}, {kind} client"] = ratio = {
+                "clients": most, "runs": repeat,
+                "throughput_ratio": by[most]["output_tok_s"] / by[1]["output_tok_s"],
+                "bytes_per_token_ratio": by[most]["expert_bytes_per_output_token"]
+                / max(1.0, by[1]["expert_bytes_per_output_token"])}
+            print(f"{label}, {kind} client: {most} clients / 1 client (medians of {repeat}): throughput "
+                  f"{ratio['throughput_ratio']:.2f}x, "
+                  f"expert bytes per output token {ratio['bytes_per_token_ratio']:.2f}x")
+    return ratios
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=32)
@@ -260,28 +287,7 @@ def main() -> None:
         SAMPLING["temperature"] = 0.0
     state = machine_state()
     http = http_part(args)
-    print()
-    print_table(["config", "client", "clients", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
-                 "TPOT p99 ms", "errors", "expert B/out tok", "step ms", "engine busy"],
-                [[r["config"], r["client"], r["clients"], r["output_tok_s"], r["ttft_p50_ms"], r["ttft_p99_ms"],
-                  r["tpot_p50_ms"], r["tpot_p99_ms"], r["errors"],
-                  f"{r['expert_bytes_per_output_token'] / 2**20:.2f} MiB", r["step_ms_mean"],
-                  f"{100 * r['engine_busy']:.0f}%"] for r in http])
-    ratios = {}
-    for label, kind in dict.fromkeys((r["config"], r["client"]) for r in http):
-        runs = [r for r in http if (r["config"], r["client"]) == (label, kind)]
-        by = {n: {key: statistics.median(r[key] for r in runs if r["clients"] == n)
-                  for key in ("output_tok_s", "expert_bytes_per_output_token")} for n in {r["clients"] for r in runs}}
-        if 1 in by and len(by) > 1:
-            most = max(by)
-            ratios[f"{label}, {kind} client"] = ratio = {
-                "clients": most, "runs": args.repeat,
-                "throughput_ratio": by[most]["output_tok_s"] / by[1]["output_tok_s"],
-                "bytes_per_token_ratio": by[most]["expert_bytes_per_output_token"]
-                / max(1.0, by[1]["expert_bytes_per_output_token"])}
-            print(f"{label}, {kind} client: {most} clients / 1 client (medians of {args.repeat}): throughput "
-                  f"{ratio['throughput_ratio']:.2f}x, "
-                  f"expert bytes per output token {ratio['bytes_per_token_ratio']:.2f}x")
+    ratios = http_report(http, args.repeat)
     replay = [] if args.skip_replay else replay_part(args)
     if replay:
         print()
