@@ -7,7 +7,7 @@ import argparse
 from moepager.models.default import default_model_path
 from moepager.models.gguf_io import EXPORT_TYPES, export_gguf
 
-HELP = "write a checkpoint (qwen3moe, qwen2moe, olmoe, mixtral) as a GGUF file, tokenizer included"
+HELP = "write a checkpoint (qwen3moe, qwen2moe, olmoe, mixtral, deepseek-v2/v3) as a GGUF file, tokenizer included"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -3,10 +3,18 @@
 any other).
 
 Architectures (Hugging Face -> GGUF): Qwen3-MoE -> qwen3moe, Qwen2-MoE -> qwen2moe, OLMoE -> olmoe, Mixtral ->
-llama (with llama.cpp's query/key row permutation for its rotary layout). Tensor names come from the `gguf`
-package's own name map; metadata keys and the choice of F32 for norms, biases and routers follow llama.cpp's
-convert_hf_to_gguf.py, read to learn the format. Experts are written as three stacked tensors per layer
-(ffn_gate_exps, ffn_up_exps [E, F, D], ffn_down_exps [E, D, F]).
+llama (with llama.cpp's query/key row permutation for its rotary layout), DeepSeek-V2/V3 -> deepseek2. Tensor
+names come from the `gguf` package's own name map; metadata keys and the choice of F32 for norms, biases and
+routers follow llama.cpp's convert_hf_to_gguf.py, read to learn the format. Experts are written as three stacked
+tensors per layer (ffn_gate_exps, ffn_up_exps [E, F, D], ffn_down_exps [E, D, F]).
+
+deepseek2 is MLA in llama.cpp's absorbed form: one KV head whose keys are the latent plus the rotary key
+(kv_lora_rank + qk_rope_head_dim wide) and whose values are the latent, so kv_b_proj is written split, as
+attn_k_b (each head's key up-projection, transposed: [H, r, nope]) and attn_v_b ([H, v, r]); the per-head
+("MLA") key and value lengths, leading dense layers, shared experts and the router (V2: softmax; V3: sigmoid,
+groups, correction biases as exp_probs_b) go into the metadata. DeepSeek's YaRN (mscale == mscale_all_dim) is
+written as llama.cpp's yarn keys with yarn_log_multiplier = 0.1 * mscale_all_dim, which llama.cpp divides out
+again. Reading a deepseek2 file gives DeepSeek-V3 when its gating function is sigmoid, DeepSeek-V2 otherwise.
 
 Types: `--type bf16|f16` converts every matrix; `q8_0|q4_0` quantize the routed experts (what moepager's
 `--expert-dtype int8|int4` quantize) and keep every other tensor in the checkpoint's dtype. Blocks of 32 along
@@ -45,8 +53,10 @@ from moepager.outputs import atomic_dir, atomic_file
 from moepager.models.registry import architecture_for
 
 GGUF_ARCHS = {"Qwen3MoeForCausalLM": "qwen3moe", "Qwen2MoeForCausalLM": "qwen2moe", "OlmoeForCausalLM": "olmoe",
-              "MixtralForCausalLM": "llama"}
-HF_ARCHS = {v: k for k, v in GGUF_ARCHS.items()}
+              "MixtralForCausalLM": "llama", "DeepseekV2ForCausalLM": "deepseek2", "DeepseekV3ForCausalLM": "deepseek2"}
+HF_ARCHS = {"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+            "llama": "MixtralForCausalLM", "deepseek2": "DeepseekV2ForCausalLM"}
+"""GGUF architecture -> HF architecture read back (a deepseek2 file with sigmoid gating reads as DeepSeek-V3)."""
 EXPORT_TYPES = ("bf16", "f16", "q8_0", "q4_0")
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -56,6 +66,8 @@ BLOCK = 32
 QWEN2_PRE = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
              "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
 """Qwen2's pre-tokenizer split (the GGUF pre type `qwen2`)."""
+GPT2_PRES = ("gpt-2", "olmo", "mpt")
+"""GGUF pre types that split with GPT-2's regex in llama.cpp (llama-vocab.cpp)."""
 
 
 def _gguf():
@@ -145,6 +157,7 @@ def _tokenizer_metadata(writer: Any, directory: Path, config: dict[str, Any]) ->
     if model.get("type") != "BPE" or not byte_level or model.get("byte_fallback"):
         raise ConfigError("export-gguf writes byte-level BPE tokenizers (GPT-2 style: Qwen, OLMoE, moepager's own); "
                           "this tokenizer is not one (SentencePiece-style tokenizers are not supported yet)")
+    pre_type = _pre_type(pre)
     vocab: dict[str, int] = dict(model["vocab"])
     special = set()
     for added in tok.get("added_tokens", []):
@@ -158,9 +171,8 @@ def _tokenizer_metadata(writer: Any, directory: Path, config: dict[str, Any]) ->
         tokens[i] = text
         types[i] = 3 if i in special else 1  # CONTROL or NORMAL
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    split = json.dumps(pre)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2" if "\\\\p{L}+|\\\\p{N}|" in split else "gpt-2")
+    writer.add_tokenizer_pre(pre_type)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
@@ -178,6 +190,21 @@ def _tokenizer_metadata(writer: Any, directory: Path, config: dict[str, Any]) ->
         template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
     if isinstance(template, str):
         writer.add_chat_template(template)
+
+
+def _pre_type(pre: dict[str, Any]) -> str:
+    """The GGUF pre-tokenizer name of a tokenizer.json pre-tokenizer: GPT-2's regex inside ByteLevel (`gpt-2`) or
+    Qwen2's split before a regex-free ByteLevel (`qwen2`); any other split is refused, since llama.cpp would
+    tokenize differently."""
+    parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    kinds = [p.get("type") for p in parts]
+    if kinds == ["ByteLevel"] and parts[0].get("use_regex", True):
+        return "gpt-2"
+    if kinds == ["Split", "ByteLevel"] and (parts[0].get("pattern") or {}).get("Regex") == QWEN2_PRE \
+            and not parts[1].get("use_regex", True):
+        return "qwen2"
+    raise ConfigError("export-gguf writes byte-level BPE tokenizers that split as GPT-2 or Qwen2 do; this one's "
+                      f"pre-tokenizer is {json.dumps(pre)[:200]}")
 
 
 def export_gguf(model: str | os.PathLike[str], out: str | os.PathLike[str], type_: str = "bf16",
@@ -224,13 +251,38 @@ def _exportable(checkpoint: Checkpoint) -> ModelConfig:
     if stored_format(config) is not None:
         raise ConfigError(f"{checkpoint.path} is a moepager-quantized checkpoint; export its float original")
     cfg = architecture_for(config).parse_config(config)
-    if tuple(cfg.moe_layers) != tuple(range(cfg.num_layers)):
-        raise ConfigError("export-gguf needs every layer to be a MoE layer (llama.cpp's qwen2moe/qwen3moe have no "
-                          f"dense layers); this model's MoE layers are {list(cfg.moe_layers)}")
-    rope = config.get("rope_parameters") or {}
-    if (rope.get("rope_type") or "default") != "default" or config.get("rope_scaling"):
-        raise ConfigError("export-gguf writes the default rotary embedding only; this model scales it")
+    first_moe = cfg.moe_layers[0] if GGUF_ARCHS[hf_arch] == "deepseek2" else 0
+    if tuple(cfg.moe_layers) != tuple(range(first_moe, cfg.num_layers)):
+        raise ConfigError("export-gguf needs every layer to be a MoE layer (after DeepSeek's leading dense ones: "
+                          f"llama.cpp has no other dense layers); this model's MoE layers are {list(cfg.moe_layers)}")
+    if GGUF_ARCHS[hf_arch] == "deepseek2":
+        _deepseek2_exportable(config, cfg)
+    elif cfg.rope.scaling:
+        raise ConfigError("export-gguf writes the default rotary embedding only for this architecture; this model "
+                          f"scales it ({cfg.rope.scaling.get('rope_type')})")
     return cfg
+
+
+def _deepseek2_exportable(config: dict[str, Any], cfg: ModelConfig) -> None:
+    """What llama.cpp's deepseek2 cannot express: V2's group-limited router (llama.cpp scores a group by its
+    two best experts, as V3 does, not by its best), non-interleaved rotary halves, and YaRN variants other than
+    DeepSeek's own (mscale == mscale_all_dim, which leaves cos/sin unscaled and scales the softmax by
+    mscale(factor, mscale_all_dim)^2: llama.cpp's [TAG_DEEPSEEK2_YARN_LOG_MUL_FIX])."""
+    v3 = config["architectures"][0] == "DeepseekV3ForCausalLM"
+    if not v3 and (config.get("topk_method") or "greedy") != "greedy" and (config.get("n_group") or 1) > 1:
+        raise ConfigError(f"export-gguf: DeepSeek-V2's '{config['topk_method']}' router (groups scored by their best "
+                          "expert) has no llama.cpp equivalent; only topk_method 'greedy' exports")
+    if v3 and not config.get("rope_interleave", True):
+        raise ConfigError("export-gguf: rope_interleave false (rotary halves) has no llama.cpp deepseek2 equivalent")
+    s = dict(cfg.rope.scaling or {})
+    kind = s.get("rope_type", "default")
+    if kind == "default":
+        return
+    odd = [k for k in ("attention_factor", "extrapolation_factor") if s.get(k) is not None]
+    if kind != "yarn" or s.get("mscale_all_dim") in (None, 0) or s.get("mscale") != s.get("mscale_all_dim") \
+            or not s.get("truncate", True) or odd:
+        raise ConfigError("export-gguf writes DeepSeek's YaRN (mscale == mscale_all_dim, truncated ramp) or no "
+                          f"scaling; this model's rotary scaling is {s}")
 
 
 def _write_metadata(writer: Any, name: str, cfg: ModelConfig, checkpoint: Checkpoint, type_: str) -> None:
@@ -242,14 +294,17 @@ def _write_metadata(writer: Any, name: str, cfg: ModelConfig, checkpoint: Checkp
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(int(config.get("intermediate_size", cfg.expert_intermediate_size)))
     writer.add_head_count(cfg.num_heads)
-    writer.add_head_count_kv(cfg.num_kv_heads)
     writer.add_rope_freq_base(float(cfg.rope.theta))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_expert_count(cfg.num_experts)
     writer.add_expert_used_count(cfg.top_k)
     writer.add_expert_feed_forward_length(cfg.expert_intermediate_size)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
+    if name == "deepseek2":
+        _deepseek2_metadata(writer, cfg, config)
+    else:
+        writer.add_head_count_kv(cfg.num_kv_heads)
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
     if name == "llama":
         writer.add_rope_dimension_count(cfg.head_dim)
         writer.add_vocab_size(cfg.vocab_size)
@@ -263,20 +318,73 @@ def _write_metadata(writer: Any, name: str, cfg: ModelConfig, checkpoint: Checkp
     _tokenizer_metadata(writer, checkpoint.path, config)
 
 
+def _deepseek2_metadata(writer: Any, cfg: ModelConfig, config: dict[str, Any]) -> None:
+    """MLA as llama.cpp runs it: an MQA (one KV head) over the latent, keys kv_lora_rank + rope wide, values
+    kv_lora_rank wide; the per-head ("MLA") lengths; leading dense layers, shared experts, the router's
+    scoring, and DeepSeek's YaRN (keys as llama.cpp's convert_hf_to_gguf.py writes them)."""
+    gguf = _gguf()
+    rank, rope, nope = int(config["kv_lora_rank"]), int(config["qk_rope_head_dim"]), int(config["qk_nope_head_dim"])
+    v3 = config["architectures"][0] == "DeepseekV3ForCausalLM"
+    writer.add_head_count_kv(1)
+    writer.add_key_length(rank + rope)
+    writer.add_value_length(rank)
+    writer.add_key_length_mla(nope + rope)
+    writer.add_value_length_mla(int(config["v_head_dim"]))
+    writer.add_kv_lora_rank(rank)
+    writer.add_q_lora_rank(int(config.get("q_lora_rank") or 0))  # 0: a full q_proj (V2-Lite)
+    writer.add_rope_dimension_count(rope)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_leading_dense_block_count(cfg.moe_layers[0])
+    writer.add_expert_shared_count(int(config.get("n_shared_experts") or 0))
+    writer.add_expert_weights_scale(float(config.get("routed_scaling_factor") or 1.0))
+    writer.add_expert_weights_norm(bool(config.get("norm_topk_prob", v3)))
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
+    if v3 and (config.get("n_group") or 1) > 1:
+        writer.add_expert_group_count(int(config["n_group"]))
+        writer.add_expert_group_used_count(int(config["topk_group"]))
+    s = cfg.rope.scaling or {}
+    if s.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(s["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(s["original_max_position_embeddings"]))
+        writer.add_rope_scaling_yarn_beta_fast(float(s.get("beta_fast") or 32))
+        writer.add_rope_scaling_yarn_beta_slow(float(s.get("beta_slow") or 1))
+        writer.add_rope_scaling_yarn_log_mul(0.1 * float(s["mscale_all_dim"]))  # llama.cpp divides by 0.1 again
+
+
 def _add_dense(writer: Any, name: str, cfg: ModelConfig, checkpoint: Checkpoint, float_type: torch.dtype) -> None:
     """Every tensor but the routed experts, under its GGUF name (norms and routers in F32)."""
     mapped = _name_map(name, cfg.num_layers)
     for hf_name, loc in checkpoint.locations.items():
         if is_routed_expert(hf_name):
             continue
-        gname = mapped(hf_name)
-        if gname is None:
-            raise ConfigError(f"tensor '{hf_name}' has no GGUF name for {name}")
         t = torch.empty(loc.shape, dtype=loc.dtype)
         checkpoint.read_exact_into(hf_name, t)
         if name == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             t = _permute(t, cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads)
-        _add(writer, gname, t, torch.float32 if t.dim() <= 1 or gname.endswith(F32_TENSORS) else float_type)
+        parts = [(hf_name, t)]
+        if name == "deepseek2" and hf_name.endswith("kv_b_proj.weight"):
+            parts = list(zip((hf_name.replace("kv_b_proj", "k_b_proj"), hf_name.replace("kv_b_proj", "v_b_proj")),
+                             _split_kv_b(t, cfg.raw)))
+        for part_name, part in parts:
+            gname = mapped(part_name.replace("e_score_correction_bias", "e_score_correction.bias"))
+            if gname is None:
+                raise ConfigError(f"tensor '{hf_name}' has no GGUF name for {name}")
+            _add(writer, gname, part,
+                 torch.float32 if part.dim() <= 1 or gname.endswith(F32_TENSORS) else float_type)
+
+
+def _split_kv_b(w: torch.Tensor, raw: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA's kv_b_proj [H * (nope + v), r] as llama.cpp's absorbed form wants it: k_b [H, r, nope] (each head's
+    key up-projection transposed) and v_b [H, v, r]."""
+    nope, v = int(raw["qk_nope_head_dim"]), int(raw["v_head_dim"])
+    k_b, v_b = w.reshape(-1, nope + v, w.shape[-1]).split([nope, v], dim=1)
+    return k_b.transpose(1, 2).contiguous(), v_b.contiguous()
+
+
+def _join_kv_b(k_b_HRN: torch.Tensor, v_b_HVR: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_split_kv_b`."""
+    return torch.cat((k_b_HRN.transpose(1, 2), v_b_HVR), dim=1).reshape(-1, v_b_HVR.shape[-1])
 
 
 def _add_experts(writer: Any, cfg: ModelConfig, checkpoint: Checkpoint, shape: ExpertShape, type_: str,
@@ -360,7 +468,8 @@ def _open(path: Path) -> Any:
 
 def _config_from_gguf(reader: Any, arch: str, vocab: int, tied: bool) -> dict[str, Any]:
     def kv(key: str, default: Any = None) -> Any:
-        return _field(reader, f"{arch}.{key}", default)
+        value = _field(reader, f"{arch}.{key}", default)
+        return float(str(np.float32(value))) if isinstance(value, float) else value  # 1e-06, not 9.99999997e-07
 
     hidden, heads = int(kv("embedding_length")), int(kv("attention.head_count"))
     config: dict[str, Any] = {
@@ -383,6 +492,8 @@ def _config_from_gguf(reader: Any, arch: str, vocab: int, tied: bool) -> dict[st
     elif arch == "olmoe":
         config |= {"model_type": "olmoe", "num_experts": experts, "intermediate_size": expert_ff,
                    "norm_topk_prob": False}
+    elif arch == "deepseek2":
+        config |= _deepseek2_config(kv, heads, experts, ff, expert_ff)
     else:
         config |= {"model_type": "qwen3_moe" if arch == "qwen3moe" else "qwen2_moe", "num_experts": experts,
                    "moe_intermediate_size": expert_ff, "intermediate_size": ff or expert_ff,
@@ -392,6 +503,41 @@ def _config_from_gguf(reader: Any, arch: str, vocab: int, tied: bool) -> dict[st
         else:
             config |= {"shared_expert_intermediate_size": int(kv("expert_shared_feed_forward_length")),
                        "norm_topk_prob": False, "qkv_bias": True}
+    return config
+
+
+def _deepseek2_config(kv: Callable[..., Any], heads: int, experts: int, ff: int, expert_ff: int) -> dict[str, Any]:
+    """A DeepSeek-V2 (softmax router) or V3 (sigmoid router) config from deepseek2 metadata (as
+    `_deepseek2_metadata` and llama.cpp's converter write it; files without the MLA lengths hold per-head ones)."""
+    gguf = _gguf()
+    v3 = int(kv("expert_gating_func", gguf.ExpertGatingFuncType.SOFTMAX)) == gguf.ExpertGatingFuncType.SIGMOID
+    rope = int(kv("rope.dimension_count"))
+    config: dict[str, Any] = {
+        "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v3" if v3 else "deepseek_v2", "num_key_value_heads": heads,
+        "kv_lora_rank": int(kv("attention.kv_lora_rank")), "q_lora_rank": int(kv("attention.q_lora_rank", 0)) or None,
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": int(kv("attention.key_length_mla", kv("attention.key_length"))) - rope,
+        "v_head_dim": int(kv("attention.value_length_mla", kv("attention.value_length"))),
+        "n_routed_experts": experts, "moe_intermediate_size": expert_ff, "intermediate_size": ff or expert_ff,
+        "n_shared_experts": int(kv("expert_shared_count", 0)),
+        "first_k_dense_replace": int(kv("leading_dense_block_count", 0)),
+        "moe_layer_freq": 1, "routed_scaling_factor": float(kv("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(kv("expert_weights_norm", False)), "topk_method": "noaux_tc" if v3 else "greedy"}
+    if v3:
+        config |= {"scoring_func": "sigmoid", "rope_interleave": True, "n_group": int(kv("expert_group_count", 1)),
+                   "topk_group": int(kv("expert_group_used_count", 1))}
+    if kv("rope.scaling.type", "none") == "yarn":
+        mscale = float(kv("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1  # written as 0.1 * mscale_all_dim
+        config["rope_parameters"] = {
+            "rope_theta": float(kv("rope.freq_base", 10000.0)), "rope_type": "yarn",
+            "factor": float(kv("rope.scaling.factor")),
+            "original_max_position_embeddings": int(kv("rope.scaling.original_context_length")),
+            "beta_fast": float(kv("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(kv("rope.scaling.yarn_beta_slow", 1.0)), "mscale": mscale, "mscale_all_dim": mscale}
+    elif kv("rope.scaling.type", "none") not in ("none",):
+        raise CheckpointError(f"GGUF deepseek2 rope scaling '{kv('rope.scaling.type')}' is not supported "
+                              "(moepager reads none and yarn)")
     return config
 
 
@@ -406,7 +552,11 @@ def _tokenizer_from_gguf(reader: Any, out: Path) -> None:
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab, merges))
-    if _field(reader, "tokenizer.ggml.pre") == "qwen2":
+    pre = _field(reader, "tokenizer.ggml.pre")
+    if pre not in GPT2_PRES + ("qwen2",):
+        raise CheckpointError(f"GGUF pre-tokenizer '{pre}' is not supported; moepager reads "
+                              f"{', '.join(GPT2_PRES + ('qwen2',))}")
+    if pre == "qwen2":
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(QWEN2_PRE), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -507,8 +657,11 @@ def _dense_entries(tensors: GGUFTensors, arch: str, config: dict[str, Any], cfg:
     for hf_name, shape in tensor_specs(config):
         if is_routed_expert(hf_name):
             continue
-        gname = mapped(hf_name)
+        gname = mapped(hf_name.replace("e_score_correction_bias", "e_score_correction.bias"))
         if gname not in tensors.meta and hf_name == "lm_head.weight" and config["tie_word_embeddings"]:
+            continue
+        if arch == "deepseek2" and hf_name.endswith("kv_b_proj.weight") and gname not in tensors.meta:
+            entries.append((hf_name, _kv_b_entry(tensors, gname, config, produce, hf_name), tuple(shape)))
             continue
         kind = tensors.kind(gname)
 
@@ -519,6 +672,19 @@ def _dense_entries(tensors: GGUFTensors, arch: str, config: dict[str, Any], cfg:
             return t.contiguous()
         entries.append((hf_name, FLOAT_TYPES.get(kind, tensors.float_dtype), tuple(shape)))
         produce[hf_name] = dense
+
+
+def _kv_b_entry(tensors: GGUFTensors, kv_b_name: str, config: dict[str, Any],
+                produce: dict[str, Callable[[], torch.Tensor]], hf_name: str) -> torch.dtype:
+    """kv_b_proj rebuilt from the split attn_k_b / attn_v_b of an MLA file; returns the dtype it is written in."""
+    h, r = config["num_attention_heads"], config["kv_lora_rank"]
+    nope, v = config["qk_nope_head_dim"], config["v_head_dim"]
+    k_name, v_name = kv_b_name.replace("attn_kv_b", "attn_k_b"), kv_b_name.replace("attn_kv_b", "attn_v_b")
+    kinds = {tensors.kind(k_name), tensors.kind(v_name)}
+    dtype = FLOAT_TYPES[next(iter(kinds))] if len(kinds) == 1 and kinds <= set(FLOAT_TYPES) else tensors.float_dtype
+    produce[hf_name] = lambda: _join_kv_b(tensors.floats(k_name, (h, r, nope)),
+                                          tensors.floats(v_name, (h, v, r))).to(dtype).contiguous()
+    return dtype
 
 
 def _expert_entries(tensors: GGUFTensors, cfg: ModelConfig, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],

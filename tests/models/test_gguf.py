@@ -3,6 +3,9 @@ decode as ggml decodes them, and bad files get one clear error each."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +15,7 @@ from moepager.errors import CheckpointError, ConfigError
 from moepager.experts.quant import QuantExpertWeights
 from moepager.models.gguf_io import (export_gguf, gguf_checkpoint, q4_0_blocks, q4_0_to_int4, q4_0_values,
                                      q8_0_blocks, q8_0_values, resolve_model_path)
+from moepager.models.layers import ForwardBatch
 from moepager.models.load import load_model
 from moepager.models.synth import make_model
 from moepager.runtime.llm import LLM
@@ -19,7 +23,10 @@ from moepager.runtime.sampling import SamplingParams
 from tests.runtime.test_offload import logits_run
 
 gguf = pytest.importorskip("gguf")
-ARCHS = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral"]
+ARCHS = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v2", "deepseek_v3"]
+YARN = {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+"""DeepSeek's YaRN (V2-Lite's mscale) on a tiny context, so that the ramp and the softmax scale both act."""
 
 
 @pytest.fixture(autouse=True)
@@ -38,9 +45,34 @@ def tiny(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+def edited(path, out, config=None, attention_gain=1.0, bias_seed=None):
+    """A copy of checkpoint `path` with config keys replaced, the attention projections scaled by
+    `attention_gain` (a peaky attention, so that a wrong softmax or rotary scale shows in the logits) and, for
+    DeepSeek-V3, random router correction biases (so that choosing by them shows)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, out)
+    raw = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(raw | (config or {})))
+    gen = torch.Generator().manual_seed(bias_seed or 0)
+    for f in out.glob("*.safetensors"):
+        tensors = load_file(f)
+        for name, t in tensors.items():
+            if name.endswith(("q_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "kv_b_proj.weight")):
+                tensors[name] = (t.float() * attention_gain).to(t.dtype)
+            if bias_seed is not None and name.endswith("e_score_correction_bias"):
+                tensors[name] = torch.randn(t.shape, generator=gen) * 0.5
+        save_file(tensors, f, metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("arch", [*ARCHS, "deepseek_v2-yarn"])
 def test_a_bf16_export_loads_back_into_the_same_model(tiny, tmp_path, arch):
-    path = tiny(arch)
+    path = tiny(arch.removesuffix("-yarn"))
+    if arch.endswith("-yarn"):
+        path = edited(path, tmp_path / "yarn", {"rope_parameters": YARN})
+    elif arch == "deepseek_v3":
+        path = edited(path, tmp_path / "biased", bias_seed=1)
     out = export_gguf(path, tmp_path / "m.gguf", show_progress=False)
     ref = load_model(path, torch.float32, show_progress=False)  # bf16 weights, computed in fp32 (exact upcast)
     got = load_model(resolve_model_path(out), torch.float32, show_progress=False)
@@ -56,14 +88,17 @@ def test_a_bf16_export_loads_back_into_the_same_model(tiny, tmp_path, arch):
 
 
 def test_q8_0_and_q4_0_blocks_decode_as_ggml_decodes_them():
-    w = torch.randn(6, 96) * 0.1
+    w = torch.randn(6, 96, generator=torch.Generator().manual_seed(0)) * 0.1
     q8, q4 = q8_0_blocks(w), q4_0_blocks(w)
     assert q8.shape == (6, 3 * 34) and q4.shape == (6, 3 * 18)
     ref8 = gguf.quants.dequantize(q8.numpy(), gguf.GGMLQuantizationType.Q8_0)
     ref4 = gguf.quants.dequantize(q4.numpy(), gguf.GGMLQuantizationType.Q4_0)
     np.testing.assert_array_equal(q8_0_values(q8, 6, 96).numpy(), ref8)
     np.testing.assert_array_equal(q4_0_values(q4, 6, 96).numpy(), ref4)
-    assert np.abs(ref4 - w.numpy()).max() < 0.1 * w.abs().max().item() and np.abs(ref8 - w.numpy()).max() < 0.01
+    # Q4_0 maps a block's largest magnitude m to -8 d: a value of the opposite sign near |m| clips at 7 d (error d,
+    # |m| / 8); Q8_0 rounds to within d / 2 = |m| / 254.
+    assert np.abs(ref4 - w.numpy()).max() <= 0.13 * w.abs().max().item()
+    assert np.abs(ref8 - w.numpy()).max() <= w.abs().max().item() / 250
     p = q4_0_to_int4(q4, 6, 96)
     assert p.q.shape == (6, 48) and p.scale.dtype == torch.float16 and p.scale.shape == (6, 3)
 
@@ -105,9 +140,52 @@ def test_llama_cpp_produces_our_greedy_tokens_from_an_exported_file(tmp_path):
     assert ours[0].token_ids == theirs
 
 
-def test_bad_exports_and_bad_files_get_one_clear_error_each(tiny, tmp_path):
-    with pytest.raises(ConfigError, match="export-gguf supports .*not DeepseekV2ForCausalLM"):
-        export_gguf(tiny("deepseek_v2"), tmp_path / "x.gguf", show_progress=False)
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_llama_cpp_runs_our_deepseek2_exports_as_we_do(tiny, tmp_path, arch):
+    """MLA as llama.cpp's absorbed MQA (kv_b split into k_b transposed and v_b), leading dense layers, shared
+    experts, V2's softmax router under DeepSeek's YaRN, V3's sigmoid router with groups and correction biases:
+    llama.cpp's logits on our bf16 export match ours (fp32 compute over the bf16 weights) to bf16 noise, and pick
+    the same top-1 token at every position. Dropping the YaRN softmax scale from the file puts the logits ~0.3
+    of a standard deviation apart, so the bound below catches it."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path = edited(tiny(arch), tmp_path / "m", {"rope_parameters": YARN} if arch == "deepseek_v2" else None,
+                  attention_gain=4.0, bias_seed=1 if arch == "deepseek_v3" else None)
+    out = export_gguf(path, tmp_path / "m.gguf", show_progress=False)
+    model = llama_cpp.Llama(str(out), n_ctx=64, n_threads=2, verbose=False, logits_all=True)
+    prompt = model.tokenize(b"The history of the world is long and full of strange events", add_bos=False)
+    model.eval(prompt)
+    theirs = torch.from_numpy(np.array(model.scores[: len(prompt)]))
+    loaded = load_model(path, torch.float32, show_progress=False)
+    pos = torch.arange(len(prompt))[None]
+    with torch.inference_mode():
+        ours = loaded.model(torch.tensor([prompt]), ForwardBatch.build(pos),
+                            loaded.model.make_cache(1, len(prompt), torch.float32, loaded.device))[0]
+    assert (ours - theirs).abs().max() < 0.1 * ours.std()
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_bad_exports_and_bad_files_get_one_clear_error_each(tiny, tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="export-gguf supports .*not Qwen3ForCausalLM"):
+        export_gguf(edited(tiny("qwen3_moe"), tmp_path / "dense", {"architectures": ["Qwen3ForCausalLM"]}),
+                    tmp_path / "x.gguf", show_progress=False)
+    grouped = edited(tiny("deepseek_v2"), tmp_path / "grouped",
+                     {"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1})
+    with pytest.raises(ConfigError, match="'group_limited_greedy' router .* no llama.cpp equivalent"):
+        export_gguf(grouped, tmp_path / "x.gguf", show_progress=False)
+    odd_yarn = edited(tiny("deepseek_v2"), tmp_path / "odd-yarn", {"rope_parameters": YARN | {"mscale": 1.0}})
+    with pytest.raises(ConfigError, match="DeepSeek's YaRN .*mscale == mscale_all_dim"):
+        export_gguf(odd_yarn, tmp_path / "x.gguf", show_progress=False)
+    with pytest.raises(ConfigError, match="default rotary embedding only"):
+        export_gguf(edited(tiny("olmoe"), tmp_path / "olmoe-yarn", {"rope_parameters": YARN}), tmp_path / "x.gguf",
+                    show_progress=False)
+    split = edited(tiny("olmoe"), tmp_path / "split")
+    tok = json.loads((split / "tokenizer.json").read_text())
+    tok["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "\\p{N}{1,3}"}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+    (split / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ConfigError, match="split as GPT-2 or Qwen2 do"):
+        export_gguf(split, tmp_path / "x.gguf", show_progress=False)
     with pytest.raises(ConfigError, match="unknown --type 'q5_k'"):
         export_gguf(tiny("olmoe"), tmp_path / "x.gguf", "q5_k", show_progress=False)
     with pytest.raises(ConfigError, match="is a directory"):
@@ -126,7 +204,7 @@ def test_bad_exports_and_bad_files_get_one_clear_error_each(tiny, tmp_path):
     w = gguf.GGUFWriter(other, "gemma")
     w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    with pytest.raises(CheckpointError, match="architecture 'gemma' is not supported; moepager reads llama, olmoe"):
+    with pytest.raises(CheckpointError, match="architecture 'gemma' is not supported; moepager reads deepseek2, llama"):
         gguf_checkpoint(other, show_progress=False)
 
     odd = tmp_path / "q4_1.gguf"
@@ -136,4 +214,10 @@ def test_bad_exports_and_bad_files_get_one_clear_error_each(tiny, tmp_path):
     with pytest.raises(CheckpointError, match="tensor types Q4_1 are not supported; moepager reads F32, F16, BF16, "
                                               "Q8_0, Q4_0"):
         gguf_checkpoint(odd, show_progress=False)
+    import moepager.models.gguf_io as gguf_io
+
+    monkeypatch.setattr(gguf_io, "_pre_type", lambda pre: "deepseek-llm")
+    deepseek_pre = export_gguf(tiny("olmoe"), tmp_path / "deepseek-pre.gguf", show_progress=False)
+    with pytest.raises(CheckpointError, match="pre-tokenizer 'deepseek-llm' is not supported; moepager reads gpt-2"):
+        gguf_checkpoint(deepseek_pre, show_progress=False)
     assert not list((tmp_path / "cache" / "gguf").glob("*/config.json"))  # nothing half-converted left behind
