@@ -706,10 +706,10 @@ def _expert_entries(tensors: GGUFTensors, cfg: ModelConfig, entries: list[tuple[
         return converted[gname][e]
 
     naming = architecture_for(cfg.raw).expert_naming
-    for layer in cfg.moe_layers:
-        for e in range(count):
-            for template, gname, (n, k) in zip((naming.gate, naming.up, naming.down), _expert_names(layer),
-                                               ((f, d), (f, d), (d, f))):
+    for layer in cfg.moe_layers:  # stack by stack, so that each stack is read and converted once
+        for template, gname, (n, k) in zip((naming.gate, naming.up, naming.down), _expert_names(layer),
+                                           ((f, d), (f, d), (d, f))):
+            for e in range(count):
                 name = template.format(layer=layer, expert=e)
                 if fmt is None:
                     entries.append((name, FLOAT_TYPES.get(tensors.kind(gname), tensors.float_dtype), (n, k)))
