@@ -38,6 +38,7 @@ FORMATS = {  # name -> load_model options
     "bf16": {},
     "fp32 (whole model)": dict(dtype=torch.float32),  # the reference's own rounding noise, for scale
     "int8": dict(expert_dtype="int8"),
+    "int8 + dense int8": dict(expert_dtype="int8", dense_dtype="int8"),
     "int4 g32": dict(expert_dtype="int4", int4_group=32),
     "int4 g32 zp": dict(expert_dtype="int4", int4_group=32, int4_zero_point=True),
     "int4 g64": dict(expert_dtype="int4", int4_group=64),

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from moepager.errors import MoepagerError
 from moepager.experts.quant import check_expert_options
 from moepager.experts.executor import KERNELS, Kernel
+from moepager.models.dense_quant import check_dense_dtype
 from moepager.policies import UnknownPolicyError, make_policy
 from moepager.predictors import PREDICTORS
 from moepager.store.budget import Budget
@@ -130,12 +131,16 @@ class EngineConfig:
     """int4: input elements per scale (32, 64, 128; default 32, or a quantized checkpoint's)."""
     int4_zero_point: bool | None = None
     """int4: a zero point per group (default symmetric, or a quantized checkpoint's)."""
+    dense_dtype: str | None = None
+    """int8: the dense projections (attention, dense and shared MLPs, LM head) as int8 too (lossy, opt-in);
+    None: they compute in `dtype`."""
 
     def __post_init__(self) -> None:
         if self.prefetch.predictor is not None and not self.store.paged:
             raise MoepagerError("prefetching needs a paged store: set --expert-memory (with every expert resident "
                                 "there is nothing to prefetch)")
         check_expert_options(self.expert_dtype, self.int4_group, self.int4_zero_point)
+        check_dense_dtype(self.dense_dtype)
         if self.expert_kernel not in KERNELS:
             raise MoepagerError(f"unknown expert kernel '{self.expert_kernel}'; choose from {', '.join(KERNELS)}")
         if self.threads is not None and self.threads < 1:

@@ -10,6 +10,7 @@ from pathlib import Path
 from moepager.config import EngineConfig, PrefetchConfig, SchedulerConfig, StoreConfig
 from moepager.experts.executor import KERNELS
 from moepager.experts.quant import EXPERT_DTYPES, INT4_GROUPS
+from moepager.models.dense_quant import DENSE_DTYPES
 from moepager.errors import MoepagerError
 from moepager.policies import ENGINE_POLICIES
 from moepager.outputs import check_file
@@ -76,10 +77,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--expert-dtype", choices=EXPERT_DTYPES,
                    help="format of the routed experts: int8 (per-channel scales) or int4 (group scales) quantize "
                         "them when loaded; bf16/fp16/fp32 (must equal --dtype) dequantize a quantized checkpoint "
-                        "(default: as stored). Attention, router, norms, embeddings and LM head keep --dtype")
+                        "(default: as stored). Attention, router, norms, embeddings and LM head keep --dtype "
+                        "(see --dense-dtype)")
     q.add_argument("--int4-group", type=int, choices=INT4_GROUPS, help="int4: input elements per scale (default 32)")
     q.add_argument("--int4-zero-points", action="store_const", const=True, default=None,
                    help="int4: a zero point per group (default: symmetric, llama.cpp's Q4_0)")
+    q.add_argument("--dense-dtype", choices=DENSE_DTYPES,
+                   help="int8: the dense projections (attention, dense and shared MLPs, LM head) as int8 with "
+                        "per-channel scales too (lossy); routers, norms and embeddings keep --dtype")
     g = p.add_argument_group("continuous batching")
     defaults = SchedulerConfig()
     g.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="most requests in one step")
@@ -97,7 +102,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
                         store=store_config(args), prefetch=prefetch_config(args), expert_kernel=args.expert_kernel,
                         scheduler=scheduler, expert_dtype=args.expert_dtype, int4_group=args.int4_group,
-                        int4_zero_point=args.int4_zero_points)
+                        int4_zero_point=args.int4_zero_points, dense_dtype=args.dense_dtype)
 
 
 def add_store_arguments(p: argparse.ArgumentParser) -> None:

@@ -257,6 +257,14 @@ def dequantize_projection(p: QuantizedProjection, fmt: QuantFormat) -> torch.Ten
 # ---- an expert's buffer -------------------------------------------------------------------------------------
 
 
+def int8_mm(x_TK: torch.Tensor, q_NK: torch.Tensor, scale_N: torch.Tensor) -> torch.Tensor:
+    """x @ (q * scale)^T for int8 weights with one scale per output row: the packed GEMV kernel up to
+    INT8_PACKED_MAX_TOKENS tokens on the CPU, else dequantised to x's dtype and one GEMM (see the module note)."""
+    if x_TK.shape[0] <= INT8_PACKED_MAX_TOKENS and not x_TK.is_cuda:
+        return torch.ops.aten._weight_int8pack_mm(x_TK, q_NK, scale_N)
+    return F.linear(x_TK, q_NK.to(x_TK.dtype) * scale_N[:, None])
+
+
 class QuantExpertWeights:
     """Views into a quantized expert's byte buffer, and its two projections as callables on [T, K] inputs."""
 
@@ -280,9 +288,7 @@ class QuantExpertWeights:
     def _mm(self, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         fmt = self.fmt
         if fmt.bits == 8:
-            if x.shape[0] <= INT8_PACKED_MAX_TOKENS and not x.is_cuda:
-                return torch.ops.aten._weight_int8pack_mm(x, q, s)
-            return F.linear(x, q.to(x.dtype) * s[:, None])
+            return int8_mm(x, q, s)
         if fmt.layout == "cpu":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, fmt.group, s)
         return F.linear(x, dequantize_int4(unpack_nibbles(q), s[..., 0].t(), s[..., 1].t()).to(x.dtype))

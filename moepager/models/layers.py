@@ -244,6 +244,8 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(h * dh, cfg.rms_norm_eps), RMSNorm(hkv * dh, cfg.rms_norm_eps)
         self.clip_qkv = clip_qkv
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.qkv: nn.Module | None = None
+        """The fused q/k/v projection as a module of its own when it is not the three Linear weights (int8)."""
 
     def make_cache(self, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
         shape = (rows, self.num_kv_heads, max_len, self.head_dim)
@@ -271,7 +273,8 @@ class Attention(nn.Module):
                 cache: Sequence[torch.Tensor]) -> torch.Tensor:
         b, t, _ = x_BTD.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = F.linear(x_BTD, *self.fused_qkv()).split((q_size, kv_size, kv_size), dim=-1)
+        qkv = F.linear(x_BTD, *self.fused_qkv()) if self.qkv is None else self.qkv(x_BTD)
+        q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -432,8 +435,8 @@ class CausalLM(nn.Module):
             x_BTD = layer(x_BTD, rope, batch, layer_cache)
         if logits_at_B is not None:
             x_BTD = x_BTD[torch.arange(x_BTD.shape[0], device=x_BTD.device), logits_at_B]
-        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.model.norm(x_BTD), head)
+        x_BTD = self.model.norm(x_BTD)
+        return F.linear(x_BTD, self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head(x_BTD)
 
 
 

@@ -20,6 +20,7 @@ from moepager.experts.executor import ExpertExecutor, Kernel, ResidentExecutor
 from moepager.experts.quant import check_shape
 from moepager.experts.weights import ExpertShape
 from moepager.models.config import ModelConfig
+from moepager.models.dense_quant import check_dense_dtype, quantize_dense
 from moepager.models.layers import CausalLM
 from moepager.models.loader import Checkpoint, load_module_weights
 from moepager.models.registry import architecture_for
@@ -44,6 +45,8 @@ class LoadedModel:
     expert_shape: ExpertShape
     dtype: torch.dtype
     device: torch.device
+    dense_format: str = ""
+    """The format the dense projections compute in: the run's dtype, or int8 (`--dense-dtype`, lossy)."""
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -97,11 +100,13 @@ def read_config(path: str | os.PathLike[str]) -> ModelConfig:
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None, device: str = "cpu",
                executor_factory: ExecutorFactory | None = None, show_progress: bool = True,
                direct_io: DirectIO = "auto", expert_dtype: str | None = None, int4_group: int | None = None,
-               int4_zero_point: bool | None = None) -> LoadedModel:
+               int4_zero_point: bool | None = None, dense_dtype: str | None = None) -> LoadedModel:
     """A checkpoint ready to run. `expert_dtype` (bf16/fp16/fp32/int8/int4; None: as stored) is the format
-    routed experts are held and computed in; int8/int4 are lossy and opt-in (experts/quant.py)."""
+    routed experts are held and computed in; int8/int4 are lossy and opt-in (experts/quant.py). `dense_dtype`
+    int8 quantizes the dense projections too (models/dense_quant.py; lossy, opt-in)."""
     from moepager.models.quantized import expert_format, stored_format  # it imports this module
 
+    check_dense_dtype(dense_dtype)
     checkpoint = Checkpoint(path)
     arch = architecture_for(checkpoint.config)
     cfg = arch.parse_config(checkpoint.config)
@@ -128,7 +133,10 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None, d
                             progress=bar.update)
         checkpoint.files.close()
     model.to(dev).eval()
-    return LoadedModel(checkpoint, cfg, model, experts, shape, dtype, dev)
+    if dense_dtype is not None:
+        quantize_dense(model)
+    dense_format = dense_dtype or str(dtype).removeprefix("torch.")
+    return LoadedModel(checkpoint, cfg, model, experts, shape, dtype, dev, dense_format)
 
 
 def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -62,7 +62,7 @@ class LLM:
         self.loaded: LoadedModel = load_model(path, parse_dtype(self.config.dtype) if self.config.dtype else None,
                                               self.config.device, executor, show_progress, store_config.direct_io,
                                               self.config.expert_dtype, self.config.int4_group,
-                                              self.config.int4_zero_point)
+                                              self.config.int4_zero_point, self.config.dense_dtype)
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
         self.eos_token_ids = self._eos_token_ids()
         self.last_stats = RunStats()
@@ -240,6 +240,7 @@ class LLM:
                                           for r, p in zip(requests, prompts)], self._detokenize)
         stats.finish(self.loaded.device)
         stats.experts = self.loaded.expert_shape.format_name
+        stats.dense = self.loaded.dense_format
         stats.sections["experts"] = store_report(self.loaded.experts, self.config.store, stats.prompt_tokens,
                                                  stats.generated_tokens - stats.num_prompts)
         self.last_stats = stats

@@ -58,6 +58,8 @@ class RunStats:
     threads: int = 0
     experts: str = ""
     """The format routed experts ran in (bfloat16, int8, int4 ...; quantized formats are lossy)."""
+    dense: str = ""
+    """The format the dense projections ran in (the run's dtype, or int8: lossy)."""
     peak_rss_bytes: int = 0
     peak_cuda_bytes: int | None = None
     sections: dict[str, Section] = field(default_factory=dict)
@@ -121,6 +123,7 @@ class RunStats:
             ("decode", f"{self.decode_tokens_per_s:.1f} tok/s"),
             ("threads", f"{self.threads}"),
             ("expert format", self.experts + (" (lossy)" if self.experts.startswith("int") else "")),
+            ("dense format", self.dense + (" (lossy)" if self.dense.startswith("int") else "")),
             ("peak RSS", f"{self.peak_rss_bytes / 2**20:.0f} MiB"),
         ]
         if self.peak_cuda_bytes is not None:
