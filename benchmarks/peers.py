@@ -11,7 +11,7 @@ qwen3-30b-a3b --layers 4` (~1.08 GB of weights read per token in bf16). Reports 
 llama.cpp in the same format, and the weight bytes per token divided by the time per token (achieved GB/s).
 
     python benchmarks/peers.py [--models demo qwen3-30b-a3b] [--threads 1 2] [--rounds 3] [--decode 64]
-        [--kernels auto loop gather grouped] [--formats bf16 int8 int4] [--no-hf] [--out peers]
+        [--kernels auto loop gather grouped] [--formats bf16 int8 int4] [--dense-int8] [--no-hf] [--out peers]
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ PROMPT = 16
 
 
 class Ours:
-    def __init__(self, path: Path, kernel: str, expert_dtype: str | None = None):
-        self.llm = LLM(config=EngineConfig(model=str(path), expert_kernel=kernel, expert_dtype=expert_dtype),
-                       show_progress=False)
+    def __init__(self, path: Path, kernel: str, expert_dtype: str | None = None, dense_dtype: str | None = None):
+        self.llm = LLM(config=EngineConfig(model=str(path), expert_kernel=kernel, expert_dtype=expert_dtype,
+                                           dense_dtype=dense_dtype), show_progress=False)
 
     def tpot(self, ids: list[int], steps: int) -> list[float]:
         self.llm.generate([ids], SamplingParams(max_tokens=steps + 1, ignore_eos=True))
@@ -110,6 +110,9 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=["bf16"], choices=list(GGUF_TYPES),
                     help="expert formats: moepager --expert-dtype F against llama.cpp's BF16/Q8_0/Q4_0 of the same "
                          "weights (experts quantized, the rest bf16: `moepager export-gguf --type`)")
+    ap.add_argument("--dense-int8", action="store_true",
+                    help="also each moepager row with --dense-int8 (every projection int8; llama.cpp still runs "
+                         "its dense tensors in bf16)")
     ap.add_argument("--no-hf", action="store_true", help="leave transformers out")
     ap.add_argument("--out", default="peers", help="results/NAME.json")
     args = ap.parse_args()
@@ -120,10 +123,15 @@ def main() -> None:
     results, rows = [], []
     for name in args.models:
         path = model_path(name)
-        ours = {f"moepager {k}" + ("" if fmt == "bf16" else f" {fmt}"):
-                (fmt, Ours(path, k, None if fmt == "bf16" else fmt)) for fmt in args.formats for k in args.kernels}
+        ours = {f"moepager {k}" + ("" if fmt == "bf16" else f" {fmt}") + (" +dense int8" if dense else ""):
+                (fmt, Ours(path, k, None if fmt == "bf16" else fmt, dense))
+                for fmt in args.formats for k in args.kernels
+                for dense in ([None, "int8"] if args.dense_int8 else [None])}
         peers = {} if args.no_hf else {"HF": ("bf16", HF(path))}
-        nbytes = {fmt: bytes_per_decode_token(engine.llm) for fmt, engine in ours.values()}
+        nbytes = {fmt: bytes_per_decode_token(engine.llm) for fmt, engine in ours.values()
+                  if engine.llm.config.dense_dtype is None}
+        nbytes |= {label: bytes_per_decode_token(engine.llm) for label, (_, engine) in ours.items()
+                   if engine.llm.config.dense_dtype is not None}
         vocab = next(iter(ours.values()))[1].llm.loaded.config.vocab_size
         ids = torch.randint(0, vocab, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
         for threads in args.threads:
@@ -144,12 +152,12 @@ def main() -> None:
             tok_s = {label: 1 / statistics.median(t) for label, t in times.items()}
             fmts = {label: fmt for label, (fmt, _) in engines.items()}
             r = {"model": name, "threads": threads, "bytes_per_token": nbytes, "tok_s": tok_s,
-                 "GBps": {label: v * nbytes[fmts[label]] / 1e9 for label, v in tok_s.items()}}
+                 "GBps": {label: v * nbytes.get(label, nbytes[fmts[label]]) / 1e9 for label, v in tok_s.items()}}
             results.append(r)
             for label, v in tok_s.items():
                 peer = PEER_LABELS[fmts[label]]
                 rows.append([name, threads, label, v, v / tok_s["HF"] if "HF" in tok_s else "-",
-                             v / tok_s[peer] if peer in tok_s else "-", v * nbytes[fmts[label]] / 1e9])
+                             v / tok_s[peer] if peer in tok_s else "-", r["GBps"][label]])
     print_table(["model", "threads", "engine", "decode tok/s", "x HF", "x llama.cpp (same format)",
                  "GB/s of weights"], rows)
     out = write_json(args.out, {"machine": state, "decode_steps": args.decode, "rounds": args.rounds,
