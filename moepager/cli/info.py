@@ -10,7 +10,7 @@ import torch
 from moepager.experts.weights import ExpertShape
 from moepager.models.default import default_model_path
 from moepager.models.expert_reader import is_routed_expert
-from moepager.models.gguf_io import resolve_model_path
+from moepager.models.gguf_read import resolve_model_path
 from moepager.models.quantized import expert_format, stored_format
 from moepager.models.load import checkpoint_dtype
 from moepager.models.loader import Checkpoint

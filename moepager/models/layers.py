@@ -269,6 +269,12 @@ class Attention(nn.Module):
             self._qkv = (fused_w, fused_b)
         return self._qkv
 
+    def replace_qkv(self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]) -> None:
+        """Compute q/k/v with `make(fused weight, fused bias)` (an int8 projection) and drop the three Linear
+        modules, whose weights were views of the fused one."""
+        self.qkv = make(*self.fused_qkv())
+        self.q_proj = self.k_proj = self.v_proj = self._qkv = None
+
     def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
                 cache: Sequence[torch.Tensor]) -> torch.Tensor:
         b, t, _ = x_BTD.shape

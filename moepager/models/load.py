@@ -91,7 +91,7 @@ def resident_executor(device: torch.device, kernel: Kernel = "auto") -> Executor
 
 def read_config(path: str | os.PathLike[str]) -> ModelConfig:
     """A checkpoint's parsed configuration, without loading any weights (to validate options up front)."""
-    from moepager.models.gguf_io import resolve_model_path
+    from moepager.models.gguf_read import resolve_model_path
 
     checkpoint = Checkpoint(resolve_model_path(path))
     return architecture_for(checkpoint.config).parse_config(checkpoint.config)

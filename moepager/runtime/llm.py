@@ -15,7 +15,7 @@ from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
 from moepager.errors import InvalidRequestError
 from moepager.experts.executor import PagedExecutor
 from moepager.models.default import default_model_path
-from moepager.models.gguf_io import resolve_model_path
+from moepager.models.gguf_read import resolve_model_path
 from moepager.models.layers import NULL_OBSERVER, OWN_ROUTER, RoutingFanOut, RoutingObserver
 from moepager.models.load import LoadedModel, load_model, parse_dtype, resident_executor
 from moepager.outputs import check_file

@@ -13,8 +13,8 @@ import torch
 from moepager.cli.main import main
 from moepager.errors import CheckpointError, ConfigError
 from moepager.experts.quant import QuantExpertWeights
-from moepager.models.gguf_io import (export_gguf, gguf_checkpoint, q4_0_blocks, q4_0_to_int4, q4_0_values,
-                                     q8_0_blocks, q8_0_values, resolve_model_path)
+from moepager.models.gguf_io import export_gguf, q4_0_blocks, q4_0_to_int4, q4_0_values, q8_0_blocks, q8_0_values
+from moepager.models.gguf_read import gguf_checkpoint, resolve_model_path
 from moepager.models.layers import ForwardBatch
 from moepager.models.load import load_model
 from moepager.models.synth import make_model
