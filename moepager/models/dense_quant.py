@@ -8,10 +8,10 @@ experts run), norms, embeddings, and MLA's kv_b_proj (used as a matrix, not as a
 attention multiplies it into the queries). A tied LM head gets its own int8 copy; the embedding keeps its
 weights for the lookup.
 
-Bytes and speed on this CPU (`aten._weight_int8pack_mm` against bf16 `F.linear`, one token): the small
-matrices of the built-in model run 1.2-2.2x faster (its 8192x256 LM head 132 against 290 us at one thread),
-matrices with K = 2048 gain nothing (10-12 GB/s of int8 at one thread against bf16's 22 GB/s: the same time for
-half the bytes). Memory halves either way.
+Bytes and speed on this CPU (`python benchmarks/gemv.py`: `aten._weight_int8pack_mm` against bf16 `F.linear`,
+one token, one thread): the built-in model's matrices run 1.0-2.2x faster (its 8192x256 LM head 131 against
+289 us), matrices with K >= 2048 gain nothing (9.6-12.1 GB/s of int8 against bf16's 22-23.5: about the same time
+for half the bytes). Memory halves either way.
 """
 
 from __future__ import annotations
@@ -38,14 +38,13 @@ class Int8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        q, scale = quantize_int8(weight, weight.dtype)
-        self.register_buffer("q", q.to(weight.device))
-        self.register_buffer("scale", scale.to(weight.device))
-        self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        self.out_features, self.in_features = weight.shape
+        q, scale = quantize_int8(weight, weight.dtype)  # on the weight's device
+        self.register_buffer("q", q)
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", None if bias is None else bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = int8_mm(x.reshape(-1, self.in_features), self.q, self.scale).view(*x.shape[:-1], self.out_features)
+        y = int8_mm(x.reshape(-1, x.shape[-1]), self.q, self.scale).view(*x.shape[:-1], self.q.shape[0])
         return y if self.bias is None else y + self.bias
 
 
@@ -56,8 +55,7 @@ def quantize_dense(model: nn.Module) -> None:
 
     for module in list(model.modules()):
         if isinstance(module, Attention) and module.qkv is None:
-            module.qkv = Int8Linear(*module.fused_qkv())
-            module.q_proj = module.k_proj = module.v_proj = module._qkv = None
+            module.replace_qkv(Int8Linear)
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and name not in KEEP:
                 setattr(module, name, Int8Linear(child.weight, child.bias))
