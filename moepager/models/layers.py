@@ -30,10 +30,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """`weight` in place of the module's (one that broadcasts: Attention normalises q and k heads at once)."""
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return (self.weight if weight is None else weight) * x32.to(x.dtype)
 
 
 def _yarn_inv_freq(rope: RopeConfig, max_pos: int) -> tuple[torch.Tensor, float]:
@@ -97,27 +98,29 @@ class RotaryEmbedding(nn.Module):
         self.attention_scaling = scale
 
     def forward(self, positions_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [B, T, 1, Dh]: they broadcast over the heads of [B, T, H, Dh] queries and keys."""
         if self.inv_freq.device != positions_BT.device:
             self.inv_freq = self.inv_freq.to(positions_BT.device)
-        freqs = positions_BT[..., None].float() * self.inv_freq
+        freqs = positions_BT[..., None, None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 
 
-def apply_rope(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+def apply_rope(x_BTHD: torch.Tensor, cos_BT1D: torch.Tensor, sin_BT1D: torch.Tensor) -> torch.Tensor:
     """Rotation of channel pairs (i, i + Dh/2): x * cos + rotate_half(x) * sin."""
-    x1, x2 = x_BHTD.chunk(2, dim=-1)
-    return x_BHTD * cos_BTD[:, None] + torch.cat((-x2, x1), dim=-1) * sin_BTD[:, None]
+    half = x_BTHD.shape[-1] // 2
+    x1, x2 = x_BTHD[..., :half], x_BTHD[..., half:]
+    return x_BTHD * cos_BT1D + torch.cat((-x2, x1), dim=-1) * sin_BT1D
 
 
-def apply_rope_interleaved(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+def apply_rope_interleaved(x_BTHD: torch.Tensor, cos_BT1D: torch.Tensor, sin_BT1D: torch.Tensor) -> torch.Tensor:
     """Rotation of adjacent pairs (2i, 2i+1), output as [rotated evens | rotated odds] (DeepSeek layout).
 
     The permutation is the same for queries and keys, so their dot products equal the interleaved form's.
     """
-    half = cos_BTD.shape[-1] // 2
-    cos, sin = cos_BTD[:, None, :, :half], sin_BTD[:, None, :, :half]
-    x1, x2 = x_BHTD[..., 0::2], x_BHTD[..., 1::2]
+    half = cos_BT1D.shape[-1] // 2
+    cos, sin = cos_BT1D[..., :half], sin_BT1D[..., :half]
+    x1, x2 = x_BTHD[..., 0::2], x_BTHD[..., 1::2]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
@@ -125,10 +128,11 @@ def apply_rope_interleaved(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD:
 class ForwardBatch:
     """Per-forward metadata shared by every layer.
 
-    The KV cache is either contiguous rows ([rows, H, S, Dh]: row b's position p at index p) or paged blocks
-    ([num_blocks, H, block_size, Dh]: row b's position p in block `block_table_BN[b, p // block_size]` at offset
+    The KV cache is either contiguous rows ([rows, S, Hc, C]: row b's position p at index p) or paged blocks
+    ([num_blocks, block_size, Hc, C]: row b's position p in block `block_table_BN[b, p // block_size]` at offset
     p % block_size, written at the slots `slot_block_BT`/`slot_offset_BT` the engine assigns; padding tokens
-    write to a scratch block no row reads unmasked)."""
+    write to a scratch block no row reads unmasked). Positions are the outer dimension so that a row's blocks,
+    gathered, are its [S, Hc, C] prefix as they lie: attention reads them as a transposed view, no copy."""
 
     positions_BT: torch.Tensor
     """Position of every new token."""
@@ -168,36 +172,23 @@ class ForwardBatch:
         return cls(positions_BT, mask[:, None], kv_len, rows_B, valid_N, table, slot_block, slot_offset)
 
 
-def cache_update(caches: Sequence[torch.Tensor], new: Sequence[torch.Tensor], batch: ForwardBatch
-                 ) -> list[torch.Tensor]:
-    """Store each new tensor (keys, values, or MLA's one latent) at its positions in its cache (per row, so rows
-    may be at different lengths), then read every cache's prefix."""
+def cache_update(cache: torch.Tensor, new_BTHC: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """Store the new entries (keys and values side by side on the head axis, or MLA's one latent) at their
+    positions in the cache (per row, so rows may be at different lengths), then read the prefix as [B, Hc, S, C]
+    (a transposed view of the [B, S, Hc, C] rows or gathered blocks)."""
+    new_BTHC = new_BTHC.to(cache.dtype)
     if batch.block_table_BN is not None:
-        return _paged_update(caches, new, batch)
+        assert batch.slot_block_BT is not None
+        cache[batch.slot_block_BT, batch.slot_offset_BT] = new_BTHC
+        b, n = batch.block_table_BN.shape
+        _, block, h, c = cache.shape
+        blocks = cache.index_select(0, batch.block_table_BN.view(-1))  # 2x faster than indexing on the CPU
+        return blocks.view(b, n * block, h, c)[:, : batch.kv_len].transpose(1, 2)
     b, t = batch.positions_BT.shape
-    rows = batch.rows_B if batch.rows_B is not None else torch.arange(b, device=caches[0].device)
-    index = (rows[:, None].expand(b, t), slice(None), batch.positions_BT)
-    for cache_BHSD, new_BHTD in zip(caches, new):
-        cache_BHSD[index] = new_BHTD.transpose(1, 2).to(cache_BHSD.dtype)
-    if batch.rows_B is None:
-        return [c[:b, :, : batch.kv_len] for c in caches]
-    return [c[batch.rows_B, :, : batch.kv_len] for c in caches]
-
-
-def _paged_update(caches: Sequence[torch.Tensor], new: Sequence[torch.Tensor], batch: ForwardBatch
-                  ) -> list[torch.Tensor]:
-    """cache_update on blocks ([num_blocks, H, block_size, Dh]): write at the assigned slots, then gather each
-    row's blocks into a contiguous [B, H, S, Dh] prefix (the same bytes attention reads anyway)."""
-    assert batch.block_table_BN is not None and batch.slot_block_BT is not None
-    index = (batch.slot_block_BT, slice(None), batch.slot_offset_BT)
-    out = []
-    b, n = batch.block_table_BN.shape
-    for cache_NHbD, new_BHTD in zip(caches, new):
-        cache_NHbD[index] = new_BHTD.transpose(1, 2).to(cache_NHbD.dtype)
-        _, h, block, d = cache_NHbD.shape
-        blocks = cache_NHbD.index_select(0, batch.block_table_BN.view(-1))  # 2x faster than indexing on the CPU
-        out.append(blocks.view(b, n, h, block, d).transpose(1, 2).reshape(b, h, n * block, d)[:, :, : batch.kv_len])
-    return out
+    rows = batch.rows_B if batch.rows_B is not None else torch.arange(b, device=cache.device)
+    cache[rows[:, None].expand(b, t), batch.positions_BT] = new_BTHC
+    prefix = cache[:b, : batch.kv_len] if batch.rows_B is None else cache[batch.rows_B, : batch.kv_len]
+    return prefix.transpose(1, 2)
 
 
 def attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, mask_B1TS: torch.Tensor | None,
@@ -243,13 +234,15 @@ class Attention(nn.Module):
         elif qk_norm == "full":
             self.q_norm, self.k_norm = RMSNorm(h * dh, cfg.rms_norm_eps), RMSNorm(hkv * dh, cfg.rms_norm_eps)
         self.clip_qkv = clip_qkv
+        self._qk_weight: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.qkv: nn.Module | None = None
         """The fused q/k/v projection as a module of its own when it is not the three Linear weights (int8)."""
 
-    def make_cache(self, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
-        shape = (rows, self.num_kv_heads, max_len, self.head_dim)
-        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+    def make_cache(self, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Keys and values in one tensor [rows, max_len, 2 * Hkv, Dh] (keys on heads 0..Hkv-1): one write and
+        one gather per step for both."""
+        return torch.zeros(rows, max_len, 2 * self.num_kv_heads, self.head_dim, dtype=dtype, device=device)
 
     def fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q, k and v projections as one weight (and bias): made at the first call after the weights are in
@@ -276,24 +269,35 @@ class Attention(nn.Module):
         self.q_proj = self.k_proj = self.v_proj = self._qkv = None
 
     def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
-                cache: Sequence[torch.Tensor]) -> torch.Tensor:
+                cache: torch.Tensor) -> torch.Tensor:
         b, t, _ = x_BTD.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = F.linear(x_BTD, *self.fused_qkv()) if self.qkv is None else self.qkv(x_BTD)
-        q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
         if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
         if self.clip_qkv is not None:
-            q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
-        q = q.view(b, t, self.num_heads, self.head_dim)
-        k = k.view(b, t, self.num_kv_heads, self.head_dim)
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        # Queries and keys as one [B, T, H + Hkv, Dh] tensor: per-head norm and RoPE once for both
+        h, hq, hkv = self.num_heads + self.num_kv_heads, self.num_heads, self.num_kv_heads
+        heads_BTND = qkv.view(b, t, -1, self.head_dim)
+        qk_BTND = heads_BTND[:, :, :h]
         if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q_BHTD, k_BHTD = apply_rope(q.transpose(1, 2), *rope), apply_rope(k.transpose(1, 2), *rope)
-        v_BHTD = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        k_all, v_all = cache_update(cache, (k_BHTD, v_BHTD), batch)
-        out = attention(q_BHTD, k_all, v_all, batch.mask_B1TS)
+            qk_BTND = self.q_norm(qk_BTND, self._qk_norm_weight())
+        qk_BTND = apply_rope(qk_BTND, *rope)
+        kv_BNSD = cache_update(cache, torch.cat((qk_BTND[:, :, hq:], heads_BTND[:, :, h:]), dim=2), batch)
+        out = attention(qk_BTND[:, :, :hq].transpose(1, 2), kv_BNSD[:, :hkv], kv_BNSD[:, hkv:], batch.mask_B1TS)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def _qk_norm_weight(self) -> torch.Tensor:
+        """q_norm's weight for each query head, then k_norm's for each key head, as one [H + Hkv, Dh] tensor
+        (remade when either weight moves or changes)."""
+        q, k = self.q_norm.weight, self.k_norm.weight
+        key = (q.data_ptr(), k.data_ptr(), q._version, k._version)
+        if self._qk_weight is None or self._qk_weight[0] != key:
+            w = torch.cat((q.detach().expand(self.num_heads, -1), k.detach().expand(self.num_kv_heads, -1)))
+            self._qk_weight = (key, w)
+        return self._qk_weight[1]
 
 
 class DenseMLP(nn.Module):
@@ -320,7 +324,7 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
-                cache: Sequence[torch.Tensor]) -> torch.Tensor:
+                cache: torch.Tensor) -> torch.Tensor:
         x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), rope, batch, cache)
         h_ND = self.post_attention_layernorm(x_BTD).reshape(-1, x_BTD.shape[-1])
         if batch.valid_N is None:
@@ -387,7 +391,7 @@ class CausalLM(nn.Module):
             block.observer = observer
 
     def first_non_finite(self, ids_BT: torch.Tensor, batch: ForwardBatch,
-                         cache: Sequence[Sequence[torch.Tensor]]) -> str:
+                         cache: Sequence[torch.Tensor]) -> str:
         """Re-run a forward pass (same positions, so the cache is rewritten with the same values) and name the
         first module whose output holds NaN or infinity."""
         found: list[str] = []
@@ -415,10 +419,10 @@ class CausalLM(nn.Module):
         for block in self.moe_blocks():
             block.routing = source
 
-    def make_cache(self, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    def make_cache(self, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
         return [layer.self_attn.make_cache(rows, max_len, dtype, device) for layer in self.model.layers]
 
-    def forward(self, ids_BT: torch.Tensor, batch: ForwardBatch, cache: Sequence[Sequence[torch.Tensor]],
+    def forward(self, ids_BT: torch.Tensor, batch: ForwardBatch, cache: Sequence[torch.Tensor],
                 logits_at_B: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, V], or [B, V] at token index `logits_at_B[b]` of each row when given."""
         if ids_BT.is_cuda:
@@ -433,7 +437,7 @@ class CausalLM(nn.Module):
                 torch._C._set_mkldnn_enabled(mkldnn)
         return self._forward(ids_BT, batch, cache, logits_at_B)
 
-    def _forward(self, ids_BT: torch.Tensor, batch: ForwardBatch, cache: Sequence[Sequence[torch.Tensor]],
+    def _forward(self, ids_BT: torch.Tensor, batch: ForwardBatch, cache: Sequence[torch.Tensor],
                  logits_at_B: torch.Tensor | None) -> torch.Tensor:
         x_BTD = self.model.embed_tokens(ids_BT)
         rope = self.model.rotary_emb(batch.positions_BT, x_BTD.dtype)

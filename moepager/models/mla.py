@@ -1,15 +1,13 @@
 """Multi-head latent attention (DeepSeek-V2 §2.1), shared by DeepSeek-V2 and DeepSeek-V3.
 
 The cache holds, per position, only the normalised KV latent c (kv_lora_rank wide) and the shared rotary key
-k_pe (qk_rope_head_dim wide), in one tensor [B, 1, S, r + dr]. Attention runs in the "absorbed" form: the
+k_pe (qk_rope_head_dim wide), in one tensor [B, S, 1, r + dr]. Attention runs in the "absorbed" form: the
 no-RoPE query is multiplied into W_uk (q_abs = q_nope W_uk, per head) so scores are q_abs.c + q_pe.k_pe, and
 values are the latents themselves, projected through W_uv after the softmax. That is multi-query attention
 over the latent cache: one SDPA call, nothing expanded to per-head keys.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -44,23 +42,23 @@ class MLAttention(nn.Module):
         self.scale = qk_dim ** -0.5 * yarn_softmax_scale(cfg.rope)
         self.rope_fn = apply_rope_interleaved if interleaved_rope else apply_rope
 
-    def make_cache(self, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
-        return (torch.zeros(rows, 1, max_len, self.kv_lora_rank + self.rope_dim, dtype=dtype, device=device),)
+    def make_cache(self, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.zeros(rows, max_len, 1, self.kv_lora_rank + self.rope_dim, dtype=dtype, device=device)
 
     def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
-                cache: Sequence[torch.Tensor]) -> torch.Tensor:
+                cache: torch.Tensor) -> torch.Tensor:
         b, t, _ = x_BTD.shape
         h, r = self.num_heads, self.kv_lora_rank
         q = self.q_proj(x_BTD) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
-        q_nope, q_pe = q.view(b, t, h, -1).transpose(1, 2).split([self.nope_dim, self.rope_dim], dim=-1)
+        q_nope, q_pe = q.view(b, t, h, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x_BTD).split([r, self.rope_dim], dim=-1)
-        latent_B1TR = self.kv_a_layernorm(latent)[:, None]
+        latent_BT1R = self.kv_a_layernorm(latent)[:, :, None]
         q_pe = self.rope_fn(q_pe, *rope)
-        k_pe = self.rope_fn(k_pe[:, None], *rope)
-        (kv_B1SC,) = cache_update(cache, (torch.cat((latent_B1TR, k_pe), dim=-1),), batch)
+        k_pe = self.rope_fn(k_pe[:, :, None], *rope)
+        kv_B1SC = cache_update(cache, torch.cat((latent_BT1R, k_pe), dim=-1), batch)
         w_HCR = self.kv_b_proj.weight.view(h, self.nope_dim + self.v_dim, r)
-        q_abs_BHTR = torch.einsum("bhtn,hnr->bhtr", q_nope, w_HCR[:, : self.nope_dim])
-        out_BHTR = attention(torch.cat((q_abs_BHTR, q_pe), dim=-1), kv_B1SC, kv_B1SC[..., :r], batch.mask_B1TS,
-                             self.scale)
+        q_abs_BHTR = torch.einsum("bthn,hnr->bhtr", q_nope, w_HCR[:, : self.nope_dim])
+        out_BHTR = attention(torch.cat((q_abs_BHTR, q_pe.transpose(1, 2)), dim=-1), kv_B1SC, kv_B1SC[..., :r],
+                             batch.mask_B1TS, self.scale)
         out_BHTV = torch.einsum("bhtr,hvr->bhtv", out_BHTR, w_HCR[:, self.nope_dim:])
         return self.o_proj(out_BHTV.transpose(1, 2).reshape(b, t, h * self.v_dim))

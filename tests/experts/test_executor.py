@@ -41,6 +41,21 @@ def test_every_kernel_computes_the_reference_sum(kernel, tokens):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_the_loop_kernel_equals_the_reference_bit_for_bit_in_every_dtype(dtype, tokens):
+    """One token sums its K rows with `sum(0)`, more with `index_add_`; the reference always uses index_add_."""
+    gen = torch.Generator().manual_seed(2)
+    shape = ExpertShape(64, 32, dtype)
+    executor = ResidentExecutor((torch.randn(2 * 8, shape.numel, generator=gen) / 8).to(dtype), shape,
+                                moe_layers=[0, 1], num_experts=8, kernel="loop")
+    for seed in range(20):
+        x = torch.randn(tokens, 64, generator=gen).to(dtype)
+        route = routed(tokens, experts=8, k=4, seed=seed)
+        route = RoutingDecision(route.ids_TK, route.weights_TK.to(dtype) if seed % 2 else route.weights_TK, None)
+        assert torch.equal(executor.run(1, x, route), combine_experts(x, route, executor, layer=1, num_experts=8))
+
+
 def test_sorting_finds_each_used_expert_and_its_tokens():
     route = RoutingDecision(torch.tensor([[4, 0], [1, 4], [4, 1]]), torch.ones(3, 2), torch.zeros(3, 5))
     work = sort_by_expert(torch.arange(3.0)[:, None], route)
