@@ -66,6 +66,8 @@ class SortedTokens:
     """Distinct experts used, ascending (empty when the ids were never read on the host)."""
     starts: list[int]
     """Slice of sorted rows per used expert: starts[i]..starts[i+1]."""
+    x_1D: torch.Tensor | None = None
+    """The token itself when there is one (x_MD is then its expanded view, a slow GEMV operand: stride 0)."""
 
 
 def _sorted_on_device(x_ND: torch.Tensor, route: RoutingDecision) -> tuple[SortedTokens, torch.Tensor]:
@@ -83,7 +85,7 @@ def sort_by_expert(x_ND: torch.Tensor, route: RoutingDecision) -> SortedTokens:
     if n == 1:  # top-k ids are distinct: one row per expert, each row the one token (a view, not a copy)
         sorted_K, order_K = torch.sort(route.ids_TK[0])
         w_K1 = route.weights_TK[0].index_select(0, order_K)[:, None]
-        return SortedTokens(x_ND.expand(k, -1), w_K1, order_K // k, sorted_K.tolist(), list(range(k + 1)))
+        return SortedTokens(x_ND.expand(k, -1), w_K1, order_K // k, sorted_K.tolist(), list(range(k + 1)), x_ND)
     work, sorted_M = _sorted_on_device(x_ND, route)
     used, counts = torch.unique_consecutive(sorted_M, return_counts=True)
     host = torch.cat((used, counts)).tolist()
@@ -125,6 +127,8 @@ class ArenaKernels:
         if not self.quantized:
             self.gate_up_R2FD = arena[:, : 2 * f * d].view(-1, 2 * f, d)
             self.down_RDF = arena[:, 2 * f * d:].view(-1, d, f)
+            self._transposed = [(w.gate_up_2FD.t(), w.down_DF.t()) for w in self.views]
+            """Per row, the projections as `mm` takes them (F.linear's own transpose, done once)."""
 
     def choose(self, tokens: int) -> Kernel:
         """The kernel for a call on `tokens` tokens: `auto` on the CPU is `loop` for one token and `grouped` for more (a batch of
@@ -142,12 +146,14 @@ class ArenaKernels:
             for i in which:
                 out_MD[starts[i]:starts[i + 1]] = expert_forward(x_MD[starts[i]:starts[i + 1]], views[rows[i]], act)
             return
-        f = self.shape.intermediate
-        for i in which:  # slices, not chunk(): chunk is a split of two narrows, 3x the dispatch cost
+        # F.linear's kernel (mm of the transposed weight) written out to save dispatches: a one-token layer of the
+        # built-in model's experts takes 72 us against 92 (slices, not chunk(), which is a split of two narrows)
+        f, transposed, one = self.shape.intermediate, self._transposed, work.x_1D
+        for i in which:
             s, e = starts[i], starts[i + 1]
-            w = views[rows[i]]
-            gate_up_TF = F.linear(x_MD[s:e], w.gate_up_2FD)
-            out_MD[s:e] = F.linear(act(gate_up_TF[:, :f]) * gate_up_TF[:, f:], w.down_DF)
+            gate_up_DF2, down_FD = transposed[rows[i]]
+            gate_up_TF = torch.mm(x_MD[s:e] if one is None else one, gate_up_DF2)
+            torch.mm(act(gate_up_TF[:, :f]) * gate_up_TF[:, f:], down_FD, out=out_MD[s:e])
 
     def _row_per_token(self, work: SortedTokens, rows: Sequence[int]) -> torch.Tensor:
         """The arena row of every sorted (token, k) pair."""

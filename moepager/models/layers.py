@@ -544,7 +544,7 @@ class SoftmaxTopKRouter(nn.Module):
 
     def forward(self, x_ND: torch.Tensor) -> RoutingDecision:
         logits_NE = F.linear(x_ND, self.weight)
-        probs_NE = torch.softmax(logits_NE.float(), dim=-1)
+        probs_NE = torch.softmax(logits_NE, dim=-1, dtype=torch.float32)
         weights_NK, ids_NK = torch.topk(probs_NE, self.top_k, dim=-1)
         if self.normalize:
             weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
