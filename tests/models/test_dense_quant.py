@@ -12,7 +12,7 @@ from moepager.config import EngineConfig, StoreConfig
 from moepager.errors import ConfigError
 from moepager.experts.quant import INT8_PACKED_MAX_TOKENS
 from moepager.models.default import default_model_path
-from moepager.models.dense_quant import KEEP, Int8Linear
+from moepager.models.dense_quant import Int8Linear
 from moepager.models.load import load_model
 from moepager.models.synth import make_model
 from moepager.runtime.llm import LLM
