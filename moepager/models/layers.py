@@ -234,7 +234,7 @@ class Attention(nn.Module):
         elif qk_norm == "full":
             self.q_norm, self.k_norm = RMSNorm(h * dh, cfg.rms_norm_eps), RMSNorm(hkv * dh, cfg.rms_norm_eps)
         self.clip_qkv = clip_qkv
-        self._qk_weight: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self._qk_weight: tuple[tuple[int, int, torch.device], torch.Tensor] | None = None
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.qkv: nn.Module | None = None
         """The fused q/k/v projection as a module of its own when it is not the three Linear weights (int8)."""
@@ -291,9 +291,10 @@ class Attention(nn.Module):
 
     def _qk_norm_weight(self) -> torch.Tensor:
         """q_norm's weight for each query head, then k_norm's for each key head, as one [H + Hkv, Dh] tensor
-        (remade when either weight moves or changes)."""
+        (remade when either weight is replaced or moves, as `fused_qkv` is; version counters are not read: weights
+        loaded under inference mode have none)."""
         q, k = self.q_norm.weight, self.k_norm.weight
-        key = (q.data_ptr(), k.data_ptr(), q._version, k._version)
+        key = (q.data_ptr(), k.data_ptr(), q.device)
         if self._qk_weight is None or self._qk_weight[0] != key:
             w = torch.cat((q.detach().expand(self.num_heads, -1), k.detach().expand(self.num_kv_heads, -1)))
             self._qk_weight = (key, w)

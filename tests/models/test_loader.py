@@ -95,3 +95,21 @@ def test_missing_config_key_is_named(hf_checkpoint, tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="num_experts_per_tok"):
         load_model(path, show_progress=False)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "deepseek_v3"])
+def test_a_model_loaded_under_inference_mode_computes_the_same(hf_checkpoint, arch):
+    """Weights created under torch.inference_mode have no version counter; nothing the forward caches (the
+    fused q/k/v projection, Qwen3's joint q/k norm weight) may read one. Replacing a weight remakes the caches."""
+    from tests.runtime.test_offload import logits_run
+
+    _, path = hf_checkpoint(arch)
+    ref = logits_run(load_model(path, show_progress=False), rows=1)
+    with torch.inference_mode():
+        loaded = load_model(path, show_progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(logits_run(loaded, rows=1), ref))
+    attn = loaded.model.model.layers[0].self_attn
+    if arch == "qwen3_moe":
+        with torch.inference_mode():
+            attn.k_norm.weight = torch.nn.Parameter(attn.k_norm.weight * 2, requires_grad=False)
+        assert not all(torch.equal(a, b) for a, b in zip(logits_run(loaded, rows=1), ref))
