@@ -101,7 +101,9 @@ def combine(x_ND: torch.Tensor, work: SortedTokens, y_MD: torch.Tensor) -> torch
     """Weighted outputs summed per token in sorted (ascending expert id) order. One token's K rows are summed by
     `sum(0)`, which equals `index_add_` into zeros bit for bit (both accumulate in fp32 row by row: tested
     against the reference) at a third of the cost."""
-    y_MD = (y_MD * work.w_M1).to(x_ND.dtype)
+    y_MD = y_MD * work.w_M1
+    if y_MD.dtype != x_ND.dtype:  # fp32 routing weights (Mixtral's)
+        y_MD = y_MD.to(x_ND.dtype)
     if x_ND.shape[0] == 1:
         return y_MD.sum(0, keepdim=True)
     return torch.zeros_like(x_ND).index_add_(0, work.token_M, y_MD)

@@ -98,28 +98,29 @@ class RotaryEmbedding(nn.Module):
         self.attention_scaling = scale
 
     def forward(self, positions_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [B, T, 1, Dh]: they broadcast over the heads of [B, T, H, Dh] queries and keys."""
+        """cos and signed sin [B, T, 1, Dh]: they broadcast over the heads of [B, T, H, Dh] queries and keys. The
+        sin table carries rotate_half's sign ([-sin | sin]: both halves of each table hold the same angles)."""
         if self.inv_freq.device != positions_BT.device:
             self.inv_freq = self.inv_freq.to(positions_BT.device)
         freqs = positions_BT[..., None, None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+        sin = (freqs.sin() * self.attention_scaling).to(dtype)
+        return (torch.cat((freqs, freqs), dim=-1).cos() * self.attention_scaling).to(dtype), torch.cat((-sin, sin), -1)
 
 
-def apply_rope(x_BTHD: torch.Tensor, cos_BT1D: torch.Tensor, sin_BT1D: torch.Tensor) -> torch.Tensor:
-    """Rotation of channel pairs (i, i + Dh/2): x * cos + rotate_half(x) * sin."""
-    half = x_BTHD.shape[-1] // 2
-    x1, x2 = x_BTHD[..., :half], x_BTHD[..., half:]
-    return x_BTHD * cos_BT1D + torch.cat((-x2, x1), dim=-1) * sin_BT1D
+def apply_rope(x_BTHD: torch.Tensor, cos_BT1D: torch.Tensor, signed_sin_BT1D: torch.Tensor) -> torch.Tensor:
+    """Rotation of channel pairs (i, i + Dh/2): x * cos + rotate_half(x) * sin, where rotate_half(x) * sin =
+    [-x2 | x1] * sin = [x2 | x1] * [-sin | sin] (the same products bit for bit; a roll is one op against four)."""
+    return x_BTHD * cos_BT1D + x_BTHD.roll(x_BTHD.shape[-1] // 2, -1) * signed_sin_BT1D
 
 
-def apply_rope_interleaved(x_BTHD: torch.Tensor, cos_BT1D: torch.Tensor, sin_BT1D: torch.Tensor) -> torch.Tensor:
+def apply_rope_interleaved(x_BTHD: torch.Tensor, cos_BT1D: torch.Tensor, signed_sin_BT1D: torch.Tensor
+                           ) -> torch.Tensor:
     """Rotation of adjacent pairs (2i, 2i+1), output as [rotated evens | rotated odds] (DeepSeek layout).
 
     The permutation is the same for queries and keys, so their dot products equal the interleaved form's.
     """
     half = cos_BT1D.shape[-1] // 2
-    cos, sin = cos_BT1D[..., :half], sin_BT1D[..., :half]
+    cos, sin = cos_BT1D[..., :half], signed_sin_BT1D[..., half:]
     x1, x2 = x_BTHD[..., 0::2], x_BTHD[..., 1::2]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -176,7 +177,8 @@ def cache_update(cache: torch.Tensor, new_BTHC: torch.Tensor, batch: ForwardBatc
     """Store the new entries (keys and values side by side on the head axis, or MLA's one latent) at their
     positions in the cache (per row, so rows may be at different lengths), then read the prefix as [B, Hc, S, C]
     (a transposed view of the [B, S, Hc, C] rows or gathered blocks)."""
-    new_BTHC = new_BTHC.to(cache.dtype)
+    if new_BTHC.dtype != cache.dtype:
+        new_BTHC = new_BTHC.to(cache.dtype)
     if batch.block_table_BN is not None:
         assert batch.slot_block_BT is not None
         cache[batch.slot_block_BT, batch.slot_offset_BT] = new_BTHC
