@@ -1,6 +1,6 @@
 """Deterministic overhead counts of a decode step on the built-in model (6 MoE layers, top-4): moepager-level
 Python calls per decode token, the difference of a 17-token and a 1-token generation over 16 steps (the
-architecture review's method). The bounds sit just above today's counts (154, 454 and 740: the engine core's
+architecture review's method). The bounds sit just above today's counts (154, 453 and 732: the engine core's
 scheduler, runner and sampler add 20-22 calls to each decode step, the executor's kernel choice one per layer),
 so that a change which adds per-token work shows up here; issue 15's goals are 40 resident and 80 at a 25%
 budget with a predictor."""
