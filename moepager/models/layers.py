@@ -103,8 +103,9 @@ class RotaryEmbedding(nn.Module):
         if self.inv_freq.device != positions_BT.device:
             self.inv_freq = self.inv_freq.to(positions_BT.device)
         freqs = positions_BT[..., None, None].float() * self.inv_freq
+        cos = (freqs.cos() * self.attention_scaling).to(dtype)
         sin = (freqs.sin() * self.attention_scaling).to(dtype)
-        return (torch.cat((freqs, freqs), dim=-1).cos() * self.attention_scaling).to(dtype), torch.cat((-sin, sin), -1)
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
 def apply_rope(x_BTHD: torch.Tensor, cos_BT1D: torch.Tensor, signed_sin_BT1D: torch.Tensor) -> torch.Tensor:
@@ -273,10 +274,10 @@ class Attention(nn.Module):
     def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
                 cache: torch.Tensor) -> torch.Tensor:
         b, t, _ = x_BTD.shape
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = F.linear(x_BTD, *self.fused_qkv()) if self.qkv is None else self.qkv(x_BTD)
         if self.qk_norm == "full":
-            q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+            kv_size = self.num_kv_heads * self.head_dim
+            q, k, v = qkv.split((self.num_heads * self.head_dim, kv_size, kv_size), dim=-1)
             qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
         if self.clip_qkv is not None:
             qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
