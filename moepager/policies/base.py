@@ -12,7 +12,7 @@ pins, buffers or tiers. `step` is the cache's clock: one tick per forward pass (
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, fields
 from typing import Protocol
 
@@ -25,8 +25,8 @@ NEVER = np.iinfo(np.int64).max // 4
 
 
 class EvictionPolicy(Protocol):
-    def on_access(self, key: ExpertKey, step: int) -> None:
-        """`key` was requested at `step` (hit or miss)."""
+    def on_access(self, keys: Sequence[ExpertKey], step: int) -> None:
+        """`keys` were requested at `step` (hits and misses alike): a layer's experts at once."""
         ...
 
     def victim(self, candidates: Collection[ExpertKey], step: int) -> ExpertKey:
@@ -108,10 +108,14 @@ class Ranked:
                 self.stats = self.stats.grown(2 * i + 16)
         return i
 
-    def on_access(self, key: ExpertKey, step: int) -> None:
-        i = self._row(key)
-        self.stats.count[i] += 1
-        self.stats.last[i] = step
+    def on_access(self, keys: Sequence[ExpertKey], step: int) -> None:
+        index = self._index
+        for key in keys:  # a loop with no call per known key: this runs per layer and token
+            i = index.get(key)
+            if i is None:
+                i = self._row(key)  # may grow the arrays, so they are looked up after it
+            self.stats.count[i] += 1
+            self.stats.last[i] = step
 
     def predict(self, layer: int, probs_E: np.ndarray) -> None:
         index = self._layer_index.get(layer)
@@ -125,7 +129,7 @@ class Ranked:
 
     def victim(self, candidates: Collection[ExpertKey], step: int) -> ExpertKey:
         keys = sorted(candidates)
-        rows = [self._index.get(k) for k in keys]
+        rows = list(map(self._index.get, keys))
         if None in rows:  # never accessed (e.g. loaded at warm start): give it its row now
             rows = [self._row(k) for k in keys]
         return keys[int(np.argmin(self.priority(self.stats.take(np.array(rows)), step)))]

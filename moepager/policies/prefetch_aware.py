@@ -12,7 +12,7 @@ The store's prefetch lane reports what happens to each prefetch (`prefetched`, `
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 from moepager.policies.base import EvictionPolicy
 from moepager.types import ExpertKey
@@ -26,16 +26,16 @@ class PrefetchAware:
         self.stale: set[ExpertKey] = set()
         """Prefetched but not used when their layer ran."""
 
-    def on_access(self, key: ExpertKey, step: int) -> None:
-        self.inner.on_access(key, step)
+    def on_access(self, keys: Sequence[ExpertKey], step: int) -> None:
+        self.inner.on_access(keys, step)
 
     def victim(self, candidates: Collection[ExpertKey], step: int) -> ExpertKey:
-        if self.stale:
-            stale = [k for k in candidates if k in self.stale]
+        if self.stale:  # set operations, not comprehensions: this runs at every miss
+            stale = self.stale.intersection(candidates)
             if stale:
                 return self.inner.victim(stale, step)
         if self.ahead:
-            settled = [k for k in candidates if k not in self.ahead]
+            settled = set(candidates).difference(self.ahead)
             if settled:
                 return self.inner.victim(settled, step)
         return self.inner.victim(candidates, step)
@@ -43,10 +43,15 @@ class PrefetchAware:
     def prefetched(self, key: ExpertKey, slot: int) -> None:
         self.ahead[key] = slot
 
-    def used(self, key: ExpertKey) -> bool:
-        """`key` is used by its layer: True when it had been prefetched for it."""
-        self.stale.discard(key)
-        return self.ahead.pop(key, None) is not None
+    def used(self, keys: Sequence[ExpertKey]) -> int:
+        """`keys` are used by their layer: how many of them had been prefetched for it."""
+        if not self.ahead and not self.stale:
+            return 0
+        found = 0
+        for key in keys:
+            self.stale.discard(key)
+            found += self.ahead.pop(key, None) is not None
+        return found
 
     def unneeded(self, key: ExpertKey) -> None:
         """`key` was prefetched and its layer routed elsewhere: evicted first from now on."""

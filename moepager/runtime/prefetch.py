@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 import torch
 
@@ -165,16 +166,13 @@ class Prefetcher:
         ranked = []
         for (iteration, j), entry in self.pending.items():
             until = (iteration - self.iteration) * num_layers + j - self.now
-            layer = self.moe_layers[j]
-            best = sorted(entry.items(), key=lambda kv: -kv[1])[: self.store.quota(layer)]
-            ranked += [(mass / until, layer, e) for e, mass in best if until > 0]
-        ranked.sort(key=lambda r: -r[0])
-        for _, layer, e in ranked:
-            if room <= 0:
-                break
-            if self.store.holds(layer, e):
+            if until <= 0:
                 continue
-            room -= self.store.prefetch(layer, [e])
+            layer = self.moe_layers[j]
+            best = sorted(entry.items(), key=itemgetter(1), reverse=True)[: self.store.quota(layer)]  # stable
+            ranked += [(mass / until, layer, e) for e, mass in best]
+        ranked.sort(key=itemgetter(0), reverse=True)
+        self.store.prefetch_ranked([(layer, e) for _, layer, e in ranked], room)
 
 
 def build_prefetcher(config: PrefetchConfig, model: CausalLM, store: ExpertStore) -> Prefetcher:

@@ -132,20 +132,19 @@ class ExpertStore:
         more experts than the layer's cache holds) stream through the stream rows, uncached, each row reused
         once `recycle` hears its expert was computed. `wait`/`wait_landed` before computing with a slot;
         `release` when the layer is done."""
-        table = self.device.table
+        table, pins = self.device.table, self.device.table.pins
         keys = [ExpertKey(layer, e) for e in experts]
-        policy = table.policy
-        for key in keys:
-            policy.on_access(key, self.clock)
+        table.policy.on_access(keys, self.clock)
         slots = [table.slot_of.get(key, -1) for key in keys]
         held = Held(layer, experts, slots, [], [], [])
         try:
             misses = []
             for i, slot in enumerate(slots):  # loops, not comprehensions: this runs per layer and token
                 if slot >= 0:
-                    self._hit(table, keys[i], slot)
+                    pins[slot] += 1
                 else:
                     misses.append(i)
+            self._count(layer, keys, misses)
             room = (table.quota[layer] if table.scope == "layer" else table.capacity) - (len(keys) - len(misses))
             if len(misses) > room and not table.stream_rows:
                 raise RuntimeError(f"expert store: layer {layer} needs {len(keys)} experts at once but holds "
@@ -186,7 +185,7 @@ class ExpertStore:
             row = held.slots[i]
             if row < self.device.table.capacity:
                 continue
-            self._unpin(row)
+            self._unpin([row])
             held.slots[i] = -1
             held.streaming -= 1
             if held.queued:
@@ -196,19 +195,22 @@ class ExpertStore:
     def _miss(self, table: SlotTable, key: ExpertKey, slot: int) -> None:
         """`key` was not resident: it starts loading on demand into `slot`, pinned."""
         self._load(key, slot, self.counters.current, ahead=False)
-        self.counters.current.access(key.layer, False)
         table.pins[slot] += 1
 
-    def _hit(self, table: SlotTable, key: ExpertKey, slot: int) -> None:
-        if self.order.used(key):
-            self.counters.current.prefetch_used += 1
-        self.counters.current.access(key.layer, True)
-        table.pins[slot] += 1
+    def _count(self, layer: int, keys: Sequence[ExpertKey], misses: Sequence[int]) -> None:
+        """Count the hits among `keys` (all but the indices `misses`), the misses, and the prefetches used."""
+        counters = self.counters.current
+        counters.access(layer, hits=len(keys) - len(misses), misses=len(misses))
+        if self.order.ahead or self.order.stale:
+            hit = [k for i, k in enumerate(keys) if i not in misses] if misses else keys
+            counters.prefetch_used += self.order.used(hit)
 
     def wait(self, held: Held, which: Iterable[int]) -> None:
         """Block until the slots `which` (indices into held.slots) hold their experts."""
+        tickets, slots = self.device.table.ticket, held.slots
         for i in which:
-            self._wait_ready(held.slots[i])
+            if tickets[slots[i]] is not None:  # landed and already awaited: nothing to do (most hits)
+                self._wait_ready(slots[i])
 
     def wait_landed(self, held: Held, which: Sequence[int]) -> list[int]:
         """Block until at least one of the slots `which` (indices into held.slots) holds its expert; returns
@@ -230,9 +232,7 @@ class ExpertStore:
         return landed
 
     def release(self, held: Held) -> None:
-        for slot in held.slots:
-            if slot >= 0:
-                self._unpin(slot)
+        self._unpin(held.slots)
         held.slots, held.queued = [], []
 
     def stream(self, layer: int, experts: Sequence[int]) -> Iterator[int]:
@@ -277,11 +277,18 @@ class ExpertStore:
             torch.cuda.current_stream(self.device.buffers.device).wait_event(event)
         table.ticket[slot] = None
 
-    def _unpin(self, slot: int) -> None:
+    def _unpin(self, slots: Sequence[int]) -> None:
+        """The compute stream is done with `slots` (those >= 0; on CUDA one event, recorded now, guards them
+        all)."""
         table = self.device.table
-        table.pins[slot] -= 1
-        if self.device.buffers.is_cuda:
-            table.free_event[slot] = torch.cuda.current_stream(self.device.buffers.device).record_event()
+        for slot in slots:
+            if slot >= 0:
+                table.pins[slot] -= 1
+        if self.device.buffers.is_cuda and any(slot >= 0 for slot in slots):
+            event = torch.cuda.current_stream(self.device.buffers.device).record_event()
+            for slot in slots:
+                if slot >= 0:
+                    table.free_event[slot] = event
 
     # -- loading ----------------------------------------------------------------------------------------
     def _load(self, key: ExpertKey, slot: int, counters: PhaseCounters, ahead: bool) -> None:
@@ -308,7 +315,7 @@ class ExpertStore:
         host = self.host
         assert host is not None
         table = host.table
-        table.policy.on_access(key, self.clock)
+        table.policy.on_access((key,), self.clock)
         slot = table.slot_of.get(key)
         if slot is None:
             slot = self._claim(table, key)
@@ -343,17 +350,23 @@ class ExpertStore:
         return self._copy(dst, src, after, counters)
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> int:
-        """Start loading `experts` of `layer` ahead of time into free or evictable slots, never evicting a
-        pinned, in-flight or other prefetched expert; experts already resident or loading are skipped.
-        Returns loads issued."""
+        """Start loading `experts` of `layer` ahead of time (`prefetch_ranked`). Returns loads issued."""
+        return self.prefetch_ranked([(layer, e) for e in experts], len(experts))
+
+    def prefetch_ranked(self, wanted: Iterable[tuple[int, int]], limit: int) -> int:
+        """Start loading the (layer, expert) pairs `wanted`, best first, into free or evictable slots until
+        `limit` loads are issued, never evicting a pinned, in-flight or other prefetched expert: experts resident
+        or loading are skipped, and so are those that find no slot. Returns loads issued."""
         table, counters, issued = self.device.table, self.counters.current, 0
-        for e in experts:
+        for layer, e in wanted:
+            if issued >= limit:
+                break
             key = ExpertKey(layer, e)
             if key in table.slot_of:
                 continue
             slot = table.claim(key, self.clock, self.order.ahead)
             if slot is None:
-                break
+                continue
             self._load(key, slot, counters, ahead=True)
             self.order.prefetched(key, slot)
             issued += 1
@@ -365,7 +378,11 @@ class ExpertStore:
         return self.order.ahead
 
     def prefetches_in_flight(self) -> int:
-        return sum(1 for slot in self.ahead.values() if not settled(self.device.table.ticket[slot]))
+        tickets, count = self.device.table.ticket, 0
+        for slot in self.order.ahead.values():
+            t = tickets[slot]
+            count += t is not None and not settled(t)
+        return count
 
     def settle(self, layer: int, experts: Sequence[int]) -> None:
         """`layer` routed to `experts`: judge the prefetches made for it (see the module note)."""
@@ -388,10 +405,6 @@ class ExpertStore:
             self.order.forget(key)
 
     # -- the prefetcher's view --------------------------------------------------------------------------
-    def holds(self, layer: int, expert: int) -> bool:
-        """Whether the expert is in a device slot (resident or loading)."""
-        return ExpertKey(layer, expert) in self.device.table.slot_of
-
     def quota(self, layer: int) -> int:
         """`layer`'s even share of the device slots (a layer's cache in layer scope)."""
         return self.device.table.quota[layer]

@@ -23,8 +23,8 @@ def test_without_forecasts_it_is_lru_and_the_engine_feeds_it_by_layer():
     plec, lru = make_policy("plec", engine=True), make_policy("lru", engine=True)
     keys = [ExpertKey(0, e) for e in range(3)]
     for step, key in enumerate([keys[0], keys[1], keys[2], keys[0]]):
-        plec.on_access(key, step)
-        lru.on_access(key, step)
+        plec.on_access([key], step)
+        lru.on_access([key], step)
     assert plec.victim(keys, 4) == lru.victim(keys, 4) == keys[1]
     plec.predict(0, np.array([0.0, 0.9, 0.0]))  # expert 1 is forecast for the next token
     assert plec.victim(keys, 4) == keys[2]

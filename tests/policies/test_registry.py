@@ -32,7 +32,7 @@ def test_engine_protocol_and_array_priority_agree(name):
     stats = AccessStats.zeros(8)
     for step in range(40):
         e = int(rng.integers(8))
-        policy.on_access(ExpertKey(0, e), step)
+        policy.on_access([ExpertKey(0, e)], step)
         stats.count[e] += 1
         stats.last[e] = step
     if name in ("rnd",):

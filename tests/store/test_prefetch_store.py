@@ -44,11 +44,11 @@ def test_stale_experts_go_first_and_prefetches_ahead_last():
     old, fresh, ahead = ExpertKey(0, 1), ExpertKey(0, 2), ExpertKey(0, 3)
     for step, key in enumerate([ahead, old, fresh]):
         table.claim(key, step)
-        order.on_access(key, step)
+        order.on_access([key], step)
     order.prefetched(ahead, table.slot_of[ahead])  # least recent, but its layer has not routed yet
     order.stale.add(fresh)  # LRU would evict `ahead`, then `old`; the stale prefetch goes first
     table.claim(ExpertKey(0, 4), 5)
-    order.on_access(ExpertKey(0, 4), 5)
+    order.on_access([ExpertKey(0, 4)], 5)
     assert fresh not in table.slot_of and {old, ahead} <= table.slot_of.keys()
     table.claim(ExpertKey(0, 5), 6)
     assert old not in table.slot_of and ahead in table.slot_of  # LRU's choice among the settled ones
@@ -60,3 +60,21 @@ def test_a_prefetch_evicted_before_its_layer_routes_is_counted_wasted():
     store._drain(store.device.table)
     consume(store, 0, [0, 1])  # needs both slots: the prefetched expert must go
     assert store.counters.current.prefetch_wasted == 1 and store.ahead == {}
+
+
+def test_ranked_prefetch_skips_held_and_slotless_experts_and_stops_at_its_limit():
+    store, _ = make_store(4)  # two slots per layer
+    consume(store, 0, [1])
+    wanted = [(0, 1), (1, 0), (1, 1), (1, 2), (0, 2), (0, 3)]  # (0, 1) resident; layer 1 fits two, not three
+    assert store.prefetch_ranked(wanted, limit=3) == 3
+    assert set(store.ahead) == {ExpertKey(1, 0), ExpertKey(1, 1), ExpertKey(0, 2)}
+
+
+def test_a_layer_that_uses_some_prefetches_counts_each_once():
+    store, _ = make_store(4)
+    assert store.prefetch(0, [2, 3]) == 2
+    consume(store, 0, [2, 3])
+    c = store.counters.current
+    assert (c.prefetch_used, dict(c.hits), dict(c.misses)) == (2, {0: 2}, {})
+    consume(store, 1, [0, 1, 2])  # three misses in a layer of two slots: one streams
+    assert dict(c.misses) == {1: 3} and store.ahead == {}

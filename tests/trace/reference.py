@@ -42,7 +42,7 @@ def reference_hits(work: Workload, name: str, capacity: int, scope: str,
             want = sorted({int(e) for e in ids.ravel() if e != MISSING})
             keys = [ExpertKey(layer, e) for e in want]
             for key in keys:
-                policy.on_access(key, s)
+                policy.on_access([key], s)
                 if next_use is not None:
                     where = np.argwhere(ids == key.expert)[0]
                     slot = policy._row(key)
