@@ -140,20 +140,23 @@ class ArenaKernels:
             return "grouped"
         return self.resolved
 
-    def loop(self, work: SortedTokens, rows: Sequence[int], which: Sequence[int], out_MD: torch.Tensor) -> None:
-        """Experts `which` (indices into work.experts) computed one by one into their slices of out_MD (the
-        reference's `expert_forward`, written out: this is the hottest loop of a decode step)."""
+    def loop(self, work: SortedTokens, rows: Sequence[int], which: Sequence[int], out_MD: torch.Tensor,
+             base: int = 0) -> None:
+        """Experts `which` (indices into work.experts) computed one by one into their slices of out_MD, expert i
+        from arena row base + rows[i] (the reference's `expert_forward`, written out: this is the hottest loop of
+        a decode step)."""
         views, act, x_MD, starts = self.views, self.act, work.x_MD, work.starts
         if self.quantized:  # the formats' own kernels (experts/quant.py)
             for i in which:
-                out_MD[starts[i]:starts[i + 1]] = expert_forward(x_MD[starts[i]:starts[i + 1]], views[rows[i]], act)
+                out_MD[starts[i]:starts[i + 1]] = expert_forward(x_MD[starts[i]:starts[i + 1]], views[base + rows[i]],
+                                                                 act)
             return
         # F.linear's kernel (mm of the transposed weight) written out to save dispatches: a one-token layer of the
         # built-in model's experts takes 72 us against 92 (slices, not chunk(), which is a split of two narrows)
         f, transposed, one = self.shape.intermediate, self._transposed, work.x_1D
         for i in which:
             s, e = starts[i], starts[i + 1]
-            gate_up_DF2, down_FD = transposed[rows[i]]
+            gate_up_DF2, down_FD = transposed[base + rows[i]]
             gate_up_TF = torch.mm(x_MD[s:e] if one is None else one, gate_up_DF2)
             torch.mm(act(gate_up_TF[:, :f]) * gate_up_TF[:, f:], down_FD, out=out_MD[s:e])
 
@@ -213,13 +216,16 @@ class ResidentExecutor:
         self.num_experts = num_experts
 
     def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
-        kernel = self.kernels.choose(x_ND.shape[0])
+        kernels, base = self.kernels, self.base[layer]
+        kernel = kernels.resolved if x_ND.shape[0] == 1 else kernels.choose(x_ND.shape[0])
         if kernel == "grouped":  # the layer's own rows only: empty groups still cost (CPU: 0.57 against 0.37 ms)
-            return self.kernels.grouped_rows(x_ND, route, self.base[layer], self.num_experts)
+            return kernels.grouped_rows(x_ND, route, base, self.num_experts)
         work = sort_by_expert(x_ND, route)
-        base = self.base[layer]
-        rows = [base + e for e in work.experts] if base else work.experts
-        return combine(x_ND, work, self.kernels.compute(work, rows, kernel))
+        if kernel == "loop":  # straight to the kernel, expert e at arena row base + e (a decode step's path)
+            out_MD = torch.empty_like(work.x_MD)
+            kernels.loop(work, work.experts, range(len(work.experts)), out_MD, base)
+            return combine(x_ND, work, out_MD)
+        return combine(x_ND, work, kernels.compute(work, [base + e for e in work.experts], kernel))
 
     def weights(self, layer: int, expert: int) -> AnyExpertWeights:
         return self.kernels.views[self.base[layer] + expert]
