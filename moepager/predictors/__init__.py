@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,7 +125,9 @@ def load_state(path: str | Path, kind: str) -> dict:
     if not p.is_file():
         raise PredictorError(f"predictor file {p} does not exist (write one with `moepager predictor fit`)")
     try:
-        state = torch.load(p, weights_only=True)
+        with warnings.catch_warnings():  # torch warns about a garbage file's pickle protocol before failing on it
+            warnings.simplefilter("ignore", UserWarning)
+            state = torch.load(p, weights_only=True)
     except Exception as e:  # torch raises several unrelated types for corrupt files
         raise PredictorError(f"{p} is not a moepager predictor file ({type(e).__name__}: it cannot be read as "
                              f"one; write one with `moepager predictor fit`)") from None
