@@ -97,6 +97,14 @@ def sort_by_expert(x_ND: torch.Tensor, route: RoutingDecision) -> SortedTokens:
     return work
 
 
+def group_ends(sorted_M: torch.Tensor, groups: int) -> torch.Tensor:
+    """int32 [groups]: where each group's rows end in `sorted_M` (ascending group ids in 0..groups-1), i.e. the
+    cumulative counts `_grouped_mm` takes as offsets. A binary search per group, not `cumsum(bincount)`: CUDA's
+    bincount reads the ids' min and max on the host (two syncs per layer), searchsorted has a fixed output size."""
+    return torch.searchsorted(sorted_M, torch.arange(groups, device=sorted_M.device, dtype=sorted_M.dtype),
+                              right=True, out_int32=True)
+
+
 def combine(x_ND: torch.Tensor, work: SortedTokens, y_MD: torch.Tensor) -> torch.Tensor:
     """Weighted outputs summed per token in sorted (ascending expert id) order. One token's K rows are summed by
     `sum(0)`, which equals `index_add_` into zeros bit for bit (both accumulate in fp32 row by row: tested
@@ -175,7 +183,7 @@ class ArenaKernels:
 
     def _grouped_swiglu(self, x_MD: torch.Tensor, row_M: torch.Tensor, rows: slice) -> torch.Tensor:
         """Experts of arena rows `rows` on x_MD, whose row i is for arena row rows.start + row_M[i] (ascending)."""
-        offs = torch.cumsum(torch.bincount(row_M, minlength=len(self.arena[rows])), 0).to(torch.int32)
+        offs = group_ends(row_M, len(self.arena[rows]))
         h = torch._grouped_mm(x_MD, self.gate_up_R2FD[rows].transpose(1, 2), offs=offs)
         gate, up = h.chunk(2, dim=-1)
         return torch._grouped_mm(self.act(gate) * up, self.down_RDF[rows].transpose(1, 2), offs=offs)

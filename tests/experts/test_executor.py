@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moepager.experts.compute import combine_experts
-from moepager.experts.executor import ArenaKernels, ResidentExecutor, sort_by_expert
+from moepager.experts.executor import ArenaKernels, ResidentExecutor, group_ends, sort_by_expert
 from moepager.experts.weights import ExpertShape
 from moepager.config import StoreConfig
 from moepager.models.load import load_model, resident_executor
@@ -63,6 +63,16 @@ def test_sorting_finds_each_used_expert_and_its_tokens():
     assert work.token_M.tolist() == [0, 1, 2, 0, 1, 2]  # stable: tokens in order within an expert
     one = sort_by_expert(torch.ones(1, 1), RoutingDecision(torch.tensor([[3, 1, 2]]), torch.ones(1, 3), None))
     assert one.experts == [1, 2, 3] and one.starts == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_group_ends_are_the_cumulative_counts_empty_groups_included(seed):
+    g = torch.Generator().manual_seed(seed)
+    groups = int(torch.randint(1, 12, (1,), generator=g))
+    sorted_M = torch.sort(torch.randint(0, groups, (int(torch.randint(0, 30, (1,), generator=g)),), generator=g))[0]
+    expected = torch.cumsum(torch.bincount(sorted_M, minlength=groups), 0).to(torch.int32)
+    ends = group_ends(sorted_M, groups)
+    assert ends.dtype == torch.int32 and torch.equal(ends, expected)
 
 
 def test_auto_loops_one_token_and_groups_more_on_the_cpu():
