@@ -24,6 +24,12 @@ class RoutingDecision(NamedTuple):
     ids_TK: torch.Tensor
     weights_TK: torch.Tensor
     scores_TE: torch.Tensor
+    ids_host_TK: torch.Tensor | None = None
+    """The ids copied to the host once (`on_host`), for every reader there: on CUDA each copy is a host sync."""
+
+    def on_host(self) -> RoutingDecision:
+        """This decision with its ids on the host too (copied at the first call; free on the CPU)."""
+        return self if self.ids_host_TK is not None else self._replace(ids_host_TK=self.ids_TK.cpu())
 
 
 Scope = Literal["layer", "global"]

@@ -85,9 +85,13 @@ def sort_by_expert(x_ND: torch.Tensor, route: RoutingDecision) -> SortedTokens:
     if n == 1:  # top-k ids are distinct: one row per expert, each row the one token (a view, not a copy)
         sorted_K, order_K = torch.sort(route.ids_TK[0])
         w_K1 = route.weights_TK[0].index_select(0, order_K)[:, None]
-        return SortedTokens(x_ND.expand(k, -1), w_K1, order_K // k, sorted_K.tolist(), list(range(k + 1)), x_ND)
+        experts = sorted(route.ids_host_TK[0].tolist()) if route.ids_host_TK is not None else sorted_K.tolist()
+        return SortedTokens(x_ND.expand(k, -1), w_K1, order_K // k, experts, list(range(k + 1)), x_ND)
     work, sorted_M = _sorted_on_device(x_ND, route)
-    used, counts = torch.unique_consecutive(sorted_M, return_counts=True)
+    if route.ids_host_TK is not None:  # already on the host: no second copy (on CUDA, no second sync)
+        used, counts = torch.unique(route.ids_host_TK, return_counts=True)  # sorted, as the device rows are
+    else:
+        used, counts = torch.unique_consecutive(sorted_M, return_counts=True)
     host = torch.cat((used, counts)).tolist()
     experts, counts_list = host[: len(used)], host[len(used):]
     starts = [0]

@@ -526,7 +526,8 @@ class MoEBlock(nn.Module):
             torch._C._set_mkldnn_enabled(False)
         try:
             route = self.gate(x_ND) if self.routing is OWN_ROUTER else self.routing.route(self.layer, self.gate, x_ND)
-            if self.observer is not NULL_OBSERVER:
+            if self.observer is not NULL_OBSERVER:  # observers read the ids on the host, so does a paged executor:
+                route = route.on_host()  # one copy for all of them
                 self.observer.routed(self.layer, x_ND, route)
             out_ND = self.executor.run(self.layer, x_ND, route)
             return out_ND + self.shared_output(x_ND) if self._has_shared else out_ND

@@ -120,7 +120,7 @@ class Prefetcher:
     def routed(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> None:
         i = self.position[layer]
         self.now = i
-        ids_NK = route.ids_TK.cpu()  # the one copy off the device every predictor needs
+        ids_NK = route.on_host().ids_host_TK  # the block's one copy off the device (the store reads it too)
         self.store.settle(layer, ids_NK.flatten().tolist())
         self.pending.pop((self.iteration, i), None)
         predictor = self.predictor

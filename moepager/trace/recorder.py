@@ -44,7 +44,9 @@ class TraceRecorder:
         self._layout = info
 
     def routed(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> None:
-        self._pass[self._column[layer]] = RoutingDecision(*(t.detach().to("cpu") for t in route))
+        route = route.on_host()
+        self._pass[self._column[layer]] = RoutingDecision(route.ids_host_TK, route.weights_TK.detach().cpu(),
+                                                          route.scores_TE.detach().cpu())
         if self.hidden:
             self._hidden[self._column[layer]] = x_ND.detach().to("cpu", torch.float16)
 

@@ -148,3 +148,45 @@ def test_a_paged_prefill_computes_landed_experts_while_others_still_load():
     assert torch.equal(got, ref)
     assert len(calls) >= 2 and slow not in calls[0] and slow in calls[-1], calls
     assert sorted(e for c in calls for e in c) == sorted(set(route.ids_TK.flatten().tolist()))
+
+
+class _DeviceIds(torch.Tensor):
+    """Ids that refuse to be read on the host: what a CUDA tensor's `tolist` would cost, a sync, made loud."""
+
+    def tolist(self):  # noqa: ANN201 - torch.Tensor's own signature
+        raise AssertionError("device ids read on the host")
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_sorting_reads_the_host_copy_of_the_ids_when_the_route_has_one(tokens):
+    ids = torch.tensor([[4, 0], [1, 4], [4, 1]])[:tokens]
+    x = torch.arange(float(tokens))[:, None]
+    route = RoutingDecision(ids.as_subclass(_DeviceIds), torch.ones(tokens, 2), torch.zeros(tokens, 5))
+    with pytest.raises(AssertionError, match="device ids read on the host"):
+        sort_by_expert(x, route)
+    work = sort_by_expert(x, route._replace(ids_host_TK=ids))
+    plain = sort_by_expert(x, RoutingDecision(ids, torch.ones(tokens, 2), torch.zeros(tokens, 5)))
+    assert (work.experts, work.starts) == (plain.experts, plain.starts)
+    assert torch.equal(work.x_MD, plain.x_MD) and torch.equal(work.token_M.as_subclass(torch.Tensor), plain.token_M)
+
+
+def test_an_observed_block_hands_its_observers_and_executor_one_host_copy_of_the_ids():
+    from moepager.models.layers import MoEBlock, SoftmaxTopKRouter
+
+    seen = []
+
+    class Observer:
+        def routed(self, layer, x_ND, route):  # noqa: ANN001, ANN201
+            seen.append(route.ids_host_TK)
+
+    class Executor:
+        def run(self, layer, x_ND, route):  # noqa: ANN001, ANN201
+            seen.append(route.ids_host_TK)
+            return torch.zeros_like(x_ND)
+
+    gate = SoftmaxTopKRouter(8, 4, 2, normalize=True, fp32_weights=False)
+    torch.nn.init.normal_(gate.weight)
+    block = MoEBlock(gate, Executor(), layer=0, num_experts=4)
+    block.observer = Observer()
+    block(torch.randn(3, 8))
+    assert seen[0] is not None and seen[0] is seen[1] and seen[0].shape == (3, 2)
