@@ -11,7 +11,8 @@ qwen3-30b-a3b --layers 4` (~1.08 GB of weights read per token in bf16). Reports 
 llama.cpp in the same format, and the weight bytes per token divided by the time per token (achieved GB/s).
 
     python benchmarks/peers.py [--models demo qwen3-30b-a3b] [--threads 1 2] [--rounds 3] [--decode 64]
-        [--kernels auto loop gather grouped] [--formats bf16 int8 int4] [--dense-int8] [--no-hf] [--out peers]
+        [--kernels auto loop gather grouped] [--formats bf16 int8 int4] [--dense-int8] [--unpacked] [--no-hf]
+        [--out peers]
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ PROMPT = 16
 
 
 class Ours:
-    def __init__(self, path: Path, kernel: str, expert_dtype: str | None = None, dense_dtype: str | None = None):
+    def __init__(self, path: Path, kernel: str, expert_dtype: str | None = None, dense_dtype: str | None = None,
+                 pack_dense: bool = True):
         self.llm = LLM(config=EngineConfig(model=str(path), expert_kernel=kernel, expert_dtype=expert_dtype,
-                                           dense_dtype=dense_dtype), show_progress=False)
+                                           dense_dtype=dense_dtype, pack_dense=pack_dense), show_progress=False)
 
     def tpot(self, ids: list[int], steps: int) -> list[float]:
         self.llm.generate([ids], SamplingParams(max_tokens=steps + 1, ignore_eos=True))
@@ -113,6 +115,9 @@ def main() -> None:
     ap.add_argument("--dense-int8", action="store_true",
                     help="also each moepager row with --dense-int8 (every projection int8; llama.cpp still runs "
                          "its dense tensors in bf16)")
+    ap.add_argument("--unpacked", action="store_true",
+                    help="also each bf16-dense moepager row with --no-packed-dense (torch's own GEMV for the large "
+                         "dense projections instead of oneDNN on prepacked weights)")
     ap.add_argument("--no-hf", action="store_true", help="leave transformers out")
     ap.add_argument("--out", default="peers", help="results/NAME.json")
     args = ap.parse_args()
@@ -123,10 +128,11 @@ def main() -> None:
     results, rows = [], []
     for name in args.models:
         path = model_path(name)
-        ours = {f"moepager {k}" + ("" if fmt == "bf16" else f" {fmt}") + (" +dense int8" if dense else ""):
-                (fmt, Ours(path, k, None if fmt == "bf16" else fmt, dense))
+        ours = {f"moepager {k}" + ("" if fmt == "bf16" else f" {fmt}") + (" +dense int8" if dense else "")
+                + ("" if pack else " (torch GEMV)"): (fmt, Ours(path, k, None if fmt == "bf16" else fmt, dense, pack))
                 for fmt in args.formats for k in args.kernels
-                for dense in ([None, "int8"] if args.dense_int8 else [None])}
+                for dense in ([None, "int8"] if args.dense_int8 else [None])
+                for pack in ([True, False] if args.unpacked and not dense else [True])}
         peers = {} if args.no_hf else {"HF": ("bf16", HF(path))}
         nbytes = {fmt: bytes_per_decode_token(engine.llm) for fmt, engine in ours.values()
                   if engine.llm.config.dense_dtype is None}

@@ -134,6 +134,9 @@ class EngineConfig:
     dense_dtype: str | None = None
     """int8: the dense projections (attention, dense and shared MLPs, LM head) as int8 too (lossy, opt-in);
     None: they compute in `dtype`."""
+    pack_dense: bool = True
+    """CPU, bf16: large dense projections computed by oneDNN from weights prepacked at load (models/packed.py);
+    False keeps torch's own GEMV."""
 
     def __post_init__(self) -> None:
         if self.prefetch.predictor is not None and not self.store.paged:

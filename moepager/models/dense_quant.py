@@ -16,6 +16,8 @@ for half the bytes). Memory halves either way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -48,16 +50,30 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def quantize_dense(model: nn.Module) -> None:
-    """Replace the model's dense projections by Int8Linear in place. Attention's q/k/v are quantized as their one
-    fused projection (the three modules are then dropped)."""
+Make = Callable[[torch.Tensor, "torch.Tensor | None"], "nn.Module | None"]
+"""A dense projection's replacement from its (weight, bias), or None to keep it as it is."""
+
+
+def replace_dense(model: nn.Module, make: Make) -> None:
+    """Replace the model's dense projections (attention, dense and shared-expert MLPs, the LM head; not those in
+    KEEP) by `make(weight, bias)` in place. Attention's q/k/v are replaced as their one fused projection (the
+    three modules are then dropped); a tied LM head gets its own module (the embedding keeps its weights)."""
     from moepager.models.layers import Attention, CausalLM
 
     for module in list(model.modules()):
         if isinstance(module, Attention) and module.qkv is None:
-            module.replace_qkv(Int8Linear)
+            fused = make(*module.fused_qkv())
+            if fused is not None:
+                module.replace_qkv(fused)
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and name not in KEEP:
-                setattr(module, name, Int8Linear(child.weight, child.bias))
-    if isinstance(model, CausalLM) and model.lm_head is None:  # tied: the head's own int8 copy
-        model.lm_head = Int8Linear(model.model.embed_tokens.weight)
+                new = make(child.weight, child.bias)
+                if new is not None:
+                    setattr(module, name, new)
+    if isinstance(model, CausalLM) and model.lm_head is None:
+        model.lm_head = make(model.model.embed_tokens.weight, None)
+
+
+def quantize_dense(model: nn.Module) -> None:
+    """Replace the model's dense projections by Int8Linear in place (`replace_dense`)."""
+    replace_dense(model, Int8Linear)

@@ -265,10 +265,10 @@ class Attention(nn.Module):
             self._qkv = (fused_w, fused_b)
         return self._qkv
 
-    def replace_qkv(self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]) -> None:
-        """Compute q/k/v with `make(fused weight, fused bias)` (an int8 projection) and drop the three Linear
-        modules, whose weights were views of the fused one."""
-        self.qkv = make(*self.fused_qkv())
+    def replace_qkv(self, qkv: nn.Module) -> None:
+        """Compute q/k/v with `qkv` (made from `fused_qkv()`: an int8 or prepacked projection) and drop the three
+        Linear modules, whose weights were views of the fused one."""
+        self.qkv = qkv
         self.q_proj = self.k_proj = self.v_proj = self._qkv = None
 
     def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,

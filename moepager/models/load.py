@@ -21,6 +21,7 @@ from moepager.experts.quant import check_shape
 from moepager.experts.weights import ExpertShape
 from moepager.models.config import ModelConfig
 from moepager.models.dense_quant import check_dense_dtype, quantize_dense
+from moepager.models.packed import pack_dense as pack_dense_projections
 from moepager.models.layers import CausalLM
 from moepager.models.loader import Checkpoint, load_module_weights
 from moepager.models.registry import architecture_for
@@ -100,10 +101,12 @@ def read_config(path: str | os.PathLike[str]) -> ModelConfig:
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None, device: str = "cpu",
                executor_factory: ExecutorFactory | None = None, show_progress: bool = True,
                direct_io: DirectIO = "auto", expert_dtype: str | None = None, int4_group: int | None = None,
-               int4_zero_point: bool | None = None, dense_dtype: str | None = None) -> LoadedModel:
+               int4_zero_point: bool | None = None, dense_dtype: str | None = None,
+               pack_dense: bool = True) -> LoadedModel:
     """A checkpoint ready to run. `expert_dtype` (bf16/fp16/fp32/int8/int4; None: as stored) is the format
     routed experts are held and computed in; int8/int4 are lossy and opt-in (experts/quant.py). `dense_dtype`
-    int8 quantizes the dense projections too (models/dense_quant.py; lossy, opt-in)."""
+    int8 quantizes the dense projections too (models/dense_quant.py; lossy, opt-in). `pack_dense` prepacks the
+    large bf16 dense projections for oneDNN on the CPU (models/packed.py)."""
     from moepager.models.quantized import expert_format, stored_format  # it imports this module
 
     check_dense_dtype(dense_dtype)
@@ -135,7 +138,10 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None, d
     model.to(dev).eval()
     if dense_dtype is not None:
         quantize_dense(model)
+    packed = pack_dense_projections(model) if dense_dtype is None and pack_dense and dev.type == "cpu" else 0
     dense_format = dense_dtype or str(dtype).removeprefix("torch.")
+    if packed:
+        dense_format += f" ({packed} large projection{'s' if packed > 1 else ''} prepacked for oneDNN)"
     return LoadedModel(checkpoint, cfg, model, experts, shape, dtype, dev, dense_format)
 
 

@@ -62,7 +62,8 @@ class LLM:
         self.loaded: LoadedModel = load_model(path, parse_dtype(self.config.dtype) if self.config.dtype else None,
                                               self.config.device, executor, show_progress, store_config.direct_io,
                                               self.config.expert_dtype, self.config.int4_group,
-                                              self.config.int4_zero_point, self.config.dense_dtype)
+                                              self.config.int4_zero_point, self.config.dense_dtype,
+                                              self.config.pack_dense)
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
         self.eos_token_ids = self._eos_token_ids()
         self.last_stats = RunStats()

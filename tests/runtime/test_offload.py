@@ -28,7 +28,7 @@ def logits_run(loaded, steps: int = 4, rows: int = 2) -> list[torch.Tensor]:
     ids = torch.randint(0, VOCAB, (2, 13), generator=gen)[:rows].to(dev)
     lens = torch.tensor([13, 9])[:rows].to(dev)
     pos = torch.arange(13, device=dev).expand(rows, 13)
-    cache = loaded.model.make_cache(rows, 13 + steps, torch.float32, dev)
+    cache = loaded.model.make_cache(rows, 13 + steps, loaded.dtype, dev)
     out = []
     with torch.inference_mode():
         logits = loaded.model(ids, ForwardBatch.build(pos, valid_BT=pos < lens[:, None]), cache,
