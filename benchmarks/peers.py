@@ -11,7 +11,7 @@ qwen3-30b-a3b --layers 4` (~1.08 GB of weights read per token in bf16). Reports 
 llama.cpp in the same format, and the weight bytes per token divided by the time per token (achieved GB/s).
 
     python benchmarks/peers.py [--models demo qwen3-30b-a3b] [--threads 1 2] [--rounds 3] [--decode 64]
-        [--kernels auto loop gather grouped] [--formats bf16 int8 int4] [--dense-int8] [--unpacked] [--no-hf]
+        [--kernels auto loop gather grouped packed] [--formats bf16 int8 int4] [--dense-int8] [--unpacked] [--no-hf]
         [--out peers]
 """
 

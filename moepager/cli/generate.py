@@ -72,7 +72,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--expert-kernel", choices=KERNELS, default="auto",
                    help="how a layer's routed experts are computed: auto (per call: loop on the CPU, gather for "
-                        "small experts at one token, grouped on CUDA), loop, gather or grouped")
+                        "small experts at one token, grouped on CUDA), loop, gather, grouped, or packed (CPU, bf16, "
+                        "every expert resident: oneDNN on weights prepacked at load; faster on large experts, not "
+                        "bit-equal to loop)")
     p.add_argument("--no-packed-dense", dest="pack_dense", action="store_false",
                    help="CPU, bf16: compute the large dense projections (attention, LM head) with torch's own GEMV "
                         "instead of oneDNN on weights prepacked at load (1.5-2.3x faster on matrices of 1M+ elements)")

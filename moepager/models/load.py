@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from moepager.errors import CheckpointError
 from moepager.models.expert_reader import ExpertReader, is_routed_expert
-from moepager.experts.executor import ExpertExecutor, Kernel, ResidentExecutor
+from moepager.experts.executor import ExpertExecutor, Kernel, PackedExecutor, ResidentExecutor
 from moepager.experts.quant import check_shape
 from moepager.experts.weights import ExpertShape
 from moepager.models.config import ModelConfig
@@ -86,6 +86,8 @@ def read_resident(reader: ExpertReader, moe_layers: list[int], num_experts: int,
 def resident_executor(device: torch.device, kernel: Kernel = "auto") -> ExecutorFactory:
     def make(reader: ExpertReader, cfg: ModelConfig, progress: Callable[[int], None]) -> ExpertExecutor:
         arena = read_resident(reader, cfg.moe_layers, cfg.num_experts, device, progress)
+        if kernel == "packed":  # the arena is dropped once packed
+            return PackedExecutor(arena, reader.shape, cfg.moe_layers, cfg.num_experts)
         return ResidentExecutor(arena, reader.shape, cfg.moe_layers, cfg.num_experts, kernel)
     return make
 

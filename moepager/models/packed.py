@@ -29,6 +29,16 @@ def packing_available() -> bool:
         ops, "_linear_pointwise")
 
 
+def prepack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] in oneDNN's layout for one-token calls (an opaque oneDNN tensor, a copy)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b for W prepacked by `prepack` (any leading dimensions of x)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class PackedLinear(nn.Module):
     """y = x W^T + b with W held in oneDNN's prepacked layout (a plain attribute: it is an opaque oneDNN tensor,
     neither saved nor moved; the module is made after loading, on the CPU)."""
@@ -36,11 +46,11 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)  # laid out for one-token calls
+        self.packed = prepack(weight)
         self.register_buffer("bias", None if bias is None else bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return packed_linear(x, self.packed, self.bias)
 
 
 def _packed_if_large(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear | None:

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from moepager.config import StoreConfig
 from moepager.models import packed
 from moepager.models.layers import Attention, SoftmaxTopKRouter
-from moepager.models.load import load_model
+from moepager.errors import ConfigError
+from moepager.experts.executor import PackedExecutor
+from moepager.models.load import load_model, resident_executor
 from moepager.models.packed import PackedLinear, packing_available
 from moepager.runtime.store_setup import paged_executor
 from tests.conftest import ARCHS, expert_budget
@@ -20,6 +22,7 @@ from tests.runtime.test_offload import logits_run
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
 BF16 = torch.bfloat16
+CPU = torch.device("cpu")
 
 
 @pytest.fixture
@@ -73,8 +76,30 @@ def test_offloading_stays_bit_exact_over_packed_projections(hf_checkpoint, pack_
     assert isinstance(resident.model.lm_head, PackedLinear)
     ref = logits_run(resident, steps=6)
     config = StoreConfig(expert_memory=expert_budget(resident.expert_shape.nbytes, 3), warm=False)
-    paged = load_model(path, executor_factory=paged_executor(config, torch.device("cpu")),
+    paged = load_model(path, executor_factory=paged_executor(config, CPU),
                        show_progress=False)
     assert all(torch.equal(a, b) for a, b in zip(logits_run(paged, steps=6), ref))
     assert sum(p.loads_on_demand for p in paged.experts.store.counters.phases.values()) > 0
     paged.experts.store.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_the_packed_expert_kernel_computes_the_loop_kernels_logits(hf_checkpoint, arch):
+    _, path = hf_checkpoint(arch)
+    got = load_model(path, dtype=BF16, executor_factory=resident_executor(CPU, "packed"), show_progress=False)
+    assert isinstance(got.experts, PackedExecutor)
+    ref = load_model(path, dtype=BF16, executor_factory=resident_executor(CPU, "loop"), show_progress=False)
+    for a, b in zip(logits_run(got, rows=2), logits_run(ref, rows=2)):  # prefill of two rows, then decodes
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)
+
+
+def test_the_packed_expert_kernel_refuses_what_it_cannot_compute(hf_checkpoint):
+    _, path = hf_checkpoint("olmoe")
+    with pytest.raises(ConfigError, match="computes bf16 experts on the CPU"):
+        load_model(path, executor_factory=resident_executor(CPU, "packed"), show_progress=False)  # fp32
+    with pytest.raises(ConfigError, match="computes bf16 experts on the CPU"):
+        load_model(path, dtype=BF16, expert_dtype="int8", executor_factory=resident_executor(CPU, "packed"),
+                   show_progress=False)
+    with pytest.raises(ConfigError, match="resident experts only"):
+        load_model(path, dtype=BF16, executor_factory=paged_executor(StoreConfig(expert_memory="64MiB"), CPU, "packed"),
+                   show_progress=False)
