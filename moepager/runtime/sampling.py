@@ -130,8 +130,11 @@ def sample_rows(logits_BV: torch.Tensor, requests: Sequence[Sampled]) -> list[tu
 
     Raises NonFiniteLogits when a row's logits hold NaN or infinity."""
     logits_BV = logits_BV.float()  # CPU argmax and isfinite of bf16 cost 3.5x more (216 against 62 us at 8 rows)
-    finite_B = logits_BV.abs().amax(dim=-1).isfinite()  # NaN propagates through amax, and either infinity shows
-    picked = torch.stack((logits_BV.argmax(dim=-1), finite_B.long())).tolist()
+    # max(dim) gives argmax's index (the first of equal maxima) in 155 us at a 151936-token vocabulary where argmax
+    # takes 248 (1 thread); NaN propagates through max and amin, +inf shows in the max and -inf in the min
+    best_B, tokens_B = logits_BV.max(dim=-1)
+    finite_B = best_B.isfinite() & logits_BV.amin(dim=-1).isfinite()
+    picked = torch.stack((tokens_B, finite_B.long())).tolist()
     if 0 in picked[1]:
         raise NonFiniteLogits([b for b, ok in enumerate(picked[1]) if not ok])
     tokens: list[int] = picked[0]

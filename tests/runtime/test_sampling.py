@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from moepager.errors import InvalidRequestError
-from moepager.runtime.sampling import RequestSampler, SamplingParams, filtered_probs, penalised, sample_rows
+from moepager.runtime.sampling import (
+    NonFiniteLogits,
+    RequestSampler,
+    SamplingParams,
+    filtered_probs,
+    penalised,
+    sample_rows,
+)
 
 
 @dataclass
@@ -50,6 +57,18 @@ def test_greedy_is_argmax():
     logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 0.0]])
     rows = [Row(RequestSampler(SamplingParams())) for _ in range(2)]
     assert sample_rows(logits, rows) == [(1, None), (0, None)]
+    ties = torch.randint(0, 3, (4, 5000), generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    rows = [Row(RequestSampler(SamplingParams())) for _ in range(4)]
+    assert [t for t, _ in sample_rows(ties, rows)] == ties.float().argmax(-1).tolist()  # the first of equal maxima
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_row_with_nan_or_either_infinity_is_reported(bad):
+    logits = torch.zeros(3, 8)
+    logits[1, 5] = bad
+    with pytest.raises(NonFiniteLogits) as e:
+        sample_rows(logits, [Row(RequestSampler(SamplingParams())) for _ in range(3)])
+    assert e.value.rows == [1]
 
 
 @pytest.mark.parametrize("kwargs", [dict(min_p=1.5), dict(repetition_penalty=0.0), dict(presence_penalty=2.5),
