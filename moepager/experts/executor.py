@@ -29,7 +29,7 @@ Shape legend: N tokens, K top-k, M = N*K (token, k) pairs, D hidden, F expert FF
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal, Protocol
@@ -253,20 +253,26 @@ class ResidentExecutor:
 
 class PackedExecutor:
     """`--expert-kernel packed` (CPU, bf16, every expert resident; opt-in): each expert's two projections are
-    prepacked for oneDNN at load (models/packed.py) and the arena is dropped, so the memory is the same; a layer's
-    experts are computed one by one as `loop` computes them. On matrices of 1M+ elements oneDNN's bf16 GEMV is
+    prepacked for oneDNN at load (models/packed.py), one MoE layer's arena at a time, each dropped once packed (so
+    the memory is the same, the load's peak one layer's arena more); a layer's experts are computed one by one as
+    `loop` computes them. On matrices of 1M+ elements oneDNN's bf16 GEMV is
     1.5-2.3x faster than torch's own, on small ones its ~17 us per call loses (the built-in model's experts). Not
     the default: it is not bit-equal to `loop` (fp32 accumulation in another order), and a paged run, which
     computes with `loop`, must give the resident run's output."""
 
-    def __init__(self, arena: torch.Tensor, shape: ExpertShape, moe_layers: Sequence[int], num_experts: int):
+    def __init__(self, layer_arenas: Iterable[torch.Tensor], shape: ExpertShape, moe_layers: Sequence[int],
+                 num_experts: int, device: torch.device):
+        """`layer_arenas`: each MoE layer's experts in turn, as the rows of one arena (read lazily, so only one
+        layer's arena need exist at a time)."""
         from moepager.models.packed import packing_available, prepack
 
-        if arena.is_cuda or shape.quant is not None or shape.dtype != torch.bfloat16 or not packing_available():
+        if device.type != "cpu" or shape.quant is not None or shape.dtype != torch.bfloat16 or not packing_available():
             raise ConfigError(f"the 'packed' expert kernel computes bf16 experts on the CPU with oneDNN; these are "
-                              f"{shape.format_name} on {arena.device.type}")
-        views = [expert_view(row, shape) for row in arena]
-        self.packed = [(prepack(w.gate_up_2FD), prepack(w.down_DF)) for w in views]  # type: ignore[union-attr]
+                              f"{shape.format_name} on {device.type}")
+        self.packed: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for arena in layer_arenas:
+            views = [expert_view(row, shape) for row in arena]
+            self.packed += [(prepack(w.gate_up_2FD), prepack(w.down_DF)) for w in views]  # type: ignore[union-attr]
         self.base = {layer: i * num_experts for i, layer in enumerate(moe_layers)}
         self.f, self.act = shape.intermediate, F.silu
 

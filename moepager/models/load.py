@@ -85,9 +85,10 @@ def read_resident(reader: ExpertReader, moe_layers: list[int], num_experts: int,
 
 def resident_executor(device: torch.device, kernel: Kernel = "auto") -> ExecutorFactory:
     def make(reader: ExpertReader, cfg: ModelConfig, progress: Callable[[int], None]) -> ExpertExecutor:
+        if kernel == "packed":  # a layer at a time, each arena dropped once packed
+            arenas = (read_resident(reader, [layer], cfg.num_experts, device, progress) for layer in cfg.moe_layers)
+            return PackedExecutor(arenas, reader.shape, cfg.moe_layers, cfg.num_experts, device)
         arena = read_resident(reader, cfg.moe_layers, cfg.num_experts, device, progress)
-        if kernel == "packed":  # the arena is dropped once packed
-            return PackedExecutor(arena, reader.shape, cfg.moe_layers, cfg.num_experts)
         return ResidentExecutor(arena, reader.shape, cfg.moe_layers, cfg.num_experts, kernel)
     return make
 
