@@ -25,6 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_state, print_table, write_json  # noqa: E402
 
+from moepager.experts.onednn import packed_linear, prepack  # noqa: E402
 from moepager.experts.quant import quantize_int8  # noqa: E402
 
 SHAPES = [(512, 256), (256, 256), (8192, 256), (128, 256), (5120, 2048), (2048, 4096), (1536, 2048), (2048, 768),
@@ -51,16 +52,14 @@ def best_us(fn: Callable[[object], object], weights: list, native: bool) -> floa
 def measure(n: int, k: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen).bfloat16() for _ in range(max(1, int(TOTAL_BYTES // (n * k * 2))))]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+    packed = [prepack(w) for w in weights]
     int8 = [quantize_int8(w, torch.bfloat16) for w in weights]
     x = torch.randn(1, k, generator=gen).bfloat16()
 
-    def onednn_packed(w: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [None], "")
-    equal = torch.equal(onednn_packed(packed[0]), F.linear(x, weights[0]))
+    equal = torch.equal(packed_linear(x, packed[0]), F.linear(x, weights[0]))
     us = {"bf16 native": best_us(lambda w: F.linear(x, w), weights, True),
           "bf16 oneDNN": best_us(lambda w: F.linear(x, w), weights, False),
-          "bf16 oneDNN prepacked": best_us(onednn_packed, packed, False),
+          "bf16 oneDNN prepacked": best_us(lambda w: packed_linear(x, w), packed, False),
           "int8 packed": best_us(lambda qs: torch.ops.aten._weight_int8pack_mm(x, *qs), int8, True)}
     nbytes = {label: n * k * (1 if label.startswith("int8") else 2) for label in us}
     return {"shape": [n, k], "us": us, "GBps": {label: nbytes[label] / t / 1e3 for label, t in us.items()},

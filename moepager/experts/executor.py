@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from moepager.experts.compute import expert_forward
+from moepager.experts.onednn import packed_linear, packing_available, prepack
 from moepager.experts.weights import AnyExpertWeights, ExpertShape, expert_view
 from moepager.errors import ConfigError
 from moepager.store.store import ExpertStore
@@ -139,7 +140,9 @@ class ArenaKernels:
         self.resolved: Kernel = kernel if kernel != "auto" else "grouped" if arena.is_cuda and not self.quantized \
             else "loop"
         """The kernel of one-token calls (`auto` resolved by device; see `choose` for more tokens)."""
-        self._grouped_batches = kernel == "auto" and not arena.is_cuda and not self.quantized
+        self.batched: Kernel = "grouped" if kernel == "auto" and not arena.is_cuda and not self.quantized \
+            else self.resolved
+        """The kernel of calls on more tokens (see `choose`)."""
         self.views: list[AnyExpertWeights] = [expert_view(row, shape) for row in arena]
         if not self.quantized:
             self.gate_up_R2FD = arena[:, : 2 * f * d].view(-1, 2 * f, d)
@@ -151,9 +154,7 @@ class ArenaKernels:
         """The kernel for a call on `tokens` tokens: `auto` on the CPU is `loop` for one token and `grouped` for more (a batch of
         decodes spreads over many experts with few tokens each: grouped decodes the built-in model 1.6x faster
         than loop at 8 requests, 505 against 313 tok/s; and it wins prefill, see the module note)."""
-        if self._grouped_batches and tokens > 1:
-            return "grouped"
-        return self.resolved
+        return self.batched if tokens > 1 else self.resolved
 
     def loop(self, work: SortedTokens, rows: Sequence[int], which: Sequence[int], out_MD: torch.Tensor,
              base: int = 0) -> None:
@@ -232,7 +233,7 @@ class ResidentExecutor:
 
     def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
         kernels, base = self.kernels, self.base[layer]
-        kernel = kernels.resolved if x_ND.shape[0] == 1 else kernels.choose(x_ND.shape[0])
+        kernel = kernels.batched if x_ND.shape[0] > 1 else kernels.resolved  # `choose`, inlined: per layer and token
         if kernel == "grouped":  # the layer's own rows only: empty groups still cost (CPU: 0.57 against 0.37 ms)
             return kernels.grouped_rows(x_ND, route, base, self.num_experts)
         work = sort_by_expert(x_ND, route)
@@ -253,7 +254,7 @@ class ResidentExecutor:
 
 class PackedExecutor:
     """`--expert-kernel packed` (CPU, bf16, every expert resident; opt-in): each expert's two projections are
-    prepacked for oneDNN at load (models/packed.py), one MoE layer's arena at a time, each dropped once packed (so
+    prepacked for oneDNN at load (experts/onednn.py), one MoE layer's arena at a time, each dropped once packed (so
     the memory is the same, the load's peak one layer's arena more); a layer's experts are computed one by one as
     `loop` computes them. On matrices of 1M+ elements oneDNN's bf16 GEMV is
     1.5-2.3x faster than torch's own, on small ones its ~17 us per call loses (the built-in model's experts). Not
@@ -264,8 +265,6 @@ class PackedExecutor:
                  num_experts: int, device: torch.device):
         """`layer_arenas`: each MoE layer's experts in turn, as the rows of one arena (read lazily, so only one
         layer's arena need exist at a time)."""
-        from moepager.models.packed import packing_available, prepack
-
         if device.type != "cpu" or shape.quant is not None or shape.dtype != torch.bfloat16 or not packing_available():
             raise ConfigError(f"the 'packed' expert kernel computes bf16 experts on the CPU with oneDNN; these are "
                               f"{shape.format_name} on {device.type}")
@@ -277,8 +276,6 @@ class PackedExecutor:
         self.f, self.act = shape.intermediate, F.silu
 
     def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
-        from moepager.models.packed import packed_linear
-
         work, base, f = sort_by_expert(x_ND, route), self.base[layer], self.f
         out_MD = torch.empty_like(work.x_MD)
         for i, e in enumerate(work.experts):

@@ -54,24 +54,30 @@ Make = Callable[[torch.Tensor, "torch.Tensor | None"], "nn.Module | None"]
 """A dense projection's replacement from its (weight, bias), or None to keep it as it is."""
 
 
-def replace_dense(model: nn.Module, make: Make) -> None:
+def replace_dense(model: nn.Module, make: Make) -> int:
     """Replace the model's dense projections (attention, dense and shared-expert MLPs, the LM head; not those in
-    KEEP) by `make(weight, bias)` in place. Attention's q/k/v are replaced as their one fused projection (the
-    three modules are then dropped); a tied LM head gets its own module (the embedding keeps its weights)."""
+    KEEP) by `make(weight, bias)` in place; returns how many were replaced. Attention's q/k/v are replaced as their
+    one fused projection (the three modules are then dropped); a tied LM head gets its own module (the embedding
+    keeps its weights)."""
     from moepager.models.layers import Attention, CausalLM
 
+    replaced = 0
     for module in list(model.modules()):
         if isinstance(module, Attention) and module.qkv is None:
             fused = make(*module.fused_qkv())
             if fused is not None:
                 module.replace_qkv(fused)
+                replaced += 1
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and name not in KEEP:
                 new = make(child.weight, child.bias)
                 if new is not None:
                     setattr(module, name, new)
+                    replaced += 1
     if isinstance(model, CausalLM) and model.lm_head is None:
         model.lm_head = make(model.model.embed_tokens.weight, None)
+        replaced += model.lm_head is not None
+    return replaced
 
 
 def quantize_dense(model: nn.Module) -> None:

@@ -4,11 +4,13 @@ converts or reorders a weight. Lossless in the sense of a kernel choice: the pro
 fp32 accumulation order may differ from torch's own GEMV (a result can differ in its last bf16 bit), and every
 placement of the experts (resident, paged, prefetched) runs the same kernel.
 
-Measured on this project's CPU (bf16, one token, native GEMV against prepacked oneDNN, us; ad-hoc probe, 1 / 2
-threads): 8192x256 376 / 173 and 199 / 78; 5120x2048 1,476 / 740 and 771 / 442; 2048x4096 1,131 / 611;
-qwen3-30b-a3b's LM head 151936x2048 74,179 / 47,319 and 38,116 / 25,344 (1.5-2.3x); 16 and 64 tokens gain
-1.05-1.3x. Below ~1M elements the fixed cost of a oneDNN call (~17 us) loses (32x256: 3.4 against 17.7 us), so
-smaller matrices keep their weights; fp32 does not gain (0.8-1.2x) and keeps them too.
+Measured on this project's CPU (`python benchmarks/gemv.py`, 2026-11-24, bf16, one token, ~1 GB of distinct
+matrices so none is cached; native GEMV against prepacked oneDNN, GB/s at 1 / 2 threads): 8192x256 7.3 / 11.3 and
+13.9 / 21.3; 5120x2048 8.4 / 13.2 and 16.0 / 24.3; qwen3-30b-a3b's LM head 151936x2048 8.3 / 13.5 and 16.7 / 25.6.
+Below ~1M elements the fixed cost of a oneDNN call (~17 us) loses (128x256: 10.6 against 24.9 us), so smaller
+matrices keep their weights; fp32 does not gain (0.8-1.2x in an ad-hoc probe) and keeps them too. The gain depends
+on the machine: an earlier session's host ran torch's native GEMV at 22-23.5 GB/s at one thread and prepacked
+oneDNN at 16-19 (README), where prepacking would lose; `--no-packed-dense` turns it off.
 """
 
 from __future__ import annotations
@@ -16,27 +18,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moepager.experts.onednn import packed_linear, packing_available, prepack
 from moepager.models.dense_quant import replace_dense
 
 PACK_MIN_ELEMENTS = 1 << 20
 """Matrices with at least this many elements are prepacked (see the module note)."""
-
-
-def packing_available() -> bool:
-    """Whether this torch build has oneDNN and its prepacked linear ops (CPU builds of torch 2.x do)."""
-    ops = torch.ops.mkldnn
-    return torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight") and hasattr(
-        ops, "_linear_pointwise")
-
-
-def prepack(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [N, K] in oneDNN's layout for one-token calls (an opaque oneDNN tensor, a copy)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b for W prepacked by `prepack` (any leading dimensions of x)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class PackedLinear(nn.Module):
@@ -62,8 +48,4 @@ def _packed_if_large(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedL
 def pack_dense(model: nn.Module) -> int:
     """Prepack the model's large bf16 dense projections in place (models/dense_quant.py's `replace_dense` picks
     them: attention, dense and shared-expert MLPs, the LM head); returns how many were packed."""
-    if not packing_available():
-        return 0
-    before = sum(isinstance(m, PackedLinear) for m in model.modules())
-    replace_dense(model, _packed_if_large)
-    return sum(isinstance(m, PackedLinear) for m in model.modules()) - before
+    return replace_dense(model, _packed_if_large) if packing_available() else 0
