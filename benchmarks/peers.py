@@ -1,7 +1,8 @@
 """moepager against its peers on the CPU, all experts resident, bf16 or quantized experts: decode tokens/s side by side.
 
 Engines, each measured in interleaved rounds (median of per-token times over --decode steps after a 16-token
-prompt): moepager (one row per --kernels entry and --formats entry: bf16, or --expert-dtype int8/int4), HF
+prompt; the warm-up decode compiles a --compiled row): moepager (one row per --kernels entry and --formats entry:
+bf16, or --expert-dtype int8/int4), HF
 transformers (a greedy loop over its DynamicCache; bf16) and llama.cpp through `llama-cpp-python` when it is
 installed (`pip install -e ".[peers]"`, which builds llama.cpp from source; on this project's CPU set CMAKE_ARGS
 as FACTS.md says, AMX off) on the same weights written by our own `moepager export-gguf`: BF16, or Q8_0/Q4_0
@@ -11,7 +12,8 @@ qwen3-30b-a3b --layers 4` (~1.08 GB of weights read per token in bf16). Reports 
 llama.cpp in the same format, and the weight bytes per token divided by the time per token (achieved GB/s).
 
     python benchmarks/peers.py [--models demo qwen3-30b-a3b] [--threads 1 2] [--rounds 3] [--decode 64]
-        [--kernels auto loop gather grouped packed] [--formats bf16 int8 int4] [--dense-int8] [--unpacked] [--no-hf]
+        [--kernels auto loop gather grouped packed] [--formats bf16 int8 int4] [--dense-int8] [--unpacked] [--compiled]
+        [--no-hf]
         [--out peers]
 """
 
@@ -39,9 +41,10 @@ PROMPT = 16
 
 class Ours:
     def __init__(self, path: Path, kernel: str, expert_dtype: str | None = None, dense_dtype: str | None = None,
-                 pack_dense: bool = True):
+                 pack_dense: bool = True, compile: bool = False):
         self.llm = LLM(config=EngineConfig(model=str(path), expert_kernel=kernel, expert_dtype=expert_dtype,
-                                           dense_dtype=dense_dtype, pack_dense=pack_dense), show_progress=False)
+                                           dense_dtype=dense_dtype, pack_dense=pack_dense, compile=compile),
+                       show_progress=False)
 
     def tpot(self, ids: list[int], steps: int) -> list[float]:
         self.llm.generate([ids], SamplingParams(max_tokens=steps + 1, ignore_eos=True))
@@ -118,6 +121,9 @@ def main() -> None:
     ap.add_argument("--unpacked", action="store_true",
                     help="also each bf16-dense moepager row with --no-packed-dense (torch's own GEMV for the large "
                          "dense projections instead of oneDNN on prepacked weights)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also a moepager bf16 row with --compile (the one-token decode step compiled by TorchInductor; "
+                         "experts up to 1 MiB: the built-in model)")
     ap.add_argument("--no-hf", action="store_true", help="leave transformers out")
     ap.add_argument("--out", default="peers", help="results/NAME.json")
     args = ap.parse_args()
@@ -133,6 +139,8 @@ def main() -> None:
                 for fmt in args.formats for k in args.kernels
                 for dense in ([None, "int8"] if args.dense_int8 else [None])
                 for pack in ([True, False] if args.unpacked and not dense else [True])}
+        if args.compiled:
+            ours["moepager compiled"] = ("bf16", Ours(path, "auto", compile=True))
         peers = {} if args.no_hf else {"HF": ("bf16", HF(path))}
         nbytes = {fmt: bytes_per_decode_token(engine.llm) for fmt, engine in ours.values()
                   if engine.llm.config.dense_dtype is None}

@@ -78,6 +78,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-packed-dense", dest="pack_dense", action="store_false",
                    help="CPU, bf16: compute the large dense projections (attention, LM head) with torch's own GEMV "
                         "instead of oneDNN on weights prepacked at load (1.4-1.6x faster on matrices of 1M+ elements on this project's CPU)")
+    p.add_argument("--compile", action="store_true",
+                   help="CPU, every expert resident, experts up to 1 MiB: compile the one-token decode step with "
+                        "TorchInductor (tens of seconds at the first decode, cached on disk after; not bit-equal "
+                        "to the eager step; the built-in model decodes 2.2x / 2.3x faster at 1 / 2 threads)")
     q = p.add_argument_group("quantized experts (lossy, opt-in)")
     q.add_argument("--expert-dtype", choices=EXPERT_DTYPES,
                    help="format of the routed experts: int8 (per-channel scales) or int4 (group scales) quantize "
@@ -108,7 +112,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         store=store_config(args), prefetch=prefetch_config(args), expert_kernel=args.expert_kernel,
                         scheduler=scheduler, expert_dtype=args.expert_dtype, int4_group=args.int4_group,
                         int4_zero_point=args.int4_zero_points, dense_dtype=args.dense_dtype,
-                        pack_dense=args.pack_dense)
+                        pack_dense=args.pack_dense, compile=args.compile)
 
 
 def add_store_arguments(p: argparse.ArgumentParser) -> None:

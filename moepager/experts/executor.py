@@ -183,11 +183,24 @@ class ArenaKernels:
 
     def gather(self, work: SortedTokens, rows: Sequence[int]) -> torch.Tensor:
         """Each (token, k) pair's expert weights indexed out of the arena, one batched GEMM per projection."""
-        index_M = self._row_per_token(work, rows)
+        return self._gathered_swiglu(work.x_MD, self._row_per_token(work, rows))
+
+    def _gathered_swiglu(self, x_MD: torch.Tensor, index_M: torch.Tensor) -> torch.Tensor:
+        """Row i of x_MD through the expert of arena row index_M[i], whose weights are copied out."""
         gate_up_M2FD = self.gate_up_R2FD.index_select(0, index_M)  # a row copy: advanced indexing is 5x slower
-        h_M12F = torch.bmm(work.x_MD[:, None], gate_up_M2FD.transpose(1, 2))
+        h_M12F = torch.bmm(x_MD[:, None], gate_up_M2FD.transpose(1, 2))
         gate, up = h_M12F.chunk(2, dim=-1)
         return torch.bmm(self.act(gate) * up, self.down_RDF.index_select(0, index_M).transpose(1, 2))[:, 0]
+
+    def indexed_rows(self, x_ND: torch.Tensor, route: RoutingDecision, base: int) -> torch.Tensor:
+        """`gather` over one resident layer (expert e at arena row base + e) with the ids read on the device: no
+        host sync and no Python per expert, so a compiled decode step traces it (models/compiled.py). Each token
+        sums its K experts in top-k order, not ascending id order: not bit-equal to `loop`."""
+        ids_NK, weights_NK = route.ids_TK, route.weights_TK
+        n, k = ids_NK.shape
+        x_MD = x_ND[:, None].expand(n, k, x_ND.shape[1]).reshape(n * k, -1)
+        y_MD = self._gathered_swiglu(x_MD, ids_NK.reshape(-1) + base) * weights_NK.reshape(-1, 1)
+        return y_MD.to(x_ND.dtype).view(n, k, -1).sum(1)
 
     def _grouped_swiglu(self, x_MD: torch.Tensor, row_M: torch.Tensor, rows: slice) -> torch.Tensor:
         """Experts of arena rows `rows` on x_MD, whose row i is for arena row rows.start + row_M[i] (ascending)."""
@@ -242,6 +255,10 @@ class ResidentExecutor:
             kernels.loop(work, work.experts, range(len(work.experts)), out_MD, base)
             return combine(x_ND, work, out_MD)
         return combine(x_ND, work, kernels.compute(work, [base + e for e in work.experts], kernel))
+
+    def run_on_device(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
+        """`run` without a host sync, for a compiled decode step (`ArenaKernels.indexed_rows`; float experts)."""
+        return self.kernels.indexed_rows(x_ND, route, self.base[layer])
 
     def weights(self, layer: int, expert: int) -> AnyExpertWeights:
         return self.kernels.views[self.base[layer] + expert]

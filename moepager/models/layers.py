@@ -250,6 +250,8 @@ class Attention(nn.Module):
     def fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q, k and v projections as one weight (and bias): made at the first call after the weights are in
         place, with the three parameters turned into views of it, so it costs no memory and stays current."""
+        if self._qkv is not None and torch.compiler.is_compiling():  # made before compiling (models/compiled.py)
+            return self._qkv
         w = self.q_proj.weight
         if self._qkv is None or self._qkv[0].data_ptr() != w.data_ptr() or self._qkv[0].device != w.device:
             projs = (self.q_proj, self.k_proj, self.v_proj)
@@ -296,6 +298,8 @@ class Attention(nn.Module):
         """q_norm's weight for each query head, then k_norm's for each key head, as one [H + Hkv, Dh] tensor
         (remade when either weight is replaced or moves, as `fused_qkv` is; version counters are not read: weights
         loaded under inference mode have none)."""
+        if self._qk_weight is not None and torch.compiler.is_compiling():  # made before compiling
+            return self._qk_weight[1]
         q, k = self.q_norm.weight, self.k_norm.weight
         key = (q.data_ptr(), k.data_ptr(), q.device)
         if self._qk_weight is None or self._qk_weight[0] != key:
@@ -378,6 +382,10 @@ class CausalLM(nn.Module):
         self.model = stack
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.disk_renames = dict(disk_renames or {})
+        self.compiled_decode: Callable[..., torch.Tensor] | None = None
+        """`_forward` compiled for one-token passes (`--compile`, models/compiled.py); None runs it eagerly."""
+        self.plain_routing = True
+        """Every MoE block routes with its own router and reports to no observer (what the compiled step traces)."""
 
     def disk_name(self, module_name: str) -> str:
         """The checkpoint tensor name of a module parameter (some Hub formats use other names)."""
@@ -393,6 +401,7 @@ class CausalLM(nn.Module):
         """Every MoE block reports its routing decisions to `observer` (NULL_OBSERVER stops it)."""
         for block in self.moe_blocks():
             block.observer = observer
+        self.plain_routing = observer is NULL_OBSERVER and all(b.routing is OWN_ROUTER for b in self.moe_blocks())
 
     def first_non_finite(self, ids_BT: torch.Tensor, batch: ForwardBatch,
                          cache: Sequence[torch.Tensor]) -> str:
@@ -422,6 +431,7 @@ class CausalLM(nn.Module):
         """Every MoE block takes its routing from `source` (OWN_ROUTER restores the model's routers)."""
         for block in self.moe_blocks():
             block.routing = source
+        self.plain_routing = source is OWN_ROUTER and all(b.observer is NULL_OBSERVER for b in self.moe_blocks())
 
     def make_cache(self, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
         return [layer.self_attn.make_cache(rows, max_len, dtype, device) for layer in self.model.layers]
@@ -435,8 +445,9 @@ class CausalLM(nn.Module):
         if ids_BT.numel() == 1 and self.config.hidden_size <= NATIVE_GEMV_MAX_HIDDEN:
             mkldnn = torch._C._get_mkldnn_enabled()
             torch._C._set_mkldnn_enabled(False)
+            forward = self._forward if self.compiled_decode is None or not self.plain_routing else self.compiled_decode
             try:
-                return self._forward(ids_BT, batch, cache, logits_at_B)
+                return forward(ids_BT, batch, cache, logits_at_B)
             finally:
                 torch._C._set_mkldnn_enabled(mkldnn)
         return self._forward(ids_BT, batch, cache, logits_at_B)
@@ -519,6 +530,9 @@ class MoEBlock(nn.Module):
         raise NotImplementedError
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # a compiled decode step (models/compiled.py): routed on the device
+            out_ND = self.executor.run_on_device(self.layer, x_ND, self.gate(x_ND))  # type: ignore[attr-defined]
+            return out_ND + self.shared_output(x_ND) if self._has_shared else out_ND
         # A few tokens on the CPU: torch's own kernels for the router's and experts' small matrices (NATIVE_MAX_TOKENS)
         native = (x_ND.shape[0] <= NATIVE_MAX_TOKENS and x_ND.shape[1] <= NATIVE_BATCH_MAX_HIDDEN and not x_ND.is_cuda
                   and torch._C._get_mkldnn_enabled())

@@ -14,6 +14,7 @@ import torch
 from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
 from moepager.errors import InvalidRequestError
 from moepager.experts.executor import PagedExecutor
+from moepager.models.compiled import compile_decode
 from moepager.models.default import default_model_path
 from moepager.models.gguf_read import resolve_model_path
 from moepager.models.layers import NULL_OBSERVER, OWN_ROUTER, RoutingFanOut, RoutingObserver
@@ -63,7 +64,9 @@ class LLM:
                                               self.config.device, executor, show_progress, store_config.direct_io,
                                               self.config.expert_dtype, self.config.int4_group,
                                               self.config.int4_zero_point, self.config.dense_dtype,
-                                              self.config.pack_dense)
+                                              self.config.pack_dense and not self.config.compile)
+        if self.config.compile:
+            compile_decode(self.loaded.model, self.loaded.experts, self.loaded.expert_shape, self.loaded.device)
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
         self.eos_token_ids = self._eos_token_ids()
         self.last_stats = RunStats()

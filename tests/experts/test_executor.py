@@ -41,6 +41,25 @@ def test_every_kernel_computes_the_reference_sum(kernel, tokens):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_the_on_device_path_computes_the_reference_sum_without_reading_ids_on_the_host(tokens):
+    """What a compiled decode step traces (models/compiled.py): ids whose host copy raises are never read there."""
+    gen = torch.Generator().manual_seed(5)
+    shape = ExpertShape(16, 8, torch.float32)
+    executor = ResidentExecutor(torch.randn(2 * 6, shape.numel, generator=gen), shape, moe_layers=[3, 5],
+                                num_experts=6, kernel="loop")
+    x, route = torch.randn(tokens, 16, generator=gen), routed(tokens, seed=tokens)
+
+    class NoHost(torch.Tensor):
+        def tolist(self):
+            raise AssertionError("the ids were read on the host")
+
+    on_device = RoutingDecision(route.ids_TK.as_subclass(NoHost), route.weights_TK, route.scores_TE)
+    got = executor.run_on_device(5, x, on_device)
+    torch.testing.assert_close(got, combine_experts(x, route, executor, layer=5, num_experts=6), rtol=1e-5, atol=1e-5)
+    assert got.shape == x.shape
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_the_loop_kernel_equals_the_reference_bit_for_bit_in_every_dtype(dtype, tokens):

@@ -1,0 +1,76 @@
+"""A compiled one-token decode step (`--compile`; CPU, every expert resident, float experts; opt-in).
+
+A small model's decode step is bound by per-call overhead, not bytes: the built-in model runs ~660 aten calls
+per token eagerly (~5 us each on this project's CPU), where llama.cpp runs its whole graph in under a
+millisecond. `compile_decode` hands the model's forward to TorchInductor, whole (`fullgraph`: the router, the
+experts and attention in one graph, no break per layer), with its C++ wrapper (kernels called from C++, not
+Python). Elementwise chains (RMSNorm, RoPE, SwiGLU, the router's softmax) fuse into generated loops; GEMMs stay
+torch's own. Shapes are static at the first compile, and Dynamo's automatic dynamic shapes make the KV length
+dynamic at the second decode and the block table's width at the first new block (two more compiles, then one graph
+for every length; runtime/runner.py passes a width of 2 or more, as a width of 1 would be specialised). Not
+`dynamic=True`: it makes every size a symbol (the KV pool's, the arena's), and the C++ wrapper turns each of them
+into a tensor at every call (0.95 against 1.20 ms a forward on the built-in model at 2 threads, ad-hoc probe).
+
+Routed experts are computed by `ArenaKernels.indexed_rows`: ids read on the device and each token's K experts'
+weights copied out of the arena, so nothing syncs with the host and nothing in Python runs per expert. That copy
+is why it applies to small experts only (COMPILE_MAX_EXPERT_BYTES): on the qwen3-30b-a3b geometry (6 MiB
+experts) an ad-hoc probe of the compiled step decoded at 130 ms a token against 90 eagerly.
+
+Not bit-equal to the eager forward (fused elementwise code rounds in another order; experts sum in top-k
+order): an opt-in speed choice, as `--expert-kernel packed` is. Dense projections keep their plain weights
+(Inductor does not trace oneDNN's prepacked ones, models/packed.py). Passes of more than one token (prefill, batched
+decodes) and passes that record or replay routing run the eager forward.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+
+import torch
+
+from moepager.errors import ConfigError
+from moepager.experts.executor import ExpertExecutor, ResidentExecutor
+from moepager.experts.weights import ExpertShape
+from moepager.models.layers import Attention, CausalLM
+
+COMPILE_MAX_EXPERT_BYTES = 1 << 20
+"""Largest expert (all three projections) the compiled step copies per token and routed slot."""
+
+
+def check_compilable(experts: ExpertExecutor, shape: ExpertShape, device: torch.device) -> None:
+    """A clear error when `--compile` cannot apply to this run."""
+    if device.type != "cpu":
+        raise ConfigError("--compile runs on the CPU (its CUDA path has not been measured yet); leave it unset on "
+                          f"{device.type}")
+    if not isinstance(experts, ResidentExecutor):
+        raise ConfigError("--compile needs every expert resident (a paged layer waits on the host for its loads); "
+                          "leave --expert-memory unset, and --expert-kernel at auto, loop, gather or grouped")
+    if shape.quant is not None:
+        raise ConfigError(f"--compile computes float experts; these are {shape.format_name}")
+    if shape.nbytes > COMPILE_MAX_EXPERT_BYTES:
+        raise ConfigError(f"--compile copies each token's experts out of memory, which pays off for experts up to "
+                          f"{COMPILE_MAX_EXPERT_BYTES >> 20} MiB (decode steps bound by per-call overhead); these are "
+                          f"{shape.nbytes / (1 << 20):.1f} MiB each: leave --compile unset")
+
+
+def compile_decode(model: CausalLM, experts: ExpertExecutor, shape: ExpertShape, device: torch.device) -> None:
+    """Make `model` run its one-token passes through a compiled graph (compiled at the first such pass)."""
+    check_compilable(experts, shape, device)
+    for module in model.modules():  # the fused weights the eager forward makes lazily, made before tracing
+        if isinstance(module, Attention):
+            if module.qkv is None:
+                module.fused_qkv()
+            if module.qk_norm == "head":
+                module._qk_norm_weight()
+    model.compiled_decode = torch.compile(_own_code(model._forward), fullgraph=True, options={"cpp_wrapper": True})
+
+
+def _own_code(method: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The bound method over a copy of its function's code object. Dynamo keeps compiled graphs, and counts
+    recompiles against a limit of 8, per code object; every model shares `CausalLM._forward`'s, so without the
+    copy a process's third or fourth compiled model would silently run eagerly (a test run found it)."""
+    func = method.__func__  # type: ignore[attr-defined]
+    own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                             func.__closure__)
+    return types.MethodType(own, method.__self__)  # type: ignore[attr-defined]
