@@ -1,6 +1,6 @@
 """Deterministic overhead of a decode step on the built-in model: moepager-level Python calls per decode token
 (the architecture review's method: a 17-token generation less a 1-token one, over 16 steps), all resident, at a
-25% budget, and at 25% with gate-lookahead prefetch. Issue 15's goals: <= 40 resident, <= 80 with a predictor.
+25% budget, and at 25% with gate-lookahead prefetch; and all resident with the compiled decode step (`--compile`). Issue 15's goals: <= 40 resident, <= 80 with a predictor.
 tests/runtime/test_overhead.py guards the same counts.
 
     python benchmarks/overhead.py
@@ -18,18 +18,20 @@ from moepager.config import EngineConfig, PrefetchConfig, StoreConfig  # noqa: E
 from moepager.runtime.llm import LLM  # noqa: E402
 from tests.runtime.test_overhead import calls_per_decode_token  # noqa: E402
 
+PAGED = StoreConfig(expert_memory="25%", direct_io="off")
 CONFIGS = {
-    "all resident": (StoreConfig(), None),
-    "25% budget": (StoreConfig(expert_memory="25%", direct_io="off"), None),
-    "25% budget + gate-lookahead": (StoreConfig(expert_memory="25%", direct_io="off"), "gate-lookahead"),
+    "all resident": EngineConfig(),
+    "all resident, --compile": EngineConfig(compile=True),
+    "25% budget": EngineConfig(store=PAGED),
+    "25% budget + gate-lookahead": EngineConfig(store=PAGED, prefetch=PrefetchConfig("gate-lookahead")),
 }
 
 
 def main() -> None:
     rows = []
-    for label, (store, predictor) in CONFIGS.items():
-        llm = LLM(config=EngineConfig(store=store, prefetch=PrefetchConfig(predictor)), show_progress=False)
-        rows.append({"config": label, "calls_per_decode_token": calls_per_decode_token(llm)})
+    for label, config in CONFIGS.items():
+        llm = LLM(config=config, show_progress=False)
+        rows.append({"config": label, "calls_per_decode_token": calls_per_decode_token(llm, 48 if config.compile else 2)})
     print_table(["configuration", "moepager Python calls / decode token"],
                 [[r["config"], r["calls_per_decode_token"]] for r in rows])
     print(f"wrote {write_json('overhead', {'machine': machine_state(), 'rows': rows})}")
