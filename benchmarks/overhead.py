@@ -31,7 +31,7 @@ def main() -> None:
     rows = []
     for label, config in CONFIGS.items():
         llm = LLM(config=config, show_progress=False)
-        rows.append({"config": label, "calls_per_decode_token": calls_per_decode_token(llm, 48 if config.compile else 2)})
+        rows.append({"config": label, "calls_per_decode_token": calls_per_decode_token(llm)})
     print_table(["configuration", "moepager Python calls / decode token"],
                 [[r["config"], r["calls_per_decode_token"]] for r in rows])
     print(f"wrote {write_json('overhead', {'machine': machine_state(), 'rows': rows})}")

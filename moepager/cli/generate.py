@@ -80,7 +80,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "instead of oneDNN on weights prepacked at load (1.4-1.6x faster on matrices of 1M+ elements on this project's CPU)")
     p.add_argument("--compile", action="store_true",
                    help="CPU, every expert resident, experts up to 1 MiB: compile the one-token decode step with "
-                        "TorchInductor (tens of seconds at the first decode, cached on disk after; not bit-equal "
+                        "TorchInductor (when the model loads: tens of seconds, less once cached on disk; not bit-equal "
                         "to the eager step; the built-in model decodes 2.2x / 2.3x faster at 1 / 2 threads)")
     q = p.add_argument_group("quantized experts (lossy, opt-in)")
     q.add_argument("--expert-dtype", choices=EXPERT_DTYPES,

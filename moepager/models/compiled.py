@@ -56,7 +56,8 @@ def check_compilable(experts: ExpertExecutor, shape: ExpertShape, device: torch.
 
 
 def compile_decode(model: CausalLM, experts: ExpertExecutor, shape: ExpertShape, device: torch.device) -> None:
-    """Make `model` run its one-token passes through a compiled graph (compiled at the first such pass)."""
+    """Make `model` run its one-token passes through a compiled graph (compiled lazily by the first such passes;
+    `LLM` runs them while loading)."""
     check_compilable(experts, shape, device)
     for module in model.modules():  # the fused weights the eager forward makes lazily, made before tracing
         if isinstance(module, Attention):

@@ -82,6 +82,17 @@ class LLM:
                              self.eos_token_ids, self._detokenize, self._on_pass,
                              self.prefetcher.end_request if self.prefetcher is not None else ignore_finish)
         """The engine core every call (and the server) runs requests on; its KV cache is reused across calls."""
+        if self.config.compile:
+            self._compile_now()
+
+    def _compile_now(self) -> None:
+        """Run the compiles of `--compile` now, not in the first request: a throwaway greedy generation whose decode
+        steps compile the step (static shapes, then a dynamic KV length, then a dynamic block table width once the
+        cache spans three blocks, models/compiled.py)."""
+        scheduler = self.config.scheduler
+        steps = min(2 * scheduler.block_size + 4, scheduler.kv_cache_tokens - 2)
+        self.generate([[0, 0]], SamplingParams(max_tokens=steps, ignore_eos=True))
+        self.last_stats = RunStats()
 
     def _eos_token_ids(self) -> list[int]:
         """End-of-sequence ids from config.json, generation_config.json and the tokenizer (read once)."""
