@@ -53,6 +53,13 @@ def check_compilable(experts: ExpertExecutor, shape: ExpertShape, device: torch.
         raise ConfigError(f"--compile copies each token's experts out of memory, which pays off for experts up to "
                           f"{COMPILE_MAX_EXPERT_BYTES >> 20} MiB (decode steps bound by per-call overhead); these are "
                           f"{shape.nbytes / (1 << 20):.1f} MiB each: leave --compile unset")
+    from torch._inductor import cpp_builder  # here: importing Inductor takes ~1.3 s, which runs without it skip
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception as e:  # noqa: BLE001 - Inductor's own error types vary by version
+        raise ConfigError(f"--compile needs a C++ compiler for TorchInductor's CPU code, and none was found ({e}); "
+                          "install g++ (or set CXX), or leave --compile unset") from None
 
 
 def compile_decode(model: CausalLM, experts: ExpertExecutor, shape: ExpertShape, device: torch.device) -> None:

@@ -71,6 +71,13 @@ def test_compile_refuses_what_it_cannot_run(demo_checkpoint, monkeypatch):
     with pytest.raises(ConfigError, match=r"experts up to 0 MiB.*0\.1 MiB each"):
         check_compilable(resident, shape, CPU)
     monkeypatch.undo()
+
+    def no_compiler():
+        raise RuntimeError("no working C++ compiler found")
+    monkeypatch.setattr("torch._inductor.cpp_builder.get_cpp_compiler", no_compiler)
+    with pytest.raises(ConfigError, match="needs a C\\+\\+ compiler.*install g\\+\\+"):
+        check_compilable(resident, shape, CPU)
+    monkeypatch.undo()
     budget = expert_budget(load_model(demo_checkpoint, show_progress=False).expert_shape.nbytes, 4)
     with pytest.raises(ConfigError, match="every expert resident"):
         LLM(config=EngineConfig(model=str(demo_checkpoint), compile=True, store=StoreConfig(expert_memory=budget)),
