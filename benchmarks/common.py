@@ -67,6 +67,7 @@ def converted(fmt: str, src: Path, name: str, opts: Any = None) -> Path:
     out = RESULTS / "traces" / f"{name}.mpt"
     if not out.exists():
         print(f"converting {src} -> {out}")
+        out.parent.mkdir(parents=True, exist_ok=True)
         convert(fmt, src, out, opts or ConvertOptions())
     return out
 

@@ -122,8 +122,8 @@ def main() -> None:
                     help="also each bf16-dense moepager row with --no-packed-dense (torch's own GEMV for the large "
                          "dense projections instead of oneDNN on prepacked weights)")
     ap.add_argument("--compiled", action="store_true",
-                    help="also a moepager bf16 row with --compile (the one-token decode step compiled by TorchInductor; "
-                         "experts up to 1 MiB: the built-in model)")
+                    help="also a moepager row with --compile for bf16 and int8 among --formats (the one-token "
+                         "decode step compiled by TorchInductor; experts up to 1 MiB: the built-in model)")
     ap.add_argument("--no-hf", action="store_true", help="leave transformers out")
     ap.add_argument("--out", default="peers", help="results/NAME.json")
     args = ap.parse_args()
@@ -139,8 +139,10 @@ def main() -> None:
                 for fmt in args.formats for k in args.kernels
                 for dense in ([None, "int8"] if args.dense_int8 else [None])
                 for pack in ([True, False] if args.unpacked and not dense else [True])}
-        if args.compiled:
-            ours["moepager compiled"] = ("bf16", Ours(path, "auto", compile=True))
+        if args.compiled:  # --compile takes float and int8 experts
+            ours |= {"moepager compiled" + ("" if fmt == "bf16" else f" {fmt}"):
+                     (fmt, Ours(path, "auto", None if fmt == "bf16" else fmt, compile=True))
+                     for fmt in args.formats if fmt in ("bf16", "int8")}
         peers = {} if args.no_hf else {"HF": ("bf16", HF(path))}
         nbytes = {fmt: bytes_per_decode_token(engine.llm) for fmt, engine in ours.values()
                   if engine.llm.config.dense_dtype is None}

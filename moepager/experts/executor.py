@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from moepager.experts.compute import expert_forward
 from moepager.experts.onednn import packed_linear, packing_available, prepack
+from moepager.experts.quant import sections
 from moepager.experts.weights import AnyExpertWeights, ExpertShape, expert_view
 from moepager.errors import ConfigError
 from moepager.store.store import ExpertStore
@@ -144,6 +145,12 @@ class ArenaKernels:
             else self.resolved
         """The kernel of calls on more tokens (see `choose`)."""
         self.views: list[AnyExpertWeights] = [expert_view(row, shape) for row in arena]
+        self.scales_R2F: torch.Tensor | None = None
+        """int8: each arena row's gate_up and down scales (None for float experts)."""
+        if shape.quant is not None and shape.quant.bits == 8:  # whole-arena views of the int8 buffers' sections
+            q_gu, q_dn, s_gu, s_dn = (arena[:, s.offset: s.offset + s.nbytes].view(s.dtype).unflatten(1, s.shape)
+                                      for s in sections(d, f, shape.dtype, shape.quant)[0])
+            self.gate_up_R2FD, self.down_RDF, self.scales_R2F, self.scales_RD = q_gu, q_dn, s_gu, s_dn
         if not self.quantized:
             self.gate_up_R2FD = arena[:, : 2 * f * d].view(-1, 2 * f, d)
             self.down_RDF = arena[:, 2 * f * d:].view(-1, d, f)
@@ -151,9 +158,9 @@ class ArenaKernels:
             """Per row, the projections as `mm` takes them (F.linear's own transpose, done once)."""
 
     def choose(self, tokens: int) -> Kernel:
-        """The kernel for a call on `tokens` tokens: `auto` on the CPU is `loop` for one token and `grouped` for more (a batch of
-        decodes spreads over many experts with few tokens each: grouped decodes the built-in model 1.6x faster
-        than loop at 8 requests, 505 against 313 tok/s; and it wins prefill, see the module note)."""
+        """The kernel for a call on `tokens` tokens: `auto` on the CPU is `loop` for one token and `grouped` for
+        more (a batch of decodes spreads over many experts with few tokens each: grouped decodes the built-in model
+        1.6x faster than loop at 8 requests, 505 against 313 tok/s; and it wins prefill, see the module note)."""
         return self.batched if tokens > 1 else self.resolved
 
     def loop(self, work: SortedTokens, rows: Sequence[int], which: Sequence[int], out_MD: torch.Tensor,
@@ -186,11 +193,18 @@ class ArenaKernels:
         return self._gathered_swiglu(work.x_MD, self._row_per_token(work, rows))
 
     def _gathered_swiglu(self, x_MD: torch.Tensor, index_M: torch.Tensor) -> torch.Tensor:
-        """Row i of x_MD through the expert of arena row index_M[i], whose weights are copied out."""
+        """Row i of x_MD through the expert of arena row index_M[i], whose weights are copied out (int8 ones
+        converted to x's dtype as they are copied, which is exact, and scaled per output channel after each GEMM)."""
         gate_up_M2FD = self.gate_up_R2FD.index_select(0, index_M)  # a row copy: advanced indexing is 5x slower
+        down_MDF = self.down_RDF.index_select(0, index_M)
+        if self.scales_R2F is not None:
+            gate_up_M2FD, down_MDF = gate_up_M2FD.to(x_MD.dtype), down_MDF.to(x_MD.dtype)
         h_M12F = torch.bmm(x_MD[:, None], gate_up_M2FD.transpose(1, 2))
+        if self.scales_R2F is not None:
+            h_M12F = h_M12F * self.scales_R2F.index_select(0, index_M)[:, None]
         gate, up = h_M12F.chunk(2, dim=-1)
-        return torch.bmm(self.act(gate) * up, self.down_RDF.index_select(0, index_M).transpose(1, 2))[:, 0]
+        y_MD = torch.bmm(self.act(gate) * up, down_MDF.transpose(1, 2))[:, 0]
+        return y_MD if self.scales_R2F is None else y_MD * self.scales_RD.index_select(0, index_M)
 
     def indexed_rows(self, x_ND: torch.Tensor, route: RoutingDecision, base: int) -> torch.Tensor:
         """`gather` over one resident layer (expert e at arena row base + e) with the ids read on the device: no
@@ -257,7 +271,8 @@ class ResidentExecutor:
         return combine(x_ND, work, kernels.compute(work, [base + e for e in work.experts], kernel))
 
     def run_on_device(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
-        """`run` without a host sync, for a compiled decode step (`ArenaKernels.indexed_rows`; float experts)."""
+        """`run` without a host sync, for a compiled decode step (`ArenaKernels.indexed_rows`; float or int8
+        experts)."""
         return self.kernels.indexed_rows(x_ND, route, self.base[layer])
 
     def weights(self, layer: int, expert: int) -> AnyExpertWeights:

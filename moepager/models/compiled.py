@@ -1,4 +1,4 @@
-"""A compiled one-token decode step (`--compile`; CPU, every expert resident, float experts; opt-in).
+"""A compiled one-token decode step (`--compile`; CPU, every expert resident, float or int8 experts; opt-in).
 
 A small model's decode step is bound by per-call overhead, not bytes: the built-in model runs ~660 aten calls
 per token eagerly (~5 us each on this project's CPU), where llama.cpp runs its whole graph in under a
@@ -12,10 +12,12 @@ for every length; runtime/runner.py passes a width of 2 or more, as a width of 1
 into a tensor at every call (0.95 against 1.20 ms a forward on the built-in model at 2 threads, ad-hoc probe).
 
 Routed experts are computed by `ArenaKernels.indexed_rows`: ids read on the device and each token's K experts'
-weights copied out of the arena, so nothing syncs with the host and nothing in Python runs per expert. That copy
-is why it applies to small experts only (COMPILE_MAX_EXPERT_BYTES): on the qwen3-30b-a3b geometry (9 MiB
-experts, 4 layers) an ad-hoc probe with the limit lifted decoded 6.5-7.6 tok/s compiled against 9.8 eagerly at one
-thread (and reading the experts in place through Inductor's own reduction instead of copying them, 7.7).
+weights copied out of the arena (int8 ones converted to the compute dtype in the same fused copy, which is exact,
+and scaled per output channel after each GEMM), so nothing syncs with the host and nothing in Python runs per
+expert. That copy is why it applies to small experts only (COMPILE_MAX_EXPERT_BYTES): on the qwen3-30b-a3b
+geometry (9 MiB experts, 4 layers) an ad-hoc probe with the limit lifted decoded 6.5-7.6 tok/s compiled against
+9.8 eagerly at one thread (and reading the experts in place through Inductor's own reduction instead of copying
+them, 7.7).
 
 Not bit-equal to the eager forward (fused elementwise code rounds in another order; experts sum in top-k
 order): an opt-in speed choice, as `--expert-kernel packed` is. Dense projections keep their plain weights
@@ -47,8 +49,8 @@ def check_compilable(experts: ExpertExecutor, shape: ExpertShape, device: torch.
     if not isinstance(experts, ResidentExecutor):
         raise ConfigError("--compile needs every expert resident (a paged layer waits on the host for its loads); "
                           "leave --expert-memory unset, and --expert-kernel at auto, loop, gather or grouped")
-    if shape.quant is not None:
-        raise ConfigError(f"--compile computes float experts; these are {shape.format_name}")
+    if shape.quant is not None and shape.quant.bits != 8:
+        raise ConfigError(f"--compile computes float and int8 experts; these are {shape.format_name}")
     if shape.nbytes > COMPILE_MAX_EXPERT_BYTES:
         raise ConfigError(f"--compile copies each token's experts out of memory, which pays off for experts up to "
                           f"{COMPILE_MAX_EXPERT_BYTES >> 20} MiB (decode steps bound by per-call overhead); these are "

@@ -7,7 +7,8 @@ import torch
 
 from moepager.experts.compute import combine_experts
 from moepager.experts.executor import ArenaKernels, ResidentExecutor, group_ends, sort_by_expert
-from moepager.experts.weights import ExpertShape
+from moepager.experts.quant import QuantFormat, quantize_expert
+from moepager.experts.weights import ExpertShape, expert_view
 from moepager.config import StoreConfig
 from moepager.models.load import load_model, resident_executor
 from moepager.runtime.store_setup import paged_executor
@@ -41,13 +42,28 @@ def test_every_kernel_computes_the_reference_sum(kernel, tokens):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def random_arena(rows: int, shape: ExpertShape, gen: torch.Generator) -> torch.Tensor:
+    """`rows` random experts in `shape`'s format (quantized ones quantized from random float weights)."""
+    if shape.quant is None:
+        return torch.randn(rows, shape.numel, generator=gen, dtype=shape.dtype)
+    arena = torch.empty(rows, shape.numel, dtype=torch.uint8)
+    d, f = shape.hidden, shape.intermediate
+    for row in arena:
+        quantize_expert(torch.randn(2 * f, d, generator=gen), torch.randn(d, f, generator=gen),
+                        expert_view(row, shape), shape.dtype)  # type: ignore[arg-type]
+    return arena
+
+
+@pytest.mark.parametrize("quant", [None, QuantFormat(8)], ids=["float", "int8"])
 @pytest.mark.parametrize("tokens", [1, 4])
-def test_the_on_device_path_computes_the_reference_sum_without_reading_ids_on_the_host(tokens):
-    """What a compiled decode step traces (models/compiled.py): ids whose host copy raises are never read there."""
+def test_the_on_device_path_computes_the_reference_sum_without_reading_ids_on_the_host(tokens, quant):
+    """What a compiled decode step traces (models/compiled.py): ids whose host copy raises are never read there.
+    int8 experts are converted as they are copied out and scaled after each GEMM; the reference runs torch's int8
+    GEMV kernel."""
     gen = torch.Generator().manual_seed(5)
-    shape = ExpertShape(16, 8, torch.float32)
-    executor = ResidentExecutor(torch.randn(2 * 6, shape.numel, generator=gen), shape, moe_layers=[3, 5],
-                                num_experts=6, kernel="loop")
+    shape = ExpertShape(16, 8, torch.float32, quant)
+    executor = ResidentExecutor(random_arena(2 * 6, shape, gen), shape, moe_layers=[3, 5], num_experts=6,
+                                kernel="loop")
     x, route = torch.randn(tokens, 16, generator=gen), routed(tokens, seed=tokens)
 
     class NoHost(torch.Tensor):

@@ -5,6 +5,8 @@ the others marked slow."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -62,6 +64,20 @@ def test_the_engine_decodes_through_the_compiled_graph_and_records_routing_eager
     assert llm.generate("a b c", params)[0].token_ids == want and len(calls) == layers  # compiled again after
 
 
+def test_int8_experts_decode_through_the_compiled_graph(demo_checkpoint, monkeypatch):
+    """int8 experts are copied out of the arena and converted inside the graph (ArenaKernels._gathered_swiglu):
+    the eager int8 run's greedy tokens, and no eager MoE call while decoding."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    config = EngineConfig(model=str(demo_checkpoint), expert_dtype="int8")
+    want = LLM(config=config, show_progress=False).generate("a b c", params)[0].token_ids
+    llm = LLM(config=replace(config, compile=True), show_progress=False)
+    calls = []
+    run = ResidentExecutor.run
+    monkeypatch.setattr(ResidentExecutor, "run", lambda self, *a: calls.append(a[0]) or run(self, *a))
+    assert llm.generate("a b c", params)[0].token_ids == want
+    assert len(calls) == len(llm.loaded.config.moe_layers)  # the prefill only
+
+
 def test_compile_refuses_what_it_cannot_run(demo_checkpoint, monkeypatch):
     shape = ExpertShape(256, 64, torch.bfloat16)
     resident = ResidentExecutor(torch.zeros(2, shape.numel, dtype=torch.bfloat16), shape, [0], 2)
@@ -82,8 +98,8 @@ def test_compile_refuses_what_it_cannot_run(demo_checkpoint, monkeypatch):
     with pytest.raises(ConfigError, match="every expert resident"):
         LLM(config=EngineConfig(model=str(demo_checkpoint), compile=True, store=StoreConfig(expert_memory=budget)),
             show_progress=False)
-    with pytest.raises(ConfigError, match="float experts; these are int8"):
-        LLM(config=EngineConfig(model=str(demo_checkpoint), compile=True, expert_dtype="int8"), show_progress=False)
+    with pytest.raises(ConfigError, match="float and int8 experts; these are int4"):
+        LLM(config=EngineConfig(model=str(demo_checkpoint), compile=True, expert_dtype="int4"), show_progress=False)
     with pytest.raises(ConfigError, match="every expert resident"):
         LLM(config=EngineConfig(model=str(demo_checkpoint), compile=True, expert_kernel="packed", dtype="bfloat16"),
             show_progress=False)
