@@ -53,10 +53,13 @@ class Config:
     predictor: str | None = None
     per_row: int | None = None
     """Experts prefetched per forecast row (None: --prefetch-k or the model's top-k; 0: forecasts rank evictions only)."""
+    inflight: int | None = None
+    """Prefetches loading at once, at most (None: the engine's default, twice the model's top-k)."""
 
     @property
     def label(self) -> str:
         k = "" if self.per_row is None else f" k{self.per_row}"
+        k += "" if self.inflight is None else f"/{self.inflight}"
         return f"{self.budget} {self.policy}" + (f" +{self.predictor}{k}" if self.predictor else "")
 
 
@@ -78,9 +81,10 @@ def arguments(device: str, layers: int, threads: int | None) -> argparse.Argumen
     ap.add_argument("--prefetch-k", type=int, help="experts prefetched per forecast row (default: the model's top-k)")
     ap.add_argument("--out", help="results name (default: the script's)")
     ap.add_argument("--no-ttft", action="store_true", help="skip the TTFT table")
-    ap.add_argument("--configs", nargs="+", metavar="POLICY[+PREDICTOR[:K]]",
+    ap.add_argument("--configs", nargs="+", metavar="POLICY[+PREDICTOR[:K[/N]]]",
                     help="exactly these configurations at every budget below 100%% (instead of --policies x "
-                         "--predictors), e.g. lru plec+head:0 plec+head:1 (K experts prefetched per row)")
+                         "--predictors), e.g. lru plec+head:0 plec+head:6/1 (K experts prefetched per row, at most N "
+                         "loading at once)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the configurations this many times, interleaved (A B A B ...: the disk drifts)")
     ap.add_argument("--remodel", action="store_true",
@@ -109,10 +113,11 @@ def configs(args: argparse.Namespace) -> list[Config]:
 
 
 def parse_config(budget: str, text: str) -> Config:
-    """POLICY[+PREDICTOR[:K]] at `budget`."""
+    """POLICY[+PREDICTOR[:K[/N]]] at `budget`."""
     policy, _, rest = text.partition("+")
     predictor, _, k = rest.partition(":")
-    return Config(budget, policy, predictor or None, int(k) if k else None)
+    k, _, n = k.partition("/")
+    return Config(budget, policy, predictor or None, int(k) if k else None, int(n) if n else None)
 
 
 def cut_trace(trace: Path, layers: int) -> Path:
@@ -164,8 +169,8 @@ def measure(path: Path, cfg: Config, args: argparse.Namespace, spec: ReplaySpec,
     store = None if cfg.budget in ("100%", "all") else StoreConfig(expert_memory=cfg.budget, policy=cfg.policy,
                                                                      io_threads=args.io_threads)
     per_row = args.prefetch_k if cfg.per_row is None else cfg.per_row
-    prefetch = PrefetchConfig(cfg.predictor, str(files[cfg.predictor]), per_row=per_row) if cfg.predictor \
-        else PrefetchConfig()
+    prefetch = PrefetchConfig(cfg.predictor, str(files[cfg.predictor]), per_row=per_row,
+                              max_inflight=cfg.inflight) if cfg.predictor else PrefetchConfig()
     llm = LLM(path, device=args.device, threads=args.threads, store=store, prefetch=prefetch, show_progress=False)
     return {"config": cfg.label, "budget": cfg.budget, "policy": cfg.policy, "predictor": cfg.predictor or "none"} \
         | replayed_run(llm, spec, args.layers, times)

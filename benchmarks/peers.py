@@ -82,7 +82,10 @@ class LlamaCpp:
         if not gguf.exists():  # our export-gguf (tensor for tensor what llama.cpp's own converter writes in bf16)
             gguf.parent.mkdir(parents=True, exist_ok=True)
             export_gguf(path, gguf, gguf_type)
-        self.model = llama_cpp.Llama(str(gguf), n_ctx=PROMPT + 512, n_threads=threads, verbose=False)
+        # use_mmap=False: the weights in llama.cpp's own memory, as moepager holds them. Mapped from the page cache,
+        # its speed depends on how the file came to be cached: qwen3 L4 Q8_0 at 1 thread decoded 11.8 tok/s just
+        # after the file was written and 8.95-9.05 once it had been evicted and read back, 11.09 loaded (ad-hoc probe)
+        self.model = llama_cpp.Llama(str(gguf), n_ctx=PROMPT + 512, n_threads=threads, verbose=False, use_mmap=False)
         self.threads = threads
 
     def tpot(self, ids: list[int], steps: int) -> list[float]:
@@ -103,6 +106,13 @@ def model_path(name: str) -> Path:
 
 GGUF_TYPES = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}
 PEER_LABELS = {"bf16": "llama.cpp BF16", "int8": "llama.cpp Q8_0", "int4": "llama.cpp Q4_0"}
+
+
+def runs(kernel: str, fmt: str) -> bool:
+    """Whether moepager computes `fmt` experts with `kernel` (int8/int4 run auto/loop; packed takes bf16 and int8)."""
+    if kernel == "packed":
+        return fmt in ("bf16", "int8")
+    return fmt == "bf16" or kernel in ("auto", "loop")
 
 
 def main() -> None:
@@ -136,7 +146,7 @@ def main() -> None:
         path = model_path(name)
         ours = {f"moepager {k}" + ("" if fmt == "bf16" else f" {fmt}") + (" +dense int8" if dense else "")
                 + ("" if pack else " (torch GEMV)"): (fmt, Ours(path, k, None if fmt == "bf16" else fmt, dense, pack))
-                for fmt in args.formats for k in args.kernels
+                for fmt in args.formats for k in args.kernels if runs(k, fmt)
                 for dense in ([None, "int8"] if args.dense_int8 else [None])
                 for pack in ([True, False] if args.unpacked and not dense else [True])}
         if args.compiled:  # --compile takes float and int8 experts

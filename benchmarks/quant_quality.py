@@ -4,7 +4,8 @@ validation text, and every MoE layer's relative output error on it and on a real
 Built-in model (trained, real text): every validation document's first --tokens tokens (scripts/
 train_demo_model.py's split), one prefill each batch; perplexity of each format and the fraction of positions
 whose top-1 next token equals the bf16 run's. Targets (issue 16): int8 perplexity <= +1% and agreement >= 99%;
-int4 <= +5% and >= 95%.
+int4 <= +5% and >= 95%. `int8, packed kernel` is `--expert-kernel packed` on int8 experts: FBGEMM with the
+activations quantized to 8 bits per token as well (experts/quant.py's int8_packed_mm).
 
 Per-layer error: each MoE block's output in the quantized run divided by the bf16 block's, on the bf16 run's
 own inputs to that block (so errors do not accumulate from earlier layers): ||y_q - y|| / ||y||. The row
@@ -31,20 +32,21 @@ from common import demo_documents, ensure_model, machine_state, print_table, wri
 
 from moepager.models.default import default_model_path  # noqa: E402
 from moepager.models.layers import ForwardBatch, MoEBlock  # noqa: E402
-from moepager.models.load import load_model  # noqa: E402
+from moepager.models.load import load_model, resident_executor  # noqa: E402
 from moepager.runtime.tokenizer import Tokenizer  # noqa: E402
 
 FORMATS = {  # name -> load_model options
     "bf16": {},
     "fp32 (whole model)": dict(dtype=torch.float32),  # the reference's own rounding noise, for scale
     "int8": dict(expert_dtype="int8"),
+    "int8, packed kernel": dict(expert_dtype="int8", executor_factory=resident_executor(torch.device("cpu"), "packed")),
     "int8 + dense int8": dict(expert_dtype="int8", dense_dtype="int8"),
     "int4 g32": dict(expert_dtype="int4", int4_group=32),
     "int4 g32 zp": dict(expert_dtype="int4", int4_group=32, int4_zero_point=True),
     "int4 g64": dict(expert_dtype="int4", int4_group=64),
     "int4 g64 zp": dict(expert_dtype="int4", int4_group=64, int4_zero_point=True),
 }
-REAL_FORMATS = ["bf16", "int8", "int4 g32", "int4 g32 zp", "int4 g64 zp"]
+REAL_FORMATS = ["bf16", "int8", "int8, packed kernel", "int4 g32", "int4 g32 zp", "int4 g64 zp"]
 BATCH = 16
 
 

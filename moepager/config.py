@@ -138,8 +138,8 @@ class EngineConfig:
     """CPU, bf16: large dense projections computed by oneDNN from weights prepacked at load (models/packed.py);
     False keeps torch's own GEMV."""
     compile: bool = False
-    """CPU, every expert resident, small experts: one-token decode passes run a TorchInductor-compiled graph
-    (models/compiled.py; opt-in: not bit-equal to the eager forward)."""
+    """CPU, every expert resident, small float or int8 experts: one-token decode passes run a TorchInductor-compiled
+    graph (models/compiled.py; opt-in: not bit-equal to the eager forward)."""
 
     def __post_init__(self) -> None:
         if self.prefetch.predictor is not None and not self.store.paged:

@@ -72,16 +72,18 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--expert-kernel", choices=KERNELS, default="auto",
                    help="how a layer's routed experts are computed: auto (per call: loop on the CPU, gather for "
-                        "small experts at one token, grouped on CUDA), loop, gather, grouped, or packed (CPU, bf16, "
-                        "every expert resident: oneDNN on weights prepacked at load; faster on large experts, not "
-                        "bit-equal to loop)")
+                        "small experts at one token, grouped on CUDA), loop, gather, grouped, or packed (CPU, every "
+                        "expert resident, weights prepacked at load: bf16 through oneDNN, int8 through FBGEMM with "
+                        "activations quantized to 8 bits (lossier); faster on large experts, not bit-equal to loop)")
     p.add_argument("--no-packed-dense", dest="pack_dense", action="store_false",
                    help="CPU, bf16: compute the large dense projections (attention, LM head) with torch's own GEMV "
-                        "instead of oneDNN on weights prepacked at load (1.4-1.6x faster on matrices of 1M+ elements on this project's CPU)")
+                        "instead of oneDNN on weights prepacked at load (1.4-1.6x faster on matrices of 1M+ elements "
+                        "on this project's CPU)")
     p.add_argument("--compile", action="store_true",
-                   help="CPU, every expert resident, experts up to 1 MiB: compile the one-token decode step with "
-                        "TorchInductor (when the model loads: tens of seconds, less once cached on disk; not bit-equal "
-                        "to the eager step; the built-in model decodes 2.2x / 2.3x faster at 1 / 2 threads)")
+                   help="CPU, every expert resident, float or int8 experts up to 1 MiB: compile the one-token "
+                        "decode step with TorchInductor (when the model loads: tens of seconds, less once cached on "
+                        "disk; not bit-equal to the eager step; the built-in model decodes 2.2x / 2.3x faster at 1 / 2 "
+                        "threads)")
     q = p.add_argument_group("quantized experts (lossy, opt-in)")
     q.add_argument("--expert-dtype", choices=EXPERT_DTYPES,
                    help="format of the routed experts: int8 (per-channel scales) or int4 (group scales) quantize "

@@ -39,7 +39,13 @@ import torch.nn.functional as F
 
 from moepager.experts.compute import expert_forward
 from moepager.experts.onednn import packed_linear, packing_available, prepack
-from moepager.experts.quant import sections
+from moepager.experts.quant import (
+    QuantExpertWeights,
+    int8_packed_mm,
+    int8_packing_available,
+    int8_prepack,
+    sections,
+)
 from moepager.experts.weights import AnyExpertWeights, ExpertShape, expert_view
 from moepager.errors import ConfigError
 from moepager.store.store import ExpertStore
@@ -285,27 +291,41 @@ class ResidentExecutor:
 
 
 class PackedExecutor:
-    """`--expert-kernel packed` (CPU, bf16, every expert resident; opt-in): each expert's two projections are
-    prepacked for oneDNN at load (experts/onednn.py), one MoE layer's arena at a time, each dropped once packed (so
-    the memory is the same, the load's peak one layer's arena more); a layer's experts are computed one by one as
-    `loop` computes them. On matrices of 1M+ elements oneDNN's bf16 GEMV is
-    1.5-2.3x faster than torch's own, on small ones its ~17 us per call loses (the built-in model's experts). Not
-    the default: it is not bit-equal to `loop` (fp32 accumulation in another order), and a paged run, which
-    computes with `loop`, must give the resident run's output."""
+    """`--expert-kernel packed` (CPU, bf16 or int8, every expert resident; opt-in): each expert's two projections
+    are prepacked at load, one MoE layer's arena at a time, each dropped once packed (so the memory is the same, the
+    load's peak one layer's arena more); a layer's experts are computed one by one as `loop` computes them.
+    - bf16: oneDNN's layout (experts/onednn.py). On matrices of 1M+ elements its GEMV is 1.5-2.3x faster than
+      torch's own, on small ones its ~17 us per call loses (the built-in model's experts).
+    - int8: FBGEMM's (`int8_prepack`), computed with the activations quantized to 8 bits per call
+      (`int8_packed_mm`; lossier than weight-only int8, as llama.cpp's Q8_0 quantizes its activations). On the
+      qwen3-30b-a3b experts' 1536x2048 and 2048x768 projections, one token: 254 / 138 us against
+      `_weight_int8pack_mm`'s 477 / 260 at 1 thread, 149 / 87 against 317 / 162 at 2 (ad-hoc probe over 64
+      distinct matrices each, so none is cached): that kernel converts every weight to float and runs at
+      6-10 GB/s where this one reads 11-22.
+    Not the default: it is not bit-equal to `loop` (another accumulation order; for int8, quantized
+    activations), and a paged run, which computes with `loop`, must give the resident run's output."""
 
     def __init__(self, layer_arenas: Iterable[torch.Tensor], shape: ExpertShape, moe_layers: Sequence[int],
                  num_experts: int, device: torch.device):
         """`layer_arenas`: each MoE layer's experts in turn, as the rows of one arena (read lazily, so only one
         layer's arena need exist at a time)."""
-        if device.type != "cpu" or shape.quant is not None or shape.dtype != torch.bfloat16 or not packing_available():
-            raise ConfigError(f"the 'packed' expert kernel computes bf16 experts on the CPU with oneDNN; these are "
-                              f"{shape.format_name} on {device.type}")
+        int8 = shape.quant is not None and shape.quant.bits == 8
+        bf16 = shape.quant is None and shape.dtype == torch.bfloat16
+        if device.type != "cpu" or not (bf16 and packing_available() or int8 and int8_packing_available()):
+            raise ConfigError(f"the 'packed' expert kernel computes bf16 (oneDNN) or int8 (FBGEMM) experts on the "
+                              f"CPU; these are {shape.format_name} on {device.type}")
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] = []
         for arena in layer_arenas:
-            views = [expert_view(row, shape) for row in arena]
-            self.packed += [(prepack(w.gate_up_2FD), prepack(w.down_DF)) for w in views]  # type: ignore[union-attr]
+            for w in (expert_view(row, shape) for row in arena):
+                if isinstance(w, QuantExpertWeights):
+                    self.packed.append((int8_prepack(w.q_gate_up, w.s_gate_up), int8_prepack(w.q_down, w.s_down)))
+                else:
+                    self.packed.append((prepack(w.gate_up_2FD), prepack(w.down_DF)))
         self.base = {layer: i * num_experts for i, layer in enumerate(moe_layers)}
         self.f, self.act = shape.intermediate, F.silu
+        self.linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = int8_packed_mm if int8 else packed_linear
+        self.compute_note = "packed kernel: activations quantized to 8 bits" if int8 else ""
+        """What the kernel loses beyond the experts' format (a run reports it beside the format)."""
 
     def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
         work, base, f = sort_by_expert(x_ND, route), self.base[layer], self.f
@@ -313,8 +333,8 @@ class PackedExecutor:
         for i, e in enumerate(work.experts):
             s, end = work.starts[i], work.starts[i + 1]
             gate_up, down = self.packed[base + e]
-            h_TF = packed_linear(work.x_MD[s:end] if work.x_1D is None else work.x_1D, gate_up)
-            out_MD[s:end] = packed_linear(self.act(h_TF[:, :f]) * h_TF[:, f:], down)
+            h_TF = self.linear(work.x_MD[s:end] if work.x_1D is None else work.x_1D, gate_up)
+            out_MD[s:end] = self.linear(self.act(h_TF[:, :f]) * h_TF[:, f:], down)
         return combine(x_ND, work, out_MD)
 
     def stream(self, layer: int, experts: Sequence[int]):  # noqa: ANN201 - the reference's ExpertSource seam

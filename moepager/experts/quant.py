@@ -29,6 +29,7 @@ Kernels (one projection, `python benchmarks/expert_kernels.py --formats`; 1 thre
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -260,9 +261,47 @@ def dequantize_projection(p: QuantizedProjection, fmt: QuantFormat) -> torch.Ten
 def int8_mm(x_TK: torch.Tensor, q_NK: torch.Tensor, scale_N: torch.Tensor) -> torch.Tensor:
     """x @ (q * scale)^T for int8 weights with one scale per output row: the packed GEMV kernel up to
     INT8_PACKED_MAX_TOKENS tokens on the CPU, else dequantised to x's dtype and one GEMM (see the module note)."""
-    if x_TK.shape[0] <= INT8_PACKED_MAX_TOKENS and not x_TK.is_cuda:
+    # torch 2.13's kernel on bf16 inputs whose length is not a multiple of 16 returns NaN or garbage, or crashes
+    # the process (probed over lengths 8-136 and 1-32 tokens; fp16 and fp32 are right): those dequantise
+    if x_TK.shape[0] <= INT8_PACKED_MAX_TOKENS and not x_TK.is_cuda and not (
+            x_TK.dtype == torch.bfloat16 and x_TK.shape[1] % 16):
         return torch.ops.aten._weight_int8pack_mm(x_TK, q_NK, scale_N)
     return F.linear(x_TK, q_NK.to(x_TK.dtype) * scale_N[:, None])
+
+
+VNNI = torch.cpu._is_vnni_supported()
+"""Whether FBGEMM sums u8 x s8 products straight into int32 (AVX512-VNNI). Without it pairs are summed in int16,
+which 8-bit activations can saturate: there it quantizes them to 7 bits (its `reduce_range`)."""
+
+
+def int8_packing_available() -> bool:
+    """Whether this torch build has the x86 quantized engine (FBGEMM) behind `quantized.linear_dynamic`."""
+    engines = torch.backends.quantized.supported_engines
+    return torch.backends.quantized.engine in ("x86", "fbgemm") and "fbgemm" in engines
+
+
+def int8_prepack(q_NK: torch.Tensor, scale_N: torch.Tensor) -> torch.Tensor:
+    """int8 weights with one scale per output row, prepacked for `int8_packed_mm` (an opaque FBGEMM object, a
+    copy; the scales are exact in float64)."""
+    zeros = torch.zeros(q_NK.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():  # torch 2.13 deprecates quantized tensors; FBGEMM's packing still takes one
+        warnings.simplefilter("ignore", UserWarning)
+        w = torch._make_per_channel_quantized_tensor(q_NK, scale_N.double(), zeros, 0)
+    return torch.ops.quantized.linear_prepack(w, None)
+
+
+def int8_packed_mm(x_TK: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x @ (q * scale)^T for weights prepacked by `int8_prepack`, with each row of x quantized to 8 bits on the
+    fly: FBGEMM's u8 x s8 dot products (AVX512-VNNI: no int16 saturation, tested; 7-bit activations without it)
+    instead of converting each weight to float. Lossy beyond the weights' own quantization; the `packed` expert
+    kernel's int8 path (experts/executor.py). FBGEMM quantizes a call's input with one scale and zero point (its min and max);
+    rows divided by their own absmax first, and the outputs multiplied back, make that one scale per row (per
+    token: what one-token decode steps get anyway), so a prefill's small rows keep their resolution."""
+    x, reduce = x_TK.float(), not VNNI
+    if x.shape[0] == 1:
+        return torch.ops.quantized.linear_dynamic(x, packed, reduce).to(x_TK.dtype)
+    a_T1 = x.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return (torch.ops.quantized.linear_dynamic(x / a_T1, packed, reduce) * a_T1).to(x_TK.dtype)
 
 
 class QuantExpertWeights:

@@ -48,6 +48,8 @@ class LoadedModel:
     device: torch.device
     dense_format: str = ""
     """The format the dense projections compute in: the run's dtype, or int8 (`--dense-dtype`, lossy)."""
+    expert_format: str = ""
+    """The routed experts' format, and how their kernel computes when that is lossier still (what a run reports)."""
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -145,7 +147,9 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None, d
     dense_format = dense_dtype or str(dtype).removeprefix("torch.")
     if packed:
         dense_format += f" ({packed} large projection{'s' if packed > 1 else ''} prepacked for oneDNN)"
-    return LoadedModel(checkpoint, cfg, model, experts, shape, dtype, dev, dense_format)
+    note = getattr(experts, "compute_note", "")  # a kernel that is lossier than the format says so
+    expert_fmt = shape.format_name + (f" ({note})" if note else "")
+    return LoadedModel(checkpoint, cfg, model, experts, shape, dtype, dev, dense_format, expert_fmt)
 
 
 def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> None:

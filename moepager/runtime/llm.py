@@ -254,7 +254,7 @@ class LLM:
             recorder.write(record_trace, [RecordedRequest(r.request_id, r.prompt_ids, r.out_ids, p)  # type: ignore[arg-type]
                                           for r, p in zip(requests, prompts)], self._detokenize)
         stats.finish(self.loaded.device)
-        stats.experts = self.loaded.expert_shape.format_name
+        stats.experts = self.loaded.expert_format or self.loaded.expert_shape.format_name
         stats.dense = self.loaded.dense_format
         stats.sections["experts"] = store_report(self.loaded.experts, self.config.store, stats.prompt_tokens,
                                                  stats.generated_tokens - stats.num_prompts)

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 
 from moepager.errors import ConfigError
 from moepager.experts.compute import expert_forward
-from moepager.experts.quant import (INT8_PACKED_MAX_TOKENS, QuantExpertWeights, QuantFormat, check_shape, pack_int4_cpu,
-                                    dequantize_projection, pack_nibbles, parse_expert_dtype, quantize_expert,
+from moepager.experts.quant import (INT8_PACKED_MAX_TOKENS, VNNI, QuantExpertWeights, QuantFormat, check_shape,
+                                    dequantize_projection, int8_mm, int8_packed_mm, int8_packing_available,
+                                    int8_prepack, pack_int4_cpu, pack_nibbles, parse_expert_dtype, quantize_expert,
                                     quantize_int4, quantize_int8, quantize_projection, unpack_nibbles)
 from moepager.experts.weights import ExpertShape, ExpertWeights, expert_view
 
@@ -132,3 +133,48 @@ def test_the_cpu_int4_layout_is_torchs(n, k):
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
     want = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
     assert torch.equal(pack_int4_cpu(pack_nibbles(q)), want)
+
+
+needs_fbgemm = pytest.mark.skipif(not int8_packing_available(), reason="this torch build has no FBGEMM engine")
+
+
+@needs_fbgemm
+def test_the_packed_int8_kernel_quantizes_each_row_of_its_input_on_its_own():
+    """FBGEMM gives a call's input one scale; int8_packed_mm rescales rows first, so a tiny row next to a large
+    one keeps 8 bits of resolution (a prefill's quiet tokens), and a single row is FBGEMM's own call."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 256, generator=gen)
+    q, scale = quantize_int8(w, torch.float32)
+    packed = int8_prepack(q, scale)
+    ref_w = q.double() * scale.double()[:, None]
+    x = torch.randn(3, 256, generator=gen, dtype=torch.float64) * torch.tensor([[1e3], [1.0], [1e-3]],
+                                                                                dtype=torch.float64)
+    y = int8_packed_mm(x.float(), packed).double()
+    for row in range(3):
+        ref = x[row] @ ref_w.t()
+        assert float((y[row] - ref).norm() / ref.norm()) < 0.02  # 8-bit activations: ~0.5% here
+    one = int8_packed_mm(x[1:2].float(), packed)
+    assert torch.equal(one, torch.ops.quantized.linear_dynamic(x[1:2].float(), packed, not VNNI))
+
+
+@needs_fbgemm
+def test_the_packed_int8_kernel_does_not_saturate():
+    """Largest weights times large positive activations: u8 x s8 pairs summed in int16 would saturate (what
+    FBGEMM's `reduce_range` guards against on CPUs without VNNI); the int32 sums here must not."""
+    q = torch.full((32, 512), 127, dtype=torch.int8)
+    scale = torch.full((32,), 0.01)
+    x = torch.rand(1, 512, generator=torch.Generator().manual_seed(1)) + 1.0
+    y = int8_packed_mm(x, int8_prepack(q, scale))
+    torch.testing.assert_close(y, x @ (q.float() * 0.01).t(), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("k", [8, 24, 40, 100])
+@pytest.mark.parametrize("tokens", [1, 2, 5])
+def test_int8_projections_of_any_length_compute_the_dequantized_product_in_bf16(k, tokens):
+    """torch 2.13's int8 GEMV kernel is wrong (NaN, garbage, or a crash of the process) on bf16 inputs whose length
+    is not a multiple of 16; int8_mm must not hand it those."""
+    gen = torch.Generator().manual_seed(k + tokens)
+    q, scale = quantize_int8(torch.randn(32, k, generator=gen), torch.bfloat16)
+    x = torch.randn(tokens, k, generator=gen).to(torch.bfloat16)
+    ref = x.float() @ (q.float() * scale.float()[:, None]).t()
+    torch.testing.assert_close(int8_mm(x, q, scale).float(), ref, atol=5e-2, rtol=2e-2)

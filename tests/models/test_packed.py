@@ -14,6 +14,8 @@ from moepager.models import packed
 from moepager.models.layers import Attention, SoftmaxTopKRouter
 from moepager.errors import ConfigError
 from moepager.experts.executor import PackedExecutor
+from moepager.experts.quant import QuantFormat
+from moepager.experts.weights import ExpertShape
 from moepager.models.load import load_model, resident_executor
 from moepager.models.packed import PackedLinear, packing_available
 from moepager.runtime.store_setup import paged_executor
@@ -93,13 +95,29 @@ def test_the_packed_expert_kernel_computes_the_loop_kernels_logits(hf_checkpoint
         torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_the_packed_int8_kernel_computes_the_int8_loop_kernels_logits(hf_checkpoint, arch):
+    """FBGEMM on prepacked int8 weights with 8-bit activations: close to the weight-only int8 kernel's logits
+    (the activations' quantization is the difference), and the run says its kernel is lossier than int8."""
+    _, path = hf_checkpoint(arch)
+    got = load_model(path, dtype=BF16, expert_dtype="int8", executor_factory=resident_executor(CPU, "packed"),
+                     show_progress=False)
+    assert isinstance(got.experts, PackedExecutor) and got.expert_format == "int8 (packed kernel: activations " \
+        "quantized to 8 bits)"
+    ref = load_model(path, dtype=BF16, expert_dtype="int8", executor_factory=resident_executor(CPU, "loop"),
+                     show_progress=False)
+    assert ref.expert_format == "int8"
+    for a, b in zip(logits_run(got, rows=2), logits_run(ref, rows=2)):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)
+
+
 def test_the_packed_expert_kernel_refuses_what_it_cannot_compute(hf_checkpoint):
     _, path = hf_checkpoint("olmoe")
-    with pytest.raises(ConfigError, match="computes bf16 experts on the CPU"):
+    with pytest.raises(ConfigError, match="computes bf16 .oneDNN. or int8 .FBGEMM. experts on the CPU"):
         load_model(path, executor_factory=resident_executor(CPU, "packed"), show_progress=False)  # fp32
-    with pytest.raises(ConfigError, match="computes bf16 experts on the CPU"):
-        load_model(path, dtype=BF16, expert_dtype="int8", executor_factory=resident_executor(CPU, "packed"),
-                   show_progress=False)
+    int4 = ExpertShape(64, 64, BF16, QuantFormat(4, 32))
+    with pytest.raises(ConfigError, match="int8 .FBGEMM. experts on the CPU; these are int4"):
+        PackedExecutor([], int4, [], 0, CPU)
     with pytest.raises(ConfigError, match="resident experts only"):
         load_model(path, dtype=BF16, executor_factory=paged_executor(StoreConfig(expert_memory="64MiB"), CPU, "packed"),
                    show_progress=False)
