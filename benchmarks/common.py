@@ -102,11 +102,15 @@ def record_demo_trace(path: Path, docs: list[str], tokens: int, hidden: bool = F
 def bytes_per_decode_token(llm: Any) -> int:
     """Weight bytes one decode token reads: every non-expert weight (the embedding table only when it is also
     the LM head: tied, and not given an int8 or prepacked head of its own) plus top-k experts per MoE layer."""
+    from moepager.models.dense_quant import Int8A8Linear
     from moepager.models.packed import PackedLinear
 
     cfg, loaded = llm.loaded.config, llm.loaded
     non_expert = sum(t.numel() * t.element_size() for n, t in loaded.model.state_dict().items()
                      if n != "model.embed_tokens.weight" or loaded.model.lm_head is None)
-    non_expert += sum(m.in_features * m.out_features * 2 for m in loaded.model.modules()  # bf16, not in state_dict
-                      if isinstance(m, PackedLinear))
+    for m in loaded.model.modules():  # prepacked weights are not in the state dict
+        if isinstance(m, PackedLinear):
+            non_expert += m.in_features * m.out_features * 2  # bf16
+        elif isinstance(m, Int8A8Linear):
+            non_expert += m.in_features * m.out_features + m.out_features * 4  # int8, float scales
     return non_expert + cfg.num_moe_layers * cfg.top_k * loaded.expert_shape.nbytes

@@ -12,8 +12,8 @@ qwen3-30b-a3b --layers 4` (~1.08 GB of weights read per token in bf16). Reports 
 llama.cpp in the same format, and the weight bytes per token divided by the time per token (achieved GB/s).
 
     python benchmarks/peers.py [--models demo qwen3-30b-a3b] [--threads 1 2] [--rounds 3] [--decode 64]
-        [--kernels auto loop gather grouped packed] [--formats bf16 int8 int4] [--dense-int8] [--unpacked] [--compiled]
-        [--no-hf]
+        [--kernels auto loop gather grouped packed] [--formats bf16 int8 int4] [--dense-int8] [--dense-a8]
+        [--unpacked] [--compiled] [--no-hf]
         [--out peers]
 """
 
@@ -128,6 +128,9 @@ def main() -> None:
     ap.add_argument("--dense-int8", action="store_true",
                     help="also each moepager row with --dense-int8 (every projection int8; llama.cpp still runs "
                          "its dense tensors in bf16)")
+    ap.add_argument("--dense-a8", action="store_true",
+                    help="also each moepager row with --dense-dtype int8-a8 (every projection int8 on FBGEMM with "
+                         "8-bit activations; llama.cpp still runs its dense tensors in bf16)")
     ap.add_argument("--unpacked", action="store_true",
                     help="also each bf16-dense moepager row with --no-packed-dense (torch's own GEMV for the large "
                          "dense projections instead of oneDNN on prepacked weights)")
@@ -144,10 +147,10 @@ def main() -> None:
     results, rows = [], []
     for name in args.models:
         path = model_path(name)
-        ours = {f"moepager {k}" + ("" if fmt == "bf16" else f" {fmt}") + (" +dense int8" if dense else "")
+        ours = {f"moepager {k}" + ("" if fmt == "bf16" else f" {fmt}") + (f" +dense {dense}" if dense else "")
                 + ("" if pack else " (torch GEMV)"): (fmt, Ours(path, k, None if fmt == "bf16" else fmt, dense, pack))
                 for fmt in args.formats for k in args.kernels if runs(k, fmt)
-                for dense in ([None, "int8"] if args.dense_int8 else [None])
+                for dense in [None] + (["int8"] if args.dense_int8 else []) + (["int8-a8"] if args.dense_a8 else [])
                 for pack in ([True, False] if args.unpacked and not dense else [True])}
         if args.compiled:  # --compile takes float and int8 experts
             ours |= {"moepager compiled" + ("" if fmt == "bf16" else f" {fmt}"):

@@ -41,6 +41,8 @@ FORMATS = {  # name -> load_model options
     "int8": dict(expert_dtype="int8"),
     "int8, packed kernel": dict(expert_dtype="int8", executor_factory=resident_executor(torch.device("cpu"), "packed")),
     "int8 + dense int8": dict(expert_dtype="int8", dense_dtype="int8"),
+    "int8 packed + dense int8-a8": dict(expert_dtype="int8", dense_dtype="int8-a8",
+                                        executor_factory=resident_executor(torch.device("cpu"), "packed")),
     "int4 g32": dict(expert_dtype="int4", int4_group=32),
     "int4 g32 zp": dict(expert_dtype="int4", int4_group=32, int4_zero_point=True),
     "int4 g64": dict(expert_dtype="int4", int4_group=64),

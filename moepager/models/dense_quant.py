@@ -11,7 +11,8 @@ weights for the lookup.
 Bytes and speed on this CPU (`python benchmarks/gemv.py`: `aten._weight_int8pack_mm` against bf16 `F.linear`,
 one token, one thread): the built-in model's matrices run 1.0-2.2x faster (its 8192x256 LM head 131 against
 289 us), matrices with K >= 2048 gain nothing (9.6-12.1 GB/s of int8 against bf16's 22-23.5: about the same time
-for half the bytes). Memory halves either way.
+for half the bytes). Memory halves either way. `--dense-dtype int8-a8` quantizes the activations too and runs
+FBGEMM (Int8A8Linear): faster on large matrices, lossier.
 """
 
 from __future__ import annotations
@@ -22,17 +23,21 @@ import torch
 from torch import nn
 
 from moepager.errors import ConfigError
-from moepager.experts.quant import int8_mm, quantize_int8
+from moepager.experts.quant import int8_mm, int8_packed_mm, int8_packing_available, int8_prepack, quantize_int8
 
-DENSE_DTYPES = ("int8",)
+DENSE_DTYPES = ("int8", "int8-a8")
 KEEP = ("kv_b_proj", "shared_expert_gate")
 """nn.Linear modules left in the run's dtype (see the module note)."""
 
 
-def check_dense_dtype(dense_dtype: str | None) -> None:
+def check_dense_dtype(dense_dtype: str | None, device: torch.device | str | None = None) -> None:
     if dense_dtype is not None and dense_dtype not in DENSE_DTYPES:
         raise ConfigError(f"unknown --dense-dtype '{dense_dtype}'; choose from {', '.join(DENSE_DTYPES)} (without "
                           "it the dense part computes in --dtype)")
+    if dense_dtype == "int8-a8" and (device is not None and torch.device(device).type != "cpu"
+                                     or not int8_packing_available()):
+        raise ConfigError("--dense-dtype int8-a8 computes with FBGEMM on the CPU (not available here); use "
+                          "--dense-dtype int8")
 
 
 class Int8Linear(nn.Module):
@@ -47,6 +52,24 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = int8_mm(x.reshape(-1, x.shape[-1]), self.q, self.scale).view(*x.shape[:-1], self.q.shape[0])
+        return y if self.bias is None else y + self.bias
+
+
+class Int8A8Linear(nn.Module):
+    """`--dense-dtype int8-a8` (CPU; lossier than int8, opt-in): the same int8 weights prepacked for FBGEMM and
+    computed with each token's activations quantized to 8 bits (experts/quant.py's int8_packed_mm), which reads
+    int8 at up to twice the rate of `_weight_int8pack_mm` on large matrices (see experts/quant.py). The integer
+    weights are not kept beside the packed ones."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        q, scale = quantize_int8(weight, weight.dtype)
+        self.packed = int8_prepack(q, scale)
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("bias", None if bias is None else bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = int8_packed_mm(x.reshape(-1, x.shape[-1]), self.packed).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
@@ -80,6 +103,6 @@ def replace_dense(model: nn.Module, make: Make) -> int:
     return replaced
 
 
-def quantize_dense(model: nn.Module) -> None:
-    """Replace the model's dense projections by Int8Linear in place (`replace_dense`)."""
-    replace_dense(model, Int8Linear)
+def quantize_dense(model: nn.Module, dense_dtype: str = "int8") -> None:
+    """Replace the model's dense projections by Int8Linear (or Int8A8Linear) in place (`replace_dense`)."""
+    replace_dense(model, Int8A8Linear if dense_dtype == "int8-a8" else Int8Linear)

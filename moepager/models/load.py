@@ -114,7 +114,7 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None, d
     large bf16 dense projections for oneDNN on the CPU (models/packed.py)."""
     from moepager.models.quantized import expert_format, stored_format  # it imports this module
 
-    check_dense_dtype(dense_dtype)
+    check_dense_dtype(dense_dtype, device)
     checkpoint = Checkpoint(path)
     arch = architecture_for(checkpoint.config)
     cfg = arch.parse_config(checkpoint.config)
@@ -142,9 +142,10 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None, d
         checkpoint.files.close()
     model.to(dev).eval()
     if dense_dtype is not None:
-        quantize_dense(model)
+        quantize_dense(model, dense_dtype)
     packed = pack_dense_projections(model) if dense_dtype is None and pack_dense and dev.type == "cpu" else 0
-    dense_format = dense_dtype or str(dtype).removeprefix("torch.")
+    dense_format = {"int8-a8": "int8 (activations quantized to 8 bits, FBGEMM)"}.get(
+        dense_dtype or "", dense_dtype or str(dtype).removeprefix("torch."))
     if packed:
         dense_format += f" ({packed} large projection{'s' if packed > 1 else ''} prepacked for oneDNN)"
     note = getattr(experts, "compute_note", "")  # a kernel that is lossier than the format says so

@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from moepager.config import EngineConfig, StoreConfig
-from moepager.errors import ConfigError
-from moepager.experts.quant import INT8_PACKED_MAX_TOKENS
+from moepager.errors import ConfigError, MoepagerError
+from moepager.experts.quant import INT8_PACKED_MAX_TOKENS, int8_packing_available
 from moepager.models.default import default_model_path
-from moepager.models.dense_quant import Int8Linear
+from moepager.models.dense_quant import Int8A8Linear, Int8Linear, check_dense_dtype
 from moepager.models.load import load_model
 from moepager.models.synth import make_model
 from moepager.runtime.llm import LLM
@@ -82,3 +82,35 @@ def test_an_unknown_dense_dtype_is_refused_with_the_choices():
         EngineConfig(dense_dtype="int4")
     with pytest.raises(ConfigError, match="unknown --dense-dtype 'fp8'"):
         load_model(default_model_path(), show_progress=False, dense_dtype="fp8")
+
+
+@pytest.mark.skipif(not int8_packing_available(), reason="this torch build has no FBGEMM engine")
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_int8_a8_linear_computes_the_int8_projection_with_quantized_activations(tokens):
+    gen = torch.Generator().manual_seed(3)
+    w, b = torch.randn(48, 64, generator=gen).bfloat16(), torch.randn(48, generator=gen).bfloat16()
+    x = torch.randn(2, tokens, 64, generator=gen).bfloat16()
+    got, ref = Int8A8Linear(w, b)(x), Int8Linear(w, b)
+    want = F.linear(x.float(), ref.q.float() * ref.scale.float()[:, None], b.float())
+    assert got.shape == (2, tokens, 48) and got.dtype == torch.bfloat16
+    err = (got.float() - want).norm(dim=-1) / want.norm(dim=-1)  # per token: 8-bit activations, then bf16
+    assert float(err.max()) < 0.02
+
+
+@pytest.mark.skipif(not int8_packing_available(), reason="this torch build has no FBGEMM engine")
+def test_dense_int8_a8_runs_every_dense_projection_on_fbgemm_and_says_so():
+    llm = LLM(config=EngineConfig(dense_dtype="int8-a8"), show_progress=False)
+    kinds = {type(m) for m in llm.loaded.model.modules() if isinstance(m, (nn.Linear, Int8Linear, Int8A8Linear))}
+    assert Int8A8Linear in kinds and Int8Linear not in kinds
+    ref = LLM(config=EngineConfig(dense_dtype="int8"), show_progress=False)
+    want = ref.generate(["The history of"], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    out = llm.generate(["The history of"], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    assert sum(a == b for a, b in zip(out, want)) >= 6  # lossier than int8, not another model
+    assert "activations quantized to 8 bits, FBGEMM) (lossy)" in llm.last_stats.table()
+
+
+def test_dense_int8_a8_is_refused_where_it_cannot_run():
+    with pytest.raises(ConfigError, match="FBGEMM on the CPU"):
+        check_dense_dtype("int8-a8", "cuda")
+    with pytest.raises(MoepagerError, match="--compile traces no FBGEMM projection"):
+        EngineConfig(dense_dtype="int8-a8", compile=True)
