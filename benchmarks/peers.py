@@ -12,7 +12,7 @@ qwen3-30b-a3b --layers 4` (~1.08 GB of weights read per token in bf16). Reports 
 llama.cpp in the same format, and the weight bytes per token divided by the time per token (achieved GB/s).
 
     python benchmarks/peers.py [--models demo qwen3-30b-a3b] [--threads 1 2] [--rounds 3] [--decode 64]
-        [--kernels auto loop gather grouped packed] [--formats bf16 int8 int4] [--dense-int8] [--dense-a8]
+        [--kernels auto loop gather grouped packed] [--formats bf16 int8 int4] [--dense int8 int8-a8]
         [--unpacked] [--compiled] [--no-hf]
         [--out peers]
 """
@@ -33,6 +33,7 @@ from common import RESULTS, bytes_per_decode_token, ensure_model, machine_state,
 
 from moepager.config import EngineConfig  # noqa: E402
 from moepager.models.default import default_model_path  # noqa: E402
+from moepager.models.dense_quant import DENSE_DTYPES  # noqa: E402
 from moepager.runtime.llm import LLM  # noqa: E402
 from moepager.runtime.sampling import SamplingParams  # noqa: E402
 
@@ -125,11 +126,8 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=["bf16"], choices=list(GGUF_TYPES),
                     help="expert formats: moepager --expert-dtype F against llama.cpp's BF16/Q8_0/Q4_0 of the same "
                          "weights (experts quantized, the rest bf16: `moepager export-gguf --type`)")
-    ap.add_argument("--dense-int8", action="store_true",
-                    help="also each moepager row with --dense-int8 (every projection int8; llama.cpp still runs "
-                         "its dense tensors in bf16)")
-    ap.add_argument("--dense-a8", action="store_true",
-                    help="also each moepager row with --dense-dtype int8-a8 (every projection int8 on FBGEMM with "
+    ap.add_argument("--dense", nargs="+", default=[], choices=DENSE_DTYPES,
+                    help="also each moepager row with --dense-dtype D (every projection int8; int8-a8 on FBGEMM with "
                          "8-bit activations; llama.cpp still runs its dense tensors in bf16)")
     ap.add_argument("--unpacked", action="store_true",
                     help="also each bf16-dense moepager row with --no-packed-dense (torch's own GEMV for the large "
@@ -150,7 +148,7 @@ def main() -> None:
         ours = {f"moepager {k}" + ("" if fmt == "bf16" else f" {fmt}") + (f" +dense {dense}" if dense else "")
                 + ("" if pack else " (torch GEMV)"): (fmt, Ours(path, k, None if fmt == "bf16" else fmt, dense, pack))
                 for fmt in args.formats for k in args.kernels if runs(k, fmt)
-                for dense in [None] + (["int8"] if args.dense_int8 else []) + (["int8-a8"] if args.dense_a8 else [])
+                for dense in [None, *args.dense]
                 for pack in ([True, False] if args.unpacked and not dense else [True])}
         if args.compiled:  # --compile takes float and int8 experts
             ours |= {"moepager compiled" + ("" if fmt == "bf16" else f" {fmt}"):
