@@ -52,7 +52,8 @@ class Config:
     policy: str = "lru"
     predictor: str | None = None
     per_row: int | None = None
-    """Experts prefetched per forecast row (None: --prefetch-k or the model's top-k; 0: forecasts rank evictions only)."""
+    """Experts prefetched per forecast row (None: --prefetch-k or the model's top-k; 0: forecasts rank evictions
+    only)."""
     inflight: int | None = None
     """Prefetches loading at once, at most (None: the engine's default, twice the model's top-k)."""
 

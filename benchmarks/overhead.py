@@ -1,6 +1,7 @@
 """Deterministic overhead of a decode step on the built-in model: moepager-level Python calls per decode token
 (the architecture review's method: a 17-token generation less a 1-token one, over 16 steps), all resident, at a
-25% budget, and at 25% with gate-lookahead prefetch; and all resident with the compiled decode step (`--compile`). Issue 15's goals: <= 40 resident, <= 80 with a predictor.
+25% budget, and at 25% with gate-lookahead prefetch; and all resident with the compiled decode step
+(`--compile`). Issue 15's goals: <= 40 resident, <= 80 with a predictor.
 tests/runtime/test_overhead.py guards the same counts.
 
     python benchmarks/overhead.py

@@ -294,9 +294,9 @@ def int8_packed_mm(x_TK: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x @ (q * scale)^T for weights prepacked by `int8_prepack`, with each row of x quantized to 8 bits on the
     fly: FBGEMM's u8 x s8 dot products (AVX512-VNNI: no int16 saturation, tested; 7-bit activations without it)
     instead of converting each weight to float. Lossy beyond the weights' own quantization; the `packed` expert
-    kernel's int8 path (experts/executor.py). FBGEMM quantizes a call's input with one scale and zero point (its min and max);
-    rows divided by their own absmax first, and the outputs multiplied back, make that one scale per row (per
-    token: what one-token decode steps get anyway), so a prefill's small rows keep their resolution."""
+    kernel's int8 path (experts/executor.py). FBGEMM quantizes a call's input with one scale and zero point (its
+    min and max); rows divided by their own absmax first, and the outputs multiplied back, make that one scale per
+    row (per token: what one-token decode steps get anyway), so a prefill's small rows keep their resolution."""
     x, reduce = x_TK.float(), not VNNI
     if x.shape[0] == 1:
         return torch.ops.quantized.linear_dynamic(x, packed, reduce).to(x_TK.dtype)
