@@ -40,6 +40,16 @@ TINY_CONFIGS = {
 ARCHS = sorted(TINY_CONFIGS)
 
 
+def _has_fbgemm() -> bool:
+    from moepager.experts.quant import int8_packing_available
+
+    return int8_packing_available()
+
+
+needs_fbgemm = pytest.mark.skipif(not _has_fbgemm(), reason="this torch build has no FBGEMM engine")
+"""For tests of the int8 kernels on FBGEMM (`--expert-kernel packed` on int8, `--dense-dtype int8-a8`)."""
+
+
 def make_hf_model(arch: str, seed: int = 0) -> torch.nn.Module:
     """A tiny random HF model with non-trivial norms, biases and router biases."""
     torch.manual_seed(seed)

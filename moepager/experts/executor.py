@@ -39,13 +39,7 @@ import torch.nn.functional as F
 
 from moepager.experts.compute import expert_forward
 from moepager.experts.onednn import packed_linear, packing_available, prepack
-from moepager.experts.quant import (
-    QuantExpertWeights,
-    int8_packed_mm,
-    int8_packing_available,
-    int8_prepack,
-    sections,
-)
+from moepager.experts.quant import int8_packed_mm, int8_packing_available, int8_prepack, sections
 from moepager.experts.weights import AnyExpertWeights, ExpertShape, expert_view
 from moepager.errors import ConfigError
 from moepager.store.store import ExpertStore
@@ -316,11 +310,9 @@ class PackedExecutor:
                               f"CPU; these are {shape.format_name} on {device.type}")
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] = []
         for arena in layer_arenas:
-            for w in (expert_view(row, shape) for row in arena):
-                if isinstance(w, QuantExpertWeights):
-                    self.packed.append((int8_prepack(w.q_gate_up, w.s_gate_up), int8_prepack(w.q_down, w.s_down)))
-                else:
-                    self.packed.append((prepack(w.gate_up_2FD), prepack(w.down_DF)))
+            for w in (expert_view(row, shape) for row in arena):  # type: ignore[union-attr] - the views' format
+                self.packed.append((int8_prepack(w.q_gate_up, w.s_gate_up), int8_prepack(w.q_down, w.s_down))
+                                   if int8 else (prepack(w.gate_up_2FD), prepack(w.down_DF)))
         self.base = {layer: i * num_experts for i, layer in enumerate(moe_layers)}
         self.f, self.act = shape.intermediate, F.silu
         self.linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = int8_packed_mm if int8 else packed_linear

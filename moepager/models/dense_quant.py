@@ -25,7 +25,9 @@ from torch import nn
 from moepager.errors import ConfigError
 from moepager.experts.quant import int8_mm, int8_packed_mm, int8_packing_available, int8_prepack, quantize_int8
 
-DENSE_DTYPES = ("int8", "int8-a8")
+DENSE_FORMATS = {"int8": "int8", "int8-a8": "int8 (activations quantized to 8 bits, FBGEMM)"}
+"""`--dense-dtype` choices and how a run reports each."""
+DENSE_DTYPES = tuple(DENSE_FORMATS)
 KEEP = ("kv_b_proj", "shared_expert_gate")
 """nn.Linear modules left in the run's dtype (see the module note)."""
 

@@ -20,7 +20,7 @@ from moepager.experts.executor import ExpertExecutor, Kernel, PackedExecutor, Re
 from moepager.experts.quant import check_shape
 from moepager.experts.weights import ExpertShape
 from moepager.models.config import ModelConfig
-from moepager.models.dense_quant import check_dense_dtype, quantize_dense
+from moepager.models.dense_quant import DENSE_FORMATS, check_dense_dtype, quantize_dense
 from moepager.models.packed import pack_dense as pack_dense_projections
 from moepager.models.layers import CausalLM
 from moepager.models.loader import Checkpoint, load_module_weights
@@ -144,8 +144,7 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None, d
     if dense_dtype is not None:
         quantize_dense(model, dense_dtype)
     packed = pack_dense_projections(model) if dense_dtype is None and pack_dense and dev.type == "cpu" else 0
-    dense_format = {"int8-a8": "int8 (activations quantized to 8 bits, FBGEMM)"}.get(
-        dense_dtype or "", dense_dtype or str(dtype).removeprefix("torch."))
+    dense_format = DENSE_FORMATS[dense_dtype] if dense_dtype else str(dtype).removeprefix("torch.")
     if packed:
         dense_format += f" ({packed} large projection{'s' if packed > 1 else ''} prepacked for oneDNN)"
     note = getattr(experts, "compute_note", "")  # a kernel that is lossier than the format says so

@@ -9,10 +9,11 @@ import torch.nn.functional as F
 from moepager.errors import ConfigError
 from moepager.experts.compute import expert_forward
 from moepager.experts.quant import (INT8_PACKED_MAX_TOKENS, VNNI, QuantExpertWeights, QuantFormat, check_shape,
-                                    dequantize_projection, int8_mm, int8_packed_mm, int8_packing_available,
-                                    int8_prepack, pack_int4_cpu, pack_nibbles, parse_expert_dtype, quantize_expert,
+                                    dequantize_projection, int8_mm, int8_packed_mm, int8_prepack,
+                                    pack_int4_cpu, pack_nibbles, parse_expert_dtype, quantize_expert,
                                     quantize_int4, quantize_int8, quantize_projection, unpack_nibbles)
 from moepager.experts.weights import ExpertShape, ExpertWeights, expert_view
+from tests.conftest import needs_fbgemm
 
 D, F_ = 128, 64
 FORMATS = [QuantFormat(8), *(QuantFormat(4, g, z, layout) for g in (32, 64) for z in (False, True)
@@ -133,9 +134,6 @@ def test_the_cpu_int4_layout_is_torchs(n, k):
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
     want = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
     assert torch.equal(pack_int4_cpu(pack_nibbles(q)), want)
-
-
-needs_fbgemm = pytest.mark.skipif(not int8_packing_available(), reason="this torch build has no FBGEMM engine")
 
 
 @needs_fbgemm

@@ -10,13 +10,14 @@ from torch import nn
 
 from moepager.config import EngineConfig, StoreConfig
 from moepager.errors import ConfigError, MoepagerError
-from moepager.experts.quant import INT8_PACKED_MAX_TOKENS, int8_packing_available
+from moepager.experts.quant import INT8_PACKED_MAX_TOKENS
 from moepager.models.default import default_model_path
 from moepager.models.dense_quant import Int8A8Linear, Int8Linear, check_dense_dtype
 from moepager.models.load import load_model
 from moepager.models.synth import make_model
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
+from tests.conftest import needs_fbgemm
 from tests.runtime.test_offload import logits_run
 
 
@@ -84,7 +85,7 @@ def test_an_unknown_dense_dtype_is_refused_with_the_choices():
         load_model(default_model_path(), show_progress=False, dense_dtype="fp8")
 
 
-@pytest.mark.skipif(not int8_packing_available(), reason="this torch build has no FBGEMM engine")
+@needs_fbgemm
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_int8_a8_linear_computes_the_int8_projection_with_quantized_activations(tokens):
     gen = torch.Generator().manual_seed(3)
@@ -97,7 +98,7 @@ def test_int8_a8_linear_computes_the_int8_projection_with_quantized_activations(
     assert float(err.max()) < 0.02
 
 
-@pytest.mark.skipif(not int8_packing_available(), reason="this torch build has no FBGEMM engine")
+@needs_fbgemm
 def test_dense_int8_a8_runs_every_dense_projection_on_fbgemm_and_says_so():
     llm = LLM(config=EngineConfig(dense_dtype="int8-a8"), show_progress=False)
     kinds = {type(m) for m in llm.loaded.model.modules() if isinstance(m, (nn.Linear, Int8Linear, Int8A8Linear))}
