@@ -383,7 +383,8 @@ class CausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.disk_renames = dict(disk_renames or {})
         self.compiled_decode: Callable[..., torch.Tensor] | None = None
-        """`_forward` compiled for one-token passes (`--compile`, models/compiled.py); None runs it eagerly."""
+        """`_hidden` compiled for one-token passes (`--compile`, models/compiled.py; the LM head runs after it,
+        eagerly); None runs the whole forward eagerly."""
         self.plain_routing = True
         """Every MoE block routes with its own router and reports to no observer (what the compiled step traces)."""
 
@@ -445,22 +446,30 @@ class CausalLM(nn.Module):
         if ids_BT.numel() == 1 and self.config.hidden_size <= NATIVE_GEMV_MAX_HIDDEN:
             mkldnn = torch._C._get_mkldnn_enabled()
             torch._C._set_mkldnn_enabled(False)
-            forward = self._forward if self.compiled_decode is None or not self.plain_routing else self.compiled_decode
             try:
-                return forward(ids_BT, batch, cache, logits_at_B)
+                if self.compiled_decode is None or not self.plain_routing:
+                    return self._forward(ids_BT, batch, cache, logits_at_B)
+                return self._logits(self.compiled_decode(ids_BT, batch, cache, logits_at_B))
             finally:
                 torch._C._set_mkldnn_enabled(mkldnn)
         return self._forward(ids_BT, batch, cache, logits_at_B)
 
     def _forward(self, ids_BT: torch.Tensor, batch: ForwardBatch, cache: Sequence[torch.Tensor],
                  logits_at_B: torch.Tensor | None) -> torch.Tensor:
+        return self._logits(self._hidden(ids_BT, batch, cache, logits_at_B))
+
+    def _hidden(self, ids_BT: torch.Tensor, batch: ForwardBatch, cache: Sequence[torch.Tensor],
+                logits_at_B: torch.Tensor | None) -> torch.Tensor:
+        """The final norm's output at the positions whose logits are asked for (every position without them)."""
         x_BTD = self.model.embed_tokens(ids_BT)
         rope = self.model.rotary_emb(batch.positions_BT, x_BTD.dtype)
         for layer, layer_cache in zip(self.model.layers, cache):
             x_BTD = layer(x_BTD, rope, batch, layer_cache)
         if logits_at_B is not None:
             x_BTD = x_BTD[torch.arange(x_BTD.shape[0], device=x_BTD.device), logits_at_B]
-        x_BTD = self.model.norm(x_BTD)
+        return self.model.norm(x_BTD)
+
+    def _logits(self, x_BTD: torch.Tensor) -> torch.Tensor:
         return F.linear(x_BTD, self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head(x_BTD)
 
 

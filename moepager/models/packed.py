@@ -49,3 +49,22 @@ def pack_dense(model: nn.Module) -> int:
     """Prepack the model's large bf16 dense projections in place (models/dense_quant.py's `replace_dense` picks
     them: attention, dense and shared-expert MLPs, the LM head); returns how many were packed."""
     return replace_dense(model, _packed_if_large) if packing_available() else 0
+
+
+def pack_lm_head(model: nn.Module) -> bool:
+    """Prepack only the LM head (tied or not) when it is a large bf16 projection; whether it did. A compiled decode
+    step (models/compiled.py) runs the head after its graph, which traces no prepacked weight."""
+    from moepager.models.layers import CausalLM
+
+    if not isinstance(model, CausalLM) or not packing_available():
+        return False
+    head = model.lm_head
+    if head is None:
+        packed = _packed_if_large(model.model.embed_tokens.weight, None)
+    elif type(head) is nn.Linear:
+        packed = _packed_if_large(head.weight, head.bias)
+    else:
+        return False
+    if packed is not None:
+        model.lm_head = packed
+    return packed is not None

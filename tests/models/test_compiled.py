@@ -17,6 +17,7 @@ from moepager.experts.weights import ExpertShape
 from moepager.models import compiled
 from moepager.models.compiled import check_compilable, compile_decode
 from moepager.models.load import load_model
+from moepager.models.packed import PackedLinear, packing_available
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from moepager.trace.format import TraceReader
@@ -44,6 +45,8 @@ def test_the_engine_decodes_through_the_compiled_graph_and_records_routing_eager
     eager = LLM(config=EngineConfig(model=str(demo_checkpoint)), show_progress=False)
     llm = LLM(config=EngineConfig(model=str(demo_checkpoint), compile=True), show_progress=False)
     assert llm.loaded.model.compiled_decode is not None and eager.loaded.model.compiled_decode is None
+    # the graph ends at the final norm; the built-in model's 8192x256 tied head runs after it, prepacked
+    assert isinstance(llm.loaded.model.lm_head, PackedLinear) == packing_available()
     calls = []
     run = ResidentExecutor.run
     monkeypatch.setattr(ResidentExecutor, "run", lambda self, *a: calls.append(a[0]) or run(self, *a))

@@ -61,6 +61,23 @@ def test_loading_packs_the_large_bf16_projections_only(hf_checkpoint, monkeypatc
     assert not any(isinstance(m, PackedLinear) for m in unpacked.modules())
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_pack_lm_head_packs_the_head_alone(hf_checkpoint, tied, monkeypatch):
+    _, path = hf_checkpoint("qwen3_moe")
+    model = load_model(path, dtype=BF16, show_progress=False, pack_dense=False).model
+    if tied:
+        model.lm_head = None  # the logits from the embedding's matrix, as a tied checkpoint computes them
+    want = model._logits(torch.ones(1, model.config.hidden_size, dtype=BF16))
+    assert not packed.pack_lm_head(model) and not isinstance(model.lm_head, PackedLinear)  # below the threshold
+    monkeypatch.setattr(packed, "PACK_MIN_ELEMENTS", 0)
+    assert not packed.pack_lm_head(load_model(path, show_progress=False, pack_dense=False).model)  # fp32 stays
+    assert packed.pack_lm_head(model) and isinstance(model.lm_head, PackedLinear)
+    assert not any(isinstance(m, PackedLinear) for m in model.model.modules())  # the projections keep their weights
+    got = model._logits(torch.ones(1, model.config.hidden_size, dtype=BF16))
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+    assert not packed.pack_lm_head(model)  # once
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_packed_model_computes_the_unpacked_models_logits(hf_checkpoint, arch, pack_all):
     _, path = hf_checkpoint(arch)
