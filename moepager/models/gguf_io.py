@@ -16,7 +16,11 @@ written as llama.cpp's yarn keys with yarn_log_multiplier = 0.1 * mscale_all_dim
 again. Reading a deepseek2 file gives DeepSeek-V3 when its gating function is sigmoid, DeepSeek-V2 otherwise.
 
 Types: `--type bf16|f16` converts every matrix; `q8_0|q4_0` quantize the routed experts (what moepager's
-`--expert-dtype int8|int4` quantize) and keep every other tensor in the checkpoint's dtype. Blocks of 32 along
+`--expert-dtype int8|int4` quantize) and keep every other tensor in the checkpoint's dtype. `--dense-type q8_0`
+quantizes the dense projections to Q8_0 as well: attention, dense and shared-expert MLPs and the LM head (a tied
+head written as its own output.weight, which llama.cpp prefers to the embedding), what moepager's `--dense-dtype
+int8|int8-a8` quantize; embeddings, norms, routers and MLA's split kv_b stay as they are. llama.cpp's own
+converter quantizes the token embedding too, which decoding only reads a row of. Blocks of 32 along
 the input dimension with an fp16 scale d each (ggml's block_q8_0 / block_q4_0): Q8_0 q = round(x / d),
 d = absmax / 127; Q4_0 w = (q - 8) * d, d = m / -8 with m the block's value of largest magnitude, the block's
 16 bytes holding elements j (low nibble) and j + 16 (high nibble). Our quantizers choose the integers against the
@@ -53,6 +57,11 @@ HF_ARCHS = {"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM"
             "llama": "MixtralForCausalLM", "deepseek2": "DeepseekV2ForCausalLM"}
 """GGUF architecture -> HF architecture read back (a deepseek2 file with sigmoid gating reads as DeepSeek-V3)."""
 EXPORT_TYPES = ("bf16", "f16", "q8_0", "q4_0")
+DENSE_EXPORT_TYPES = ("q8_0",)
+Q8_0_DENSE = tuple(f".{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_a", "attn_q_b",
+                                            "attn_kv_a_mqa", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_shexp",
+                                            "ffn_up_shexp", "ffn_down_shexp"))
+"""Per-block dense projections `--dense-type q8_0` quantizes (and the LM head, output.weight)."""
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 F32_TENSORS = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
@@ -206,13 +215,16 @@ def _pre_type(pre: dict[str, Any]) -> str:
 
 
 def export_gguf(model: str | os.PathLike[str], out: str | os.PathLike[str], type_: str = "bf16",
-                show_progress: bool = True) -> Path:
-    """Write checkpoint `model` as a GGUF file of `type_` (bf16, f16, q8_0, q4_0) to `out` (atomically)."""
+                show_progress: bool = True, dense_type: str | None = None) -> Path:
+    """Write checkpoint `model` as a GGUF file of `type_` (bf16, f16, q8_0, q4_0) to `out` (atomically);
+    `dense_type` q8_0 quantizes the dense projections too."""
     gguf = gguf_module()
     from moepager.models.load import checkpoint_dtype
 
     if type_ not in EXPORT_TYPES:
         raise ConfigError(f"unknown --type '{type_}'; choose from {', '.join(EXPORT_TYPES)}")
+    if dense_type is not None and dense_type not in DENSE_EXPORT_TYPES:
+        raise ConfigError(f"unknown --dense-type '{dense_type}'; choose from {', '.join(DENSE_EXPORT_TYPES)}")
     checkpoint = Checkpoint(model)
     cfg = _exportable(checkpoint)
     out_path = Path(out)
@@ -227,7 +239,7 @@ def export_gguf(model: str | os.PathLike[str], out: str | os.PathLike[str], type
     with atomic_file(out_path) as tmp:
         writer = gguf.GGUFWriter(tmp, name)
         _write_metadata(writer, name, cfg, checkpoint, type_)
-        _add_dense(writer, name, cfg, checkpoint, float_type)
+        _add_dense(writer, name, cfg, checkpoint, float_type, dense_type == "q8_0")
         _add_experts(writer, cfg, checkpoint, ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, dtype),
                      type_, float_type)
         writer.write_header_to_file()
@@ -351,9 +363,17 @@ def _deepseek2_metadata(writer: Any, cfg: ModelConfig, config: dict[str, Any]) -
         writer.add_rope_scaling_yarn_log_mul(0.1 * float(s["mscale_all_dim"]))  # llama.cpp divides by 0.1 again
 
 
-def _add_dense(writer: Any, name: str, cfg: ModelConfig, checkpoint: Checkpoint, float_type: torch.dtype) -> None:
-    """Every tensor but the routed experts, under its GGUF name (norms and routers in F32)."""
+def _add_dense(writer: Any, name: str, cfg: ModelConfig, checkpoint: Checkpoint, float_type: torch.dtype,
+               q8_0: bool = False) -> None:
+    """Every tensor but the routed experts, under its GGUF name (norms and routers in F32; with `q8_0` the dense
+    projections in Q8_0, a tied LM head as its own output.weight)."""
+    gguf = gguf_module()
     mapped = name_map(name, cfg.num_layers)
+    if q8_0 and cfg.tie_word_embeddings:
+        embed = next(n for n in checkpoint.locations if n.endswith("embed_tokens.weight"))
+        head = torch.empty(checkpoint.locations[embed].shape, dtype=checkpoint.locations[embed].dtype)
+        checkpoint.read_exact_into(embed, head)
+        writer.add_tensor("output.weight", q8_0_blocks(head).numpy(), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     for hf_name, loc in checkpoint.locations.items():
         if is_routed_expert(hf_name):
             continue
@@ -369,6 +389,9 @@ def _add_dense(writer: Any, name: str, cfg: ModelConfig, checkpoint: Checkpoint,
             gname = mapped(part_name)
             if gname is None:
                 raise ConfigError(f"tensor '{hf_name}' has no GGUF name for {name}")
+            if q8_0 and (gname == "output.weight" or gname.endswith(Q8_0_DENSE)) and part.shape[-1] % BLOCK == 0:
+                writer.add_tensor(gname, q8_0_blocks(part).numpy(), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+                continue
             _add(writer, gname, part,
                  torch.float32 if part.dim() <= 1 or gname.endswith(F32_TENSORS) else float_type)
 

@@ -15,6 +15,7 @@ from moepager.errors import CheckpointError, ConfigError
 from moepager.experts.quant import QuantExpertWeights
 from moepager.models.gguf_io import export_gguf, q4_0_blocks, q4_0_to_int4, q4_0_values, q8_0_blocks, q8_0_values
 from moepager.models.gguf_read import gguf_checkpoint, resolve_model_path
+from moepager.models.default import default_model_path
 from moepager.models.layers import ForwardBatch
 from moepager.models.load import load_model
 from moepager.models.synth import make_model
@@ -123,6 +124,32 @@ def test_quantized_exports_load_as_int4_and_int8_experts(tiny, tmp_path, kind):
     else:  # requantized per channel
         np.testing.assert_allclose(got, want, atol=float(np.abs(want).max()) / 127, rtol=0)
     assert sum(p.stat().st_size for p in resolve_model_path(out).glob("*.safetensors")) < out.stat().st_size * 1.1
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2", "demo"])
+def test_a_dense_q8_0_export_quantizes_the_projections_and_loads_back_close(tiny, tmp_path, arch):
+    """--dense-type q8_0: attention, dense/shared MLPs and the LM head in Q8_0 (the built-in model's tied head as
+    its own output.weight); embeddings, norms, routers and MLA's k_b/v_b as they were; read back dequantized,
+    logits within Q8_0's rounding of the source model's."""
+    path = default_model_path() if arch == "demo" else tiny(arch)
+    out = tmp_path / "m.gguf"
+    assert main(["export-gguf", "--model", str(path), "--type", "q8_0", "--dense-type", "q8_0", "--out", str(out)]) == 0
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
+    assert types["output.weight"] == "Q8_0" and types["token_embd.weight"] == "BF16"
+    assert types["blk.1.attn_output.weight"] == "Q8_0" and types["blk.1.ffn_down_exps.weight"] == "Q8_0"
+    assert types["blk.1.attn_norm.weight"] == "F32" and types["blk.1.ffn_gate_inp.weight"] == "F32"
+    if arch == "deepseek_v2":
+        assert types["blk.0.attn_kv_a_mqa.weight"] == "Q8_0" and types["blk.0.attn_k_b.weight"] == "BF16"
+        assert types["blk.0.ffn_up.weight"] == "Q8_0"  # the leading dense layer's MLP
+    else:
+        assert types["blk.0.attn_q.weight"] == types["blk.0.attn_v.weight"] == "Q8_0"
+    ref = logits_run(load_model(path, torch.float32, show_progress=False), steps=2, rows=1)
+    got = logits_run(load_model(resolve_model_path(out), torch.float32, show_progress=False), steps=2, rows=1)
+    for a, b in zip(got, ref):
+        assert (a - b).norm() < 0.05 * b.norm()
+    with pytest.raises(ConfigError, match="--dense-type 'q4_0'"):
+        export_gguf(path, tmp_path / "x.gguf", "q8_0", show_progress=False, dense_type="q4_0")
+    assert not (tmp_path / "x.gguf").exists()
 
 
 def test_llama_cpp_produces_our_greedy_tokens_from_an_exported_file(tmp_path):
