@@ -10,7 +10,8 @@ activations quantized to 8 bits per token as well (experts/quant.py's int8_packe
 Per-layer error: each MoE block's output in the quantized run divided by the bf16 block's, on the bf16 run's
 own inputs to that block (so errors do not accumulate from earlier layers): ||y_q - y|| / ||y||. The row
 `fp32 (whole model)` runs every weight in fp32: how far bf16's own rounding moves the same measures (a floor for
-what any format can agree with bf16). The real
+what any format can agree with bf16); the rows `experts rounded to 10/12 bits (simulated)` show how the agreement
+saturates as the experts' weight error shrinks below int8's. The real
 geometry is `make-model --preset qwen3-30b-a3b --layers 4` (random weights: their distribution is Gaussian,
 real weights have heavier tails, which favours zero points and small groups more than this shows).
 
@@ -49,6 +50,10 @@ FORMATS = {  # name -> load_model options
     "int4 g64 zp": dict(expert_dtype="int4", int4_group=64, int4_zero_point=True),
 }
 REAL_FORMATS = ["bf16", "int8", "int8, packed kernel", "int4 g32", "int4 g32 zp", "int4 g64 zp"]
+SIMULATED_BITS = (10, 12)
+"""Rows `experts rounded to N bits (simulated)`: the bf16 experts rounded in place to N-bit per-output-channel levels
+(int8's scheme with more levels, kept in bf16): how close to bf16 a weight error smaller than int8's can get, i.e.
+where the agreement measure saturates on this model."""
 BATCH = 16
 
 
@@ -89,6 +94,18 @@ def layer_errors(loaded, inputs: list[list[torch.Tensor]], ref_blocks: list[MoEB
     return errs
 
 
+def rounded_experts(path: Path, bits: int):
+    """The bf16 model with every expert weight rounded to `bits`-bit symmetric per-output-channel levels."""
+    loaded = load_model(path, show_progress=False)
+    kernels, top = loaded.experts.kernels, 2 ** (bits - 1) - 1
+    with torch.no_grad():
+        for w in (kernels.gate_up_R2FD, kernels.down_RDF):  # views of the resident arena
+            w32 = w.float()
+            scale = w32.abs().amax(-1, keepdim=True).clamp(min=1e-12) / top
+            w.copy_(torch.round(w32 / scale).clamp(-top, top) * scale)
+    return loaded
+
+
 def demo_quality(tokens: int, max_docs: int) -> list[dict]:
     path = default_model_path()
     tok = Tokenizer(path)
@@ -102,8 +119,11 @@ def demo_quality(tokens: int, max_docs: int) -> list[dict]:
     targets = torch.tensor(docs)[:, 1:]
     ref_top1 = ref_logits[:, :-1].argmax(-1)
     rows = []
-    for name, opts in FORMATS.items():
-        loaded = ref if name == "bf16" else load_model(path, show_progress=False, **opts)
+    runs = {name: lambda opts=opts: load_model(path, show_progress=False, **opts) for name, opts in FORMATS.items()}
+    for b in SIMULATED_BITS:
+        runs[f"experts rounded to {b} bits (simulated)"] = lambda b=b: rounded_experts(path, b)
+    for name, make in runs.items():
+        loaded = ref if name == "bf16" else make()
         logits = ref_logits if name == "bf16" else forward_logits(loaded, docs)
         nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1)).item()
         agree = (logits[:, :-1].argmax(-1) == ref_top1).float().mean().item()
