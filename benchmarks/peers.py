@@ -6,8 +6,10 @@ bf16, or --expert-dtype int8/int4), HF
 transformers (a greedy loop over its DynamicCache; bf16) and llama.cpp through `llama-cpp-python` when it is
 installed (`pip install -e ".[peers]"`, which builds llama.cpp from source; on this project's CPU set CMAKE_ARGS
 as FACTS.md says, AMX off) on the same weights written by our own `moepager export-gguf`: BF16, or Q8_0/Q4_0
-experts with every other tensor bf16 (what moepager's int8/int4 quantize). Our bf16 export is tensor for tensor
-what llama.cpp's own convert_hf_to_gguf.py writes. Models: the built-in demo-moe and `make-model --preset
+experts with every other tensor bf16 (what moepager's int8/int4 quantize); with --dense and int8 experts also
+Q8_0 with the dense projections in Q8_0 too (`export-gguf --dense-type q8_0`: what --dense-dtype int8/int8-a8
+quantize), the peer of the moepager rows with int8 experts and int8 dense projections. Our bf16 export is tensor for
+tensor what llama.cpp's own convert_hf_to_gguf.py writes. Models: the built-in demo-moe and `make-model --preset
 qwen3-30b-a3b --layers 4` (~1.08 GB of weights read per token in bf16). Reports tok/s, the ratios to HF and to
 llama.cpp in the same format, and the weight bytes per token divided by the time per token (achieved GB/s).
 
@@ -74,15 +76,16 @@ class HF:
 
 
 class LlamaCpp:
-    def __init__(self, path: Path, gguf_type: str, threads: int):
+    def __init__(self, path: Path, gguf_types: tuple[str, str | None], threads: int):
         import llama_cpp
 
         from moepager.models.gguf_io import export_gguf
 
-        gguf = RESULTS / "gguf" / f"{path.name}-{gguf_type}.gguf"
+        gguf_type, dense_type = gguf_types
+        gguf = RESULTS / "gguf" / f"{path.name}-{gguf_type}{f'-dense-{dense_type}' if dense_type else ''}.gguf"
         if not gguf.exists():  # our export-gguf (tensor for tensor what llama.cpp's own converter writes in bf16)
             gguf.parent.mkdir(parents=True, exist_ok=True)
-            export_gguf(path, gguf, gguf_type)
+            export_gguf(path, gguf, gguf_type, dense_type=dense_type)
         # use_mmap=False: the weights in llama.cpp's own memory, as moepager holds them. Mapped from the page cache,
         # its speed depends on how the file came to be cached: qwen3 L4 Q8_0 at 1 thread decoded 11.8 tok/s just
         # after the file was written and 8.95-9.05 once it had been evicted and read back, 11.09 loaded (ad-hoc probe)
@@ -105,8 +108,10 @@ def model_path(name: str) -> Path:
     return default_model_path() if name == "demo" else ensure_model(f"{name}-L4", name, 4)
 
 
-GGUF_TYPES = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}
-PEER_LABELS = {"bf16": "llama.cpp BF16", "int8": "llama.cpp Q8_0", "int4": "llama.cpp Q4_0"}
+GGUF_TYPES = {"bf16": ("bf16", None), "int8": ("q8_0", None), "int4": ("q4_0", None), "int8+dense": ("q8_0", "q8_0")}
+"""Peer format -> export-gguf's (--type, --dense-type); `int8+dense`: int8 experts and int8 dense projections."""
+PEER_LABELS = {"bf16": "llama.cpp BF16", "int8": "llama.cpp Q8_0", "int4": "llama.cpp Q4_0",
+               "int8+dense": "llama.cpp Q8_0 + dense Q8_0"}
 
 
 def runs(kernel: str, fmt: str) -> bool:
@@ -123,12 +128,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--kernels", nargs="+", default=["auto"], help="moepager expert kernels to run (one row each)")
-    ap.add_argument("--formats", nargs="+", default=["bf16"], choices=list(GGUF_TYPES),
+    ap.add_argument("--formats", nargs="+", default=["bf16"], choices=["bf16", "int8", "int4"],
                     help="expert formats: moepager --expert-dtype F against llama.cpp's BF16/Q8_0/Q4_0 of the same "
                          "weights (experts quantized, the rest bf16: `moepager export-gguf --type`)")
     ap.add_argument("--dense", nargs="+", default=[], choices=DENSE_DTYPES,
                     help="also each moepager row with --dense-dtype D (every projection int8; int8-a8 on FBGEMM with "
-                         "8-bit activations; llama.cpp still runs its dense tensors in bf16)")
+                         "8-bit activations); with int8 experts their peer is llama.cpp with dense Q8_0 as well")
     ap.add_argument("--unpacked", action="store_true",
                     help="also each bf16-dense moepager row with --no-packed-dense (torch's own GEMV for the large "
                          "dense projections instead of oneDNN on prepacked weights)")
@@ -146,7 +151,8 @@ def main() -> None:
     for name in args.models:
         path = model_path(name)
         ours = {f"moepager {k}" + ("" if fmt == "bf16" else f" {fmt}") + (f" +dense {dense}" if dense else "")
-                + ("" if pack else " (torch GEMV)"): (fmt, Ours(path, k, None if fmt == "bf16" else fmt, dense, pack))
+                + ("" if pack else " (torch GEMV)"): (fmt + ("+dense" if dense and fmt == "int8" else ""),
+                                                     Ours(path, k, None if fmt == "bf16" else fmt, dense, pack))
                 for fmt in args.formats for k in args.kernels if runs(k, fmt)
                 for dense in [None, *args.dense]
                 for pack in ([True, False] if args.unpacked and not dense else [True])}
@@ -159,13 +165,15 @@ def main() -> None:
                   if engine.llm.config.dense_dtype is None}
         nbytes |= {label: bytes_per_decode_token(engine.llm) for label, (_, engine) in ours.items()
                    if engine.llm.config.dense_dtype is not None}
+        nbytes |= {fmt: nbytes[label] for label, (fmt, _) in ours.items() if fmt == "int8+dense"}
+        peer_formats = [*args.formats] + (["int8+dense"] if "int8+dense" in nbytes else [])
         vocab = next(iter(ours.values()))[1].llm.loaded.config.vocab_size
         ids = torch.randint(0, vocab, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
         for threads in args.threads:
             torch.set_num_threads(threads)
             engines = {**ours, **peers}
             if have_llama:
-                for fmt in args.formats:
+                for fmt in peer_formats:
                     try:
                         engines[PEER_LABELS[fmt]] = (fmt, LlamaCpp(path, GGUF_TYPES[fmt], threads))
                     except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
