@@ -449,14 +449,16 @@ class CausalLM(nn.Module):
             try:
                 if self.compiled_decode is None or not self.plain_routing:
                     return self._forward(ids_BT, batch, cache, logits_at_B)
-                return self._logits(self.compiled_decode(ids_BT, batch, cache, logits_at_B))
+                x_BD = self.compiled_decode(ids_BT, batch, cache, logits_at_B)  # the LM head inline: calls count
+                return F.linear(x_BD, self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head(x_BD)
             finally:
                 torch._C._set_mkldnn_enabled(mkldnn)
         return self._forward(ids_BT, batch, cache, logits_at_B)
 
     def _forward(self, ids_BT: torch.Tensor, batch: ForwardBatch, cache: Sequence[torch.Tensor],
                  logits_at_B: torch.Tensor | None) -> torch.Tensor:
-        return self._logits(self._hidden(ids_BT, batch, cache, logits_at_B))
+        x_BTD = self._hidden(ids_BT, batch, cache, logits_at_B)
+        return F.linear(x_BTD, self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head(x_BTD)
 
     def _hidden(self, ids_BT: torch.Tensor, batch: ForwardBatch, cache: Sequence[torch.Tensor],
                 logits_at_B: torch.Tensor | None) -> torch.Tensor:
@@ -468,9 +470,6 @@ class CausalLM(nn.Module):
         if logits_at_B is not None:
             x_BTD = x_BTD[torch.arange(x_BTD.shape[0], device=x_BTD.device), logits_at_B]
         return self.model.norm(x_BTD)
-
-    def _logits(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        return F.linear(x_BTD, self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head(x_BTD)
 
 
 

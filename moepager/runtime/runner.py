@@ -52,7 +52,7 @@ class ModelRunner:
     def _forward(self, rows: Sequence[Scheduled]) -> torch.Tensor:
         """Plain loops, not comprehensions: this runs every decode step. The batch's metadata is built on the
         host and reaches the device in one copy (on CUDA from pinned memory, asynchronously: no host sync)."""
-        b, t, bs = len(rows), max(r.count for r in rows), self.pool.block_size
+        b, t, bs = len(rows), max([r.count for r in rows]), self.pool.block_size
         ids, positions, slot_block, slot_offset, tables, last, valid, fed = [], [], [], [], [], [], [], []
         kv_len = 0
         for i, r in enumerate(rows):

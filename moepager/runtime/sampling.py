@@ -8,6 +8,7 @@ model's (after penalties, before temperature and filters), as the OpenAI API rep
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Sequence
@@ -138,9 +139,12 @@ def sample_rows(logits_BV: torch.Tensor, requests: Sequence[Sampled]) -> list[tu
     if 0 in picked[1]:
         raise NonFiniteLogits([b for b, ok in enumerate(picked[1]) if not ok])
     tokens: list[int] = picked[0]
-    slow = [b for b, r in enumerate(requests) if not r.sampler.plain]
+    slow = []
+    for b, r in enumerate(requests):  # loops, not comprehensions, on the one-token path: each is a call
+        if not r.sampler.plain:
+            slow.append(b)
     if not slow:
-        return [(t, None) for t in tokens]
+        return list(zip(tokens, itertools.repeat(None)))
     host_BV = logits_BV[slow].cpu()
     groups: dict[tuple[float, int, float, float], list[int]] = {}
     for i, b in enumerate(slow):
