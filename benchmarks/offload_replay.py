@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import RESULTS, SHARED, converted, ensure_model, machine_state, print_table, write_json  # noqa: E402
 from moepager.config import PrefetchConfig, StoreConfig  # noqa: E402
 from moepager.planning.calibrate import CalibrateOptions, DiskSampler, calibrate  # noqa: E402
+from moepager.predictors import PREDICTORS  # noqa: E402
 from moepager.planning.cost import CalibratedProfile, CostModel  # noqa: E402
 from moepager.runtime.llm import LLM  # noqa: E402
 from moepager.runtime.replay import ReplaySpec  # noqa: E402
@@ -56,10 +57,13 @@ class Config:
     only)."""
     inflight: int | None = None
     """Prefetches loading at once, at most (None: the engine's default, twice the model's top-k)."""
+    distance: int | None = None
+    """Prefetch distance in MoE layers (None: the predictor's default)."""
 
     @property
     def label(self) -> str:
-        k = "" if self.per_row is None else f" k{self.per_row}"
+        k = "" if self.distance is None else f" d{self.distance}"
+        k += "" if self.per_row is None else f" k{self.per_row}"
         k += "" if self.inflight is None else f"/{self.inflight}"
         return f"{self.budget} {self.policy}" + (f" +{self.predictor}{k}" if self.predictor else "")
 
@@ -82,10 +86,11 @@ def arguments(device: str, layers: int, threads: int | None) -> argparse.Argumen
     ap.add_argument("--prefetch-k", type=int, help="experts prefetched per forecast row (default: the model's top-k)")
     ap.add_argument("--out", help="results name (default: the script's)")
     ap.add_argument("--no-ttft", action="store_true", help="skip the TTFT table")
-    ap.add_argument("--configs", nargs="+", metavar="POLICY[+PREDICTOR[:K[/N]]]",
+    ap.add_argument("--configs", nargs="+", metavar="POLICY[+PREDICTOR[@D][:K[/N]]]",
                     help="exactly these configurations at every budget below 100%% (instead of --policies x "
-                         "--predictors), e.g. lru plec+head:0 plec+head:6/1 (K experts prefetched per row, at most N "
-                         "loading at once)")
+                         "--predictors), e.g. lru plec+head:0 plec+head:6/1 lru+replay-oracle@8 (D: prefetch distance "
+                         "in MoE layers; K experts prefetched per row, at most N loading at once; replay-oracle "
+                         "forecasts the replayed routing itself: a perfect predictor's upper bound)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the configurations this many times, interleaved (A B A B ...: the disk drifts)")
     ap.add_argument("--remodel", action="store_true",
@@ -114,11 +119,13 @@ def configs(args: argparse.Namespace) -> list[Config]:
 
 
 def parse_config(budget: str, text: str) -> Config:
-    """POLICY[+PREDICTOR[:K[/N]]] at `budget`."""
+    """POLICY[+PREDICTOR[@D][:K[/N]]] at `budget`."""
     policy, _, rest = text.partition("+")
     predictor, _, k = rest.partition(":")
+    predictor, _, d = predictor.partition("@")
     k, _, n = k.partition("/")
-    return Config(budget, policy, predictor or None, int(k) if k else None, int(n) if n else None)
+    return Config(budget, policy, predictor or None, int(k) if k else None, int(n) if n else None,
+                  int(d) if d else None)
 
 
 def cut_trace(trace: Path, layers: int) -> Path:
@@ -170,7 +177,8 @@ def measure(path: Path, cfg: Config, args: argparse.Namespace, spec: ReplaySpec,
     store = None if cfg.budget in ("100%", "all") else StoreConfig(expert_memory=cfg.budget, policy=cfg.policy,
                                                                      io_threads=args.io_threads)
     per_row = args.prefetch_k if cfg.per_row is None else cfg.per_row
-    prefetch = PrefetchConfig(cfg.predictor, str(files[cfg.predictor]), per_row=per_row,
+    file = str(files[cfg.predictor]) if cfg.predictor in files else None  # replay-oracle and gate-lookahead: none
+    prefetch = PrefetchConfig(cfg.predictor, file, distance=cfg.distance, per_row=per_row,
                               max_inflight=cfg.inflight) if cfg.predictor else PrefetchConfig()
     llm = LLM(path, device=args.device, threads=args.threads, store=store, prefetch=prefetch, show_progress=False)
     return {"config": cfg.label, "budget": cfg.budget, "policy": cfg.policy, "predictor": cfg.predictor or "none"} \
@@ -233,7 +241,7 @@ def main(device: str, layers: int, threads: int | None, name: str) -> None:
     if args.remodel:
         return remodel(name, trace, requests, cut, args)
     spec = ReplaySpec(trace, requests, args.prompt, "match", args.decode)
-    wanted = {c.predictor for c in configs(args) if c.predictor}
+    wanted = {c.predictor for c in configs(args) if c.predictor and PREDICTORS[c.predictor].fitted}
     files = fitted_predictors(trace, fit, sorted(wanted))
     print(f"calibrating {path.name} on {device} (before the runs) ...")
     options = CalibrateOptions(device, args.io_threads, prefill_tokens=args.ttft_prompt)

@@ -8,6 +8,7 @@
 | token-wise | hidden states | per-layer gate-shaped predictors trained on a trace recorded with hidden states |
 | head | expert ids (+ token ids) | a logistic head per layer over the last layers' experts and the token, fitted on a trace |
 | path | token ids | ExpertFlow's routing path predictor: a small causal transformer, every layer before the pass |
+| replay-oracle | a routing replay | nothing: it reads the replayed trace (a perfect predictor's upper bound) |
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from moepager.predictors.base import Forecast, LayerObservation, Predictor, PredictorError, k_hot, target_of
 from moepager.predictors.expert_map import ExpertMapPredictor, ExpertMapStore
 from moepager.predictors.head import HeadPredictor
+from moepager.predictors.oracle import RecordedRouting, ReplayOracle
 from moepager.predictors.path import PathPredictor
 from moepager.predictors.gate_lookahead import GateLookaheadPredictor, RouterScores
 from moepager.predictors.token_wise import TokenWisePredictor
@@ -57,6 +59,8 @@ class PredictorSpec:
     default_distance: int | None = None
     """Prefetch distance in MoE layers when none is given; None: one token ahead (all L layers)."""
     needs_routers: bool = False
+    replay_only: bool = False
+    """It forecasts from the routing being replayed (`bind` to the replayer): only `LLM.replay` runs it."""
 
 
 def _gate_lookahead(ctx: BuildContext) -> Predictor:
@@ -108,11 +112,19 @@ PREDICTORS: dict[str, PredictorSpec] = {
     "token-wise": PredictorSpec(_token_wise, fitted=True),
     "head": PredictorSpec(_head, fitted=True, default_distance=1),
     "path": PredictorSpec(_path, fitted=True),
+    "replay-oracle": PredictorSpec(lambda ctx: ReplayOracle(ctx.num_experts), fitted=False, default_distance=1,
+                                   replay_only=True),
 }
 FITTED = [name for name, spec in PREDICTORS.items() if spec.fitted]
 """Predictors whose learned state lives in a file written by `moepager predictor fit`."""
 ONLINE = [name for name, spec in PREDICTORS.items() if spec.online]
 """Predictors that can learn while the engine runs (`--learn-maps`)."""
+
+
+def bind_replay(predictor: Predictor, source: RecordedRouting | None) -> None:
+    """Point a replay-only predictor at the routing being replayed (None: the replay ended); others ignore it."""
+    if isinstance(predictor, ReplayOracle):
+        predictor.bind(source)
 
 
 def default_distance(name: str, num_layers: int) -> int:

@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 
 from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
-from moepager.errors import InvalidRequestError
+from moepager.errors import ConfigError, InvalidRequestError
 from moepager.experts.executor import PagedExecutor
 from moepager.models.compiled import compile_decode
 from moepager.models.default import default_model_path
@@ -20,6 +20,7 @@ from moepager.models.gguf_read import resolve_model_path
 from moepager.models.layers import NULL_OBSERVER, OWN_ROUTER, RoutingFanOut, RoutingObserver
 from moepager.models.load import LoadedModel, load_model, parse_dtype, resident_executor
 from moepager.outputs import check_file
+from moepager.predictors import PREDICTORS, bind_replay
 from moepager.runtime.engine import Engine, ignore_finish
 from moepager.runtime.prefetch import Prefetcher, build_prefetcher
 from moepager.runtime.request import Detokenize, FinishReason, Request
@@ -94,6 +95,13 @@ class LLM:
         self.generate([[0, 0]], SamplingParams(max_tokens=steps, ignore_eos=True))
         self.last_stats = RunStats()
 
+    def check_runs_prompts(self) -> None:
+        """A clear error where the prefetch predictor only forecasts a routing replay (replay-oracle)."""
+        name = self.config.prefetch.predictor
+        if self.prefetcher is not None and name is not None and PREDICTORS[name].replay_only:
+            raise ConfigError(f"--predictor {name} forecasts the routing a replay runs (generate --replay TRACE); "
+                              "prompts have no recorded routing to read: choose another predictor")
+
     def _eos_token_ids(self) -> list[int]:
         """End-of-sequence ids from config.json, generation_config.json and the tokenizer (read once)."""
         ids = list(self.loaded.config.eos_token_ids)
@@ -158,9 +166,13 @@ class LLM:
             model.observe_routing(observers[0] if len(observers) == 1 else RoutingFanOut(observers))
         if replayer is not None:
             model.route_with(replayer)
+        if self.prefetcher is not None:
+            bind_replay(self.prefetcher.predictor, replayer)
         try:
             yield
         finally:
+            if self.prefetcher is not None:
+                bind_replay(self.prefetcher.predictor, None)
             self._pass_parts = self._parts(None, None)
             model.observe_routing(self.prefetcher if self.prefetcher is not None else NULL_OBSERVER)
             model.route_with(OWN_ROUTER)
@@ -170,6 +182,7 @@ class LLM:
                  record_trace: str | os.PathLike[str] | None = None, record_hidden: bool = False) -> list[Completion]:
         """Complete every prompt (request i samples with seed + i); `record_trace` also writes their routing
         (trace format v1) to that file, with every router input too when `record_hidden`."""
+        self.check_runs_prompts()
         params = params or SamplingParams()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]

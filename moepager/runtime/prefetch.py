@@ -155,7 +155,9 @@ class Prefetcher:
             return
         for n, chosen in enumerate(forecast.select(self.plan.per_row)):
             for e in chosen:
-                entry[e] = entry.get(e, 0.0) + float(probs_NE[n, e])
+                p = float(probs_NE[n, e])
+                if p > 0:  # an expert the forecast gives no chance is never loaded for it
+                    entry[e] = entry.get(e, 0.0) + p
 
     def _pump(self) -> None:
         """Issue queued prefetches, best priority first, while fewer than max_inflight are loading."""

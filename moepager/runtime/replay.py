@@ -125,22 +125,34 @@ class RouteReplayer:
         self._has_missing = {rid: bool((r.ids_TLK == MISSING).any()) for rid, r in requests.items()}
         self._ids_NLK: torch.Tensor | None = None
         self._weights_NLK: torch.Tensor | None = None
+        self._next_NLK: torch.Tensor | None = None
         self._missing = False
 
     def begin_pass(self, info: PassInfo) -> None:
         """The next pass carries `counts[i]` tokens of request `requests[i]` from position `starts[i]`: their
         recorded routing comes next."""
-        ids, weights = [], []
+        ids, weights, following = [], [], []
         for rid, start, n in zip(info.requests, info.starts, info.counts, strict=True):
             if start + n > len(self._ids[rid]):
                 raise RuntimeError(f"routing replay: request {rid} ran past its {len(self._ids[rid])} recorded tokens")
             ids.append(self._ids[rid][start:start + n])
             w = self._weights[rid]
             weights.append(None if w is None else w[start:start + n])
+            following.append(self._ids[rid][start + 1:start + n + 1])
+            if len(following[-1]) < n:  # the request's last recorded token: nothing follows it
+                following[-1] = torch.cat((following[-1], torch.full_like(ids[-1][:1], MISSING)))
         self._ids_NLK = ids[0] if len(ids) == 1 else torch.cat(ids)
+        self._next_NLK = following[0] if len(following) == 1 else torch.cat(following)
         self._weights_NLK = None if any(w is None for w in weights) else (
             weights[0] if len(weights) == 1 else torch.cat(weights))  # type: ignore[arg-type]
         self._missing = any(self._has_missing[r] for r in info.requests)
+
+    def recorded(self, column: int, ahead: int) -> torch.Tensor:
+        """ids_NK the trace recorded at MoE layer `column` (its position among the MoE layers) for this pass's
+        tokens (`ahead` 0) or for the token after each of them (`ahead` 1; MISSING after a request's last one):
+        what the `replay-oracle` predictor forecasts, a perfect predictor's upper bound."""
+        assert self._ids_NLK is not None and self._next_NLK is not None, "begin_pass must announce a pass first"
+        return (self._next_NLK if ahead else self._ids_NLK)[:, column]
 
     def route(self, layer: int, gate: nn.Module, x_ND: torch.Tensor) -> RoutingDecision:
         own: RoutingDecision = gate(x_ND)

@@ -70,6 +70,7 @@ def install_error_handlers(app: FastAPI) -> None:
 def create_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI:
     """The app; its engine steps on a thread of its own, or (`engine_thread=False`) on whichever thread calls
     `app.state.engine.run()` (`moepager serve`: the main thread, with uvicorn on another)."""
+    llm.check_runs_prompts()
     metrics = Metrics(llm.engine, llm.store, model_name)
     engine = AsyncEngine(llm.engine, metrics)
     context = llm.loaded.config.max_position_embeddings

@@ -10,6 +10,7 @@ from moepager.cli.main import main
 from moepager.config import PrefetchConfig, StoreConfig
 from moepager.errors import MoepagerError
 from moepager.runtime.llm import LLM
+from moepager.runtime.replay import ReplaySpec
 from moepager.runtime.sampling import SamplingParams
 from moepager.trace.format import TraceReader
 from moepager.trace.predict import FITTERS, FitOptions, fit_expert_maps, fit_token_wise, fit_transition
@@ -141,3 +142,24 @@ def test_predict_eval_runs_model_predictors_on_a_recorded_trace(recorded, capsys
     lines = capsys.readouterr().out.splitlines()
     rows = {tuple(line.split()[:2]) for line in lines if line.startswith(("gate-lookahead", "token-wise"))}
     assert rows == {("gate-lookahead", "1"), ("gate-lookahead", "3"), ("token-wise", "1"), ("token-wise", "3")}
+
+
+def test_the_replay_oracle_prefetches_exactly_the_replayed_routing(recorded, tmp_path):
+    """replay-oracle forecasts what the trace recorded (the upper bound of any predictor): a replay with it
+    decodes the resident replay's tokens, every expert it loads ahead is used, and it misses less than LRU alone
+    at the same budget; outside a replay it is refused, in the engine and in offline evaluation."""
+    path, _, files = recorded
+    spec = ReplaySpec(files / "t.mpt")
+    want = [c.token_ids for c in LLM(path, show_progress=False).replay(spec)]
+    store = StoreConfig(expert_memory="50%", direct_io="off", warm=False)
+    lru = LLM(path, show_progress=False, store=store)
+    assert [c.token_ids for c in lru.replay(spec)] == want
+    oracle = LLM(path, show_progress=False, store=store, prefetch=PrefetchConfig("replay-oracle"))
+    assert [c.token_ids for c in oracle.replay(spec)] == want
+    decode = oracle.last_stats.sections["experts"].phases["decode"]
+    assert decode["loads_ahead"] > 0 and decode["prefetch_wasted"] == 0
+    assert decode["hit_rate"] > lru.last_stats.sections["experts"].phases["decode"]["hit_rate"]
+    with pytest.raises(MoepagerError, match="replay-oracle forecasts the routing a replay runs"):
+        oracle.generate(PROMPTS, PARAMS)
+    assert oracle.prefetcher is not None and oracle.prefetcher.predictor.source is None  # unbound after the replay
+    assert main(["predict-eval", "--trace", str(files / "t.mpt"), "--predictor", "replay-oracle"]) == 2

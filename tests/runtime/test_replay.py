@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from moepager.cli.main import main
 from moepager.config import StoreConfig
 from moepager.errors import MoepagerError
 from moepager.runtime.llm import LLM
-from moepager.runtime.replay import ReplaySpec
+from moepager.runtime.replay import ReplayRequest, ReplaySpec, RouteReplayer
 from moepager.runtime.sampling import SamplingParams
-from moepager.trace.format import DECODE, PREFILL, TraceHeader, TraceReader, TraceRequest, TraceWriter
+from moepager.trace.format import DECODE, MISSING, PREFILL, TraceHeader, TraceReader, TraceRequest, TraceWriter
+from moepager.types import PassInfo
 from tests.conftest import expert_budget
 from tests.trace.conftest import random_trace
 
@@ -154,3 +156,17 @@ def test_generate_cli_replays_and_checks_its_options(olmoe, tmp_path, capsys):
                           (["--route-from", str(tmp_path / "none.mpt")], "does not exist")):
         assert main(["generate", "--model", str(olmoe), "--quiet", *argv]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_the_replayer_tells_the_oracle_each_rows_recorded_and_following_routing(tmp_path):
+    """`recorded(column, ahead)`: this pass's recorded ids at a MoE layer, or those of the token after each row
+    (MISSING after a request's last recorded token), across the rows of several requests."""
+    ids_a = np.arange(5 * 3 * 2, dtype=np.int64).reshape(5, 3, 2) % 8
+    ids_b = (np.arange(4 * 3 * 2, dtype=np.int64).reshape(4, 3, 2) + 3) % 8
+    requests = {7: ReplayRequest(0, "a", [1, 2], 3, ids_a, None), 9: ReplayRequest(1, "b", [1], 3, ids_b, None)}
+    replayer = RouteReplayer(requests, [0, 2, 5], torch.device("cpu"))
+    replayer.begin_pass(PassInfo(0, "prefill", (7, 9), (0, 2), (2, 2), ("prefill", "decode"), torch.zeros(4)))
+    assert replayer.recorded(1, 0).tolist() == [ids_a[0, 1].tolist(), ids_a[1, 1].tolist(), ids_b[2, 1].tolist(),
+                                                ids_b[3, 1].tolist()]
+    assert replayer.recorded(2, 1).tolist() == [ids_a[1, 2].tolist(), ids_a[2, 2].tolist(), ids_b[3, 2].tolist(),
+                                                [MISSING, MISSING]]  # request b has no token after its fourth
