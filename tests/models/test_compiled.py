@@ -14,7 +14,7 @@ from moepager.config import EngineConfig, StoreConfig
 from moepager.errors import ConfigError
 from moepager.experts.executor import ResidentExecutor
 from moepager.experts.weights import ExpertShape
-from moepager.models import compiled
+from moepager.models import compiled, packed
 from moepager.models.compiled import check_compilable, compile_decode
 from moepager.models.load import load_model
 from moepager.models.packed import PackedLinear, packing_available
@@ -45,8 +45,6 @@ def test_the_engine_decodes_through_the_compiled_graph_and_records_routing_eager
     eager = LLM(config=EngineConfig(model=str(demo_checkpoint)), show_progress=False)
     llm = LLM(config=EngineConfig(model=str(demo_checkpoint), compile=True), show_progress=False)
     assert llm.loaded.model.compiled_decode is not None and eager.loaded.model.compiled_decode is None
-    # the graph ends at the final norm; the built-in model's 8192x256 tied head runs after it, prepacked
-    assert isinstance(llm.loaded.model.lm_head, PackedLinear) == packing_available()
     calls = []
     run = ResidentExecutor.run
     monkeypatch.setattr(ResidentExecutor, "run", lambda self, *a: calls.append(a[0]) or run(self, *a))
@@ -65,6 +63,21 @@ def test_the_engine_decodes_through_the_compiled_graph_and_records_routing_eager
     assert recorded.num_tokens == len(llm.encode("a b c")) + 11 and (recorded.ids_TLK >= 0).all()
     calls.clear()
     assert llm.generate("a b c", params)[0].token_ids == want and len(calls) == layers  # compiled again after
+
+
+@pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
+def test_a_large_bf16_lm_head_runs_prepacked_after_the_graph(hf_checkpoint, monkeypatch):
+    """The graph ends at the final norm; a bf16 head at least PACK_MIN_ELEMENTS large (here: any) is prepacked and
+    runs after it, while every other projection keeps its plain weights for Inductor to trace."""
+    monkeypatch.setattr(packed, "PACK_MIN_ELEMENTS", 0)
+    _, path = hf_checkpoint("qwen3_moe")
+    ref = logits_run(load_model(path, torch.bfloat16, show_progress=False, pack_dense=False), steps=3, rows=1)
+    loaded = load_model(path, torch.bfloat16, show_progress=False, pack_dense=False)
+    compile_decode(loaded.model, loaded.experts, loaded.expert_shape, loaded.device)
+    assert isinstance(loaded.model.lm_head, PackedLinear)
+    assert sum(isinstance(m, PackedLinear) for m in loaded.model.modules()) == 1
+    for a, b in zip(logits_run(loaded, steps=3, rows=1), ref):
+        assert (a.float() - b.float()).norm() < 0.02 * b.float().norm()  # bf16: other rounding, same map
 
 
 def test_int8_experts_decode_through_the_compiled_graph(demo_checkpoint, monkeypatch):
