@@ -68,7 +68,7 @@ def check_needs(names: list[str], reader: TraceReader, model: str | None) -> Non
         if name not in PREDICTORS:
             raise PredictorError(f"unknown predictor '{name}'; choose from {', '.join(PREDICTORS)}")
         if PREDICTORS[name].replay_only:
-            raise PredictorError(f"{name} reads the routing an engine replay runs (`moepager generate --replay`); "
+            raise PredictorError(f"{name} reads the routing an engine replay runs (`moepager generate --route-from`); "
                                  "on a trace it would score 100% by construction")
     if "token-wise" in names and (not len(reader) or reader.request(0).hidden_TLD is None):
         raise PredictorError(f"token-wise learns from router inputs, which {reader.path} does not hold; record a "

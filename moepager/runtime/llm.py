@@ -99,7 +99,7 @@ class LLM:
         """A clear error where the prefetch predictor only forecasts a routing replay (replay-oracle)."""
         name = self.config.prefetch.predictor
         if self.prefetcher is not None and name is not None and PREDICTORS[name].replay_only:
-            raise ConfigError(f"--predictor {name} forecasts the routing a replay runs (generate --replay TRACE); "
+            raise ConfigError(f"--predictor {name} forecasts the routing a replay runs (generate --route-from TRACE); "
                               "prompts have no recorded routing to read: choose another predictor")
 
     def _eos_token_ids(self) -> list[int]:
