@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -121,7 +122,7 @@ def runs(kernel: str, fmt: str) -> bool:
     return fmt == "bf16" or kernel in ("auto", "loop")
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["demo", "qwen3-30b-a3b"])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -142,7 +143,51 @@ def main() -> None:
                          "decode step compiled by TorchInductor; experts up to 1 MiB: the built-in model)")
     ap.add_argument("--no-hf", action="store_true", help="leave transformers out")
     ap.add_argument("--out", default="peers", help="results/NAME.json")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+Engines = dict[str, tuple[str, Any]]
+"""Row label -> (its peer format: bf16, int8, int4 or int8+dense; the engine)."""
+
+
+def our_engines(path: Path, args: argparse.Namespace) -> Engines:
+    """One moepager engine per kernel, format, dense format and packing asked for (and the compiled rows)."""
+    ours: Engines = {
+        f"moepager {k}" + ("" if fmt == "bf16" else f" {fmt}") + (f" +dense {dense}" if dense else "")
+        + ("" if pack else " (torch GEMV)"): (fmt + ("+dense" if dense and fmt == "int8" else ""),
+                                             Ours(path, k, None if fmt == "bf16" else fmt, dense, pack))
+        for fmt in args.formats for k in args.kernels if runs(k, fmt)
+        for dense in [None, *args.dense]
+        for pack in ([True, False] if args.unpacked and not dense else [True])}
+    if args.compiled:  # --compile takes float and int8 experts
+        ours |= {"moepager compiled" + ("" if fmt == "bf16" else f" {fmt}"):
+                 (fmt, Ours(path, "auto", None if fmt == "bf16" else fmt, compile=True))
+                 for fmt in args.formats if fmt in ("bf16", "int8")}
+    return ours
+
+
+def weight_bytes(ours: Engines) -> dict[str, int]:
+    """Weight bytes per decode token by peer format (bf16-dense rows), and by label for rows with int8 dense."""
+    nbytes = {fmt: bytes_per_decode_token(engine.llm) for fmt, engine in ours.values()
+              if engine.llm.config.dense_dtype is None}
+    nbytes |= {label: bytes_per_decode_token(engine.llm) for label, (_, engine) in ours.items()
+               if engine.llm.config.dense_dtype is not None}
+    return nbytes | {fmt: nbytes[label] for label, (fmt, _) in ours.items() if fmt == "int8+dense"}
+
+
+def tok_per_s(engines: Engines, ids: list[int], args: argparse.Namespace) -> dict[str, float]:
+    """Each engine's decode tok/s: the median per-token time over interleaved rounds, after a warm-up."""
+    for _, engine in engines.values():
+        engine.tpot(ids, 4)
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    for _ in range(args.rounds):
+        for label, (_, engine) in engines.items():
+            times[label] += engine.tpot(ids, args.decode)
+    return {label: 1 / statistics.median(t) for label, t in times.items()}
+
+
+def main() -> None:
+    args = arguments()
     state = machine_state()
     have_llama = importlib.util.find_spec("llama_cpp") is not None
     if not have_llama:
@@ -150,22 +195,9 @@ def main() -> None:
     results, rows = [], []
     for name in args.models:
         path = model_path(name)
-        ours = {f"moepager {k}" + ("" if fmt == "bf16" else f" {fmt}") + (f" +dense {dense}" if dense else "")
-                + ("" if pack else " (torch GEMV)"): (fmt + ("+dense" if dense and fmt == "int8" else ""),
-                                                     Ours(path, k, None if fmt == "bf16" else fmt, dense, pack))
-                for fmt in args.formats for k in args.kernels if runs(k, fmt)
-                for dense in [None, *args.dense]
-                for pack in ([True, False] if args.unpacked and not dense else [True])}
-        if args.compiled:  # --compile takes float and int8 experts
-            ours |= {"moepager compiled" + ("" if fmt == "bf16" else f" {fmt}"):
-                     (fmt, Ours(path, "auto", None if fmt == "bf16" else fmt, compile=True))
-                     for fmt in args.formats if fmt in ("bf16", "int8")}
-        peers = {} if args.no_hf else {"HF": ("bf16", HF(path))}
-        nbytes = {fmt: bytes_per_decode_token(engine.llm) for fmt, engine in ours.values()
-                  if engine.llm.config.dense_dtype is None}
-        nbytes |= {label: bytes_per_decode_token(engine.llm) for label, (_, engine) in ours.items()
-                   if engine.llm.config.dense_dtype is not None}
-        nbytes |= {fmt: nbytes[label] for label, (fmt, _) in ours.items() if fmt == "int8+dense"}
+        ours = our_engines(path, args)
+        peers: Engines = {} if args.no_hf else {"HF": ("bf16", HF(path))}
+        nbytes = weight_bytes(ours)
         peer_formats = [*args.formats] + (["int8+dense"] if "int8+dense" in nbytes else [])
         vocab = next(iter(ours.values()))[1].llm.loaded.config.vocab_size
         ids = torch.randint(0, vocab, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -178,13 +210,7 @@ def main() -> None:
                         engines[PEER_LABELS[fmt]] = (fmt, LlamaCpp(path, GGUF_TYPES[fmt], threads))
                     except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
                         print(f"{PEER_LABELS[fmt]} on {name}: not measured ({e})")
-            for _, engine in engines.values():
-                engine.tpot(ids, 4)  # warm-up
-            times: dict[str, list[float]] = {k: [] for k in engines}
-            for _ in range(args.rounds):
-                for label, (_, engine) in engines.items():
-                    times[label] += engine.tpot(ids, args.decode)
-            tok_s = {label: 1 / statistics.median(t) for label, t in times.items()}
+            tok_s = tok_per_s(engines, ids, args)
             fmts = {label: fmt for label, (fmt, _) in engines.items()}
             r = {"model": name, "threads": threads, "bytes_per_token": nbytes, "tok_s": tok_s,
                  "GBps": {label: v * nbytes.get(label, nbytes[fmts[label]]) / 1e9 for label, v in tok_s.items()}}
