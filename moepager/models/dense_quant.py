@@ -18,12 +18,16 @@ FBGEMM (Int8A8Linear): faster on large matrices, lossier.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from moepager.errors import ConfigError
 from moepager.experts.quant import int8_mm, int8_packed_mm, int8_packing_available, int8_prepack, quantize_int8
+
+if TYPE_CHECKING:
+    from moepager.models.layers import CausalLM
 
 DENSE_FORMATS = {"int8": "int8", "int8-a8": "int8 (activations quantized to 8 bits, FBGEMM)"}
 """`--dense-dtype` choices and how a run reports each."""
@@ -100,9 +104,23 @@ def replace_dense(model: nn.Module, make: Make) -> int:
                     setattr(module, name, new)
                     replaced += 1
     if isinstance(model, CausalLM) and model.lm_head is None:
-        model.lm_head = make(model.model.embed_tokens.weight, None)
-        replaced += model.lm_head is not None
+        replaced += replace_head(model, make)
     return replaced
+
+
+def replace_head(model: CausalLM, make: Make) -> bool:
+    """Replace the LM head alone by `make(weight, bias)` (a tied head gets its own module, the embedding keeps its
+    weights); whether it did. A head already replaced stays as it is."""
+    head = model.lm_head
+    if head is None:
+        new = make(model.model.embed_tokens.weight, None)
+    elif isinstance(head, nn.Linear):
+        new = make(head.weight, head.bias)
+    else:
+        return False
+    if new is not None:
+        model.lm_head = new
+    return new is not None
 
 
 def quantize_dense(model: nn.Module, dense_dtype: str = "int8") -> None:

@@ -369,11 +369,6 @@ def _add_dense(writer: Any, name: str, cfg: ModelConfig, checkpoint: Checkpoint,
     projections in Q8_0, a tied LM head as its own output.weight)."""
     gguf = gguf_module()
     mapped = name_map(name, cfg.num_layers)
-    if q8_0 and cfg.tie_word_embeddings:
-        embed = next(n for n in checkpoint.locations if n.endswith("embed_tokens.weight"))
-        head = torch.empty(checkpoint.locations[embed].shape, dtype=checkpoint.locations[embed].dtype)
-        checkpoint.read_exact_into(embed, head)
-        writer.add_tensor("output.weight", q8_0_blocks(head).numpy(), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     for hf_name, loc in checkpoint.locations.items():
         if is_routed_expert(hf_name):
             continue
@@ -389,7 +384,10 @@ def _add_dense(writer: Any, name: str, cfg: ModelConfig, checkpoint: Checkpoint,
             gname = mapped(part_name)
             if gname is None:
                 raise ConfigError(f"tensor '{hf_name}' has no GGUF name for {name}")
-            if q8_0 and (gname == "output.weight" or gname.endswith(Q8_0_DENSE)) and part.shape[-1] % BLOCK == 0:
+            blocks = q8_0 and part.shape[-1] % BLOCK == 0
+            if blocks and cfg.tie_word_embeddings and gname == "token_embd.weight":  # the tied head, from this read
+                writer.add_tensor("output.weight", q8_0_blocks(part).numpy(), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            if blocks and (gname == "output.weight" or gname.endswith(Q8_0_DENSE)):
                 writer.add_tensor(gname, q8_0_blocks(part).numpy(), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
                 continue
             _add(writer, gname, part,

@@ -447,17 +447,16 @@ class CausalLM(nn.Module):
             mkldnn = torch._C._get_mkldnn_enabled()
             torch._C._set_mkldnn_enabled(False)
             try:
-                if self.compiled_decode is None or not self.plain_routing:
-                    return self._forward(ids_BT, batch, cache, logits_at_B)
-                x_BD = self.compiled_decode(ids_BT, batch, cache, logits_at_B)  # the LM head inline: calls count
-                return F.linear(x_BD, self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head(x_BD)
+                compiled = self.compiled_decode is not None and self.plain_routing
+                return self._forward(ids_BT, batch, cache, logits_at_B, self.compiled_decode if compiled else None)
             finally:
                 torch._C._set_mkldnn_enabled(mkldnn)
         return self._forward(ids_BT, batch, cache, logits_at_B)
 
     def _forward(self, ids_BT: torch.Tensor, batch: ForwardBatch, cache: Sequence[torch.Tensor],
-                 logits_at_B: torch.Tensor | None) -> torch.Tensor:
-        x_BTD = self._hidden(ids_BT, batch, cache, logits_at_B)
+                 logits_at_B: torch.Tensor | None, hidden: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """`hidden` (default `_hidden`; the compiled step's graph), then the LM head."""
+        x_BTD = (hidden or self._hidden)(ids_BT, batch, cache, logits_at_B)
         return F.linear(x_BTD, self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head(x_BTD)
 
     def _hidden(self, ids_BT: torch.Tensor, batch: ForwardBatch, cache: Sequence[torch.Tensor],

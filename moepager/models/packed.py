@@ -15,11 +15,16 @@ oneDNN at 16-19 (README), where prepacking would lose; `--no-packed-dense` turns
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from moepager.experts.onednn import packed_linear, packing_available, prepack
-from moepager.models.dense_quant import replace_dense
+from moepager.models.dense_quant import replace_dense, replace_head
+
+if TYPE_CHECKING:
+    from moepager.models.layers import CausalLM
 
 PACK_MIN_ELEMENTS = 1 << 20
 """Matrices with at least this many elements are prepacked (see the module note)."""
@@ -51,20 +56,7 @@ def pack_dense(model: nn.Module) -> int:
     return replace_dense(model, _packed_if_large) if packing_available() else 0
 
 
-def pack_lm_head(model: nn.Module) -> bool:
+def pack_lm_head(model: CausalLM) -> bool:
     """Prepack only the LM head (tied or not) when it is a large bf16 projection; whether it did. A compiled decode
     step (models/compiled.py) runs the head after its graph, which traces no prepacked weight."""
-    from moepager.models.layers import CausalLM
-
-    if not isinstance(model, CausalLM) or not packing_available():
-        return False
-    head = model.lm_head
-    if head is None:
-        packed = _packed_if_large(model.model.embed_tokens.weight, None)
-    elif type(head) is nn.Linear:
-        packed = _packed_if_large(head.weight, head.bias)
-    else:
-        return False
-    if packed is not None:
-        model.lm_head = packed
-    return packed is not None
+    return packing_available() and replace_head(model, _packed_if_large)

@@ -126,23 +126,21 @@ class RouteReplayer:
         self._ids_NLK: torch.Tensor | None = None
         self._weights_NLK: torch.Tensor | None = None
         self._next_NLK: torch.Tensor | None = None
+        self._pass: PassInfo | None = None
         self._missing = False
 
     def begin_pass(self, info: PassInfo) -> None:
         """The next pass carries `counts[i]` tokens of request `requests[i]` from position `starts[i]`: their
         recorded routing comes next."""
-        ids, weights, following = [], [], []
+        ids, weights = [], []
         for rid, start, n in zip(info.requests, info.starts, info.counts, strict=True):
             if start + n > len(self._ids[rid]):
                 raise RuntimeError(f"routing replay: request {rid} ran past its {len(self._ids[rid])} recorded tokens")
             ids.append(self._ids[rid][start:start + n])
             w = self._weights[rid]
             weights.append(None if w is None else w[start:start + n])
-            following.append(self._ids[rid][start + 1:start + n + 1])
-            if len(following[-1]) < n:  # the request's last recorded token: nothing follows it
-                following[-1] = torch.cat((following[-1], torch.full_like(ids[-1][:1], MISSING)))
         self._ids_NLK = ids[0] if len(ids) == 1 else torch.cat(ids)
-        self._next_NLK = following[0] if len(following) == 1 else torch.cat(following)
+        self._pass, self._next_NLK = info, None
         self._weights_NLK = None if any(w is None for w in weights) else (
             weights[0] if len(weights) == 1 else torch.cat(weights))  # type: ignore[arg-type]
         self._missing = any(self._has_missing[r] for r in info.requests)
@@ -151,8 +149,18 @@ class RouteReplayer:
         """ids_NK the trace recorded at MoE layer `column` (its position among the MoE layers) for this pass's
         tokens (`ahead` 0) or for the token after each of them (`ahead` 1; MISSING after a request's last one):
         what the `replay-oracle` predictor forecasts, a perfect predictor's upper bound."""
-        assert self._ids_NLK is not None and self._next_NLK is not None, "begin_pass must announce a pass first"
-        return (self._next_NLK if ahead else self._ids_NLK)[:, column]
+        assert self._ids_NLK is not None and self._pass is not None, "begin_pass must announce a pass first"
+        if not ahead:
+            return self._ids_NLK[:, column]
+        if self._next_NLK is None:  # made once per pass, and only when asked: plain replays never are
+            following = []
+            for rid, start, n in zip(self._pass.requests, self._pass.starts, self._pass.counts):
+                after = self._ids[rid][start + 1:start + n + 1]
+                if len(after) < n:  # the request's last recorded token: nothing follows it
+                    after = torch.cat((after, torch.full_like(self._ids[rid][:1], MISSING)))
+                following.append(after)
+            self._next_NLK = following[0] if len(following) == 1 else torch.cat(following)
+        return self._next_NLK[:, column]
 
     def route(self, layer: int, gate: nn.Module, x_ND: torch.Tensor) -> RoutingDecision:
         own: RoutingDecision = gate(x_ND)
