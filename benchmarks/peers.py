@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 import torch
 
@@ -146,13 +146,20 @@ def arguments() -> argparse.Namespace:
     return ap.parse_args()
 
 
-Engines = dict[str, tuple[str, Any]]
+class Timed(Protocol):
+    def tpot(self, ids: list[int], steps: int) -> list[float]:
+        """Per-token decode times of `steps` greedy steps after prefilling `ids`."""
+        ...
+
+
+Engines = dict[str, tuple[str, Timed]]
 """Row label -> (its peer format: bf16, int8, int4 or int8+dense; the engine)."""
+OurEngines = dict[str, tuple[str, Ours]]
 
 
-def our_engines(path: Path, args: argparse.Namespace) -> Engines:
+def our_engines(path: Path, args: argparse.Namespace) -> OurEngines:
     """One moepager engine per kernel, format, dense format and packing asked for (and the compiled rows)."""
-    ours: Engines = {
+    ours: OurEngines = {
         f"moepager {k}" + ("" if fmt == "bf16" else f" {fmt}") + (f" +dense {dense}" if dense else "")
         + ("" if pack else " (torch GEMV)"): (fmt + ("+dense" if dense and fmt == "int8" else ""),
                                              Ours(path, k, None if fmt == "bf16" else fmt, dense, pack))
@@ -166,7 +173,7 @@ def our_engines(path: Path, args: argparse.Namespace) -> Engines:
     return ours
 
 
-def weight_bytes(ours: Engines) -> dict[str, int]:
+def weight_bytes(ours: OurEngines) -> dict[str, int]:
     """Weight bytes per decode token by peer format (bf16-dense rows), and by label for rows with int8 dense."""
     nbytes = {fmt: bytes_per_decode_token(engine.llm) for fmt, engine in ours.values()
               if engine.llm.config.dense_dtype is None}
@@ -203,7 +210,7 @@ def main() -> None:
         ids = torch.randint(0, vocab, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
         for threads in args.threads:
             torch.set_num_threads(threads)
-            engines = {**ours, **peers}
+            engines: Engines = {**ours, **peers}
             if have_llama:
                 for fmt in peer_formats:
                     try:
