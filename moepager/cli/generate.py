@@ -80,10 +80,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "instead of oneDNN on weights prepacked at load (1.4-1.6x faster on matrices of 1M+ elements "
                         "on this project's CPU)")
     p.add_argument("--compile", action="store_true",
-                   help="CPU, every expert resident, float or int8 experts up to 1 MiB: compile the one-token "
-                        "decode step with TorchInductor (when the model loads: tens of seconds, less once cached on "
-                        "disk; not bit-equal to the eager step; the built-in model decodes 2.2x / 2.3x faster at 1 / 2 "
-                        "threads)")
+                   help="CPU: compile the one-token decode step with TorchInductor (when the model loads: tens of "
+                        "seconds, less once cached on disk; not bit-equal to the eager step). Resident float or int8 "
+                        "experts up to 1 MiB compute inside the graph (the built-in model decodes 2.4x faster at one "
+                        "thread); paged, int4, packed or larger experts run eagerly between its parts (1.2x at a 25%% "
+                        "budget)")
     q = p.add_argument_group("quantized experts (lossy, opt-in)")
     q.add_argument("--expert-dtype", choices=EXPERT_DTYPES,
                    help="format of the routed experts: int8 (per-channel scales) or int4 (group scales) quantize "

@@ -1,4 +1,4 @@
-"""A compiled one-token decode step (`--compile`; CPU, every expert resident, float or int8 experts; opt-in).
+"""A compiled one-token decode step (`--compile`; CPU; opt-in).
 
 A small model's decode step is bound by per-call overhead, not bytes: the built-in model runs ~660 aten calls
 per token eagerly (~5 us each on this project's CPU), where llama.cpp runs its whole graph in under a
@@ -11,13 +11,18 @@ for every length; runtime/runner.py passes a width of 2 or more, as a width of 1
 `dynamic=True`: it makes every size a symbol (the KV pool's, the arena's), and the C++ wrapper turns each of them
 into a tensor at every call (0.95 against 1.20 ms a forward on the built-in model at 2 threads, ad-hoc probe).
 
-Routed experts are computed by `ArenaKernels.indexed_rows`: ids read on the device and each token's K experts'
-weights copied out of the arena (int8 ones converted to the compute dtype in the same fused copy, which is exact,
-and scaled per output channel after each GEMM), so nothing syncs with the host and nothing in Python runs per
-expert. That copy is why it applies to small experts only (COMPILE_MAX_EXPERT_BYTES): on the qwen3-30b-a3b
-geometry (9 MiB experts, 4 layers) an ad-hoc probe with the limit lifted decoded 6.5-7.6 tok/s compiled against
-9.8 eagerly at one thread (and reading the experts in place through Inductor's own reduction instead of copying
-them, 7.7).
+Resident float or int8 experts of at most COMPILE_MAX_EXPERT_BYTES are computed inside the graph, by
+`ArenaKernels.indexed_rows`: ids read on the device and each token's K experts' weights copied out of the arena
+(int8 ones converted to the compute dtype in the same fused copy, which is exact, and scaled per output channel
+after each GEMM), so nothing syncs with the host and nothing in Python runs per expert. That copy is why it
+applies to small experts only: on the qwen3-30b-a3b geometry (9 MiB experts, 4 layers) an ad-hoc probe with the
+limit lifted decoded 6.5-7.6 tok/s compiled against 9.8 eagerly at one thread (and reading the experts in place
+through Inductor's own reduction instead of copying them, 7.7).
+
+Every other executor (experts paged through the store, prepacked, int4, or larger) is left to run eagerly: the graph
+leaves at each MoE layer through the operator `moepager::moe_layer` (models/graph_exit.py), which runs the block's
+host step, observers included (a prefetcher, a trace recorder), and returns its output to the graph. Attention,
+norms, routers and shared experts stay compiled; the graph is still one (no graph break per layer).
 
 The graph ends at the final norm: the LM head runs after it, eagerly, on oneDNN-prepacked weights when it is a large
 bf16 matrix (models/packed.py; the built-in model's 8192x256 head: 189 us against 382 with torch's own GEMV at one
@@ -25,7 +30,8 @@ thread, ad-hoc probe), which Inductor does not trace. The other dense projection
 graph (each under the ~1M elements where prepacking pays on a small model). Not bit-equal to the eager forward
 (fused elementwise code rounds in another order; experts sum in top-k order): an opt-in speed choice, as
 `--expert-kernel packed` is. Passes of more than one token (prefill, batched
-decodes) and passes that record or replay routing run the eager forward.
+decodes), passes that replay routing, and those that record it where the graph computes the experts itself run the
+eager forward.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import torch
 from moepager.errors import ConfigError
 from moepager.experts.executor import ExpertExecutor, ResidentExecutor
 from moepager.experts.weights import ExpertShape
+from moepager.models.graph_exit import register
 from moepager.models.layers import Attention, CausalLM
 from moepager.models.packed import pack_lm_head
 
@@ -45,20 +52,18 @@ COMPILE_MAX_EXPERT_BYTES = 1 << 20
 """Largest expert (all three projections) the compiled step copies per token and routed slot."""
 
 
-def check_compilable(experts: ExpertExecutor, shape: ExpertShape, device: torch.device) -> None:
+def experts_in_graph(experts: ExpertExecutor, shape: ExpertShape) -> bool:
+    """Whether the compiled step computes the routed experts itself (resident float or int8 experts of at most
+    COMPILE_MAX_EXPERT_BYTES), or leaves its graph for the executor at each MoE layer (models/graph_exit.py)."""
+    return (isinstance(experts, ResidentExecutor) and (shape.quant is None or shape.quant.bits == 8)
+            and shape.nbytes <= COMPILE_MAX_EXPERT_BYTES)
+
+
+def check_compilable(device: torch.device) -> None:
     """A clear error when `--compile` cannot apply to this run."""
     if device.type != "cpu":
         raise ConfigError("--compile runs on the CPU (its CUDA path has not been measured yet); leave it unset on "
                           f"{device.type}")
-    if not isinstance(experts, ResidentExecutor):
-        raise ConfigError("--compile needs every expert resident (a paged layer waits on the host for its loads); "
-                          "leave --expert-memory unset, and --expert-kernel at auto, loop, gather or grouped")
-    if shape.quant is not None and shape.quant.bits != 8:
-        raise ConfigError(f"--compile computes float and int8 experts; these are {shape.format_name}")
-    if shape.nbytes > COMPILE_MAX_EXPERT_BYTES:
-        raise ConfigError(f"--compile copies each token's experts out of memory, which pays off for experts up to "
-                          f"{COMPILE_MAX_EXPERT_BYTES >> 20} MiB (decode steps bound by per-call overhead); these are "
-                          f"{shape.nbytes / (1 << 20):.1f} MiB each: leave --compile unset")
     from torch._inductor import cpp_builder  # here: importing Inductor takes ~1.3 s, which runs without it skip
 
     try:
@@ -71,13 +76,17 @@ def check_compilable(experts: ExpertExecutor, shape: ExpertShape, device: torch.
 def compile_decode(model: CausalLM, experts: ExpertExecutor, shape: ExpertShape, device: torch.device) -> None:
     """Make `model` run its one-token passes through a compiled graph (compiled lazily by the first such passes;
     `LLM` runs them while loading)."""
-    check_compilable(experts, shape, device)
+    check_compilable(device)
     for module in model.modules():  # the fused weights the eager forward makes lazily, made before tracing
         if isinstance(module, Attention):
             if module.qkv is None:
                 module.fused_qkv()
             if module.qk_norm == "head":
                 module._qk_norm_weight()
+    if not experts_in_graph(experts, shape):
+        for block in model.moe_blocks():
+            block.graph_exit = register(block)
+        model.refresh_traceable()
     pack_lm_head(model)
     model.compiled_decode = torch.compile(_own_code(model._hidden), fullgraph=True, options={"cpp_wrapper": True})
 

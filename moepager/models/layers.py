@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moepager.experts.executor import ExpertExecutor
 from moepager.models.config import ModelConfig, RopeConfig
+from moepager.models.graph_exit import moe_layer
 from moepager.types import RoutingDecision
 
 
@@ -385,8 +386,9 @@ class CausalLM(nn.Module):
         self.compiled_decode: Callable[..., torch.Tensor] | None = None
         """`_hidden` compiled for one-token passes (`--compile`, models/compiled.py; the LM head runs after it,
         eagerly); None runs the whole forward eagerly."""
-        self.plain_routing = True
-        """Every MoE block routes with its own router and reports to no observer (what the compiled step traces)."""
+        self.traceable = True
+        """Every MoE block routes with its own router, and reports to no observer unless its experts leave the graph
+        for the host (what the compiled step traces; `refresh_traceable`)."""
 
     def disk_name(self, module_name: str) -> str:
         """The checkpoint tensor name of a module parameter (some Hub formats use other names)."""
@@ -402,7 +404,7 @@ class CausalLM(nn.Module):
         """Every MoE block reports its routing decisions to `observer` (NULL_OBSERVER stops it)."""
         for block in self.moe_blocks():
             block.observer = observer
-        self.plain_routing = observer is NULL_OBSERVER and all(b.routing is OWN_ROUTER for b in self.moe_blocks())
+        self.refresh_traceable()
 
     def first_non_finite(self, ids_BT: torch.Tensor, batch: ForwardBatch,
                          cache: Sequence[torch.Tensor]) -> str:
@@ -432,7 +434,12 @@ class CausalLM(nn.Module):
         """Every MoE block takes its routing from `source` (OWN_ROUTER restores the model's routers)."""
         for block in self.moe_blocks():
             block.routing = source
-        self.plain_routing = source is OWN_ROUTER and all(b.observer is NULL_OBSERVER for b in self.moe_blocks())
+        self.refresh_traceable()
+
+    def refresh_traceable(self) -> None:
+        """Recompute `traceable` after routing sources, observers or graph exits changed."""
+        self.traceable = all(b.routing is OWN_ROUTER and (b.observer is NULL_OBSERVER or b.graph_exit is not None)
+                             for b in self.moe_blocks())
 
     def make_cache(self, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
         return [layer.self_attn.make_cache(rows, max_len, dtype, device) for layer in self.model.layers]
@@ -447,7 +454,7 @@ class CausalLM(nn.Module):
             mkldnn = torch._C._get_mkldnn_enabled()
             torch._C._set_mkldnn_enabled(False)
             try:
-                compiled = self.compiled_decode is not None and self.plain_routing
+                compiled = self.compiled_decode is not None and self.traceable
                 return self._forward(ids_BT, batch, cache, logits_at_B, self.compiled_decode if compiled else None)
             finally:
                 torch._C._set_mkldnn_enabled(mkldnn)
@@ -474,7 +481,8 @@ class CausalLM(nn.Module):
 
 class RoutingObserver(Protocol):
     def routed(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> None:
-        """Called by every MoE block with its router's input and decision, before the experts run."""
+        """Called by every MoE block with its router's input and decision, before the experts run; the decision's ids
+        are on the host (`route.ids_host_TK`: one copy for every observer and the executor)."""
         ...
 
 
@@ -530,6 +538,9 @@ class MoEBlock(nn.Module):
         """Sees every routing decision (a trace recorder); the null one does nothing."""
         self.routing: RoutingSource = OWN_ROUTER
         """Decides the routing: the block's own router, or a replay of recorded routing."""
+        self.graph_exit: int | None = None
+        """A compiled step's handle for this block's host step (models/graph_exit.py; set when its experts are
+        paged), None when the graph computes its experts itself."""
         self._has_shared = type(self).shared_output is not MoEBlock.shared_output
 
     def shared_output(self, x_ND: torch.Tensor) -> torch.Tensor:
@@ -537,8 +548,12 @@ class MoEBlock(nn.Module):
         raise NotImplementedError
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # a compiled decode step (models/compiled.py): routed on the device
-            out_ND = self.executor.run_on_device(self.layer, x_ND, self.gate(x_ND))  # type: ignore[attr-defined]
+        if torch.compiler.is_compiling():  # a compiled decode step (models/compiled.py)
+            route = self.gate(x_ND)
+            if self.graph_exit is None:  # every expert resident: routed on the device, inside the graph
+                out_ND = self.executor.run_on_device(self.layer, x_ND, route)  # type: ignore[attr-defined]
+            else:  # paged: the routed experts leave the graph for the host (observers included)
+                out_ND = moe_layer(x_ND, route.ids_TK, route.weights_TK, route.scores_TE, self.graph_exit)
             return out_ND + self.shared_output(x_ND) if self._has_shared else out_ND
         # A few tokens on the CPU: torch's own kernels for the router's and experts' small matrices (NATIVE_MAX_TOKENS)
         native = (x_ND.shape[0] <= NATIVE_MAX_TOKENS and x_ND.shape[1] <= NATIVE_BATCH_MAX_HIDDEN and not x_ND.is_cuda
@@ -547,14 +562,21 @@ class MoEBlock(nn.Module):
             torch._C._set_mkldnn_enabled(False)
         try:
             route = self.gate(x_ND) if self.routing is OWN_ROUTER else self.routing.route(self.layer, self.gate, x_ND)
-            if self.observer is not NULL_OBSERVER:  # observers read the ids on the host, so does a paged executor:
-                route = route.on_host()  # one copy for all of them
-                self.observer.routed(self.layer, x_ND, route)
-            out_ND = self.executor.run(self.layer, x_ND, route)
+            # (host_step inlined where nothing observes: one Python call less per layer and token)
+            out_ND = self.executor.run(self.layer, x_ND, route) if self.observer is NULL_OBSERVER else self.host_step(
+                x_ND, route)
             return out_ND + self.shared_output(x_ND) if self._has_shared else out_ND
         finally:
             if native:
                 torch._C._set_mkldnn_enabled(True)
+
+    def host_step(self, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
+        """The routed experts' output: observers see the decision, then the executor computes it (the eager
+        forward's step, and what a compiled paged step leaves its graph for: models/graph_exit.py)."""
+        if self.observer is not NULL_OBSERVER:  # observers read the ids on the host, so does a paged executor:
+            route = route.on_host()  # one copy for all of them
+            self.observer.routed(self.layer, x_ND, route)
+        return self.executor.run(self.layer, x_ND, route)
 
 
 class SoftmaxTopKRouter(nn.Module):

@@ -89,10 +89,17 @@ class LLM:
     def _compile_now(self) -> None:
         """Run the compiles of `--compile` now, not in the first request: a throwaway greedy generation whose decode
         steps compile the step (static shapes, then a dynamic KV length, then a dynamic block table width once the
-        cache spans three blocks, models/compiled.py)."""
+        cache spans three blocks, models/compiled.py). A prefetcher sits it out: its predictor (an online expert-map
+        store, a per-request path cache) learns from requests, and this one is none (the graph does not trace it)."""
         scheduler = self.config.scheduler
         steps = min(2 * scheduler.block_size + 4, scheduler.kv_cache_tokens - 2)
-        self.generate([[0, 0]], SamplingParams(max_tokens=steps, ignore_eos=True))
+        prefetcher, self.prefetcher = self.prefetcher, None
+        try:
+            self.generate([[0, 0]], SamplingParams(max_tokens=steps, ignore_eos=True))
+        finally:
+            self.prefetcher = prefetcher
+            self._pass_parts = self._parts(None, None)
+            self.loaded.model.observe_routing(prefetcher if prefetcher is not None else NULL_OBSERVER)
         self.last_stats = RunStats()
 
     def check_runs_prompts(self) -> None:

@@ -10,16 +10,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-from moepager.config import EngineConfig, StoreConfig
+from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
 from moepager.errors import ConfigError
 from moepager.experts.executor import ResidentExecutor
 from moepager.experts.weights import ExpertShape
-from moepager.models import compiled, packed
+from moepager.models import compiled, graph_exit, packed
 from moepager.models.compiled import check_compilable, compile_decode
 from moepager.models.load import load_model
 from moepager.models.packed import PackedLinear, packing_available
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
+from moepager.runtime.store_setup import paged_executor
 from moepager.trace.format import TraceReader
 from tests.conftest import ARCHS, expert_budget
 from tests.runtime.test_offload import logits_run
@@ -94,28 +95,84 @@ def test_int8_experts_decode_through_the_compiled_graph(demo_checkpoint, monkeyp
     assert len(calls) == len(llm.loaded.config.moe_layers)  # the prefill only
 
 
-def test_compile_refuses_what_it_cannot_run(demo_checkpoint, monkeypatch):
-    shape = ExpertShape(256, 64, torch.bfloat16)
-    resident = ResidentExecutor(torch.zeros(2, shape.numel, dtype=torch.bfloat16), shape, [0], 2)
+def test_a_paged_compiled_step_gives_the_resident_compiled_logits_bit_for_bit(hf_checkpoint, monkeypatch):
+    """Offloading under `--compile` changes nothing: the paged step leaves its graph at each MoE layer for the store
+    and the executor's eager kernels, exactly as a resident step whose experts are too large for the graph does, and
+    the two give the same logits bit for bit (and the eager step's, to fp32 rounding)."""
+    _, path = hf_checkpoint("qwen3_moe")
+    ref = logits_run(load_model(path, show_progress=False), steps=5, rows=1)
+    monkeypatch.setattr(compiled, "COMPILE_MAX_EXPERT_BYTES", 0)  # resident experts leave the graph too
+    resident = load_model(path, show_progress=False)
+    assert not compiled.experts_in_graph(resident.experts, resident.expert_shape)
+    compile_decode(resident.model, resident.experts, resident.expert_shape, resident.device)
+    want = logits_run(resident, steps=5, rows=1)
+    config = StoreConfig(expert_memory=expert_budget(resident.expert_shape.nbytes, resident.config.top_k))
+    paged = load_model(path, executor_factory=paged_executor(config, CPU), show_progress=False)
+    compile_decode(paged.model, paged.experts, paged.expert_shape, paged.device)
+    assert all(b.graph_exit is not None for b in paged.model.moe_blocks())
+    got = logits_run(paged, steps=5, rows=1)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert sum(p.loads_on_demand for p in paged.experts.store.counters.phases.values()) > 0  # it really paged
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    paged.experts.store.close()
+
+
+class CountingStep:
+    """Stands in a graph-exit handle's block (models/graph_exit.py) and counts the host steps it runs."""
+
+    def __init__(self, block, seen: list[int]):
+        self.block, self.seen = block, seen
+
+    def host_step(self, x_ND, route):  # noqa: ANN001, ANN201 - the HostStep protocol's
+        self.seen.append(self.block.layer)
+        return self.block.host_step(x_ND, route)
+
+
+def test_the_engine_pages_and_prefetches_through_the_compiled_graph(demo_checkpoint):
+    """At a quarter of the experts, with gate-lookahead prefetch, every decode step runs the compiled graph and leaves
+    it once per MoE layer (where the predictor observes the routing and the store pages): the eager paged run's
+    greedy tokens, with prefetches issued."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    budget = expert_budget(load_model(demo_checkpoint, show_progress=False).expert_shape.nbytes, 12)
+    config = EngineConfig(model=str(demo_checkpoint), store=StoreConfig(expert_memory=budget),
+                          prefetch=PrefetchConfig("gate-lookahead"))
+    want = LLM(config=config, show_progress=False).generate("a b c", params)[0].token_ids
+    llm = LLM(config=replace(config, compile=True), show_progress=False)
+    seen: list[int] = []
+    blocks = llm.loaded.model.moe_blocks()
+    steps = [CountingStep(b, seen) for b in blocks]
+    for block, step in zip(blocks, steps):
+        graph_exit._BLOCKS[block.graph_exit] = step
+    try:
+        assert llm.generate("a b c", params)[0].token_ids == want
+    finally:
+        for block in blocks:
+            graph_exit._BLOCKS[block.graph_exit] = block
+    assert seen == [b.layer for b in blocks] * 11  # the 11 decode steps, each layer once: none ran eagerly
+    decode = llm.store.counters.phases["decode"]
+    assert decode.loads_ahead > 0 and decode.loads_on_demand > 0
+
+
+def test_compile_refuses_what_it_cannot_run(monkeypatch):
     with pytest.raises(ConfigError, match="runs on the CPU"):
-        check_compilable(resident, shape, torch.device("cuda"))
-    monkeypatch.setattr(compiled, "COMPILE_MAX_EXPERT_BYTES", shape.nbytes - 1)
-    with pytest.raises(ConfigError, match=r"experts up to 0 MiB.*0\.1 MiB each"):
-        check_compilable(resident, shape, CPU)
-    monkeypatch.undo()
+        check_compilable(torch.device("cuda"))
 
     def no_compiler():
         raise RuntimeError("no working C++ compiler found")
     monkeypatch.setattr("torch._inductor.cpp_builder.get_cpp_compiler", no_compiler)
     with pytest.raises(ConfigError, match="needs a C\\+\\+ compiler.*install g\\+\\+"):
-        check_compilable(resident, shape, CPU)
+        check_compilable(CPU)
+
+
+def test_experts_the_graph_cannot_copy_leave_it(demo_checkpoint, monkeypatch):
+    """Only resident float or int8 experts of at most COMPILE_MAX_EXPERT_BYTES are computed inside the graph; int4,
+    prepacked, paged or larger ones run eagerly through the graph exit."""
+    shape = ExpertShape(256, 64, torch.bfloat16)
+    resident = ResidentExecutor(torch.zeros(2, shape.numel, dtype=torch.bfloat16), shape, [0], 2)
+    assert compiled.experts_in_graph(resident, shape)
+    monkeypatch.setattr(compiled, "COMPILE_MAX_EXPERT_BYTES", shape.nbytes - 1)
+    assert not compiled.experts_in_graph(resident, shape)
     monkeypatch.undo()
-    budget = expert_budget(load_model(demo_checkpoint, show_progress=False).expert_shape.nbytes, 4)
-    with pytest.raises(ConfigError, match="every expert resident"):
-        LLM(config=EngineConfig(model=str(demo_checkpoint), compile=True, store=StoreConfig(expert_memory=budget)),
-            show_progress=False)
-    with pytest.raises(ConfigError, match="float and int8 experts; these are int4"):
-        LLM(config=EngineConfig(model=str(demo_checkpoint), compile=True, expert_dtype="int4"), show_progress=False)
-    with pytest.raises(ConfigError, match="every expert resident"):
-        LLM(config=EngineConfig(model=str(demo_checkpoint), compile=True, expert_kernel="packed", dtype="bfloat16"),
-            show_progress=False)
+    loaded = load_model(demo_checkpoint, show_progress=False, expert_dtype="int4")
+    assert not compiled.experts_in_graph(loaded.experts, loaded.expert_shape)

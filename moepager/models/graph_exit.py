@@ -1,0 +1,52 @@
+"""A MoE layer that leaves a compiled graph for the host: the operator `moepager::moe_layer`.
+
+A paged layer cannot be traced: which experts are resident, which must load and when they land is decided on the
+host, per token. So the compiled decode step (models/compiled.py) of a paged model keeps everything else in its
+graph (attention, norms, the router, shared experts) and calls this operator where each MoE block's routed experts
+run: its kernel looks the block up by the handle `register` gave it and runs the block's `host_step` (observers,
+then the expert executor), eagerly. For Inductor the operator is opaque: a fake kernel gives its output's shape
+(x's), and the graph around it compiles whole (`fullgraph`), with no graph break per layer.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Protocol
+
+import torch
+
+from moepager.types import RoutingDecision
+
+
+class HostStep(Protocol):
+    def host_step(self, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
+        """The routed experts' output for x_ND under `route`, computed on the host's schedule."""
+        ...
+
+
+_BLOCKS: weakref.WeakValueDictionary[int, HostStep] = weakref.WeakValueDictionary()
+
+_LIB = torch.library.Library("moepager", "FRAGMENT")
+_LIB.define("moe_layer(Tensor x_ND, Tensor ids_NK, Tensor weights_NK, Tensor scores_NE, int block) -> Tensor")
+
+
+def register(block: HostStep) -> int:
+    """The handle a compiled graph passes to `moe_layer` to run `block` (kept while the block lives)."""
+    handle = id(block)
+    _BLOCKS[handle] = block
+    return handle
+
+
+def _moe_layer(x_ND: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tensor, scores_NE: torch.Tensor,
+               block: int) -> torch.Tensor:
+    return _BLOCKS[block].host_step(x_ND, RoutingDecision(ids_NK, weights_NK, scores_NE))
+
+
+def _shape_only(x_ND: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tensor, scores_NE: torch.Tensor,
+                block: int) -> torch.Tensor:
+    return torch.empty_like(x_ND)
+
+
+_LIB.impl("moe_layer", _moe_layer, "CompositeExplicitAutograd")
+torch.library.register_fake("moepager::moe_layer", _shape_only, lib=_LIB)
+moe_layer = torch.ops.moepager.moe_layer
