@@ -21,13 +21,11 @@ from moepager.types import ExpertKey
 class PrefetchAware:
     def __init__(self, inner: EvictionPolicy):
         self.inner = inner
+        self.on_access = inner.on_access  # the inner policy's own (no call in between: it runs per layer and token)
         self.ahead: dict[ExpertKey, int] = {}
         """Prefetched (loaded or loading) and not yet judged by their layer's routing: key -> slot."""
         self.stale: set[ExpertKey] = set()
         """Prefetched but not used when their layer ran."""
-
-    def on_access(self, keys: Sequence[ExpertKey], step: int) -> None:
-        self.inner.on_access(keys, step)
 
     def victim(self, candidates: Collection[ExpertKey], step: int) -> ExpertKey:
         if self.stale:  # set operations, not comprehensions: this runs at every miss

@@ -71,6 +71,8 @@ class Forecast:
 
     def select(self, k: int) -> list[list[int]]:
         """The experts to prefetch per row, most likely first."""
+        if self.confidence_N is None:  # k per row: the top k (what `selection` keeps, without its masks)
+            return torch.topk(self.probs_NE, min(k, self.probs_NE.shape[1]), dim=1).indices.tolist()
         order_NE, keep_NE = self.selection(k)
         return [order[keep].tolist() for order, keep in zip(order_NE, keep_NE)]
 

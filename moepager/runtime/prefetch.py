@@ -60,10 +60,14 @@ class PrefetchPlan:
 class Prefetcher:
     def __init__(self, predictor: Predictor, store: ExpertStore, moe_layers: Sequence[int], plan: PrefetchPlan,
                  embed: SemanticEmbed | None = None, forecasts: ForecastConsumer | None = None):
-        target_of(0, plan.distance, len(moe_layers))  # refuses a distance outside 1..L
         self.predictor, self.store, self.plan = predictor, store, plan
         self.moe_layers = list(moe_layers)
         self.position = {layer: i for i, layer in enumerate(moe_layers)}
+        self.targets = [target_of(i, plan.distance, len(moe_layers)) for i in range(len(moe_layers))]
+        """(target, ahead) of the forecast made after each MoE position (target_of refuses a distance outside
+        1..L)."""
+        self.quota = [store.quota(layer) for layer in moe_layers]
+        """Each MoE position's cache quota: at most that many prefetches are queued for it."""
         self.embed = embed
         """None when the predictor uses no semantic embedding."""
         self.forecasts = forecasts
@@ -120,7 +124,8 @@ class Prefetcher:
     def routed(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> None:
         i = self.position[layer]
         self.now = i
-        ids_NK = route.on_host().ids_host_TK  # the block's one copy off the device (the store reads it too)
+        ids_NK = route.ids_host_TK  # the block's one copy off the device (the store reads it too)
+        assert ids_NK is not None
         self.store.settle(layer, ids_NK.flatten().tolist())
         self.pending.pop((self.iteration, i), None)
         predictor = self.predictor
@@ -135,7 +140,7 @@ class Prefetcher:
             after = predictor.forecast(i, 1)
             if after is not None and len(after.probs_NE):
                 self.forecasts.predict(layer, after.rows(self._last_rows).probs_NE.mean(0).numpy())
-        j, ahead = target_of(i, self.plan.distance, len(self.moe_layers))
+        j, ahead = self.targets[i]
         self._enqueue(predictor.forecast(j, ahead), j, ahead)
         self._pump()
 
@@ -171,10 +176,10 @@ class Prefetcher:
             if until <= 0:
                 continue
             layer = self.moe_layers[j]
-            best = sorted(entry.items(), key=itemgetter(1), reverse=True)[: self.store.quota(layer)]  # stable
-            ranked += [(mass / until, layer, e) for e, mass in best]
+            for e, mass in sorted(entry.items(), key=itemgetter(1), reverse=True)[: self.quota[j]]:  # stable
+                ranked.append((mass / until, layer, e))
         ranked.sort(key=itemgetter(0), reverse=True)
-        self.store.prefetch_ranked([(layer, e) for _, layer, e in ranked], room)
+        self.store.prefetch_ranked(list(map(itemgetter(1, 2), ranked)), room)
 
 
 def build_prefetcher(config: PrefetchConfig, model: CausalLM, store: ExpertStore) -> Prefetcher:

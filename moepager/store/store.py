@@ -132,18 +132,20 @@ class ExpertStore:
         more experts than the layer's cache holds) stream through the stream rows, uncached, each row reused
         once `recycle` hears its expert was computed. `wait`/`wait_landed` before computing with a slot;
         `release` when the layer is done."""
-        table, pins = self.device.table, self.device.table.pins
-        keys = [ExpertKey(layer, e) for e in experts]
-        table.policy.on_access(keys, self.clock)
-        slots = [table.slot_of.get(key, -1) for key in keys]
+        table, pins, slot_of = self.device.table, self.device.table.pins, self.device.table.slot_of
+        keys, slots, misses = [], [], []
         held = Held(layer, experts, slots, [], [], [])
         try:
-            misses = []
-            for i, slot in enumerate(slots):  # loops, not comprehensions: this runs per layer and token
+            for i, e in enumerate(experts):  # one loop, no comprehension: this runs per layer and token
+                key = ExpertKey(layer, e)
+                keys.append(key)
+                slot = slot_of.get(key, -1)
+                slots.append(slot)
                 if slot >= 0:
-                    pins[slot] += 1
+                    pins[slot] += 1  # hits are pinned first, so no miss evicts them
                 else:
                     misses.append(i)
+            table.policy.on_access(keys, self.clock)
             self._count(layer, keys, misses)
             room = (table.quota[layer] if table.scope == "layer" else table.capacity) - (len(keys) - len(misses))
             if len(misses) > room and not table.stream_rows:
@@ -387,8 +389,9 @@ class ExpertStore:
     def settle(self, layer: int, experts: Sequence[int]) -> None:
         """`layer` routed to `experts`: judge the prefetches made for it (see the module note)."""
         table, counters, needed = self.device.table, self.counters.current, set(experts)
-        for key in [k for k in self.order.ahead if k.layer == layer]:
-            slot = self.order.ahead[key]
+        for key, slot in list(self.order.ahead.items()):  # a loop over a copy: judged keys leave `ahead`
+            if key.layer != layer:
+                continue
             ticket = table.ticket[slot]
             if ticket is not None and ticket.cancel():
                 self._forget(slot)

@@ -44,7 +44,6 @@ class TraceRecorder:
         self._layout = info
 
     def routed(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> None:
-        route = route.on_host()
         self._pass[self._column[layer]] = RoutingDecision(route.ids_host_TK, route.weights_TK.detach().cpu(),
                                                           route.scores_TE.detach().cpu())
         if self.hidden:
