@@ -139,8 +139,9 @@ def arguments() -> argparse.Namespace:
                     help="also each bf16-dense moepager row with --no-packed-dense (torch's own GEMV for the large "
                          "dense projections instead of oneDNN on prepacked weights)")
     ap.add_argument("--compiled", action="store_true",
-                    help="also a moepager row with --compile for bf16 and int8 among --formats (the one-token "
-                         "decode step compiled by TorchInductor; experts up to 1 MiB: the built-in model)")
+                    help="also a moepager row with --compile for each of --formats (the one-token decode step "
+                         "compiled by TorchInductor: bf16 and int8 experts up to 1 MiB inside the graph, the "
+                         "built-in model's; int4 and larger ones run eagerly between its parts)")
     ap.add_argument("--no-hf", action="store_true", help="leave transformers out")
     ap.add_argument("--out", default="peers", help="results/NAME.json")
     return ap.parse_args()
@@ -166,10 +167,9 @@ def our_engines(path: Path, args: argparse.Namespace) -> OurEngines:
         for fmt in args.formats for k in args.kernels if runs(k, fmt)
         for dense in [None, *args.dense]
         for pack in ([True, False] if args.unpacked and not dense else [True])}
-    if args.compiled:  # --compile takes float and int8 experts
+    if args.compiled:  # int4 experts leave the compiled graph at each MoE layer (models/graph_exit.py)
         ours |= {"moepager compiled" + ("" if fmt == "bf16" else f" {fmt}"):
-                 (fmt, Ours(path, "auto", None if fmt == "bf16" else fmt, compile=True))
-                 for fmt in args.formats if fmt in ("bf16", "int8")}
+                 (fmt, Ours(path, "auto", None if fmt == "bf16" else fmt, compile=True)) for fmt in args.formats}
     return ours
 
 

@@ -154,6 +154,17 @@ def test_the_engine_pages_and_prefetches_through_the_compiled_graph(demo_checkpo
     assert decode.loads_ahead > 0 and decode.loads_on_demand > 0
 
 
+def test_int4_experts_decode_between_the_compiled_graphs_parts(demo_checkpoint):
+    """int4 experts are not copied into the graph: each MoE layer leaves it for the eager int4 kernels, with the eager
+    int4 run's greedy tokens."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    config = EngineConfig(model=str(demo_checkpoint), expert_dtype="int4")
+    want = LLM(config=config, show_progress=False).generate("a b c", params)[0].token_ids
+    llm = LLM(config=replace(config, compile=True), show_progress=False)
+    assert all(b.graph_exit is not None for b in llm.loaded.model.moe_blocks())
+    assert llm.generate("a b c", params)[0].token_ids == want
+
+
 def test_compile_refuses_what_it_cannot_run(monkeypatch):
     with pytest.raises(ConfigError, match="runs on the CPU"):
         check_compilable(torch.device("cuda"))
