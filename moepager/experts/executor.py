@@ -147,10 +147,15 @@ class ArenaKernels:
         self.views: list[AnyExpertWeights] = [expert_view(row, shape) for row in arena]
         self.scales_R2F: torch.Tensor | None = None
         """int8: each arena row's gate_up and down scales (None for float experts)."""
-        if shape.quant is not None and shape.quant.bits == 8:  # whole-arena views of the int8 buffers' sections
-            q_gu, q_dn, s_gu, s_dn = (arena[:, s.offset: s.offset + s.nbytes].view(s.dtype).unflatten(1, s.shape)
-                                      for s in sections(d, f, shape.dtype, shape.quant)[0])
-            self.gate_up_R2FD, self.down_RDF, self.scales_R2F, self.scales_RD = q_gu, q_dn, s_gu, s_dn
+        self.int4_rows: tuple[torch.Tensor, ...] | None = None
+        """int4 in the CPU kernel's layout: whole-arena views of the packed gate_up and down and their group scales."""
+        if shape.quant is not None:  # whole-arena views of the quantized buffers' sections
+            views = tuple(arena[:, s.offset: s.offset + s.nbytes].view(s.dtype).unflatten(1, s.shape)
+                          for s in sections(d, f, shape.dtype, shape.quant)[0])
+            if shape.quant.bits == 8:
+                self.gate_up_R2FD, self.down_RDF, self.scales_R2F, self.scales_RD = views
+            elif shape.quant.layout == "cpu":
+                self.int4_rows = views
         if not self.quantized:
             self.gate_up_R2FD = arena[:, : 2 * f * d].view(-1, 2 * f, d)
             self.down_RDF = arena[:, 2 * f * d:].view(-1, d, f)
@@ -195,6 +200,8 @@ class ArenaKernels:
     def _gathered_swiglu(self, x_MD: torch.Tensor, index_M: torch.Tensor) -> torch.Tensor:
         """Row i of x_MD through the expert of arena row index_M[i], whose weights are copied out (int8 ones
         converted to x's dtype as they are copied, which is exact, and scaled per output channel after each GEMM)."""
+        if self.int4_rows is not None:
+            return self._unrolled_int4_swiglu(x_MD, index_M)
         gate_up_M2FD = self.gate_up_R2FD.index_select(0, index_M)  # a row copy: advanced indexing is 5x slower
         down_MDF = self.down_RDF.index_select(0, index_M)
         if self.scales_R2F is not None:
@@ -205,6 +212,21 @@ class ArenaKernels:
         gate, up = h_M12F.chunk(2, dim=-1)
         y_MD = torch.bmm(self.act(gate) * up, down_MDF.transpose(1, 2))[:, 0]
         return y_MD if self.scales_R2F is None else y_MD * self.scales_RD.index_select(0, index_M)
+
+    def _unrolled_int4_swiglu(self, x_MD: torch.Tensor, index_M: torch.Tensor) -> torch.Tensor:
+        """`_gathered_swiglu` for int4 experts in the CPU kernel's layout: row by row (unrolled when traced: a compiled
+        step's M is its top-k), each row's packed weights and group scales copied out of the arena and computed
+        by torch's int4 GEMV (`_weight_int4pack_mm_for_cpu`, what `loop` computes them with)."""
+        assert self.int4_rows is not None and self.shape.quant is not None
+        q_gu, q_dn, s_gu, s_dn = self.int4_rows
+        f, group, int4_mm = self.shape.intermediate, self.shape.quant.group, torch.ops.aten._weight_int4pack_mm_for_cpu
+        out = []
+        for m in range(x_MD.shape[0]):
+            row = index_M[m: m + 1]
+            h_1F2 = int4_mm(x_MD[m: m + 1], q_gu.index_select(0, row)[0], group, s_gu.index_select(0, row)[0])
+            out.append(int4_mm(self.act(h_1F2[:, :f]) * h_1F2[:, f:], q_dn.index_select(0, row)[0], group,
+                               s_dn.index_select(0, row)[0]))
+        return torch.cat(out)
 
     def indexed_rows(self, x_ND: torch.Tensor, route: RoutingDecision, base: int) -> torch.Tensor:
         """`gather` over one resident layer (expert e at arena row base + e) with the ids read on the device: no
@@ -271,8 +293,8 @@ class ResidentExecutor:
         return combine(x_ND, work, kernels.compute(work, [base + e for e in work.experts], kernel))
 
     def run_on_device(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
-        """`run` without a host sync, for a compiled decode step (`ArenaKernels.indexed_rows`; float or int8
-        experts)."""
+        """`run` without a host sync, for a compiled decode step (`ArenaKernels.indexed_rows`; float, int8 or
+        int4 experts)."""
         return self.kernels.indexed_rows(x_ND, route, self.base[layer])
 
     def weights(self, layer: int, expert: int) -> AnyExpertWeights:

@@ -11,15 +11,16 @@ for every length; runtime/runner.py passes a width of 2 or more, as a width of 1
 `dynamic=True`: it makes every size a symbol (the KV pool's, the arena's), and the C++ wrapper turns each of them
 into a tensor at every call (0.95 against 1.20 ms a forward on the built-in model at 2 threads, ad-hoc probe).
 
-Resident float or int8 experts of at most COMPILE_MAX_EXPERT_BYTES are computed inside the graph, by
+Resident float, int8 or int4 experts of at most COMPILE_MAX_EXPERT_BYTES are computed inside the graph, by
 `ArenaKernels.indexed_rows`: ids read on the device and each token's K experts' weights copied out of the arena
 (int8 ones converted to the compute dtype in the same fused copy, which is exact, and scaled per output channel
-after each GEMM), so nothing syncs with the host and nothing in Python runs per expert. That copy is why it
+after each GEMM; int4 ones copied packed, with their group scales, into torch's int4 GEMV, one unrolled pair per
+routed expert), so nothing syncs with the host and nothing in Python runs per expert. That copy is why it
 applies to small experts only: on the qwen3-30b-a3b geometry (9 MiB experts, 4 layers) an ad-hoc probe with the
 limit lifted decoded 6.5-7.6 tok/s compiled against 9.8 eagerly at one thread (and reading the experts in place
 through Inductor's own reduction instead of copying them, 7.7).
 
-Every other executor (experts paged through the store, prepacked, int4, or larger) is left to run eagerly: the graph
+Every other executor (experts paged through the store, prepacked, or larger) is left to run eagerly: the graph
 leaves at each MoE layer through the operator `moepager::moe_layer` (models/graph_exit.py), which runs the block's
 host step, observers included (a prefetcher, a trace recorder), and returns its output to the graph. Attention,
 norms, routers and shared experts stay compiled; the graph is still one (no graph break per layer).
@@ -53,10 +54,11 @@ COMPILE_MAX_EXPERT_BYTES = 1 << 20
 
 
 def experts_in_graph(experts: ExpertExecutor, shape: ExpertShape) -> bool:
-    """Whether the compiled step computes the routed experts itself (resident float or int8 experts of at most
+    """Whether the compiled step computes the routed experts itself (resident float, int8 or int4 experts of at most
     COMPILE_MAX_EXPERT_BYTES), or leaves its graph for the executor at each MoE layer (models/graph_exit.py)."""
-    return (isinstance(experts, ResidentExecutor) and (shape.quant is None or shape.quant.bits == 8)
-            and shape.nbytes <= COMPILE_MAX_EXPERT_BYTES)
+    quant = shape.quant
+    return (isinstance(experts, ResidentExecutor) and shape.nbytes <= COMPILE_MAX_EXPERT_BYTES
+            and (quant is None or quant.bits == 8 or quant.layout == "cpu"))
 
 
 def check_compilable(device: torch.device) -> None:

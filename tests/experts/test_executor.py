@@ -54,17 +54,18 @@ def random_arena(rows: int, shape: ExpertShape, gen: torch.Generator) -> torch.T
     return arena
 
 
-@pytest.mark.parametrize("quant", [None, QuantFormat(8)], ids=["float", "int8"])
+@pytest.mark.parametrize("quant, hidden", [(None, 16), (QuantFormat(8), 16), (QuantFormat(4, 32), 64)],
+                         ids=["float", "int8", "int4"])
 @pytest.mark.parametrize("tokens", [1, 4])
-def test_the_on_device_path_computes_the_reference_sum_without_reading_ids_on_the_host(tokens, quant):
+def test_the_on_device_path_computes_the_reference_sum_without_reading_ids_on_the_host(tokens, quant, hidden):
     """What a compiled decode step traces (models/compiled.py): ids whose host copy raises are never read there.
     int8 experts are converted as they are copied out and scaled after each GEMM; the reference runs torch's int8
-    GEMV kernel."""
+    GEMV kernel. int4 experts are copied packed into the same int4 kernel the reference runs, row by row."""
     gen = torch.Generator().manual_seed(5)
-    shape = ExpertShape(16, 8, torch.float32, quant)
+    shape = ExpertShape(hidden, hidden // 2, torch.float32, quant)
     executor = ResidentExecutor(random_arena(2 * 6, shape, gen), shape, moe_layers=[3, 5], num_experts=6,
                                 kernel="loop")
-    x, route = torch.randn(tokens, 16, generator=gen), routed(tokens, seed=tokens)
+    x, route = torch.randn(tokens, hidden, generator=gen), routed(tokens, seed=tokens)
 
     class NoHost(torch.Tensor):
         def tolist(self):

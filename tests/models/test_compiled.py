@@ -154,15 +154,24 @@ def test_the_engine_pages_and_prefetches_through_the_compiled_graph(demo_checkpo
     assert decode.loads_ahead > 0 and decode.loads_on_demand > 0
 
 
-def test_int4_experts_decode_between_the_compiled_graphs_parts(demo_checkpoint):
-    """int4 experts are not copied into the graph: each MoE layer leaves it for the eager int4 kernels, with the eager
-    int4 run's greedy tokens."""
+@pytest.mark.parametrize("in_graph", [True, False], ids=["in-graph", "graph-exit"])
+def test_int4_experts_decode_through_the_compiled_step(demo_checkpoint, monkeypatch, in_graph):
+    """int4 experts are copied packed out of the arena into torch's int4 GEMV inside the graph (unrolled per routed
+    expert), or, over COMPILE_MAX_EXPERT_BYTES, leave it at each MoE layer for the eager int4 kernels: either way the
+    eager int4 run's greedy tokens."""
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     config = EngineConfig(model=str(demo_checkpoint), expert_dtype="int4")
     want = LLM(config=config, show_progress=False).generate("a b c", params)[0].token_ids
+    if not in_graph:
+        monkeypatch.setattr(compiled, "COMPILE_MAX_EXPERT_BYTES", 0)
     llm = LLM(config=replace(config, compile=True), show_progress=False)
-    assert all(b.graph_exit is not None for b in llm.loaded.model.moe_blocks())
+    assert all((b.graph_exit is None) == in_graph for b in llm.loaded.model.moe_blocks())
+    calls = []
+    run = ResidentExecutor.run
+    monkeypatch.setattr(ResidentExecutor, "run", lambda self, *a: calls.append(a[0]) or run(self, *a))
     assert llm.generate("a b c", params)[0].token_ids == want
+    layers = len(llm.loaded.config.moe_layers)
+    assert len(calls) == (1 if in_graph else 12) * layers  # in the graph: the prefill's eager layers only
 
 
 def test_compile_refuses_what_it_cannot_run(monkeypatch):
@@ -177,7 +186,7 @@ def test_compile_refuses_what_it_cannot_run(monkeypatch):
 
 
 def test_experts_the_graph_cannot_copy_leave_it(demo_checkpoint, monkeypatch):
-    """Only resident float or int8 experts of at most COMPILE_MAX_EXPERT_BYTES are computed inside the graph; int4,
+    """Only resident float, int8 or int4 experts of at most COMPILE_MAX_EXPERT_BYTES are computed inside the graph;
     prepacked, paged or larger ones run eagerly through the graph exit."""
     shape = ExpertShape(256, 64, torch.bfloat16)
     resident = ResidentExecutor(torch.zeros(2, shape.numel, dtype=torch.bfloat16), shape, [0], 2)
@@ -186,4 +195,4 @@ def test_experts_the_graph_cannot_copy_leave_it(demo_checkpoint, monkeypatch):
     assert not compiled.experts_in_graph(resident, shape)
     monkeypatch.undo()
     loaded = load_model(demo_checkpoint, show_progress=False, expert_dtype="int4")
-    assert not compiled.experts_in_graph(loaded.experts, loaded.expert_shape)
+    assert compiled.experts_in_graph(loaded.experts, loaded.expert_shape)
