@@ -10,6 +10,7 @@ then the expert executor), eagerly. For Inductor the operator is opaque: a fake 
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Protocol
 
@@ -25,14 +26,17 @@ class HostStep(Protocol):
 
 
 _BLOCKS: weakref.WeakValueDictionary[int, HostStep] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
 
 _LIB = torch.library.Library("moepager", "FRAGMENT")
 _LIB.define("moe_layer(Tensor x_ND, Tensor ids_NK, Tensor weights_NK, Tensor scores_NE, int block) -> Tensor")
 
 
 def register(block: HostStep) -> int:
-    """The handle a compiled graph passes to `moe_layer` to run `block` (kept while the block lives)."""
-    handle = id(block)
+    """The handle a compiled graph passes to `moe_layer` to run `block` (kept while the block lives). Handles count
+    up from 0 in each process, so a model compiled again in a new process traces the same constants and Inductor's
+    cache on disk finds its graph (an address would differ every time)."""
+    handle = next(_HANDLES)
     _BLOCKS[handle] = block
     return handle
 
