@@ -46,22 +46,36 @@ def check_dense_dtype(dense_dtype: str | None, device: torch.device | str | None
                           "--dense-dtype int8")
 
 
-class Int8Linear(nn.Module):
+class _RowsLinear(nn.Module):
+    """A projection computed on x flattened to rows by a subclass's `rows_mm`, reshaped back, plus the bias."""
+
+    out_features: int
+    bias: torch.Tensor | None
+
+    def rows_mm(self, x_TK: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.rows_mm(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(_RowsLinear):
     """A projection y = x (q * scale)^T + bias with int8 q [N, K] and one scale per output row in x's dtype."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         q, scale = quantize_int8(weight, weight.dtype)  # on the weight's device
+        self.out_features = q.shape[0]
         self.register_buffer("q", q)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", None if bias is None else bias.detach())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = int8_mm(x.reshape(-1, x.shape[-1]), self.q, self.scale).view(*x.shape[:-1], self.q.shape[0])
-        return y if self.bias is None else y + self.bias
+    def rows_mm(self, x_TK: torch.Tensor) -> torch.Tensor:
+        return int8_mm(x_TK, self.q, self.scale)
 
 
-class Int8A8Linear(nn.Module):
+class Int8A8Linear(_RowsLinear):
     """`--dense-dtype int8-a8` (CPU; lossier than int8, opt-in): the same int8 weights prepacked for FBGEMM and
     computed with each token's activations quantized to 8 bits (experts/quant.py's int8_packed_mm), which reads
     int8 at up to twice the rate of `_weight_int8pack_mm` on large matrices (see experts/quant.py). The integer
@@ -74,9 +88,8 @@ class Int8A8Linear(nn.Module):
         self.out_features, self.in_features = q.shape
         self.register_buffer("bias", None if bias is None else bias.detach())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = int8_packed_mm(x.reshape(-1, x.shape[-1]), self.packed).view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+    def rows_mm(self, x_TK: torch.Tensor) -> torch.Tensor:
+        return int8_packed_mm(x_TK, self.packed)
 
 
 Make = Callable[[torch.Tensor, "torch.Tensor | None"], "nn.Module | None"]
