@@ -30,7 +30,8 @@ import torch.nn.functional as F
 
 from moepager.experts.compute import expert_forward
 from moepager.experts.executor import ArenaKernels, combine, sort_by_expert
-from moepager.experts.weights import ExpertShape, ExpertWeights
+from moepager.experts.quant import QuantExpertWeights, quantize_expert
+from moepager.experts.weights import ExpertShape, expert_view
 from moepager.models.base import Architecture
 from moepager.models.config import ModelConfig
 from moepager.models.expert_reader import ExpertReader
@@ -65,14 +66,26 @@ def copy_rate(device: torch.device, nbytes: int = 512 << 20) -> float:
     return nbytes / statistics.median([_timed(lambda: dst.copy_(src), device) for _ in range(6)][1:])
 
 
+def random_arena(rows: int, shape: ExpertShape, device: torch.device) -> torch.Tensor:
+    """`rows` experts of `shape` with random weights (timing stand-ins): float ones drawn per row, quantized ones
+    one random float expert quantized in `shape`'s format and copied to every row (distinct memory, same values)."""
+    if shape.quant is None:
+        return torch.randn(rows, shape.numel, device=device).mul_(0.02).to(shape.dtype)
+    one = torch.empty(shape.numel, dtype=shape.buffer_dtype)
+    d, f = shape.hidden, shape.intermediate
+    view = expert_view(one, shape)
+    assert isinstance(view, QuantExpertWeights)
+    quantize_expert(torch.randn(2 * f, d).mul_(0.02), torch.randn(d, f).mul_(0.02), view, shape.dtype)
+    return one.to(device).expand(rows, -1).clone()
+
+
 class ExpertPool:
     """Distinct experts worth `pool_bytes`, called in turn so that each call's weights come from memory."""
 
     def __init__(self, shape: ExpertShape, device: torch.device, pool_bytes: int = 768 << 20):
         self.count = max(4, min(64, pool_bytes // shape.nbytes))
         self.shape, self.device = shape, device
-        self.experts = [ExpertWeights(torch.randn(shape.numel, device=device).mul_(0.02).to(shape.dtype), shape)
-                        for _ in range(self.count)]
+        self.experts = [expert_view(row, shape) for row in random_arena(self.count, shape, device)]
 
     def seconds_per_call(self, tokens: int) -> float:
         """Mean seconds of one expert call on `tokens` tokens over one pass through the pool."""
@@ -90,8 +103,7 @@ class _ArenaStandIn:
     """An executor over a small arena whose rows stand in for every expert (`rows` picks them per call)."""
 
     def __init__(self, shape: ExpertShape, count: int, device: torch.device):
-        arena = torch.randn(count, shape.numel, device=device).mul_(0.02).to(shape.dtype)
-        self.kernels = ArenaKernels(arena, shape)
+        self.kernels = ArenaKernels(random_arena(count, shape, device), shape)
         self.count, self._next = count, 0
 
     def rows(self, n: int) -> list[int]:
@@ -267,12 +279,19 @@ class ModelParts:
     reader: ExpertReader
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str]) -> ModelParts:
+    def open(cls, path: str | os.PathLike[str], device: torch.device = torch.device("cpu")) -> ModelParts:
+        """A quantized checkpoint (`moepager quantize`) is measured in its own format, as a run pages it."""
+        from moepager.models.quantized import expert_format, stored_format  # it imports models/load.py
+
         checkpoint = Checkpoint(path)
         arch = architecture_for(checkpoint.config)
         cfg = arch.parse_config(checkpoint.config)
-        shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, checkpoint_dtype(checkpoint))
-        reader = ExpertReader(checkpoint, arch.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0)
+        stored = stored_format(checkpoint.config)
+        dtype = checkpoint_dtype(checkpoint)
+        shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, dtype,
+                            expert_format(None, stored, dtype, device))
+        reader = ExpertReader(checkpoint, arch.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0,
+                              stored=stored)
         return cls(checkpoint, arch, cfg, shape, reader)
 
     def expert_keys(self) -> list[ExpertKey]:
@@ -310,7 +329,7 @@ def calibrate(path: str | os.PathLike[str], options: CalibrateOptions, step: Ste
     """Measure this machine for the model at `path` (a checkpoint directory)."""
     step = step or (lambda _: None)
     device = torch.device(options.device)
-    parts = ModelParts.open(path)
+    parts = ModelParts.open(path, device)
     checkpoint, arch, cfg, shape, reader = parts.checkpoint, parts.arch, parts.cfg, parts.shape, parts.reader
     measured = {"copy_Bps": copy_rate(device)}
     step("memory copy rate")

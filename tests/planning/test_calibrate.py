@@ -31,6 +31,22 @@ def test_calibrate_writes_a_profile_that_simulate_uses(demo_checkpoint, tmp_path
     assert row["tpot_ms"] > 1e3 * c.dense_decode_s  # every step pays the non-expert time, then its experts
 
 
+def test_a_quantized_checkpoint_is_calibrated_in_its_own_format(demo_checkpoint, tmp_path):
+    """A `moepager quantize` copy is measured as a run pages it: int4 buffers read from disk and computed by the
+    int4 kernels, so the profile's expert bytes are the int4 expert's (a float reader failed on its tensors)."""
+    from moepager.experts.weights import ExpertShape
+    from moepager.models.load import load_model
+
+    quantized = tmp_path / "int4"
+    assert main(["quantize", "--model", str(demo_checkpoint), "--experts", "int4", "--out", str(quantized)]) == 0
+    out = tmp_path / "profile.json"
+    assert main(["calibrate", "--model", str(quantized), "--threads", "1", "--out", str(out), "--quiet"]) == 0
+    shape: ExpertShape = load_model(quantized, show_progress=False).expert_shape
+    c = CalibratedProfile.read(out).calibration
+    assert shape.quant is not None and c.expert_bytes == shape.nbytes < shape.float_shape.nbytes
+    assert c.expert_s_1 > 0 and c.expert_s_64 > 0
+
+
 def test_a_profile_for_other_experts_or_a_broken_file_is_refused(tmp_path):
     profile = CalibratedProfile("p", Device("d", 1e10, 1e12, 1e-5), Link("l", 1e9, 1e-4),
                                 Calibration(1000, 1e-4, 2e-4, 1e-3, 20.0, 0.0, 1e-5, 0.0, "m", 2, "cpu"), {})
