@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import RESULTS, SHARED, converted, ensure_model, machine_state, print_table, write_json  # noqa: E402
 from moepager.config import PrefetchConfig, StoreConfig  # noqa: E402
 from moepager.planning.calibrate import CalibrateOptions, DiskSampler, calibrate  # noqa: E402
+from moepager.models.quantized import quantize_checkpoint  # noqa: E402
 from moepager.predictors import PREDICTORS  # noqa: E402
 from moepager.planning.cost import CalibratedProfile, CostModel  # noqa: E402
 from moepager.runtime.llm import LLM  # noqa: E402
@@ -77,7 +78,11 @@ def arguments(device: str, layers: int, threads: int | None) -> argparse.Argumen
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens per request (--route-prompt)")
     ap.add_argument("--decode", type=int, default=48, help="decode steps per request")
     ap.add_argument("--ttft-prompt", type=int, default=512)
-    ap.add_argument("--budgets", nargs="+", default=["100%", "50%", "25%", "12.5%"])
+    ap.add_argument("--budgets", nargs="+", default=["100%", "50%", "25%", "12.5%"],
+                    help="fractions of the paged format's expert bytes (see --experts)")
+    ap.add_argument("--experts", default="bf16", choices=["bf16", "int8", "int4"],
+                    help="page the checkpoint's experts in this format: int8/int4 from its `moepager quantize` copy "
+                         "(made once; lossy), so disk reads shrink too")
     ap.add_argument("--policies", nargs="+", default=["lru", "lfu", "lcp"])
     ap.add_argument("--predictors", nargs="+", default=["none", "transition", "expert-map"])
     ap.add_argument("--all-combinations", action="store_true",
@@ -126,6 +131,16 @@ def parse_config(budget: str, text: str) -> Config:
     k, _, n = k.partition("/")
     return Config(budget, policy, predictor or None, int(k) if k else None, int(n) if n else None,
                   int(d) if d else None)
+
+
+def quantized(path: Path, fmt: str) -> Path:
+    """The checkpoint a format pages from: `moepager quantize`'s output (made once), so disk reads shrink too."""
+    if fmt == "bf16":
+        return path
+    out = path.with_name(f"{path.name}-{fmt}")
+    if not (out / "config.json").exists():
+        quantize_checkpoint(path, out, fmt, force=True)
+    return out
 
 
 def cut_trace(trace: Path, layers: int) -> Path:
@@ -232,7 +247,8 @@ def main(device: str, layers: int, threads: int | None, name: str) -> None:
     state = machine_state() | {"threads": torch.get_num_threads(), "device": device}
     if device == "cuda":
         state["gpu"] = torch.cuda.get_device_name()
-    path = ensure_model(f"deepseek-v2-lite-L{args.layers + 1}", "deepseek-v2-lite", args.layers + 1)
+    path = quantized(ensure_model(f"deepseek-v2-lite-L{args.layers + 1}", "deepseek-v2-lite", args.layers + 1),
+                     args.experts)
     full = converted("deepseek-csv", SHARED / "deepseek-v2-lite", "deepseek-v2-lite")
     trace = cut_trace(full, args.layers)
     fit = list(range(args.fit_requests))

@@ -23,23 +23,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmarks.offload_replay import cut_trace, replayed_requests, replayed_run  # noqa: E402
+from benchmarks.offload_replay import cut_trace, quantized, replayed_requests, replayed_run  # noqa: E402
 from common import SHARED, converted, ensure_model, machine_state, print_table, write_json  # noqa: E402
 
 from moepager.config import EngineConfig, StoreConfig  # noqa: E402
-from moepager.models.quantized import quantize_checkpoint  # noqa: E402
 from moepager.runtime.llm import LLM  # noqa: E402
 from moepager.runtime.replay import ReplaySpec  # noqa: E402
-
-
-def quantized(path: Path, fmt: str) -> Path:
-    """The checkpoint a format pages from: `moepager quantize`'s output (made once), so disk reads shrink too."""
-    if fmt == "bf16":
-        return path
-    out = path.with_name(f"{path.name}-{fmt}")
-    if not (out / "config.json").exists():
-        quantize_checkpoint(path, out, fmt, force=True)
-    return out
 
 
 def run(path: Path, fmt: str, budget_bytes: int | None, spec: ReplaySpec, args: argparse.Namespace) -> dict:
