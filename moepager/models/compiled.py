@@ -45,9 +45,9 @@ import torch
 from moepager.errors import ConfigError
 from moepager.experts.executor import ExpertExecutor, ResidentExecutor
 from moepager.experts.weights import ExpertShape
-from moepager.models.graph_exit import register
+from moepager.models.graph_exit import register, register_linear
 from moepager.models.layers import Attention, CausalLM
-from moepager.models.packed import pack_lm_head
+from moepager.models.packed import PackedLinear, pack_lm_head
 
 COMPILE_MAX_EXPERT_BYTES = 1 << 20
 """Largest expert (all three projections) the compiled step copies per token and routed slot."""
@@ -90,6 +90,9 @@ def compile_decode(model: CausalLM, experts: ExpertExecutor, shape: ExpertShape,
             block.graph_exit = register(block)
         model.refresh_traceable()
     pack_lm_head(model)
+    for module in model.modules():  # prepacked projections (`pack_dense`) leave the graph too
+        if isinstance(module, PackedLinear):
+            module.graph_exit = register_linear(module)
     model.compiled_decode = torch.compile(_own_code(model._hidden), fullgraph=True, options={"cpp_wrapper": True})
 
 

@@ -1,4 +1,5 @@
-"""A MoE layer that leaves a compiled graph for the host: the operator `moepager::moe_layer`.
+"""What a compiled graph leaves for eager code: MoE layers (`moepager::moe_layer`) and prepacked projections
+(`moepager::packed_linear`).
 
 A paged layer cannot be traced: which experts are resident, which must load and when they land is decided on the
 host, per token. So the compiled decode step (models/compiled.py) of a paged model keeps everything else in its
@@ -6,6 +7,10 @@ graph (attention, norms, the router, shared experts) and calls this operator whe
 run: its kernel looks the block up by the handle `register` gave it and runs the block's `host_step` (observers,
 then the expert executor), eagerly. For Inductor the operator is opaque: a fake kernel gives its output's shape
 (x's), and the graph around it compiles whole (`fullgraph`), with no graph break per layer.
+
+Dense projections prepacked for oneDNN (models/packed.py) leave the same way, through `packed_linear`: their weight is
+an opaque oneDNN tensor that Dynamo cannot trace, so without the exit a compiled step would have to compute them
+from plain weights (slower on the large matrices of a large model).
 """
 
 from __future__ import annotations
@@ -25,11 +30,21 @@ class HostStep(Protocol):
         ...
 
 
+class HostLinear(Protocol):
+    out_features: int
+
+    def host_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """The projection of x (any leading dimensions)."""
+        ...
+
+
 _BLOCKS: weakref.WeakValueDictionary[int, HostStep] = weakref.WeakValueDictionary()
+_LINEARS: weakref.WeakValueDictionary[int, HostLinear] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()
 
 _LIB = torch.library.Library("moepager", "FRAGMENT")
 _LIB.define("moe_layer(Tensor x_ND, Tensor ids_NK, Tensor weights_NK, Tensor scores_NE, int block) -> Tensor")
+_LIB.define("packed_linear(Tensor x, int module) -> Tensor")
 
 
 def register(block: HostStep) -> int:
@@ -38,6 +53,13 @@ def register(block: HostStep) -> int:
     cache on disk finds its graph (an address would differ every time)."""
     handle = next(_HANDLES)
     _BLOCKS[handle] = block
+    return handle
+
+
+def register_linear(module: HostLinear) -> int:
+    """The handle a compiled graph passes to `packed_linear` to run `module` (as `register`'s)."""
+    handle = next(_HANDLES)
+    _LINEARS[handle] = module
     return handle
 
 
@@ -51,6 +73,17 @@ def _shape_only(x_ND: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tens
     return torch.empty_like(x_ND)
 
 
+def _packed_linear(x: torch.Tensor, module: int) -> torch.Tensor:
+    return _LINEARS[module].host_linear(x)
+
+
+def _projected_shape(x: torch.Tensor, module: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], _LINEARS[module].out_features))
+
+
 _LIB.impl("moe_layer", _moe_layer, "CompositeExplicitAutograd")
 torch.library.register_fake("moepager::moe_layer", _shape_only, lib=_LIB)
+_LIB.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
+torch.library.register_fake("moepager::packed_linear", _projected_shape, lib=_LIB)
 moe_layer = torch.ops.moepager.moe_layer
+packed_linear_exit = torch.ops.moepager.packed_linear

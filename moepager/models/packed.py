@@ -22,6 +22,7 @@ from torch import nn
 
 from moepager.experts.onednn import packed_linear, packing_available, prepack
 from moepager.models.dense_quant import replace_dense, replace_head
+from moepager.models.graph_exit import packed_linear_exit
 
 if TYPE_CHECKING:
     from moepager.models.layers import CausalLM
@@ -39,8 +40,16 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.packed = prepack(weight)
         self.register_buffer("bias", None if bias is None else bias.detach())
+        self.graph_exit: int | None = None
+        """A compiled step's handle for this module (models/graph_exit.py): the graph calls it through an opaque
+        operator, as Dynamo cannot trace the prepacked weight."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.graph_exit is not None and torch.compiler.is_compiling():
+            return packed_linear_exit(x, self.graph_exit)
+        return packed_linear(x, self.packed, self.bias)
+
+    def host_linear(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self.packed, self.bias)
 
 

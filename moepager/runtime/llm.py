@@ -65,7 +65,7 @@ class LLM:
                                               self.config.device, executor, show_progress, store_config.direct_io,
                                               self.config.expert_dtype, self.config.int4_group,
                                               self.config.int4_zero_point, self.config.dense_dtype,
-                                              self.config.pack_dense and not self.config.compile)
+                                              self.config.pack_dense)
         if self.config.compile:
             compile_decode(self.loaded.model, self.loaded.experts, self.loaded.expert_shape, self.loaded.device)
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None

@@ -81,6 +81,21 @@ def test_a_large_bf16_lm_head_runs_prepacked_after_the_graph(hf_checkpoint, monk
         assert (a.float() - b.float()).norm() < 0.02 * b.float().norm()  # bf16: other rounding, same map
 
 
+@pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
+def test_prepacked_dense_projections_leave_the_graph_and_keep_their_kernel(hf_checkpoint, monkeypatch):
+    """Projections `pack_dense` prepacked (here: all of them) stay prepacked under `--compile`: the graph calls each
+    through the `packed_linear` exit, the eager prepacked run's logits to bf16 rounding."""
+    monkeypatch.setattr(packed, "PACK_MIN_ELEMENTS", 0)
+    _, path = hf_checkpoint("qwen3_moe")
+    ref = logits_run(load_model(path, torch.bfloat16, show_progress=False), steps=3, rows=1)
+    loaded = load_model(path, torch.bfloat16, show_progress=False)
+    compile_decode(loaded.model, loaded.experts, loaded.expert_shape, loaded.device)
+    exits = [m.graph_exit for m in loaded.model.modules() if isinstance(m, PackedLinear)]
+    assert len(exits) > 2 and None not in exits  # attention's fused qkv and o of each layer, and the head
+    for a, b in zip(logits_run(loaded, steps=3, rows=1), ref):
+        assert (a.float() - b.float()).norm() < 0.02 * b.float().norm()
+
+
 def test_int8_experts_decode_through_the_compiled_graph(demo_checkpoint, monkeypatch):
     """int8 experts are copied out of the arena and converted inside the graph (ArenaKernels._gathered_swiglu):
     the eager int8 run's greedy tokens, and no eager MoE call while decoding."""
