@@ -28,7 +28,9 @@ norms, routers and shared experts stay compiled; the graph is still one (no grap
 The graph ends at the final norm: the LM head runs after it, eagerly, on oneDNN-prepacked weights when it is a large
 bf16 matrix (models/packed.py; the built-in model's 8192x256 head: 189 us against 382 with torch's own GEMV at one
 thread, ad-hoc probe), which Inductor does not trace. The other dense projections keep their plain weights in the
-graph (each under the ~1M elements where prepacking pays on a small model). Not bit-equal to the eager forward
+graph where `pack_dense` left them plain (under the ~1M elements where prepacking pays: all of a small model's);
+those it prepacked (a large model's attention) leave the graph through `moepager::packed_linear` and keep their
+oneDNN kernel (qwen3-30b-a3b geometry: 10.07 tok/s compiled against 9.87 eager, 9.50 with them unpacked inside). Not bit-equal to the eager forward
 (fused elementwise code rounds in another order; experts sum in top-k order): an opt-in speed choice, as
 `--expert-kernel packed` is. Passes of more than one token (prefill, batched
 decodes), passes that replay routing, and those that record it where the graph computes the experts itself run the
