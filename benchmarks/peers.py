@@ -139,9 +139,8 @@ def arguments() -> argparse.Namespace:
                     help="also each bf16-dense moepager row with --no-packed-dense (torch's own GEMV for the large "
                          "dense projections instead of oneDNN on prepacked weights)")
     ap.add_argument("--compiled", action="store_true",
-                    help="also a moepager row with --compile for each of --formats (the one-token decode step "
-                         "compiled by TorchInductor: bf16 and int8 experts up to 1 MiB inside the graph, the "
-                         "built-in model's; int4 and larger ones run eagerly between its parts)")
+                    help="also each moepager row with --compile (the one-token decode step compiled by TorchInductor; "
+                         "twice the engines in memory: on the qwen3 geometry ask for one row)")
     ap.add_argument("--no-hf", action="store_true", help="leave transformers out")
     ap.add_argument("--out", default="peers", help="results/NAME.json")
     return ap.parse_args()
@@ -159,17 +158,19 @@ OurEngines = dict[str, tuple[str, Ours]]
 
 
 def our_engines(path: Path, args: argparse.Namespace) -> OurEngines:
-    """One moepager engine per kernel, format, dense format and packing asked for (and the compiled rows)."""
-    ours: OurEngines = {
-        f"moepager {k}" + ("" if fmt == "bf16" else f" {fmt}") + (f" +dense {dense}" if dense else "")
-        + ("" if pack else " (torch GEMV)"): (fmt + ("+dense" if dense and fmt == "int8" else ""),
-                                             Ours(path, k, None if fmt == "bf16" else fmt, dense, pack))
-        for fmt in args.formats for k in args.kernels if runs(k, fmt)
-        for dense in [None, *args.dense]
-        for pack in ([True, False] if args.unpacked and not dense else [True])}
-    if args.compiled:  # int4 experts leave the compiled graph at each MoE layer (models/graph_exit.py)
-        ours |= {"moepager compiled" + ("" if fmt == "bf16" else f" {fmt}"):
-                 (fmt, Ours(path, "auto", None if fmt == "bf16" else fmt, compile=True)) for fmt in args.formats}
+    """One moepager engine per kernel, format, dense format and packing asked for, and with --compiled a compiled
+    twin of each (`--compile`: resident experts up to 1 MiB inside the graph, any other ones and prepacked
+    projections through its exits, models/graph_exit.py)."""
+    rows = {f"moepager {k}" + ("" if fmt == "bf16" else f" {fmt}") + (f" +dense {dense}" if dense else "")
+            + ("" if pack else " (torch GEMV)"): (fmt + ("+dense" if dense and fmt == "int8" else ""),
+                                                 (k, None if fmt == "bf16" else fmt, dense, pack))
+            for fmt in args.formats for k in args.kernels if runs(k, fmt)
+            for dense in [None, *args.dense]
+            for pack in ([True, False] if args.unpacked and not dense else [True])}
+    ours: OurEngines = {label: (key, Ours(path, *options)) for label, (key, options) in rows.items()}
+    if args.compiled:
+        ours |= {f"{label} compiled": (key, Ours(path, *options, compile=True))
+                 for label, (key, options) in rows.items()}
     return ours
 
 

@@ -148,8 +148,6 @@ class EngineConfig:
                                 "there is nothing to prefetch)")
         check_expert_options(self.expert_dtype, self.int4_group, self.int4_zero_point)
         check_dense_dtype(self.dense_dtype)
-        if self.compile and self.dense_dtype == "int8-a8":
-            raise MoepagerError("--compile traces no FBGEMM projection: leave --dense-dtype int8-a8 or --compile unset")
         if self.expert_kernel not in KERNELS:
             raise MoepagerError(f"unknown expert kernel '{self.expert_kernel}'; choose from {', '.join(KERNELS)}")
         if self.threads is not None and self.threads < 1:

@@ -29,10 +29,10 @@ The graph ends at the final norm: the LM head runs after it, eagerly, on oneDNN-
 bf16 matrix (models/packed.py; the built-in model's 8192x256 head: 189 us against 382 with torch's own GEMV at one
 thread, ad-hoc probe), which Inductor does not trace. The other dense projections keep their plain weights in the
 graph where `pack_dense` left them plain (under the ~1M elements where prepacking pays: all of a small model's);
-those it prepacked (a large model's attention) leave the graph through `moepager::packed_linear` and keep their
+those it prepacked (a large model's attention) leave the graph through `moepager::opaque_linear` and keep their
 oneDNN kernel (qwen3-30b-a3b geometry: 10.07 tok/s compiled against 9.87 eager, 9.50 with them unpacked inside). Not bit-equal to the eager forward
 (fused elementwise code rounds in another order; experts sum in top-k order): an opt-in speed choice, as
-`--expert-kernel packed` is. Passes of more than one token (prefill, batched
+`--expert-kernel packed` is. `--dense-dtype int8-a8`'s FBGEMM projections leave the graph the same way. Passes of more than one token (prefill, batched
 decodes), passes that replay routing, and those that record it where the graph computes the experts itself run the
 eager forward.
 """
@@ -47,9 +47,9 @@ import torch
 from moepager.errors import ConfigError
 from moepager.experts.executor import ExpertExecutor, ResidentExecutor
 from moepager.experts.weights import ExpertShape
-from moepager.models.graph_exit import register, register_linear
+from moepager.models.graph_exit import LeavesGraph, register, register_linear
 from moepager.models.layers import Attention, CausalLM
-from moepager.models.packed import PackedLinear, pack_lm_head
+from moepager.models.packed import pack_lm_head
 
 COMPILE_MAX_EXPERT_BYTES = 1 << 20
 """Largest expert (all three projections) the compiled step copies per token and routed slot."""
@@ -92,8 +92,8 @@ def compile_decode(model: CausalLM, experts: ExpertExecutor, shape: ExpertShape,
             block.graph_exit = register(block)
         model.refresh_traceable()
     pack_lm_head(model)
-    for module in model.modules():  # prepacked projections (`pack_dense`) leave the graph too
-        if isinstance(module, PackedLinear):
+    for module in model.modules():  # projections with prepacked weights leave the graph too
+        if isinstance(module, LeavesGraph) and module.opaque_weights:
             module.graph_exit = register_linear(module)
     model.compiled_decode = torch.compile(_own_code(model._hidden), fullgraph=True, options={"cpp_wrapper": True})
 

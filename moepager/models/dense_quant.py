@@ -25,6 +25,7 @@ from torch import nn
 
 from moepager.errors import ConfigError
 from moepager.experts.quant import int8_mm, int8_packed_mm, int8_packing_available, int8_prepack, quantize_int8
+from moepager.models.graph_exit import LeavesGraph
 
 if TYPE_CHECKING:
     from moepager.models.layers import CausalLM
@@ -46,7 +47,7 @@ def check_dense_dtype(dense_dtype: str | None, device: torch.device | str | None
                           "--dense-dtype int8")
 
 
-class _RowsLinear(nn.Module):
+class _RowsLinear(LeavesGraph):
     """A projection computed on x flattened to rows by a subclass's `rows_mm`, reshaped back, plus the bias."""
 
     out_features: int
@@ -55,13 +56,15 @@ class _RowsLinear(nn.Module):
     def rows_mm(self, x_TK: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def host_linear(self, x: torch.Tensor) -> torch.Tensor:
         y = self.rows_mm(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
 class Int8Linear(_RowsLinear):
     """A projection y = x (q * scale)^T + bias with int8 q [N, K] and one scale per output row in x's dtype."""
+
+    opaque_weights = False  # plain int8 tensors and an aten kernel: a compiled graph traces it
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()

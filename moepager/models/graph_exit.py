@@ -1,5 +1,5 @@
-"""What a compiled graph leaves for eager code: MoE layers (`moepager::moe_layer`) and prepacked projections
-(`moepager::packed_linear`).
+"""What a compiled graph leaves for eager code: MoE layers (`moepager::moe_layer`) and projections with opaque
+weights (`moepager::opaque_linear`).
 
 A paged layer cannot be traced: which experts are resident, which must load and when they land is decided on the
 host, per token. So the compiled decode step (models/compiled.py) of a paged model keeps everything else in its
@@ -8,9 +8,10 @@ run: its kernel looks the block up by the handle `register` gave it and runs the
 then the expert executor), eagerly. For Inductor the operator is opaque: a fake kernel gives its output's shape
 (x's), and the graph around it compiles whole (`fullgraph`), with no graph break per layer.
 
-Dense projections prepacked for oneDNN (models/packed.py) leave the same way, through `packed_linear`: their weight is
-an opaque oneDNN tensor that Dynamo cannot trace, so without the exit a compiled step would have to compute them
-from plain weights (slower on the large matrices of a large model).
+Dense projections whose weights are opaque objects Dynamo cannot trace leave the same way, through `opaque_linear`
+(`LeavesGraph` modules: oneDNN-prepacked bf16, models/packed.py, and FBGEMM-prepacked int8, models/dense_quant.py);
+without the exit a compiled step would have to compute them from plain weights (slower on a large model's matrices)
+or not compile at all.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import weakref
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from moepager.types import RoutingDecision
 
@@ -30,21 +32,32 @@ class HostStep(Protocol):
         ...
 
 
-class HostLinear(Protocol):
+class LeavesGraph(nn.Module):
+    """A projection whose weights are opaque (prepacked objects): once `register_linear` gave it a handle, a compiled
+    graph calls it through `opaque_linear`; eagerly, and before, it runs `host_linear` directly."""
+
     out_features: int
+    graph_exit: int | None = None
+    opaque_weights = True
+    """False for a subclass whose weights are plain tensors (the graph traces it; it is never registered)."""
 
     def host_linear(self, x: torch.Tensor) -> torch.Tensor:
         """The projection of x (any leading dimensions)."""
-        ...
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.graph_exit is not None and torch.compiler.is_compiling():
+            return opaque_linear(x, self.graph_exit)
+        return self.host_linear(x)
 
 
 _BLOCKS: weakref.WeakValueDictionary[int, HostStep] = weakref.WeakValueDictionary()
-_LINEARS: weakref.WeakValueDictionary[int, HostLinear] = weakref.WeakValueDictionary()
+_LINEARS: weakref.WeakValueDictionary[int, LeavesGraph] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()
 
 _LIB = torch.library.Library("moepager", "FRAGMENT")
 _LIB.define("moe_layer(Tensor x_ND, Tensor ids_NK, Tensor weights_NK, Tensor scores_NE, int block) -> Tensor")
-_LIB.define("packed_linear(Tensor x, int module) -> Tensor")
+_LIB.define("opaque_linear(Tensor x, int module) -> Tensor")
 
 
 def register(block: HostStep) -> int:
@@ -56,8 +69,8 @@ def register(block: HostStep) -> int:
     return handle
 
 
-def register_linear(module: HostLinear) -> int:
-    """The handle a compiled graph passes to `packed_linear` to run `module` (as `register`'s)."""
+def register_linear(module: LeavesGraph) -> int:
+    """The handle a compiled graph passes to `opaque_linear` to run `module` (as `register`'s)."""
     handle = next(_HANDLES)
     _LINEARS[handle] = module
     return handle
@@ -73,7 +86,7 @@ def _shape_only(x_ND: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tens
     return torch.empty_like(x_ND)
 
 
-def _packed_linear(x: torch.Tensor, module: int) -> torch.Tensor:
+def _opaque_linear(x: torch.Tensor, module: int) -> torch.Tensor:
     return _LINEARS[module].host_linear(x)
 
 
@@ -83,7 +96,7 @@ def _projected_shape(x: torch.Tensor, module: int) -> torch.Tensor:
 
 _LIB.impl("moe_layer", _moe_layer, "CompositeExplicitAutograd")
 torch.library.register_fake("moepager::moe_layer", _shape_only, lib=_LIB)
-_LIB.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
-torch.library.register_fake("moepager::packed_linear", _projected_shape, lib=_LIB)
+_LIB.impl("opaque_linear", _opaque_linear, "CompositeExplicitAutograd")
+torch.library.register_fake("moepager::opaque_linear", _projected_shape, lib=_LIB)
 moe_layer = torch.ops.moepager.moe_layer
-packed_linear_exit = torch.ops.moepager.packed_linear
+opaque_linear = torch.ops.moepager.opaque_linear

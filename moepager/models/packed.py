@@ -22,7 +22,7 @@ from torch import nn
 
 from moepager.experts.onednn import packed_linear, packing_available, prepack
 from moepager.models.dense_quant import replace_dense, replace_head
-from moepager.models.graph_exit import packed_linear_exit
+from moepager.models.graph_exit import LeavesGraph
 
 if TYPE_CHECKING:
     from moepager.models.layers import CausalLM
@@ -31,7 +31,7 @@ PACK_MIN_ELEMENTS = 1 << 20
 """Matrices with at least this many elements are prepacked (see the module note)."""
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(LeavesGraph):
     """y = x W^T + b with W held in oneDNN's prepacked layout (a plain attribute: it is an opaque oneDNN tensor,
     neither saved nor moved; the module is made after loading, on the CPU)."""
 
@@ -40,14 +40,6 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.packed = prepack(weight)
         self.register_buffer("bias", None if bias is None else bias.detach())
-        self.graph_exit: int | None = None
-        """A compiled step's handle for this module (models/graph_exit.py): the graph calls it through an opaque
-        operator, as Dynamo cannot trace the prepacked weight."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.graph_exit is not None and torch.compiler.is_compiling():
-            return packed_linear_exit(x, self.graph_exit)
-        return packed_linear(x, self.packed, self.bias)
 
     def host_linear(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self.packed, self.bias)

@@ -13,9 +13,11 @@ import torch
 from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
 from moepager.errors import ConfigError
 from moepager.experts.executor import ResidentExecutor
+from moepager.experts.quant import int8_packing_available
 from moepager.experts.weights import ExpertShape
 from moepager.models import compiled, graph_exit, packed
 from moepager.models.compiled import check_compilable, compile_decode
+from moepager.models.dense_quant import Int8A8Linear
 from moepager.models.load import load_model
 from moepager.models.packed import PackedLinear, packing_available
 from moepager.runtime.llm import LLM
@@ -94,6 +96,19 @@ def test_prepacked_dense_projections_leave_the_graph_and_keep_their_kernel(hf_ch
     assert len(exits) > 2 and None not in exits  # attention's fused qkv and o of each layer, and the head
     for a, b in zip(logits_run(loaded, steps=3, rows=1), ref):
         assert (a.float() - b.float()).norm() < 0.02 * b.float().norm()
+
+
+@pytest.mark.skipif(not int8_packing_available(), reason="this torch build has no FBGEMM")
+def test_fbgemm_dense_projections_leave_the_compiled_graph(demo_checkpoint):
+    """`--dense-dtype int8-a8`'s projections hold FBGEMM-packed weights: the graph calls each through the
+    `opaque_linear` exit, with the eager int8-a8 run's greedy tokens."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    config = EngineConfig(model=str(demo_checkpoint), dense_dtype="int8-a8")
+    want = LLM(config=config, show_progress=False).generate("a b c", params)[0].token_ids
+    llm = LLM(config=replace(config, compile=True), show_progress=False)
+    exits = [m.graph_exit for m in llm.loaded.model.modules() if isinstance(m, Int8A8Linear)]
+    assert exits and None not in exits
+    assert llm.generate("a b c", params)[0].token_ids == want
 
 
 def test_int8_experts_decode_through_the_compiled_graph(demo_checkpoint, monkeypatch):

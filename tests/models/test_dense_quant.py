@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moepager.config import EngineConfig, StoreConfig
-from moepager.errors import ConfigError, MoepagerError
+from moepager.errors import ConfigError
 from moepager.experts.quant import INT8_PACKED_MAX_TOKENS
 from moepager.models.default import default_model_path
 from moepager.models.dense_quant import Int8A8Linear, Int8Linear, check_dense_dtype
@@ -113,5 +113,3 @@ def test_dense_int8_a8_runs_every_dense_projection_on_fbgemm_and_says_so():
 def test_dense_int8_a8_is_refused_where_it_cannot_run():
     with pytest.raises(ConfigError, match="FBGEMM on the CPU"):
         check_dense_dtype("int8-a8", "cuda")
-    with pytest.raises(MoepagerError, match="--compile traces no FBGEMM projection"):
-        EngineConfig(dense_dtype="int8-a8", compile=True)
