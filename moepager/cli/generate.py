@@ -81,10 +81,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "on this project's CPU)")
     p.add_argument("--compile", action="store_true",
                    help="CPU: compile the one-token decode step with TorchInductor (when the model loads: tens of "
-                        "seconds, less once cached on disk; not bit-equal to the eager step). Resident float, int8 or int4 "
-                        "experts up to 1 MiB compute inside the graph (the built-in model decodes 2.4x faster at one "
-                        "thread); paged, packed or larger experts run eagerly between its parts (1.3x at a 25%% "
-                        "budget); so do oneDNN-prepacked projections (qwen3-30b-a3b geometry: 1.02x eager)")
+                        "seconds, less once cached on disk; not bit-equal to the eager step). Resident float, int8 "
+                        "or int4 experts up to 1 MiB compute inside the graph (the built-in model decodes 2.4x faster "
+                        "at one thread); paged, packed or larger experts run eagerly between its parts (1.3x at a "
+                        "25%% budget); so do prepacked projections (qwen3-30b-a3b geometry: 1.02x eager)")
     q = p.add_argument_group("quantized experts (lossy, opt-in)")
     q.add_argument("--expert-dtype", choices=EXPERT_DTYPES,
                    help="format of the routed experts: int8 (per-channel scales) or int4 (group scales) quantize "

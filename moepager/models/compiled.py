@@ -30,11 +30,11 @@ bf16 matrix (models/packed.py; the built-in model's 8192x256 head: 189 us agains
 thread, ad-hoc probe), which Inductor does not trace. The other dense projections keep their plain weights in the
 graph where `pack_dense` left them plain (under the ~1M elements where prepacking pays: all of a small model's);
 those it prepacked (a large model's attention) leave the graph through `moepager::opaque_linear` and keep their
-oneDNN kernel (qwen3-30b-a3b geometry: 10.07 tok/s compiled against 9.87 eager, 9.50 with them unpacked inside). Not bit-equal to the eager forward
-(fused elementwise code rounds in another order; experts sum in top-k order): an opt-in speed choice, as
-`--expert-kernel packed` is. `--dense-dtype int8-a8`'s FBGEMM projections leave the graph the same way. Passes of more than one token (prefill, batched
-decodes), passes that replay routing, and those that record it where the graph computes the experts itself run the
-eager forward.
+oneDNN kernel (qwen3-30b-a3b geometry: 10.07 tok/s compiled against 9.87 eager, 9.50 with them unpacked inside);
+`--dense-dtype int8-a8`'s FBGEMM projections leave it the same way. Not bit-equal to the eager forward (fused
+elementwise code rounds in another order; experts sum in top-k order): an opt-in speed choice, as `--expert-kernel
+packed` is. Passes of more than one token (prefill, batched decodes), passes that replay routing, and those that
+record it where the graph computes the experts itself run the eager forward.
 """
 
 from __future__ import annotations
