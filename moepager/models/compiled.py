@@ -48,7 +48,7 @@ from moepager.errors import ConfigError
 from moepager.experts.executor import ExpertExecutor, ResidentExecutor
 from moepager.experts.weights import ExpertShape
 from moepager.models.graph_exit import LeavesGraph, register, register_linear
-from moepager.models.layers import Attention, CausalLM
+from moepager.models.layers import Attention, CausalLM, MoEBlock
 from moepager.models.packed import pack_lm_head
 
 COMPILE_MAX_EXPERT_BYTES = 1 << 20
@@ -81,20 +81,19 @@ def compile_decode(model: CausalLM, experts: ExpertExecutor, shape: ExpertShape,
     """Make `model` run its one-token passes through a compiled graph (compiled lazily by the first such passes;
     `LLM` runs them while loading)."""
     check_compilable(device)
-    for module in model.modules():  # the fused weights the eager forward makes lazily, made before tracing
-        if isinstance(module, Attention):
+    pack_lm_head(model)
+    exits = not experts_in_graph(experts, shape)
+    for module in model.modules():
+        if isinstance(module, Attention):  # the fused weights the eager forward makes lazily, made before tracing
             if module.qkv is None:
                 module.fused_qkv()
             if module.qk_norm == "head":
                 module._qk_norm_weight()
-    if not experts_in_graph(experts, shape):
-        for block in model.moe_blocks():
-            block.graph_exit = register(block)
-        model.refresh_traceable()
-    pack_lm_head(model)
-    for module in model.modules():  # projections with prepacked weights leave the graph too
-        if isinstance(module, LeavesGraph) and module.opaque_weights:
+        elif isinstance(module, MoEBlock) and exits:
+            module.graph_exit = register(module)
+        elif isinstance(module, LeavesGraph) and module.opaque_weights:  # prepacked projections leave it too
             module.graph_exit = register_linear(module)
+    model.refresh_traceable()
     model.compiled_decode = torch.compile(_own_code(model._hidden), fullgraph=True, options={"cpp_wrapper": True})
 
 

@@ -54,6 +54,8 @@ class LeavesGraph(nn.Module):
 _BLOCKS: weakref.WeakValueDictionary[int, HostStep] = weakref.WeakValueDictionary()
 _LINEARS: weakref.WeakValueDictionary[int, LeavesGraph] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()
+"""Handles count up from 0 in each process, so a model compiled again in a new process traces the same constants
+and Inductor's cache on disk finds its graph (an address would differ every time)."""
 
 _LIB = torch.library.Library("moepager", "FRAGMENT")
 _LIB.define("moe_layer(Tensor x_ND, Tensor ids_NK, Tensor weights_NK, Tensor scores_NE, int block) -> Tensor")
@@ -61,18 +63,14 @@ _LIB.define("opaque_linear(Tensor x, int module) -> Tensor")
 
 
 def register(block: HostStep) -> int:
-    """The handle a compiled graph passes to `moe_layer` to run `block` (kept while the block lives). Handles count
-    up from 0 in each process, so a model compiled again in a new process traces the same constants and Inductor's
-    cache on disk finds its graph (an address would differ every time)."""
-    handle = next(_HANDLES)
-    _BLOCKS[handle] = block
+    """The handle a compiled graph passes to `moe_layer` to run `block` (kept while the block lives)."""
+    _BLOCKS[handle := next(_HANDLES)] = block
     return handle
 
 
 def register_linear(module: LeavesGraph) -> int:
-    """The handle a compiled graph passes to `opaque_linear` to run `module` (as `register`'s)."""
-    handle = next(_HANDLES)
-    _LINEARS[handle] = module
+    """The handle a compiled graph passes to `opaque_linear` to run `module` (kept while the module lives)."""
+    _LINEARS[handle := next(_HANDLES)] = module
     return handle
 
 

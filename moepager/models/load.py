@@ -19,6 +19,7 @@ from moepager.models.expert_reader import ExpertReader, is_routed_expert
 from moepager.experts.executor import ExpertExecutor, Kernel, PackedExecutor, ResidentExecutor
 from moepager.experts.quant import check_shape
 from moepager.experts.weights import ExpertShape
+from moepager.models.base import Architecture
 from moepager.models.config import ModelConfig
 from moepager.models.dense_quant import DENSE_FORMATS, check_dense_dtype, quantize_dense
 from moepager.models.packed import pack_dense as pack_dense_projections
@@ -103,6 +104,22 @@ def read_config(path: str | os.PathLike[str]) -> ModelConfig:
     return architecture_for(checkpoint.config).parse_config(checkpoint.config)
 
 
+def open_experts(checkpoint: Checkpoint, arch: Architecture, cfg: ModelConfig, dtype: torch.dtype,
+                 device: torch.device, direct_io: DirectIO = "auto", expert_dtype: str | None = None,
+                 int4_group: int | None = None, int4_zero_point: bool | None = None) -> ExpertReader:
+    """The reader of the checkpoint's routed experts in the format a run holds them (`expert_dtype`; None: as
+    stored, so a `moepager quantize` checkpoint in its own format); its `shape` is that format's."""
+    from moepager.models.quantized import expert_format, stored_format  # it imports this module
+
+    stored = stored_format(checkpoint.config)
+    quant = expert_format(expert_dtype, stored, dtype, device, int4_group, int4_zero_point)
+    if quant is not None:
+        check_shape(cfg.hidden_size, cfg.expert_intermediate_size, quant)
+    shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, dtype, quant)
+    return ExpertReader(checkpoint, arch.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0,
+                        direct_io, stored)
+
+
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None, device: str = "cpu",
                executor_factory: ExecutorFactory | None = None, show_progress: bool = True,
                direct_io: DirectIO = "auto", expert_dtype: str | None = None, int4_group: int | None = None,
@@ -112,21 +129,14 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None, d
     routed experts are held and computed in; int8/int4 are lossy and opt-in (experts/quant.py). `dense_dtype`
     int8 quantizes the dense projections too (models/dense_quant.py; lossy, opt-in). `pack_dense` prepacks the
     large bf16 dense projections for oneDNN on the CPU (models/packed.py)."""
-    from moepager.models.quantized import expert_format, stored_format  # it imports this module
-
     check_dense_dtype(dense_dtype, device)
     checkpoint = Checkpoint(path)
     arch = architecture_for(checkpoint.config)
     cfg = arch.parse_config(checkpoint.config)
-    stored = stored_format(checkpoint.config)
     dtype = dtype or checkpoint_dtype(checkpoint)
     dev = torch.device(device)
-    quant = expert_format(expert_dtype, stored, dtype, dev, int4_group, int4_zero_point)
-    if quant is not None:
-        check_shape(cfg.hidden_size, cfg.expert_intermediate_size, quant)
-    shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, dtype, quant)
-    reader = ExpertReader(checkpoint, arch.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0,
-                          direct_io, stored)
+    reader = open_experts(checkpoint, arch, cfg, dtype, dev, direct_io, expert_dtype, int4_group, int4_zero_point)
+    shape = reader.shape
     dense = sum(loc.nbytes // loc.dtype.itemsize * dtype.itemsize for name, loc in checkpoint.locations.items()
                 if not is_routed_expert(name))
     total = dense + cfg.num_moe_layers * cfg.num_experts * shape.nbytes

@@ -36,7 +36,7 @@ from moepager.models.base import Architecture
 from moepager.models.config import ModelConfig
 from moepager.models.expert_reader import ExpertReader
 from moepager.models.layers import ForwardBatch
-from moepager.models.load import cast_model, checkpoint_dtype
+from moepager.models.load import cast_model, checkpoint_dtype, open_experts
 from moepager.models.loader import Checkpoint
 from moepager.models.registry import architecture_for
 from moepager.planning.cost import Calibration, CalibratedProfile, Device, Link
@@ -281,18 +281,11 @@ class ModelParts:
     @classmethod
     def open(cls, path: str | os.PathLike[str], device: torch.device = torch.device("cpu")) -> ModelParts:
         """A quantized checkpoint (`moepager quantize`) is measured in its own format, as a run pages it."""
-        from moepager.models.quantized import expert_format, stored_format  # it imports models/load.py
-
         checkpoint = Checkpoint(path)
         arch = architecture_for(checkpoint.config)
         cfg = arch.parse_config(checkpoint.config)
-        stored = stored_format(checkpoint.config)
-        dtype = checkpoint_dtype(checkpoint)
-        shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, dtype,
-                            expert_format(None, stored, dtype, device))
-        reader = ExpertReader(checkpoint, arch.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0,
-                              stored=stored)
-        return cls(checkpoint, arch, cfg, shape, reader)
+        reader = open_experts(checkpoint, arch, cfg, checkpoint_dtype(checkpoint), device)
+        return cls(checkpoint, arch, cfg, reader.shape, reader)
 
     def expert_keys(self) -> list[ExpertKey]:
         return [ExpertKey(layer, e) for layer in self.cfg.moe_layers for e in range(self.cfg.num_experts)]
