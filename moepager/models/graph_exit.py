@@ -16,6 +16,7 @@ or not compile at all.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from typing import Protocol
@@ -57,21 +58,31 @@ _HANDLES = itertools.count()
 """Handles count up from 0 in each process, so a model compiled again in a new process traces the same constants
 and Inductor's cache on disk finds its graph (an address would differ every time)."""
 
-_LIB = torch.library.Library("moepager", "FRAGMENT")
-_LIB.define("moe_layer(Tensor x_ND, Tensor ids_NK, Tensor weights_NK, Tensor scores_NE, int block) -> Tensor")
-_LIB.define("opaque_linear(Tensor x, int module) -> Tensor")
 
 
 def register(block: HostStep) -> int:
     """The handle a compiled graph passes to `moe_layer` to run `block` (kept while the block lives)."""
+    _operators()
     _BLOCKS[handle := next(_HANDLES)] = block
     return handle
 
 
 def register_linear(module: LeavesGraph) -> int:
     """The handle a compiled graph passes to `opaque_linear` to run `module` (kept while the module lives)."""
+    _operators()
     _LINEARS[handle := next(_HANDLES)] = module
     return handle
+
+
+def moe_layer(x_ND: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tensor, scores_NE: torch.Tensor,
+              block: int) -> torch.Tensor:
+    """The registered `block`'s host step, as one opaque operator in a compiled graph."""
+    return torch.ops.moepager.moe_layer(x_ND, ids_NK, weights_NK, scores_NE, block)
+
+
+def opaque_linear(x: torch.Tensor, module: int) -> torch.Tensor:
+    """The registered `module`'s projection of x, as one opaque operator in a compiled graph."""
+    return torch.ops.moepager.opaque_linear(x, module)
 
 
 def _moe_layer(x_ND: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tensor, scores_NE: torch.Tensor,
@@ -92,9 +103,16 @@ def _projected_shape(x: torch.Tensor, module: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], _LINEARS[module].out_features))
 
 
-_LIB.impl("moe_layer", _moe_layer, "CompositeExplicitAutograd")
-torch.library.register_fake("moepager::moe_layer", _shape_only, lib=_LIB)
-_LIB.impl("opaque_linear", _opaque_linear, "CompositeExplicitAutograd")
-torch.library.register_fake("moepager::opaque_linear", _projected_shape, lib=_LIB)
-moe_layer = torch.ops.moepager.moe_layer
-opaque_linear = torch.ops.moepager.opaque_linear
+@functools.cache
+def _operators() -> torch.library.Library:
+    """Define the two operators, once per process: at the first registration, not when this module is imported
+    (STYLE rule 6). The handle registries above are process-wide for the same reason the operators are: a compiled
+    graph can carry only a constant to find its block by."""
+    lib = torch.library.Library("moepager", "FRAGMENT")
+    lib.define("moe_layer(Tensor x_ND, Tensor ids_NK, Tensor weights_NK, Tensor scores_NE, int block) -> Tensor")
+    lib.define("opaque_linear(Tensor x, int module) -> Tensor")
+    lib.impl("moe_layer", _moe_layer, "CompositeExplicitAutograd")
+    torch.library.register_fake("moepager::moe_layer", _shape_only, lib=lib)
+    lib.impl("opaque_linear", _opaque_linear, "CompositeExplicitAutograd")
+    torch.library.register_fake("moepager::opaque_linear", _projected_shape, lib=lib)
+    return lib
