@@ -152,6 +152,31 @@ def test_a_dense_q8_0_export_quantizes_the_projections_and_loads_back_close(tiny
     assert not (tmp_path / "x.gguf").exists()
 
 
+@pytest.mark.parametrize("arch", [*ARCHS, "demo"])
+def test_dense_q8_0_quantizes_the_projections_dense_dtype_int8_quantizes(tiny, tmp_path, arch):
+    """gguf_io.Q8_0_DENSE names in GGUF terms the projections `dense_quant.replace_dense` picks by module type (every
+    nn.Linear not in KEEP, and the LM head, tied or not): the all-Q8_0 llama.cpp peer must quantize exactly what
+    `--dense-dtype int8` does, so the two lists may not drift apart. Only rows of whole 32-value blocks can be Q8_0
+    (DeepSeek-V3's tiny q_lora_rank of 24 is not), where int8's per-channel scales take any width."""
+    from torch import nn
+
+    from moepager.models.dense_quant import KEEP
+    from moepager.models.gguf_io import GGUF_ARCHS, name_map
+
+    path = default_model_path() if arch == "demo" else tiny(arch)
+    model = load_model(path, torch.float32, show_progress=False).model
+    hf_class = json.loads((path / "config.json").read_text())["architectures"][0]
+    mapped = name_map(GGUF_ARCHS[hf_class], len(model.model.layers))
+    want = {mapped(f"{n}.weight") for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] not in KEEP and m.in_features % 32 == 0}
+    if model.lm_head is None:
+        want.add("output.weight")
+    out = tmp_path / "m.gguf"
+    export_gguf(path, out, "bf16", show_progress=False, dense_type="q8_0")
+    got = {t.name for t in gguf.GGUFReader(out).tensors if t.tensor_type.name == "Q8_0"}
+    assert None not in want and got == want
+
+
 def test_llama_cpp_produces_our_greedy_tokens_from_an_exported_file(tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp")
     out = tmp_path / "demo.gguf"
