@@ -1,9 +1,10 @@
-"""Overhead of a decode step on the built-in model: moepager-level Python calls per decode token (deterministic:
-the architecture review's method, a 17-token generation less a 1-token one, over 16 steps) and decode tok/s (the
-median step over interleaved rounds, all configurations in one run), all resident, at a 25% budget (experts read
-through the page cache: the engine's own cost, not the disk's), and at 25% with gate-lookahead prefetch; each eager
-and with the compiled decode step (`--compile`: a paged step leaves its graph at each MoE layer). Issue 15's goals:
-<= 40 calls resident, <= 80 at a 25% budget with a predictor. tests/runtime/test_overhead.py guards the counts.
+"""Overhead of a decode step on the built-in model: moepager-level Python calls per decode token (the architecture
+review's method, a 17-token generation less a 1-token one, over 16 steps: exact resident, a few percent of spread when
+paged, with load timing) and decode tok/s (the median step over interleaved rounds, all configurations in one run),
+all resident, at a 25% budget (experts read through the page cache: the engine's own cost, not the disk's), and at
+25% with gate-lookahead prefetch; each eager and with the compiled decode step (`--compile`: a paged step leaves its
+graph at each MoE layer). Issue 15's goals: <= 40 calls resident, <= 80 at a 25% budget with a predictor.
+tests/runtime/test_overhead.py guards the counts.
 
     python benchmarks/overhead.py [--threads 1] [--rounds 5] [--decode 32]
 """

@@ -1,11 +1,11 @@
-"""Deterministic overhead counts of a decode step on the built-in model (6 MoE layers, top-4): moepager-level
-Python calls per decode token, the difference of a 17-token and a 1-token generation over 16 steps (the
-architecture review's method). The bounds sit just above today's counts (137 eager and 39 compiled resident; at a 25%
-budget 287-290 eager and 227-229 compiled, 424-428 and 360-363 with gate-lookahead, where how many loads have
-landed when a layer looks varies from run to run: the engine core's scheduler, runner and sampler add ~25 calls to
+"""Overhead counts of a decode step on the built-in model (6 MoE layers, top-4): moepager-level Python calls per
+decode token, the difference of a 17-token and a 1-token generation over 16 steps (the architecture review's method).
+Resident, the count is exact (137 eager, 39 compiled). Paged, it varies by a few percent with how many loads have
+landed when a layer looks, from run to run and from machine to machine: at a 25% budget 287-291 eager and 227-229
+compiled, 424-433 and 360-377 with gate-lookahead. The engine core's scheduler, runner and sampler add ~25 calls to
 each decode step, the model's eager modules ~80 that the compiled step leaves out; the store's bookkeeping is per
-layer except for each miss's claim, eviction and load), so that a change which adds per-token work shows up here;
-issue 15's goals are 40 resident and 80 at a 25% budget with a predictor."""
+layer except for each miss's claim, eviction and load. The bounds sit just above those counts, so that a change which
+adds per-token work shows up here; issue 15's goals are 40 resident and 80 at a 25% budget with a predictor."""
 
 from __future__ import annotations
 
@@ -46,8 +46,8 @@ PAGED = StoreConfig(expert_memory="25%", direct_io="off")
 @pytest.mark.parametrize("config, bound", [
     (EngineConfig(), 140),
     (EngineConfig(store=PAGED), 300),
-    (EngineConfig(store=PAGED, prefetch=PrefetchConfig("gate-lookahead")), 440),
-    pytest.param(EngineConfig(store=PAGED, prefetch=PrefetchConfig("gate-lookahead"), compile=True), 375,
+    (EngineConfig(store=PAGED, prefetch=PrefetchConfig("gate-lookahead")), 450),
+    pytest.param(EngineConfig(store=PAGED, prefetch=PrefetchConfig("gate-lookahead"), compile=True), 395,
                  marks=pytest.mark.slow),
 ], ids=["resident", "paged-25%", "paged-25%-gate-lookahead", "paged-25%-gate-lookahead-compiled"])
 def test_python_calls_per_decode_token_stay_bounded(config, bound):
