@@ -68,7 +68,9 @@ class ModelRunner:
             last.append(n - 1)
             valid += range(i * t, i * t + n)
             kv_len = max(kv_len, r.start + n)
-        width = max(2, -(-kv_len // bs))  # 2+: a compiled step's graph would specialise a width of 1 (compile again)
+        # Blocks past kv_len, 2 or more: a compiled step's graph would specialise a width of 1, and a prefix that
+        # fills its blocks exactly (compile again; models/compiled.py)
+        width = max(2, kv_len // bs + 1)
         table = [block for x in tables for block in x[:width] + [SCRATCH] * (width - len(x))]
         padded = len(valid) < b * t
         parts = [ids, positions, slot_block, slot_offset, table, last] + ([valid] if padded else [])
