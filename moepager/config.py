@@ -138,9 +138,9 @@ class EngineConfig:
     """CPU, bf16: large dense projections computed by oneDNN from weights prepacked at load (models/packed.py);
     False keeps torch's own GEMV."""
     compile: bool = False
-    """CPU: one-token decode passes run a TorchInductor-compiled graph, which computes small resident experts itself
-    and leaves it at each MoE layer for any other executor, paged ones included (models/compiled.py; opt-in: not
-    bit-equal to the eager forward)."""
+    """CPU: decode passes (one token a row, one row or several) run a TorchInductor-compiled graph, which computes
+    small resident experts itself and leaves it at each MoE layer for any other executor, paged ones included
+    (models/compiled.py; opt-in: not bit-equal to the eager forward)."""
 
     def __post_init__(self) -> None:
         if self.prefetch.predictor is not None and not self.store.paged:

@@ -80,11 +80,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "instead of oneDNN on weights prepacked at load (1.4-1.6x faster on matrices of 1M+ elements "
                         "on this project's CPU)")
     p.add_argument("--compile", action="store_true",
-                   help="CPU: compile the one-token decode step with TorchInductor (when the model loads: tens of "
+                   help="CPU: compile the decode step with TorchInductor (when the model loads: tens of "
                         "seconds, less once cached on disk; not bit-equal to the eager step). Resident float, int8 "
                         "or int4 experts up to 1 MiB compute inside the graph (the built-in model decodes 2.4x faster "
                         "at one thread); paged, packed or larger experts run eagerly between its parts (1.3x at a "
-                        "25%% budget); so do prepacked projections (qwen3-30b-a3b geometry: 1.02x eager)")
+                        "25%% budget); so do prepacked projections (qwen3-30b-a3b geometry: 1.02x eager). Batched "
+                        "decodes of concurrent requests compile too (serve compiles them at start)")
     q = p.add_argument_group("quantized experts (lossy, opt-in)")
     q.add_argument("--expert-dtype", choices=EXPERT_DTYPES,
                    help="format of the routed experts: int8 (per-channel scales) or int4 (group scales) quantize "

@@ -1,4 +1,4 @@
-"""A compiled one-token decode step (`--compile`; CPU; opt-in).
+"""A compiled decode step (`--compile`; CPU; opt-in): one token a row, one row or several.
 
 A small model's decode step is bound by per-call overhead, not bytes: the built-in model runs ~660 aten calls
 per token eagerly (~5 us each on this project's CPU), where llama.cpp runs its whole graph in under a
@@ -33,8 +33,17 @@ those it prepacked (a large model's attention) leave the graph through `moepager
 oneDNN kernel (qwen3-30b-a3b geometry: 10.07 tok/s compiled against 9.87 eager, 9.50 with them unpacked inside);
 `--dense-dtype int8-a8`'s FBGEMM projections leave it the same way. Not bit-equal to the eager forward (fused
 elementwise code rounds in another order; experts sum in top-k order): an opt-in speed choice, as `--expert-kernel
-packed` is. Passes of more than one token (prefill, batched decodes), passes that replay routing, and those that
-record it where the graph computes the experts itself run the eager forward.
+packed` is. Prefill passes (more than one token a row, or a one-token prompt's: a KV length of 1 would compile
+another graph), passes that replay routing, and those that record it where the graph computes the experts itself
+run the eager forward.
+
+Batched decode passes (several rows of one token: concurrent requests on the server) run compiled too, through one
+more graph for every row count of two or more (the row count and the attention mask's length become symbols, so
+the rows' KV lengths may differ; 6 graphs in all, RECOMPILE_LIMIT).
+The built-in model, side by side in one run, `python benchmarks/batched_decode.py`: 1.4-3.3x the eager batched step
+from 2 to 16 rows (tables in README). int4 experts inside the graph run each row's K experts unrolled, which would
+specialise the row count (a compile for each), so with them batched decodes stay eager. `LLM.warm_batched_decode`
+compiles the batched graphs up front (`moepager serve --compile` calls it); otherwise the first batched pass does.
 """
 
 from __future__ import annotations
@@ -51,6 +60,11 @@ from moepager.models.graph_exit import LeavesGraph, register, register_linear
 from moepager.models.layers import Attention, CausalLM, MoEBlock
 from moepager.models.packed import pack_lm_head
 
+RECOMPILE_LIMIT = 16
+"""Graphs Dynamo may compile per code object (its default is 8): a compiled decode step needs 6 (one row: static
+shapes, then a symbolic KV length, then a symbolic block table width; several rows: a masked graph, a symbolic mask
+length, a symbolic row count), and 6 more if the thread count changes, which its guards check. Past the limit a
+`fullgraph` compile fails hard, in the middle of a request, so `compile_decode` raises it to this."""
 COMPILE_MAX_EXPERT_BYTES = 1 << 20
 """Largest expert (all three projections) the compiled step copies per token and routed slot."""
 
@@ -78,7 +92,7 @@ def check_compilable(device: torch.device) -> None:
 
 
 def compile_decode(model: CausalLM, experts: ExpertExecutor, shape: ExpertShape, device: torch.device) -> None:
-    """Make `model` run its one-token passes through a compiled graph (compiled lazily by the first such passes;
+    """Make `model` run its decode passes through a compiled graph (compiled lazily by the first such passes;
     `LLM` runs them while loading)."""
     check_compilable(device)
     pack_lm_head(model)
@@ -94,6 +108,9 @@ def compile_decode(model: CausalLM, experts: ExpertExecutor, shape: ExpertShape,
         elif isinstance(module, LeavesGraph) and module.opaque_weights:  # prepacked projections leave it too
             module.graph_exit = register_linear(module)
     model.refresh_traceable()
+    dynamo = torch._dynamo.config  # process-wide: only ever raised, and only by --compile
+    dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
+    model.compiled_rows = not (experts_in_graph(experts, shape) and shape.quant is not None and shape.quant.bits == 4)
     model.compiled_decode = torch.compile(_own_code(model._hidden), fullgraph=True, options={"cpp_wrapper": True})
 
 

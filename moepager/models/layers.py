@@ -384,8 +384,9 @@ class CausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.disk_renames = dict(disk_renames or {})
         self.compiled_decode: Callable[..., torch.Tensor] | None = None
-        """`_hidden` compiled for one-token passes (`--compile`, models/compiled.py; the LM head runs after it,
-        eagerly); None runs the whole forward eagerly."""
+        """`_hidden` compiled for decode passes (`--compile`, models/compiled.py; the LM head after it); None: eager."""
+        self.compiled_rows = False
+        """The compiled step also runs decode passes of several rows (one graph for every row count >= 2)."""
         self.traceable = True
         """Every MoE block routes with its own router, and reports to no observer unless its experts leave the graph
         for the host (what the compiled step traces; `refresh_traceable`)."""
@@ -450,11 +451,12 @@ class CausalLM(nn.Module):
         if ids_BT.is_cuda:
             with sdpa_kernel(CUDA_ATTENTION):
                 return self._forward(ids_BT, batch, cache, logits_at_B)
-        if ids_BT.numel() == 1 and self.config.hidden_size <= NATIVE_GEMV_MAX_HIDDEN:
+        compiled = (self.compiled_decode is not None and self.traceable and ids_BT.shape[1] == 1 and batch.kv_len > 1
+                    and (ids_BT.shape[0] == 1 or self.compiled_rows))  # kv_len 1 (one-token prompts) would compile
+        if (compiled or ids_BT.numel() == 1) and self.config.hidden_size <= NATIVE_GEMV_MAX_HIDDEN:
             mkldnn = torch._C._get_mkldnn_enabled()
             torch._C._set_mkldnn_enabled(False)
             try:
-                compiled = self.compiled_decode is not None and self.traceable
                 return self._forward(ids_BT, batch, cache, logits_at_B, self.compiled_decode if compiled else None)
             finally:
                 torch._C._set_mkldnn_enabled(mkldnn)
@@ -476,7 +478,6 @@ class CausalLM(nn.Module):
         if logits_at_B is not None:
             x_BTD = x_BTD[torch.arange(x_BTD.shape[0], device=x_BTD.device), logits_at_B]
         return self.model.norm(x_BTD)
-
 
 
 class RoutingObserver(Protocol):

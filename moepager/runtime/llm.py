@@ -92,10 +92,25 @@ class LLM:
         cache spans three blocks, models/compiled.py). A prefetcher sits it out: its predictor (an online expert-map
         store, a per-request path cache) learns from requests, and this one is none (the graph does not trace it)."""
         scheduler = self.config.scheduler
-        steps = min(2 * scheduler.block_size + 4, scheduler.kv_cache_tokens - 2)
+        self._throwaway(1, min(2 * scheduler.block_size + 4, scheduler.kv_cache_tokens - 2))
+
+    def warm_batched_decode(self) -> None:
+        """Compile `--compile`'s graph for batched decode passes now, not in the first one (models/compiled.py):
+        throwaway generations of 2 rows (the attention mask's length becomes a symbol), then of 3 (the row count
+        does). Nothing to do where decode passes do not compile batched, or the scheduler runs one row at a time."""
+        model, scheduler = self.loaded.model, self.config.scheduler
+        if model.compiled_decode is None or not model.compiled_rows or scheduler.max_num_seqs < 2:
+            return
+        self._throwaway(2, 4)
+        if scheduler.max_num_seqs > 2:
+            self._throwaway(3, 2)
+
+    def _throwaway(self, rows: int, steps: int) -> None:
+        """A greedy generation of `rows` two-token prompts for `steps` tokens that only compiles; a prefetcher sits
+        it out (see `_compile_now`) and the run's statistics are dropped."""
         prefetcher, self.prefetcher = self.prefetcher, None
         try:
-            self.generate([[0, 0]], SamplingParams(max_tokens=steps, ignore_eos=True))
+            self.generate([[0, 0]] * rows, SamplingParams(max_tokens=steps, ignore_eos=True))
         finally:
             self.prefetcher = prefetcher
             self._pass_parts = self._parts(None, None)

@@ -184,6 +184,51 @@ def test_the_engine_pages_and_prefetches_through_the_compiled_graph(demo_checkpo
     assert decode.loads_ahead > 0 and decode.loads_on_demand > 0
 
 
+@pytest.mark.parametrize("paged", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["resident", "paged"])
+def test_concurrent_requests_decode_through_the_compiled_graph(demo_checkpoint, monkeypatch, paged):
+    """Decode passes of several rows (requests at different lengths) run the compiled graph too, once
+    `warm_batched_decode` has compiled its batched graphs: no further compile for another row count, only the
+    prefill runs eagerly, and the eager batched run's greedy tokens; paged, each layer leaves through the exit."""
+    from torch._dynamo.utils import counters
+
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    prompts = ["a b c", "the history of the", "x", "one two three four five"]
+    store = StoreConfig()
+    if paged:
+        nbytes = load_model(demo_checkpoint, show_progress=False).expert_shape.nbytes
+        store = StoreConfig(expert_memory=expert_budget(nbytes, 12))
+    config = EngineConfig(model=str(demo_checkpoint), store=store)
+    want = [c.token_ids for c in LLM(config=config, show_progress=False).generate(prompts, params)]
+    llm = LLM(config=replace(config, compile=True), show_progress=False)
+    model = llm.loaded.model
+    assert model.compiled_rows
+    llm.warm_batched_decode()
+    graphs = counters["stats"]["unique_graphs"]
+    passes, calls, exits = [], [], []  # patched around the model, not on it: its attributes are guarded
+    runner = llm.engine.runner
+    on_pass = runner.on_pass
+    monkeypatch.setattr(runner, "on_pass", lambda info: passes.append(info) or on_pass(info))
+    executor = type(model.moe_blocks()[0].executor)
+    run = executor.run
+    monkeypatch.setattr(executor, "run", lambda self, *a: calls.append(a[0]) or run(self, *a))
+    blocks = model.moe_blocks() if paged else []
+    steps = [CountingStep(b, exits) for b in blocks]  # held here: the handle registry holds them weakly
+    for block, step in zip(blocks, steps):
+        graph_exit._BLOCKS[block.graph_exit] = step
+    try:
+        got = [c.token_ids for c in llm.generate(prompts, params)]
+    finally:
+        for block in blocks:
+            graph_exit._BLOCKS[block.graph_exit] = block
+    assert got == want
+    assert counters["stats"]["unique_graphs"] == graphs  # the warm-up's graphs serve 4 rows: nothing compiled
+    layers = len(blocks or model.moe_blocks())
+    prefills = [p for p in passes if p.phase == "prefill"]  # "x" is one token: its prompt may pass alone
+    assert [p.counts for p in passes if p.phase == "decode"] == [(1, 1, 1, 1)] * 9  # 9 decode passes of the 4 rows
+    assert len(exits) == 9 * len(blocks)  # paged: each decode pass left the graph at every MoE layer
+    assert len(calls) == len(prefills) * layers + len(exits)  # and only the prefill ran the eager model
+
+
 @pytest.mark.parametrize("in_graph", [True, False], ids=["in-graph", "graph-exit"])
 def test_int4_experts_decode_through_the_compiled_step(demo_checkpoint, monkeypatch, in_graph):
     """int4 experts are copied packed out of the arena into torch's int4 GEMV inside the graph (unrolled per routed
@@ -196,6 +241,7 @@ def test_int4_experts_decode_through_the_compiled_step(demo_checkpoint, monkeypa
         monkeypatch.setattr(compiled, "COMPILE_MAX_EXPERT_BYTES", 0)
     llm = LLM(config=replace(config, compile=True), show_progress=False)
     assert all((b.graph_exit is None) == in_graph for b in llm.loaded.model.moe_blocks())
+    assert llm.loaded.model.compiled_rows is not in_graph  # unrolled per routed expert: batched passes stay eager
     calls = []
     run = ResidentExecutor.run
     monkeypatch.setattr(ResidentExecutor, "run", lambda self, *a: calls.append(a[0]) or run(self, *a))
