@@ -17,7 +17,7 @@ Client and server share this machine's 2 cores; the client's share is part of wh
 light client beside the official one).
 
     python benchmarks/serve_load.py [--requests 32] [--tokens 32] [--clients 1 8] [--client raw openai]
-                                    [--repeat 1] [--skip-replay]
+                                    [--repeat 1] [--skip-replay] [--compile]
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Server:
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     def __enter__(self) -> Server:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600  # --compile compiles while it loads: minutes on a cold cache
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise SystemExit(f"the server exited: {self.proc.stderr.read() if self.proc.stderr else ''}")
@@ -74,7 +74,7 @@ class Server:
                     return self
             except httpx.HTTPError:
                 time.sleep(0.2)
-        raise SystemExit("the server did not start within 120 s")
+        raise SystemExit("the server did not start within 600 s")
 
     def __exit__(self, *exc: object) -> None:
         self.proc.terminate()
@@ -174,6 +174,8 @@ def http_part(args: argparse.Namespace) -> list[dict[str, object]]:
         prompts = (prompts * args.requests)[: args.requests]
     runs = [("all resident", [], prompts, args.clients, args.tokens),
             ("25% budget", ["--expert-memory", "25%", "--policy", args.policy], prompts, args.clients, args.tokens)]
+    if args.compile:  # the same servers with the compiled decode step, batched passes included
+        runs += [(f"{label}, --compile", [*extra, "--compile"], *rest) for label, extra, *rest in runs]
     if args.real_geometry:
         model = str(ensure_model("qwen3-30b-a3b-L4", "qwen3-30b-a3b", 4))
         runs.append(("qwen3-30b-a3b L4, 25%", ["--model", model, "--expert-memory", "25%", "--policy", args.policy],
@@ -275,6 +277,8 @@ def main() -> None:
                    help="also serve a qwen3-30b-a3b-geometry checkpoint (4 layers) at 25%% to 1 and 4 clients (its "
                         "random-weight routing is nearly static: a serving check, not an offloading figure)")
     p.add_argument("--real-requests", type=int, default=8)
+    p.add_argument("--compile", action="store_true",
+                   help="also each built-in-model server with --compile (batched decode passes compiled too)")
     p.add_argument("--out", help="name of the JSON under benchmarks/results/ (default serve_load[_POLICY])")
     p.add_argument("--real-tokens", type=int, default=8)
     p.add_argument("--greedy", action="store_true", help="temperature 0 instead of llama.cpp's sampling")

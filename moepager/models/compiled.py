@@ -40,7 +40,7 @@ run the eager forward.
 Batched decode passes (several rows of one token: concurrent requests on the server) run compiled too, through one
 more graph for every row count of two or more (the row count and the attention mask's length become symbols, so
 the rows' KV lengths may differ; 6 graphs in all, RECOMPILE_LIMIT).
-The built-in model, side by side in one run, `python benchmarks/batched_decode.py`: 1.4-3.3x the eager batched step
+The built-in model, side by side in one run, `python benchmarks/batched_decode.py`: 1.36-2.91x the eager batched step
 from 2 to 16 rows (tables in README). int4 experts inside the graph run each row's K experts unrolled, which would
 specialise the row count (a compile for each), so with them batched decodes stay eager. `LLM.warm_batched_decode`
 compiles the batched graphs up front (`moepager serve --compile` calls it); otherwise the first batched pass does.
