@@ -274,6 +274,8 @@ def run(args: argparse.Namespace) -> int:
     if llm.tokenizer is None:
         raise MoepagerError("this checkpoint has no tokenizer.json, so text prompts cannot be encoded")
     single = len(args.prompts) == 1
+    if not single:  # --compile: the batched graph compiles now, not inside the run its statistics time
+        llm.warm_batched_decode()
     echoed = [False]
 
     def stream(_row: int, text: str) -> None:
