@@ -229,6 +229,19 @@ def test_concurrent_requests_decode_through_the_compiled_graph(demo_checkpoint, 
     assert len(calls) == len(prefills) * layers + len(exits)  # and only the prefill ran the eager model
 
 
+def test_warming_batched_decode_runs_nothing_where_nothing_compiles_batched(demo_checkpoint, monkeypatch):
+    """`warm_batched_decode` generates only where batched decode passes compile: not without --compile, and not
+    with one row at a time (--max-num-seqs 1)."""
+    from moepager.config import SchedulerConfig
+
+    eager = LLM(config=EngineConfig(model=str(demo_checkpoint)), show_progress=False)
+    one_row = LLM(config=EngineConfig(model=str(demo_checkpoint), compile=True,
+                                      scheduler=SchedulerConfig(max_num_seqs=1)), show_progress=False)
+    for llm in (eager, one_row):
+        monkeypatch.setattr(llm, "generate", lambda *a, **k: pytest.fail("nothing should be generated"))
+        llm.warm_batched_decode()
+
+
 @pytest.mark.parametrize("in_graph", [True, False], ids=["in-graph", "graph-exit"])
 def test_int4_experts_decode_through_the_compiled_step(demo_checkpoint, monkeypatch, in_graph):
     """int4 experts are copied packed out of the arena into torch's int4 GEMV inside the graph (unrolled per routed
