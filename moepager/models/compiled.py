@@ -110,7 +110,7 @@ def compile_decode(model: CausalLM, experts: ExpertExecutor, shape: ExpertShape,
     model.refresh_traceable()
     dynamo = torch._dynamo.config  # process-wide: only ever raised, and only by --compile
     dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
-    model.compiled_rows = not (experts_in_graph(experts, shape) and shape.quant is not None and shape.quant.bits == 4)
+    model.compiled_rows = exits or shape.quant is None or shape.quant.bits != 4  # int4 in the graph: unrolled
     model.compiled_decode = torch.compile(_own_code(model._hidden), fullgraph=True, options={"cpp_wrapper": True})
 
 
