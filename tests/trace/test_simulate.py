@@ -76,7 +76,10 @@ def test_errors_say_the_minimum(tmp_path):
 @given(seed=st.integers(0, 10_000), capacity=st.integers(2, 7), scope=st.sampled_from(["layer", "global"]),
        skew=st.floats(0.0, 2.0))
 def test_belady_is_never_beaten(tmp_path, seed, capacity, scope, skew):
-    path = random_trace(tmp_path / f"b{seed}.mpt", experts=8, lengths=(12, 9), seed=seed, skew=skew)
+    """One token per step: MIN is optimal when every step's experts fit the cache. (A prefill step needing more than
+    a layer holds admits its misses in the order asked, whatever their next use, so there another policy can end
+    with a better cache: seed 2208, capacity 3, skew 1.94, 4-token prefills gave LFU 69 hits against 68.)"""
+    path = random_trace(tmp_path / f"b{seed}.mpt", experts=8, lengths=(12, 9), prefill=1, seed=seed, skew=skew)
     work = load_workload(str(path), "recorded")
     cap = capacity if scope == "layer" else capacity * 3
     prior = work.counts_LE()
