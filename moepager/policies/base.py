@@ -2,7 +2,7 @@
 
 Every policy here is a pure priority function over statistics the cache keeps (`AccessStats`): lower priority
 is evicted first, ties go to the lower index (the lower `ExpertKey`). One function serves both users:
-- the engine's store calls the `EvictionPolicy` protocol (`on_access` / `victim`); `Ranked` implements it by
+- the engine's store calls the `EvictionPolicy` protocol (`on_access` / `victims`); `Ranked` implements it by
   keeping the statistics per `ExpertKey` and ranking the offered candidates with `priority`;
 - the trace simulator keeps the statistics itself as `[L, E]` arrays and calls `priority` on all of them at
   once, which is what makes it fast.
@@ -29,8 +29,9 @@ class EvictionPolicy(Protocol):
         """`keys` were requested at `step` (hits and misses alike): a layer's experts at once."""
         ...
 
-    def victim(self, candidates: Collection[ExpertKey], step: int) -> ExpertKey:
-        """Which of `candidates` (non-empty, all evictable) to evict now."""
+    def victims(self, candidates: Collection[ExpertKey], count: int, step: int) -> list[ExpertKey]:
+        """The `count` of `candidates` (all evictable; count <= len(candidates)) to evict now, first to go first:
+        what `count` evictions one after another would pick (a layer's misses are claimed at once)."""
         ...
 
 
@@ -127,9 +128,18 @@ class Ranked:
         """`key`'s priority now (what `victim` compares)."""
         return float(self.priority(self.stats.take(np.array([self._row(key)])), step)[0])
 
-    def victim(self, candidates: Collection[ExpertKey], step: int) -> ExpertKey:
+    def victims(self, candidates: Collection[ExpertKey], count: int, step: int) -> list[ExpertKey]:
+        """The `count` lowest priorities, ties to the lower key: a priority is a function of the expert's own
+        statistics, which an eviction leaves alone, so this is what `count` calls of `victim` in a row return."""
         keys = sorted(candidates)
         rows = list(map(self._index.get, keys))
         if None in rows:  # never accessed (e.g. loaded at warm start): give it its row now
             rows = [self._row(k) for k in keys]
-        return keys[int(np.argmin(self.priority(self.stats.take(np.array(rows)), step)))]
+        priority = self.priority(self.stats.take(np.array(rows)), step)
+        if count == 1:
+            return [keys[int(np.argmin(priority))]]
+        return list(map(keys.__getitem__, np.argsort(priority, kind="stable")[:count].tolist()))
+
+    def victim(self, candidates: Collection[ExpertKey], step: int) -> ExpertKey:
+        """The one candidate to evict now."""
+        return self.victims(candidates, 1, step)[0]

@@ -12,7 +12,7 @@ The store's prefetch lane reports what happens to each prefetch (`prefetched`, `
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from moepager.policies.base import EvictionPolicy
 from moepager.types import ExpertKey
@@ -27,16 +27,26 @@ class PrefetchAware:
         self.stale: set[ExpertKey] = set()
         """Prefetched but not used when their layer ran."""
 
-    def victim(self, candidates: Collection[ExpertKey], step: int) -> ExpertKey:
-        if self.stale:  # set operations, not comprehensions: this runs at every miss
+    def victims(self, candidates: Collection[ExpertKey], count: int, step: int) -> list[ExpertKey]:
+        """The order above: stale candidates first, then those not ahead, then those ahead, each group ranked by the
+        inner policy (set operations, not comprehensions: this runs at every layer that misses)."""
+        out: list[ExpertKey] = []
+        rest: Collection[ExpertKey] = candidates
+        if self.stale:
             stale = self.stale.intersection(candidates)
             if stale:
-                return self.inner.victim(stale, step)
+                out = self.inner.victims(stale, min(count, len(stale)), step)
+                if len(out) == count:
+                    return out
+                rest = set(candidates).difference(stale)
         if self.ahead:
-            settled = set(candidates).difference(self.ahead)
+            settled = set(rest).difference(self.ahead)
             if settled:
-                return self.inner.victim(settled, step)
-        return self.inner.victim(candidates, step)
+                out += self.inner.victims(settled, min(count - len(out), len(settled)), step)
+                if len(out) == count:
+                    return out
+                rest = set(rest).difference(settled)
+        return out + self.inner.victims(rest, count - len(out), step)
 
     def prefetched(self, key: ExpertKey, slot: int) -> None:
         self.ahead[key] = slot
@@ -56,7 +66,12 @@ class PrefetchAware:
         del self.ahead[key]
         self.stale.add(key)
 
-    def forget(self, key: ExpertKey) -> bool:
-        """`key` left the cache: True when it was still ahead (a prefetch evicted before its layer ran)."""
-        self.stale.discard(key)
-        return self.ahead.pop(key, None) is not None
+    def forget(self, keys: Iterable[ExpertKey]) -> int:
+        """`keys` left the cache: how many of them were still ahead (prefetches evicted before their layer ran)."""
+        if not self.ahead and not self.stale:
+            return 0
+        found = 0
+        for key in keys:
+            self.stale.discard(key)
+            found += self.ahead.pop(key, None) is not None
+        return found

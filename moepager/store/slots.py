@@ -56,8 +56,8 @@ class SlotTable:
         n = max(len(layers), 1)
         self.quota = {layer: capacity // n + (i < capacity % n) for i, layer in enumerate(layers)}
         self._free = list(range(capacity - 1, -1, -1))
-        self.on_evict: Callable[[ExpertKey], None] | None = None
-        """Called with every evicted expert (the store judges prefetches with it)."""
+        self.on_evict: Callable[[list[ExpertKey]], None] | None = None
+        """Called with the experts each claim evicted (the store judges prefetches with it)."""
 
     def busy(self) -> Iterable[Future[torch.cuda.Event | None]]:
         return [t for t in self.ticket if t is not None]
@@ -65,25 +65,35 @@ class SlotTable:
     def claim(self, key: ExpertKey, step: int, protect: Container[ExpertKey] = ()) -> int | None:
         """A slot for `key` (free, or freed by evicting a victim other than those in `protect`); None when
         nothing may be evicted. A layer at its quota (scope "layer") evicts one of its own or gets nothing."""
-        full = self.scope == "layer" and len(self.by_layer[key.layer]) >= self.quota[key.layer]
-        victim = None
-        if full or not self._free:  # with a free slot at hand, nothing is evicted
-            victim = self._victim(key.layer, step, protect)
-        if victim is None and full:
-            return None
-        if victim is not None:
-            slot = self.slot_of.pop(victim)
-            self.by_layer[victim.layer].discard(victim)
-            if self.on_evict is not None:
-                self.on_evict(victim)
+        slots = self.claim_many((key,), step, protect)
+        return slots[0] if slots else None
+
+    def claim_many(self, keys: Sequence[ExpertKey], step: int, protect: Container[ExpertKey] = ()) -> list[int]:
+        """Slots for `keys` (none resident, all of one layer in scope "layer"), in order: the slots `claim` one key
+        after another would give, with one ranking of the candidates for all the evictions. Returns a slot for
+        each key of a prefix of `keys`, shorter when nothing more may be evicted."""
+        layer = keys[0].layer
+        room = len(self._free)
+        if self.scope == "layer":
+            room = min(room, self.quota[layer] - len(self.by_layer[layer]))  # a layer below quota has free slots
+        room = max(room, 0)
+        evict = len(keys) - room
+        victims = self._victims(layer, evict, step, protect) if evict > 0 else []
+        take = min(room, len(keys))  # free slots, from the end of the free list (as pop() one by one)
+        slots = self._free[len(self._free) - take:][::-1]
+        del self._free[len(self._free) - take:]
+        slot_of, by_layer = self.slot_of, self.by_layer
+        for victim in victims:
+            slot = slot_of.pop(victim)
+            by_layer[victim.layer].discard(victim)
             self.ticket[slot] = None
-        elif self._free:
-            slot = self._free.pop()
-        else:
-            return None
-        self.slot_of[key] = slot
-        self.by_layer[key.layer].add(key)
-        return slot
+            slots.append(slot)
+        if victims and self.on_evict is not None:
+            self.on_evict(victims)
+        for key, slot in zip(keys, slots):
+            slot_of[key] = slot
+            by_layer[key.layer].add(key)
+        return slots
 
     def forget(self, slot: int) -> ExpertKey | None:
         """Drop whatever `slot` holds and return it to the free list (after a failed or cancelled load); returns
@@ -98,9 +108,10 @@ class SlotTable:
         self._free.append(slot)
         return key
 
-    def _victim(self, layer: int, step: int, protect: Container[ExpertKey]) -> ExpertKey | None:
-        """The policy's pick among the unpinned, settled, unprotected experts of `layer` (scope "layer": no
-        layer exceeds its quota, so one below it has a free slot) or of every layer."""
+    def _victims(self, layer: int, count: int, step: int, protect: Container[ExpertKey]) -> list[ExpertKey]:
+        """The policy's first `count` picks (fewer when there are fewer) among the unpinned, settled, unprotected
+        experts of `layer` (scope "layer": no layer exceeds its quota, so one below it has a free slot) or of every
+        layer."""
         slot_of, pins, tickets = self.slot_of, self.pins, self.ticket
         group: Iterable[ExpertKey] = self.slot_of if self.scope == "global" else self.by_layer[layer]
         candidates = []
@@ -108,4 +119,4 @@ class SlotTable:
             slot = slot_of[k]
             if pins[slot] == 0 and k not in protect and (tickets[slot] is None or settled(tickets[slot])):
                 candidates.append(k)
-        return self.policy.victim(candidates, step) if candidates else None
+        return self.policy.victims(candidates, min(count, len(candidates)), step) if candidates else []

@@ -47,13 +47,6 @@ class PhaseCounters:
     """(start, end) of every disk read, to compute the read bandwidth the disk actually delivered."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def access(self, layer: int, hits: int, misses: int) -> None:
-        """`layer` asked for `hits` experts that were in the device tier and `misses` that were not."""
-        if hits:
-            self.hits[layer] += hits
-        if misses:
-            self.misses[layer] += misses
-
     def disk_read(self, nbytes: int, start: float, end: float) -> None:
         """Called from I/O threads."""
         with self._lock:

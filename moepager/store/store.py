@@ -6,9 +6,9 @@ disk directly (a CPU run: the host *is* the device). Every slot is one flat prea
 projections of one expert (a row of one arena tensor per tier); nothing is allocated while decoding.
 
 `acquire(layer, experts)` is what a MoE layer calls (experts/executor.py). Algorithm: pin the hits first, so
-no miss evicts them; each miss then claims a slot the layer may fill (its quota in scope "layer", any slot in
-scope "global"), evicting by the policy among the experts the layer does not need, and starts loading (on the
-I/O pool / copy stream). A layer needing more experts than its cache holds (a prefill, a large batch) keeps
+no miss evicts them; the misses then claim slots the layer may fill (its quota in scope "layer", any slot in
+scope "global") all at once, evicting by one ranking of the policy among the experts the layer does not need (the
+victims claims one after another would pick), and start loading (on the I/O pool / copy stream). A layer needing more experts than its cache holds (a prefill, a large batch) keeps
 the first misses that fit, in the order asked for, and streams the rest through the stream rows, buffers
 outside the cache that an expert passes through uncached: loads into them start at once and each row takes
 the next miss when its expert has been computed (`recycle`). So a layer never takes another layer's slots,
@@ -68,7 +68,8 @@ class Held:
     slots: list[int]
     """Each expert's slot or stream row; -1 while it waits for a stream row, and once its row moved on."""
     ready: list[int]
-    """Indices whose expert was resident or had landed when acquired."""
+    """Indices whose expert was resident or had landed when acquired (a landed load's result already claimed:
+    computing with them needs no wait)."""
     pending: list[int]
     """Indices still loading when acquired (stream rows included)."""
     queued: list[int]
@@ -130,13 +131,13 @@ class ExpertStore:
         in the order given, claim the slots the layer may still fill (its quota, or the whole tier in scope
         "global", less its hits) and start loading; the misses beyond those (a prefill or a large batch needing
         more experts than the layer's cache holds) stream through the stream rows, uncached, each row reused
-        once `recycle` hears its expert was computed. `wait`/`wait_landed` before computing with a slot;
-        `release` when the layer is done."""
+        once `recycle` hears its expert was computed. The ready experts may be computed at once; `wait` or
+        `wait_landed` for the pending ones; `release` when the layer is done."""
         table, pins, slot_of = self.device.table, self.device.table.pins, self.device.table.slot_of
         keys, slots, misses = [], [], []
         held = Held(layer, experts, slots, [], [], [])
-        try:
-            for i, e in enumerate(experts):  # one loop, no comprehension: this runs per layer and token
+        try:  # loops, no comprehensions or helpers where a hit needs none: this runs per layer and token
+            for i, e in enumerate(experts):
                 key = ExpertKey(layer, e)
                 keys.append(key)
                 slot = slot_of.get(key, -1)
@@ -146,37 +147,61 @@ class ExpertStore:
                 else:
                     misses.append(i)
             table.policy.on_access(keys, self.clock)
-            self._count(layer, keys, misses)
-            room = (table.quota[layer] if table.scope == "layer" else table.capacity) - (len(keys) - len(misses))
-            if len(misses) > room and not table.stream_rows:
-                raise RuntimeError(f"expert store: layer {layer} needs {len(keys)} experts at once but holds "
-                                   f"{room + len(keys) - len(misses)} and has no stream rows")
-            for i in misses[: max(room, 0)]:
-                slot = self._claim(table, keys[i])
-                if slot is None:
-                    raise RuntimeError(f"expert store: no device slot can be freed for {keys[i]} "
-                                       f"(capacity {table.capacity})")
-                self._miss(table, keys[i], slot)
-                slots[i] = slot
-            held.queued = misses[max(room, 0):]
-            for row in table.stream_rows[: len(held.queued)]:
-                self._stream_next(held, row)
+            counters = self.counters.current
+            if len(misses) < len(keys):
+                counters.hits[layer] += len(keys) - len(misses)
+            if misses:
+                counters.misses[layer] += len(misses)
+                self._fill(held, keys, misses)
+            if self.order.ahead or self.order.stale:
+                hit = [k for i, k in enumerate(keys) if i not in misses] if misses else keys
+                counters.prefetch_used += self.order.used(hit)
+            for i, slot in enumerate(slots):
+                if slot < 0:
+                    continue
+                ticket = table.ticket[slot]
+                if ticket is None:
+                    held.ready.append(i)
+                elif ticket.done():
+                    self._wait_ready(slot)  # landed: its result is claimed now (a failed read raises here)
+                    held.ready.append(i)
+                else:
+                    held.pending.append(i)
         except BaseException:
             self.release(held)
             raise
-        for i, slot in enumerate(slots):
-            if slot < 0:
-                continue
-            ticket = table.ticket[slot]
-            (held.ready if ticket is None or ticket.done() else held.pending).append(i)
         return held
+
+    def _fill(self, held: Held, keys: Sequence[ExpertKey], misses: Sequence[int]) -> None:
+        """`acquire`'s misses (indices into keys): those that fit the layer's cache claim slots and load together
+        (one ranking of the candidates, one submission), the rest queue for the stream rows."""
+        table, slots, layer = self.device.table, held.slots, held.layer
+        room = (table.quota[layer] if table.scope == "layer" else table.capacity) - (len(keys) - len(misses))
+        if len(misses) > room and not table.stream_rows:
+            raise RuntimeError(f"expert store: layer {layer} needs {len(keys)} experts at once but holds "
+                               f"{room + len(keys) - len(misses)} and has no stream rows")
+        cached = misses[: max(room, 0)]
+        if cached:
+            wanted = list(map(keys.__getitem__, cached))
+            got = self._claim(table, wanted)
+            self._load(wanted, got, self.counters.current, ahead=False)
+            for i, slot in zip(cached, got):
+                slots[i] = slot
+                table.pins[slot] += 1
+            if len(got) < len(cached):
+                raise RuntimeError(f"expert store: no device slot can be freed for {wanted[len(got)]} "
+                                   f"(capacity {table.capacity})")
+        held.queued = list(misses[max(room, 0):])
+        for row in table.stream_rows[: len(held.queued)]:
+            self._stream_next(held, row)
 
     def _stream_next(self, held: Held, row: int) -> int:
         """The next queued miss of `held` starts loading into stream `row` (pinned); returns its index."""
         i = held.queued.pop(0)
         held.slots[i] = row
         held.streaming += 1
-        self._miss(self.device.table, ExpertKey(held.layer, held.experts[i]), row)
+        self._load([ExpertKey(held.layer, held.experts[i])], [row], self.counters.current, ahead=False)
+        self.device.table.pins[row] += 1
         return i
 
     def recycle(self, held: Held, computed: Iterable[int]) -> list[int]:
@@ -193,19 +218,6 @@ class ExpertStore:
             if held.queued:
                 started.append(self._stream_next(held, row))
         return started
-
-    def _miss(self, table: SlotTable, key: ExpertKey, slot: int) -> None:
-        """`key` was not resident: it starts loading on demand into `slot`, pinned."""
-        self._load(key, slot, self.counters.current, ahead=False)
-        table.pins[slot] += 1
-
-    def _count(self, layer: int, keys: Sequence[ExpertKey], misses: Sequence[int]) -> None:
-        """Count the hits among `keys` (all but the indices `misses`), the misses, and the prefetches used."""
-        counters = self.counters.current
-        counters.access(layer, hits=len(keys) - len(misses), misses=len(misses))
-        if self.order.ahead or self.order.stale:
-            hit = [k for i, k in enumerate(keys) if i not in misses] if misses else keys
-            counters.prefetch_used += self.order.used(hit)
 
     def wait(self, held: Held, which: Iterable[int]) -> None:
         """Block until the slots `which` (indices into held.slots) hold their experts."""
@@ -234,7 +246,13 @@ class ExpertStore:
         return landed
 
     def release(self, held: Held) -> None:
-        self._unpin(held.slots)
+        if self.device.buffers.is_cuda:
+            self._unpin(held.slots)
+        else:  # _unpin's loop without its CUDA events: one call less per layer and token
+            pins = self.device.table.pins
+            for slot in held.slots:
+                if slot >= 0:
+                    pins[slot] -= 1
         held.slots, held.queued = [], []
 
     def stream(self, layer: int, experts: Sequence[int]) -> Iterator[int]:
@@ -249,17 +267,17 @@ class ExpertStore:
         finally:
             self.release(held)
 
-    def _claim(self, table: SlotTable, key: ExpertKey) -> int | None:
-        """A slot for `key`, awaiting the loads in flight when only they stand in the way."""
-        slot = table.claim(key, self.clock)
-        if slot is None:
+    def _claim(self, table: SlotTable, keys: Sequence[ExpertKey]) -> list[int]:
+        """Slots for `keys` (`claim_many`), awaiting the loads in flight when only they stand in the way: a slot
+        each for a prefix of `keys`, all of them unless nothing more can be freed."""
+        slots = table.claim_many(keys, self.clock)
+        if len(slots) < len(keys):  # the keys claimed so far hold no load and no pin yet: none may be evicted
             self._drain(table)
-            slot = table.claim(key, self.clock)
-        return slot
+            slots += table.claim_many(keys[len(slots):], self.clock, protect=set(keys[: len(slots)]))
+        return slots
 
-    def _evicted(self, key: ExpertKey) -> None:
-        if self.order.forget(key):
-            self.counters.current.prefetch_wasted += 1  # a prefetch evicted before its layer routed
+    def _evicted(self, keys: list[ExpertKey]) -> None:
+        self.counters.current.prefetch_wasted += self.order.forget(keys)  # prefetches evicted before they ran
 
     def _wait_ready(self, slot: int) -> None:
         table = self.device.table
@@ -293,18 +311,28 @@ class ExpertStore:
                     table.free_event[slot] = event
 
     # -- loading ----------------------------------------------------------------------------------------
-    def _load(self, key: ExpertKey, slot: int, counters: PhaseCounters, ahead: bool) -> None:
+    def _load(self, keys: Sequence[ExpertKey], slots: Sequence[int], counters: PhaseCounters, ahead: bool) -> None:
+        """Start loading `keys` into the device `slots` (each slot's ticket marks its load)."""
         if ahead:
-            counters.loads_ahead += 1
+            counters.loads_ahead += len(keys)
         else:
-            counters.loads_on_demand += 1
-        dst, issued = self.device.buffers[slot], time.perf_counter()
-        if self.host is None:
-            ticket = self.transfers.submit(self._disk_job, key, dst, counters, ahead=ahead)
-        else:
-            ticket = self._via_host(key, dst, self.device.table.free_event[slot], counters, ahead)
-        ticket.add_done_callback(lambda t: None if t.cancelled() else counters.loaded(issued, time.perf_counter()))
-        self.device.table.ticket[slot] = ticket
+            counters.loads_on_demand += len(keys)
+        table, buffers, issued = self.device.table, self.device.buffers, time.perf_counter()
+        if self.host is None:  # one submission for the lot; each job times its own load (on its thread)
+            calls = []
+            for key, slot in zip(keys, slots):
+                calls.append((key, buffers[slot], counters, issued))
+            for slot, ticket in zip(slots, self.transfers.submit_all(self._disk_load, calls, ahead)):
+                table.ticket[slot] = ticket
+            return
+        for key, slot in zip(keys, slots):
+            ticket = self._via_host(key, buffers[slot], table.free_event[slot], counters, ahead)
+            ticket.add_done_callback(lambda t: None if t.cancelled() else counters.loaded(issued, time.perf_counter()))
+            table.ticket[slot] = ticket
+
+    def _disk_load(self, key: ExpertKey, dst: torch.Tensor, counters: PhaseCounters, issued: float) -> None:
+        self._disk_job(key, dst, counters)
+        counters.loaded(issued, time.perf_counter())
 
     def _disk_job(self, key: ExpertKey, dst: torch.Tensor, counters: PhaseCounters) -> None:
         start = time.perf_counter()
@@ -320,9 +348,10 @@ class ExpertStore:
         table.policy.on_access((key,), self.clock)
         slot = table.slot_of.get(key)
         if slot is None:
-            slot = self._claim(table, key)
-            if slot is None:
+            claimed = self._claim(table, [key])
+            if not claimed:
                 raise RuntimeError("host tier has no evictable slot although nothing is pinned there")
+            slot = claimed[0]
             src = host.buffers[slot]
             ticket = self.transfers.submit(self._disk_then_copy, key, src, dst, after, counters, ahead=ahead)
         else:
@@ -359,20 +388,23 @@ class ExpertStore:
         """Start loading the (layer, expert) pairs `wanted`, best first, into free or evictable slots until
         `limit` loads are issued, never evicting a pinned, in-flight or other prefetched expert: experts resident
         or loading are skipped, and so are those that find no slot. Returns loads issued."""
-        table, counters, issued = self.device.table, self.counters.current, 0
+        table, keys, slots = self.device.table, [], []
         for layer, e in wanted:
-            if issued >= limit:
+            if len(keys) >= limit:
                 break
             key = ExpertKey(layer, e)
             if key in table.slot_of:
                 continue
-            slot = table.claim(key, self.clock, self.order.ahead)
-            if slot is None:
+            claimed = table.claim_many((key,), self.clock, self.order.ahead)  # ahead: protected from here on
+            if not claimed:
                 continue
-            self._load(key, slot, counters, ahead=True)
+            slot = claimed[0]
             self.order.prefetched(key, slot)
-            issued += 1
-        return issued
+            keys.append(key)
+            slots.append(slot)
+        if keys:
+            self._load(keys, slots, self.counters.current, ahead=True)
+        return len(keys)
 
     @property
     def ahead(self) -> dict[ExpertKey, int]:
@@ -405,7 +437,7 @@ class ExpertStore:
         """A device slot whose load failed or was cancelled holds nothing."""
         key = self.device.table.forget(slot)
         if key is not None:
-            self.order.forget(key)
+            self.order.forget((key,))
 
     # -- the prefetcher's view --------------------------------------------------------------------------
     def quota(self, layer: int) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
@@ -42,13 +42,24 @@ class Transfers:
         self._idle = threading.Condition()
 
     def submit(self, fn: Callable[..., T], *args: object, ahead: bool = False) -> Future[T]:
+        return self.submit_all(fn, (args,), ahead)[0]
+
+    def submit_all(self, fn: Callable[..., T], calls: Sequence[tuple[object, ...]], ahead: bool = False) -> list[
+            Future[T]]:
+        """`fn(*args)` for each `args` of `calls`, on the prefetch lane (`ahead`) or the demand lane; one future
+        each, in order (a layer's misses are submitted together)."""
+        futures = []
         if ahead:
-            return self.ahead_pool.submit(self._when_idle, fn, *args)
+            for args in calls:
+                futures.append(self.ahead_pool.submit(self._when_idle, fn, *args))
+            return futures
         with self._idle:
-            self._demand += 1
-        future = self.pool.submit(fn, *args)
-        future.add_done_callback(self._demand_done)
-        return future
+            self._demand += len(calls)
+        for args in calls:
+            future = self.pool.submit(fn, *args)
+            future.add_done_callback(self._demand_done)
+            futures.append(future)
+        return futures
 
     def _demand_done(self, _: Future) -> None:
         with self._idle:

@@ -40,3 +40,21 @@ def test_engine_protocol_and_array_priority_agree(name):
     keys = [ExpertKey(0, e) for e in range(8)]
     best = int(np.argmin(policy.priority(stats, 40)))
     assert policy.victim(keys, 40) == keys[best]
+
+
+@pytest.mark.parametrize("name", sorted(set(POLICIES) - {"rnd"}))
+def test_victims_at_once_are_the_victims_one_after_another(name):
+    """A layer's misses are claimed together: `victims(count)` must pick what `count` single evictions pick, in
+    the same order (ties included: few distinct counts and steps make many)."""
+    rng = np.random.default_rng(1)
+    policy = make_policy(name)
+    for step in range(30):
+        policy.on_access([ExpertKey(0, int(e)) for e in rng.choice(12, 3, replace=False)], step // 4)
+    if policy.uses_predictions:
+        policy.predict(0, rng.random(12).round(1))
+    keys = [ExpertKey(0, e) for e in range(12)]
+    left, one_by_one = list(keys), []
+    for _ in range(5):
+        one_by_one.append(policy.victim(left, 8))
+        left.remove(one_by_one[-1])
+    assert policy.victims(keys, 5, 8) == one_by_one

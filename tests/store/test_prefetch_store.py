@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from moepager.policies.lru import LRU
 from moepager.policies.prefetch_aware import PrefetchAware
 from moepager.store.slots import SlotTable
@@ -78,3 +80,55 @@ def test_a_layer_that_uses_some_prefetches_counts_each_once():
     assert (c.prefetch_used, dict(c.hits), dict(c.misses)) == (2, {0: 2}, {})
     consume(store, 1, [0, 1, 2])  # three misses in a layer of two slots: one streams
     assert dict(c.misses) == {1: 3} and store.ahead == {}
+
+
+def test_several_victims_at_once_follow_the_correction_order():
+    """Stale first, then the inner policy's order among those not ahead, those ahead last."""
+    order = PrefetchAware(LRU())
+    keys = [ExpertKey(0, e) for e in range(6)]
+    for step, key in enumerate(keys):
+        order.on_access([key], step)
+    order.prefetched(keys[0], 0)
+    order.prefetched(keys[1], 1)
+    order.stale.update({keys[4], keys[3]})
+    assert order.victims(keys, 6, 9) == [keys[3], keys[4], keys[2], keys[5], keys[0], keys[1]]
+    assert order.victims(keys, 3, 9) == [keys[3], keys[4], keys[2]]
+    assert order.victims(keys[:2], 1, 9) == [keys[0]]
+
+
+def test_claiming_several_keys_at_once_gives_the_slots_of_claims_in_a_row():
+    def table_with_history() -> SlotTable:
+        table = SlotTable(6, [0, 1], PrefetchAware(LRU()), "layer")
+        for step, e in enumerate([1, 2, 3, 7, 8]):
+            layer = 0 if e < 7 else 1
+            table.claim(ExpertKey(layer, e), step)
+            table.policy.on_access([ExpertKey(layer, e)], step)
+        table.policy.on_access([ExpertKey(0, 1)], 6)  # 2 is now the least recent of layer 0
+        return table
+    wanted = [ExpertKey(0, 4), ExpertKey(0, 5)]
+    one, evicted_one = table_with_history(), []
+    one.on_evict = evicted_one.extend
+    for key in wanted:
+        one.claim(key, 7)
+        one.pins[one.slot_of[key]] += 1  # acquire pins each claimed miss
+    many, evicted_many = table_with_history(), []
+    many.on_evict = evicted_many.extend
+    assert many.claim_many(wanted, 7) == [one.slot_of[k] for k in wanted]
+    assert evicted_many == evicted_one == [ExpertKey(0, 2), ExpertKey(0, 3)]
+    assert many.slot_of == one.slot_of and many.by_layer == one.by_layer
+    many.pins[many.slot_of[ExpertKey(0, 1)]] += 1  # nothing of layer 0 evictable now: a shorter answer
+    for key in wanted:
+        many.pins[many.slot_of[key]] += 1
+    assert many.claim_many([ExpertKey(0, 9)], 8) == []
+
+
+def test_misses_claimed_together_keep_their_slots_when_the_claim_waits_for_loads_in_flight():
+    """Two misses, one evictable slot: the first is claimed, the store waits for the prefetches in flight, and the
+    second must not evict the first (claimed, not yet loaded nor pinned): each expert keeps its own slot."""
+    store, reader = make_store(3, layers=(0,))
+    assert consume(store, 0, [0, 1, 2]) == [0, 1, 2]
+    reader.gate.clear()
+    assert store.prefetch(0, [3, 4]) == 2  # evict 0 and 1; loading until the gate opens
+    threading.Timer(0.05, reader.gate.set).start()
+    assert consume(store, 0, [5, 6]) == [5, 6]
+    assert len(set(store.device.table.slot_of.values())) == len(store.device.table.slot_of)
