@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import random
 import threading
+import time
+
+import pytest
+import torch
 
 from moepager.policies.lru import LRU
 from moepager.policies.prefetch_aware import PrefetchAware
 from moepager.store.slots import SlotTable
 from moepager.types import ExpertKey
-from tests.store.test_store import consume, make_store, value
+from tests.store.test_store import FakeReader, consume, make_store, value
 
 
 def test_a_consumed_prefetch_is_a_hit_and_counted_used():
@@ -132,3 +137,37 @@ def test_misses_claimed_together_keep_their_slots_when_the_claim_waits_for_loads
     threading.Timer(0.05, reader.gate.set).start()
     assert consume(store, 0, [5, 6]) == [5, 6]
     assert len(set(store.device.table.slot_of.values())) == len(store.device.table.slot_of)
+
+
+class JitteryReader(FakeReader):
+    """Loads that take 0-2 ms, in a seeded random order of durations: prefetches and demand loads overlap."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self._delays = random.Random(seed)
+
+    def __call__(self, key: ExpertKey, out: torch.Tensor) -> int:
+        with self._lock:
+            delay = self._delays.random() * 0.002
+        time.sleep(delay)
+        return super().__call__(key, out)
+
+
+@pytest.mark.parametrize("scope", ["layer", "global"])
+@pytest.mark.parametrize("seed", range(4))
+def test_every_expert_computed_holds_its_own_weights_while_prefetches_race_demand_loads(seed, scope):
+    """Random layers of 1-4 experts, prefetches ahead of them that are right or wrong, settled as the engine does,
+    with loads of random duration: each expert consumed reads its own value and no two experts share a slot."""
+    store, _ = make_store(6, layers=(0, 1, 2), scope=scope, reader=JitteryReader(seed), io_threads=2)
+    rng = random.Random(seed)
+    for _ in range(60):
+        layer = rng.randrange(3)
+        experts = sorted(rng.sample(range(8), rng.randint(1, 4)))
+        store.prefetch((layer + 1) % 3, rng.sample(range(8), rng.randint(0, 3)))
+        store.settle(layer, experts)
+        assert consume(store, layer, experts) == [value(ExpertKey(layer, e)) for e in experts]
+        slot_of = store.device.table.slot_of
+        assert len(set(slot_of.values())) == len(slot_of)
+    store._drain(store.device.table)
+    assert all(p == 0 for p in store.device.table.pins)
+    store.close()
