@@ -12,7 +12,7 @@ The store's prefetch lane reports what happens to each prefetch (`prefetched`, `
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable
 
 from moepager.policies.base import EvictionPolicy
 from moepager.types import ExpertKey
@@ -51,7 +51,7 @@ class PrefetchAware:
     def prefetched(self, key: ExpertKey, slot: int) -> None:
         self.ahead[key] = slot
 
-    def used(self, keys: Sequence[ExpertKey]) -> int:
+    def used(self, keys: Iterable[ExpertKey]) -> int:
         """`keys` are used by their layer: how many of them had been prefetched for it."""
         if not self.ahead and not self.stale:
             return 0
@@ -66,12 +66,6 @@ class PrefetchAware:
         del self.ahead[key]
         self.stale.add(key)
 
-    def forget(self, keys: Iterable[ExpertKey]) -> int:
-        """`keys` left the cache: how many of them were still ahead (prefetches evicted before their layer ran)."""
-        if not self.ahead and not self.stale:
-            return 0
-        found = 0
-        for key in keys:
-            self.stale.discard(key)
-            found += self.ahead.pop(key, None) is not None
-        return found
+    forget = used
+    """`forget(keys)`: `keys` left the cache; returns how many were still ahead (prefetches evicted before their layer
+    ran). The bookkeeping of `used`: each key leaves `ahead` and `stale`."""
