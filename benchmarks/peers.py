@@ -1,7 +1,7 @@
 """moepager against its peers on the CPU, all experts resident, bf16 or quantized experts: decode tokens/s side by side.
 
-Engines, each measured in interleaved rounds (median of per-token times over --decode steps after a 16-token
-prompt; the warm-up decode compiles a --compiled row): moepager (one row per --kernels entry and --formats entry:
+Engines, each in its own process and measured in interleaved rounds (median of per-token times over --decode steps
+after a 16-token prompt; the warm-up decode compiles a --compiled row): moepager (one row per --kernels entry and --formats entry:
 bf16, or --expert-dtype int8/int4), HF
 transformers (a greedy loop over its DynamicCache; bf16) and llama.cpp through `llama-cpp-python` when it is
 installed (`pip install -e ".[peers]"`, which builds llama.cpp from source; on this project's CPU set CMAKE_ARGS
@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import multiprocessing
 import statistics
 import sys
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
@@ -41,6 +42,9 @@ from moepager.runtime.llm import LLM  # noqa: E402
 from moepager.runtime.sampling import SamplingParams  # noqa: E402
 
 PROMPT = 16
+PAUSE_S = 0.5
+"""Idle time before each engine's round: the OpenMP threads of the engine that ran before spin a while after its last
+step before they sleep, and on two cores they would take the next engine's."""
 
 
 class Ours:
@@ -105,6 +109,55 @@ class LlamaCpp:
         return times
 
 
+ENGINES = {"ours": Ours, "hf": HF, "llama.cpp": LlamaCpp}
+
+
+def _serve(kind: str, args: tuple[object, ...], conn: Connection) -> None:
+    """A worker process: build one engine, report its facts, then time decodes until told to stop (None)."""
+    try:
+        engine = ENGINES[kind](*args)
+    except Exception as e:  # noqa: BLE001 - handed to the parent, which reports the engine as not measured
+        conn.send(RuntimeError(str(e)))
+        return
+    facts: dict[str, object] = {}
+    if isinstance(engine, Ours):
+        llm = engine.llm
+        facts = {"bytes": bytes_per_decode_token(llm), "int8_dense": llm.config.dense_dtype is not None,
+                 "vocab": llm.loaded.config.vocab_size}
+    conn.send(facts)
+    while (request := conn.recv()) is not None:
+        ids, steps, threads = request
+        torch.set_num_threads(threads)
+        conn.send(engine.tpot(ids, steps))
+
+
+class Remote:
+    """One engine in a process of its own (spawned). Engines in one process share its OpenMP runtime, and there they
+    slowed each other: llama.cpp BF16 at 2 threads on the qwen3 geometry decoded 36-42 tok/s beside a moepager engine
+    and 54.7 in its own process (ad-hoc, 2026-11-25), which had flattered moepager's two-thread ratios."""
+
+    def __init__(self, kind: str, *args: object):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(kind, args, child), daemon=True)
+        self.process.start()
+        reply = self.conn.recv()
+        if isinstance(reply, Exception):
+            self.process.join()
+            raise reply
+        self.facts: dict[str, object] = reply
+        self.threads = 1
+        """torch's threads for the next decodes (llama.cpp's are fixed when it is built)."""
+
+    def tpot(self, ids: list[int], steps: int) -> list[float]:
+        self.conn.send((ids, steps, self.threads))
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.process.join()
+
+
 def model_path(name: str) -> Path:
     return default_model_path() if name == "demo" else ensure_model(f"{name}-L4", name, 4)
 
@@ -146,18 +199,11 @@ def arguments() -> argparse.Namespace:
     return ap.parse_args()
 
 
-class Timed(Protocol):
-    def tpot(self, ids: list[int], steps: int) -> list[float]:
-        """Per-token decode times of `steps` greedy steps after prefilling `ids`."""
-        ...
-
-
-Engines = dict[str, tuple[str, Timed]]
+Engines = dict[str, tuple[str, Remote]]
 """Row label -> (its peer format: bf16, int8, int4 or int8+dense; the engine)."""
-OurEngines = dict[str, tuple[str, Ours]]
 
 
-def our_engines(path: Path, args: argparse.Namespace) -> OurEngines:
+def our_engines(path: Path, args: argparse.Namespace) -> Engines:
     """One moepager engine per kernel, format, dense format and packing asked for, and with --compiled a compiled
     twin of each (`--compile`: resident experts up to 1 MiB inside the graph, any other ones and prepacked
     projections through its exits, models/graph_exit.py)."""
@@ -167,19 +213,17 @@ def our_engines(path: Path, args: argparse.Namespace) -> OurEngines:
             for fmt in args.formats for k in args.kernels if runs(k, fmt)
             for dense in [None, *args.dense]
             for pack in ([True, False] if args.unpacked and not dense else [True])}
-    ours: OurEngines = {label: (key, Ours(path, *options)) for label, (key, options) in rows.items()}
+    ours: Engines = {label: (key, Remote("ours", path, *options)) for label, (key, options) in rows.items()}
     if args.compiled:
-        ours |= {f"{label} compiled": (key, Ours(path, *options, compile=True))
+        ours |= {f"{label} compiled": (key, Remote("ours", path, *options, True))
                  for label, (key, options) in rows.items()}
     return ours
 
 
-def weight_bytes(ours: OurEngines) -> dict[str, int]:
+def weight_bytes(ours: Engines) -> dict[str, int]:
     """Weight bytes per decode token by peer format (bf16-dense rows), and by label for rows with int8 dense."""
-    nbytes = {fmt: bytes_per_decode_token(engine.llm) for fmt, engine in ours.values()
-              if engine.llm.config.dense_dtype is None}
-    nbytes |= {label: bytes_per_decode_token(engine.llm) for label, (_, engine) in ours.items()
-               if engine.llm.config.dense_dtype is not None}
+    nbytes = {fmt: int(engine.facts["bytes"]) for fmt, engine in ours.values() if not engine.facts["int8_dense"]}
+    nbytes |= {label: int(engine.facts["bytes"]) for label, (_, engine) in ours.items() if engine.facts["int8_dense"]}
     return nbytes | {fmt: nbytes[label] for label, (fmt, _) in ours.items() if fmt == "int8+dense"}
 
 
@@ -190,6 +234,7 @@ def tok_per_s(engines: Engines, ids: list[int], args: argparse.Namespace) -> dic
     times: dict[str, list[float]] = {k: [] for k in engines}
     for _ in range(args.rounds):
         for label, (_, engine) in engines.items():
+            time.sleep(PAUSE_S)
             times[label] += engine.tpot(ids, args.decode)
     return {label: 1 / statistics.median(t) for label, t in times.items()}
 
@@ -204,21 +249,25 @@ def main() -> None:
     for name in args.models:
         path = model_path(name)
         ours = our_engines(path, args)
-        peers: Engines = {} if args.no_hf else {"HF": ("bf16", HF(path))}
+        peers: Engines = {} if args.no_hf else {"HF": ("bf16", Remote("hf", path))}
         nbytes = weight_bytes(ours)
         peer_formats = [*args.formats] + (["int8+dense"] if "int8+dense" in nbytes else [])
-        vocab = next(iter(ours.values()))[1].llm.loaded.config.vocab_size
+        vocab = int(next(iter(ours.values()))[1].facts["vocab"])
         ids = torch.randint(0, vocab, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
         for threads in args.threads:
-            torch.set_num_threads(threads)
-            engines: Engines = {**ours, **peers}
+            llama: Engines = {}
             if have_llama:
                 for fmt in peer_formats:
                     try:
-                        engines[PEER_LABELS[fmt]] = (fmt, LlamaCpp(path, GGUF_TYPES[fmt], threads))
+                        llama[PEER_LABELS[fmt]] = (fmt, Remote("llama.cpp", path, GGUF_TYPES[fmt], threads))
                     except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
                         print(f"{PEER_LABELS[fmt]} on {name}: not measured ({e})")
+            engines: Engines = {**ours, **peers, **llama}
+            for _, engine in engines.values():
+                engine.threads = threads
             tok_s = tok_per_s(engines, ids, args)
+            for _, engine in llama.values():
+                engine.close()
             fmts = {label: fmt for label, (fmt, _) in engines.items()}
             r = {"model": name, "threads": threads, "bytes_per_token": nbytes, "tok_s": tok_s,
                  "GBps": {label: v * nbytes.get(label, nbytes[fmts[label]]) / 1e9 for label, v in tok_s.items()}}
@@ -227,6 +276,8 @@ def main() -> None:
                 peer = PEER_LABELS[fmts[label]]
                 rows.append([name, threads, label, v, v / tok_s["HF"] if "HF" in tok_s else "-",
                              v / tok_s[peer] if peer in tok_s else "-", r["GBps"][label]])
+        for _, engine in {**ours, **peers}.values():
+            engine.close()
     print_table(["model", "threads", "engine", "decode tok/s", "x HF", "x llama.cpp (same format)",
                  "GB/s of weights"], rows)
     out = write_json(args.out, {"machine": state, "decode_steps": args.decode, "rounds": args.rounds,
