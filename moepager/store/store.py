@@ -180,17 +180,21 @@ class ExpertStore:
         if len(misses) > room and not table.stream_rows:
             raise RuntimeError(f"expert store: layer {layer} needs {len(keys)} experts at once but holds "
                                f"{room + len(keys) - len(misses)} and has no stream rows")
-        cached = misses[: max(room, 0)]
-        if cached:
+        cached, drained = misses[: max(room, 0)], False
+        while cached:  # claimed, loading and pinned before any wait: a claimed slot never sits empty and unpinned
             wanted = list(map(keys.__getitem__, cached))
-            got = self._claim(table, wanted)
-            self._load(wanted, got, self.counters.current, ahead=False)
+            got = table.claim_many(wanted, self.clock)
+            self._load(wanted[: len(got)], got, self.counters.current, ahead=False)
             for i, slot in zip(cached, got):
                 slots[i] = slot
                 table.pins[slot] += 1
-            if len(got) < len(cached):
+            cached = cached[len(got):]
+            if cached and drained:
                 raise RuntimeError(f"expert store: no device slot can be freed for {wanted[len(got)]} "
                                    f"(capacity {table.capacity})")
+            if cached:  # only loads in flight stand in the way: wait for them, then claim the rest
+                self._drain(table)
+                drained = True
         held.queued = list(misses[max(room, 0):])
         for row in table.stream_rows[: len(held.queued)]:
             self._stream_next(held, row)
@@ -267,14 +271,13 @@ class ExpertStore:
         finally:
             self.release(held)
 
-    def _claim(self, table: SlotTable, keys: Sequence[ExpertKey]) -> list[int]:
-        """Slots for `keys` (`claim_many`), awaiting the loads in flight when only they stand in the way: a slot
-        each for a prefix of `keys`, all of them unless nothing more can be freed."""
-        slots = table.claim_many(keys, self.clock)
-        if len(slots) < len(keys):  # the keys claimed so far hold no load and no pin yet: none may be evicted
+    def _claim(self, table: SlotTable, key: ExpertKey) -> int | None:
+        """A slot for `key`, awaiting the loads in flight when only they stand in the way."""
+        slot = table.claim(key, self.clock)
+        if slot is None:
             self._drain(table)
-            slots += table.claim_many(keys[len(slots):], self.clock, protect=set(keys[: len(slots)]))
-        return slots
+            slot = table.claim(key, self.clock)
+        return slot
 
     def _evicted(self, keys: list[ExpertKey]) -> None:
         self.counters.current.prefetch_wasted += self.order.forget(keys)  # prefetches evicted before they ran
@@ -348,10 +351,9 @@ class ExpertStore:
         table.policy.on_access((key,), self.clock)
         slot = table.slot_of.get(key)
         if slot is None:
-            claimed = self._claim(table, [key])
-            if not claimed:
+            slot = self._claim(table, key)
+            if slot is None:
                 raise RuntimeError("host tier has no evictable slot although nothing is pinned there")
-            slot = claimed[0]
             src = host.buffers[slot]
             ticket = self.transfers.submit(self._disk_then_copy, key, src, dst, after, counters, ahead=ahead)
         else:

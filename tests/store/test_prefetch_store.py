@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from moepager.errors import CheckpointError
 from moepager.policies.lru import LRU
 from moepager.policies.prefetch_aware import PrefetchAware
 from moepager.store.slots import SlotTable
@@ -171,3 +172,18 @@ def test_every_expert_computed_holds_its_own_weights_while_prefetches_race_deman
     store._drain(store.device.table)
     assert all(p == 0 for p in store.device.table.pins)
     store.close()
+
+
+def test_a_failed_read_while_misses_wait_for_a_slot_leaves_no_claimed_slot_without_its_expert():
+    """The store waits for the prefetches in flight to free a slot for the second miss, and one of them fails: the
+    error reaches the layer, and the first miss, already claimed, still holds its own expert (it was loading before
+    the wait began), not whatever its slot held before."""
+    store, reader = make_store(3, layers=(0,))
+    assert consume(store, 0, [0, 1, 2]) == [0, 1, 2]
+    reader.gate.clear()
+    reader.fail.add(ExpertKey(0, 3))
+    assert store.prefetch(0, [3, 4]) == 2
+    threading.Timer(0.05, reader.gate.set).start()
+    with pytest.raises(CheckpointError):
+        consume(store, 0, [5, 6])
+    assert consume(store, 0, [5]) == [5]
