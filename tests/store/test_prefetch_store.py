@@ -130,7 +130,7 @@ def test_claiming_several_keys_at_once_gives_the_slots_of_claims_in_a_row():
 
 def test_misses_claimed_together_keep_their_slots_when_the_claim_waits_for_loads_in_flight():
     """Two misses, one evictable slot: the first is claimed, the store waits for the prefetches in flight, and the
-    second must not evict the first (claimed, not yet loaded nor pinned): each expert keeps its own slot."""
+    second must not evict the first (its load landed during the wait): each expert keeps its own slot."""
     store, reader = make_store(3, layers=(0,))
     assert consume(store, 0, [0, 1, 2]) == [0, 1, 2]
     reader.gate.clear()
