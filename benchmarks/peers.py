@@ -1,8 +1,8 @@
 """moepager against its peers on the CPU, all experts resident, bf16 or quantized experts: decode tokens/s side by side.
 
 Engines, each in its own process and measured in interleaved rounds (median of per-token times over --decode steps
-after a 16-token prompt; the warm-up decode compiles a --compiled row): moepager (one row per --kernels entry and --formats entry:
-bf16, or --expert-dtype int8/int4), HF
+after a 16-token prompt; the warm-up decode compiles a --compiled row): moepager (one row per --kernels entry and
+--formats entry: bf16, or --expert-dtype int8/int4), HF
 transformers (a greedy loop over its DynamicCache; bf16) and llama.cpp through `llama-cpp-python` when it is
 installed (`pip install -e ".[peers]"`, which builds llama.cpp from source; on this project's CPU set CMAKE_ARGS
 as FACTS.md says, AMX off) on the same weights written by our own `moepager export-gguf`: BF16, or Q8_0/Q4_0
@@ -29,6 +29,7 @@ import sys
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -112,6 +113,22 @@ class LlamaCpp:
 ENGINES = {"ours": Ours, "hf": HF, "llama.cpp": LlamaCpp}
 
 
+class Facts(NamedTuple):
+    """What the parent needs to know of a moepager engine (peers report none)."""
+
+    bytes_per_token: int
+    int8_dense: bool
+    vocab: int
+
+
+class Decode(NamedTuple):
+    """One timed round a worker is asked for."""
+
+    ids: list[int]
+    steps: int
+    threads: int
+
+
 def _serve(kind: str, args: tuple[object, ...], conn: Connection) -> None:
     """A worker process: build one engine, report its facts, then time decodes until told to stop (None)."""
     try:
@@ -119,16 +136,14 @@ def _serve(kind: str, args: tuple[object, ...], conn: Connection) -> None:
     except Exception as e:  # noqa: BLE001 - handed to the parent, which reports the engine as not measured
         conn.send(RuntimeError(str(e)))
         return
-    facts: dict[str, object] = {}
+    facts = None
     if isinstance(engine, Ours):
         llm = engine.llm
-        facts = {"bytes": bytes_per_decode_token(llm), "int8_dense": llm.config.dense_dtype is not None,
-                 "vocab": llm.loaded.config.vocab_size}
+        facts = Facts(bytes_per_decode_token(llm), llm.config.dense_dtype is not None, llm.loaded.config.vocab_size)
     conn.send(facts)
     while (request := conn.recv()) is not None:
-        ids, steps, threads = request
-        torch.set_num_threads(threads)
-        conn.send(engine.tpot(ids, steps))
+        torch.set_num_threads(request.threads)
+        conn.send(engine.tpot(request.ids, request.steps))
 
 
 class Remote:
@@ -145,12 +160,12 @@ class Remote:
         if isinstance(reply, Exception):
             self.process.join()
             raise reply
-        self.facts: dict[str, object] = reply
+        self.facts: Facts | None = reply
         self.threads = 1
         """torch's threads for the next decodes (llama.cpp's are fixed when it is built)."""
 
     def tpot(self, ids: list[int], steps: int) -> list[float]:
-        self.conn.send((ids, steps, self.threads))
+        self.conn.send(Decode(ids, steps, self.threads))
         return self.conn.recv()
 
     def close(self) -> None:
@@ -222,8 +237,9 @@ def our_engines(path: Path, args: argparse.Namespace) -> Engines:
 
 def weight_bytes(ours: Engines) -> dict[str, int]:
     """Weight bytes per decode token by peer format (bf16-dense rows), and by label for rows with int8 dense."""
-    nbytes = {fmt: int(engine.facts["bytes"]) for fmt, engine in ours.values() if not engine.facts["int8_dense"]}
-    nbytes |= {label: int(engine.facts["bytes"]) for label, (_, engine) in ours.items() if engine.facts["int8_dense"]}
+    facts = {label: engine.facts for label, (_, engine) in ours.items() if engine.facts is not None}
+    nbytes = {ours[label][0]: f.bytes_per_token for label, f in facts.items() if not f.int8_dense}
+    nbytes |= {label: f.bytes_per_token for label, f in facts.items() if f.int8_dense}
     return nbytes | {fmt: nbytes[label] for label, (fmt, _) in ours.items() if fmt == "int8+dense"}
 
 
@@ -252,7 +268,7 @@ def main() -> None:
         peers: Engines = {} if args.no_hf else {"HF": ("bf16", Remote("hf", path))}
         nbytes = weight_bytes(ours)
         peer_formats = [*args.formats] + (["int8+dense"] if "int8+dense" in nbytes else [])
-        vocab = int(next(iter(ours.values()))[1].facts["vocab"])
+        vocab = next(f.vocab for _, engine in ours.values() if (f := engine.facts) is not None)
         ids = torch.randint(0, vocab, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
         for threads in args.threads:
             llama: Engines = {}

@@ -29,24 +29,18 @@ class PrefetchAware:
 
     def victims(self, candidates: Collection[ExpertKey], count: int, step: int) -> list[ExpertKey]:
         """The order above: stale candidates first, then those not ahead, then those ahead, each group ranked by the
-        inner policy (set operations, not comprehensions: this runs at every layer that misses)."""
+        inner policy (set operations, not comprehensions: this runs at every eviction)."""
+        if not self.stale and not self.ahead:
+            return self.inner.victims(candidates, count, step)
         out: list[ExpertKey] = []
-        rest: Collection[ExpertKey] = candidates
-        if self.stale:
-            stale = self.stale.intersection(candidates)
-            if stale:
-                out = self.inner.victims(stale, min(count, len(stale)), step)
+        given = set(candidates)
+        for group in (given.intersection(self.stale), given.difference(self.stale, self.ahead),
+                      given.intersection(self.ahead).difference(self.stale)):
+            if group:
+                out += self.inner.victims(group, min(count - len(out), len(group)), step)
                 if len(out) == count:
-                    return out
-                rest = set(candidates).difference(stale)
-        if self.ahead:
-            settled = set(rest).difference(self.ahead)
-            if settled:
-                out += self.inner.victims(settled, min(count - len(out), len(settled)), step)
-                if len(out) == count:
-                    return out
-                rest = set(rest).difference(settled)
-        return out + self.inner.victims(rest, count - len(out), step)
+                    break
+        return out
 
     def prefetched(self, key: ExpertKey, slot: int) -> None:
         self.ahead[key] = slot

@@ -5,15 +5,15 @@ Tiers: `device` slots are where experts are computed (GPU memory, or RAM on a CP
 disk directly (a CPU run: the host *is* the device). Every slot is one flat preallocated buffer holding all
 projections of one expert (a row of one arena tensor per tier); nothing is allocated while decoding.
 
-`acquire(layer, experts)` is what a MoE layer calls (experts/executor.py). Algorithm: pin the hits first, so
-no miss evicts them; the misses then claim slots the layer may fill (its quota in scope "layer", any slot in
-scope "global") all at once, evicting by one ranking of the policy among the experts the layer does not need (the
-victims claims one after another would pick), and start loading (on the I/O pool / copy stream). A layer needing more experts than its cache holds (a prefill, a large batch) keeps
-the first misses that fit, in the order asked for, and streams the rest through the stream rows, buffers
-outside the cache that an expert passes through uncached: loads into them start at once and each row takes
-the next miss when its expert has been computed (`recycle`). So a layer never takes another layer's slots,
-and the cache ends each layer exactly as the trace simulator's (tests/trace/test_agreement.py). Every slot
-stays pinned until `release`, so an expert in use is never evicted, and a slot loading or being copied out of
+`acquire(layer, experts)` is what a MoE layer calls (experts/executor.py). Algorithm: pin the hits first, so no miss
+evicts them; the misses then claim slots the layer may fill (its quota in scope "layer", any slot in scope "global")
+all at once, evicting by one ranking of the policy among the experts the layer does not need (the victims claims one
+after another would pick), and start loading (on the I/O pool / copy stream). A layer needing more experts than its
+cache holds (a prefill, a large batch) keeps the first misses that fit, in the order asked for, and streams the rest
+through the stream rows, buffers outside the cache that an expert passes through uncached: loads into them start at
+once and each row takes the next miss when its expert has been computed (`recycle`). So a layer never takes another
+layer's slots, and the cache ends each layer exactly as the trace simulator's (tests/trace/test_agreement.py). Every
+slot stays pinned until `release`, so an expert in use is never evicted, and a slot loading or being copied out of
 is never reused, so no load is issued twice.
 
 Prefetch (`prefetch`, fed by runtime/prefetch.py): loads issued ahead go to the transfer engine's prefetch
@@ -250,13 +250,7 @@ class ExpertStore:
         return landed
 
     def release(self, held: Held) -> None:
-        if self.device.buffers.is_cuda:
-            self._unpin(held.slots)
-        else:  # _unpin's loop without its CUDA events: one call less per layer and token
-            pins = self.device.table.pins
-            for slot in held.slots:
-                if slot >= 0:
-                    pins[slot] -= 1
+        self._unpin(held.slots)
         held.slots, held.queued = [], []
 
     def stream(self, layer: int, experts: Sequence[int]) -> Iterator[int]:
