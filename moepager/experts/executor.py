@@ -111,6 +111,13 @@ def group_ends(sorted_M: torch.Tensor, groups: int) -> torch.Tensor:
                               right=True, out_int32=True)
 
 
+def grouped_aligned(shape: ExpertShape) -> bool:
+    """Whether `torch._grouped_mm` takes these experts on CUDA: every row stride a multiple of 16 bytes (a 1-wide
+    expert, as `moepager calibrate` builds to time the overhead, is not: CUDA refuses it)."""
+    size = shape.dtype.itemsize
+    return shape.hidden * size % 16 == 0 and shape.intermediate * size % 16 == 0
+
+
 def combine(x_ND: torch.Tensor, work: SortedTokens, y_MD: torch.Tensor) -> torch.Tensor:
     """Weighted outputs summed per token in sorted (ascending expert id) order. One token's K rows are summed by
     `sum(0)`, which equals `index_add_` into zeros bit for bit (both accumulate in fp32 row by row: tested
@@ -139,7 +146,7 @@ class ArenaKernels:
         self.arena, self.shape, self.kernel, self.act = arena, shape, kernel, act
         self.quantized = shape.quant is not None
         self.resolved: Kernel = kernel if kernel != "auto" else "grouped" if arena.is_cuda and not self.quantized \
-            else "loop"
+            and grouped_aligned(shape) else "loop"
         """The kernel of one-token calls (`auto` resolved by device; see `choose` for more tokens)."""
         self.batched: Kernel = "grouped" if kernel == "auto" and not arena.is_cuda and not self.quantized \
             else self.resolved

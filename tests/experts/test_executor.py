@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moepager.experts.compute import combine_experts
-from moepager.experts.executor import ArenaKernels, ResidentExecutor, group_ends, sort_by_expert
+from moepager.experts.executor import ArenaKernels, ResidentExecutor, group_ends, grouped_aligned, sort_by_expert
 from moepager.experts.quant import QuantFormat, quantize_expert
 from moepager.experts.weights import ExpertShape, expert_view
 from moepager.config import StoreConfig
@@ -109,6 +109,16 @@ def test_group_ends_are_the_cumulative_counts_empty_groups_included(seed):
     expected = torch.cumsum(torch.bincount(sorted_M, minlength=groups), 0).to(torch.int32)
     ends = group_ends(sorted_M, groups)
     assert ends.dtype == torch.int32 and torch.equal(ends, expected)
+
+
+def test_grouped_gemm_is_chosen_only_for_experts_whose_rows_cuda_takes():
+    """CUDA's `_grouped_mm` refuses strides that are not multiples of 16 bytes (seen on an H200 when `calibrate`
+    timed 1-wide experts): `auto` loops over those instead."""
+    assert grouped_aligned(ExpertShape(2048, 768, torch.bfloat16))
+    assert grouped_aligned(ExpertShape(64, 4, torch.float32))
+    assert not grouped_aligned(ExpertShape(2048, 1, torch.bfloat16))
+    assert not grouped_aligned(ExpertShape(2048, 4, torch.bfloat16))
+    assert not grouped_aligned(ExpertShape(12, 8, torch.bfloat16))
 
 
 def test_auto_loops_one_token_and_groups_more_on_the_cpu():
