@@ -43,7 +43,7 @@ from moepager.experts.quant import int8_packed_mm, int8_packing_available, int8_
 from moepager.experts.weights import AnyExpertWeights, ExpertShape, expert_view
 from moepager.errors import ConfigError
 from moepager.store.store import ExpertStore
-from moepager.types import RoutingDecision
+from moepager.types import RoutingDecision, long_tensor
 
 Kernel = Literal["auto", "loop", "gather", "grouped", "packed"]
 KERNELS: tuple[Kernel, ...] = ("auto", "loop", "gather", "grouped", "packed")
@@ -198,7 +198,7 @@ class ArenaKernels:
     def _row_per_token(self, work: SortedTokens, rows: Sequence[int]) -> torch.Tensor:
         """The arena row of every sorted (token, k) pair."""
         per_row = [r for i, r in enumerate(rows) for _ in range(work.starts[i + 1] - work.starts[i])]
-        return torch.tensor(per_row, device=self.arena.device)
+        return long_tensor(per_row, self.arena.device)  # on CUDA no sync (a paged layer's one is reading its ids)
 
     def gather(self, work: SortedTokens, rows: Sequence[int]) -> torch.Tensor:
         """Each (token, k) pair's expert weights indexed out of the arena, one batched GEMM per projection."""

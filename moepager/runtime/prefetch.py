@@ -37,7 +37,7 @@ from moepager.predictors import (
 from moepager.predictors.expert_map import hashed_tokens
 from moepager.policies.base import ForecastConsumer
 from moepager.store.store import ExpertStore
-from moepager.types import PassInfo, RoutingDecision
+from moepager.types import PassInfo, RoutingDecision, long_tensor
 
 NO_SCORES = torch.empty(0, 0)
 """The observation's scores for predictors that do not read them (they stay on the device, uncopied)."""
@@ -219,7 +219,7 @@ def _router_scores(block: MoEBlock) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def _embedding(table: torch.nn.Embedding) -> SemanticEmbed:
     def embed(ids_N: torch.Tensor) -> torch.Tensor:
-        return table(ids_N.to(table.weight.device))
+        return table(long_tensor(ids_N.tolist(), table.weight.device))  # no sync on the way there (one back)
     return embed
 
 
