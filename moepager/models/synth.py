@@ -10,8 +10,10 @@ configured vocabulary, so every token id decodes to text.
 from __future__ import annotations
 
 import json
+import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,13 @@ from moepager.models.synth_presets import PRESETS, preset_config
 from moepager.outputs import atomic_dir, check_dir
 
 INIT_STD = 0.02
+OWN_GENERATOR_NUMEL = 1 << 20
+"""Tensors of this many elements or more are drawn from generators of their own, in parallel (tensor i of a
+checkpoint made with seed s from one seeded s * TENSOR_SEEDS + i); smaller ones from the seed's one generator,
+in order (so small checkpoints, the tests' included, are what they always were)."""
+TENSOR_SEEDS = 1_000_003
+GENERATORS = max(1, min(8, os.cpu_count() or 1))
+"""Threads drawing tensors ahead of the writer (each holds at most one tensor)."""
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -115,11 +124,36 @@ def _write_checkpoint(out_dir: Path, config: dict[str, Any], torch_dtype: torch.
     entries = [(name, torch.float32 if "correction_bias" in name else torch_dtype, shape)
                for name, shape in tensor_specs(config)]
     gen = torch.Generator().manual_seed(seed)
-    shapes = {name: shape for name, _, shape in entries}
-    dtypes = {name: dt for name, dt, _ in entries}
-    write_shards(out_dir, entries, lambda t: _random_tensor(t, shapes[t], dtypes[t], gen), shard_bytes, desc,
-                 show_progress)
+
+    def make(i: int) -> torch.Tensor:  # a large tensor from its own generator: the same bytes on any thread
+        name, dt, shape = entries[i]
+        own = math.prod(shape) >= OWN_GENERATOR_NUMEL
+        return _random_tensor(name, shape, dt, torch.Generator().manual_seed(seed * TENSOR_SEEDS + i) if own else gen)
+    large = [math.prod(shape) >= OWN_GENERATOR_NUMEL for _, _, shape in entries]
+    with ThreadPoolExecutor(GENERATORS) as pool:
+        write_shards(out_dir, entries, _ahead(pool, GENERATORS, [name for name, _, _ in entries], large, make),
+                     shard_bytes, desc, show_progress)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _ahead(pool: ThreadPoolExecutor, depth: int, names: list[str], ahead: list[bool],
+           make: Callable[[int], torch.Tensor]) -> Callable[[str], torch.Tensor]:
+    """`produce(name)` for tensors asked for in `names`' order: those marked `ahead` made on the pool (at most
+    `depth` beyond the one asked for) while earlier ones are written, the others when asked, in order (they share
+    one generator). Normal samples are one thread's work per generator: a 30B-geometry layer took ~10 s."""
+    index = {name: i for i, name in enumerate(names)}
+    futures: dict[int, Future[torch.Tensor]] = {}
+    submitted = 0
+
+    def produce(name: str) -> torch.Tensor:
+        nonlocal submitted
+        want = index[name]
+        while submitted < len(names) and submitted <= want + depth:
+            if ahead[submitted]:
+                futures[submitted] = pool.submit(make, submitted)
+            submitted += 1
+        return futures.pop(want).result() if want in futures else make(want)
+    return produce
 
 
 __all__ = ["PRESETS", "make_model", "tensor_specs", "write_tokenizer"]
