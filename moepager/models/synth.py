@@ -30,7 +30,7 @@ from moepager.outputs import atomic_dir, check_dir
 INIT_STD = 0.02
 OWN_GENERATOR_NUMEL = 1 << 20
 """Tensors of this many elements or more are drawn from generators of their own, in parallel (tensor i of a
-checkpoint made with seed s from one seeded s * TENSOR_SEEDS + i); smaller ones from the seed's one generator,
+checkpoint made with seed s from one seeded s * TENSOR_SEEDS + i + 1); smaller ones from the seed's one generator,
 in order (so small checkpoints, the tests' included, are what they always were)."""
 TENSOR_SEEDS = 1_000_003
 GENERATORS = max(1, min(8, os.cpu_count() or 1))
@@ -124,12 +124,12 @@ def _write_checkpoint(out_dir: Path, config: dict[str, Any], torch_dtype: torch.
     entries = [(name, torch.float32 if "correction_bias" in name else torch_dtype, shape)
                for name, shape in tensor_specs(config)]
     gen = torch.Generator().manual_seed(seed)
+    large = [math.prod(shape) >= OWN_GENERATOR_NUMEL for _, _, shape in entries]
 
     def make(i: int) -> torch.Tensor:  # a large tensor from its own generator: the same bytes on any thread
         name, dt, shape = entries[i]
-        own = math.prod(shape) >= OWN_GENERATOR_NUMEL
-        return _random_tensor(name, shape, dt, torch.Generator().manual_seed(seed * TENSOR_SEEDS + i) if own else gen)
-    large = [math.prod(shape) >= OWN_GENERATOR_NUMEL for _, _, shape in entries]
+        return _random_tensor(name, shape, dt, torch.Generator().manual_seed(seed * TENSOR_SEEDS + i + 1)
+                              if large[i] else gen)
     with ThreadPoolExecutor(GENERATORS) as pool:
         write_shards(out_dir, entries, _ahead(pool, GENERATORS, [name for name, _, _ in entries], large, make),
                      shard_bytes, desc, show_progress)
