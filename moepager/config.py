@@ -142,6 +142,10 @@ class EngineConfig:
     small resident experts itself and leaves it at each MoE layer for any other executor, paged ones included
     (models/compiled.py; opt-in: not bit-equal to the eager forward)."""
 
+    cuda_graphs: bool = True
+    """CUDA: one-request decode steps replay a CUDA graph where they can be captured (every expert resident in
+    bf16, nothing observing routing: runtime/cuda_graphs.py); the same tokens as launching each kernel."""
+
     def __post_init__(self) -> None:
         if self.prefetch.predictor is not None and not self.store.paged:
             raise MoepagerError("prefetching needs a paged store: set --expert-memory (with every expert resident "

@@ -86,6 +86,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "at one thread); paged, packed or larger experts run eagerly between its parts (1.3x at a "
                         "25%% budget); so do prepacked projections (qwen3-30b-a3b geometry: 1.02x eager). Batched "
                         "decodes of concurrent requests compile too (serve compiles them at start)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="CUDA: launch every kernel of a decode step from Python instead of replaying it as a CUDA "
+                        "graph (graphs apply when every expert is resident in bf16 and nothing observes routing; "
+                        "same tokens either way)")
     q = p.add_argument_group("quantized experts (lossy, opt-in)")
     q.add_argument("--expert-dtype", choices=EXPERT_DTYPES,
                    help="format of the routed experts: int8 (per-channel scales) or int4 (group scales) quantize "
@@ -118,7 +122,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         store=store_config(args), prefetch=prefetch_config(args), expert_kernel=args.expert_kernel,
                         scheduler=scheduler, expert_dtype=args.expert_dtype, int4_group=args.int4_group,
                         int4_zero_point=args.int4_zero_points, dense_dtype=args.dense_dtype,
-                        pack_dense=args.pack_dense, compile=args.compile)
+                        pack_dense=args.pack_dense, compile=args.compile, cuda_graphs=args.cuda_graphs)
 
 
 def add_store_arguments(p: argparse.ArgumentParser) -> None:

@@ -157,13 +157,13 @@ class ForwardBatch:
     def build(cls, positions_BT: torch.Tensor, rows_B: torch.Tensor | None = None,
               valid_BT: torch.Tensor | None = None, sliding_window: int | None = None,
               kv_len: int | None = None, paged: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-              valid_N: torch.Tensor | None = None) -> ForwardBatch:
-        """`kv_len` (the largest position + 1) is read from the positions unless the caller knows it: on CUDA
-        reading it is a host sync, and so is finding the real tokens in `valid_BT` (callers that know them pass
-        `valid_N` instead). `paged` = (block table, slot blocks, slot offsets) for a paged cache."""
+              valid_N: torch.Tensor | None = None, masked: bool = False) -> ForwardBatch:
+        """`kv_len` (the largest position + 1) is read from the positions unless the caller knows it: on CUDA a host
+        sync, as is finding the real tokens in `valid_BT` (callers that know them pass `valid_N`). `paged`: (block
+        table, slot blocks, slot offsets). `masked`: a mask even for one row's one token (runtime/cuda_graphs.py)."""
         kv_len = int(positions_BT.max()) + 1 if kv_len is None else kv_len
         table, slot_block, slot_offset = paged if paged is not None else (None, None, None)
-        if positions_BT.shape == (1, 1) and not (sliding_window and kv_len > sliding_window):
+        if positions_BT.shape == (1, 1) and not masked and not (sliding_window and kv_len > sliding_window):
             return cls(positions_BT, None, kv_len, rows_B, None, table, slot_block, slot_offset)
         s = torch.arange(kv_len, device=positions_BT.device)
         pos = positions_BT[:, :, None]

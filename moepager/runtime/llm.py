@@ -21,6 +21,7 @@ from moepager.models.layers import NULL_OBSERVER, OWN_ROUTER, RoutingFanOut, Rou
 from moepager.models.load import LoadedModel, load_model, parse_dtype, resident_executor
 from moepager.outputs import check_file
 from moepager.predictors import PREDICTORS, bind_replay
+from moepager.runtime.cuda_graphs import graphable
 from moepager.runtime.engine import Engine, ignore_finish
 from moepager.runtime.prefetch import Prefetcher, build_prefetcher
 from moepager.runtime.request import Detokenize, FinishReason, Request
@@ -81,8 +82,11 @@ class LLM:
         self._pass_parts: list[PassPart] = self._parts(None, None)
         self.engine = Engine(self.loaded.model, self.loaded.dtype, self.loaded.device, self.config.scheduler,
                              self.eos_token_ids, self._detokenize, self._on_pass,
-                             self.prefetcher.end_request if self.prefetcher is not None else ignore_finish)
+                             self.prefetcher.end_request if self.prefetcher is not None else ignore_finish,
+                             self.config.cuda_graphs and graphable(self.loaded.model, experts, self.loaded.device))
         """The engine core every call (and the server) runs requests on; its KV cache is reused across calls."""
+        if self.engine.runner.graphs is not None:
+            self.engine.runner.graphs.warm()  # every width now, so no request pays a capture
         if self.config.compile:
             self._compile_now()
 

@@ -15,9 +15,10 @@ import torch
 
 from moepager.errors import NumericalError
 from moepager.models.layers import CausalLM, ForwardBatch
+from moepager.runtime.cuda_graphs import DecodeGraphs, bucket
 from moepager.runtime.kv_pool import SCRATCH, KVBlockPool
 from moepager.runtime.scheduler import Scheduled
-from moepager.types import PassInfo, Phase
+from moepager.types import PassInfo, Phase, long_tensor
 
 OnPass = Callable[[PassInfo], None]
 """Called before each forward pass (store, prefetcher, recorder, replayer)."""
@@ -28,11 +29,17 @@ def ignore_pass(info: PassInfo) -> None:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, pool: KVBlockPool, device: torch.device, on_pass: OnPass = ignore_pass):
+    def __init__(self, model: CausalLM, pool: KVBlockPool, device: torch.device, on_pass: OnPass = ignore_pass,
+                 graphs: DecodeGraphs | None = None):
         self.model, self.pool, self.device = model, pool, device
         self.on_pass = on_pass
         self.window = model.config.sliding_window
         self.passes = itertools.count()
+        self.graphs = graphs
+        """CUDA graphs of one-row decode passes (runtime/cuda_graphs.py), where the model's pass can be captured."""
+        self.bucketed = device.type == "cuda"
+        """One-row decode passes read a power-of-two block table under a mask (the shapes a graph fixes), graphed or
+        not, so a graphed run and an eager one compute the same."""
 
     def run(self, rows: Sequence[Scheduled]) -> list[tuple[Scheduled, torch.Tensor]]:
         """Compute the rows' tokens into the cache; logits [V] of each row that completes its tokens."""
@@ -69,19 +76,25 @@ class ModelRunner:
             valid += range(i * t, i * t + n)
             kv_len = max(kv_len, r.start + n)
         # Blocks past kv_len, 2 or more: a compiled step's graph would specialise a width of 1, and a prefix that
-        # fills its blocks exactly (compile again; models/compiled.py)
-        width = max(2, kv_len // bs + 1)
+        # fills its blocks exactly (compile again; models/compiled.py). One row's one token on CUDA: a power of two
+        # under a mask, the shapes of its CUDA graph (runtime/cuda_graphs.py)
+        one = b * t == 1 and self.bucketed and not self.window
+        width = bucket(kv_len, bs) if one else max(2, kv_len // bs + 1)
         table = [block for x in tables for block in x[:width] + [SCRATCH] * (width - len(x))]
         padded = len(valid) < b * t
         parts = [ids, positions, slot_block, slot_offset, table, last] + ([valid] if padded else [])
         ids_BT, positions_BT, block_BT, offset_BT, table_BW, last_B, *valid_N = self._to_device(parts)
         shape = (b, t)
         batch = ForwardBatch.build(positions_BT.view(shape), valid_N=valid_N[0] if padded else None,
-                                   sliding_window=self.window, kv_len=kv_len,
+                                   sliding_window=self.window, kv_len=width * bs if one else kv_len, masked=one,
                                    paged=(table_BW.view(b, width), block_BT.view(shape), offset_BT.view(shape)))
         self.on_pass(self._info(rows, torch.tensor(fed)))
         ids_BT = ids_BT.view(shape)
-        logits_BV = self.model(ids_BT, batch, self.pool.cache, logits_at_B=last_B)
+        logits_BV = None
+        if one and self.graphs is not None and self.graphs.usable():
+            logits_BV = self.graphs.run(ids_BT, batch, width)
+        if logits_BV is None:
+            logits_BV = self.model(ids_BT, batch, self.pool.cache, logits_at_B=last_B)
         for r in rows:
             r.request.num_computed = r.start + r.count
         self._last = (ids_BT, batch)
@@ -89,10 +102,8 @@ class ModelRunner:
 
     def _to_device(self, parts: list[list[int]]) -> list[torch.Tensor]:
         """Integer lists as device tensors, through one host tensor and one copy."""
-        host = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long)
-        if self.device.type == "cuda":
-            host = host.pin_memory().to(self.device, non_blocking=True)
-        return list(host.split([len(part) for part in parts]))
+        flat = long_tensor(list(itertools.chain.from_iterable(parts)), self.device)
+        return list(flat.split([len(part) for part in parts]))
 
     def _info(self, rows: Sequence[Scheduled], fed_N: torch.Tensor) -> PassInfo:
         """The pass as observers see it; its tokens come from the host lists (on CUDA: no copy back, no sync)."""

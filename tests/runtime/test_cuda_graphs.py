@@ -1,0 +1,112 @@
+"""CUDA graphs of one-row decode passes (runtime/cuda_graphs.py), their logic on the CPU: the bucketed, masked pass
+the runner builds, the static buffers a graph replays from (the "capture" here returns the step itself), widths,
+the cache's reallocation, a failed capture. tests/runtime/test_gpu.py captures real graphs."""
+
+from __future__ import annotations
+
+import torch
+
+from moepager.config import SchedulerConfig
+from moepager.runtime.cuda_graphs import DecodeGraphs, bucket, graphable
+from moepager.runtime.llm import LLM
+from moepager.runtime.sampling import SamplingParams
+
+PROMPTS = ["The history of", "Water boils at"]
+
+
+def greedy(llm: LLM, tokens: int = 40) -> list[list[int]]:
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    return [c.token_ids for p in PROMPTS for c in llm.generate([p], params)]  # one row at a time
+
+
+def with_graphs(llm: LLM, capture=lambda step: step) -> DecodeGraphs:
+    runner = llm.engine.runner
+    runner.bucketed = True
+    runner.graphs = DecodeGraphs(llm.loaded.model, llm.engine.pool, capture)
+    return runner.graphs
+
+
+def test_bucket_is_the_next_power_of_two_of_the_blocks_a_decode_spans():
+    assert [bucket(n, 16) for n in (1, 16, 32, 33, 48, 49, 100, 1024, 1025)] == [2, 2, 2, 4, 4, 4, 8, 64, 128]
+
+
+def test_a_bucketed_masked_decode_gives_the_plain_run_s_tokens(demo_checkpoint):
+    plain = greedy(LLM(demo_checkpoint, show_progress=False))
+    llm = LLM(demo_checkpoint, show_progress=False)
+    llm.engine.runner.bucketed = True
+    assert greedy(llm) == plain
+
+
+def test_replays_compute_what_the_eager_bucketed_pass_computes_and_every_width_is_captured_once(demo_checkpoint):
+    eager = LLM(demo_checkpoint, show_progress=False)
+    eager.engine.runner.bucketed = True
+    want = greedy(eager)
+    llm = LLM(demo_checkpoint, show_progress=False)
+    captured: list[int] = []
+
+    def capture(step):
+        captured.append(1)
+        return step
+    graphs = with_graphs(llm, capture)
+    assert greedy(llm) == want
+    assert graphs.replays == 2 * 39  # every decode step of both requests
+    assert sorted(graphs.graphs) == [2, 4] and len(captured) == 2  # prefixes up to 43 positions: widths 2 and 4
+    with_graphs(llm)  # a fresh set: warm captures every width the 16384-position cache can need
+    llm.engine.runner.graphs.warm()
+    assert sorted(llm.engine.runner.graphs.graphs) == [2 ** i for i in range(1, 11)]
+
+
+def test_a_reallocated_cache_drops_the_graphs_that_held_its_addresses(demo_checkpoint):
+    llm = LLM(demo_checkpoint, show_progress=False)
+    graphs = with_graphs(llm)
+    greedy(llm, 8)
+    before = dict(graphs.graphs)
+    llm.engine.pool.grow(llm.engine.pool.capacity_tokens * 2)
+    greedy(llm, 8)
+    assert graphs.graphs and all(graphs.graphs[w] is not before.get(w) for w in graphs.graphs)
+
+
+def test_a_failed_capture_turns_graphs_off_and_decodes_eagerly(demo_checkpoint, capsys):
+    want = greedy(LLM(demo_checkpoint, show_progress=False), 8)
+
+    def refuse(step):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    llm = LLM(demo_checkpoint, show_progress=False)
+    graphs = with_graphs(llm, refuse)
+    assert greedy(llm, 8) == want
+    assert not graphs.enabled and graphs.replays == 0
+    assert "CUDA graphs off" in capsys.readouterr().err
+
+
+def test_an_observed_model_decodes_eagerly(demo_checkpoint, tmp_path):
+    llm = LLM(demo_checkpoint, show_progress=False)
+    graphs = with_graphs(llm)
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=6, ignore_eos=True), record_trace=tmp_path / "t.mpt")
+    assert graphs.replays == 0  # a trace recorder reads every routing decision on the host
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert graphs.replays == 5
+
+
+def test_graphs_need_cuda_and_resident_bf16_experts_computed_by_grouped_gemm(demo_checkpoint):
+    llm = LLM(demo_checkpoint, show_progress=False)
+    assert not graphable(llm.loaded.model, llm.loaded.experts, llm.loaded.device)
+    assert llm.engine.runner.graphs is None and not llm.engine.runner.bucketed
+
+
+def test_warm_stops_at_the_cache_s_largest_width(demo_checkpoint):
+    llm = LLM(show_progress=False, config=_config(demo_checkpoint, 64))
+    graphs = with_graphs(llm)
+    graphs.warm()
+    assert sorted(graphs.graphs) == [2, 4]  # 64 positions: 4 blocks of 16
+
+
+def _config(path, kv_tokens):
+    from moepager.config import EngineConfig
+
+    return EngineConfig(model=str(path), scheduler=SchedulerConfig(kv_cache_tokens=kv_tokens))
+
+
+def test_decode_on_cpu_is_unchanged_by_default(demo_checkpoint):
+    """The runner buckets one-row decodes on CUDA only: the CPU's decode pass reads its exact prefix."""
+    llm = LLM(demo_checkpoint, show_progress=False)
+    assert torch.device(llm.loaded.device).type == "cpu" and not llm.engine.runner.bucketed
