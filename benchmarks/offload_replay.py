@@ -143,14 +143,17 @@ def quantized(path: Path, fmt: str) -> Path:
     return out
 
 
-def cut_trace(trace: Path, layers: int) -> Path:
-    """The trace's first `layers` MoE layers as a trace of its own (what predictors for the model fit on)."""
-    out = RESULTS / "traces" / f"{trace.stem}-first{layers}.mpt"
+def deepseek_trace(layers: int) -> Path:
+    """The DeepSeek-V2-Lite trace's first `layers` MoE layers, cut once and cached (the full trace is converted
+    from ../shared/traces only when the cut is missing, so a machine without the public trace can run from a
+    copy of results/traces/)."""
+    out = RESULTS / "traces" / f"deepseek-v2-lite-first{layers}.mpt"
     if out.exists():
         return out
+    full = converted("deepseek-csv", SHARED / "deepseek-v2-lite", "deepseek-v2-lite")
     cut = Cut(layers=layers)
     tmp = out.with_suffix(".partial")
-    with TraceReader(trace) as reader, TraceWriter(tmp, cut.header(reader.header)) as writer:
+    with TraceReader(full) as reader, TraceWriter(tmp, cut.header(reader.header)) as writer:
         for i in tqdm(range(len(reader)), desc="cutting trace", unit="request"):
             writer.add(cut.apply(reader.request(i), i))
     tmp.rename(out)
@@ -249,8 +252,7 @@ def main(device: str, layers: int, threads: int | None, name: str) -> None:
         state["gpu"] = torch.cuda.get_device_name()
     path = quantized(ensure_model(f"deepseek-v2-lite-L{args.layers + 1}", "deepseek-v2-lite", args.layers + 1),
                      args.experts)
-    full = converted("deepseek-csv", SHARED / "deepseek-v2-lite", "deepseek-v2-lite")
-    trace = cut_trace(full, args.layers)
+    trace = deepseek_trace(args.layers)
     fit = list(range(args.fit_requests))
     requests = replayed_requests(trace, args.fit_requests, args.requests, args.prompt + args.decode)
     cut = Cut(args.prompt, args.decode)

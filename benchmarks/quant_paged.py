@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmarks.offload_replay import cut_trace, quantized, replayed_requests, replayed_run  # noqa: E402
-from common import SHARED, converted, ensure_model, machine_state, print_table, write_json  # noqa: E402
+from benchmarks.offload_replay import deepseek_trace, quantized, replayed_requests, replayed_run  # noqa: E402
+from common import ensure_model, machine_state, print_table, write_json  # noqa: E402
 
 from moepager.config import EngineConfig, StoreConfig  # noqa: E402
 from moepager.runtime.llm import LLM  # noqa: E402
@@ -54,7 +54,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     state = machine_state()
     path = ensure_model(f"deepseek-v2-lite-L{args.layers + 1}", "deepseek-v2-lite", args.layers + 1)
-    trace = cut_trace(converted("deepseek-csv", SHARED / "deepseek-v2-lite", "deepseek-v2-lite"), args.layers)
+    trace = deepseek_trace(args.layers)
     requests = replayed_requests(trace, args.fit_requests, args.requests, args.prompt + args.decode)
     spec = ReplaySpec(trace, requests, args.prompt, "match", args.decode)
     probe = LLM(path, show_progress=False)

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 import openai  # noqa: E402
 
-from benchmarks.common import SHARED, converted, demo_documents, ensure_model, machine_state, print_table  # noqa: E402
+from benchmarks.common import demo_documents, ensure_model, machine_state, print_table  # noqa: E402
 from benchmarks.common import write_json  # noqa: E402
 from moepager.runtime.stats import percentile  # noqa: E402
 
@@ -208,10 +208,10 @@ def replay_part(args: argparse.Namespace) -> list[dict[str, object]]:
     from moepager.runtime.replay import ReplaySpec
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from offload_replay import cut_trace, replayed_requests
+    from offload_replay import deepseek_trace, replayed_requests
 
     model = ensure_model("deepseek-v2-lite-L9", "deepseek-v2-lite", 9)
-    trace = cut_trace(converted("deepseek-csv", SHARED / "deepseek-v2-lite", "deepseek-v2-lite"), 8)
+    trace = deepseek_trace(8)
     requests = replayed_requests(trace, 0, args.replay_requests, args.replay_prompt + args.replay_decode)
     spec = ReplaySpec(trace, requests, args.replay_prompt, "match", args.replay_decode)
     rows = []
