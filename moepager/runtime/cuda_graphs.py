@@ -39,8 +39,9 @@ def bucket(kv_len: int, block_size: int) -> int:
 
 
 def graphable(model: CausalLM, experts: object, device: torch.device) -> bool:
-    """Whether this model's decode pass can be captured at all (the run-time conditions are `DecodeGraphs.usable`)."""
-    return (device.type == "cuda" and isinstance(experts, ResidentExecutor)
+    """Whether this model's decode pass can be captured at all (the run-time conditions are `DecodeGraphs.usable`).
+    Not with a sliding window: the runner reads such a model's exact window, unpadded (runner.py)."""
+    return (device.type == "cuda" and not model.config.sliding_window and isinstance(experts, ResidentExecutor)
             and experts.kernels.resolved == "grouped" and experts.kernels.arena.dtype == torch.bfloat16
             and all(p.device.type == "cuda" for p in model.parameters()))
 
