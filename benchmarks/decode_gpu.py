@@ -94,14 +94,11 @@ def launches_per_token(llm: LLM, prompt: list[int], steps: int = 8) -> tuple[flo
 
 def moepager_row(path: Path, fmt: str, args: argparse.Namespace, texts: list[list[int]],
                  copy_Bps: float) -> dict[str, Any]:
-    """`fmt`: bf16, int8, int4, bf16-eager (CUDA graphs off) or bf16-exact (graphs off, and the one-row decode
-    pass reads its exact KV prefix instead of the graphs' power-of-two block table under a mask)."""
+    """`fmt`: bf16, int8, int4, or bf16-eager (CUDA graphs off)."""
     t0 = time.perf_counter()
     llm = LLM(show_progress=False, config=EngineConfig(
         model=str(path), device=args.device, expert_dtype=None if fmt.startswith("bf16") else fmt,
         cuda_graphs=fmt == "bf16"))
-    if fmt == "bf16-exact":
-        llm.engine.runner.bucketed = False
     active = bytes_per_decode_token(llm)
     row = {"engine": "moepager", "experts": fmt, "active_MB": active / 1e6, "load_s": time.perf_counter() - t0,
            "limit_tok_s": copy_Bps / active} | fresh_and_warm(lambda p, n: ours(llm, p, n), texts, args.decode)
@@ -121,9 +118,8 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--long", type=int, default=1000)
-    ap.add_argument("--experts", nargs="+", default=["bf16", "bf16-eager", "bf16-exact", "int8", "int4"],
-                    choices=["bf16", "bf16-eager", "bf16-exact", "int8", "int4"],
-                    help="bf16-eager: CUDA graphs off; bf16-exact: graphs off and the exact KV prefix read")
+    ap.add_argument("--experts", nargs="+", default=["bf16", "bf16-eager", "int8", "int4"],
+                    choices=["bf16", "bf16-eager", "int8", "int4"], help="bf16-eager: bf16 with CUDA graphs off")
     ap.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     ap.add_argument("--model", type=Path, help="another checkpoint (default: the qwen3 geometry, made once)")
     ap.add_argument("--out", default="decode_gpu", help="results name")

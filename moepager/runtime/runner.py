@@ -37,9 +37,6 @@ class ModelRunner:
         self.passes = itertools.count()
         self.graphs = graphs
         """CUDA graphs of one-row decode passes (runtime/cuda_graphs.py), where the model's pass can be captured."""
-        self.bucketed = device.type == "cuda"
-        """One-row decode passes read a power-of-two block table under a mask (the shapes a graph fixes), graphed or
-        not, so a graphed run and an eager one compute the same."""
 
     def run(self, rows: Sequence[Scheduled]) -> list[tuple[Scheduled, torch.Tensor]]:
         """Compute the rows' tokens into the cache; logits [V] of each row that completes its tokens."""
@@ -76,9 +73,9 @@ class ModelRunner:
             valid += range(i * t, i * t + n)
             kv_len = max(kv_len, r.start + n)
         # Blocks past kv_len, 2 or more: a compiled step's graph would specialise a width of 1, and a prefix that
-        # fills its blocks exactly (compile again; models/compiled.py). One row's one token on CUDA: a power of two
-        # under a mask, the shapes of its CUDA graph (runtime/cuda_graphs.py)
-        one = b * t == 1 and self.bucketed and not self.window
+        # fills its blocks exactly (compile again; models/compiled.py). One row's one token replayed from a CUDA
+        # graph: a power of two under a mask, the graph's shapes (runtime/cuda_graphs.py)
+        one = b * t == 1 and self.graphs is not None and not self.window and self.graphs.usable()
         width = bucket(kv_len, bs) if one else max(2, kv_len // bs + 1)
         table = [block for x in tables for block in x[:width] + [SCRATCH] * (width - len(x))]
         padded = len(valid) < b * t
@@ -90,9 +87,7 @@ class ModelRunner:
                                    paged=(table_BW.view(b, width), block_BT.view(shape), offset_BT.view(shape)))
         self.on_pass(self._info(rows, torch.tensor(fed)))
         ids_BT = ids_BT.view(shape)
-        logits_BV = None
-        if one and self.graphs is not None and self.graphs.usable():
-            logits_BV = self.graphs.run(ids_BT, batch, width)
+        logits_BV = self.graphs.run(ids_BT, batch, width) if one and self.graphs is not None else None
         if logits_BV is None:
             logits_BV = self.model(ids_BT, batch, self.pool.cache, logits_at_B=last_B)
         for r in rows:

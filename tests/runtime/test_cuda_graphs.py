@@ -1,6 +1,6 @@
-"""CUDA graphs of one-row decode passes (runtime/cuda_graphs.py), their logic on the CPU: the bucketed, masked pass
-the runner builds, the static buffers a graph replays from (the "capture" here returns the step itself), widths,
-the cache's reallocation, a failed capture. tests/runtime/test_gpu.py captures real graphs."""
+"""CUDA graphs of one-row decode passes (runtime/cuda_graphs.py), their logic on the CPU: the padded, masked pass a
+graph replays, its static buffers (the "capture" here returns the step itself), widths, the cache's reallocation,
+a failed capture, when graphs apply. tests/runtime/test_gpu.py captures real graphs."""
 
 from __future__ import annotations
 
@@ -20,27 +20,18 @@ def greedy(llm: LLM, tokens: int = 40) -> list[list[int]]:
 
 
 def with_graphs(llm: LLM, capture=lambda step: step) -> DecodeGraphs:
-    runner = llm.engine.runner
-    runner.bucketed = True
-    runner.graphs = DecodeGraphs(llm.loaded.model, llm.engine.pool, capture)
-    return runner.graphs
+    llm.engine.runner.graphs = DecodeGraphs(llm.loaded.model, llm.engine.pool, capture)
+    return llm.engine.runner.graphs
 
 
 def test_bucket_is_the_next_power_of_two_of_the_blocks_a_decode_spans():
     assert [bucket(n, 16) for n in (1, 16, 32, 33, 48, 49, 100, 1024, 1025)] == [2, 2, 2, 4, 4, 4, 8, 64, 128]
 
 
-def test_a_bucketed_masked_decode_gives_the_plain_run_s_tokens(demo_checkpoint):
-    plain = greedy(LLM(demo_checkpoint, show_progress=False))
-    llm = LLM(demo_checkpoint, show_progress=False)
-    llm.engine.runner.bucketed = True
-    assert greedy(llm) == plain
-
-
-def test_replays_compute_what_the_eager_bucketed_pass_computes_and_every_width_is_captured_once(demo_checkpoint):
-    eager = LLM(demo_checkpoint, show_progress=False)
-    eager.engine.runner.bucketed = True
-    want = greedy(eager)
+def test_replayed_passes_decode_the_eager_run_s_tokens_and_every_width_is_captured_once(demo_checkpoint):
+    """The replayed pass reads a padded block table under a mask; the eager one its exact prefix: other rounding,
+    the same greedy tokens here."""
+    want = greedy(LLM(demo_checkpoint, show_progress=False))
     llm = LLM(demo_checkpoint, show_progress=False)
     captured: list[int] = []
 
@@ -51,6 +42,12 @@ def test_replays_compute_what_the_eager_bucketed_pass_computes_and_every_width_i
     assert greedy(llm) == want
     assert graphs.replays == 2 * 39  # every decode step of both requests
     assert sorted(graphs.graphs) == [2, 4] and len(captured) == 2  # prefixes up to 43 positions: widths 2 and 4
+    ids_BT, batch = llm.engine.runner._last  # the last pass, as replayed: its padded, masked batch
+    assert batch.block_table_BN is not None and batch.mask_B1TS is not None
+    with torch.inference_mode():  # the same pass run eagerly (rewriting the same cache slot): equal bit for bit
+        replayed = graphs.graphs[batch.block_table_BN.shape[1]].run(ids_BT, batch)
+        eager = llm.loaded.model(ids_BT, batch, llm.engine.pool.cache, logits_at_B=torch.zeros(1, dtype=torch.long))
+    assert torch.equal(replayed, eager)
     with_graphs(llm)  # a fresh set: warm captures every width the 16384-position cache can need
     llm.engine.runner.graphs.warm()
     assert sorted(llm.engine.runner.graphs.graphs) == [2 ** i for i in range(1, 11)]
@@ -90,7 +87,7 @@ def test_an_observed_model_decodes_eagerly(demo_checkpoint, tmp_path):
 def test_graphs_need_cuda_and_resident_bf16_experts_computed_by_grouped_gemm(demo_checkpoint):
     llm = LLM(demo_checkpoint, show_progress=False)
     assert not graphable(llm.loaded.model, llm.loaded.experts, llm.loaded.device)
-    assert llm.engine.runner.graphs is None and not llm.engine.runner.bucketed
+    assert llm.engine.runner.graphs is None
 
 
 def test_warm_stops_at_the_cache_s_largest_width(demo_checkpoint):
@@ -104,9 +101,3 @@ def _config(path, kv_tokens):
     from moepager.config import EngineConfig
 
     return EngineConfig(model=str(path), scheduler=SchedulerConfig(kv_cache_tokens=kv_tokens))
-
-
-def test_decode_on_cpu_is_unchanged_by_default(demo_checkpoint):
-    """The runner buckets one-row decodes on CUDA only: the CPU's decode pass reads its exact prefix."""
-    llm = LLM(demo_checkpoint, show_progress=False)
-    assert torch.device(llm.loaded.device).type == "cpu" and not llm.engine.runner.bucketed
