@@ -27,6 +27,9 @@ from moepager.experts.executor import ResidentExecutor
 from moepager.models.layers import CausalLM, ForwardBatch
 from moepager.runtime.kv_pool import SCRATCH, KVBlockPool
 
+WARM_POSITIONS = 16384
+"""`DecodeGraphs.warm` captures the widths of prefixes up to this many positions (the default KV cache's size)."""
+
 Step = Callable[[], torch.Tensor]
 Capture = Callable[[Step], Step]
 """Turns a step (a closure over static buffers) into its replay: a CUDA graph's, or on the CPU (tests) itself."""
@@ -130,8 +133,11 @@ class DecodeGraphs:
         return graph.run(ids_BT, batch)
 
     def warm(self) -> None:
-        """Capture every width a request can reach in the current cache (so none is captured mid-request)."""
-        width = bucket(self.pool.capacity_tokens, self.pool.block_size)
+        """Capture every width a request can reach in the current cache and the model's context, up to
+        WARM_POSITIONS (so none is captured mid-request below that; wider ones at their first use: capturing runs
+        the pass, whose gathered prefix a huge cache would make large for nothing)."""
+        positions = min(self.pool.capacity_tokens, self.model.config.max_position_embeddings, WARM_POSITIONS)
+        width = bucket(positions, self.pool.block_size)
         w = 2
         while w <= width and self.usable():
             self._graph(w)

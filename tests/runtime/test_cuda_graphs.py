@@ -48,9 +48,9 @@ def test_replayed_passes_decode_the_eager_run_s_tokens_and_every_width_is_captur
         replayed = graphs.graphs[batch.block_table_BN.shape[1]].run(ids_BT, batch)
         eager = llm.loaded.model(ids_BT, batch, llm.engine.pool.cache, logits_at_B=torch.zeros(1, dtype=torch.long))
     assert torch.equal(replayed, eager)
-    with_graphs(llm)  # a fresh set: warm captures every width the 16384-position cache can need
+    with_graphs(llm)  # a fresh set: warm captures every width the model's 2,048-position context can need
     llm.engine.runner.graphs.warm()
-    assert sorted(llm.engine.runner.graphs.graphs) == [2 ** i for i in range(1, 11)]
+    assert sorted(llm.engine.runner.graphs.graphs) == [2 ** i for i in range(1, 8)]
 
 
 def test_a_reallocated_cache_drops_the_graphs_that_held_its_addresses(demo_checkpoint):
@@ -95,6 +95,15 @@ def test_warm_stops_at_the_cache_s_largest_width(demo_checkpoint):
     graphs = with_graphs(llm)
     graphs.warm()
     assert sorted(graphs.graphs) == [2, 4]  # 64 positions: 4 blocks of 16
+
+
+def test_warm_leaves_widths_past_its_cap_to_their_first_use(demo_checkpoint, monkeypatch):
+    import moepager.runtime.cuda_graphs as cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "WARM_POSITIONS", 40)
+    graphs = with_graphs(LLM(demo_checkpoint, show_progress=False))
+    graphs.warm()
+    assert sorted(graphs.graphs) == [2, 4]  # 40 positions: 3 blocks of 16
 
 
 def _config(path, kv_tokens):

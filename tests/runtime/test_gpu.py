@@ -64,7 +64,7 @@ def test_cuda_graphs_replay_the_padded_pass_and_paging_matches_the_eager_step(bf
     prompts = ["The history of", "Water", "A"]
     graphed = LLM(bf16_checkpoint, device="cuda", show_progress=False)
     graphs = graphed.engine.runner.graphs
-    assert graphs is not None and graphs.enabled and len(graphs.graphs) >= 10  # warm: every width of the cache
+    assert graphs is not None and graphs.enabled and len(graphs.graphs) == 7  # warm: the 2,048-position context
     got = [graphed.generate([p], params)[0].token_ids for p in prompts]  # one row: every decode step replayed
     assert graphs.enabled and graphs.replays == 3 * 39 + 1  # and the prefill of "A", one token: a decode's shape
     ids_BT, batch = graphed.engine.runner._last
