@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from moepager.experts.executor import ResidentExecutor
+from moepager.experts.executor import ExpertExecutor, ResidentExecutor
 from moepager.models.layers import CausalLM, ForwardBatch
 from moepager.runtime.kv_pool import SCRATCH, KVBlockPool
 
@@ -42,7 +42,7 @@ def bucket(kv_len: int, block_size: int) -> int:
     return 1 << (need - 1).bit_length()
 
 
-def graphable(model: CausalLM, experts: object, device: torch.device) -> bool:
+def graphable(model: CausalLM, experts: ExpertExecutor, device: torch.device) -> bool:
     """Whether this model's decode pass can be captured at all (the run-time conditions are `DecodeGraphs.usable`).
     Not with a sliding window: the runner reads such a model's exact window, unpadded (runner.py)."""
     return (device.type == "cuda" and not model.config.sliding_window and isinstance(experts, ResidentExecutor)
