@@ -261,6 +261,8 @@ class LLM:
         the others as decode steps (TPOT); TTFT is the mean over requests from joining to the first token."""
         assert not self.engine.has_work(), "LLM.generate runs on an idle engine (not beside a server)"
         stats = RunStats(threads=torch.get_num_threads())
+        graphs = self.engine.runner.graphs
+        replays = graphs.replays if graphs is not None else 0
         index = {r.request_id: k for k, r in enumerate(requests)}
         pending = list(reversed(requests))
         for _ in range(len(requests) if concurrency is None else concurrency):
@@ -281,6 +283,7 @@ class LLM:
         stats.decode_s = sum(stats.tpot_s)
         stats.num_prompts, stats.prompt_tokens = len(requests), sum(len(r.prompt_ids) for r in requests)
         stats.generated_tokens = sum(len(r.out_ids) for r in requests)
+        stats.graph_replays = graphs.replays - replays if graphs is not None else None
         return stats
 
     def _join(self, request: Request) -> None:

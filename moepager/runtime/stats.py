@@ -62,6 +62,8 @@ class RunStats:
     """The format the dense projections ran in (the run's dtype, or int8: lossy)."""
     peak_rss_bytes: int = 0
     peak_cuda_bytes: int | None = None
+    graph_replays: int | None = None
+    """Decode passes replayed from CUDA graphs (runtime/cuda_graphs.py); None where the engine has none."""
     sections: dict[str, Section] = field(default_factory=dict)
 
     @property
@@ -93,6 +95,8 @@ class RunStats:
         self.prefill_s += part.prefill_s
         self.decode_s += part.decode_s
         self.tpot_s += part.tpot_s
+        if part.graph_replays is not None:
+            self.graph_replays = (self.graph_replays or 0) + part.graph_replays
 
     def finish(self, device: torch.device) -> None:
         self.peak_rss_bytes = peak_rss_bytes()
@@ -128,6 +132,8 @@ class RunStats:
         ]
         if self.peak_cuda_bytes is not None:
             rows.append(("peak CUDA memory", f"{self.peak_cuda_bytes / 2**20:.0f} MiB"))
+        if self.graph_replays is not None:
+            rows.append(("CUDA graphs", f"{self.graph_replays} decode passes replayed"))
         for section in self.sections.values():
             rows += section.rows()
         width = max(len(k) for k, _ in rows)

@@ -41,6 +41,7 @@ def test_replayed_passes_decode_the_eager_run_s_tokens_and_every_width_is_captur
     graphs = with_graphs(llm, capture)
     assert greedy(llm) == want
     assert graphs.replays == 2 * 39  # every decode step of both requests
+    assert llm.last_stats.graph_replays == 39 and "39 decode passes replayed" in llm.last_stats.table()
     assert sorted(graphs.graphs) == [2, 4] and len(captured) == 2  # prefixes up to 43 positions: widths 2 and 4
     ids_BT, batch = llm.engine.runner._last  # the last pass, as replayed: its padded, masked batch
     assert batch.block_table_BN is not None and batch.mask_B1TS is not None
