@@ -12,7 +12,7 @@ a decode token against the device's copy bandwidth counted as bytes read plus by
 device-to-device copy), as issue 15 counts it. Kernels run and launch calls made per moepager decode token come
 from the profiler (a replayed CUDA graph runs its kernels from one launch call).
 
-    python benchmarks/decode_gpu.py [--layers 8] [--decode 64] [--experts bf16 bf16-eager int8 int4] [--no-hf]
+    python benchmarks/decode_gpu.py [--layers 8] [--decode 64] [--experts bf16 bf16-eager int8 int8-eager int4]
 Prints a table and writes results/decode_gpu.json and .png.
 """
 
@@ -98,11 +98,12 @@ def launches_per_token(llm: LLM, prompt: list[int], steps: int = 8) -> tuple[flo
 
 def moepager_row(path: Path, fmt: str, args: argparse.Namespace, texts: list[list[int]],
                  copy_Bps: float) -> dict[str, Any]:
-    """`fmt`: bf16, int8, int4, or bf16-eager (CUDA graphs off)."""
+    """`fmt`: bf16, int8 or int4, with CUDA graphs where they apply; bf16-eager or int8-eager without."""
     t0 = time.perf_counter()
+    experts = fmt.removesuffix("-eager")
     llm = LLM(show_progress=False, config=EngineConfig(
-        model=str(path), device=args.device, expert_dtype=None if fmt.startswith("bf16") else fmt,
-        cuda_graphs=fmt == "bf16"))
+        model=str(path), device=args.device, expert_dtype=None if experts == "bf16" else experts,
+        cuda_graphs=not fmt.endswith("-eager")))
     active = bytes_per_decode_token(llm)
     row = {"engine": "moepager", "experts": fmt, "active_MB": active / 1e6, "load_s": time.perf_counter() - t0,
            "limit_tok_s": copy_Bps / active} | fresh_and_warm(lambda p, n: ours(llm, p, n), texts, args.decode)
@@ -122,8 +123,9 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--long", type=int, default=1000)
-    ap.add_argument("--experts", nargs="+", default=["bf16", "bf16-eager", "int8", "int4"],
-                    choices=["bf16", "bf16-eager", "int8", "int4"], help="bf16-eager: bf16 with CUDA graphs off")
+    formats = ["bf16", "bf16-eager", "int8", "int8-eager", "int4"]
+    ap.add_argument("--experts", nargs="+", default=formats, choices=formats,
+                    help="*-eager: CUDA graphs off (int4 has none: its layers read their ids on the host)")
     ap.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     ap.add_argument("--model", type=Path, help="another checkpoint (default: the qwen3 geometry, made once)")
     ap.add_argument("--out", default="decode_gpu", help="results name")

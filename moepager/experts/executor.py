@@ -286,12 +286,25 @@ class ResidentExecutor:
         self.kernels = ArenaKernels(arena, shape, kernel)
         self.base = {layer: i * num_experts for i, layer in enumerate(moe_layers)}
         self.num_experts = num_experts
+        self.in_graph = False
+        """Set while a CUDA graph's pass runs (runtime/cuda_graphs.py): layers that would read their ids on the
+        host compute on the device instead (`run_on_device`)."""
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a CUDA graph can capture these layers: bf16 rows under `_grouped_mm` (its fp32 path reads the
+        group offsets on the host), or int8 rows gathered on the device (`indexed_rows`)."""
+        kernels = self.kernels
+        return kernels.resolved == "grouped" and kernels.arena.dtype == torch.bfloat16 or \
+            kernels.scales_R2F is not None
 
     def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
         kernels, base = self.kernels, self.base[layer]
         kernel = kernels.batched if x_ND.shape[0] > 1 else kernels.resolved  # `choose`, inlined: per layer and token
         if kernel == "grouped":  # the layer's own rows only: empty groups still cost (CPU: 0.57 against 0.37 ms)
             return kernels.grouped_rows(x_ND, route, base, self.num_experts)
+        if self.in_graph:
+            return kernels.indexed_rows(x_ND, route, base)
         work = sort_by_expert(x_ND, route)
         if kernel == "loop":  # straight to the kernel, expert e at arena row base + e (a decode step's path)
             out_MD = torch.empty_like(work.x_MD)

@@ -11,9 +11,10 @@ needs fixed shapes and no host reads, so:
 - one graph per width, captured into one shared memory pool (`DecodeGraphs.warm` captures every width the
   cache can need when the engine starts, so no request pays a capture), inputs copied into its static buffers
   before each replay, its logits copied out after;
-- only where nothing in the pass reads the device on the host: every expert resident and computed by
-  `_grouped_mm` (bf16: its fp32 path reads the group offsets on the host), the model's own router, no observer.
-  Anything else runs eagerly. A capture that fails turns graphs off for the engine, with one warning.
+- only where nothing in the pass reads the device on the host: every expert resident, bf16 computed by
+  `_grouped_mm` (its fp32 path reads the group offsets on the host) or int8 gathered on the device inside the graph
+  (`ResidentExecutor.in_graph`: `indexed_rows`, not the eager `loop`, which reads the ids), the model's own router,
+  no observer. Anything else runs eagerly. A capture that fails turns graphs off for the engine, with one warning.
 """
 
 from __future__ import annotations
@@ -46,8 +47,7 @@ def graphable(model: CausalLM, experts: ExpertExecutor, device: torch.device) ->
     """Whether this model's decode pass can be captured at all (the run-time conditions are `DecodeGraphs.usable`).
     Not with a sliding window: the runner reads such a model's exact window, unpadded (runner.py)."""
     return (device.type == "cuda" and not model.config.sliding_window and isinstance(experts, ResidentExecutor)
-            and experts.kernels.resolved == "grouped" and experts.kernels.arena.dtype == torch.bfloat16
-            and all(p.device.type == "cuda" for p in model.parameters()))
+            and experts.graph_safe and all(p.device.type == "cuda" for p in model.parameters()))
 
 
 def cuda_capture(step: Step, pool: tuple[int, int] | None = None) -> Step:
@@ -86,10 +86,18 @@ class _Graph:
         self.table_BW = torch.full((1, width), SCRATCH, dtype=torch.long, device=dev)
         self.last_B = torch.zeros(1, dtype=torch.long, device=dev)
 
+        executors = {id(b.executor): b.executor for b in model.moe_blocks() if isinstance(b.executor, ResidentExecutor)}
+
         def step() -> torch.Tensor:
             batch = ForwardBatch.build(self.positions_BT, kv_len=width * block_size, masked=True,
                                        paged=(self.table_BW, self.block_BT, self.offset_BT))
-            return model(self.ids_BT, batch, cache, logits_at_B=self.last_B)
+            for executor in executors.values():  # layers that would read their ids on the host gather on the device
+                executor.in_graph = True
+            try:
+                return model(self.ids_BT, batch, cache, logits_at_B=self.last_B)
+            finally:
+                for executor in executors.values():
+                    executor.in_graph = False
         with torch.inference_mode():
             self.replay = capture(step)
 

@@ -47,11 +47,36 @@ def test_replayed_passes_decode_the_eager_run_s_tokens_and_every_width_is_captur
     assert batch.block_table_BN is not None and batch.mask_B1TS is not None
     with torch.inference_mode():  # the same pass run eagerly (rewriting the same cache slot): equal bit for bit
         replayed = graphs.graphs[batch.block_table_BN.shape[1]].run(ids_BT, batch)
+        llm.loaded.experts.in_graph = True  # as in the graph: every layer's experts on the device (`indexed_rows`)
         eager = llm.loaded.model(ids_BT, batch, llm.engine.pool.cache, logits_at_B=torch.zeros(1, dtype=torch.long))
+        llm.loaded.experts.in_graph = False
     assert torch.equal(replayed, eager)
     with_graphs(llm)  # a fresh set: warm captures every width the model's 2,048-position context can need
     llm.engine.runner.graphs.warm()
     assert sorted(llm.engine.runner.graphs.graphs) == [2 ** i for i in range(1, 8)]
+
+
+def test_int8_experts_are_gathered_on_the_device_inside_a_graph_and_decode_the_eager_tokens(demo_checkpoint,
+                                                                                           monkeypatch):
+    """int8 layers read their ids on the host eagerly (`loop`); inside a graph they gather their rows on the device
+    (`indexed_rows`), so a graph can capture them. int4 (CUDA's plain nibbles) and fp32 cannot be captured."""
+    from moepager.config import EngineConfig
+    from moepager.experts.executor import ArenaKernels
+
+    config = EngineConfig(model=str(demo_checkpoint), expert_dtype="int8")
+    want = greedy(LLM(show_progress=False, config=config), 16)
+    llm = LLM(show_progress=False, config=config)
+    assert llm.loaded.experts.graph_safe
+    gathered = []
+    indexed = ArenaKernels.indexed_rows
+    monkeypatch.setattr(ArenaKernels, "indexed_rows", lambda self, *a: gathered.append(1) or indexed(self, *a))
+    graphs = with_graphs(llm)
+    assert greedy(llm, 16) == want
+    assert graphs.replays == 2 * 15 and len(gathered) == 2 * 15 * llm.loaded.config.num_moe_layers
+    assert not llm.loaded.experts.in_graph  # set only while a graph's pass runs
+    assert not LLM(show_progress=False, config=EngineConfig(model=str(demo_checkpoint), expert_dtype="int4")
+                   ).loaded.experts.graph_safe
+    assert not LLM(demo_checkpoint, show_progress=False).loaded.experts.graph_safe  # fp32 rows, `loop` on the CPU
 
 
 def test_a_reallocated_cache_drops_the_graphs_that_held_its_addresses(demo_checkpoint):
