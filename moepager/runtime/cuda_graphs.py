@@ -65,7 +65,8 @@ def cuda_capture(step: Step, pool: tuple[int, int] | None = None) -> Step:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # thread_local: a server's other threads may touch CUDA while the engine thread captures a wider table
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         out = step()
 
     def replay() -> torch.Tensor:
