@@ -8,9 +8,9 @@ needs fixed shapes and no host reads, so:
   that run eagerly (`--no-cuda-graphs`, paged experts, a trace recorder) read their exact prefix instead: the
   padded pass cost the eager step 15% on the qwen3 geometry (88.2 against 103.9 tok/s, H200), so the two round
   differently (graphed runs are close to eager ones, not equal; paged runs equal the eager step bit for bit);
-- one graph per width, captured into one shared memory pool (`DecodeGraphs.warm` captures every width the
-  cache can need when the engine starts, so no request pays a capture), inputs copied into its static buffers
-  before each replay, its logits copied out after;
+- one graph per width, captured into one shared memory pool (`DecodeGraphs.warm` captures, when the engine
+  starts, every width of prefixes up to the cache, the model's context and WARM_POSITIONS, so no request below
+  that pays a capture), inputs copied into its static buffers before each replay, its logits copied out after;
 - only where nothing in the pass reads the device on the host: every expert resident, bf16 computed by
   `_grouped_mm` (its fp32 path reads the group offsets on the host) or int8 gathered on the device inside the graph
   (`ResidentExecutor.in_graph`: `indexed_rows`, not the eager `loop`, which reads the ids), the model's own router,
