@@ -349,32 +349,32 @@ class ExpertStore:
             if slot is None:
                 raise RuntimeError("host tier has no evictable slot although nothing is pinned there")
             src = host.buffers[slot]
-            ticket = self.transfers.submit(self._disk_then_copy, key, src, dst, after, counters, ahead=ahead)
+            ticket = self.transfers.submit(self._disk_then_copy, key, src, dst, after, counters, ahead, ahead=ahead)
         else:
             counters.host_hits += 1
             src, previous = host.buffers[slot], table.ticket[slot]
             if settled(previous):
-                ticket = completed(self._copy(dst, src, after, counters))
+                ticket = completed(self._copy(dst, src, after, counters, ahead))
             else:
-                ticket = self.transfers.submit(self._after_then_copy, previous, src, dst, after, counters)
+                ticket = self.transfers.submit(self._after_then_copy, previous, src, dst, after, counters, ahead)
         table.ticket[slot] = ticket  # the host slot stays busy until the copy out of it is done
         return ticket
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None,
-              counters: PhaseCounters) -> torch.cuda.Event | None:
-        event, seconds = self.transfers.copy(dst, src, after)
+              counters: PhaseCounters, ahead: bool) -> torch.cuda.Event | None:
+        event, seconds = self.transfers.copy(dst, src, after, ahead)
         counters.copy(src.numel() * src.element_size(), seconds)
         return event
 
-    def _disk_then_copy(self, key: ExpertKey, src: torch.Tensor, dst: torch.Tensor,
-                        after: torch.cuda.Event | None, counters: PhaseCounters) -> torch.cuda.Event | None:
+    def _disk_then_copy(self, key: ExpertKey, src: torch.Tensor, dst: torch.Tensor, after: torch.cuda.Event | None,
+                        counters: PhaseCounters, ahead: bool) -> torch.cuda.Event | None:
         self._disk_job(key, src, counters)
-        return self._copy(dst, src, after, counters)
+        return self._copy(dst, src, after, counters, ahead)
 
-    def _after_then_copy(self, previous: Ticket, src: torch.Tensor, dst: torch.Tensor,
-                         after: torch.cuda.Event | None, counters: PhaseCounters) -> torch.cuda.Event | None:
+    def _after_then_copy(self, previous: Ticket, src: torch.Tensor, dst: torch.Tensor, after: torch.cuda.Event | None,
+                         counters: PhaseCounters, ahead: bool) -> torch.cuda.Event | None:
         previous.result()  # the host slot's own read (a copy out of it needs no wait: reads may overlap)
-        return self._copy(dst, src, after, counters)
+        return self._copy(dst, src, after, counters, ahead)
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> int:
         """Start loading `experts` of `layer` ahead of time (`prefetch_ranked`). Returns loads issued."""

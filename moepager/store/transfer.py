@@ -35,8 +35,14 @@ class Transfers:
         self.device = device
         self.pool = ThreadPoolExecutor(max(io_threads, 1), thread_name_prefix="moepager-io")
         self.ahead_pool = ThreadPoolExecutor(max(ahead_threads, 1), thread_name_prefix="moepager-prefetch")
-        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        """The named stream host->device copies run on, beside the compute stream."""
+        cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device, priority=-1) if cuda else None
+        """The named stream demand host->device copies run on, beside the compute stream (high priority)."""
+        self.ahead_stream = torch.cuda.Stream(device) if cuda else None
+        """Prefetch copies' own stream: on one stream a demand copy queued behind every prefetch copy enqueued
+        before it (up to the prefetcher's in-flight limit: 12 of 0.33 ms for DeepSeek-V2-Lite's experts over an
+        H200's link). Two copies into one slot never overlap across the streams: a slot whose copy has not
+        landed is never evicted (slots.py `_victims` takes settled slots only)."""
         self._demand = 0
         """Demand loads submitted and not finished."""
         self._idle = threading.Condition()
@@ -77,22 +83,24 @@ class Transfers:
         with self._idle:
             return self._demand
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None) -> tuple[
-            torch.cuda.Event | None, float]:
-        """Copy `src` into `dst` once `after` (the destination slot's last use) has passed.
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None, ahead: bool = False
+             ) -> tuple[torch.cuda.Event | None, float]:
+        """Copy `src` into `dst` once `after` (the destination slot's last use) has passed, on the prefetch stream
+        when `ahead`.
 
         Returns the event marking the copy's end (CUDA) and the seconds spent synchronously (off CUDA).
         """
-        if self.copy_stream is None:
+        stream = self.ahead_stream if ahead else self.copy_stream
+        if stream is None:
             start = time.perf_counter()
             dst.copy_(src)
             return None, time.perf_counter() - start
-        with torch.cuda.stream(self.copy_stream):
+        with torch.cuda.stream(stream):
             if after is not None:
-                self.copy_stream.wait_event(after)
+                stream.wait_event(after)
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(self.copy_stream)
+            event.record(stream)
         return event, 0.0
 
     def shutdown(self) -> None:

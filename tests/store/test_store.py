@@ -249,6 +249,27 @@ def test_acquire_pins_a_whole_layer_and_agrees_with_stream(host):
     b.close()
 
 
+def test_prefetch_copies_out_of_the_host_tier_take_the_prefetch_stream_and_demand_copies_the_other():
+    """On CUDA a prefetch copy runs on its own stream (`Transfers.ahead_stream`), so a demand copy never queues
+    behind prefetch copies on one stream; here the lane each copy asked for is recorded."""
+    store, _ = make_store(4, layers=(0, 1), host=6)
+    lanes: list[tuple[float, bool]] = []
+    copy = store.transfers.copy
+
+    def recording(dst, src, after, ahead=False):
+        lanes.append((float(src[0]), ahead))
+        return copy(dst, src, after, ahead)
+    store.transfers.copy = recording
+    consume(store, 0, [0, 1])  # both read from disk into the host tier, then copied on demand
+    next_pass(store)
+    assert store.prefetch(1, [3]) == 1
+    store.transfers.pool.submit(lambda: None).result()  # (the lanes' threads have run their jobs)
+    store.transfers.ahead_pool.submit(lambda: None).result()
+    assert acquired(store, 1, [3]) == [1003.0]  # the prefetched expert, no second copy
+    assert sorted(lanes) == [(0.0, False), (1.0, False), (1003.0, True)]
+    store.close()
+
+
 def test_a_prefetch_cancelled_through_the_host_tier_is_loaded_on_demand():
     """Regression (H100, host cache over disk with expert-map prefetch): a prefetch still queued when its layer
     routes is cancelled; its host slot held no expert, yet a demand load found it there and raised the
