@@ -12,7 +12,7 @@ a decode token against the device's copy bandwidth counted as bytes read plus by
 device-to-device copy), as issue 15 counts it. Kernels run and launch calls made per moepager decode token come
 from the profiler (a replayed CUDA graph runs its kernels from one launch call).
 
-    python benchmarks/decode_gpu.py [--layers 8] [--decode 64] [--experts bf16 bf16-eager int8 int8-eager int4]
+    python benchmarks/decode_gpu.py [--layers 8] [--decode 64] [--experts bf16 bf16-eager int8 ... int4-eager]
 Prints a table and writes results/decode_gpu.json and .png.
 """
 
@@ -98,7 +98,7 @@ def launches_per_token(llm: LLM, prompt: list[int], steps: int = 8) -> tuple[flo
 
 def moepager_row(path: Path, fmt: str, args: argparse.Namespace, texts: list[list[int]],
                  copy_Bps: float) -> dict[str, Any]:
-    """`fmt`: bf16, int8 or int4, with CUDA graphs where they apply; bf16-eager or int8-eager without."""
+    """`fmt`: bf16, int8 or int4, with CUDA graphs where they apply; with -eager, without."""
     t0 = time.perf_counter()
     experts = fmt.removesuffix("-eager")
     llm = LLM(show_progress=False, config=EngineConfig(
@@ -123,9 +123,8 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--long", type=int, default=1000)
-    formats = ["bf16", "bf16-eager", "int8", "int8-eager", "int4"]
-    ap.add_argument("--experts", nargs="+", default=formats, choices=formats,
-                    help="*-eager: CUDA graphs off (int4 has none: its layers read their ids on the host)")
+    formats = ["bf16", "bf16-eager", "int8", "int8-eager", "int4", "int4-eager"]
+    ap.add_argument("--experts", nargs="+", default=formats, choices=formats, help="*-eager: CUDA graphs off")
     ap.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     ap.add_argument("--model", type=Path, help="another checkpoint (default: the qwen3 geometry, made once)")
     ap.add_argument("--out", default="decode_gpu", help="results name")

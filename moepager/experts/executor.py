@@ -111,6 +111,16 @@ def group_ends(sorted_M: torch.Tensor, groups: int) -> torch.Tensor:
                               right=True, out_int32=True)
 
 
+def _dequantized_rows(q_MNH: torch.Tensor, s_MGN2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Plain int4 rows [M, N, K/2] with their group scales and zeros [M, K/g, N, 2] as [M, N, K] weights in
+    `dtype`: what `QuantExpertWeights` computes for one plain expert (experts/quant.py), for M at once."""
+    m, n, h = q_MNH.shape
+    groups = s_MGN2.shape[1]
+    values = torch.stack((q_MNH & 15, q_MNH >> 4), -1).reshape(m, n, groups, 2 * h // groups)
+    scale, zero = s_MGN2.float().permute(3, 0, 2, 1)[..., None]  # each [M, N, G, 1]
+    return ((values.float() - 8) * scale + zero).reshape(m, n, 2 * h).to(dtype)
+
+
 def grouped_aligned(shape: ExpertShape) -> bool:
     """Whether `torch._grouped_mm` takes these experts on CUDA: every row stride a multiple of 16 bytes (a 1-wide
     expert, as `moepager calibrate` builds to time the overhead, is not: CUDA refuses it)."""
@@ -156,6 +166,8 @@ class ArenaKernels:
         """int8: each arena row's gate_up and down scales (None for float experts)."""
         self.int4_rows: tuple[torch.Tensor, ...] | None = None
         """int4 in the CPU kernel's layout: whole-arena views of the packed gate_up and down and their group scales."""
+        self.int4_plain_rows: tuple[torch.Tensor, ...] | None = None
+        """int4 as plain nibbles (CUDA): the same four whole-arena views."""
         if shape.quant is not None:  # whole-arena views of the quantized buffers' sections
             views = tuple(arena[:, s.offset: s.offset + s.nbytes].view(s.dtype).unflatten(1, s.shape)
                           for s in sections(d, f, shape.dtype, shape.quant)[0])
@@ -163,6 +175,8 @@ class ArenaKernels:
                 self.gate_up_R2FD, self.down_RDF, self.scales_R2F, self.scales_RD = views
             elif shape.quant.layout == "cpu":
                 self.int4_rows = views
+            else:
+                self.int4_plain_rows = views
         if not self.quantized:
             self.gate_up_R2FD = arena[:, : 2 * f * d].view(-1, 2 * f, d)
             self.down_RDF = arena[:, 2 * f * d:].view(-1, d, f)
@@ -209,6 +223,13 @@ class ArenaKernels:
         converted to x's dtype as they are copied, which is exact, and scaled per output channel after each GEMM)."""
         if self.int4_rows is not None:
             return self._unrolled_int4_swiglu(x_MD, index_M)
+        if self.int4_plain_rows is not None:  # the rows' nibbles copied out and dequantised at once
+            q_gu, q_dn, s_gu, s_dn = self.int4_plain_rows
+            gate_up_M2FD, down_MDF = (_dequantized_rows(q.index_select(0, index_M), s.index_select(0, index_M),
+                                                        x_MD.dtype) for q, s in ((q_gu, s_gu), (q_dn, s_dn)))
+            h_M12F = torch.bmm(x_MD[:, None], gate_up_M2FD.transpose(1, 2))
+            gate, up = h_M12F.chunk(2, dim=-1)
+            return torch.bmm(self.act(gate) * up, down_MDF.transpose(1, 2))[:, 0]
         gate_up_M2FD = self.gate_up_R2FD.index_select(0, index_M)  # a row copy: advanced indexing is 5x slower
         down_MDF = self.down_RDF.index_select(0, index_M)
         if self.scales_R2F is not None:
@@ -293,10 +314,9 @@ class ResidentExecutor:
     @property
     def graph_safe(self) -> bool:
         """Whether a CUDA graph can capture these layers: bf16 rows under `_grouped_mm` (its fp32 path reads the
-        group offsets on the host), or int8 rows gathered on the device (`indexed_rows`)."""
+        group offsets on the host), or int8 / int4 rows gathered on the device (`indexed_rows`)."""
         kernels = self.kernels
-        return kernels.resolved == "grouped" and kernels.arena.dtype == torch.bfloat16 or \
-            kernels.scales_R2F is not None
+        return kernels.resolved == "grouped" and kernels.arena.dtype == torch.bfloat16 or kernels.quantized
 
     def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
         kernels, base = self.kernels, self.base[layer]

@@ -12,9 +12,10 @@ needs fixed shapes and no host reads, so:
   starts, every width of prefixes up to the cache, the model's context and WARM_POSITIONS, so no request below
   that pays a capture), inputs copied into its static buffers before each replay, its logits copied out after;
 - only where nothing in the pass reads the device on the host: every expert resident, bf16 computed by
-  `_grouped_mm` (its fp32 path reads the group offsets on the host) or int8 gathered on the device inside the graph
-  (`ResidentExecutor.in_graph`: `indexed_rows`, not the eager `loop`, which reads the ids), the model's own router,
-  no observer. Anything else runs eagerly. A capture that fails turns graphs off for the engine, with one warning.
+  `_grouped_mm` (its fp32 path reads the group offsets on the host) or int8 / int4 gathered on the device inside
+  the graph (`ResidentExecutor.in_graph`: `indexed_rows`, not the eager `loop`, which reads the ids), the model's
+  own router, no observer. Anything else runs eagerly. A capture that fails turns graphs off for the engine, with
+  one warning.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ a failed capture, when graphs apply. tests/runtime/test_gpu.py captures real gra
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moepager.config import SchedulerConfig
@@ -56,14 +57,18 @@ def test_replayed_passes_decode_the_eager_run_s_tokens_and_every_width_is_captur
     assert sorted(llm.engine.runner.graphs.graphs) == [2 ** i for i in range(1, 8)]
 
 
-def test_int8_experts_are_gathered_on_the_device_inside_a_graph_and_decode_the_eager_tokens(demo_checkpoint,
-                                                                                           monkeypatch):
-    """int8 layers read their ids on the host eagerly (`loop`); inside a graph they gather their rows on the device
-    (`indexed_rows`), so a graph can capture them. int4 (CUDA's plain nibbles) and fp32 cannot be captured."""
+@pytest.mark.parametrize("expert_dtype", ["int8", "int4"])
+def test_quantized_experts_are_gathered_on_the_device_inside_a_graph_and_decode_the_eager_tokens(demo_checkpoint,
+                                                                                                 monkeypatch,
+                                                                                                 expert_dtype):
+    """Quantized layers read their ids on the host eagerly (`loop`); inside a graph they gather their rows on the
+    device (`indexed_rows`: int8 converted as copied, int4 in its CPU layout row by row, CUDA's plain nibbles
+    dequantised at once), so a graph can capture them. fp32 rows (`loop` here, `_grouped_mm`'s fp32 path on CUDA)
+    cannot be captured."""
     from moepager.config import EngineConfig
     from moepager.experts.executor import ArenaKernels
 
-    config = EngineConfig(model=str(demo_checkpoint), expert_dtype="int8")
+    config = EngineConfig(model=str(demo_checkpoint), expert_dtype=expert_dtype)
     want = greedy(LLM(show_progress=False, config=config), 16)
     llm = LLM(show_progress=False, config=config)
     assert llm.loaded.experts.graph_safe
@@ -74,9 +79,7 @@ def test_int8_experts_are_gathered_on_the_device_inside_a_graph_and_decode_the_e
     assert greedy(llm, 16) == want
     assert graphs.replays == 2 * 15 and len(gathered) == 2 * 15 * llm.loaded.config.num_moe_layers
     assert not llm.loaded.experts.in_graph  # set only while a graph's pass runs
-    assert not LLM(show_progress=False, config=EngineConfig(model=str(demo_checkpoint), expert_dtype="int4")
-                   ).loaded.experts.graph_safe
-    assert not LLM(demo_checkpoint, show_progress=False).loaded.experts.graph_safe  # fp32 rows, `loop` on the CPU
+    assert not LLM(demo_checkpoint, show_progress=False).loaded.experts.graph_safe
 
 
 def test_a_reallocated_cache_drops_the_graphs_that_held_its_addresses(demo_checkpoint):

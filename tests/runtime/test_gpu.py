@@ -82,19 +82,22 @@ def test_cuda_graphs_replay_the_padded_pass_and_paging_matches_the_eager_step(bf
     assert [paged.generate([p], params)[0].token_ids for p in prompts] == want
 
 
-def test_int8_experts_replay_a_cuda_graph_and_decode_the_eager_step_s_first_tokens(bf16_checkpoint):
-    """int8 layers gather their rows on the device inside a graph (`indexed_rows`), so int8 runs are graphed too."""
+@pytest.mark.parametrize("expert_dtype", ["int8", "int4"])
+def test_quantized_experts_replay_a_cuda_graph_and_decode_the_eager_step_s_first_tokens(bf16_checkpoint,
+                                                                                        expert_dtype):
+    """Quantized layers gather their rows on the device inside a graph (`indexed_rows`; int4 as plain nibbles,
+    dequantised at once), so int8 and int4 runs are graphed too."""
     from moepager.config import EngineConfig
 
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     graphed = LLM(show_progress=False, config=EngineConfig(model=str(bf16_checkpoint), device="cuda",
-                                                          expert_dtype="int8"))
+                                                          expert_dtype=expert_dtype))
     graphs = graphed.engine.runner.graphs
     assert graphs is not None and graphs.enabled
     got = graphed.generate(["The history of"], params)[0].token_ids
     assert graphs.replays == 23 and graphed.last_stats.graph_replays == 23
     eager = LLM(show_progress=False, config=EngineConfig(model=str(bf16_checkpoint), device="cuda",
-                                                        expert_dtype="int8", cuda_graphs=False))
+                                                        expert_dtype=expert_dtype, cuda_graphs=False))
     assert eager.generate(["The history of"], params)[0].token_ids[:8] == got[:8]
 
 
