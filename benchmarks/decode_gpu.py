@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (RESULTS, bytes_per_decode_token, ensure_model, machine_state, print_table,  # noqa: E402
                                write_json)
+from benchmarks.decode_cpu import hf_decode, ours_decode  # noqa: E402
 from moepager.config import EngineConfig  # noqa: E402
 from moepager.planning.calibrate import copy_rate  # noqa: E402
 from moepager.runtime.llm import LLM  # noqa: E402
@@ -41,30 +42,6 @@ from moepager.runtime.sampling import SamplingParams  # noqa: E402
 def prompts(vocab: int, lengths: tuple[int, ...]) -> list[list[int]]:
     gen = torch.Generator().manual_seed(0)
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
-
-
-def ours(llm: LLM, prompt: list[int], steps: int) -> float:
-    """Decode tokens/s of one generate call (`steps` decode steps after the prompt's first token)."""
-    llm.generate([prompt], SamplingParams(max_tokens=steps + 1, ignore_eos=True))
-    return llm.last_stats.decode_tokens_per_s
-
-
-def hf(model: Any, prompt: list[int], steps: int) -> float:
-    """Decode tokens/s of HF's greedy loop over its DynamicCache, timed between two synchronizations."""
-    from transformers import DynamicCache
-
-    sync = torch.cuda.synchronize if model.device.type == "cuda" else lambda: None
-    with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        out = model(torch.tensor([prompt], device=model.device), past_key_values=cache, use_cache=True)
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            out = model(nxt, past_key_values=cache, use_cache=True)
-            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        sync()
-        return steps / (time.perf_counter() - t0)
 
 
 def fresh_and_warm(run, texts: list[list[int]], steps: int) -> dict[str, float]:
@@ -106,7 +83,8 @@ def moepager_row(path: Path, fmt: str, args: argparse.Namespace, texts: list[lis
         cuda_graphs=not fmt.endswith("-eager")))
     active = bytes_per_decode_token(llm)
     row = {"engine": "moepager", "experts": fmt, "active_MB": active / 1e6, "load_s": time.perf_counter() - t0,
-           "limit_tok_s": copy_Bps / active} | fresh_and_warm(lambda p, n: ours(llm, p, n), texts, args.decode)
+           "limit_tok_s": copy_Bps / active}
+    row |= fresh_and_warm(lambda p, n: ours_decode(llm, torch.tensor([p]), n), texts, args.decode)
     row["share_of_limit"] = row["warm_tok_s"] / row["limit_tok_s"]
     if args.device == "cuda":
         row["kernels_per_token"], row["launch_calls_per_token"] = launches_per_token(llm, texts[1])
@@ -151,7 +129,7 @@ def main() -> None:
         place = {"device_map": args.device} if args.device != "cpu" else {}  # straight to the GPU (accelerate)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **place).eval()
         rows.append({"engine": "transformers", "experts": "bf16"}
-                    | fresh_and_warm(lambda p, n: hf(model, p, n), texts, args.decode))
+                    | fresh_and_warm(lambda p, n: hf_decode(model, torch.tensor([p]), n), texts, args.decode))
         print(rows[-1], flush=True)
         base = rows[-1]["warm_tok_s"]
         for r in rows[:-1]:

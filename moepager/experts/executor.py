@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from moepager.experts.compute import expert_forward
 from moepager.experts.onednn import packed_linear, packing_available, prepack
-from moepager.experts.quant import int8_packed_mm, int8_packing_available, int8_prepack, sections
+from moepager.experts.quant import dequantize_plain, int8_packed_mm, int8_packing_available, int8_prepack, sections
 from moepager.experts.weights import AnyExpertWeights, ExpertShape, expert_view
 from moepager.errors import ConfigError
 from moepager.store.store import ExpertStore
@@ -109,16 +109,6 @@ def group_ends(sorted_M: torch.Tensor, groups: int) -> torch.Tensor:
     bincount reads the ids' min and max on the host (two syncs per layer), searchsorted has a fixed output size."""
     return torch.searchsorted(sorted_M, torch.arange(groups, device=sorted_M.device, dtype=sorted_M.dtype),
                               right=True, out_int32=True)
-
-
-def _dequantized_rows(q_MNH: torch.Tensor, s_MGN2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Plain int4 rows [M, N, K/2] with their group scales and zeros [M, K/g, N, 2] as [M, N, K] weights in
-    `dtype`: what `QuantExpertWeights` computes for one plain expert (experts/quant.py), for M at once."""
-    m, n, h = q_MNH.shape
-    groups = s_MGN2.shape[1]
-    values = torch.stack((q_MNH & 15, q_MNH >> 4), -1).reshape(m, n, groups, 2 * h // groups)
-    scale, zero = s_MGN2.float().permute(3, 0, 2, 1)[..., None]  # each [M, N, G, 1]
-    return ((values.float() - 8) * scale + zero).reshape(m, n, 2 * h).to(dtype)
 
 
 def grouped_aligned(shape: ExpertShape) -> bool:
@@ -225,8 +215,8 @@ class ArenaKernels:
             return self._unrolled_int4_swiglu(x_MD, index_M)
         if self.int4_plain_rows is not None:  # the rows' nibbles copied out and dequantised at once
             q_gu, q_dn, s_gu, s_dn = self.int4_plain_rows
-            gate_up_M2FD, down_MDF = (_dequantized_rows(q.index_select(0, index_M), s.index_select(0, index_M),
-                                                        x_MD.dtype) for q, s in ((q_gu, s_gu), (q_dn, s_dn)))
+            gate_up_M2FD, down_MDF = (dequantize_plain(q.index_select(0, index_M), s.index_select(0, index_M)
+                                                       ).to(x_MD.dtype) for q, s in ((q_gu, s_gu), (q_dn, s_dn)))
             h_M12F = torch.bmm(x_MD[:, None], gate_up_M2FD.transpose(1, 2))
             gate, up = h_M12F.chunk(2, dim=-1)
             return torch.bmm(self.act(gate) * up, down_MDF.transpose(1, 2))[:, 0]
@@ -324,7 +314,7 @@ class ResidentExecutor:
         if kernel == "grouped":  # the layer's own rows only: empty groups still cost (CPU: 0.57 against 0.37 ms)
             return kernels.grouped_rows(x_ND, route, base, self.num_experts)
         if self.in_graph:
-            return kernels.indexed_rows(x_ND, route, base)
+            return self.run_on_device(layer, x_ND, route)
         work = sort_by_expert(x_ND, route)
         if kernel == "loop":  # straight to the kernel, expert e at arena row base + e (a decode step's path)
             out_MD = torch.empty_like(work.x_MD)

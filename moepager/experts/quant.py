@@ -184,8 +184,8 @@ def pack_nibbles(q_NK: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_nibbles(p_NH: torch.Tensor) -> torch.Tensor:
-    """[N, K/2] bytes -> [N, K] values in [0, 15] (uint8)."""
-    return torch.stack((p_NH & 15, p_NH >> 4), -1).reshape(p_NH.shape[0], -1)
+    """[..., N, K/2] bytes -> [..., N, K] values in [0, 15] (uint8)."""
+    return torch.stack((p_NH & 15, p_NH >> 4), -1).flatten(-2)
 
 
 def pack_int4_cpu(p_NH: torch.Tensor) -> torch.Tensor:
@@ -206,11 +206,17 @@ def pack_int4_cpu(p_NH: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_int4(q_NK: torch.Tensor, scale_NG: torch.Tensor, zero_NG: torch.Tensor) -> torch.Tensor:
-    """Float32 weights from unpacked int4 values and their group scales and zeros."""
-    n, k = q_NK.shape
-    g = k // scale_NG.shape[1]
-    w = (q_NK.float().reshape(n, -1, g) - 8) * scale_NG.float()[..., None] + zero_NG.float()[..., None]
-    return w.reshape(n, k)
+    """Float32 weights [..., N, K] from unpacked int4 values and their group scales and zeros [..., N, K/g]."""
+    g = q_NK.shape[-1] // scale_NG.shape[-1]
+    w = (q_NK.float().unflatten(-1, (-1, g)) - 8) * scale_NG.float()[..., None] + zero_NG.float()[..., None]
+    return w.flatten(-2)
+
+
+def dequantize_plain(q_NH: torch.Tensor, s_GN2: torch.Tensor) -> torch.Tensor:
+    """Float32 weights [..., N, K] of plain int4 nibbles [..., N, K/2] and the scales and zeros an expert buffer
+    stores beside them, [..., K/g, N, 2] (one projection, or a stack of them)."""
+    s_NG2 = s_GN2.transpose(-3, -2)
+    return dequantize_int4(unpack_nibbles(q_NH), s_NG2[..., 0], s_NG2[..., 1])
 
 
 def projection_tensors(fmt: QuantFormat, n: int, k: int, dtype: torch.dtype
@@ -330,7 +336,7 @@ class QuantExpertWeights:
             return int8_mm(x, q, s)
         if fmt.layout == "cpu":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, fmt.group, s)
-        return F.linear(x, dequantize_int4(unpack_nibbles(q), s[..., 0].t(), s[..., 1].t()).to(x.dtype))
+        return F.linear(x, dequantize_plain(q, s).to(x.dtype))
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Float32 (gate_up [2F, D], down [D, F]): what the kernels compute with (for tests)."""

@@ -32,6 +32,8 @@ from moepager.runtime.kv_pool import SCRATCH, KVBlockPool
 WARM_POSITIONS = 16384
 """`DecodeGraphs.warm` captures the widths of prefixes up to this many positions (the default KV cache's size)."""
 
+Paged = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""A paged pass's (block table [1, W], slot block [1, 1], slot offset [1, 1]), as `ForwardBatch.build` takes them."""
 Step = Callable[[], torch.Tensor]
 Capture = Callable[[Step], Step]
 """Turns a step (a closure over static buffers) into its replay: a CUDA graph's, or on the CPU (tests) itself."""
@@ -48,7 +50,7 @@ def graphable(model: CausalLM, experts: ExpertExecutor, device: torch.device) ->
     """Whether this model's decode pass can be captured at all (the run-time conditions are `DecodeGraphs.usable`).
     Not with a sliding window: the runner reads such a model's exact window, unpadded (runner.py)."""
     return (device.type == "cuda" and not model.config.sliding_window and isinstance(experts, ResidentExecutor)
-            and experts.graph_safe and all(p.device.type == "cuda" for p in model.parameters()))
+            and experts.graph_safe)
 
 
 def cuda_capture(step: Step, pool: tuple[int, int] | None = None) -> Step:
@@ -89,10 +91,12 @@ class _Graph:
         self.last_B = torch.zeros(1, dtype=torch.long, device=dev)
 
         executors = {id(b.executor): b.executor for b in model.moe_blocks() if isinstance(b.executor, ResidentExecutor)}
+        self.batch: ForwardBatch | None = None
+        """The pass's batch over the static inputs, its mask computed inside the graph (the runner's `_last`)."""
 
         def step() -> torch.Tensor:
-            batch = ForwardBatch.build(self.positions_BT, kv_len=width * block_size, masked=True,
-                                       paged=(self.table_BW, self.block_BT, self.offset_BT))
+            batch = self.batch = ForwardBatch.build(self.positions_BT, kv_len=width * block_size, masked=True,
+                                                    paged=(self.table_BW, self.block_BT, self.offset_BT))
             for executor in executors.values():  # layers that would read their ids on the host gather on the device
                 executor.in_graph = True
             try:
@@ -103,15 +107,17 @@ class _Graph:
         with torch.inference_mode():
             self.replay = capture(step)
 
-    def run(self, ids_BT: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        assert batch.block_table_BN is not None and batch.slot_block_BT is not None
-        assert batch.slot_offset_BT is not None
+    def run(self, ids_BT: torch.Tensor, positions_BT: torch.Tensor, paged: Paged) -> tuple[torch.Tensor, ForwardBatch]:
+        """The pass's logits [1, V] (copied out: the next replay overwrites the static output) and its batch."""
+        table_BW, block_BT, offset_BT = paged
         self.ids_BT.copy_(ids_BT)
-        self.positions_BT.copy_(batch.positions_BT)
-        self.block_BT.copy_(batch.slot_block_BT)
-        self.offset_BT.copy_(batch.slot_offset_BT)
-        self.table_BW.copy_(batch.block_table_BN)
-        return self.replay().clone()  # the next replay overwrites the static output
+        self.positions_BT.copy_(positions_BT)
+        self.block_BT.copy_(block_BT)
+        self.offset_BT.copy_(offset_BT)
+        self.table_BW.copy_(table_BW)
+        logits = self.replay().clone()
+        assert self.batch is not None
+        return logits, self.batch
 
 
 class DecodeGraphs:
@@ -133,14 +139,15 @@ class DecodeGraphs:
         nothing observes it (a trace recorder, a prefetcher, a routing replay run eagerly: `traceable`)."""
         return self.enabled and self.model.traceable
 
-    def run(self, ids_BT: torch.Tensor, batch: ForwardBatch, width: int) -> torch.Tensor | None:
-        """The pass's logits [1, V] replayed from the graph of `width` (captured now if missing); None where
-        the capture failed (the caller runs the pass eagerly, as it will from now on)."""
-        graph = self._graph(width)
+    def run(self, ids_BT: torch.Tensor, positions_BT: torch.Tensor, paged: Paged
+            ) -> tuple[torch.Tensor, ForwardBatch] | None:
+        """The pass's logits [1, V] and batch, replayed from the graph of the block table's width (captured now if
+        missing); None where the capture failed (the caller runs the pass eagerly, as it will from now on)."""
+        graph = self._graph(paged[0].shape[1])
         if graph is None:
             return None
         self.replays += 1
-        return graph.run(ids_BT, batch)
+        return graph.run(ids_BT, positions_BT, paged)
 
     def warm(self) -> None:
         """Capture every width a request can reach in the current cache and the model's context, up to

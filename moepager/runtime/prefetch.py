@@ -219,7 +219,7 @@ def _router_scores(block: MoEBlock) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def _embedding(table: torch.nn.Embedding) -> SemanticEmbed:
     def embed(ids_N: torch.Tensor) -> torch.Tensor:
-        return table(long_tensor(ids_N.tolist(), table.weight.device))  # no sync on the way there (one back)
+        return table(long_tensor(ids_N, table.weight.device))  # no sync on the way there (one back)
     return embed
 
 

@@ -75,20 +75,23 @@ class ModelRunner:
         # Blocks past kv_len, 2 or more: a compiled step's graph would specialise a width of 1, and a prefix that
         # fills its blocks exactly (compile again; models/compiled.py). One row's one token replayed from a CUDA
         # graph: a power of two under a mask, the graph's shapes (runtime/cuda_graphs.py)
-        one = b * t == 1 and self.graphs is not None and not self.window and self.graphs.usable()
-        width = bucket(kv_len, bs) if one else max(2, kv_len // bs + 1)
+        graphs = self.graphs if b * t == 1 and self.graphs is not None and self.graphs.usable() else None
+        width = bucket(kv_len, bs) if graphs is not None else max(2, kv_len // bs + 1)
         table = [block for x in tables for block in x[:width] + [SCRATCH] * (width - len(x))]
         padded = len(valid) < b * t
         parts = [ids, positions, slot_block, slot_offset, table, last] + ([valid] if padded else [])
         ids_BT, positions_BT, block_BT, offset_BT, table_BW, last_B, *valid_N = self._to_device(parts)
         shape = (b, t)
-        batch = ForwardBatch.build(positions_BT.view(shape), valid_N=valid_N[0] if padded else None,
-                                   sliding_window=self.window, kv_len=width * bs if one else kv_len, masked=one,
-                                   paged=(table_BW.view(b, width), block_BT.view(shape), offset_BT.view(shape)))
         self.on_pass(self._info(rows, torch.tensor(fed)))
-        ids_BT = ids_BT.view(shape)
-        logits_BV = self.graphs.run(ids_BT, batch, width) if one and self.graphs is not None else None
-        if logits_BV is None:
+        ids_BT, positions_BT = ids_BT.view(shape), positions_BT.view(shape)
+        paged = (table_BW.view(b, width), block_BT.view(shape), offset_BT.view(shape))
+        replayed = graphs.run(ids_BT, positions_BT, paged) if graphs is not None else None
+        if replayed is not None:  # the graph's own batch: its mask is computed inside the graph
+            logits_BV, batch = replayed
+        else:
+            batch = ForwardBatch.build(positions_BT, valid_N=valid_N[0] if padded else None, sliding_window=self.window,
+                                       kv_len=width * bs if graphs is not None else kv_len, masked=graphs is not None,
+                                       paged=paged)
             logits_BV = self.model(ids_BT, batch, self.pool.cache, logits_at_B=last_B)
         for r in rows:
             r.request.num_computed = r.start + r.count

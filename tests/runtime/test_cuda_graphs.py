@@ -47,7 +47,8 @@ def test_replayed_passes_decode_the_eager_run_s_tokens_and_every_width_is_captur
     ids_BT, batch = llm.engine.runner._last  # the last pass, as replayed: its padded, masked batch
     assert batch.block_table_BN is not None and batch.mask_B1TS is not None
     with torch.inference_mode():  # the same pass run eagerly (rewriting the same cache slot): equal bit for bit
-        replayed = graphs.graphs[batch.block_table_BN.shape[1]].run(ids_BT, batch)
+        paged = (batch.block_table_BN, batch.slot_block_BT, batch.slot_offset_BT)
+        replayed, _ = graphs.graphs[batch.block_table_BN.shape[1]].run(ids_BT, batch.positions_BT, paged)
         llm.loaded.experts.in_graph = True  # as in the graph: every layer's experts on the device (`indexed_rows`)
         eager = llm.loaded.model(ids_BT, batch, llm.engine.pool.cache, logits_at_B=torch.zeros(1, dtype=torch.long))
         llm.loaded.experts.in_graph = False

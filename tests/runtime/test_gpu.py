@@ -69,7 +69,8 @@ def test_cuda_graphs_replay_the_padded_pass_and_paging_matches_the_eager_step(bf
     assert graphs.enabled and graphs.replays == 3 * 39 + 1  # and the prefill of "A", one token: a decode's shape
     ids_BT, batch = graphed.engine.runner._last
     with torch.inference_mode():
-        replayed = graphs.graphs[batch.block_table_BN.shape[1]].run(ids_BT, batch)
+        paged = (batch.block_table_BN, batch.slot_block_BT, batch.slot_offset_BT)
+        replayed, _ = graphs.graphs[batch.block_table_BN.shape[1]].run(ids_BT, batch.positions_BT, paged)
         eager_pass = graphed.loaded.model(ids_BT, batch, graphed.engine.pool.cache,
                                           logits_at_B=torch.zeros(1, dtype=torch.long, device="cuda"))
     assert torch.equal(replayed, eager_pass)
