@@ -33,8 +33,8 @@ OWN_GENERATOR_NUMEL = 1 << 20
 checkpoint made with seed s from one seeded s * TENSOR_SEEDS + i + 1); smaller ones from the seed's one generator,
 in order (so small checkpoints, the tests' included, are what they always were)."""
 TENSOR_SEEDS = 1_000_003
-GENERATORS = max(1, min(8, os.cpu_count() or 1))
-"""Threads drawing tensors ahead of the writer (each holds at most one tensor)."""
+GENERATORS = 8
+"""Most threads drawing tensors ahead of the writer (each holds at most one tensor); fewer on fewer CPUs."""
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -130,8 +130,9 @@ def _write_checkpoint(out_dir: Path, config: dict[str, Any], torch_dtype: torch.
         name, dt, shape = entries[i]
         return _random_tensor(name, shape, dt, torch.Generator().manual_seed(seed * TENSOR_SEEDS + i + 1)
                               if large[i] else gen)
-    with ThreadPoolExecutor(GENERATORS) as pool:
-        write_shards(out_dir, entries, _ahead(pool, GENERATORS, [name for name, _, _ in entries], large, make),
+    threads = max(1, min(GENERATORS, os.cpu_count() or 1))
+    with ThreadPoolExecutor(threads) as pool:
+        write_shards(out_dir, entries, _ahead(pool, threads, [name for name, _, _ in entries], large, make),
                      shard_bytes, desc, show_progress)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
 
