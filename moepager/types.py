@@ -39,6 +39,19 @@ def long_tensor(values: list[int] | torch.Tensor, device: torch.device) -> torch
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
+def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors on the host, waiting for the device once: on CUDA each is copied asynchronously into pinned
+    memory and the stream is synchronized once after the last copy (a `.cpu()` each would wait once each); host
+    tensors come back as they are."""
+    device = next((t.device for t in tensors if t.is_cuda), None)
+    if device is None:
+        return list(tensors)
+    out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) if t.is_cuda else t
+           for t in tensors]
+    torch.cuda.current_stream(device).synchronize()
+    return out
+
+
 Scope = Literal["layer", "global"]
 """An expert cache's sharing: a fixed share of slots per MoE layer, or every layer competing for all of them."""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from moepager.experts.executor import ExpertExecutor
 from moepager.models.config import ModelConfig, RopeConfig
 from moepager.models.graph_exit import moe_layer
+from moepager.models.routing import NULL_OBSERVER, OWN_ROUTER, RoutingObserver, RoutingSource, observe
 from moepager.types import RoutingDecision
 
 
@@ -480,47 +481,6 @@ class CausalLM(nn.Module):
         return self.model.norm(x_BTD)
 
 
-class RoutingObserver(Protocol):
-    def routed(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> None:
-        """Called by every MoE block with its router's input and decision, before the experts run; the decision's ids
-        are on the host (`route.ids_host_TK`: one copy for every observer and the executor)."""
-        ...
-
-
-class _NullObserver:
-    def routed(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> None:
-        return None
-
-
-NULL_OBSERVER = _NullObserver()
-
-
-class RoutingSource(Protocol):
-    def route(self, layer: int, gate: nn.Module, x_ND: torch.Tensor) -> RoutingDecision:
-        """The routing decision of MoE layer `layer` for x_ND, whose router is `gate`."""
-        ...
-
-
-class _OwnRouter:
-    def route(self, layer: int, gate: nn.Module, x_ND: torch.Tensor) -> RoutingDecision:
-        return gate(x_ND)
-
-
-OWN_ROUTER = _OwnRouter()
-"""Every block routes with its own router (a replay of recorded routing replaces it: runtime/replay.py)."""
-
-
-class RoutingFanOut:
-    """Several observers (a trace recorder and a prefetcher), called in order."""
-
-    def __init__(self, observers: Sequence[RoutingObserver]):
-        self.observers = list(observers)
-
-    def routed(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> None:
-        for observer in self.observers:
-            observer.routed(layer, x_ND, route)
-
-
 class MoEBlock(nn.Module):
     """Router -> routed experts through the `ExpertExecutor` seam (+ shared experts, in subclasses).
 
@@ -575,8 +535,7 @@ class MoEBlock(nn.Module):
         """The routed experts' output: observers see the decision, then the executor computes it (the eager
         forward's step, and what a compiled paged step leaves its graph for: models/graph_exit.py)."""
         if self.observer is not NULL_OBSERVER:  # observers read the ids on the host, so does a paged executor:
-            route = route.on_host()  # one copy for all of them
-            self.observer.routed(self.layer, x_ND, route)
+            route = observe(self.observer, self.layer, x_ND, route)  # one copy for all of them
         return self.executor.run(self.layer, x_ND, route)
 
 

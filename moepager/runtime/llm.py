@@ -17,7 +17,7 @@ from moepager.experts.executor import PagedExecutor
 from moepager.models.compiled import compile_decode
 from moepager.models.default import default_model_path
 from moepager.models.gguf_read import resolve_model_path
-from moepager.models.layers import NULL_OBSERVER, OWN_ROUTER, RoutingFanOut, RoutingObserver
+from moepager.models.routing import NULL_OBSERVER, OWN_ROUTER, RoutingFanOut, RoutingObserver
 from moepager.models.load import LoadedModel, load_model, parse_dtype, resident_executor
 from moepager.outputs import check_file
 from moepager.predictors import PREDICTORS, bind_replay

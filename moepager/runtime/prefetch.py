@@ -76,6 +76,8 @@ class Prefetcher:
         """The policy also wants, once a layer has routed, the forecast of that layer at the next token (PLEC)."""
         self.stateful = getattr(predictor, "stateful", False)
         """The predictor keeps per-request state (the path predictor's): it is told the rows' requests."""
+        self._staged: tuple[Forecast | None, Forecast | None] = (None, None)
+        """A predictor on the device: the forecasts `stage` made (next-token use, prefetch target), read in `routed`."""
         self.pending: dict[tuple[int, int], dict[int, float]] = {}
         """(iteration, MoE position) -> expert -> probability mass, for targets not yet routed."""
         self.iteration = 0
@@ -121,7 +123,23 @@ class Prefetcher:
             self.predictor.end_request(request_id)
 
     # -- routing observer -------------------------------------------------------------------------------------
-    def routed(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> None:
+    def stage(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> Sequence[torch.Tensor]:
+        """What the predictor reads comes to the host with the routed ids (models/routing.py: one wait). A
+        predictor on the host gets the router's scores or input from there; one that runs where the hidden states
+        live (`hidden` "device": gate lookahead) observes and forecasts here, before anything is read, and only
+        its forecasts are copied."""
+        predictor = self.predictor
+        staged = [route.scores_TE.float()] if predictor.needs_scores else []
+        if predictor.hidden == "host":
+            staged.append(x_ND.detach())
+        elif predictor.hidden == "device":
+            i = self.position[layer]
+            predictor.observe(i, LayerObservation(staged[0] if staged else NO_SCORES, route.ids_TK, x_ND.detach()))
+            self._staged = (predictor.forecast(i, 1) if self.next_use else None, predictor.forecast(*self.targets[i]))
+            return _forecast_tensors(self._staged)
+        return staged
+
+    def routed(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision, staged: Sequence[torch.Tensor]) -> None:
         i = self.position[layer]
         self.now = i
         ids_NK = route.ids_host_TK  # the block's one copy off the device (the store reads it too)
@@ -129,19 +147,17 @@ class Prefetcher:
         self.store.settle(layer, ids_NK.flatten().tolist())
         self.pending.pop((self.iteration, i), None)
         predictor = self.predictor
-        probs_NE = route.scores_TE.float().cpu() if predictor.needs_scores else NO_SCORES
-        x_seen = None
-        if predictor.hidden == "host":
-            x_seen = x_ND.detach().cpu()
-        elif predictor.hidden == "device":
-            x_seen = x_ND.detach()
-        predictor.observe(i, LayerObservation(probs_NE, ids_NK, x_seen))
-        if self.next_use:  # PLEC ranks layer i's experts by their forecast use at the next token
-            after = predictor.forecast(i, 1)
-            if after is not None and len(after.probs_NE):
-                self.forecasts.predict(layer, after.rows(self._last_rows).probs_NE.mean(0).numpy())
-        j, ahead = self.targets[i]
-        self._enqueue(predictor.forecast(j, ahead), j, ahead)
+        if predictor.hidden == "device":  # observed and forecast in `stage`; `staged` holds its forecasts' copies
+            after, target = _on_host(self._staged, staged)
+        else:
+            probs_NE = staged[0] if predictor.needs_scores else NO_SCORES
+            x_seen = staged[-1] if predictor.hidden == "host" else None
+            predictor.observe(i, LayerObservation(probs_NE, ids_NK, x_seen))
+            after = predictor.forecast(i, 1) if self.next_use else None  # (only for a policy that ranks next use)
+            target = predictor.forecast(*self.targets[i])
+        if self.forecasts is not None and after is not None and len(after.probs_NE):  # PLEC: next-token use ranks
+            self.forecasts.predict(layer, after.rows(self._last_rows).probs_NE.mean(0).numpy())  # layer i's experts
+        self._enqueue(target, *self.targets[i])
         self._pump()
 
     # -- queue ------------------------------------------------------------------------------------------------
@@ -208,13 +224,37 @@ def router_scores(model: CausalLM) -> list[Callable[[torch.Tensor], torch.Tensor
 
 
 def _router_scores(block: MoEBlock) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The router on its own device and dtype; scores come back to the CPU, where forecasts are used."""
+    """The router on its own device and dtype; its scores stay there (the prefetcher copies a forecast to the host
+    with the layer's routed ids)."""
     gate = block.gate
     weight = next(gate.parameters())
 
     def scores(x_ND: torch.Tensor) -> torch.Tensor:
-        return gate(x_ND.to(device=weight.device, dtype=weight.dtype)).scores_TE.float().cpu()
+        return gate(x_ND.to(device=weight.device, dtype=weight.dtype)).scores_TE.float()
     return scores
+
+
+def _forecast_tensors(forecasts: Sequence[Forecast | None]) -> list[torch.Tensor]:
+    """The tensors of some forecasts, in order (what `_on_host` puts back)."""
+    out = []
+    for f in forecasts:
+        if f is not None:
+            out += [f.probs_NE] if f.confidence_N is None else [f.probs_NE, f.confidence_N]
+    return out
+
+
+def _on_host(forecasts: Sequence[Forecast | None], copies: Sequence[torch.Tensor]) -> list[Forecast | None]:
+    """The forecasts again, their tensors replaced by `copies` (host copies of `_forecast_tensors`' list)."""
+    out: list[Forecast | None] = []
+    n = 0
+    for f in forecasts:
+        if f is None:
+            out.append(None)
+            continue
+        k = 1 if f.confidence_N is None else 2
+        out.append(Forecast(copies[n], copies[n + 1] if k == 2 else None))
+        n += k
+    return out
 
 
 def _embedding(table: torch.nn.Embedding) -> SemanticEmbed:

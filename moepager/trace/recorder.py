@@ -1,10 +1,10 @@
 """The engine's trace recorder: every MoE block reports its routing; each pass is split into its requests.
 
-Wiring (runtime/llm.py): `model.observe_routing(recorder)` makes every MoE block call `routed(layer, x, route)`;
-the engine's runner calls `begin_pass(info)` before each forward pass, saying which requests its tokens belong to
-and at which positions (MoE blocks see the valid tokens row-major: row 0's, then row 1's ...); a request that
-was preempted computes its tokens again, and the recomputed tokens replace what was recorded from that
-position on. `write` turns what was seen into trace format v1, one request per prompt, with full gate
+Wiring (runtime/llm.py): `model.observe_routing(recorder)` makes every MoE block call `stage` and `routed`
+(models/routing.py); the engine's runner calls `begin_pass(info)` before each forward pass, saying which requests
+its tokens belong to and at which positions (MoE blocks see the valid tokens row-major: row 0's, then row 1's
+...); a request that was preempted computes its tokens again, and the recomputed tokens replace what was recorded
+from that position on. `write` turns what was seen into trace format v1, one request per prompt, with full gate
 distributions (and, with `hidden=True`, every router input: what token-wise predictors train on); a token is a
 prefill token when it lies in its request's prompt. Runs that do not record use the
 models' null observer, so the hot path has no branch.
@@ -43,11 +43,17 @@ class TraceRecorder:
         self._flush()
         self._layout = info
 
-    def routed(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> None:
-        self._pass[self._column[layer]] = RoutingDecision(route.ids_host_TK, route.weights_TK.detach().cpu(),
-                                                          route.scores_TE.detach().cpu())
+    def stage(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> Sequence[torch.Tensor]:
+        """The weights, the scores and (recording hidden states) the router's input in float16, copied to the host
+        with the ids."""
+        staged = [route.weights_TK.detach(), route.scores_TE.detach()]
+        return staged + [x_ND.detach().to(torch.float16)] if self.hidden else staged
+
+    def routed(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision, staged: Sequence[torch.Tensor]) -> None:
+        column = self._column[layer]
+        self._pass[column] = RoutingDecision(route.ids_host_TK, staged[0], staged[1])
         if self.hidden:
-            self._hidden[self._column[layer]] = x_ND.detach().to("cpu", torch.float16)
+            self._hidden[column] = staged[2]
 
     def _flush(self) -> None:
         if self._layout is None or not self._pass:

@@ -226,7 +226,10 @@ def test_an_observed_block_hands_its_observers_and_executor_one_host_copy_of_the
     seen = []
 
     class Observer:
-        def routed(self, layer, x_ND, route):  # noqa: ANN001, ANN201
+        def stage(self, layer, x_ND, route):  # noqa: ANN001, ANN201
+            return ()
+
+        def routed(self, layer, x_ND, route, staged):  # noqa: ANN001, ANN201
             seen.append(route.ids_host_TK)
 
     class Executor:
