@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moepager.errors import CheckpointError
-from moepager.store.disk import ALIGN, DiskFiles, Span
+from moepager.store.disk import ALIGN, BOUNCE_BYTES, WHOLE_SPAN_MIN, DiskFiles, Span, bounce_bytes
 
 
 @pytest.fixture()
@@ -84,3 +84,28 @@ def test_direct_reads_go_through_a_bounce_buffer_smaller_than_the_read(data_file
     for (off, n), out in zip(spans, outs):
         assert torch.equal(out, data[off:off + n])
     assert files._bounce().numel() == ALIGN
+
+
+@pytest.mark.parametrize("offset", [0, 1, ALIGN - 1])
+def test_an_expert_of_64_kib_or_more_is_one_request_at_any_offset(tmp_path, monkeypatch, offset):
+    """The bounce buffer holds a whole expert's aligned span (latency-bound reads: one request, not four); smaller
+    ones (test-sized models) keep a quarter, larger ones at most BOUNCE_BYTES."""
+    nbytes = 98 * 1024 + 5  # the built-in model's expert size, plus an unaligned tail
+    path = tmp_path / "expert.bin"
+    data = torch.randint(0, 256, (offset + nbytes + 3 * ALIGN,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(1))
+    path.write_bytes(data.numpy().tobytes())
+    files = DiskFiles("auto", bounce_bytes(nbytes))
+    requests = []
+    real = os.preadv
+
+    def counted(fd, buffers, at):  # noqa: ANN001, ANN202 - os.preadv's signature
+        requests.append(at)
+        return real(fd, buffers, at)
+    monkeypatch.setattr(os, "preadv", counted)
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    files.read([Span(path, offset, out)])
+    assert torch.equal(out, data[offset:offset + nbytes])
+    assert len(requests) == 1  # O_DIRECT where the file system takes it (here it does), else one buffered read
+    assert bounce_bytes(WHOLE_SPAN_MIN - 1) < WHOLE_SPAN_MIN // 2 and bounce_bytes(1 << 30) == BOUNCE_BYTES
+    files.close()
