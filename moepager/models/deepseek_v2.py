@@ -37,7 +37,8 @@ class DeepseekV2Router(nn.Module):
         self.normalize = bool(raw.get("norm_topk_prob", False))
         self.scaling = float(raw.get("routed_scaling_factor") or 1.0)
 
-    def forward(self, x_ND: torch.Tensor) -> RoutingDecision:
+    def scores(self, x_ND: torch.Tensor) -> torch.Tensor:
+        """The decision's scores_TE alone (what gate lookahead applies to an earlier layer's input)."""
         scores_NE = F.linear(x_ND.float(), self.weight.float()).softmax(dim=-1)
         if self.method == "group_limited_greedy":
             n = scores_NE.shape[0]
@@ -45,6 +46,10 @@ class DeepseekV2Router(nn.Module):
             keep_NG = torch.zeros_like(group_NG).scatter_(1, group_NG.topk(self.topk_group, dim=-1)[1], 1.0)
             keep_NE = keep_NG[:, :, None].expand(n, self.n_group, scores_NE.shape[1] // self.n_group).reshape(n, -1)
             scores_NE = scores_NE.masked_fill(keep_NE == 0, 0.0)
+        return scores_NE
+
+    def forward(self, x_ND: torch.Tensor) -> RoutingDecision:
+        scores_NE = self.scores(x_ND)
         weights_NK, ids_NK = torch.topk(scores_NE, self.top_k, dim=-1)
         if self.normalize and self.top_k > 1:
             weights_NK = weights_NK / (weights_NK.sum(dim=-1, keepdim=True) + 1e-20)

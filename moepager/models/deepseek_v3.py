@@ -34,8 +34,12 @@ class DeepseekV3Router(nn.Module):
         self.normalize = bool(raw.get("norm_topk_prob", True))
         self.scaling = float(raw.get("routed_scaling_factor") or 1.0)
 
+    def scores(self, x_ND: torch.Tensor) -> torch.Tensor:
+        """The decision's scores_TE alone (what gate lookahead applies to an earlier layer's input)."""
+        return F.linear(x_ND.float(), self.weight.float()).sigmoid()
+
     def forward(self, x_ND: torch.Tensor) -> RoutingDecision:
-        scores_NE = F.linear(x_ND.float(), self.weight.float()).sigmoid()
+        scores_NE = self.scores(x_ND)
         choice_NE = scores_NE + self.e_score_correction_bias.float()
         n, e = choice_NE.shape
         group_NG = choice_NE.view(n, self.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)

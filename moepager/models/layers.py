@@ -550,10 +550,14 @@ class SoftmaxTopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.top_k, self.normalize, self.fp32_weights = top_k, normalize, fp32_weights
 
+    def scores(self, x_ND: torch.Tensor) -> torch.Tensor:
+        """The decision's scores_TE alone (what gate lookahead applies to an earlier layer's input)."""
+        return torch.softmax(F.linear(x_ND, self.weight), dim=-1, dtype=torch.float32)
+
     def forward(self, x_ND: torch.Tensor) -> RoutingDecision:
-        logits_NE = F.linear(x_ND, self.weight)
-        probs_NE = torch.softmax(logits_NE, dim=-1, dtype=torch.float32)
+        # `scores` written out: one Python call less per layer and token
+        probs_NE = torch.softmax(F.linear(x_ND, self.weight), dim=-1, dtype=torch.float32)
         weights_NK, ids_NK = torch.topk(probs_NE, self.top_k, dim=-1)
         if self.normalize:
             weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
-        return RoutingDecision(ids_NK, weights_NK if self.fp32_weights else weights_NK.to(logits_NE.dtype), probs_NE)
+        return RoutingDecision(ids_NK, weights_NK if self.fp32_weights else weights_NK.to(x_ND.dtype), probs_NE)

@@ -71,10 +71,17 @@ class Forecast:
 
     def select(self, k: int) -> list[list[int]]:
         """The experts to prefetch per row, most likely first."""
+        return [[e for e, _ in row] for row in self.chosen(k)]
+
+    def chosen(self, k: int) -> list[list[tuple[int, float]]]:
+        """The experts to prefetch per row with their probabilities, most likely first (read off the device
+        in one copy each: the prefetcher weighs its queue by them at every layer)."""
         if self.confidence_N is None:  # k per row: the top k (what `selection` keeps, without its masks)
-            return torch.topk(self.probs_NE, min(k, self.probs_NE.shape[1]), dim=1).indices.tolist()
-        order_NE, keep_NE = self.selection(k)
-        return [order[keep].tolist() for order, keep in zip(order_NE, keep_NE)]
+            top = torch.topk(self.probs_NE, min(k, self.probs_NE.shape[1]), dim=1)
+            return [list(zip(ids, ps)) for ids, ps in zip(top.indices.tolist(), top.values.tolist())]
+        values_NE, order_NE = torch.sort(self.probs_NE, dim=1, descending=True)  # `selection`'s order
+        sizes = self.sizes(k).tolist()
+        return [list(zip(ids[:n], ps[:n])) for ids, ps, n in zip(order_NE.tolist(), values_NE.tolist(), sizes)]
 
     def rows(self, index: list[int] | slice) -> Forecast:
         """The forecast for some rows only."""

@@ -174,9 +174,8 @@ class Prefetcher:
             self.forecasts.predict(self.moe_layers[j], probs_NE.mean(0).numpy())
         if not self.plan.per_row:  # forecasts rank evictions only
             return
-        for n, chosen in enumerate(forecast.select(self.plan.per_row)):
-            for e in chosen:
-                p = float(probs_NE[n, e])
+        for chosen in forecast.chosen(self.plan.per_row):
+            for e, p in chosen:
                 if p > 0:  # an expert the forecast gives no chance is never loaded for it
                     entry[e] = entry.get(e, 0.0) + p
 
@@ -228,9 +227,11 @@ def _router_scores(block: MoEBlock) -> Callable[[torch.Tensor], torch.Tensor]:
     with the layer's routed ids)."""
     gate = block.gate
     weight = next(gate.parameters())
+    own = getattr(gate, "scores", None)  # the scores alone, without the top-k (every built-in router has them)
 
     def scores(x_ND: torch.Tensor) -> torch.Tensor:
-        return gate(x_ND.to(device=weight.device, dtype=weight.dtype)).scores_TE.float()
+        x_ND = x_ND.to(device=weight.device, dtype=weight.dtype)
+        return own(x_ND) if own is not None else gate(x_ND).scores_TE.float()
     return scores
 
 

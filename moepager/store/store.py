@@ -384,20 +384,29 @@ class ExpertStore:
         """Start loading the (layer, expert) pairs `wanted`, best first, into free or evictable slots until
         `limit` loads are issued, never evicting a pinned, in-flight or other prefetched expert: experts resident
         or loading are skipped, and so are those that find no slot. Returns loads issued."""
-        table, keys, slots = self.device.table, [], []
-        for layer, e in wanted:
-            if len(keys) >= limit:
+        table, keys, slots, full = self.device.table, [], [], set()
+        queue = iter(wanted)
+        while len(keys) < limit:  # rounds: the next keys up to the limit, claimed one layer at a time
+            batch: dict[int, list[ExpertKey]] = {}
+            count = len(keys)
+            for layer, e in queue:
+                key = ExpertKey(layer, e)
+                if layer in full or key in table.slot_of or key in batch.get(layer, ()):
+                    continue
+                batch.setdefault(layer, []).append(key)
+                count += 1
+                if count == limit:
+                    break
+            if not batch:
                 break
-            key = ExpertKey(layer, e)
-            if key in table.slot_of:
-                continue
-            claimed = table.claim_many((key,), self.clock, self.order.ahead)  # ahead: protected from here on
-            if not claimed:
-                continue
-            slot = claimed[0]
-            self.order.prefetched(key, slot)
-            keys.append(key)
-            slots.append(slot)
+            for layer, group in batch.items():  # one ranking per layer, as claiming them one by one would evict
+                claimed = table.claim_many(group, self.clock, self.order.ahead)  # ahead: protected from here on
+                if len(claimed) < len(group):  # nothing more may be evicted there
+                    full.add(layer)
+                for key, slot in zip(group, claimed):
+                    self.order.prefetched(key, slot)
+                    keys.append(key)
+                    slots.append(slot)
         if keys:
             self._load(keys, slots, self.counters.current, ahead=True)
         return len(keys)

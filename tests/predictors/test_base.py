@@ -36,3 +36,12 @@ def test_target_wraps_into_the_next_token():
 def test_k_hot_ignores_missing_entries():
     probs = k_hot(torch.tensor([[1, 3], [2, -1]]), 4)
     assert probs.tolist() == [[0, 0.5, 0, 0.5], [0, 0, 1, 0]]
+
+
+@pytest.mark.parametrize("confidence", [None, torch.tensor([0.9, 0.05])])
+def test_chosen_pairs_the_selected_experts_with_their_probabilities(confidence):
+    f = Forecast(torch.tensor([[0.1, 0.6, 0.05, 0.25], [0.4, 0.3, 0.2, 0.1]]), confidence)
+    chosen = f.chosen(2)
+    assert [[e for e, _ in row] for row in chosen] == f.select(2)
+    assert all(p == pytest.approx(float(f.probs_NE[n, e])) for n, row in enumerate(chosen) for e, p in row)
+    assert [len(row) for row in chosen] == ([2, 2] if confidence is None else [2, 4])

@@ -187,3 +187,10 @@ def test_a_failed_read_while_misses_wait_for_a_slot_leaves_no_claimed_slot_witho
     with pytest.raises(CheckpointError):
         consume(store, 0, [5, 6])
     assert consume(store, 0, [5]) == [5]
+
+
+def test_ranked_prefetch_claims_a_repeated_expert_once_and_fills_its_limit_across_layers():
+    store, _ = make_store(4)  # two slots per layer
+    wanted = [(1, 0), (1, 0), (0, 3), (1, 1), (1, 2), (0, 3), (0, 1)]
+    assert store.prefetch_ranked(wanted, limit=4) == 4  # layer 1 takes two; layer 0 the next two distinct ones
+    assert set(store.ahead) == {ExpertKey(1, 0), ExpertKey(1, 1), ExpertKey(0, 3), ExpertKey(0, 1)}
