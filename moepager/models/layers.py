@@ -33,9 +33,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """`weight` in place of the module's (one that broadcasts: Attention normalises q and k heads at once)."""
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        """`weight` in place of the module's (one that broadcasts: Attention normalises q and k heads at once).
+        torch's rms_norm is x32 * rsqrt(mean(x32^2) + eps): on the CPU the same ops as written out (bit-equal), on
+        CUDA one fused kernel for five (a decode step runs four norms a layer)."""
+        x32 = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return (self.weight if weight is None else weight) * x32.to(x.dtype)
 
 
