@@ -4,8 +4,9 @@ Two models: the built-in demo model (trained; 98 KiB experts, so compute-bound) 
 OLMoE-1B-7B with 4 layers (`make-model --preset olmoe-1b-7b --layers 4`, 12 MiB experts, top-8 of 64: disk-bound).
 Expert cache at 25% and 50% of all experts; misses are read from the checkpoint on disk (O_DIRECT where the
 file system allows). For each budget: no prefetch, gate lookahead (distance 1), transition tables (distance 1),
-fMoE expert maps (distance 3) and the token-wise predictor (one token ahead); the fitted ones learn from a
-trace the engine recorded from the same model on the demo model's training documents. Prompts: validation
+fMoE expert maps (distance 3), the token-wise predictor (one token ahead), the head and the path predictor
+(each at its own default distance); the fitted ones learn from a trace the engine recorded from the same model
+on the demo model's training documents. Prompts: validation
 documents cut to 64 tokens, greedy, batch 1. Configurations of one (model, budget) run in interleaved rounds
 (every configuration once per round) and the median over rounds is reported, so drift on this noisy machine
 hits all of them alike. Reported per configuration: TPOT (median), decode hit rate,
@@ -40,7 +41,8 @@ from moepager.runtime.sampling import SamplingParams  # noqa: E402
 from moepager.trace.format import TraceReader  # noqa: E402
 from moepager.trace.predict import FITTERS, FitOptions  # noqa: E402
 
-PREDICTORS = [None, "gate-lookahead", "transition", "expert-map", "token-wise"]
+PREDICTORS = [None, "gate-lookahead", *FITTERS]
+"""No prefetch, gate lookahead (it reads the model's routers) and every fitted predictor."""
 BUDGETS = ["25%", "50%"]
 MODELS = {"demo-moe": (None, 3), "olmoe-1b-7b-L4": (("olmoe-1b-7b", 4), 24)}
 """name -> (make-model preset and layers, or None for the built-in model; every n-th training document)."""
@@ -54,7 +56,7 @@ def model_path(name: str) -> Path | None:
 def fitted_files(name: str) -> dict[str, Path]:
     """Predictor files fitted on a trace of `name` over training documents (cached under results/predictors/)."""
     out = RESULTS / "predictors"
-    files = {kind: out / f"{name}-{kind}.pt" for kind in ("transition", "expert-map", "token-wise")}
+    files = {kind: out / f"{name}-{kind}.pt" for kind in FITTERS}
     if all(p.exists() for p in files.values()):
         return files
     train_docs = demo_documents()[0][:: MODELS[name][1]]
@@ -63,8 +65,9 @@ def fitted_files(name: str) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     with TraceReader(trace) as reader:
         everything = list(range(len(reader)))
-        for name, fitter in FITTERS.items():
-            fitter.fit(reader, everything, FitOptions(epochs=300), lambda advance: None).save(files[name])
+        for kind, fitter in FITTERS.items():
+            if not files[kind].exists():
+                fitter.fit(reader, everything, FitOptions(epochs=300), lambda advance: None).save(files[kind])
     return files
 
 

@@ -35,7 +35,8 @@ class LayerObservation:
     probs_NE: torch.Tensor
     """The router's distribution over experts (float32; a K-hot / K stand-in where a trace has no gates)."""
     ids_NK: torch.Tensor
-    """The experts chosen."""
+    """The experts chosen (where the model computes for a predictor whose `hidden` is "device", on the host
+    otherwise)."""
     x_ND: torch.Tensor | None = None
     """The router's input (hidden state); None where it was not recorded."""
 
