@@ -127,3 +127,25 @@ def test_host_syncs_per_decode_token_with_a_predictor(bf16_checkpoint, predictor
               prefetch=PrefetchConfig(predictor, learn=predictor == "expert-map"))
     per_pass = 1 if predictor == "expert-map" else 0
     assert syncs_per_decode_token(llm) <= 1 + per_pass + llm.loaded.config.num_moe_layers
+
+
+def test_to_host_copies_several_tensors_with_one_sync():
+    """types.to_host: pinned, non-blocking copies of every CUDA tensor and one stream synchronization after them
+    (the observed MoE layer's one wait); host tensors pass through as they are."""
+    import warnings
+
+    from moepager.types import to_host
+
+    ids = torch.arange(12, device="cuda").reshape(3, 4)
+    scores = torch.rand(3, 8, device="cuda").t()  # not contiguous
+    host = torch.ones(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            got = to_host(ids, scores, host)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert sum("synchroniz" in str(w.message) for w in caught) == 1
+    assert torch.equal(got[0], ids.cpu()) and torch.equal(got[1], scores.cpu()) and got[2] is host
+    assert got[0].is_pinned() and got[1].is_pinned()
