@@ -3,8 +3,10 @@
 A RAM budget is only honest if the OS does not quietly keep the model in its page cache. Files are opened
 with O_DIRECT where the file system allows it: reads then need an aligned offset, length and address, so
 each read covers the aligned span around the wanted bytes, in chunks of BOUNCE_BYTES through a per-thread
-aligned bounce buffer, and copies out (a memory copy, ~10x faster than the disk). Where O_DIRECT is refused (tmpfs, some network file
-systems) reads go through the cache and the pages are dropped right after (posix_fadvise DONTNEED).
+aligned bounce buffer, and copies out (a memory copy, ~10x faster than the disk). Where O_DIRECT is refused
+(tmpfs, some network file systems) reads go through the cache and the pages are dropped right after
+(posix_fadvise DONTNEED); spans that touch (an expert's tensors) are one request there too, a `preadv` into their
+buffers in turn.
 
 Every read re-checks the file's size, modification time and inode change time (ctime) against what they were
 when first opened: a checkpoint modified while running stops the run with a clear error instead of computing
@@ -156,15 +158,21 @@ class DiskFiles:
             raise CheckpointError(f"{path}: needed bytes {first}..{last_end} lie past the end of the file "
                                   f"({f.size} bytes); the checkpoint is truncated")
         start, end = first - first % ALIGN, -(-last_end // ALIGN) * ALIGN
-        if not f.direct:
+        if not f.direct:  # spans that touch (an expert's tensors, as safetensors lays them out) in one request
+            groups: list[list[Span]] = []
             for span in run:
-                self._pread(path, f.fd, span.out_u8, span.offset, span.out_u8.numel())
+                if groups and span.offset == groups[-1][-1].offset + groups[-1][-1].out_u8.numel():
+                    groups[-1].append(span)
+                else:
+                    groups.append([span])
+            for g in groups:
+                self._pread(path, f.fd, [s.out_u8 for s in g], g[0].offset, sum(s.out_u8.numel() for s in g))
             os.posix_fadvise(f.fd, start, end - start, os.POSIX_FADV_DONTNEED)
             return last_end - first
         bounce, got = self._bounce(), 0
         for chunk in range(start, end, len(bounce)):  # aligned chunks; each span takes its overlap of each
             chunk_end = min(chunk + len(bounce), end)
-            got += self._pread(path, f.fd, bounce[: chunk_end - chunk], chunk, min(chunk_end, f.size) - chunk)
+            got += self._pread(path, f.fd, [bounce[: chunk_end - chunk]], chunk, min(chunk_end, f.size) - chunk)
             for span in run:
                 lo, hi = max(span.offset, chunk), min(span.offset + span.out_u8.numel(), chunk_end)
                 if lo < hi:
@@ -172,16 +180,21 @@ class DiskFiles:
         return got
 
     @staticmethod
-    def _pread(path: Path, fd: int, out_u8: torch.Tensor, offset: int, need: int) -> int:
-        """Read at least `need` bytes at `offset` into `out_u8` (which may be longer, for aligned tails)."""
-        view = memoryview(out_u8.numpy()).cast("B")
+    def _pread(path: Path, fd: int, outs: Sequence[torch.Tensor], offset: int, need: int) -> int:
+        """Read at least `need` bytes at `offset` into the buffers `outs` in turn, one request (the last buffer may
+        be longer, for aligned tails); a short read continues where it stopped."""
+        views = [memoryview(out.numpy()).cast("B") for out in outs]
         done = 0
         try:
             while done < need:
-                n = os.preadv(fd, [view[done:]], offset + done)
+                n = os.preadv(fd, views, offset + done)
                 if n <= 0:
                     raise CheckpointError(f"{path}: short read at byte {offset + done}; was the file truncated?")
                 done += n
+                while views and n >= len(views[0]):  # drop the buffers filled, start inside the one that is not
+                    n -= len(views.pop(0))
+                if n:
+                    views[0] = views[0][n:]
         except OSError as e:
             raise CheckpointError(f"{path}: read failed at byte {offset + done}: {e.strerror or e}") from e
         return done

@@ -109,3 +109,32 @@ def test_an_expert_of_64_kib_or_more_is_one_request_at_any_offset(tmp_path, monk
     assert len(requests) == 1  # O_DIRECT where the file system takes it (here it does), else one buffered read
     assert bounce_bytes(WHOLE_SPAN_MIN - 1) < WHOLE_SPAN_MIN // 2 and bounce_bytes(1 << 30) == BOUNCE_BYTES
     files.close()
+
+
+@pytest.mark.parametrize("direct", ["auto", "off"])
+def test_touching_spans_are_one_request_and_short_reads_resume_inside_a_buffer(data_file, monkeypatch, direct):
+    """An expert's tensors lie end to end: buffered reads take them in one preadv of several buffers (O_DIRECT in one
+    aligned run); a read that returns fewer bytes than asked (here at most 700 bytes a call, a page with O_DIRECT) continues
+    in the buffer where it stopped, across buffer boundaries."""
+    path, data = data_file
+    spans = [(100, 3000), (3100, 5000), (8100, 2500), (12000, 7)]  # three touching, one apart
+    real, calls = os.preadv, []
+    limit = 700 if direct == "off" else ALIGN  # O_DIRECT takes whole pages only
+
+    def short(fd, buffers, at):  # noqa: ANN001, ANN202 - os.preadv's signature
+        calls.append(len(buffers))
+        left, views = limit, []
+        for buffer in buffers:  # the first `limit` bytes' worth of the buffers asked for
+            if left:
+                views.append(memoryview(buffer)[:left])
+                left -= len(views[-1])
+        return real(fd, views, at)
+    monkeypatch.setattr(os, "preadv", short)
+    files = DiskFiles(direct, bounce_nbytes=16 * ALIGN)
+    outs = [torch.empty(n, dtype=torch.uint8) for _, n in spans]
+    files.read([Span(path, off, out) for (off, _), out in zip(spans, outs)])
+    for (off, n), out in zip(spans, outs):
+        assert torch.equal(out, data[off:off + n])
+    if direct == "off":
+        assert calls[0] == 3  # the touching three in one request (resumed after each short read)
+    files.close()
