@@ -114,8 +114,8 @@ def test_an_expert_of_64_kib_or_more_is_one_request_at_any_offset(tmp_path, monk
 @pytest.mark.parametrize("direct", ["auto", "off"])
 def test_touching_spans_are_one_request_and_short_reads_resume_inside_a_buffer(data_file, monkeypatch, direct):
     """An expert's tensors lie end to end: buffered reads take them in one preadv of several buffers (O_DIRECT in one
-    aligned run); a read that returns fewer bytes than asked (here at most 700 bytes a call, a page with O_DIRECT) continues
-    in the buffer where it stopped, across buffer boundaries."""
+    aligned run); a read that returns fewer bytes than asked (here at most 700 bytes a call, a page with O_DIRECT)
+    continues in the buffer where it stopped, across buffer boundaries."""
     path, data = data_file
     spans = [(100, 3000), (3100, 5000), (8100, 2500), (12000, 7)]  # three touching, one apart
     real, calls = os.preadv, []
