@@ -29,7 +29,7 @@ class RoutingDecision(NamedTuple):
 
     def on_host(self) -> RoutingDecision:
         """This decision with its ids on the host too (copied at the first call; free on the CPU)."""
-        return self if self.ids_host_TK is not None else self._replace(ids_host_TK=self.ids_TK.cpu())
+        return self if self.ids_host_TK is not None else self._replace(ids_host_TK=to_host(self.ids_TK)[0])
 
 
 def long_tensor(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -35,7 +35,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """`weight` in place of the module's (one that broadcasts: Attention normalises q and k heads at once).
         torch's rms_norm is x32 * rsqrt(mean(x32^2) + eps): on the CPU the same ops as written out (bit-equal), on
-        CUDA one fused kernel for five (a decode step runs four norms a layer)."""
+        CUDA one fused kernel for five (a decode step runs three norms a layer, and one after the last)."""
         x32 = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return (self.weight if weight is None else weight) * x32.to(x.dtype)
 

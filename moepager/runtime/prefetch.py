@@ -236,25 +236,21 @@ def _router_scores(block: MoEBlock) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _forecast_tensors(forecasts: Sequence[Forecast | None]) -> list[torch.Tensor]:
-    """The tensors of some forecasts, in order (what `_on_host` puts back)."""
-    out = []
+    """The tensors of some forecasts in order, a confidence after its probabilities (what `_on_host` puts back).
+    Loops, not comprehensions: this runs at every observed layer (a comprehension is a Python call of its own)."""
+    out: list[torch.Tensor] = []
     for f in forecasts:
         if f is not None:
-            out += [f.probs_NE] if f.confidence_N is None else [f.probs_NE, f.confidence_N]
+            out += (f.probs_NE,) if f.confidence_N is None else (f.probs_NE, f.confidence_N)
     return out
 
 
 def _on_host(forecasts: Sequence[Forecast | None], copies: Sequence[torch.Tensor]) -> list[Forecast | None]:
     """The forecasts again, their tensors replaced by `copies` (host copies of `_forecast_tensors`' list)."""
+    it = iter(copies)
     out: list[Forecast | None] = []
-    n = 0
     for f in forecasts:
-        if f is None:
-            out.append(None)
-            continue
-        k = 1 if f.confidence_N is None else 2
-        out.append(Forecast(copies[n], copies[n + 1] if k == 2 else None))
-        n += k
+        out.append(None if f is None else Forecast(next(it), None if f.confidence_N is None else next(it)))
     return out
 
 

@@ -34,6 +34,8 @@ ALIGN = 4096
 BOUNCE_BYTES = 4 << 20
 """The most each reading thread's aligned bounce buffer takes: O_DIRECT runs are read through it in chunks,
 so the read buffers are a small fixed amount (counted in the expert budget) whatever the expert size."""
+WHOLE_SPAN_MIN = 64 * 1024
+"""Experts of at least this many bytes are read in one request (`bounce_bytes`)."""
 
 
 def bounce_bytes(read_nbytes: int) -> int:
@@ -48,8 +50,6 @@ def bounce_bytes(read_nbytes: int) -> int:
     return min(BOUNCE_BYTES, -(-read_nbytes // ALIGN) * ALIGN + ALIGN)
 
 
-WHOLE_SPAN_MIN = 64 * 1024
-"""Experts of at least this many bytes are read in one request (`bounce_bytes`)."""
 MERGE_GAP = 64 * 1024
 """Spans this close in one file are read together with O_DIRECT (one request instead of several)."""
 DirectIO = Literal["auto", "on", "off"]
