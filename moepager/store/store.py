@@ -382,10 +382,17 @@ class ExpertStore:
 
     def prefetch_ranked(self, wanted: Iterable[tuple[int, int]], limit: int) -> int:
         """Start loading the (layer, expert) pairs `wanted`, best first, into free or evictable slots until
-        `limit` loads are issued, never evicting a pinned, in-flight or other prefetched expert: experts resident
+        `limit` loads are issued, never evicting a pinned, in-flight or other prefetched expert, nor one `wanted`
+        itself names (a resident expert the forecast expects its layer to use, as the trace simulator's prefetch
+        protects the forecast: evicting it for a prefetch would turn a coming hit into a miss). Experts resident
         or loading are skipped, and so are those that find no slot. Returns loads issued."""
         table, keys, slots, full = self.device.table, [], [], set()
-        queue = iter(wanted)
+        pairs, keep, slot_of = list(wanted), set(self.order.ahead), table.slot_of
+        for layer, e in pairs:  # a loop, not a comprehension: this runs after every layer a predictor observes
+            key = ExpertKey(layer, e)
+            if key in slot_of:
+                keep.add(key)
+        queue = iter(pairs)
         while len(keys) < limit:  # rounds: the next keys up to the limit, claimed one layer at a time
             batch: dict[int, list[ExpertKey]] = {}
             count = len(keys)
@@ -400,11 +407,12 @@ class ExpertStore:
             if not batch:
                 break
             for layer, group in batch.items():  # one ranking per layer, as claiming them one by one would evict
-                claimed = table.claim_many(group, self.clock, self.order.ahead)  # ahead: protected from here on
+                claimed = table.claim_many(group, self.clock, keep)
                 if len(claimed) < len(group):  # nothing more may be evicted there
                     full.add(layer)
                 for key, slot in zip(group, claimed):
                     self.order.prefetched(key, slot)
+                    keep.add(key)  # ahead from here on: no later claim evicts it
                     keys.append(key)
                     slots.append(slot)
         if keys:

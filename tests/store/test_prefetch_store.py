@@ -78,6 +78,26 @@ def test_ranked_prefetch_skips_held_and_slotless_experts_and_stops_at_its_limit(
     assert set(store.ahead) == {ExpertKey(1, 0), ExpertKey(1, 1), ExpertKey(0, 2)}
 
 
+def test_a_prefetch_never_evicts_a_resident_expert_its_forecast_names():
+    """The forecast for layer 0 is experts 3 and 1; 1 is resident and least recently used, so LRU alone would
+    evict it for 3 and the layer would then miss it. It stays; 2, which the forecast does not name, goes."""
+    store, reader = make_store(4)  # two slots per layer
+    consume(store, 0, [1])
+    consume(store, 0, [2])
+    assert store.prefetch_ranked([(0, 3), (0, 1)], limit=2) == 1
+    store._drain(store.device.table)
+    assert set(store.device.table.by_layer[0]) == {ExpertKey(0, 1), ExpertKey(0, 3)}
+    consume(store, 0, [3, 1])
+    assert reader.reads.count(ExpertKey(0, 1)) == 1 and store.counters.current.loads_on_demand == 2
+
+
+def test_a_layer_whose_forecast_is_all_resident_prefetches_nothing_there():
+    store, _ = make_store(4)
+    consume(store, 0, [1, 2])
+    assert store.prefetch_ranked([(0, 1), (0, 2), (0, 3), (1, 0)], limit=2) == 1  # layer 1 still takes one
+    assert set(store.ahead) == {ExpertKey(1, 0)}
+
+
 def test_a_layer_that_uses_some_prefetches_counts_each_once():
     store, _ = make_store(4)
     assert store.prefetch(0, [2, 3]) == 2
