@@ -119,15 +119,32 @@ def test_host_syncs_per_decode_token(bf16_checkpoint):
 def test_host_syncs_per_decode_token_with_a_predictor(bf16_checkpoint, predictor):
     """Issue 15's 1 + L with a predictor: a predicted layer copies its routed ids to the host with what the predictor
     reads (gate-lookahead's forecast, computed on the device first; expert-map's router scores) in one wait
-    (models/routing.py); expert-map waits once more per pass (the prompt-semantic embedding its first forecasts
-    match on, made before any layer runs)."""
+    (models/routing.py); expert-map's prompt-semantic embedding, which its first forecasts match on before any layer
+    runs, is looked up in a host copy of the embedding table (runtime/prefetch.py `_embedding`): no wait for it."""
     from moepager.config import PrefetchConfig, StoreConfig
 
     llm = LLM(bf16_checkpoint, device="cuda", show_progress=False, store=StoreConfig(expert_memory="50%"),
               prefetch=PrefetchConfig(predictor, learn=predictor == "expert-map"))
-    per_pass = 1 if predictor == "expert-map" else 0
-    assert syncs_per_decode_token(llm) <= 1 + per_pass + llm.loaded.config.num_moe_layers
+    assert syncs_per_decode_token(llm) <= 1 + llm.loaded.config.num_moe_layers
 
+
+def test_the_semantic_embedding_of_a_cuda_model_needs_no_sync():
+    """expert-map's prompt embedding on a CUDA model: looked up in the host copy of the table, no sync."""
+    import warnings
+
+    from moepager.runtime.prefetch import _embedding
+
+    table = torch.nn.Embedding(50, 8, device="cuda")
+    embed = _embedding(table)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            got = embed(torch.tensor([3, 7]))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert not any("synchroniz" in str(w.message) for w in caught)
+    assert got.device.type == "cpu" and torch.equal(got, table.weight.detach()[[3, 7]].cpu())
 
 def test_to_host_copies_several_tensors_with_one_sync():
     """types.to_host: pinned, non-blocking copies of every CUDA tensor and one stream synchronization after them

@@ -163,3 +163,14 @@ def test_the_replay_oracle_prefetches_exactly_the_replayed_routing(recorded, tmp
         oracle.generate(PROMPTS, PARAMS)
     assert oracle.prefetcher is not None and oracle.prefetcher.predictor.source is None  # unbound after the replay
     assert main(["predict-eval", "--trace", str(files / "t.mpt"), "--predictor", "replay-oracle"]) == 2
+
+
+def test_the_semantic_embedding_is_the_models_embedding_looked_up_on_the_host():
+    """expert-map's prompt embedding: the rows the model's own embedding gives, read on the host where the pass's
+    token ids are (a CUDA model's table is copied there once: no device round trip before the first layer)."""
+    from moepager.runtime.prefetch import _embedding
+
+    table = torch.nn.Embedding(50, 8, dtype=torch.bfloat16)
+    ids = torch.tensor([3, 0, 49, 3])
+    got = _embedding(table)(ids)
+    assert got.device.type == "cpu" and torch.equal(got, table(ids).detach())
