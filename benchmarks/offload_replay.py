@@ -60,12 +60,15 @@ class Config:
     """Prefetches loading at once, at most (None: the engine's default, twice the model's top-k)."""
     distance: int | None = None
     """Prefetch distance in MoE layers (None: the predictor's default)."""
+    threads: int = 1
+    """Threads of the prefetch lane (--prefetch-threads)."""
 
     @property
     def label(self) -> str:
         k = "" if self.distance is None else f" d{self.distance}"
         k += "" if self.per_row is None else f" k{self.per_row}"
         k += "" if self.inflight is None else f"/{self.inflight}"
+        k += "" if self.threads == 1 else f" t{self.threads}"
         return f"{self.budget} {self.policy}" + (f" +{self.predictor}{k}" if self.predictor else "")
 
 
@@ -96,6 +99,8 @@ def arguments(device: str, layers: int, threads: int | None) -> argparse.Argumen
                          "--predictors), e.g. lru plec+head:0 plec+head:6/1 lru+replay-oracle@8 (D: prefetch distance "
                          "in MoE layers; K experts prefetched per row, at most N loading at once; replay-oracle "
                          "forecasts the replayed routing itself: a perfect predictor's upper bound)")
+    ap.add_argument("--prefetch-threads", type=int, nargs="+", default=[1], metavar="T",
+                    help="run every configuration with a predictor once per prefetch lane width T (default 1)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the configurations this many times, interleaved (A B A B ...: the disk drifts)")
     ap.add_argument("--remodel", action="store_true",
@@ -109,7 +114,7 @@ def configs(args: argparse.Namespace) -> list[Config]:
     if args.configs:
         resident = [Config(b) for b in args.budgets if b in ("100%", "all")]
         paged = [parse_config(b, c) for b in args.budgets if b not in ("100%", "all") for c in args.configs]
-        return resident + paged * args.repeat
+        return resident + widths(paged, args.prefetch_threads) * args.repeat
     out = []
     predictors = [None if p == "none" else p for p in args.predictors]
     for budget in args.budgets:
@@ -120,7 +125,12 @@ def configs(args: argparse.Namespace) -> list[Config]:
             for predictor in predictors:
                 if predictor is None or i == 0 or args.all_combinations:
                     out.append(Config(budget, policy, predictor))
-    return out * args.repeat
+    return widths(out, args.prefetch_threads) * args.repeat
+
+
+def widths(configs: list[Config], threads: list[int]) -> list[Config]:
+    """Each configuration with a predictor once per prefetch lane width, side by side; the others once."""
+    return [replace(c, threads=t) for c in configs for t in (threads if c.predictor else [1])]
 
 
 def parse_config(budget: str, text: str) -> Config:
@@ -193,14 +203,15 @@ def replayed_requests(trace: Path, fit: int, count: int, tokens: int, from_end: 
 def measure(path: Path, cfg: Config, args: argparse.Namespace, spec: ReplaySpec, files: dict[str, Path],
             times: int = 1) -> dict:
     store = None if cfg.budget in ("100%", "all") else StoreConfig(expert_memory=cfg.budget, policy=cfg.policy,
-                                                                     io_threads=args.io_threads)
+                                                                     io_threads=args.io_threads,
+                                                                     prefetch_threads=cfg.threads)
     per_row = args.prefetch_k if cfg.per_row is None else cfg.per_row
     file = str(files[cfg.predictor]) if cfg.predictor in files else None  # replay-oracle and gate-lookahead: none
     prefetch = PrefetchConfig(cfg.predictor, file, distance=cfg.distance, per_row=per_row,
                               max_inflight=cfg.inflight) if cfg.predictor else PrefetchConfig()
     llm = LLM(path, device=args.device, threads=args.threads, store=store, prefetch=prefetch, show_progress=False)
-    return {"config": cfg.label, "budget": cfg.budget, "policy": cfg.policy, "predictor": cfg.predictor or "none"} \
-        | replayed_run(llm, spec, args.layers, times)
+    return {"config": cfg.label, "budget": cfg.budget, "policy": cfg.policy, "predictor": cfg.predictor or "none",
+            "prefetch_threads": cfg.threads} | replayed_run(llm, spec, args.layers, times)
 
 
 def replayed_run(llm: LLM, spec: ReplaySpec, layers: int, times: int = 1) -> dict:

@@ -29,6 +29,9 @@ class StoreConfig:
     """layer: each MoE layer gets an equal share of the slots; global: all layers share all slots."""
     io_threads: int = 4
     """Threads reading experts from disk."""
+    prefetch_threads: int = 1
+    """Threads reading prefetched experts (the transfer engine's prefetch lane; used with a predictor). More read
+    ahead sooner, and spend more of the link on wrong forecasts: see README, "prefetch threads"."""
     direct_io: DirectIO = "auto"
     """O_DIRECT disk reads: auto (where the file system allows), on (required) or off (page cache, dropped)."""
     warm: bool = True
@@ -46,8 +49,9 @@ class StoreConfig:
             raise MoepagerError(f"cache scope must be layer or global, got '{self.scope}'")
         if self.direct_io not in ("auto", "on", "off"):
             raise MoepagerError(f"direct I/O must be auto, on or off, got '{self.direct_io}'")
-        if self.io_threads < 1:
-            raise MoepagerError(f"--io-threads must be >= 1, got {self.io_threads}")
+        for flag, value in (("--io-threads", self.io_threads), ("--prefetch-threads", self.prefetch_threads)):
+            if value < 1:
+                raise MoepagerError(f"{flag} must be >= 1, got {value}")
 
     @property
     def paged(self) -> bool:

@@ -153,6 +153,9 @@ def add_prefetch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefetch-k", type=int, metavar="K", help="experts prefetched per forecast row (default top-k; 0: none, the forecasts only "
                    "rank evictions for --policy fmoe/plec)")
     g.add_argument("--prefetch-inflight", type=int, metavar="N", help="prefetches loading at once (default 2 x top-k)")
+    g.add_argument("--prefetch-threads", type=int, metavar="N",
+                   help="threads reading prefetches (default 1; more read ahead sooner and waste more of the link "
+                        "on wrong forecasts)")
     g.add_argument("--learn-maps", action="store_true", help="expert-map: add each iteration's map to the store")
 
 
@@ -197,7 +200,8 @@ def prefetch_config(args: argparse.Namespace) -> PrefetchConfig:
 
 def store_config(args: argparse.Namespace) -> StoreConfig:
     given = {name: value for name, value in (("policy", args.policy), ("scope", args.cache_scope),
-                                             ("io_threads", args.io_threads), ("direct_io", args.direct_io))
+                                             ("io_threads", args.io_threads), ("direct_io", args.direct_io),
+                                             ("prefetch_threads", args.prefetch_threads))
              if value is not None}  # the rest keep StoreConfig's defaults
     return StoreConfig(expert_memory=args.expert_memory, host_memory=args.host_memory, warm=not args.cold, **given)
 
@@ -224,6 +228,7 @@ def refuse_ignored_engine_options(args: argparse.Namespace) -> None:
         (args.predictor is None, "--predictor",
          {"--predictor-file": args.predictor_file, "--prefetch-distance": args.prefetch_distance,
           "--prefetch-k": args.prefetch_k, "--prefetch-inflight": args.prefetch_inflight,
+          "--prefetch-threads": args.prefetch_threads,
           "--learn-maps": args.learn_maps}),
     ]
     for missing, what, options in needs:

@@ -49,7 +49,8 @@ def describe(path: str, budgets: Sequence[str] = ()) -> list[tuple[str, str]]:
     quant = expert_format(None, stored, dtype, torch.device("cpu"))  # what a run holds by default
     shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, dtype, quant)
     expert_nbytes, num_routed = shape.nbytes, cfg.num_moe_layers * cfg.num_experts
-    buffers = (StoreConfig().io_threads + 1) * bounce_bytes(expert_nbytes)  # stored dtype = run dtype here
+    defaults = StoreConfig()
+    buffers = (defaults.io_threads + defaults.prefetch_threads) * bounce_bytes(expert_nbytes)  # stored = run dtype
     return [
         ("architecture", cfg.architecture),
         ("layers", f"{cfg.num_layers} ({cfg.num_moe_layers} MoE)"),
@@ -66,8 +67,9 @@ def describe(path: str, budgets: Sequence[str] = ()) -> list[tuple[str, str]]:
         ("bytes per expert", size(expert_nbytes)),
         ("all experts", f"{num_routed} experts, {size(num_routed * expert_nbytes)}"),
         ("non-expert weights", size((total - experts) * dtype.itemsize) + " (always resident)"),
-        ("read buffers", f"{size(buffers)} (O_DIRECT bounce buffers of {StoreConfig().io_threads} I/O threads + 1 "
-                         f"prefetch; inside every --expert-memory budget on the CPU, --host-memory on CUDA)"),
+        ("read buffers", f"{size(buffers)} (O_DIRECT bounce buffers of {defaults.io_threads} I/O threads + "
+                         f"{defaults.prefetch_threads} prefetch; inside every --expert-memory budget on the CPU, "
+                         "--host-memory on CUDA)"),
         ("minimum expert memory", f"{size(cfg.top_k * expert_nbytes + buffers)} (one MoE layer's top-{cfg.top_k} "
                                   f"+ read buffers)"),
     ] + [budget_row(text, expert_nbytes, num_routed, cfg.top_k, buffers) for text in budgets]

@@ -42,10 +42,10 @@ def budget_slots(text: str, flag: str, cfg: ModelConfig, expert_nbytes: int, res
     return slots
 
 
-def read_buffer_bytes(reader: ExpertReader, io_threads: int) -> int:
+def read_buffer_bytes(reader: ExpertReader, io_threads: int, prefetch_threads: int = 1) -> int:
     """What the threads reading experts from disk allocate (bounce and conversion buffers): every I/O thread
-    plus the prefetch lane's. It comes out of the budget of the tier disk reads fill."""
-    return (io_threads + 1) * reader.buffer_bytes_per_thread()
+    and every thread of the prefetch lane. It comes out of the budget of the tier disk reads fill."""
+    return (io_threads + prefetch_threads) * reader.buffer_bytes_per_thread()
 
 
 def warm_order(layers: Sequence[int], num_experts: int) -> list[ExpertKey]:
@@ -87,7 +87,7 @@ def build_store(config: StoreConfig, reader: ExpertReader, cfg: ModelConfig, dev
                 host_tier: bool, progress: Callable[[int], None] | None = None) -> ExpertStore:
     """Device slots (budget `expert_memory`, default all) over a host tier (`host_tier`; budget `host_memory`,
     default all) or straight over disk."""
-    nbytes, buffers = reader.shape.nbytes, read_buffer_bytes(reader, config.io_threads)
+    nbytes, buffers = reader.shape.nbytes, read_buffer_bytes(reader, config.io_threads, config.prefetch_threads)
     device_slots = budget_slots(config.expert_memory or "all", "--expert-memory", cfg, nbytes,
                                 0 if host_tier else buffers)
     host = None
@@ -99,7 +99,8 @@ def build_store(config: StoreConfig, reader: ExpertReader, cfg: ModelConfig, dev
     tier = _tier(device_slots, cfg, reader, device, config, False,
                  f"--expert-memory {config.expert_memory or 'all'} ({device_slots} experts)",
                  stream_rows(device_slots, cfg.num_moe_layers * cfg.num_experts))
-    store = ExpertStore(tier, host, reader.read, Transfers(device, config.io_threads), buffers)
+    transfers = Transfers(device, config.io_threads, config.prefetch_threads)
+    store = ExpertStore(tier, host, reader.read, transfers, buffers)
     if config.warm:
         store.warm(warm_order(cfg.moe_layers, cfg.num_experts), progress)
     return store

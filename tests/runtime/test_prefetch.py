@@ -174,3 +174,16 @@ def test_the_semantic_embedding_is_the_models_embedding_looked_up_on_the_host():
     ids = torch.tensor([3, 0, 49, 3])
     got = _embedding(table)(ids)
     assert got.device.type == "cpu" and torch.equal(got, table(ids).detach())
+
+
+def test_a_wider_prefetch_lane_keeps_outputs_and_takes_its_read_buffers_from_the_budget(recorded):
+    path, reference, _ = recorded
+
+    def run(threads: int) -> LLM:
+        return LLM(path, show_progress=False, prefetch=PrefetchConfig("gate-lookahead"),
+                   store=StoreConfig(expert_memory="50%", direct_io="off", warm=False, prefetch_threads=threads))
+    wide, narrow = run(3), run(1)
+    assert [c.token_ids for c in wide.generate(PROMPTS, PARAMS)] == reference
+    stores = wide.loaded.experts.store, narrow.loaded.experts.store
+    assert [s.transfers.ahead_pool._max_workers for s in stores] == [3, 1]
+    assert stores[0].read_buffer_bytes * 5 == stores[1].read_buffer_bytes * 7  # 4 I/O threads + 3, against + 1

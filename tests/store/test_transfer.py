@@ -31,3 +31,14 @@ def test_a_prefetch_starts_only_once_no_demand_load_is_in_flight():
     finally:
         release.set()
         transfers.shutdown()
+
+
+def test_the_prefetch_lane_reads_with_as_many_threads_as_it_is_given():
+    """Three prefetches that can only finish together (a barrier of three) finish on a lane of three threads."""
+    transfers = Transfers(torch.device("cpu"), io_threads=1, ahead_threads=3)
+    together = threading.Barrier(3, timeout=10)
+    try:
+        futures = [transfers.submit(together.wait, ahead=True) for _ in range(3)]
+        assert sorted(f.result(timeout=10) for f in futures) == [0, 1, 2]
+    finally:
+        transfers.shutdown()
