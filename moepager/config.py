@@ -31,7 +31,7 @@ class StoreConfig:
     """Threads reading experts from disk."""
     prefetch_threads: int = 1
     """Threads reading prefetched experts (the transfer engine's prefetch lane; used with a predictor). More read
-    ahead sooner, and spend more of the link on wrong forecasts: see README, "prefetch threads"."""
+    ahead sooner, and spend more of the link on wrong forecasts: see README, "a wider prefetch lane"."""
     direct_io: DirectIO = "auto"
     """O_DIRECT disk reads: auto (where the file system allows), on (required) or off (page cache, dropped)."""
     warm: bool = True
