@@ -2,7 +2,8 @@
 decode token, the difference of a 17-token and a 1-token generation over 16 steps (the architecture review's
 method). Resident, the count is exact (137 eager, 39 compiled). Paged, it varies by a few percent with how many
 loads have landed when a layer looks, from run to run and from machine to machine: at a 25% budget 236-245 eager
-and 173-178 compiled, 409-425 and 344-363 with gate-lookahead. The engine core's scheduler, runner and sampler add
+and 173-178 compiled, 401-425 and 339-363 with gate-lookahead (since prefetches spare the experts their
+forecast names, fewer of them find a slot to claim). The engine core's scheduler, runner and sampler add
 ~25 calls to each decode step, the model's eager modules ~80 that the compiled step leaves out; the store's
 bookkeeping is per layer (a layer's misses are claimed, ranked for eviction and submitted together) and each
 prefetch claims on its own; an observed layer stages what its observers read and copies it to the host with the ids
