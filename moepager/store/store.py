@@ -18,11 +18,12 @@ is never reused, so no load is issued twice.
 
 Prefetch (`prefetch`, fed by runtime/prefetch.py): loads issued ahead go to the transfer engine's prefetch
 lane and are tracked as `ahead` by the eviction order (policies/prefetch_aware.py, wrapped around the device
-tier's policy) until their layer routes. Prefetches never evict each other. When a layer's
-real routing arrives, `settle` judges that layer's prefetches (ExpertFlow's real-time correction): a needed
-one still queued is cancelled and loaded on demand at once instead; an unneeded one still queued is
-cancelled; an unneeded one already loaded is wasted and marked stale, so it is evicted before any expert
-that was actually used. Prefetched experts occupy the same slots, so they count against the same budget.
+tier's policy) until their layer routes. Prefetches never evict each other, nor a resident expert the forecast
+that asked for them names. When a layer's real routing arrives, `settle` judges that layer's prefetches
+(ExpertFlow's real-time correction): a needed one still queued is cancelled and loaded on demand at once
+instead; an unneeded one still queued is cancelled; an unneeded one already loaded is wasted and marked stale,
+so it is evicted before any expert that was actually used. Prefetched experts occupy the same slots, so they
+count against the same budget.
 """
 
 from __future__ import annotations
