@@ -62,6 +62,8 @@ class Config:
     """Prefetch distance in MoE layers (None: the predictor's default)."""
     threads: int = 1
     """Threads of the prefetch lane (--prefetch-threads)."""
+    min_p: float = 0.0
+    """Probability floor of what is prefetched (--prefetch-min-p)."""
 
     @property
     def label(self) -> str:
@@ -69,6 +71,7 @@ class Config:
         k += "" if self.per_row is None else f" k{self.per_row}"
         k += "" if self.inflight is None else f"/{self.inflight}"
         k += "" if self.threads == 1 else f" t{self.threads}"
+        k += "" if not self.min_p else f" p{self.min_p:g}"
         return f"{self.budget} {self.policy}" + (f" +{self.predictor}{k}" if self.predictor else "")
 
 
@@ -101,6 +104,8 @@ def arguments(device: str, layers: int, threads: int | None) -> argparse.Argumen
                          "forecasts the replayed routing itself: a perfect predictor's upper bound)")
     ap.add_argument("--prefetch-threads", type=int, nargs="+", default=[1], metavar="T",
                     help="run every configuration with a predictor once per prefetch lane width T (default 1)")
+    ap.add_argument("--prefetch-min-p", type=float, nargs="+", default=[0.0], metavar="P",
+                    help="run every configuration with a predictor once per probability floor P (default 0)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the configurations this many times, interleaved (A B A B ...: the disk drifts)")
     ap.add_argument("--remodel", action="store_true",
@@ -114,7 +119,7 @@ def configs(args: argparse.Namespace) -> list[Config]:
     if args.configs:
         resident = [Config(b) for b in args.budgets if b in ("100%", "all")]
         paged = [parse_config(b, c) for b in args.budgets if b not in ("100%", "all") for c in args.configs]
-        return resident + widths(paged, args.prefetch_threads) * args.repeat
+        return resident + variants(paged, args) * args.repeat
     out = []
     predictors = [None if p == "none" else p for p in args.predictors]
     for budget in args.budgets:
@@ -125,12 +130,17 @@ def configs(args: argparse.Namespace) -> list[Config]:
             for predictor in predictors:
                 if predictor is None or i == 0 or args.all_combinations:
                     out.append(Config(budget, policy, predictor))
-    return widths(out, args.prefetch_threads) * args.repeat
+    return variants(out, args) * args.repeat
 
 
-def widths(configs: list[Config], threads: list[int]) -> list[Config]:
-    """Each configuration with a predictor once per prefetch lane width, side by side; the others once."""
-    return [replace(c, threads=t) for c in configs for t in (threads if c.predictor else [1])]
+def variants(configs: list[Config], args: argparse.Namespace) -> list[Config]:
+    """Each configuration with a predictor once per prefetch lane width and probability floor, side by side; the
+    others once."""
+    out = []
+    for c in configs:
+        for t in args.prefetch_threads if c.predictor else [1]:
+            out += [replace(c, threads=t, min_p=p) for p in (args.prefetch_min_p if c.predictor else [0.0])]
+    return out
 
 
 def parse_config(budget: str, text: str) -> Config:
@@ -207,11 +217,11 @@ def measure(path: Path, cfg: Config, args: argparse.Namespace, spec: ReplaySpec,
                                                                      prefetch_threads=cfg.threads)
     per_row = args.prefetch_k if cfg.per_row is None else cfg.per_row
     file = str(files[cfg.predictor]) if cfg.predictor in files else None  # replay-oracle and gate-lookahead: none
-    prefetch = PrefetchConfig(cfg.predictor, file, distance=cfg.distance, per_row=per_row,
-                              max_inflight=cfg.inflight) if cfg.predictor else PrefetchConfig()
+    prefetch = PrefetchConfig(cfg.predictor, file, distance=cfg.distance, per_row=per_row, max_inflight=cfg.inflight,
+                              min_p=cfg.min_p) if cfg.predictor else PrefetchConfig()
     llm = LLM(path, device=args.device, threads=args.threads, store=store, prefetch=prefetch, show_progress=False)
     return {"config": cfg.label, "budget": cfg.budget, "policy": cfg.policy, "predictor": cfg.predictor or "none",
-            "prefetch_threads": cfg.threads} | replayed_run(llm, spec, args.layers, times)
+            "prefetch_threads": cfg.threads, "prefetch_min_p": cfg.min_p} | replayed_run(llm, spec, args.layers, times)
 
 
 def replayed_run(llm: LLM, spec: ReplaySpec, layers: int, times: int = 1) -> dict:

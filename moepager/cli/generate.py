@@ -153,6 +153,9 @@ def add_prefetch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefetch-k", type=int, metavar="K", help="experts prefetched per forecast row (default top-k; 0: none, the forecasts only "
                    "rank evictions for --policy fmoe/plec)")
     g.add_argument("--prefetch-inflight", type=int, metavar="N", help="prefetches loading at once (default 2 x top-k)")
+    g.add_argument("--prefetch-min-p", type=float, metavar="P",
+                   help="prefetch a selected expert only when its forecast probability is at least P (default 0; "
+                        "0.5 with the head predictor: the experts it finds more likely than not)")
     g.add_argument("--prefetch-threads", type=int, metavar="N",
                    help="threads reading prefetches (default 1; more read ahead sooner and waste more of the link "
                         "on wrong forecasts)")
@@ -195,7 +198,8 @@ def replay_spec(args: argparse.Namespace) -> ReplaySpec | None:
 
 def prefetch_config(args: argparse.Namespace) -> PrefetchConfig:
     return PrefetchConfig(predictor=args.predictor, file=args.predictor_file, distance=args.prefetch_distance,
-                          per_row=args.prefetch_k, max_inflight=args.prefetch_inflight, learn=args.learn_maps)
+                          per_row=args.prefetch_k, max_inflight=args.prefetch_inflight, learn=args.learn_maps,
+                          min_p=args.prefetch_min_p or 0.0)
 
 
 def store_config(args: argparse.Namespace) -> StoreConfig:
@@ -228,7 +232,7 @@ def refuse_ignored_engine_options(args: argparse.Namespace) -> None:
         (args.predictor is None, "--predictor",
          {"--predictor-file": args.predictor_file, "--prefetch-distance": args.prefetch_distance,
           "--prefetch-k": args.prefetch_k, "--prefetch-inflight": args.prefetch_inflight,
-          "--prefetch-threads": args.prefetch_threads,
+          "--prefetch-threads": args.prefetch_threads, "--prefetch-min-p": args.prefetch_min_p,
           "--learn-maps": args.learn_maps}),
     ]
     for missing, what, options in needs:

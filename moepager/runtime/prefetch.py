@@ -55,6 +55,8 @@ class PrefetchPlan:
     """Experts per forecast row (the floor of fMoE's similarity rule); 0: none (forecasts only rank evictions)."""
     max_inflight: int
     """Prefetches loading at the same time, at most."""
+    min_p: float = 0.0
+    """A selected expert is prefetched only when its forecast probability is at least this."""
 
 
 class Prefetcher:
@@ -174,9 +176,10 @@ class Prefetcher:
             self.forecasts.predict(self.moe_layers[j], probs_NE.mean(0).numpy())
         if not self.plan.per_row:  # forecasts rank evictions only
             return
+        floor = self.plan.min_p
         for chosen in forecast.chosen(self.plan.per_row):
             for e, p in chosen:
-                if p > 0:  # an expert the forecast gives no chance is never loaded for it
+                if p > 0 and p >= floor:  # an expert the forecast gives no chance is never loaded for it
                     entry[e] = entry.get(e, 0.0) + p
 
     def _pump(self) -> None:
@@ -213,7 +216,7 @@ def build_prefetcher(config: PrefetchConfig, model: CausalLM, store: ExpertStore
     elif predictor.semantic == "hashed-tokens":
         embed = _hashed
     per_row = cfg.top_k if config.per_row is None else config.per_row
-    plan = PrefetchPlan(distance, per_row, config.max_inflight or 2 * cfg.top_k)
+    plan = PrefetchPlan(distance, per_row, config.max_inflight or 2 * cfg.top_k, config.min_p)
     return Prefetcher(predictor, store, [b.layer for b in blocks], plan, embed, store.forecast_consumer())
 
 

@@ -97,6 +97,8 @@ def test_generate_several_prompts_and_chat(tiny, capsys):
     (["generate", "--model", "{tiny}", "hi", "--expert-memory", "50%", "--io-threads", "0"], "--io-threads must be >= 1"),
     (["generate", "--model", "{tiny}", "hi", "--expert-memory", "50%", "--predictor", "gate-lookahead",
       "--prefetch-threads", "0"], "--prefetch-threads must be >= 1"),
+    (["generate", "--model", "{tiny}", "hi", "--expert-memory", "50%", "--predictor", "gate-lookahead",
+      "--prefetch-min-p", "1.5"], "--prefetch-min-p must be between 0 and 1"),
     (["make-model", "--preset", "mixtral-8x7b", "--arch", "olmoe", "--out", "{tmp}/x"], "is a mixtral model"),
 ])
 def test_bad_input_gives_one_line_and_exit_2(tiny, tmp_path, capsys, argv, message):

@@ -187,3 +187,31 @@ def test_a_wider_prefetch_lane_keeps_outputs_and_takes_its_read_buffers_from_the
     stores = wide.loaded.experts.store, narrow.loaded.experts.store
     assert [s.transfers.ahead_pool._max_workers for s in stores] == [3, 1]
     assert stores[0].read_buffer_bytes * 5 == stores[1].read_buffer_bytes * 7  # 4 I/O threads + 3, against + 1
+
+
+def test_a_probability_floor_keeps_only_the_experts_forecast_at_least_that_likely():
+    """`--prefetch-min-p`: of a row's selected experts (top 3 here), those under the floor are not queued."""
+    from types import SimpleNamespace
+
+    from moepager.predictors import Forecast
+    from moepager.runtime.prefetch import Prefetcher, PrefetchPlan
+
+    store = SimpleNamespace(quota=lambda layer: 4)
+    queued = {}
+    for floor in (0.0, 0.5):
+        prefetcher = Prefetcher(SimpleNamespace(), store, [0, 1], PrefetchPlan(1, 3, 8, floor))
+        prefetcher._enqueue(Forecast(torch.tensor([[0.9, 0.05, 0.6, 0.45, 0.0], [0.2, 0.7, 0.0, 0.3, 0.1]])), 1, 0)
+        queued[floor] = prefetcher.pending[(0, 1)]
+    assert queued[0.0] == pytest.approx({0: 1.1, 1: 0.7, 2: 0.6, 3: 0.75})
+    assert queued[0.5] == pytest.approx({0: 0.9, 1: 0.7, 2: 0.6})
+
+
+def test_a_floor_prefetches_less_and_keeps_outputs(recorded):
+    path, reference, files = recorded
+
+    def loads_ahead(floor: float) -> int:
+        llm = LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", direct_io="off", warm=False),
+                  prefetch=PrefetchConfig("head", file=str(files / "head.pt"), min_p=floor))
+        assert [c.token_ids for c in llm.generate(PROMPTS, PARAMS)] == reference
+        return sum(p["loads_ahead"] for p in llm.last_stats.sections["experts"].phases.values())
+    assert loads_ahead(0.9) < loads_ahead(0.0)
