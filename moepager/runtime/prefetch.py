@@ -7,9 +7,9 @@ Algorithm (per forward pass; the Prefetcher is a RoutingObserver plus the genera
    promote what is queued and needed to an on-demand load, mark loaded-but-unneeded experts stale); queued
    requests for layer i are dropped (too late); the predictor observes the layer and forecasts the target
    `distance` layers ahead (wrapping into the next token); the forecast's rows are selected (top-k, or fMoE's
-   similarity rule) and merged into the queue; the eviction policy sees the target layer's mean forecast (fMoE's
-   eviction ranks by p * freq); a policy that ranks by predicted next use (PLEC) also sees layer i's forecast
-   for the next token, made once layer i has routed.
+   similarity rule; with `min_p`, only experts at least that likely) and merged into the queue; the eviction
+   policy sees the target layer's mean forecast (fMoE's eviction ranks by p * freq); a policy that ranks by
+   predicted next use (PLEC) also sees layer i's forecast for the next token, made once layer i has routed.
 3. the queue is pumped: highest priority first, priority = probability mass / layers until needed (fMoE's
    p / (l - l_now)), at most `max_inflight` prefetches loading at once, at most a layer's cache quota per
    target layer, on the transfer engine's prefetch lane while the model keeps computing.
