@@ -138,8 +138,8 @@ def variants(configs: list[Config], args: argparse.Namespace) -> list[Config]:
     others once."""
     out = []
     for c in configs:
-        for t in args.prefetch_threads if c.predictor else [1]:
-            out += [replace(c, threads=t, min_p=p) for p in (args.prefetch_min_p if c.predictor else [0.0])]
+        widths, floors = (args.prefetch_threads, args.prefetch_min_p) if c.predictor else ([1], [0.0])
+        out += [replace(c, threads=t, min_p=p) for t in widths for p in floors]
     return out
 
 

@@ -32,10 +32,10 @@ class RoutingDecision(NamedTuple):
         return self if self.ids_host_TK is not None else self._replace(ids_host_TK=to_host(self.ids_TK)[0])
 
 
-def long_tensor(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Integers from the host (a list, or a CPU tensor) on `device` without a host sync: on CUDA through pinned
-    memory, asynchronously (a copy from pageable memory waits for the device to finish its queue first)."""
-    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long)
+def long_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """Integers from the host as a tensor on `device` without a host sync: on CUDA through pinned memory,
+    asynchronously (a copy from pageable memory waits for the device to finish its queue first)."""
+    host = torch.tensor(values, dtype=torch.long)
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 

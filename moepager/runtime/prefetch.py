@@ -37,7 +37,7 @@ from moepager.predictors import (
 from moepager.predictors.expert_map import hashed_tokens
 from moepager.policies.base import ForecastConsumer
 from moepager.store.store import ExpertStore
-from moepager.types import PassInfo, RoutingDecision, long_tensor
+from moepager.types import PassInfo, RoutingDecision
 
 NO_SCORES = torch.empty(0, 0)
 """The observation's scores for predictors that do not read them (they stay on the device, uncopied)."""
@@ -107,7 +107,7 @@ class Prefetcher:
         again when a request computes from its first token: new, or preempted)."""
         assert self.embed is not None
         with torch.no_grad():
-            vec_ND = self.embed(ids_N).float().cpu()
+            vec_ND = self.embed(ids_N).float()  # on the host (both embeddings are)
         out, offset = [], 0
         for request, start, n in zip(info.requests, info.starts, info.counts, strict=True):
             total, count = self._sem_sum.get(request, (torch.zeros(vec_ND.shape[1]), 0)) if start else (
@@ -265,7 +265,7 @@ def _embedding(table: torch.nn.Embedding) -> SemanticEmbed:
     host = weight if weight.device.type == "cpu" else weight.to("cpu")
 
     def embed(ids_N: torch.Tensor) -> torch.Tensor:
-        return host.index_select(0, long_tensor(ids_N, host.device))
+        return host.index_select(0, ids_N)  # the pass's token ids are a host tensor (runtime/runner.py)
     return embed
 
 

@@ -388,18 +388,19 @@ class ExpertStore:
         protects the forecast: evicting it for a prefetch would turn a coming hit into a miss). Experts resident
         or loading are skipped, and so are those that find no slot. Returns loads issued."""
         table, keys, slots, full = self.device.table, [], [], set()
-        pairs, keep, slot_of = list(wanted), set(self.order.ahead), table.slot_of
-        for layer, e in pairs:  # a loop, not a comprehension: this runs after every layer a predictor observes
+        named, keep, slot_of = [], set(self.order.ahead), table.slot_of
+        for layer, e in wanted:  # a loop, not a comprehension: this runs after every layer a predictor observes
             key = ExpertKey(layer, e)
+            named.append(key)
             if key in slot_of:
                 keep.add(key)
-        queue = iter(pairs)
+        queue = iter(named)
         while len(keys) < limit:  # rounds: the next keys up to the limit, claimed one layer at a time
             batch: dict[int, list[ExpertKey]] = {}
             count = len(keys)
-            for layer, e in queue:
-                key = ExpertKey(layer, e)
-                if layer in full or key in table.slot_of or key in batch.get(layer, ()):
+            for key in queue:
+                layer = key.layer
+                if layer in full or key in slot_of or key in batch.get(layer, ()):
                     continue
                 batch.setdefault(layer, []).append(key)
                 count += 1
