@@ -20,7 +20,15 @@ from pathlib import Path
 
 import torch
 
-from moepager.predictors.base import Forecast, LayerObservation, Predictor, PredictorError, k_hot, target_of
+from moepager.predictors.base import (
+    Forecast,
+    LayerObservation,
+    Predictor,
+    PredictorError,
+    k_hot,
+    target_of,
+    token_keys,
+)
 from moepager.predictors.expert_map import ExpertMapPredictor, ExpertMapStore
 from moepager.predictors.head import HeadPredictor
 from moepager.predictors.oracle import RecordedRouting, ReplayOracle
@@ -177,5 +185,6 @@ def _check(name: str, got: tuple[int, ...], want: tuple[int, int]) -> None:
 
 
 __all__ = ["BuildContext", "FITTED", "PredictorSpec", "ONLINE", "PREDICTORS", "ExpertMapPredictor", "ExpertMapStore", "Forecast",
-           "GateLookaheadPredictor", "HeadPredictor", "LayerObservation", "PathPredictor", "Predictor", "PredictorError", "TokenWisePredictor",
-           "TransitionPredictor", "default_distance", "k_hot", "load_state", "make_predictor", "target_of"]
+           "GateLookaheadPredictor", "HeadPredictor", "LayerObservation", "PathPredictor", "Predictor", "PredictorError", "RecordedRouting", "TokenWisePredictor",
+           "TransitionPredictor", "default_distance", "k_hot", "load_state", "make_predictor", "target_of",
+           "token_keys"]

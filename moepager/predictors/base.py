@@ -22,6 +22,7 @@ Shape legend: N rows, D hidden, E experts, K top-k, L MoE layers.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -117,6 +118,12 @@ def stable_hash(token: str | int) -> int:
     """A 64-bit hash of a token (id or string) that is the same in every process (Python's hash() is salted):
     what the hashed-token features of expert maps, the head and the path predictor key on."""
     return int.from_bytes(hashlib.blake2b(str(token).encode(), digest_size=8).digest(), "little")
+
+
+def token_keys(tokens: Sequence[str] | Sequence[int]) -> torch.Tensor:
+    """The ids a predictor's `start_iteration` takes for some recorded tokens: ids as they are, a stable 63-bit
+    hash of each string (a trace of token strings: fitting, evaluation and replays see the same ids)."""
+    return torch.tensor([t if isinstance(t, int) else stable_hash(t) >> 1 for t in tokens], dtype=torch.long)
 
 
 def k_hot(ids_NK: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from moepager.models.gguf_read import resolve_model_path
 from moepager.models.routing import NULL_OBSERVER, OWN_ROUTER, RoutingFanOut, RoutingObserver
 from moepager.models.load import LoadedModel, load_model, parse_dtype, resident_executor
 from moepager.outputs import check_file
-from moepager.predictors import PREDICTORS, bind_replay
+from moepager.predictors import PREDICTORS
 from moepager.runtime.cuda_graphs import graphable
 from moepager.runtime.engine import Engine, ignore_finish
 from moepager.runtime.prefetch import Prefetcher, build_prefetcher
@@ -193,12 +193,12 @@ class LLM:
         if replayer is not None:
             model.route_with(replayer)
         if self.prefetcher is not None:
-            bind_replay(self.prefetcher.predictor, replayer)
+            self.prefetcher.bind_replay(replayer)
         try:
             yield
         finally:
             if self.prefetcher is not None:
-                bind_replay(self.prefetcher.predictor, None)
+                self.prefetcher.bind_replay(None)
             self._pass_parts = self._parts(None, None)
             model.observe_routing(self.prefetcher if self.prefetcher is not None else NULL_OBSERVER)
             model.route_with(OWN_ROUTER)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
+from typing import Protocol
 
 import torch
 
@@ -30,9 +31,12 @@ from moepager.predictors import (
     Forecast,
     LayerObservation,
     Predictor,
+    RecordedRouting,
+    bind_replay,
     default_distance,
     make_predictor,
     target_of,
+    token_keys,
 )
 from moepager.predictors.expert_map import hashed_tokens
 from moepager.policies.base import ForecastConsumer
@@ -41,6 +45,14 @@ from moepager.types import PassInfo, RoutingDecision
 
 NO_SCORES = torch.empty(0, 0)
 """The observation's scores for predictors that do not read them (they stay on the device, uncopied)."""
+
+class ReplaySource(RecordedRouting, Protocol):
+    """A routing replay as the prefetcher sees it (runtime/replay.py's RouteReplayer)."""
+
+    def recorded_tokens(self) -> Sequence[str] | Sequence[int] | None:
+        """The trace's tokens at this pass's rows; None where they were not recorded."""
+        ...
+
 
 SemanticEmbed = Callable[[torch.Tensor], torch.Tensor]
 """token ids_N -> per-token vectors_ND whose running mean over a request is its semantic embedding (the
@@ -86,6 +98,15 @@ class Prefetcher:
         self.now = -1
         self._sem_sum: dict[int, tuple[torch.Tensor, int]] = {}
         self._last_rows: list[int] = []
+        self.replay: ReplaySource | None = None
+        """The routing replay running, if any (`bind_replay`): its recorded tokens are what the predictor reads."""
+
+    def bind_replay(self, source: ReplaySource | None) -> None:
+        """For the length of a replay (None ends it): the predictor reads the trace's tokens instead of the
+        model's (a replayed model's tokens are not the recorded model's; a predictor fitted on the trace keys on
+        the recorded ones), and a replay-only predictor reads the recorded routing."""
+        self.replay = source
+        bind_replay(self.predictor, source)
 
     # -- pass hook --------------------------------------------------------------------------------------------
     def begin_pass(self, info: PassInfo) -> None:
@@ -93,21 +114,27 @@ class Prefetcher:
         self.now = -1
         self.pending = {key: v for key, v in self.pending.items() if key[0] >= self.iteration}
         ids_N = info.token_ids_N
-        sem_ND = self._semantic(info, ids_N) if self.embed is not None and len(ids_N) else None
+        recorded = self.replay.recorded_tokens() if self.replay is not None else None
+        sem_ND = self._semantic(info, ids_N, recorded) if self.embed is not None and len(ids_N) else None
         self._last_rows = (torch.cumsum(torch.tensor(info.counts), 0) - 1).tolist()
         if self.stateful:
             self.predictor.begin_rows(info.requests, info.starts, info.counts, info.row_phases)
-        self.predictor.start_iteration(ids_N, sem_ND)
+        self.predictor.start_iteration(ids_N if recorded is None else token_keys(recorded), sem_ND)
         for j in range(min(self.plan.distance, len(self.moe_layers))):
             self._enqueue(self.predictor.forecast(j, 0), j, 0)
         self._pump()
 
-    def _semantic(self, info: PassInfo, ids_N: torch.Tensor) -> torch.Tensor:
+    def _semantic(self, info: PassInfo, ids_N: torch.Tensor, recorded: Sequence[str] | Sequence[int] | None
+                  ) -> torch.Tensor:
         """Each token row's request embedding so far: running means carried across passes per request (started
-        again when a request computes from its first token: new, or preempted)."""
+        again when a request computes from its first token: new, or preempted). Hashed tokens hash the recorded
+        tokens in a replay (what a store fitted on the trace hashed), the model's embedding its own ids."""
         assert self.embed is not None
         with torch.no_grad():
-            vec_ND = self.embed(ids_N).float()  # on the host (both embeddings are)
+            if recorded is not None and self.embed is _hashed:
+                vec_ND = hashed_tokens(recorded)
+            else:
+                vec_ND = self.embed(ids_N).float()  # on the host (both embeddings are)
         out, offset = [], 0
         for request, start, n in zip(info.requests, info.starts, info.counts, strict=True):
             total, count = self._sem_sum.get(request, (torch.zeros(vec_ND.shape[1]), 0)) if start else (

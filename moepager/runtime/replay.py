@@ -65,6 +65,10 @@ class ReplayRequest:
     ids_TLK: np.ndarray
     """Recorded ids of the replayed tokens (prompt, then decode steps), the replayed MoE layers only."""
     weights_TLK: np.ndarray | None
+    tokens: list[str] | list[int] | None = None
+    """The recorded tokens of the replayed positions (the trace's token ids or strings); None where it has
+    neither. Predictors are handed these (`recorded_tokens`): the model's own tokens in a replay are not the
+    recorded model's."""
 
     @property
     def max_tokens(self) -> int:
@@ -109,8 +113,9 @@ def _request(req: TraceRequest, i: int, cfg: ModelConfig) -> ReplayRequest:
     ids = req.token_ids_T
     if ids is None or len(ids) == 0 or ids.min() < 0 or ids.max() >= cfg.vocab_size:
         ids = np.random.default_rng(i).integers(0, cfg.vocab_size, req.num_tokens)  # content does not route here
+    recorded = req.token_ids_T.tolist() if req.token_ids_T is not None else req.tokens
     return ReplayRequest(i, req.name, [int(x) for x in ids[:prompt]], req.num_tokens - prompt, req.ids_TLK,
-                         req.weights_TLK)
+                         req.weights_TLK, recorded if recorded and len(recorded) == req.num_tokens else None)
 
 
 class RouteReplayer:
@@ -123,6 +128,7 @@ class RouteReplayer:
         self._weights = {rid: None if r.weights_TLK is None else torch.from_numpy(r.weights_TLK.astype(np.float32))
                          .to(device) for rid, r in requests.items()}
         self._has_missing = {rid: bool((r.ids_TLK == MISSING).any()) for rid, r in requests.items()}
+        self._tokens = {rid: r.tokens for rid, r in requests.items()}
         self._ids_NLK: torch.Tensor | None = None
         self._weights_NLK: torch.Tensor | None = None
         self._next_NLK: torch.Tensor | None = None
@@ -161,6 +167,18 @@ class RouteReplayer:
                 following.append(after)
             self._next_NLK = following[0] if len(following) == 1 else torch.cat(following)
         return self._next_NLK[:, column]
+
+    def recorded_tokens(self) -> list[str] | list[int] | None:
+        """The trace's tokens at this pass's positions, rows in order (None when a row's request has none): what
+        the recorded model read there, so a predictor keyed on tokens sees what it was fitted on."""
+        assert self._pass is not None, "begin_pass must announce a pass first"
+        out: list = []
+        for rid, start, n in zip(self._pass.requests, self._pass.starts, self._pass.counts, strict=True):
+            tokens = self._tokens[rid]
+            if tokens is None:
+                return None
+            out += tokens[start:start + n]
+        return out
 
     def route(self, layer: int, gate: nn.Module, x_ND: torch.Tensor) -> RoutingDecision:
         own: RoutingDecision = gate(x_ND)

@@ -32,7 +32,7 @@ from moepager.predictors import (
     k_hot,
     target_of,
 )
-from moepager.predictors.base import stable_hash
+from moepager.predictors.base import token_keys
 from moepager.predictors import head, path
 from moepager.predictors.expert_map import DEFAULT_CAPACITY, HASH_DIM, hashed_tokens, prefix_means
 from moepager.predictors.token_wise import train_token_wise
@@ -82,7 +82,7 @@ def row_token_ids(request: TraceRequest) -> torch.Tensor:
     if request.token_ids_T is not None:
         return torch.from_numpy(request.token_ids_T.astype(np.int64))
     if request.tokens:
-        return torch.tensor([stable_hash(t) >> 1 for t in request.tokens], dtype=torch.long)
+        return token_keys(request.tokens)
     return torch.zeros(0, dtype=torch.long)
 
 
@@ -178,6 +178,8 @@ class FitOptions:
     """token-wise: full-batch Adam epochs."""
     head_epochs: int = 4
     """head: passes over the training tokens."""
+    head_hidden: int = 0
+    """head: width of the hidden layer of an MLP added to the linear head (0: the linear head alone)."""
     seed: int = 0
     tokens: bool = True
     """head: use the token as a feature (off where the engine's token ids will not match the trace's tokens)."""
@@ -216,8 +218,8 @@ def fit_head(reader: TraceReader, train: Sequence[int], o: FitOptions, progress:
     tokens = [row_token_ids(r) for r in requests]
     have_tokens = o.tokens and all(len(t) == r.num_tokens for t, r in zip(tokens, requests)) and len(requests) > 0
     return head.fit_head(ids, request_N, reader.header.num_experts, (0, *o.distances),
-                         torch.cat(tokens).tolist() if have_tokens else None, epochs=o.head_epochs, seed=o.seed,
-                         progress=progress)
+                         torch.cat(tokens).tolist() if have_tokens else None, epochs=o.head_epochs,
+                         hidden=o.head_hidden, seed=o.seed, progress=progress)
 
 
 def fit_path(reader: TraceReader, train: Sequence[int], o: FitOptions, progress: Progress) -> Predictor:

@@ -12,7 +12,9 @@ from moepager.errors import MoepagerError
 from moepager.runtime.llm import LLM
 from moepager.runtime.replay import ReplaySpec
 from moepager.runtime.sampling import SamplingParams
-from moepager.trace.format import TraceReader
+from moepager.predictors import token_keys
+from moepager.predictors.expert_map import hashed_tokens, prefix_means
+from moepager.trace.format import DECODE, PREFILL, TraceHeader, TraceReader, TraceRequest, TraceWriter
 from moepager.trace.predict import FITTERS, FitOptions, fit_expert_maps, fit_token_wise, fit_transition
 
 PROMPTS = [[5, 9, 2, 40, 41], [7, 1, 3]]
@@ -215,3 +217,33 @@ def test_a_floor_prefetches_less_and_keeps_outputs(recorded):
         assert [c.token_ids for c in llm.generate(PROMPTS, PARAMS)] == reference
         return sum(p["loads_ahead"] for p in llm.last_stats.sections["experts"].phases.values())
     assert loads_ahead(0.9) < loads_ahead(0.0)
+
+
+def test_a_replay_hands_the_predictor_the_recorded_tokens(recorded, tmp_path):
+    """In a replay the predictor reads the trace's tokens, not the model's (its prompt ids stand in for them and
+    it samples its own continuation): strings as fitting hashes them (token_keys), and a hashed-token semantic
+    embedding over the recorded strings; after the replay the model's own ids again."""
+    path, _, files = recorded
+    tokens = [[f"w{t % 4}" for t in range(7)], ["x", "y", "z", "x", "y"]]
+    header = TraceHeader("tiny", (1, 2, 3), 8, 2, expert_bytes=1 << 20)
+    rng = np.random.default_rng(0)
+    with TraceWriter(tmp_path / "t.mpt", header) as w:
+        for r, words in enumerate(tokens):
+            ids = np.stack([np.stack([rng.choice(8, 2, replace=False) for _ in range(3)]) for _ in words])
+            w.add(TraceRequest(ids.astype(np.int16), np.array([PREFILL] * 3 + [DECODE] * (len(words) - 3), np.uint8),
+                               name=f"r{r}", tokens=words))
+    llm = LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", direct_io="off", warm=False),
+              prefetch=PrefetchConfig("expert-map", file=str(files / "expert-map.pt")))
+    predictor = llm.prefetcher.predictor
+    assert predictor.semantic == "hashed-tokens"
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    start = predictor.start_iteration
+    predictor.start_iteration = lambda ids_N, sem_ND: (seen.append((ids_N, sem_ND)), start(ids_N, sem_ND))[1]
+    llm.replay(ReplaySpec(tmp_path / "t.mpt"))
+    assert torch.cat([ids for ids, _ in seen]).tolist() == token_keys(tokens[0] + tokens[1]).tolist()
+    sem = torch.cat([s for _, s in seen])
+    assert torch.allclose(sem[:7], prefix_means(hashed_tokens(tokens[0])))
+    assert torch.allclose(sem[7:], prefix_means(hashed_tokens(tokens[1])))
+    seen.clear()
+    llm.generate(PROMPTS[:1], PARAMS)
+    assert seen[0][0].tolist() == PROMPTS[0]

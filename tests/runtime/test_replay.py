@@ -10,7 +10,7 @@ from moepager.cli.main import main
 from moepager.config import StoreConfig
 from moepager.errors import MoepagerError
 from moepager.runtime.llm import LLM
-from moepager.runtime.replay import ReplayRequest, ReplaySpec, RouteReplayer
+from moepager.runtime.replay import ReplayRequest, ReplaySpec, RouteReplayer, load_replay
 from moepager.runtime.sampling import SamplingParams
 from moepager.trace.format import DECODE, MISSING, PREFILL, TraceHeader, TraceReader, TraceRequest, TraceWriter
 from moepager.types import PassInfo
@@ -170,3 +170,26 @@ def test_the_replayer_tells_the_oracle_each_rows_recorded_and_following_routing(
                                                 ids_b[3, 1].tolist()]
     assert replayer.recorded(2, 1).tolist() == [ids_a[1, 2].tolist(), ids_a[2, 2].tolist(), ids_b[3, 2].tolist(),
                                                 [MISSING, MISSING]]  # request b has no token after its fourth
+
+
+def test_the_replayer_hands_out_each_rows_recorded_tokens(olmoe, tmp_path):
+    """`recorded_tokens()`: the trace's tokens at this pass's positions, rows in order across requests; None as
+    soon as one of the pass's requests was recorded without tokens. load_replay carries a trace's strings."""
+    ids = np.zeros((5, 3, 2), dtype=np.int64)
+    requests = {7: ReplayRequest(0, "a", [1, 2], 3, ids, None, ["The", "Ġcat", "Ġsat", "Ġon", "Ġit"]),
+                9: ReplayRequest(1, "b", [1], 4, ids, None, [4, 5, 6, 7, 8]),
+                11: ReplayRequest(2, "c", [1], 4, ids, None)}
+    replayer = RouteReplayer(requests, [0, 2, 5], torch.device("cpu"))
+    replayer.begin_pass(PassInfo(0, "prefill", (7, 9), (0, 3), (2, 1), ("prefill", "decode"), torch.zeros(3)))
+    assert replayer.recorded_tokens() == ["The", "Ġcat", 7]
+    replayer.begin_pass(PassInfo(1, "decode", (9, 11), (4, 1), (1, 1), ("decode", "decode"), torch.zeros(2)))
+    assert replayer.recorded_tokens() is None
+    path = tmp_path / "t.mpt"
+    header = TraceHeader("tiny", (1, 2, 3), 8, 2, expert_bytes=1 << 20)
+    with TraceWriter(path, header) as w:
+        w.add(TraceRequest(np.zeros((4, 3, 2), np.int16) + np.arange(2, dtype=np.int16), np.array([PREFILL] * 2 +
+                           [DECODE] * 2, np.uint8), name="r", tokens=["a", "b", "c", "d"]))
+        w.add(TraceRequest(np.zeros((3, 3, 2), np.int16) + np.arange(2, dtype=np.int16), np.array([PREFILL] * 2 +
+                           [DECODE], np.uint8), name="no tokens"))
+    loaded = load_replay(ReplaySpec(path), LLM(olmoe, show_progress=False).loaded.config)
+    assert [r.tokens for r in loaded] == [["a", "b", "c", "d"], None]
