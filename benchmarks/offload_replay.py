@@ -46,6 +46,8 @@ from moepager.trace.simulate import SimSpec, simulate  # noqa: E402
 from moepager.trace.workload import Cut, load_workload  # noqa: E402
 
 TOLERANCE = 0.20
+HEAD_FITS = {"plain": 0, "tokens": 0, "mlp": 256}
+"""The head predictor's fits: the hidden width of its MLP (plain also leaves the token out)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ class Config:
     """Threads of the prefetch lane (--prefetch-threads)."""
     min_p: float = 0.0
     """Probability floor of what is prefetched (--prefetch-min-p)."""
+    head: str = "tokens"
+    """How the head predictor is fitted (HEAD_FITS, --head-fits)."""
 
     @property
     def label(self) -> str:
@@ -72,6 +76,7 @@ class Config:
         k += "" if self.inflight is None else f"/{self.inflight}"
         k += "" if self.threads == 1 else f" t{self.threads}"
         k += "" if not self.min_p else f" p{self.min_p:g}"
+        k += "" if self.head == "tokens" or self.predictor != "head" else f" {self.head}"
         return f"{self.budget} {self.policy}" + (f" +{self.predictor}{k}" if self.predictor else "")
 
 
@@ -106,6 +111,10 @@ def arguments(device: str, layers: int, threads: int | None) -> argparse.Argumen
                     help="run every configuration with a predictor once per prefetch lane width T (default 1)")
     ap.add_argument("--prefetch-min-p", type=float, nargs="+", default=[0.0], metavar="P",
                     help="run every configuration with a predictor once per probability floor P (default 0)")
+    ap.add_argument("--head-fits", nargs="+", choices=list(HEAD_FITS), default=["tokens"],
+                    help="run every configuration with the head predictor once per fit: linear without the token "
+                         "(plain), linear with the trace's tokens (tokens: a replay hands predictors the recorded "
+                         "tokens), or with an MLP of 256 hidden units added (mlp)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the configurations this many times, interleaved (A B A B ...: the disk drifts)")
     ap.add_argument("--remodel", action="store_true",
@@ -139,7 +148,8 @@ def variants(configs: list[Config], args: argparse.Namespace) -> list[Config]:
     out = []
     for c in configs:
         widths, floors = (args.prefetch_threads, args.prefetch_min_p) if c.predictor else ([1], [0.0])
-        out += [replace(c, threads=t, min_p=p) for t in widths for p in floors]
+        heads = args.head_fits if c.predictor == "head" else ["tokens"]
+        out += [replace(c, threads=t, min_p=p, head=h) for t in widths for p in floors for h in heads]
     return out
 
 
@@ -180,18 +190,21 @@ def deepseek_trace(layers: int) -> Path:
     return out
 
 
-def fitted_predictors(trace: Path, fit: list[int], names: list[str]) -> dict[str, Path]:
+def fitted_predictors(trace: Path, fit: list[int], wanted: set[tuple[str, str]]) -> dict[tuple[str, str], Path]:
+    """A file per (predictor, head fit), fitted once and cached (the head's "plain" file is the one fitted before
+    replays handed predictors the trace's tokens)."""
     out, files = RESULTS / "predictors", {}
     out.mkdir(parents=True, exist_ok=True)
     with TraceReader(trace) as reader:
-        for name in names:
-            path = files[name] = out / f"{trace.stem}-fit{len(fit)}-{name}-v2.pt"
+        for name, fit_as in sorted(wanted):
+            tag = "" if name != "head" or fit_as == "plain" else f"-{fit_as}"
+            path = files[name, fit_as] = out / f"{trace.stem}-fit{len(fit)}-{name}{tag}-v2.pt"
             if path.exists():
                 continue
-            print(f"fitting {name} on {len(fit)} requests of {trace.name}")
-            # the head also forecasts each layer at the next token (distance L: PLEC's next use); the engine's
-            # token ids are not the trace's token strings, so it leaves the token out
-            options = FitOptions(distances=(1, 2, 3, reader.header.num_layers), tokens=False)
+            print(f"fitting {name}{tag} on {len(fit)} requests of {trace.name}")
+            # the head also forecasts each layer at the next token (distance L: PLEC's next use)
+            options = FitOptions(distances=(1, 2, 3, reader.header.num_layers), tokens=fit_as != "plain",
+                                 head_hidden=HEAD_FITS[fit_as])
             fitted = FITTERS[name].fit(reader, fit, options, lambda advance: None)
             fitted.save(path)
     return files
@@ -216,12 +229,14 @@ def measure(path: Path, cfg: Config, args: argparse.Namespace, spec: ReplaySpec,
                                                                      io_threads=args.io_threads,
                                                                      prefetch_threads=cfg.threads)
     per_row = args.prefetch_k if cfg.per_row is None else cfg.per_row
-    file = str(files[cfg.predictor]) if cfg.predictor in files else None  # replay-oracle and gate-lookahead: none
+    key = (cfg.predictor, cfg.head)
+    file = str(files[key]) if key in files else None  # replay-oracle and gate-lookahead: none
     prefetch = PrefetchConfig(cfg.predictor, file, distance=cfg.distance, per_row=per_row, max_inflight=cfg.inflight,
                               min_p=cfg.min_p) if cfg.predictor else PrefetchConfig()
     llm = LLM(path, device=args.device, threads=args.threads, store=store, prefetch=prefetch, show_progress=False)
     return {"config": cfg.label, "budget": cfg.budget, "policy": cfg.policy, "predictor": cfg.predictor or "none",
-            "prefetch_threads": cfg.threads, "prefetch_min_p": cfg.min_p} | replayed_run(llm, spec, args.layers, times)
+            "prefetch_threads": cfg.threads, "prefetch_min_p": cfg.min_p, "head_fit": cfg.head} | replayed_run(
+        llm, spec, args.layers, times)
 
 
 def replayed_run(llm: LLM, spec: ReplaySpec, layers: int, times: int = 1) -> dict:
@@ -280,8 +295,8 @@ def main(device: str, layers: int, threads: int | None, name: str) -> None:
     if args.remodel:
         return remodel(name, trace, requests, cut, args)
     spec = ReplaySpec(trace, requests, args.prompt, "match", args.decode)
-    wanted = {c.predictor for c in configs(args) if c.predictor and PREDICTORS[c.predictor].fitted}
-    files = fitted_predictors(trace, fit, sorted(wanted))
+    wanted = {(c.predictor, c.head) for c in configs(args) if c.predictor and PREDICTORS[c.predictor].fitted}
+    files = fitted_predictors(trace, fit, wanted)
     print(f"calibrating {path.name} on {device} (before the runs) ...")
     options = CalibrateOptions(device, args.io_threads, prefill_tokens=args.ttft_prompt)
     before = calibrate(path, options)

@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--no-tokens", action="store_true",
                    help="head: leave the token out (when the engine's token ids will not match the trace's tokens)")
     f.add_argument("--head-epochs", type=int, default=4, help="head: passes over the trace (default 4)")
+    f.add_argument("--head-hidden", type=int, default=0, metavar="H",
+                   help="head: add an MLP with H hidden units per layer to the linear head (default 0: linear; 256 "
+                        "forecast DeepSeek-V2-Lite's routing best, README)")
     f.add_argument("--path-epochs", type=int, default=20, help="path: passes over the trace (default 20)")
     f.add_argument("--seed", type=int, default=0, help="head, path: training seed")
     f.add_argument("--shape", choices=sorted(SHAPES), default="small",
@@ -80,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         options = FitOptions(distances=tuple(parse_ints(args.distances, "--distances")), capacity=args.capacity,
                              distance=args.distance, max_iterations=args.max_iterations, epochs=args.epochs,
                              sources=args.sources, alpha=args.alpha, head_epochs=args.head_epochs,
+                             head_hidden=args.head_hidden,
                              path_epochs=args.path_epochs, tokens=not args.no_tokens,
                              neighbours=args.neighbours, trajectory_only=args.trajectory_only,
                              seed=args.seed,

@@ -85,3 +85,41 @@ def test_fitting_is_seeded():
     a, b = (fit_head(ids, torch.zeros(200, dtype=torch.long), E, (1,), toks, epochs=2, buckets=64, rank=4)
             for _ in range(2))
     assert torch.equal(a.models[1].weight, b.models[1].weight)
+
+
+def parity_routing(tokens: int, seed: int = 0) -> torch.Tensor:
+    """3 layers, top-2: layers 0 and 1 each choose two experts of 0-3 or two of 4-7 (even odds); layer 2 is
+    {4, 5} when they chose the same half, else {6, 7}. Which experts occur together decides it, and no sum of
+    per-expert weights can express it (an XOR)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(tokens):
+        halves = torch.randint(0, 2, (2,), generator=g).tolist()
+        first, second = ((4 * h + torch.randperm(4, generator=g)[:2]).tolist() for h in halves)
+        rows.append([first, second, [4, 5] if halves[0] == halves[1] else [6, 7]])
+    return torch.tensor(rows)
+
+
+def test_the_mlp_head_learns_what_experts_occurring_together_say():
+    ids = parity_routing(4000)
+    test = parity_routing(500, seed=1)
+    right = {}
+    for hidden in (0, 32):
+        p = fit_head(ids, torch.zeros(len(ids), dtype=torch.long), E, (1,), None, epochs=40, hidden=hidden, lr=0.02)
+        observe(p, test, [0] * len(test), 1)
+        got = p.forecast(2, 0).top(2).sort(1).values
+        right[hidden] = (got == test[:, 2]).all(1).float().mean().item()
+    assert right[32] > 0.95 and right[0] < 0.7  # the linear head does no better than a coin
+
+
+def test_a_saved_mlp_head_loads_and_forecasts_the_same(tmp_path):
+    ids = parity_routing(300)
+    fitted = fit_head(ids, torch.zeros(len(ids), dtype=torch.long), E, (1,), None, epochs=1, hidden=8)
+    fitted.save(tmp_path / "h.pt")
+    loaded = make_predictor("head", num_layers=3, num_experts=E, file=tmp_path / "h.pt", distance=1)
+    assert loaded.models[1].hidden == 8
+    for p in (fitted, loaded):
+        observe(p, ids[:20], [0] * 20, 0)
+    assert torch.equal(fitted.forecast(1, 0).probs_NE, loaded.forecast(1, 0).probs_NE)
+    with pytest.raises(PredictorError, match="hidden width"):
+        fit_head(ids, torch.zeros(len(ids), dtype=torch.long), E, (1,), None, hidden=-1)
