@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="gate-lookahead: the checkpoint whose routers to apply (the trace's model)")
     p.add_argument("--per-layer", action="store_true", help="also print recall@top-k per layer")
     p.add_argument("--json", metavar="PATH", help="write every result (with per-layer figures) as JSON")
+    p.add_argument("--head-hidden", type=int, default=0, metavar="H",
+                   help="head: fit it with an MLP of H hidden units per layer beside the linear head (default 0)")
+    p.add_argument("--no-tokens", action="store_true", help="head: fit it without the token")
     p.add_argument("--prompt", type=int, metavar="N",
                    help="each request's first N tokens are its prompt, the rest generated (as a replay with "
                         "--route-prompt N runs it; what the path predictor's T5 layout encodes); default: the "
@@ -45,12 +48,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build(name: str, reader: TraceReader, train: list[int], distances: list[int], model: str | None,
-          prompt: int | None = None) -> Predictor:
+          prompt: int | None = None, head_hidden: int = 0, tokens: bool = True) -> Predictor:
     """A fitted predictor learns on `train` (FITTERS); gate-lookahead applies the routers of `model`."""
     h = reader.header
     fitter = FITTERS.get(name)
     if fitter is not None:
-        options = FitOptions(distances=tuple(d for d in distances if d != PASS) or (1,), prompt=prompt)
+        options = FitOptions(distances=tuple(d for d in distances if d != PASS) or (1,), prompt=prompt,
+                             head_hidden=head_hidden, tokens=tokens)
         with tqdm(total=fitter.total(train, options), desc=f"fitting {name}", unit=fitter.unit, leave=False) as bar:
             return fitter.fit(reader, train, options, bar.update)
     assert model is not None  # checked up front (check_needs)
@@ -95,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{h.model}: {len(train)} requests to fit on, {len(test)} held out; top-{h.top_k} of {h.num_experts}")
         try:
             for name in names:
-                predictor = build(name, reader, train, distances, args.model, args.prompt)
+                predictor = build(name, reader, train, distances, args.model, args.prompt, args.head_hidden,
+                                  not args.no_tokens)
                 for d in distances:
                     with tqdm(total=len(test), unit="request", desc=f"{name} d={d}", leave=False) as bar:
                         results.append(evaluate(predictor, reader, test, d, ks, progress=bar.update,

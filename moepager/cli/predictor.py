@@ -56,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--alpha", type=float, default=8.0,
                    help="transition: back-off mass towards the target layer's frequencies (default 8)")
     f.add_argument("--no-tokens", action="store_true",
-                   help="head: leave the token out (when the engine's token ids will not match the trace's tokens)")
+                   help="head: leave the token out (when the engine will not see the trace's tokens: a model with "
+                        "another tokenizer; a replay hands predictors the trace's own)")
     f.add_argument("--head-epochs", type=int, default=4, help="head: passes over the trace (default 4)")
     f.add_argument("--head-hidden", type=int, default=0, metavar="H",
                    help="head: add an MLP with H hidden units per layer to the linear head (default 0: linear; 256 "

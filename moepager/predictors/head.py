@@ -8,8 +8,8 @@ This head is a logistic model, one per (target layer, distance), over:
 - for a target in the row's next iteration (ahead 1), the experts the row chose at the target layer itself
   (the previous token's routing at that layer);
 - the token of the row being observed, hashed into `buckets`, through a shared low-rank embedding
-  (`rank` wide, one projection per target layer); optional, and left out where the engine's token ids would
-  not match the trace's (a trace of token strings, an engine of token ids).
+  (`rank` wide, one projection per target layer); optional, and left out where the engine will not see the
+  trace's tokens (a model with another tokenizer; a routing replay hands predictors the trace's own).
 logits_E = bias_j + sum over slots s of W_js[chosen experts at s] + proj_j(embed(bucket)). With `hidden` H > 0
 a one-hidden-layer MLP per target layer over the same inputs is added to those logits: + W2_j relu(W1_j x + b1_j),
 x = [the slots' multi-hot, embed(bucket)] (it sees which experts occur *together*; measured on DeepSeek-V2-Lite

@@ -182,7 +182,8 @@ class FitOptions:
     """head: width of the hidden layer of an MLP added to the linear head (0: the linear head alone)."""
     seed: int = 0
     tokens: bool = True
-    """head: use the token as a feature (off where the engine's token ids will not match the trace's tokens)."""
+    """head: use the token as a feature (off where the engine will not see the trace's tokens: a model with another
+    tokenizer; a replay hands predictors the trace's own)."""
     path_epochs: int = 20
     """path: passes over the training requests."""
     path_shape: str = "small"

@@ -92,3 +92,16 @@ def test_predict_eval_and_fit_clis(tmp_path, capsys):
     assert main(["predict-eval", "--trace", str(path), "--predictor", "gate-lookahead"]) == 2
     assert "--model" in capsys.readouterr().err
     assert main(["predict-eval", "--trace", str(path), "--predictor", "transition", "--distance", "0"]) == 2
+
+
+def test_the_head_is_fitted_as_the_clis_say(tmp_path, capsys):
+    """`predictor fit` and `predict-eval` fit the head with an MLP (--head-hidden) and without the token
+    (--no-tokens): the file says so, and evaluation runs on what was asked."""
+    path = random_trace(tmp_path / "t.mpt", lengths=(20, 15, 25, 30, 12))
+    assert main(["predictor", "fit", "--kind", "head", "--trace", str(path), "--out", str(tmp_path / "h.pt"),
+                 "--distances", "1", "--head-hidden", "8", "--head-epochs", "1"]) == 0
+    state = torch.load(tmp_path / "h.pt")
+    assert state["hidden"] == 8 and state["models"]["1"]["w1"].shape[-1] == 8
+    assert main(["predict-eval", "--trace", str(path), "--predictor", "head", "--head-hidden", "4",
+                 "--no-tokens"]) == 0
+    assert "head" in capsys.readouterr().out
