@@ -117,6 +117,9 @@ def arguments(device: str, layers: int, threads: int | None) -> argparse.Argumen
                          "tokens), or with an MLP of 256 hidden units added (mlp)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the configurations this many times, interleaved (A B A B ...: the disk drifts)")
+    ap.add_argument("--paired", action="store_true",
+                    help="with --configs: run the first configuration again after every other one (A B A C A ...), "
+                         "so each is compared with the baseline runs right before and after it")
     ap.add_argument("--remodel", action="store_true",
                     help="measure nothing: re-evaluate the cost model on the last run's measurements and profile "
                          "(after a change to the model, not to the constants)")
@@ -128,7 +131,8 @@ def configs(args: argparse.Namespace) -> list[Config]:
     if args.configs:
         resident = [Config(b) for b in args.budgets if b in ("100%", "all")]
         paged = [parse_config(b, c) for b in args.budgets if b not in ("100%", "all") for c in args.configs]
-        return resident + variants(paged, args) * args.repeat
+        one_round = variants(paged, args)
+        return resident + (paired(one_round, args.repeat) if args.paired else one_round * args.repeat)
     out = []
     predictors = [None if p == "none" else p for p in args.predictors]
     for budget in args.budgets:
@@ -140,6 +144,37 @@ def configs(args: argparse.Namespace) -> list[Config]:
                 if predictor is None or i == 0 or args.all_combinations:
                     out.append(Config(budget, policy, predictor))
     return variants(out, args) * args.repeat
+
+
+def paired(one_round: list[Config], repeat: int) -> list[Config]:
+    """`repeat` rounds with the round's first configuration (the baseline) run again after each other one: A B A C A
+    ... A, so every configuration has a baseline run just before and just after it (the disk drifts over minutes;
+    `report` compares each run with its two neighbouring baseline runs)."""
+    base, rest = one_round[0], one_round[1:]
+    out = [base]
+    for _ in range(repeat):
+        for c in rest:
+            out += [c, base]
+    return out
+
+
+def neighbour_ratios(rows: list[dict]) -> dict[str, list[float]]:
+    """Per configuration, each run's speed-up over the baseline (the first paged configuration) runs nearest
+    before and after it at the same budget: the mean of their TPOTs over its own."""
+    paged = [r for r in rows if r["per_layer"] is not None]
+    if not paged:
+        return {}
+    base = paged[0]["config"]
+    out: dict[str, list[float]] = {}
+    for i, r in enumerate(paged):
+        if r["config"] == base:
+            continue
+        near = [next((b for b in side if b["config"] == base and b["budget"] == r["budget"]), None)
+                for side in (reversed(paged[:i]), paged[i + 1:])]
+        tpots = [b["tpot_ms"] for b in near if b is not None]
+        if tpots:
+            out.setdefault(r["config"], []).append(statistics.mean(tpots) / r["tpot_ms"])
+    return out
 
 
 def variants(configs: list[Config], args: argparse.Namespace) -> list[Config]:
@@ -429,6 +464,10 @@ def report(rows: list[dict], ttft: list[dict], args: argparse.Namespace) -> None
         first = next((median[k] for k in by_config if not k.startswith("100%")), None)
         print("median TPOT over the repeats against the first paged configuration's: " + ", ".join(
             f"{k} {first / median[k]:.3f}x" for k in by_config if not k.startswith("100%")))
+    near = neighbour_ratios(rows)
+    if near:
+        print_table(["config", "runs", "vs neighbouring baseline runs: median", "min", "max"],
+                    [[k, len(v), statistics.median(v), min(v), max(v)] for k, v in near.items()])
     worst = max(errors.values(), key=abs, default=None)
     if worst is not None:
         print(f"calibrated model vs measured TPOT{' (medians over the repeats)' if repeats > 1 else ''}: worst "
