@@ -48,4 +48,6 @@ class ReplayOracle:
     def forecast(self, layer: int, ahead: int) -> Forecast | None:
         if self.source is None:
             return None
-        return Forecast(k_hot(self.source.recorded(layer, ahead).cpu(), self.num_experts))
+        # probability 1 for each recorded expert (it will be used): a probability floor (--prefetch-min-p) keeps
+        # them all, where k_hot's 1/K per expert fell below any floor above 1/K
+        return Forecast((k_hot(self.source.recorded(layer, ahead).cpu(), self.num_experts) > 0).float())

@@ -14,6 +14,7 @@ from moepager.runtime.replay import ReplaySpec
 from moepager.runtime.sampling import SamplingParams
 from moepager.predictors import token_keys
 from moepager.predictors.expert_map import hashed_tokens, prefix_means
+from moepager.predictors.oracle import ReplayOracle
 from moepager.trace.format import DECODE, PREFILL, TraceHeader, TraceReader, TraceRequest, TraceWriter
 from moepager.trace.predict import FITTERS, FitOptions, fit_expert_maps, fit_token_wise, fit_transition
 
@@ -247,3 +248,13 @@ def test_a_replay_hands_the_predictor_the_recorded_tokens(recorded, tmp_path):
     seen.clear()
     llm.generate(PROMPTS[:1], PARAMS)
     assert seen[0][0].tolist() == PROMPTS[0]
+
+
+def test_the_oracles_forecast_is_certain():
+    """Each recorded expert gets probability 1 (it will be used): any probability floor keeps it."""
+    class Recorded:
+        def recorded(self, column: int, ahead: int) -> torch.Tensor:
+            return torch.tensor([[1, 3], [2, -1]])
+    oracle = ReplayOracle(4)
+    oracle.bind(Recorded())
+    assert oracle.forecast(0, 0).probs_NE.tolist() == [[0, 1, 0, 1], [0, 0, 1, 0]]
