@@ -2,7 +2,8 @@
 
 Algorithm (per forward pass; the Prefetcher is a RoutingObserver plus the generation loop's pass hook):
 1. begin_pass: the pass's tokens give each row's semantic embedding; the predictor starts an iteration, and
-   forecasts for the first `distance` layers (made before any layer runs: fMoE's semantic search) are queued.
+   forecasts for the first `distance` layers (made before any layer runs: fMoE's semantic search) are queued. In a
+   routing replay the tokens are the trace's (what the recorded model read), not the replayed model's own.
 2. each MoE layer i routes: the store settles layer i's prefetches (cancel what is still queued and unneeded,
    promote what is queued and needed to an on-demand load, mark loaded-but-unneeded experts stale); queued
    requests for layer i are dropped (too late); the predictor observes the layer and forecasts the target
