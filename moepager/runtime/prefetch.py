@@ -47,6 +47,7 @@ from moepager.types import PassInfo, RoutingDecision
 NO_SCORES = torch.empty(0, 0)
 """The observation's scores for predictors that do not read them (they stay on the device, uncopied)."""
 
+
 class ReplaySource(RecordedRouting, Protocol):
     """A routing replay as the prefetcher sees it (runtime/replay.py's RouteReplayer)."""
 
