@@ -361,7 +361,7 @@ def main(device: str, layers: int, threads: int | None, name: str) -> None:
                             "fitted_on": f"requests 0:{args.fit_requests}", "args": vars(args),
                             "profile": {"used": asdict(profile), "before": before.measured, "after": after.measured,
                                         "disk_samples": disk.samples},
-                            "rows": rows, "ttft": ttft})
+                            "rows": rows, "vs_neighbouring_baseline": neighbour_ratios(rows), "ttft": ttft})
     plot(rows, RESULTS / f"{name}.png", f"{path.name} on {device}, DeepSeek-V2-Lite routing replayed")
     print(f"wrote {out} and {RESULTS / (name + '.png')}")
 
