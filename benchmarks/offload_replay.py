@@ -24,7 +24,7 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from tqdm import tqdm
@@ -46,7 +46,8 @@ from moepager.trace.simulate import SimSpec, simulate  # noqa: E402
 from moepager.trace.workload import Cut, load_workload  # noqa: E402
 
 TOLERANCE = 0.20
-HEAD_FITS = {"plain": 0, "tokens": 0, "mlp": 256}
+HeadFit = Literal["plain", "tokens", "mlp"]
+HEAD_FITS: dict[HeadFit, int] = {"plain": 0, "tokens": 0, "mlp": 256}
 """The head predictor's fits: the hidden width of its MLP (plain also leaves the token out)."""
 
 
@@ -66,7 +67,7 @@ class Config:
     """Threads of the prefetch lane (--prefetch-threads)."""
     min_p: float = 0.0
     """Probability floor of what is prefetched (--prefetch-min-p)."""
-    head: str = "tokens"
+    head: HeadFit = "tokens"
     """How the head predictor is fitted (HEAD_FITS, --head-fits)."""
 
     @property
@@ -159,8 +160,8 @@ def paired(one_round: list[Config], repeat: int) -> list[Config]:
 
 
 def neighbour_ratios(rows: list[dict]) -> dict[str, list[float]]:
-    """Per configuration, each run's speed-up over the baseline (the first paged configuration) runs nearest
-    before and after it at the same budget: the mean of their TPOTs over its own."""
+    """Per configuration, each run's speed-up over the baseline (the first paged configuration, its budget in its
+    label) runs nearest before and after it: the mean of their TPOTs over its own."""
     paged = [r for r in rows if r["per_layer"] is not None]
     if not paged:
         return {}
@@ -169,7 +170,7 @@ def neighbour_ratios(rows: list[dict]) -> dict[str, list[float]]:
     for i, r in enumerate(paged):
         if r["config"] == base:
             continue
-        near = [next((b for b in side if b["config"] == base and b["budget"] == r["budget"]), None)
+        near = [next((b for b in side if b["config"] == base), None)
                 for side in (reversed(paged[:i]), paged[i + 1:])]
         tpots = [b["tpot_ms"] for b in near if b is not None]
         if tpots:
@@ -225,7 +226,8 @@ def deepseek_trace(layers: int) -> Path:
     return out
 
 
-def fitted_predictors(trace: Path, fit: list[int], wanted: set[tuple[str, str]]) -> dict[tuple[str, str], Path]:
+def fitted_predictors(trace: Path, fit: list[int], wanted: set[tuple[str, HeadFit]]
+                      ) -> dict[tuple[str, HeadFit], Path]:
     """A file per (predictor, head fit), fitted once and cached (the head's "plain" file is the one fitted before
     replays handed predictors the trace's tokens)."""
     out, files = RESULTS / "predictors", {}
@@ -258,8 +260,8 @@ def replayed_requests(trace: Path, fit: int, count: int, tokens: int, from_end: 
     raise SystemExit(f"{trace} has fewer than {count} requests of {tokens}+ tokens after the first {fit}")
 
 
-def measure(path: Path, cfg: Config, args: argparse.Namespace, spec: ReplaySpec, files: dict[str, Path],
-            times: int = 1) -> dict:
+def measure(path: Path, cfg: Config, args: argparse.Namespace, spec: ReplaySpec,
+            files: dict[tuple[str, HeadFit], Path], times: int = 1) -> dict:
     store = None if cfg.budget in ("100%", "all") else StoreConfig(expert_memory=cfg.budget, policy=cfg.policy,
                                                                      io_threads=args.io_threads,
                                                                      prefetch_threads=cfg.threads)
@@ -356,12 +358,13 @@ def main(device: str, layers: int, threads: int | None, name: str) -> None:
     for r in rows:
         r["vs_resident"] = r["decode_tok_s"] / base if base else None
     ttft = [] if args.no_ttft else ttft_rows(path, trace, args, cost)
-    report(rows, ttft, args)
+    near = neighbour_ratios(rows)
+    report(rows, near, ttft, args)
     out = write_json(name, {"machine": state, "model": str(path), "trace": str(trace), "replayed_requests": requests,
                             "fitted_on": f"requests 0:{args.fit_requests}", "args": vars(args),
                             "profile": {"used": asdict(profile), "before": before.measured, "after": after.measured,
                                         "disk_samples": disk.samples},
-                            "rows": rows, "vs_neighbouring_baseline": neighbour_ratios(rows), "ttft": ttft})
+                            "rows": rows, "vs_neighbouring_baseline": near, "ttft": ttft})
     plot(rows, RESULTS / f"{name}.png", f"{path.name} on {device}, DeepSeek-V2-Lite routing replayed")
     print(f"wrote {out} and {RESULTS / (name + '.png')}")
 
@@ -397,7 +400,7 @@ def remodel(name: str, trace: Path, requests: list[int], cut: Cut, args: argpars
         per_layer = next(r["per_layer"] for r in data["rows"] if r["budget"] == t["budget"]) or 64
         t |= modeled_ttft(cost, trace, request, args.ttft_prompt, per_layer, t["ttft_ms"])
     data["remodeled"] = "modeled columns recomputed by --remodel from the same measurements and profile"
-    report(data["rows"], data["ttft"], args)
+    report(data["rows"], neighbour_ratios(data["rows"]), data["ttft"], args)
     out = write_json(name, data)
     plot(data["rows"], RESULTS / f"{name}.png", f"{Path(data['model']).name} on {args.device}, DeepSeek-V2-Lite "
                                                 f"routing replayed")
@@ -440,7 +443,8 @@ def modeled_ttft(cost: CostModel, trace: Path, request: list[int], prompt: int, 
     return {"modeled_ttft_ms": modeled_ms, "model_error": modeled_ms / measured_ms - 1}
 
 
-def report(rows: list[dict], ttft: list[dict], args: argparse.Namespace) -> None:
+def report(rows: list[dict], near: dict[str, list[float]], ttft: list[dict], args: argparse.Namespace) -> None:
+    """The tables; `near`: each configuration's speed-ups over its neighbouring baseline runs (neighbour_ratios)."""
     def opt(x: Any, fmt: str) -> str:
         return "-" if x is None else format(x, fmt)
     print_table(["config", "experts/layer", "decode tok/s", "vs resident", "TPOT ms", "modeled ms", "model err",
@@ -464,7 +468,6 @@ def report(rows: list[dict], ttft: list[dict], args: argparse.Namespace) -> None
         first = next((median[k] for k in by_config if not k.startswith("100%")), None)
         print("median TPOT over the repeats against the first paged configuration's: " + ", ".join(
             f"{k} {first / median[k]:.3f}x" for k in by_config if not k.startswith("100%")))
-    near = neighbour_ratios(rows)
     if near:
         print_table(["config", "runs", "vs neighbouring baseline runs: median", "min", "max"],
                     [[k, len(v), statistics.median(v), min(v), max(v)] for k, v in near.items()])

@@ -81,16 +81,28 @@ class HeadModel(torch.nn.Module):
 
     def forward(self, src_NLSK: torch.Tensor, bucket_NL: torch.Tensor | None) -> torch.Tensor:
         """logits_NLE from source experts (-1 absent) and the observed row's token bucket per target layer."""
-        hot = multi_hot(src_NLSK, self.num_experts)
-        logits = torch.einsum("nlx,lxe->nle", hot, self.weight) + self.bias
-        emb = self.embed(bucket_NL) if self.embed is not None and bucket_NL is not None else None
+        return self.logits(src_NLSK, bucket_NL)
+
+    def logits(self, src_SK: torch.Tensor, bucket: torch.Tensor | None, layer: int | None = None) -> torch.Tensor:
+        """Every target layer's logits (layer None: src [..., L, S, K], bucket [..., L] -> [..., L, E]) or one
+        layer's (src [..., S, K], bucket [...] -> [..., E]): the same weights, indexed or not."""
+        def at(weights: torch.Tensor) -> torch.Tensor:
+            return weights if layer is None else weights[layer]
+        hot = multi_hot(src_SK, self.num_experts)
+        out = _vecmat(hot, at(self.weight)) + at(self.bias)
+        emb = self.embed(bucket) if self.embed is not None and bucket is not None else None
         if emb is not None:
-            logits = logits + torch.einsum("nlr,lre->nle", emb, self.proj)
+            out = out + _vecmat(emb, at(self.proj))
         if self.hidden:
             x = hot if emb is None else torch.cat((hot, emb), -1)
-            h = torch.relu(torch.einsum("nlx,lxh->nlh", x, self.w1) + self.b1)
-            logits = logits + torch.einsum("nlh,lhe->nle", h, self.w2)
-        return logits
+            out = out + _vecmat(torch.relu(_vecmat(x, at(self.w1)) + at(self.b1)), at(self.w2))
+        return out
+
+
+def _vecmat(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x_NX @ w_XY for one layer, or each layer's rows times that layer's matrix: x_NLX, w_LXY -> NLY (one batched
+    product over L; broadcasting the matmul would copy w once per row)."""
+    return x @ w if w.dim() == 2 else torch.einsum("nlx,lxy->nly", x, w)
 
 
 class HeadPredictor:
@@ -138,8 +150,7 @@ class HeadPredictor:
         k = next(iter(self._seen.values())).shape[1] if self._seen else 1
         src = torch.stack([self._seen[s] if s >= 0 and s in self._seen else torch.full((rows, k), -1)
                            for s in slots], 1)
-        logits_NLE = _layer_forward(model, layer, src, self._bucket_N)
-        return Forecast(torch.sigmoid(logits_NLE))
+        return Forecast(torch.sigmoid(model.logits(src, self._bucket_N, layer)))
 
     def _rows(self) -> int:
         if self._seen:
@@ -172,19 +183,6 @@ def multi_hot(src_SK: torch.Tensor, num_experts: int) -> torch.Tensor:
     hot = torch.zeros(*src_SK.shape[:-2], src_SK.shape[-2] * (e + 1)).scatter_(-1, col.flatten(-2), 1.0)
     hot[..., e::e + 1] = 0.0
     return hot
-
-
-def _layer_forward(model: HeadModel, layer: int, src_NSK: torch.Tensor, bucket_N: torch.Tensor | None) -> torch.Tensor:
-    """One target layer's logits_NE (the forward restricted to that layer's head)."""
-    hot = multi_hot(src_NSK, model.num_experts)
-    logits = hot @ model.weight[layer] + model.bias[layer]
-    emb = model.embed(bucket_N) if model.embed is not None and bucket_N is not None else None
-    if emb is not None:
-        logits = logits + emb @ model.proj[layer]
-    if model.hidden:
-        x = hot if emb is None else torch.cat((hot, emb), -1)
-        logits = logits + torch.relu(x @ model.w1[layer] + model.b1[layer]) @ model.w2[layer]
-    return logits
 
 
 def training_pairs(ids_NLK: torch.Tensor, request_N: torch.Tensor, bucket_N: torch.Tensor | None,

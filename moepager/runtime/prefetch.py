@@ -56,9 +56,13 @@ class ReplaySource(RecordedRouting, Protocol):
         ...
 
 
-SemanticEmbed = Callable[[torch.Tensor], torch.Tensor]
-"""token ids_N -> per-token vectors_ND whose running mean over a request is its semantic embedding (the
-model's embedding layer, or expert_map.hashed_tokens for stores fitted on traces)."""
+class SemanticEmbed(Protocol):
+    """token ids_N -> per-token vectors_ND whose running mean over a request is its semantic embedding (the
+    model's embedding layer, or expert_map.hashed_tokens for stores fitted on traces). `recorded`: in a replay, the
+    trace's tokens at those rows (hashed tokens hash them, as the fit did; the model's embedding reads its own ids)."""
+
+    def __call__(self, ids_N: torch.Tensor, recorded: Sequence[str] | Sequence[int] | None = None) -> torch.Tensor:
+        ...
 
 
 @dataclass(frozen=True)
@@ -133,10 +137,7 @@ class Prefetcher:
         tokens in a replay (what a store fitted on the trace hashed), the model's embedding its own ids."""
         assert self.embed is not None
         with torch.no_grad():
-            if recorded is not None and self.embed is _hashed:
-                vec_ND = hashed_tokens(recorded)
-            else:
-                vec_ND = self.embed(ids_N).float()  # on the host (both embeddings are)
+            vec_ND = self.embed(ids_N, recorded).float()  # on the host (both embeddings are)
         out, offset = [], 0
         for request, start, n in zip(info.requests, info.starts, info.counts, strict=True):
             total, count = self._sem_sum.get(request, (torch.zeros(vec_ND.shape[1]), 0)) if start else (
@@ -293,10 +294,10 @@ def _embedding(table: torch.nn.Embedding) -> SemanticEmbed:
     weight = table.weight.detach()
     host = weight if weight.device.type == "cpu" else weight.to("cpu")
 
-    def embed(ids_N: torch.Tensor) -> torch.Tensor:
+    def embed(ids_N: torch.Tensor, recorded: Sequence[str] | Sequence[int] | None = None) -> torch.Tensor:
         return host.index_select(0, ids_N)  # the pass's token ids are a host tensor (runtime/runner.py)
     return embed
 
 
-def _hashed(ids_N: torch.Tensor) -> torch.Tensor:
-    return hashed_tokens(ids_N.tolist())
+def _hashed(ids_N: torch.Tensor, recorded: Sequence[str] | Sequence[int] | None = None) -> torch.Tensor:
+    return hashed_tokens(ids_N.tolist() if recorded is None else recorded)
