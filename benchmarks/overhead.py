@@ -3,8 +3,8 @@ review's method, a 17-token generation less a 1-token one, over 16 steps: exact 
 paged, with load timing) and decode tok/s (the median step over interleaved rounds, all configurations in one run),
 all resident, at a 25% budget (experts read buffered, `--direct-io off`; each read's pages are dropped after it, so
 misses still reach the disk), and at 25% with gate-lookahead prefetch; each eager and with the compiled decode step
-(`--compile`: a paged step leaves its graph at each MoE layer). Issue 15's goals: <= 40 calls resident, <= 80 at a 25% budget with a predictor.
-tests/runtime/test_overhead.py guards the counts.
+(`--compile`: a paged step leaves its graph at each MoE layer). Issue 15's goals: <= 40 calls resident, <= 80 at a
+25% budget with a predictor. tests/runtime/test_overhead.py guards the counts.
 
     python benchmarks/overhead.py [--threads 1] [--rounds 5] [--decode 32]
 """

@@ -184,7 +184,7 @@ def _check(name: str, got: tuple[int, ...], want: tuple[int, int]) -> None:
                              f"{want[0]} x {want[1]}")
 
 
-__all__ = ["BuildContext", "FITTED", "PredictorSpec", "ONLINE", "PREDICTORS", "ExpertMapPredictor", "ExpertMapStore", "Forecast",
-           "GateLookaheadPredictor", "HeadPredictor", "LayerObservation", "PathPredictor", "Predictor", "PredictorError", "RecordedRouting", "TokenWisePredictor",
-           "TransitionPredictor", "default_distance", "k_hot", "load_state", "make_predictor", "target_of",
-           "token_keys"]
+__all__ = ["BuildContext", "FITTED", "PredictorSpec", "ONLINE", "PREDICTORS", "ExpertMapPredictor", "ExpertMapStore",
+           "Forecast", "GateLookaheadPredictor", "HeadPredictor", "LayerObservation", "PathPredictor", "Predictor",
+           "PredictorError", "RecordedRouting", "TokenWisePredictor", "TransitionPredictor", "default_distance",
+           "k_hot", "load_state", "make_predictor", "target_of", "token_keys"]
