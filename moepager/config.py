@@ -32,6 +32,10 @@ class StoreConfig:
     prefetch_threads: int = 1
     """Threads reading prefetched experts (the transfer engine's prefetch lane; used with a predictor). More read
     ahead sooner, and spend more of the link on wrong forecasts: see README, "a wider prefetch lane"."""
+    prefetch_yields: bool = True
+    """A prefetch gives way to demand loads between the chunks of its read too, not only before it starts, and its
+    layer's routing promotes or abandons it while it runs (store/transfer.py). Off: once started, it runs to the
+    end beside them."""
     direct_io: DirectIO = "auto"
     """O_DIRECT disk reads: auto (where the file system allows), on (required) or off (page cache, dropped)."""
     warm: bool = True

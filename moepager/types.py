@@ -5,6 +5,7 @@ Shape legend: T tokens, D hidden, F expert FFN width, E experts, K top-k.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import torch
@@ -51,6 +52,9 @@ def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
     torch.cuda.current_stream(device).synchronize()
     return out
 
+
+Between = Callable[[], None]
+"""Called by an expert read between its chunks (a prefetch gives way to demand loads there: store/transfer.py)."""
 
 Scope = Literal["layer", "global"]
 """An expert cache's sharing: a fixed share of slots per MoE layer, or every layer competing for all of them."""

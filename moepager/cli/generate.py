@@ -159,6 +159,9 @@ def add_prefetch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefetch-threads", type=int, metavar="N",
                    help="threads reading prefetches (default 1; more read ahead sooner and waste more of the link "
                         "on wrong forecasts)")
+    g.add_argument("--prefetch-no-yield", action="store_true",
+                   help="a prefetch that started reads to its end beside demand loads (default: it gives way to them "
+                        "between the chunks of its read, and its layer's routing promotes or abandons it)")
     g.add_argument("--learn-maps", action="store_true", help="expert-map: add each iteration's map to the store")
 
 
@@ -205,7 +208,8 @@ def prefetch_config(args: argparse.Namespace) -> PrefetchConfig:
 def store_config(args: argparse.Namespace) -> StoreConfig:
     given = {name: value for name, value in (("policy", args.policy), ("scope", args.cache_scope),
                                              ("io_threads", args.io_threads), ("direct_io", args.direct_io),
-                                             ("prefetch_threads", args.prefetch_threads))
+                                             ("prefetch_threads", args.prefetch_threads),
+                                             ("prefetch_yields", False if args.prefetch_no_yield else None))
              if value is not None}  # the rest keep StoreConfig's defaults
     return StoreConfig(expert_memory=args.expert_memory, host_memory=args.host_memory, warm=not args.cold, **given)
 
@@ -233,6 +237,7 @@ def refuse_ignored_engine_options(args: argparse.Namespace) -> None:
          {"--predictor-file": args.predictor_file, "--prefetch-distance": args.prefetch_distance,
           "--prefetch-k": args.prefetch_k, "--prefetch-inflight": args.prefetch_inflight,
           "--prefetch-threads": args.prefetch_threads, "--prefetch-min-p": args.prefetch_min_p,
+          "--prefetch-no-yield": args.prefetch_no_yield,
           "--learn-maps": args.learn_maps}),
     ]
     for missing, what, options in needs:

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from moepager.experts.weights import ExpertShape, ExpertWeights
-from moepager.types import ExpertKey
+from moepager.types import Between, ExpertKey
 
 
 class ExpertReader(Protocol):
@@ -22,7 +22,9 @@ class ExpertReader(Protocol):
 
     shape: ExpertShape
 
-    def read(self, key: ExpertKey, out_flat: torch.Tensor) -> int: ...
+    def read(self, key: ExpertKey, out_flat: torch.Tensor, between: Between | None = None) -> int:
+        """Fill `out_flat`, calling `between` between the read's chunks; returns the bytes read."""
+        ...
 
 
 class ExpertSource(Protocol):

@@ -28,7 +28,7 @@ from moepager.experts.quant import (QuantFormat, QuantizedProjection, dequantize
 from moepager.experts.weights import ExpertShape, ExpertWeights, expert_view
 from moepager.models.loader import Checkpoint, TensorLocation
 from moepager.store.disk import DirectIO, DiskFiles, Span, bounce_bytes
-from moepager.types import ExpertKey
+from moepager.types import Between, ExpertKey
 
 
 @dataclass(frozen=True)
@@ -130,10 +130,11 @@ class ExpertReader:
         numel = shape[0] * shape[1]
         return Piece(loc.path, loc.offset + row * numel * loc.dtype.itemsize, loc.dtype, start, numel)
 
-    def read(self, key: ExpertKey, out_flat: torch.Tensor) -> int:
-        """Fill `out_flat` (1-D, the shape's buffer dtype, CPU) with the expert; returns bytes read from disk."""
+    def read(self, key: ExpertKey, out_flat: torch.Tensor, between: Between | None = None) -> int:
+        """Fill `out_flat` (1-D, the shape's buffer dtype, CPU) with the expert, calling `between` between the
+        chunks of the read (a prefetch gives way to demand loads there); returns bytes read from disk."""
         if self.stored is not None:
-            gate_up, down, nbytes = self._read_quantized(key)
+            gate_up, down, nbytes = self._read_quantized(key, between)
             if self.shape.quant is None:
                 w = ExpertWeights(out_flat, self.shape)
                 w.gate_up_2FD.copy_(dequantize_projection(gate_up, self.stored))
@@ -142,13 +143,13 @@ class ExpertReader:
                 expert_view(out_flat, self.shape).store(gate_up, down)
             return nbytes
         if self.shape.quant is None:
-            return self._read_float(key, out_flat)
+            return self._read_float(key, out_flat, between)
         scratch = self._float_scratch()
-        nbytes = self._read_float(key, scratch.buffer)
+        nbytes = self._read_float(key, scratch.buffer, between)
         quantize_expert(scratch.gate_up_2FD, scratch.down_DF, expert_view(out_flat, self.shape), self.shape.dtype)
         return nbytes
 
-    def _read_float(self, key: ExpertKey, out_flat: torch.Tensor) -> int:
+    def _read_float(self, key: ExpertKey, out_flat: torch.Tensor, between: Between | None) -> int:
         spans, converts = [], []
         for p in self.pieces(key):
             dest = out_flat[p.start: p.start + p.numel]
@@ -158,7 +159,7 @@ class ExpertReader:
                 tmp = self._scratch(p.dtype)[p.start: p.start + p.numel]
                 spans.append(Span(p.path, p.offset, tmp.view(torch.uint8)))
                 converts.append((dest, tmp))
-        nbytes = self.files.read(spans)
+        nbytes = self.files.read(spans, between)
         for dest, tmp in converts:
             dest.copy_(tmp)
         return nbytes
@@ -188,7 +189,8 @@ class ExpertReader:
                                          QuantizedProjection.empty(self.stored, d, f, self.shape.dtype))
         return parts
 
-    def _read_quantized(self, key: ExpertKey) -> tuple[QuantizedProjection, QuantizedProjection, int]:
+    def _read_quantized(self, key: ExpertKey, between: Between | None
+                        ) -> tuple[QuantizedProjection, QuantizedProjection, int]:
         """The expert's projections from a quantized checkpoint: integers, scales and zeros, gate rows then up."""
         layer, e = key
         gate_up, down = self._quant_scratch()
@@ -213,7 +215,7 @@ class ExpertReader:
                         tmp = torch.empty(loc.shape, dtype=loc.dtype)
                         spans.append(Span(loc.path, loc.offset, tmp.view(-1).view(torch.uint8)))
                         converts.append((part, tmp))
-        nbytes = self.files.read(spans)
+        nbytes = self.files.read(spans, between)
         for dest, tmp in converts:
             dest.copy_(tmp)
         return gate_up, down, nbytes

@@ -99,7 +99,7 @@ def build_store(config: StoreConfig, reader: ExpertReader, cfg: ModelConfig, dev
     tier = _tier(device_slots, cfg, reader, device, config, False,
                  f"--expert-memory {config.expert_memory or 'all'} ({device_slots} experts)",
                  stream_rows(device_slots, cfg.num_moe_layers * cfg.num_experts))
-    transfers = Transfers(device, config.io_threads, config.prefetch_threads)
+    transfers = Transfers(device, config.io_threads, config.prefetch_threads, config.prefetch_yields)
     store = ExpertStore(tier, host, reader.read, transfers, buffers)
     if config.warm:
         store.warm(warm_order(cfg.moe_layers, cfg.num_experts), progress)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -28,6 +28,7 @@ from typing import Literal
 import torch
 
 from moepager.errors import CheckpointError
+from moepager.types import Between
 
 ALIGN = 4096
 """O_DIRECT alignment for offset, length and buffer address (covers 512-byte and 4K logical blocks)."""
@@ -133,11 +134,20 @@ class DiskFiles:
             buf = self._local.buf = raw[skip: skip + self.bounce_nbytes]
         return buf
 
-    def read(self, spans: Sequence[Span]) -> int:
+    def read(self, spans: Sequence[Span], between: Between | None = None) -> int:
         """Fill every span's buffer from disk; returns the bytes read from the device (aligned spans included).
+        With `between`, the read is requests of at most `bounce_nbytes` and `between` is called before each but
+        the first (a prefetch gives way to demand loads there); without, each run is as few requests as it can be.
 
         With O_DIRECT, spans of one file lying within MERGE_GAP of each other are read as one aligned run.
         """
+        requests = 0
+
+        def next_request() -> None:
+            nonlocal requests
+            if requests and between is not None:
+                between()
+            requests += 1
         ordered = sorted(spans, key=lambda s: (str(s.path), s.offset))
         total, run = 0, [ordered[0]] if ordered else []
         for span in ordered[1:]:
@@ -145,11 +155,11 @@ class DiskFiles:
             if span.path == last.path and 0 <= span.offset - (last.offset + last.out_u8.numel()) <= MERGE_GAP:
                 run.append(span)
             else:
-                total += self._read_run(run)
+                total += self._read_run(run, next_request, between is not None)
                 run = [span]
-        return total + (self._read_run(run) if run else 0)
+        return total + (self._read_run(run, next_request, between is not None) if run else 0)
 
-    def _read_run(self, run: Sequence[Span]) -> int:
+    def _read_run(self, run: Sequence[Span], next_request: Between, chunked: bool) -> int:
         path = run[0].path
         f = self._open(path)
         self._check_unchanged(path, f)
@@ -166,12 +176,15 @@ class DiskFiles:
                 else:
                     groups.append([span])
             for g in groups:
-                self._pread(path, f.fd, [s.out_u8 for s in g], g[0].offset, sum(s.out_u8.numel() for s in g))
+                for outs, offset in _requests(g, self.bounce_nbytes if chunked else last_end - first):
+                    next_request()
+                    self._pread(path, f.fd, outs, offset, sum(out.numel() for out in outs))
             os.posix_fadvise(f.fd, start, end - start, os.POSIX_FADV_DONTNEED)
             return last_end - first
         bounce, got = self._bounce(), 0
         for chunk in range(start, end, len(bounce)):  # aligned chunks; each span takes its overlap of each
             chunk_end = min(chunk + len(bounce), end)
+            next_request()
             got += self._pread(path, f.fd, [bounce[: chunk_end - chunk]], chunk, min(chunk_end, f.size) - chunk)
             for span in run:
                 lo, hi = max(span.offset, chunk), min(span.offset + span.out_u8.numel(), chunk_end)
@@ -202,6 +215,23 @@ class DiskFiles:
     def close(self) -> None:
         with self._lock:
             _close_all(self._files)  # the finalizer stays armed for files opened after this
+
+
+def _requests(touching: Sequence[Span], most: int) -> Iterator[tuple[list[torch.Tensor], int]]:
+    """Spans that follow each other in a file as requests of at most `most` bytes: (the buffers each fills in
+    turn, its file offset)."""
+    offset, outs, size = touching[0].offset, [], 0
+    for span in touching:
+        pos, n = 0, span.out_u8.numel()
+        while pos < n:
+            take = min(n - pos, most - size)
+            outs.append(span.out_u8[pos: pos + take])
+            size, pos = size + take, pos + take
+            if size == most:
+                yield outs, offset
+                offset, outs, size = offset + size, [], 0
+    if outs:
+        yield outs, offset
 
 
 def _close_all(files: dict[Path, _OpenFile]) -> None:

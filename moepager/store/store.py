@@ -21,17 +21,20 @@ lane and are tracked as `ahead` by the eviction order (policies/prefetch_aware.p
 tier's policy) until their layer routes. Prefetches never evict each other, nor a resident expert the forecast
 that asked for them names. When a layer's real routing arrives, `settle` judges that layer's prefetches
 (ExpertFlow's real-time correction): a needed one still queued is cancelled and loaded on demand at once
-instead; an unneeded one still queued is cancelled; an unneeded one already loaded is wasted and marked stale,
-so it is evicted before any expert that was actually used. Prefetched experts occupy the same slots, so they
-count against the same budget.
+instead, and a needed one loading is promoted (it stops giving way to demand loads: store/transfer.py); an unneeded
+one still queued, or waiting on the lane to start, is cancelled (abandoned); an unneeded one already loading or
+loaded is wasted and marked stale, so it is evicted before any expert that was actually used. Prefetched experts
+occupy the same slots, so they count against the same budget.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, as_completed, wait
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -39,11 +42,17 @@ from moepager.policies.base import ForecastConsumer
 from moepager.policies.prefetch_aware import PrefetchAware
 from moepager.store.slots import SlotTable, settled
 from moepager.store.stats import PhaseCounters, StoreCounters
-from moepager.store.transfer import Transfers, completed
-from moepager.types import ExpertKey, PassInfo
+from moepager.store.transfer import AheadRead, Transfers, completed
+from moepager.types import Between, ExpertKey, PassInfo
 
-ReadExpert = Callable[[ExpertKey, torch.Tensor], int]
-"""Fills a flat CPU buffer with an expert from disk; returns the bytes read."""
+
+class ReadExpert(Protocol):
+    def __call__(self, key: ExpertKey, out_flat: torch.Tensor, between: Between | None = None) -> int:
+        """Fill a flat CPU buffer with an expert from disk, calling `between` between the read's chunks; returns
+        the bytes read."""
+        ...
+
+
 Ticket = Future[torch.cuda.Event | None]
 
 
@@ -92,6 +101,8 @@ class ExpertStore:
         """Bytes the reading threads take for bounce/conversion buffers (inside the budget of the tier they fill)."""
         self.read = read
         self.transfers = transfers
+        self._ahead_reads: weakref.WeakKeyDictionary[Ticket, AheadRead] = weakref.WeakKeyDictionary()
+        """The prefetch behind each prefetch ticket (device slots' and host slots' alike), to promote or abandon."""
         self.counters = StoreCounters()
         self.clock = 0
         """The current pass (`begin_pass`: the engine's pass id + 1): the `step` policies are given."""
@@ -320,21 +331,28 @@ class ExpertStore:
             calls = []
             for key, slot in zip(keys, slots):
                 calls.append((key, buffers[slot], counters, issued))
-            for slot, ticket in zip(slots, self.transfers.submit_all(self._disk_load, calls, ahead)):
-                table.ticket[slot] = ticket
+            reads = [AheadRead() for _ in keys] if ahead else None
+            for i, ticket in enumerate(self.transfers.submit_all(self._disk_load, calls, reads)):
+                table.ticket[slots[i]] = ticket
+                if reads is not None:
+                    self._ahead_reads[ticket] = reads[i]
             return
         for key, slot in zip(keys, slots):
             ticket = self._via_host(key, buffers[slot], table.free_event[slot], counters, ahead)
-            ticket.add_done_callback(lambda t: None if t.cancelled() else counters.loaded(issued, time.perf_counter()))
+            read = self._ahead_reads.get(ticket)  # a prefetch's: it may be abandoned, and then it loaded nothing
+            ticket.add_done_callback(lambda t, r=read: None if t.cancelled() or (r is not None and r.abandoned)
+                                     else counters.loaded(issued, time.perf_counter()))
             table.ticket[slot] = ticket
 
-    def _disk_load(self, key: ExpertKey, dst: torch.Tensor, counters: PhaseCounters, issued: float) -> None:
-        self._disk_job(key, dst, counters)
+    def _disk_load(self, key: ExpertKey, dst: torch.Tensor, counters: PhaseCounters, issued: float,
+                   between: Between | None = None) -> None:
+        self._disk_job(key, dst, counters, between)
         counters.loaded(issued, time.perf_counter())
 
-    def _disk_job(self, key: ExpertKey, dst: torch.Tensor, counters: PhaseCounters) -> None:
+    def _disk_job(self, key: ExpertKey, dst: torch.Tensor, counters: PhaseCounters,
+                  between: Between | None = None) -> None:
         start = time.perf_counter()
-        nbytes = self.read(key, dst)
+        nbytes = self.read(key, dst, between)
         counters.disk_read(nbytes, start, time.perf_counter())
 
     def _via_host(self, key: ExpertKey, dst: torch.Tensor, after: torch.cuda.Event | None,
@@ -350,13 +368,18 @@ class ExpertStore:
             if slot is None:
                 raise RuntimeError("host tier has no evictable slot although nothing is pinned there")
             src = host.buffers[slot]
-            ticket = self.transfers.submit(self._disk_then_copy, key, src, dst, after, counters, ahead, ahead=ahead)
+            read = AheadRead() if ahead else None
+            ticket = self.transfers.submit(self._disk_then_copy, key, src, dst, after, counters, ahead, ahead=read)
+            if read is not None:
+                self._ahead_reads[ticket] = read
         else:
             counters.host_hits += 1
             src, previous = host.buffers[slot], table.ticket[slot]
             if settled(previous):
                 ticket = completed(self._copy(dst, src, after, counters, ahead))
             else:
+                if (read := self._ahead_reads.get(previous)) is not None:  # the copy waits for it on the demand lane:
+                    self.transfers.promote(read)  # it must not give way to that very load
                 ticket = self.transfers.submit(self._after_then_copy, previous, src, dst, after, counters, ahead)
         table.ticket[slot] = ticket  # the host slot stays busy until the copy out of it is done
         return ticket
@@ -368,8 +391,9 @@ class ExpertStore:
         return event
 
     def _disk_then_copy(self, key: ExpertKey, src: torch.Tensor, dst: torch.Tensor, after: torch.cuda.Event | None,
-                        counters: PhaseCounters, ahead: bool) -> torch.cuda.Event | None:
-        self._disk_job(key, src, counters)
+                        counters: PhaseCounters, ahead: bool, between: Between | None = None
+                        ) -> torch.cuda.Event | None:
+        self._disk_job(key, src, counters, between)
         return self._copy(dst, src, after, counters, ahead)
 
     def _after_then_copy(self, previous: Ticket, src: torch.Tensor, dst: torch.Tensor, after: torch.cuda.Event | None,
@@ -440,13 +464,17 @@ class ExpertStore:
             if key.layer != layer:
                 continue
             ticket = table.ticket[slot]
-            if ticket is not None and ticket.cancel():
-                self._forget(slot)
+            read = self._ahead_reads.get(ticket) if ticket is not None else None
+            if ticket is not None and (ticket.cancel() or (
+                    read is not None and key.expert not in needed and self.transfers.abandon(read))):
+                self._forget(slot)  # queued, or waiting to start and not needed: it never reads a byte
                 self._forget_cancelled_host_read(ticket)
                 counters.prefetch_cancelled += 1
             elif key.expert not in needed:
                 self.order.unneeded(key)
                 counters.prefetch_wasted += 1
+            elif read is not None:
+                self.transfers.promote(read)  # needed and loading: it stops giving way to the layer's demand loads
 
     def _forget(self, slot: int) -> None:
         """A device slot whose load failed or was cancelled holds nothing."""

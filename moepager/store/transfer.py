@@ -6,6 +6,15 @@ also starts only while no demand load is in flight: it uses the link when demand
 of hits, dense layers, attention) instead of sharing it with loads the model is waiting for; on a disk-bound
 machine a prefetch issued beside demand reads slowed them as much as it saved.
 
+With `yields` (the default), each prefetch is an `AheadRead` the store can steer while it runs, not only while
+it is queued:
+- between the chunks of its read it gives way again whenever a demand load is in flight (this machine's disk
+  reads ~2.5 GB/s at one read at a time or eight: a prefetch beside demand reads takes its share of the same
+  bytes per second, so a read that started in a gap would otherwise slow the loads of the next layer);
+- `promote`: a demand load needs this very expert (its layer routed to it), so it goes on at once, like one;
+- `abandon`: its layer routed elsewhere before it read a byte, so it never reads (a prefetch that started
+  waiting for the gate cannot be cancelled as a queued future can).
+
 Every transfer is a `Future` whose result is the CUDA event that marks the end of its copy (None when the
 copy was synchronous or there was none). Consumers wait on the host for the future (disk) and on the GPU
 for the event (`stream.wait_event`); only benchmarks and tests synchronize.
@@ -17,9 +26,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
+
+from moepager.types import Between
 
 T = TypeVar("T")
 
@@ -30,9 +42,24 @@ def completed(value: T) -> Future[T]:
     return f
 
 
+@dataclass(eq=False)
+class AheadRead:
+    """One prefetch's standing with the demand lane (its fields change under `Transfers`' lock only)."""
+
+    urgent: bool = False
+    """A demand load waits for it: it no longer gives way."""
+    reading: bool = False
+    """It passed the gate: its bytes are landing, so it can no longer be abandoned."""
+    abandoned: bool = False
+    """It will return without reading (its slot was given up while it waited at the gate)."""
+
+
 class Transfers:
-    def __init__(self, device: torch.device, io_threads: int, ahead_threads: int = 1):
+    def __init__(self, device: torch.device, io_threads: int, ahead_threads: int = 1, yields: bool = True):
         self.device = device
+        self.yields = yields
+        """Prefetches give way to demand loads between their chunks too, and can be promoted or abandoned while
+        they wait (off: they only wait for a moment without demand to start, then run to the end)."""
         self.pool = ThreadPoolExecutor(max(io_threads, 1), thread_name_prefix="moepager-io")
         self.ahead_pool = ThreadPoolExecutor(max(ahead_threads, 1), thread_name_prefix="moepager-prefetch")
         cuda = device.type == "cuda"
@@ -47,17 +74,19 @@ class Transfers:
         """Demand loads submitted and not finished."""
         self._idle = threading.Condition()
 
-    def submit(self, fn: Callable[..., T], *args: object, ahead: bool = False) -> Future[T]:
-        return self.submit_all(fn, (args,), ahead)[0]
+    def submit(self, fn: Callable[..., T], *args: object, ahead: AheadRead | None = None) -> Future[T | None]:
+        return self.submit_all(fn, (args,), None if ahead is None else (ahead,))[0]
 
-    def submit_all(self, fn: Callable[..., T], calls: Sequence[tuple[object, ...]], ahead: bool = False) -> list[
-            Future[T]]:
-        """`fn(*args)` for each `args` of `calls`, on the prefetch lane (`ahead`) or the demand lane; one future
-        each, in order (a layer's misses are submitted together)."""
-        futures = []
-        if ahead:
-            for args in calls:
-                futures.append(self.ahead_pool.submit(self._when_idle, fn, *args))
+    def submit_all(self, fn: Callable[..., T], calls: Sequence[tuple[object, ...]],
+                   ahead: Sequence[AheadRead] | None = None) -> list[Future[T | None]]:
+        """`fn(*args)` for each `args` of `calls`, on the demand lane, or on the prefetch lane with one `AheadRead`
+        per call (`ahead`); one future each, in order (a layer's misses are submitted together). A prefetch's
+        `fn` gets one more argument, the `Between` its read calls between chunks (None without `yields`); an
+        abandoned prefetch returns None without running `fn`."""
+        futures: list[Future[T | None]] = []
+        if ahead is not None:
+            for args, read in zip(calls, ahead, strict=True):
+                futures.append(self.ahead_pool.submit(self._when_idle, read, fn, *args))
             return futures
         with self._idle:
             self._demand += len(calls)
@@ -73,11 +102,40 @@ class Transfers:
             if self._demand == 0:
                 self._idle.notify_all()
 
-    def _when_idle(self, fn: Callable[..., T], *args: object) -> T:
-        """Run a prefetch once no demand load is in flight (one arriving after it started shares the link)."""
+    def _when_idle(self, read: AheadRead, fn: Callable[..., T], *args: object) -> T | None:
+        """Run a prefetch once no demand load is in flight, or at once when it is urgent; not at all when it was
+        abandoned while it waited."""
         with self._idle:
-            self._idle.wait_for(lambda: self._demand == 0)
-        return fn(*args)
+            self._idle.wait_for(lambda: read.abandoned or read.urgent or self._demand == 0)
+            if read.abandoned:
+                return None
+            read.reading = True
+        between: Between | None = (lambda: self._give_way(read)) if self.yields else None
+        return fn(*args, between)
+
+    def _give_way(self, read: AheadRead) -> None:
+        """Between a prefetch's chunks: wait while a demand load is in flight, unless the prefetch is urgent."""
+        with self._idle:
+            self._idle.wait_for(lambda: read.urgent or self._demand == 0)
+
+    def promote(self, read: AheadRead) -> None:
+        """A demand load needs `read`'s expert: it stops giving way (with `yields`)."""
+        if self.yields:
+            with self._idle:
+                read.urgent = True
+                self._idle.notify_all()
+
+    def abandon(self, read: AheadRead) -> bool:
+        """Give up `read` if it has not started reading (with `yields`): True when it never will, so its
+        destination may be reused at once."""
+        if not self.yields:
+            return False
+        with self._idle:
+            if read.reading:
+                return False
+            read.abandoned = True
+            self._idle.notify_all()
+            return True
 
     def demand_in_flight(self) -> int:
         with self._idle:

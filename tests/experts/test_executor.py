@@ -170,7 +170,7 @@ def test_a_paged_prefill_computes_landed_experts_while_others_still_load():
     x, route = torch.randn(9, 16, generator=gen), routed(9, experts=6, k=3, seed=4)
     slow, gate = 0, threading.Event()
 
-    def read(key: ExpertKey, out: torch.Tensor) -> int:
+    def read(key: ExpertKey, out: torch.Tensor, between=None) -> int:
         if key.expert == slow:
             gate.wait(timeout=10)
         out.copy_(arena[key.expert])

@@ -192,6 +192,27 @@ def test_a_wider_prefetch_lane_keeps_outputs_and_takes_its_read_buffers_from_the
     assert stores[0].read_buffer_bytes * 5 == stores[1].read_buffer_bytes * 7  # 4 I/O threads + 3, against + 1
 
 
+@pytest.mark.parametrize("flags, yields", [([], True), (["--prefetch-no-yield"], False)], ids=["yield", "no-yield"])
+def test_prefetches_that_give_way_to_demand_loads_or_not_keep_outputs(recorded, flags, yields):
+    """`--prefetch-no-yield` reaches the store's transfer lanes; either way a two-thread prefetch lane, whose reads
+    give way between chunks, are promoted and abandoned as layers route, leaves the tokens as they were."""
+    import argparse
+    from dataclasses import replace
+
+    from moepager.cli.generate import add_arguments, store_config
+
+    path, reference, _ = recorded
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", str(path), "--expert-memory", "50%", "--direct-io", "off",
+                                      "--predictor", "gate-lookahead", "--prefetch-threads", "2", *flags, "hi"])
+    config = store_config(args)
+    assert config.prefetch_yields is yields
+    llm = LLM(path, show_progress=False, prefetch=PrefetchConfig("gate-lookahead"), store=replace(config, warm=False))
+    assert [c.token_ids for c in llm.generate(PROMPTS, PARAMS)] == reference
+    assert llm.loaded.experts.store.transfers.yields is yields
+
+
 def test_a_probability_floor_keeps_only_the_experts_forecast_at_least_that_likely():
     """`--prefetch-min-p`: of a row's selected experts (top 3 here), those under the floor are not queued."""
     from types import SimpleNamespace

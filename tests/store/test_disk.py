@@ -138,3 +138,32 @@ def test_touching_spans_are_one_request_and_short_reads_resume_inside_a_buffer(d
     if direct == "off":
         assert calls[0] == 3  # the touching three in one request (resumed after each short read)
     files.close()
+
+
+@pytest.mark.parametrize("direct", ["auto", "off"])
+def test_a_read_with_between_is_requests_of_at_most_the_bounce_size_with_between_before_each_but_the_first(
+        data_file, monkeypatch, direct):
+    """A prefetch's read gives way between chunks: touching spans (buffered: one request without `between`) are
+    read in requests of at most `bounce_nbytes`, `between` runs before every request after the first, and every
+    byte lands."""
+    path, data = data_file
+    spans = [(100, 3000), (3100, 5000), (8100, 2500), (12000 + ALIGN, 7)]  # three touching, one a page apart
+    real, requests, events = os.preadv, [], []
+
+    def logged(fd, buffers, at):  # noqa: ANN001, ANN202 - os.preadv's signature
+        requests.append(sum(len(memoryview(b)) for b in buffers))
+        events.append("read")
+        return real(fd, buffers, at)
+    monkeypatch.setattr(os, "preadv", logged)
+    files = DiskFiles(direct, bounce_nbytes=ALIGN)
+    outs = [torch.empty(n, dtype=torch.uint8) for _, n in spans]
+    files.read([Span(path, off, out) for (off, _), out in zip(spans, outs)], between=lambda: events.append("between"))
+    for (off, n), out in zip(spans, outs):
+        assert torch.equal(out, data[off:off + n])
+    assert max(requests) <= ALIGN and len(requests) >= 3
+    assert events[0] == "read" and events[1:] == ["between", "read"] * (len(requests) - 1)
+    events.clear()
+    requests.clear()
+    files.read([Span(path, off, out) for (off, _), out in zip(spans[:3], outs)])  # without: as few as it can be
+    assert "between" not in events and len(requests) == (1 if direct == "off" else 3)
+    files.close()

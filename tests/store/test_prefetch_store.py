@@ -45,6 +45,51 @@ def test_settle_promotes_a_queued_needed_prefetch_and_marks_a_loaded_unneeded_on
     assert c.loads_on_demand == 2 and reader.reads.count(ExpertKey(1, 1)) == 1
 
 
+class HeldReader(FakeReader):
+    """Reads of the experts in `held` wait for their event."""
+
+    def __init__(self):
+        super().__init__()
+        self.held: dict[ExpertKey, threading.Event] = {}
+
+    def __call__(self, key: ExpertKey, out: torch.Tensor, between=None) -> int:
+        if key in self.held:
+            self.held[key].wait(timeout=10)
+        return super().__call__(key, out)
+
+
+@pytest.mark.parametrize("host", [None, 12], ids=["disk", "host-tier"])
+def test_settle_abandons_an_unneeded_prefetch_waiting_for_demand_and_promotes_a_needed_one(host):
+    """Two prefetches for layer 1 wait on their lane while a demand load of layer 0 is in flight. Layer 1 routes to
+    one of them: the other is abandoned (never read, its slot free, and over a host tier the host slot claimed for
+    its read too), the needed one reads at once, before the demand load ends."""
+    reader = HeldReader()
+    store, _ = make_store(8, reader=reader, ahead_threads=2, host=host)
+    reader.held[ExpertKey(0, 5)] = release = threading.Event()
+    try:
+        held = store.acquire(0, [5])  # a demand load, in flight until `release`
+        assert store.prefetch(1, [0, 1]) == 2
+        time.sleep(0.05)
+        assert reader.reads == []  # both wait for the demand load
+        store.settle(1, [1, 3])
+        c = store.counters.current
+        assert c.prefetch_cancelled == 1 and ExpertKey(1, 0) not in store.device.table.slot_of
+        deadline = time.monotonic() + 10
+        while ExpertKey(1, 1) not in reader.reads and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert reader.reads == [ExpertKey(1, 1)]  # promoted: it did not wait for the demand load
+    finally:
+        release.set()
+    store.wait(held, [0])
+    store.release(held)
+    assert consume(store, 1, [1, 3]) == [value(ExpertKey(1, 1)), value(ExpertKey(1, 3))]
+    assert ExpertKey(1, 0) not in reader.reads and c.prefetch_used == 1
+    if host:
+        assert ExpertKey(1, 0) not in store.host.table.slot_of and ExpertKey(1, 1) in store.host.table.slot_of
+    assert consume(store, 1, [0]) == [value(ExpertKey(1, 0))]  # read again, on demand, whole
+    store.close()
+
+
 def test_stale_experts_go_first_and_prefetches_ahead_last():
     """The correction order is a decorator over any policy: the table only offers candidates."""
     order = PrefetchAware(LRU())
@@ -167,10 +212,13 @@ class JitteryReader(FakeReader):
         super().__init__()
         self._delays = random.Random(seed)
 
-    def __call__(self, key: ExpertKey, out: torch.Tensor) -> int:
+    def __call__(self, key: ExpertKey, out: torch.Tensor, between=None) -> int:
         with self._lock:
             delay = self._delays.random() * 0.002
-        time.sleep(delay)
+        time.sleep(delay / 2)
+        if between is not None:  # a prefetch gives way to demand loads half way
+            between()
+        time.sleep(delay / 2)
         return super().__call__(key, out)
 
 

@@ -27,7 +27,7 @@ class FakeReader:
         self.fail: set[ExpertKey] = set()
         self._lock = threading.Lock()
 
-    def __call__(self, key: ExpertKey, out: torch.Tensor) -> int:
+    def __call__(self, key: ExpertKey, out: torch.Tensor, between=None) -> int:
         self.gate.wait(timeout=10)
         with self._lock:
             self.reads.append(key)
@@ -41,7 +41,8 @@ def value(key: ExpertKey) -> float:
     return 1000.0 * key.layer + key.expert
 
 
-def make_store(capacity, layers=(0, 1), scope="layer", host=None, reader=None, io_threads=2, streams=2):
+def make_store(capacity, layers=(0, 1), scope="layer", host=None, reader=None, io_threads=2, streams=2,
+               ahead_threads=1):
     """A store of `capacity` cached slots and `streams` stream rows (over a host tier of `host` slots, one cache
     for all layers as the engine builds it)."""
     reader = reader or FakeReader()
@@ -50,7 +51,7 @@ def make_store(capacity, layers=(0, 1), scope="layer", host=None, reader=None, i
         return Tier(SlotTable(n, list(layers), LRU(), scope, streams), torch.zeros(n + streams, NUMEL))
 
     store = ExpertStore(tier(capacity, scope, streams), tier(host, "global") if host else None, reader,
-                        Transfers(torch.device("cpu"), io_threads))
+                        Transfers(torch.device("cpu"), io_threads, ahead_threads))
     return store, reader
 
 
