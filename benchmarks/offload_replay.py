@@ -69,6 +69,8 @@ class Config:
     """Probability floor of what is prefetched (--prefetch-min-p)."""
     head: HeadFit = "tokens"
     """How the head predictor is fitted (HEAD_FITS, --head-fits)."""
+    yields: bool = True
+    """Prefetches give way to demand loads between their chunks too (StoreConfig.prefetch_yields)."""
 
     @property
     def label(self) -> str:
@@ -78,6 +80,7 @@ class Config:
         k += "" if self.threads == 1 else f" t{self.threads}"
         k += "" if not self.min_p else f" p{self.min_p:g}"
         k += "" if self.head == "tokens" or self.predictor != "head" else f" {self.head}"
+        k += "" if self.yields or not self.predictor else " no-yield"
         return f"{self.budget} {self.policy}" + (f" +{self.predictor}{k}" if self.predictor else "")
 
 
@@ -112,6 +115,9 @@ def arguments(device: str, layers: int, threads: int | None) -> argparse.Argumen
                     help="run every configuration with a predictor once per prefetch lane width T (default 1)")
     ap.add_argument("--prefetch-min-p", type=float, nargs="+", default=[0.0], metavar="P",
                     help="run every configuration with a predictor once per probability floor P (default 0)")
+    ap.add_argument("--prefetch-yield", nargs="+", choices=["on", "off"], default=["on"],
+                    help="run every configuration with a predictor with prefetches that give way to demand loads "
+                         "between their chunks (on, the engine's default) and/or that read on to the end (off)")
     ap.add_argument("--head-fits", nargs="+", choices=list(HEAD_FITS), default=["tokens"],
                     help="run every configuration with the head predictor once per fit: linear without the token "
                          "(plain), linear with the trace's tokens (tokens: a replay hands predictors the recorded "
@@ -185,7 +191,9 @@ def variants(configs: list[Config], args: argparse.Namespace) -> list[Config]:
     for c in configs:
         widths, floors = (args.prefetch_threads, args.prefetch_min_p) if c.predictor else ([1], [0.0])
         heads = args.head_fits if c.predictor == "head" else ["tokens"]
-        out += [replace(c, threads=t, min_p=p, head=h) for t in widths for p in floors for h in heads]
+        yields = [y == "on" for y in args.prefetch_yield] if c.predictor else [True]
+        out += [replace(c, threads=t, min_p=p, head=h, yields=y) for t in widths for p in floors for h in heads
+                for y in yields]
     return out
 
 
@@ -264,7 +272,8 @@ def measure(path: Path, cfg: Config, args: argparse.Namespace, spec: ReplaySpec,
             files: dict[tuple[str, HeadFit], Path], times: int = 1) -> dict:
     store = None if cfg.budget in ("100%", "all") else StoreConfig(expert_memory=cfg.budget, policy=cfg.policy,
                                                                      io_threads=args.io_threads,
-                                                                     prefetch_threads=cfg.threads)
+                                                                     prefetch_threads=cfg.threads,
+                                                                     prefetch_yields=cfg.yields)
     per_row = args.prefetch_k if cfg.per_row is None else cfg.per_row
     key = (cfg.predictor, cfg.head)
     file = str(files[key]) if key in files else None  # replay-oracle and gate-lookahead: none
@@ -272,7 +281,8 @@ def measure(path: Path, cfg: Config, args: argparse.Namespace, spec: ReplaySpec,
                               min_p=cfg.min_p) if cfg.predictor else PrefetchConfig()
     llm = LLM(path, device=args.device, threads=args.threads, store=store, prefetch=prefetch, show_progress=False)
     return {"config": cfg.label, "budget": cfg.budget, "policy": cfg.policy, "predictor": cfg.predictor or "none",
-            "prefetch_threads": cfg.threads, "prefetch_min_p": cfg.min_p, "head_fit": cfg.head} | replayed_run(
+            "prefetch_threads": cfg.threads, "prefetch_min_p": cfg.min_p, "head_fit": cfg.head,
+            "prefetch_yields": cfg.yields} | replayed_run(
         llm, spec, args.layers, times)
 
 
