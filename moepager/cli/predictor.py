@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--kind", required=True, choices=FITTED)
     f.add_argument("--trace", required=True, help="trace file (moepager format)")
     f.add_argument("--out", required=True, help="predictor file to write")
-    f.add_argument("--distances", default="1,2,3", help="transition: prefetch distances to fit (default 1,2,3)")
+    f.add_argument("--distances", help="transition, head: prefetch distances to fit (default 1,2,3; the head also L, "
+                                        "the trace's MoE layers: the next token's forecast PLEC evicts by)")
     f.add_argument("--capacity", type=int, default=1000, help="expert-map: maps kept (default 1000)")
     f.add_argument("--max-iterations", type=int, default=20_000,
                    help="expert-map: iterations sampled from the trace for the store (default 20000)")
@@ -73,6 +74,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--resume", help="path: checkpoint after every epoch here, and continue from it if it exists")
 
 
+def default_distances(kind: str, num_layers: int) -> tuple[int, ...]:
+    """1, 2, 3; for the head those within the trace's MoE layers and L, the next token's forecast (PLEC's)."""
+    if kind != "head":
+        return 1, 2, 3
+    return tuple(sorted({d for d in (1, 2, 3) if d <= num_layers} | {num_layers}))
+
+
 def run(args: argparse.Namespace) -> int:
     out = check_file(args.out, "--out")
     with TraceReader(args.trace) as reader:
@@ -81,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
                                  f"trace with `generate --record-trace PATH --record-hidden`")
         everything = list(range(len(reader)))
         fitter = FITTERS[args.kind]
-        options = FitOptions(distances=tuple(parse_ints(args.distances, "--distances")), capacity=args.capacity,
+        distances = tuple(parse_ints(args.distances, "--distances")) if args.distances else default_distances(
+            args.kind, reader.header.num_layers)
+        options = FitOptions(distances=distances, capacity=args.capacity,
                              distance=args.distance, max_iterations=args.max_iterations, epochs=args.epochs,
                              sources=args.sources, alpha=args.alpha, head_epochs=args.head_epochs,
                              head_hidden=args.head_hidden,

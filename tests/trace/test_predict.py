@@ -105,3 +105,9 @@ def test_the_head_is_fitted_as_the_clis_say(tmp_path, capsys):
     assert main(["predict-eval", "--trace", str(path), "--predictor", "head", "--head-hidden", "4",
                  "--no-tokens"]) == 0
     assert "head" in capsys.readouterr().out
+    # without --distances the head is fitted for 1, 2, 3 within the trace's layers and for L, the next token
+    for layers, want in ((5, {1, 2, 3, 5}), (2, {1, 2})):
+        deep = random_trace(tmp_path / f"t{layers}.mpt", layers=layers)
+        assert main(["predictor", "fit", "--kind", "head", "--trace", str(deep), "--out", str(tmp_path / "d.pt"),
+                     "--head-epochs", "1"]) == 0
+        assert {int(d) for d in torch.load(tmp_path / "d.pt")["models"]} == want  # (no tokens: no pass head)
