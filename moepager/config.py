@@ -74,13 +74,15 @@ class PrefetchConfig:
     distance: int | None = None
     """MoE layers between a forecast and its target; None: the predictor's own (DEFAULT_DISTANCE)."""
     per_row: int | None = None
-    """Experts prefetched per forecast row (fMoE's similarity rule may add more); None: the model's top-k; 0:
-    prefetch nothing, the forecasts only rank evictions (fmoe, plec)."""
+    """Experts prefetched per forecast row (fMoE's similarity rule may add more); None: the predictor's default (its
+    spec's `default_per_row`, else the model's top-k); 0: prefetch nothing, the forecasts only rank evictions (fmoe,
+    plec)."""
     max_inflight: int | None = None
     """Prefetches loading at once; None: twice the model's top-k."""
-    min_p: float = 0.0
-    """Prefetch a selected expert only when its forecast probability is at least this (0: every selected one). The
-    head's probabilities are per-expert sigmoids, so 0.5 keeps the experts it finds more likely than not."""
+    min_p: float | None = None
+    """Prefetch a selected expert only when its forecast probability is at least this (0: every selected one); None:
+    the predictor's default (its spec's `default_min_p`). The head's probabilities are per-expert sigmoids, so 0.5
+    keeps the experts it finds more likely than not."""
     learn: bool = False
     """expert-map: add every finished iteration's map to the store (fMoE's online mode)."""
 
@@ -92,7 +94,7 @@ class PrefetchConfig:
                 raise MoepagerError(f"{flag} must be >= 1, got {value}")
         if self.per_row is not None and self.per_row < 0:
             raise MoepagerError(f"--prefetch-k must be >= 0 (0: forecasts only rank evictions), got {self.per_row}")
-        if not 0 <= self.min_p <= 1:
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
             raise MoepagerError(f"--prefetch-min-p must be between 0 and 1, got {self.min_p}")
 
 

@@ -150,12 +150,13 @@ def add_prefetch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefetch-distance", type=int, metavar="D",
                    help="MoE layers between forecast and target (default: transition/gate-lookahead 1, "
                         "expert-map 3, token-wise one token)")
-    g.add_argument("--prefetch-k", type=int, metavar="K", help="experts prefetched per forecast row (default top-k; 0: none, the forecasts only "
-                   "rank evictions for --policy fmoe/plec)")
+    g.add_argument("--prefetch-k", type=int, metavar="K",
+                   help="experts prefetched per forecast row (default: head 1, others top-k; 0: none, the forecasts "
+                        "only rank evictions for --policy fmoe/plec)")
     g.add_argument("--prefetch-inflight", type=int, metavar="N", help="prefetches loading at once (default 2 x top-k)")
     g.add_argument("--prefetch-min-p", type=float, metavar="P",
-                   help="prefetch a selected expert only when its forecast probability is at least P (default 0; "
-                        "0.5 with the head predictor: the experts it finds more likely than not)")
+                   help="prefetch a selected expert only when its forecast probability is at least P (default: "
+                        "head 0.5, the experts it finds more likely than not; others 0)")
     g.add_argument("--prefetch-threads", type=int, metavar="N",
                    help="threads reading prefetches (default 1; more read ahead sooner and waste more of the link "
                         "on wrong forecasts)")
@@ -202,7 +203,7 @@ def replay_spec(args: argparse.Namespace) -> ReplaySpec | None:
 def prefetch_config(args: argparse.Namespace) -> PrefetchConfig:
     return PrefetchConfig(predictor=args.predictor, file=args.predictor_file, distance=args.prefetch_distance,
                           per_row=args.prefetch_k, max_inflight=args.prefetch_inflight, learn=args.learn_maps,
-                          min_p=args.prefetch_min_p or 0.0)
+                          min_p=args.prefetch_min_p)
 
 
 def store_config(args: argparse.Namespace) -> StoreConfig:

@@ -66,6 +66,10 @@ class PredictorSpec:
     """It can learn while the engine runs (`--learn-maps`)."""
     default_distance: int | None = None
     """Prefetch distance in MoE layers when none is given; None: one token ahead (all L layers)."""
+    default_per_row: int | None = None
+    """Experts prefetched per forecast row when --prefetch-k is not given; None: the model's top-k."""
+    default_min_p: float = 0.0
+    """The probability floor of what is prefetched when --prefetch-min-p is not given."""
     needs_routers: bool = False
     replay_only: bool = False
     """It forecasts from the routing being replayed (`bind` to the replayer): only `LLM.replay` runs it."""
@@ -118,7 +122,9 @@ PREDICTORS: dict[str, PredictorSpec] = {
     "expert-map": PredictorSpec(_expert_map, fitted=True, online=True, default_distance=3),
     "gate-lookahead": PredictorSpec(_gate_lookahead, fitted=False, default_distance=1, needs_routers=True),
     "token-wise": PredictorSpec(_token_wise, fitted=True),
-    "head": PredictorSpec(_head, fitted=True, default_distance=1),
+    # one expert a row, those more likely than not: on replayed DeepSeek-V2-Lite routing at 25% the paired runs put
+    # PLEC + the head at 1.22x LRU so (k2 1.13x; every expert of top-6 at floor 0.7 0.88-0.93x: README)
+    "head": PredictorSpec(_head, fitted=True, default_distance=1, default_per_row=1, default_min_p=0.5),
     "path": PredictorSpec(_path, fitted=True),
     "replay-oracle": PredictorSpec(lambda ctx: ReplayOracle(ctx.num_experts), fitted=False, default_distance=1,
                                    replay_only=True),

@@ -29,6 +29,7 @@ import torch
 from moepager.config import PrefetchConfig
 from moepager.models.layers import CausalLM, MoEBlock
 from moepager.predictors import (
+    PREDICTORS,
     Forecast,
     LayerObservation,
     Predictor,
@@ -245,8 +246,10 @@ def build_prefetcher(config: PrefetchConfig, model: CausalLM, store: ExpertStore
         embed = _embedding(model.model.embed_tokens)
     elif predictor.semantic == "hashed-tokens":
         embed = _hashed
-    per_row = cfg.top_k if config.per_row is None else config.per_row
-    plan = PrefetchPlan(distance, per_row, config.max_inflight or 2 * cfg.top_k, config.min_p)
+    spec = PREDICTORS[config.predictor]
+    per_row = config.per_row if config.per_row is not None else spec.default_per_row or cfg.top_k
+    min_p = config.min_p if config.min_p is not None else spec.default_min_p
+    plan = PrefetchPlan(distance, per_row, config.max_inflight or 2 * cfg.top_k, min_p)
     return Prefetcher(predictor, store, [b.layer for b in blocks], plan, embed, store.forecast_consumer())
 
 

@@ -213,6 +213,22 @@ def test_prefetches_that_give_way_to_demand_loads_or_not_keep_outputs(recorded, 
     assert llm.loaded.experts.store.transfers.yields is yields
 
 
+def test_the_head_prefetches_one_expert_a_row_at_a_floor_of_one_half_unless_told_otherwise(recorded):
+    """A predictor's own defaults for --prefetch-k and --prefetch-min-p (the head's: the setting measured best on
+    replayed real routing); the options override them, and other predictors keep top-k and no floor."""
+    path, _, files = recorded
+    store = StoreConfig(expert_memory="50%", direct_io="off", warm=False)
+
+    def plan(name: str, **given) -> tuple[int, float]:
+        file = str(files / f"{name}.pt") if name != "gate-lookahead" else None
+        llm = LLM(path, show_progress=False, store=store, prefetch=PrefetchConfig(name, file=file, **given))
+        return llm.prefetcher.plan.per_row, llm.prefetcher.plan.min_p
+    top_k = LLM(path, show_progress=False).loaded.model.config.top_k
+    assert plan("head") == (1, 0.5)
+    assert plan("head", per_row=3, min_p=0.0) == (3, 0.0)
+    assert plan("transition") == plan("gate-lookahead") == (top_k, 0.0)
+
+
 def test_a_probability_floor_keeps_only_the_experts_forecast_at_least_that_likely():
     """`--prefetch-min-p`: of a row's selected experts (top 3 here), those under the floor are not queued."""
     from types import SimpleNamespace
