@@ -464,8 +464,9 @@ class ExpertStore:
             if key.layer != layer:
                 continue
             ticket = table.ticket[slot]
-            read = self._ahead_reads.get(ticket) if ticket is not None else None
-            if ticket is not None and (ticket.cancel() or (
+            loading = ticket is not None and not ticket.done()
+            read = self._ahead_reads.get(ticket) if loading else None  # (landed ones need neither step nor call)
+            if loading and (ticket.cancel() or (
                     read is not None and key.expert not in needed and self.transfers.abandon(read))):
                 self._forget(slot)  # queued, or waiting to start and not needed: it never reads a byte
                 self._forget_cancelled_host_read(ticket)
