@@ -141,13 +141,7 @@ class DiskFiles:
 
         With O_DIRECT, spans of one file lying within MERGE_GAP of each other are read as one aligned run.
         """
-        requests = 0
-
-        def next_request() -> None:
-            nonlocal requests
-            if requests and between is not None:
-                between()
-            requests += 1
+        gate = _after_first(between) if between is not None else None
         ordered = sorted(spans, key=lambda s: (str(s.path), s.offset))
         total, run = 0, [ordered[0]] if ordered else []
         for span in ordered[1:]:
@@ -155,11 +149,12 @@ class DiskFiles:
             if span.path == last.path and 0 <= span.offset - (last.offset + last.out_u8.numel()) <= MERGE_GAP:
                 run.append(span)
             else:
-                total += self._read_run(run, next_request, between is not None)
+                total += self._read_run(run, gate)
                 run = [span]
-        return total + (self._read_run(run, next_request, between is not None) if run else 0)
+        return total + (self._read_run(run, gate) if run else 0)
 
-    def _read_run(self, run: Sequence[Span], next_request: Between, chunked: bool) -> int:
+    def _read_run(self, run: Sequence[Span], gate: Between | None) -> int:
+        """One run of spans; with `gate` (called before each request) in requests of at most `bounce_nbytes`."""
         path = run[0].path
         f = self._open(path)
         self._check_unchanged(path, f)
@@ -176,15 +171,18 @@ class DiskFiles:
                 else:
                     groups.append([span])
             for g in groups:
-                for outs, offset in _requests(g, self.bounce_nbytes if chunked else last_end - first):
-                    next_request()
+                requests = _requests(g, self.bounce_nbytes) if gate else [([s.out_u8 for s in g], g[0].offset)]
+                for outs, offset in requests:
+                    if gate:
+                        gate()
                     self._pread(path, f.fd, outs, offset, sum(out.numel() for out in outs))
             os.posix_fadvise(f.fd, start, end - start, os.POSIX_FADV_DONTNEED)
             return last_end - first
         bounce, got = self._bounce(), 0
         for chunk in range(start, end, len(bounce)):  # aligned chunks; each span takes its overlap of each
             chunk_end = min(chunk + len(bounce), end)
-            next_request()
+            if gate:
+                gate()
             got += self._pread(path, f.fd, [bounce[: chunk_end - chunk]], chunk, min(chunk_end, f.size) - chunk)
             for span in run:
                 lo, hi = max(span.offset, chunk), min(span.offset + span.out_u8.numel(), chunk_end)
@@ -215,6 +213,18 @@ class DiskFiles:
     def close(self) -> None:
         with self._lock:
             _close_all(self._files)  # the finalizer stays armed for files opened after this
+
+
+def _after_first(between: Between) -> Between:
+    """`between` on every call but the first: a read calls it before each request, giving way after its first."""
+    calls = 0
+
+    def gate() -> None:
+        nonlocal calls
+        if calls:
+            between()
+        calls += 1
+    return gate
 
 
 def _requests(touching: Sequence[Span], most: int) -> Iterator[tuple[list[torch.Tensor], int]]:

@@ -30,7 +30,6 @@ occupy the same slots, so they count against the same budget.
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, as_completed, wait
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from moepager.policies.base import ForecastConsumer
 from moepager.policies.prefetch_aware import PrefetchAware
 from moepager.store.slots import SlotTable, settled
 from moepager.store.stats import PhaseCounters, StoreCounters
-from moepager.store.transfer import AheadRead, Transfers, completed
+from moepager.store.transfer import Transfers, completed
 from moepager.types import Between, ExpertKey, PassInfo
 
 
@@ -101,8 +100,6 @@ class ExpertStore:
         """Bytes the reading threads take for bounce/conversion buffers (inside the budget of the tier they fill)."""
         self.read = read
         self.transfers = transfers
-        self._ahead_reads: weakref.WeakKeyDictionary[Ticket, AheadRead] = weakref.WeakKeyDictionary()
-        """The prefetch behind each prefetch ticket (device slots' and host slots' alike), to promote or abandon."""
         self.counters = StoreCounters()
         self.clock = 0
         """The current pass (`begin_pass`: the engine's pass id + 1): the `step` policies are given."""
@@ -331,16 +328,12 @@ class ExpertStore:
             calls = []
             for key, slot in zip(keys, slots):
                 calls.append((key, buffers[slot], counters, issued))
-            reads = [AheadRead() for _ in keys] if ahead else None
-            for i, ticket in enumerate(self.transfers.submit_all(self._disk_load, calls, reads)):
-                table.ticket[slots[i]] = ticket
-                if reads is not None:
-                    self._ahead_reads[ticket] = reads[i]
+            for slot, ticket in zip(slots, self.transfers.submit_all(self._disk_load, calls, ahead)):
+                table.ticket[slot] = ticket
             return
         for key, slot in zip(keys, slots):
             ticket = self._via_host(key, buffers[slot], table.free_event[slot], counters, ahead)
-            read = self._ahead_reads.get(ticket)  # a prefetch's: it may be abandoned, and then it loaded nothing
-            ticket.add_done_callback(lambda t, r=read: None if t.cancelled() or (r is not None and r.abandoned)
+            ticket.add_done_callback(lambda t: None if t.cancelled() or self.transfers.abandoned(t)  # loaded nothing
                                      else counters.loaded(issued, time.perf_counter()))
             table.ticket[slot] = ticket
 
@@ -368,18 +361,15 @@ class ExpertStore:
             if slot is None:
                 raise RuntimeError("host tier has no evictable slot although nothing is pinned there")
             src = host.buffers[slot]
-            read = AheadRead() if ahead else None
-            ticket = self.transfers.submit(self._disk_then_copy, key, src, dst, after, counters, ahead, ahead=read)
-            if read is not None:
-                self._ahead_reads[ticket] = read
+            ticket = self.transfers.submit(self._disk_then_copy, key, src, dst, after, counters, ahead, ahead=ahead)
         else:
             counters.host_hits += 1
             src, previous = host.buffers[slot], table.ticket[slot]
             if settled(previous):
                 ticket = completed(self._copy(dst, src, after, counters, ahead))
             else:
-                if (read := self._ahead_reads.get(previous)) is not None:  # the copy waits for it on the demand lane:
-                    self.transfers.promote(read)  # it must not give way to that very load
+                # the copy waits on the demand lane for the host slot's read: a prefetch's must not give way to it
+                self.transfers.promote(previous)
                 ticket = self.transfers.submit(self._after_then_copy, previous, src, dst, after, counters, ahead)
         table.ticket[slot] = ticket  # the host slot stays busy until the copy out of it is done
         return ticket
@@ -464,18 +454,16 @@ class ExpertStore:
             if key.layer != layer:
                 continue
             ticket = table.ticket[slot]
-            loading = ticket is not None and not ticket.done()
-            read = self._ahead_reads.get(ticket) if loading else None  # (landed ones need neither step nor call)
-            if loading and (ticket.cancel() or (
-                    read is not None and key.expert not in needed and self.transfers.abandon(read))):
+            loading = ticket is not None and not ticket.done()  # (a landed one needs neither step)
+            if loading and (ticket.cancel() or (key.expert not in needed and self.transfers.abandon(ticket))):
                 self._forget(slot)  # queued, or waiting to start and not needed: it never reads a byte
                 self._forget_cancelled_host_read(ticket)
                 counters.prefetch_cancelled += 1
             elif key.expert not in needed:
                 self.order.unneeded(key)
                 counters.prefetch_wasted += 1
-            elif read is not None:
-                self.transfers.promote(read)  # needed and loading: it stops giving way to the layer's demand loads
+            elif loading:
+                self.transfers.promote(ticket)  # needed and loading: it stops giving way to the layer's demand loads
 
     def _forget(self, slot: int) -> None:
         """A device slot whose load failed or was cancelled holds nothing."""

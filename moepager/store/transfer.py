@@ -6,8 +6,8 @@ also starts only while no demand load is in flight: it uses the link when demand
 of hits, dense layers, attention) instead of sharing it with loads the model is waiting for; on a disk-bound
 machine a prefetch issued beside demand reads slowed them as much as it saved.
 
-With `yields` (the default), each prefetch is an `AheadRead` the store can steer while it runs, not only while
-it is queued:
+With `yields` (the default), each prefetch has an `AheadRead` the store steers through its ticket while it runs,
+not only while it is queued:
 - between the chunks of its read it gives way again whenever a demand load is in flight (this machine's disk
   reads ~2.5 GB/s at one read at a time or eight: a prefetch beside demand reads takes its share of the same
   bytes per second, so a read that started in a gap would otherwise slow the loads of the next layer);
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -73,20 +74,25 @@ class Transfers:
         self._demand = 0
         """Demand loads submitted and not finished."""
         self._idle = threading.Condition()
+        self._ahead: weakref.WeakKeyDictionary[Future, AheadRead] = weakref.WeakKeyDictionary()
+        """Each prefetch's standing, by its ticket (`promote`, `abandon`, `abandoned`)."""
 
-    def submit(self, fn: Callable[..., T], *args: object, ahead: AheadRead | None = None) -> Future[T | None]:
-        return self.submit_all(fn, (args,), None if ahead is None else (ahead,))[0]
+    def submit(self, fn: Callable[..., T], *args: object, ahead: bool = False) -> Future[T | None]:
+        return self.submit_all(fn, (args,), ahead)[0]
 
-    def submit_all(self, fn: Callable[..., T], calls: Sequence[tuple[object, ...]],
-                   ahead: Sequence[AheadRead] | None = None) -> list[Future[T | None]]:
-        """`fn(*args)` for each `args` of `calls`, on the demand lane, or on the prefetch lane with one `AheadRead`
-        per call (`ahead`); one future each, in order (a layer's misses are submitted together). A prefetch's
-        `fn` gets one more argument, the `Between` its read calls between chunks (None without `yields`); an
-        abandoned prefetch returns None without running `fn`."""
+    def submit_all(self, fn: Callable[..., T], calls: Sequence[tuple[object, ...]], ahead: bool = False
+                   ) -> list[Future[T | None]]:
+        """`fn(*args)` for each `args` of `calls`, on the prefetch lane (`ahead`) or the demand lane; one future
+        each, in order (a layer's misses are submitted together). A prefetch's `fn` gets one more argument, the
+        `Between` its read calls between chunks (None without `yields`); an abandoned prefetch returns None without
+        running `fn`."""
         futures: list[Future[T | None]] = []
-        if ahead is not None:
-            for args, read in zip(calls, ahead, strict=True):
-                futures.append(self.ahead_pool.submit(self._when_idle, read, fn, *args))
+        if ahead:
+            for args in calls:
+                read = AheadRead()
+                future = self.ahead_pool.submit(self._when_idle, read, fn, *args)
+                self._ahead[future] = read
+                futures.append(future)
             return futures
         with self._idle:
             self._demand += len(calls)
@@ -118,17 +124,20 @@ class Transfers:
         with self._idle:
             self._idle.wait_for(lambda: read.urgent or self._demand == 0)
 
-    def promote(self, read: AheadRead) -> None:
-        """A demand load needs `read`'s expert: it stops giving way (with `yields`)."""
-        if self.yields:
+    def promote(self, ticket: Future) -> None:
+        """A demand load needs the expert of the prefetch `ticket`: it stops giving way (with `yields`; any other
+        ticket is left alone)."""
+        read = self._ahead.get(ticket)
+        if self.yields and read is not None:
             with self._idle:
                 read.urgent = True
                 self._idle.notify_all()
 
-    def abandon(self, read: AheadRead) -> bool:
-        """Give up `read` if it has not started reading (with `yields`): True when it never will, so its
-        destination may be reused at once."""
-        if not self.yields:
+    def abandon(self, ticket: Future) -> bool:
+        """Give up the prefetch `ticket` if it has not started reading (with `yields`): True when it never will, so
+        its destination may be reused at once."""
+        read = self._ahead.get(ticket)
+        if not self.yields or read is None:
             return False
         with self._idle:
             if read.reading:
@@ -136,6 +145,11 @@ class Transfers:
             read.abandoned = True
             self._idle.notify_all()
             return True
+
+    def abandoned(self, ticket: Future) -> bool:
+        """Whether `ticket` is a prefetch that was abandoned (it loaded nothing)."""
+        read = self._ahead.get(ticket)
+        return read is not None and read.abandoned
 
     def demand_in_flight(self) -> int:
         with self._idle:

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from moepager.store.transfer import AheadRead, Transfers
+from moepager.store.transfer import Transfers
 
 
 def held_demand(transfers: Transfers) -> threading.Event:
@@ -29,14 +29,14 @@ def test_a_prefetch_starts_only_once_no_demand_load_is_in_flight():
 
     try:
         first = transfers.submit(demand)
-        ahead = transfers.submit(lambda between: order.append("prefetch"), ahead=AheadRead())
+        ahead = transfers.submit(lambda between: order.append("prefetch"), ahead=True)
         time.sleep(0.1)
         assert order == [] and not ahead.done() and transfers.demand_in_flight() == 1
         release.set()
         ahead.result(timeout=10)
         assert first.done() and order == ["demand", "prefetch"] and transfers.demand_in_flight() == 0
         # with the link idle a prefetch runs at once
-        assert transfers.submit(lambda between: 7, ahead=AheadRead()).result(timeout=10) == 7
+        assert transfers.submit(lambda between: 7, ahead=True).result(timeout=10) == 7
     finally:
         release.set()
         transfers.shutdown()
@@ -47,14 +47,13 @@ def test_the_prefetch_lane_reads_with_as_many_threads_as_it_is_given():
     transfers = Transfers(torch.device("cpu"), io_threads=1, ahead_threads=3)
     together = threading.Barrier(3, timeout=10)
     try:
-        futures = [transfers.submit(lambda between: together.wait(), ahead=AheadRead()) for _ in range(3)]
+        futures = [transfers.submit(lambda between: together.wait(), ahead=True) for _ in range(3)]
         assert sorted(f.result(timeout=10) for f in futures) == [0, 1, 2]
     finally:
         transfers.shutdown()
 
 
-def chunked_prefetch(transfers: Transfers, read: AheadRead, chunks: list[str], started: threading.Event,
-                     go_on: threading.Event):
+def chunked_prefetch(transfers: Transfers, chunks: list[str], started: threading.Event, go_on: threading.Event):
     """A prefetch of two chunks: it records each, and waits for `go_on` after the first."""
     def job(between) -> None:
         chunks.append("first")
@@ -63,7 +62,7 @@ def chunked_prefetch(transfers: Transfers, read: AheadRead, chunks: list[str], s
         if between is not None:
             between()
         chunks.append("second")
-    return transfers.submit(job, ahead=read)
+    return transfers.submit(job, ahead=True)
 
 
 @pytest.mark.parametrize("yields", [True, False], ids=["yields", "no-yield"])
@@ -73,7 +72,7 @@ def test_a_started_prefetch_gives_way_to_demand_between_its_chunks(yields):
     transfers = Transfers(torch.device("cpu"), io_threads=1, yields=yields)
     chunks, started, go_on = [], threading.Event(), threading.Event()
     try:
-        ahead = chunked_prefetch(transfers, AheadRead(), chunks, started, go_on)
+        ahead = chunked_prefetch(transfers, chunks, started, go_on)
         assert started.wait(timeout=10)
         release = held_demand(transfers)
         go_on.set()
@@ -95,23 +94,22 @@ def test_a_promoted_prefetch_no_longer_gives_way():
     """The demand load's layer needs the prefetch's expert: promoted, it reads on although demand is in flight, and
     a promoted prefetch that waits to start starts at once."""
     transfers = Transfers(torch.device("cpu"), io_threads=1, ahead_threads=2)
-    chunks, started, go_on, read = [], threading.Event(), threading.Event(), AheadRead()
+    chunks, started, go_on = [], threading.Event(), threading.Event()
     release = threading.Event()
     try:
-        ahead = chunked_prefetch(transfers, read, chunks, started, go_on)
+        ahead = chunked_prefetch(transfers, chunks, started, go_on)
         assert started.wait(timeout=10)
         release = held_demand(transfers)
         go_on.set()
         time.sleep(0.05)
         assert chunks == ["first"]
-        transfers.promote(read)
+        transfers.promote(ahead)
         ahead.result(timeout=10)
         assert chunks == ["first", "second"] and transfers.demand_in_flight() == 1
-        waiting = AheadRead()
-        queued = transfers.submit(lambda between: "ran", ahead=waiting)
+        queued = transfers.submit(lambda between: "ran", ahead=True)
         time.sleep(0.05)
         assert not queued.done()
-        transfers.promote(waiting)
+        transfers.promote(queued)
         assert queued.result(timeout=10) == "ran" and transfers.demand_in_flight() == 1
     finally:
         go_on.set()
@@ -122,16 +120,15 @@ def test_a_promoted_prefetch_no_longer_gives_way():
 def test_an_abandoned_prefetch_never_runs_and_one_reading_cannot_be_abandoned():
     transfers = Transfers(torch.device("cpu"), io_threads=1, ahead_threads=2)
     ran, release = [], threading.Event()
-    chunks, started, go_on, reading = [], threading.Event(), threading.Event(), AheadRead()
+    chunks, started, go_on = [], threading.Event(), threading.Event()
     try:
-        ahead = chunked_prefetch(transfers, reading, chunks, started, go_on)
+        ahead = chunked_prefetch(transfers, chunks, started, go_on)
         assert started.wait(timeout=10)
         release = held_demand(transfers)
-        waiting = AheadRead()
-        future = transfers.submit(lambda between: ran.append(1), ahead=waiting)
+        future = transfers.submit(lambda between: ran.append(1), ahead=True)
         time.sleep(0.05)
-        assert transfers.abandon(waiting) and future.result(timeout=10) is None
-        assert not transfers.abandon(reading)  # its bytes are landing: the store must keep its slot until it is done
+        assert transfers.abandon(future) and future.result(timeout=10) is None
+        assert not transfers.abandon(ahead)  # its bytes are landing: the store must keep its slot until it is done
         go_on.set()
         release.set()
         ahead.result(timeout=10)
@@ -146,10 +143,10 @@ def test_without_yields_a_prefetch_is_neither_promoted_nor_abandoned():
     transfers = Transfers(torch.device("cpu"), io_threads=1, yields=False)
     release = held_demand(transfers)
     try:
-        read = AheadRead()
-        future = transfers.submit(lambda between: between, ahead=read)
-        transfers.promote(read)
-        assert not transfers.abandon(read)
+        future = transfers.submit(lambda between: between, ahead=True)
+        read = transfers._ahead[future]
+        transfers.promote(future)
+        assert not transfers.abandon(future)
         time.sleep(0.05)
         assert not future.done()
         release.set()
