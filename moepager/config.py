@@ -76,7 +76,7 @@ class PrefetchConfig:
     per_row: int | None = None
     """Experts prefetched per forecast row (fMoE's similarity rule may add more); None: the predictor's default (its
     spec's `default_per_row`, else the model's top-k); 0: prefetch nothing, the forecasts only rank evictions (fmoe,
-    plec)."""
+    plec, plec-lrfu)."""
     max_inflight: int | None = None
     """Prefetches loading at once; None: twice the model's top-k."""
     min_p: float | None = None

@@ -132,7 +132,8 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host-memory", metavar="SIZE",
                    help="with --device cuda: pinned host RAM for experts (default all); the rest is read from disk")
     g.add_argument("--policy", choices=ENGINE_POLICIES,
-                   help="eviction policy (default lru; fmoe weighs LFU counts by the --predictor's probabilities)")
+                   help="eviction policy (default lru; lrfu: recency and frequency combined; fmoe, plec and "
+                        "plec-lrfu rank with the --predictor's forecasts)")
     g.add_argument("--cache-scope", choices=["layer", "global"],
                    help="layer: equal share of the cache per MoE layer (default); global: shared by all layers")
     g.add_argument("--io-threads", type=int, help="threads reading experts from disk (default 4)")
@@ -152,7 +153,7 @@ def add_prefetch_arguments(p: argparse.ArgumentParser) -> None:
                         "expert-map 3, token-wise one token)")
     g.add_argument("--prefetch-k", type=int, metavar="K",
                    help="experts prefetched per forecast row (default: head 1, others top-k; 0: none, the forecasts "
-                        "only rank evictions for --policy fmoe/plec)")
+                        "only rank evictions for --policy fmoe/plec/plec-lrfu)")
     g.add_argument("--prefetch-inflight", type=int, metavar="N", help="prefetches loading at once (default 2 x top-k)")
     g.add_argument("--prefetch-min-p", type=float, metavar="P",
                    help="prefetch a selected expert only when its forecast probability is at least P (default: "

@@ -14,8 +14,9 @@ from moepager.policies.belady import Belady
 from moepager.policies.fmoe import FMoE
 from moepager.policies.lcp import LCP
 from moepager.policies.lfu import LFU
+from moepager.policies.lrfu import LRFU
 from moepager.policies.lru import LRU
-from moepager.policies.plec import PLEC
+from moepager.policies.plec import PLEC, PLECLRFU
 from moepager.policies.rnd import RND
 from moepager.policies.smoe import SMoE
 from moepager.policies.static_hot import StaticHot
@@ -34,10 +35,12 @@ class PolicySpec(NamedTuple):
 POLICIES: dict[str, PolicySpec] = {
     "lru": PolicySpec(LRU, True),
     "lfu": PolicySpec(LFU, True),
+    "lrfu": PolicySpec(LRFU, True),
     "lcp": PolicySpec(LCP, True),
     "rnd": PolicySpec(RND, True, seeded=True),
     "fmoe": PolicySpec(FMoE, True),
     "plec": PolicySpec(PLEC, True),
+    "plec-lrfu": PolicySpec(PLECLRFU, True),
     "static-hot": PolicySpec(StaticHot, False),
     "smoe-fixed": PolicySpec(lambda: SMoE(adaptive=False), False),
     "smoe-adaptive": PolicySpec(lambda: SMoE(adaptive=True), False),

@@ -295,8 +295,7 @@ class _State:
             self.next = np.full(req.shape, 0, np.int64)
             self.next[self.rows_L1[None], ids_nLK] = next_nLK
         if touch:
-            self.stats.count += req
-            self.stats.last[req] = step
+            self.stats.touch(req, step)
             if next_nLK is not None:
                 self.stats.next_use[req] = self.next[req]
         return req
@@ -304,8 +303,7 @@ class _State:
     def touch_layer(self, step: int, layer: int, has_next: bool) -> None:
         """One layer's statistics, updated when that layer runs (global scope: earlier layers see old ones)."""
         req = self.req[layer]
-        self.stats.count[layer] += req
-        self.stats.last[layer][req] = step
+        self.stats.touch((layer, req), step)
         if has_next:
             self.stats.next_use[layer][req] = self.next[layer][req]
 

@@ -15,7 +15,7 @@ from moepager.types import ExpertKey
 
 def test_registry_names_and_errors():
     assert isinstance(make_policy("lru"), LRU)
-    assert ENGINE_POLICIES == ["lru", "lfu", "lcp", "rnd", "fmoe", "plec"]
+    assert ENGINE_POLICIES == ["lru", "lfu", "lrfu", "lcp", "rnd", "fmoe", "plec", "plec-lrfu"]
     with pytest.raises(UnknownPolicyError, match=r"unknown eviction policy 'lur'; choose from \['belady', "):
         make_policy("lur")
     with pytest.raises(UnknownPolicyError, match="'belady' runs only in the trace simulator"):
@@ -33,8 +33,7 @@ def test_engine_protocol_and_array_priority_agree(name):
     for step in range(40):
         e = int(rng.integers(8))
         policy.on_access([ExpertKey(0, e)], step)
-        stats.count[e] += 1
-        stats.last[e] = step
+        stats.touch(e, step)  # the simulator's update; the engine's on_access must keep the same statistics
     if name in ("rnd",):
         return  # random draws; covered by its own test
     keys = [ExpertKey(0, e) for e in range(8)]

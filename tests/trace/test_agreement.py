@@ -48,7 +48,7 @@ def assert_same_hits_and_misses(phases, sim, moe_layers) -> None:
             assert engine == replay, (phase, layer)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "lcp", "fmoe"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lrfu", "lcp", "fmoe"])
 def test_simulator_agrees_with_the_engine(hf_checkpoint, tmp_path, policy):
     _, path = hf_checkpoint("olmoe")
     probe = LLM(path, show_progress=False)
@@ -64,7 +64,8 @@ def test_simulator_agrees_with_the_engine(hf_checkpoint, tmp_path, policy):
 
 
 @pytest.mark.parametrize("policy, warm, scope", [("lru", False, "layer"), ("lfu", False, "layer"),
-                                                ("lcp", False, "layer"), ("lru", True, "layer"),
+                                                ("lcp", False, "layer"), ("lrfu", False, "layer"),
+                                                ("lru", True, "layer"),
                                                 ("lcp", True, "layer"), ("lru", True, "global")])
 def test_simulator_agrees_with_a_replayed_run(hf_checkpoint, tmp_path, policy, warm, scope):
     """A prompt-only trace (recorded like DeepSeek-V2-Lite's) replayed with --route-prompt: the engine's hits
