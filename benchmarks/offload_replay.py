@@ -36,6 +36,7 @@ from moepager.config import PrefetchConfig, StoreConfig  # noqa: E402
 from moepager.planning.calibrate import CalibrateOptions, DiskSampler, calibrate  # noqa: E402
 from moepager.models.quantized import quantize_checkpoint  # noqa: E402
 from moepager.predictors import PREDICTORS  # noqa: E402
+from moepager.predictors.head import DEFAULT_HIDDEN  # noqa: E402
 from moepager.planning.cost import CalibratedProfile, CostModel  # noqa: E402
 from moepager.runtime.llm import LLM  # noqa: E402
 from moepager.runtime.replay import ReplaySpec  # noqa: E402
@@ -47,7 +48,7 @@ from moepager.trace.workload import Cut, load_workload  # noqa: E402
 
 TOLERANCE = 0.20
 HeadFit = Literal["plain", "tokens", "mlp"]
-HEAD_FITS: dict[HeadFit, int] = {"plain": 0, "tokens": 0, "mlp": 256}
+HEAD_FITS: dict[HeadFit, int] = {"plain": 0, "tokens": 0, "mlp": DEFAULT_HIDDEN}
 """The head predictor's fits: the hidden width of its MLP (plain also leaves the token out)."""
 
 

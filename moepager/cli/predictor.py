@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from moepager.outputs import atomic_file, check_file
 from moepager.predictors import FITTED, PredictorError
+from moepager.predictors.head import DEFAULT_HIDDEN
 from moepager.predictors.path import SHAPES
 from moepager.trace.format import TraceReader
 from moepager.trace.predict import FITTERS, FitOptions
@@ -60,9 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="head: leave the token out (when the engine will not see the trace's tokens: a model with "
                         "another tokenizer; a replay hands predictors the trace's own)")
     f.add_argument("--head-epochs", type=int, default=4, help="head: passes over the trace (default 4)")
-    f.add_argument("--head-hidden", type=int, default=0, metavar="H",
-                   help="head: add an MLP with H hidden units per layer to the linear head (default 0: linear; 256 "
-                        "forecast DeepSeek-V2-Lite's routing best, README)")
+    f.add_argument("--head-hidden", type=int, default=DEFAULT_HIDDEN, metavar="H",
+                   help=f"head: add an MLP with H hidden units per layer to the linear head (default {DEFAULT_HIDDEN}, "
+                        "which forecast DeepSeek-V2-Lite's routing best, README; 0: the linear head alone, ~3.6x "
+                        "faster to fit)")
     f.add_argument("--path-epochs", type=int, default=20, help="path: passes over the trace (default 20)")
     f.add_argument("--seed", type=int, default=0, help="head, path: training seed")
     f.add_argument("--shape", choices=sorted(SHAPES), default="small",

@@ -178,7 +178,7 @@ class FitOptions:
     """token-wise: full-batch Adam epochs."""
     head_epochs: int = 4
     """head: passes over the training tokens."""
-    head_hidden: int = 0
+    head_hidden: int = head.DEFAULT_HIDDEN
     """head: width of the hidden layer of an MLP added to the linear head (0: the linear head alone)."""
     seed: int = 0
     tokens: bool = True
