@@ -106,10 +106,12 @@ class Ranked:
     Subclasses define `priority(stats, step) -> array` (same shape as the stats; lowest is evicted). How the
     simulator drives a policy beyond ranking (offline, preloaded, misses run elsewhere) is the simulator's
     (trace/simulate.py DRIVES). `predict` makes every Ranked a ForecastConsumer; `uses_predictions` says
-    whether `priority` reads `stats.prob` (only then is one handed to the prefetcher).
+    whether `priority` reads `stats.prob` (only then is one handed to the prefetcher), `uses_crf` whether it reads
+    `stats.crf` (only then does `on_access` keep it: ~1 us a key).
     """
 
     uses_predictions = False
+    uses_crf = False
 
     def __init__(self) -> None:
         self._index: dict[ExpertKey, int] = {}
@@ -134,7 +136,8 @@ class Ranked:
             if i is None:
                 i = self._row(key)  # may grow the arrays, so they are looked up after it
             stats = self.stats
-            stats.crf[i] = stats.crf[i] * DECAY ** (step - stats.last[i]) + 1.0  # touch(), without a call per key
+            if self.uses_crf:  # touch(), without a call per key (Python floats: numpy scalars' ** is ~1 us)
+                stats.crf[i] = float(stats.crf[i]) * DECAY ** (step - int(stats.last[i])) + 1.0
             stats.count[i] += 1
             stats.last[i] = step
 

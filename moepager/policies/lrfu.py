@@ -15,5 +15,7 @@ from moepager.policies.base import AccessStats, Ranked, crf_now
 
 
 class LRFU(Ranked):
+    uses_crf = True
+
     def priority(self, stats: AccessStats, step: int) -> np.ndarray:
         return crf_now(stats.crf, stats.last, step)

@@ -34,5 +34,7 @@ class PLEC(Ranked):
 
 
 class PLECLRFU(PLEC):
+    uses_crf = True
+
     def priority(self, stats: AccessStats, step: int) -> np.ndarray:
         return np.nan_to_num(stats.prob) + crf_now(stats.crf, stats.last, step) * ((1 - DECAY) / 2)

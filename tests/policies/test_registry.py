@@ -33,7 +33,7 @@ def test_engine_protocol_and_array_priority_agree(name):
     for step in range(40):
         e = int(rng.integers(8))
         policy.on_access([ExpertKey(0, e)], step)
-        stats.touch(e, step)  # the simulator's update; the engine's on_access must keep the same statistics
+        stats.touch(e, step)  # the simulator's update: the engine's on_access keeps what its policy reads of it
     if name in ("rnd",):
         return  # random draws; covered by its own test
     keys = [ExpertKey(0, e) for e in range(8)]
