@@ -75,9 +75,11 @@ class AccessStats:
         return AccessStats(self.count[index], self.last[index], self.prob[index], self.prior[index],
                            self.next_use[index], self.crf[index])
 
-    def touch(self, index: np.ndarray | tuple | int, step: int) -> None:
-        """The experts at `index` are requested at `step` (each once: a mask or distinct indices)."""
-        self.crf[index] = crf_now(self.crf[index], self.last[index], step) + 1.0
+    def touch(self, index: np.ndarray | tuple | int, step: int, crf: bool = True) -> None:
+        """The experts at `index` are requested at `step` (each once: a mask or distinct indices); `crf` False leaves
+        the CRF alone (a policy that does not rank by it: `Ranked.uses_crf`)."""
+        if crf:
+            self.crf[index] = crf_now(self.crf[index], self.last[index], step) + 1.0
         self.count[index] += 1
         self.last[index] = step
 
@@ -130,13 +132,13 @@ class Ranked:
         return i
 
     def on_access(self, keys: Sequence[ExpertKey], step: int) -> None:
-        index = self._index
+        index, crf = self._index, self.uses_crf
         for key in keys:  # a loop with no call per known key: this runs per layer and token
             i = index.get(key)
             if i is None:
                 i = self._row(key)  # may grow the arrays, so they are looked up after it
             stats = self.stats
-            if self.uses_crf:  # touch(), without a call per key (Python floats: numpy scalars' ** is ~1 us)
+            if crf:  # touch(), without a call per key (Python floats: numpy scalars' ** is ~1 us)
                 stats.crf[i] = float(stats.crf[i]) * DECAY ** (step - int(stats.last[i])) + 1.0
             stats.count[i] += 1
             stats.last[i] = step

@@ -270,7 +270,7 @@ def simulate(work: Workload, spec: SimSpec, prior_LE: np.ndarray | None = None,
 class _State:
     """The cache and its statistics, `[L, E+1]` (column E is the sink for MISSING ids)."""
 
-    def __init__(self, work: Workload, prior_LE: np.ndarray | None):
+    def __init__(self, work: Workload, prior_LE: np.ndarray | None, crf: bool = False):
         num_layers, e = work.header.num_layers, work.header.num_experts
         self.cached = np.zeros((num_layers, e + 1), bool)
         self.req = np.zeros((num_layers, e + 1), bool)
@@ -279,6 +279,8 @@ class _State:
             self.stats.prior[:, :e] = prior_LE
         self.rows_L1 = np.arange(num_layers)[:, None]
         self.e = e
+        self.crf = crf
+        """Keep the CRF (the policy ranks by it)."""
         s = work.num_steps
         self.requested = np.zeros((s, num_layers), np.int32)
         self.hits = np.zeros((s, num_layers), np.int32)
@@ -295,7 +297,7 @@ class _State:
             self.next = np.full(req.shape, 0, np.int64)
             self.next[self.rows_L1[None], ids_nLK] = next_nLK
         if touch:
-            self.stats.touch(req, step)
+            self.stats.touch(req, step, self.crf)
             if next_nLK is not None:
                 self.stats.next_use[req] = self.next[req]
         return req
@@ -303,7 +305,7 @@ class _State:
     def touch_layer(self, step: int, layer: int, has_next: bool) -> None:
         """One layer's statistics, updated when that layer runs (global scope: earlier layers see old ones)."""
         req = self.req[layer]
-        self.stats.touch((layer, req), step)
+        self.stats.touch((layer, req), step, self.crf)
         if has_next:
             self.stats.next_use[layer][req] = self.next[layer][req]
 
@@ -352,7 +354,7 @@ def _prefetch_layers(state: _State, policy: Ranked, step: int, ahead_LR: np.ndar
 def _replay_layers(work: Workload, policy: Ranked, drive: Drive, capacity: int, ids: np.ndarray, forecast: SimForecast,
                    next_use: np.ndarray | None, prior_LE: np.ndarray | None, progress: Progress | None,
                    warm: bool = False, prefetch: int = 0):
-    state = _State(work, prior_LE)
+    state = _State(work, prior_LE, policy.uses_crf)
     cap_L = np.full(work.header.num_layers, capacity)
     _preload(state, drive, cap_L, warm)
     ptr, tokens, admits = work.step_ptr, work.step_tokens, drive.admits_on_miss
@@ -394,7 +396,7 @@ def _replay_layers(work: Workload, policy: Ranked, drive: Drive, capacity: int, 
 def _replay_global(work: Workload, policy: Ranked, drive: Drive, capacity: int, ids: np.ndarray, forecast: SimForecast,
                    next_use: np.ndarray | None, prior_LE: np.ndarray | None, progress: Progress | None,
                    warm: bool = False):
-    state = _State(work, prior_LE)
+    state = _State(work, prior_LE, policy.uses_crf)
     if drive.preload:
         flat = np.argsort(-state.stats.prior[:, : state.e].ravel(), kind="stable")[:capacity]
         state.cached[flat // state.e, flat % state.e] = True

@@ -205,7 +205,7 @@ def test_prefetches_that_give_way_to_demand_loads_or_not_keep_outputs(recorded, 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--model", str(path), "--expert-memory", "50%", "--direct-io", "off",
-                                      "--predictor", "gate-lookahead", "--prefetch-threads", "2", *flags, "hi"])
+                              "--predictor", "gate-lookahead", "--prefetch-threads", "2", *flags, "hi"])
     config = store_config(args)
     assert config.prefetch_yields is yields
     llm = LLM(path, show_progress=False, prefetch=PrefetchConfig("gate-lookahead"), store=replace(config, warm=False))
