@@ -16,7 +16,8 @@ from moepager.policies.lcp import LCP
 from moepager.policies.lfu import LFU
 from moepager.policies.lrfu import LRFU
 from moepager.policies.lru import LRU
-from moepager.policies.plec import PLEC, PLECLRFU
+from moepager.policies.plec import PLEC
+from moepager.policies.plec_lrfu import PLECLRFU
 from moepager.policies.rnd import RND
 from moepager.policies.smoe import SMoE
 from moepager.policies.static_hot import StaticHot

@@ -8,20 +8,13 @@ predicted expert outranks every unpredicted one only as far as its probability g
 the same forecast (e.g. all unpredicted) the least recently used goes first. Where there is no forecast (NaN)
 it is LRU. Experts prefetched and then not used keep their old `last`, so they go before the ones just used:
 ExpertFlow's real-time correction ("mis-prefetched experts are swapped out first") falls out of the ranking.
-
-`plec-lrfu` keeps the forecast first and puts LRFU's combined recency and frequency second (policies/lrfu.py):
-P = p + CRF / (2 CRF_max), CRF_max = 1 / (1 - DECAY) being the CRF of an expert requested at every step, so the
-second term stays below half of a certain forecast. Among the many experts a forecast gives about the same
-probability (most of them near 0), the one its requests keep coming back to stays. On DeepSeek-V2-Lite's routing
-with the head's next-token forecast, per-layer caches of a quarter of the experts hit 50.1% of requests against
-PLEC's 46.7% (`moepager simulate`, README).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from moepager.policies.base import DECAY, AccessStats, Ranked, crf_now, recency_tiebreak
+from moepager.policies.base import AccessStats, Ranked, recency_tiebreak
 
 
 class PLEC(Ranked):
@@ -31,10 +24,3 @@ class PLEC(Ranked):
 
     def priority(self, stats: AccessStats, step: int) -> np.ndarray:
         return recency_tiebreak(np.nan_to_num(stats.prob), stats.last, step)
-
-
-class PLECLRFU(PLEC):
-    uses_crf = True
-
-    def priority(self, stats: AccessStats, step: int) -> np.ndarray:
-        return np.nan_to_num(stats.prob) + crf_now(stats.crf, stats.last, step) * ((1 - DECAY) / 2)

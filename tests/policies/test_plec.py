@@ -29,16 +29,3 @@ def test_without_forecasts_it_is_lru_and_the_engine_feeds_it_by_layer():
     plec.predict(0, np.array([0.0, 0.9, 0.0]))  # expert 1 is forecast for the next token
     assert plec.victim(keys, 4) == keys[2]
     assert plec.ranks_next_use and plec.uses_predictions
-
-
-def test_plec_lrfu_ranks_the_forecast_first_and_the_decayed_frequency_second():
-    stats = AccessStats.zeros(4)
-    for step in range(0, 40, 2):
-        stats.touch(np.array([0, 3]), step)  # experts 0 and 3 requested every other step
-    stats.touch(np.array([1]), 39)  # expert 1 once, most recently; expert 2 never
-    stats.prob[:] = [0.0, 0.0, 0.0, 0.3]
-    plec_lrfu = make_policy("plec-lrfu").priority(stats, 40)
-    assert np.argsort(plec_lrfu, kind="stable").tolist() == [2, 1, 0, 3]
-    assert np.argsort(make_policy("plec").priority(stats, 40), kind="stable").tolist() == [2, 0, 1, 3]
-    stats.prob[1] = 0.6  # the second term stays below half a certain forecast: 0.6 outranks any frequency
-    assert np.argsort(make_policy("plec-lrfu").priority(stats, 40), kind="stable").tolist() == [2, 0, 3, 1]
