@@ -38,9 +38,9 @@ DEFAULT_BUCKETS = 8192
 DEFAULT_RANK = 32
 DEFAULT_HIDDEN = 256
 """The hidden width of the MLP `moepager predictor fit --kind head` adds unless told otherwise (0: linear). On
-DeepSeek-V2-Lite's routing it forecast best (recall@6 one layer ahead 61.8% against 60.8% linear with the token)
-and, paired against LRU at 25% with one expert a row, ran 1.17x against 1.13x in one run (README); it fits ~3.6x slower (139
-against 38 s on that trace's 2,099 requests, 2 cores)."""
+DeepSeek-V2-Lite's routing it forecast best (recall@6 one layer ahead 61.8% against 60.8% linear with the token) and,
+paired against LRU at 25% with one expert a row, ran 1.17x against 1.13x in one run (README); it fits ~3.6x slower
+(139 against 38 s on that trace's 2,099 requests, 2 cores)."""
 
 
 def token_buckets(tokens: Sequence[str | int], buckets: int) -> torch.Tensor:
