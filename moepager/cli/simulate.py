@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--forecast", choices=FORECASTS, default="none",
                    help="next-step experts for fmoe/plec probabilities and smoe prefetch (default none); "
                         "predictor: a fitted predictor's forecasts (--predictor, --predictor-file)")
+    p.add_argument("--horizon", default="1", metavar="H[,H...]",
+                   help="--forecast oracle: the true experts of the next H steps, not only the next one's "
+                        "(comma-separated to compare; default 1): what a perfect forecast H tokens ahead is worth")
     p.add_argument("--predictor", choices=FITTED, help="--forecast predictor: which fitted predictor")
     p.add_argument("--predictor-file", help="--forecast predictor: the file `moepager predictor fit` wrote")
     p.add_argument("--prefetch", type=int, default=0, metavar="N",
@@ -128,6 +131,13 @@ def capacities(text: str, work: Workload, expert_bytes: int, scope: str) -> list
     return out
 
 
+def horizons(text: str) -> list[int]:
+    items = [item.strip() for item in text.split(",")]
+    if not all(item.isdigit() and int(item) >= 1 for item in items):
+        raise TraceError(f"--horizon '{text}' must be whole numbers of steps, 1 or more, e.g. 1,4,16")
+    return [int(item) for item in items]
+
+
 def run(args: argparse.Namespace) -> int:
     json_out, plot_out = check_file(args.json, "--json"), check_file(args.plot, "--plot")
     if plot_out is not None:
@@ -144,8 +154,9 @@ def run(args: argparse.Namespace) -> int:
                                      dense_bytes_per_layer=args.dense_bytes_per_layer, overlap=args.overlap)
         except ValueError as e:
             raise TraceError(str(e)) from None
-    specs = [SimSpec(p.strip(), c, args.scope, args.forecast, warm=args.warm, prefetch=args.prefetch)
-             for p in args.policy.split(",") for c in capacities(args.capacity, work, expert_bytes, args.scope)]
+    specs = [SimSpec(p.strip(), c, args.scope, args.forecast, warm=args.warm, prefetch=args.prefetch, horizon=h)
+             for p in args.policy.split(",") for c in capacities(args.capacity, work, expert_bytes, args.scope)
+             for h in horizons(args.horizon)]
     for spec in specs:  # every run's needs, before the first one starts
         check_spec(spec, work.header, prior)
     replayed = predicted(args, work, cut)

@@ -20,7 +20,7 @@ def summary(result: SimResult, work: Workload, cost: CostModel | None) -> dict[s
     tokens = int(result.step_tokens.sum())
     row: dict[str, Any] = {
         "policy": result.spec.policy, "forecast": result.spec.forecast, "prefetch": result.spec.prefetch,
-        "capacity": result.spec.capacity,
+        "horizon": result.spec.horizon, "capacity": result.spec.capacity,
         "scope": result.spec.scope, "hit_rate": result.hit_rate(), "prefill_hit_rate": result.hit_rate(PREFILL),
         "decode_hit_rate": result.hit_rate(DECODE), "misses": result.misses, "loads": result.loads,
         "loads_per_token": result.loads / max(tokens, 1), "tokens": tokens, "steps": len(result.step_tokens),
@@ -45,8 +45,10 @@ def step_seconds(result: SimResult, work: Workload, cost: CostModel) -> np.ndarr
 
 
 def _label(row: dict[str, Any]) -> str:
-    """A summary row's policy, forecast and prefetch, e.g. plec/predictor+pf1."""
+    """A summary row's policy, forecast (with its horizon past 1 step) and prefetch, e.g. plec/predictor+pf1,
+    plec/oracle4."""
     return row["policy"] + (f"/{row['forecast']}" if row["forecast"] != "none" else "") + \
+        (f"{row['horizon']}" if row.get("horizon", 1) > 1 else "") + \
         (f"+pf{row['prefetch']}" if row.get("prefetch") else "")
 
 

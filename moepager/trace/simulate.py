@@ -81,10 +81,15 @@ class SimSpec:
     prefetch: int = 0
     """Experts per token and layer loaded from a fitted predictor's forecast before the layer runs (PLEC's
     layer-order prefetch; needs forecast "predictor" with prefetch ranks); 0: none."""
+    horizon: int = 1
+    """With forecast `oracle`: the true experts of the next `horizon` steps, not only the next one's (ranked by how
+    often the window uses them, each with the same probability, so PLEC-LRFU breaks their ties by the CRF): what a
+    perfect forecast that many tokens ahead would be worth to eviction."""
 
     @property
     def label(self) -> str:
         extra = f"/{self.forecast}" if self.forecast != "none" else ""
+        extra += f"{self.horizon}" if self.horizon > 1 else ""
         extra += f"+pf{self.prefetch}" if self.prefetch else ""
         return f"{self.policy}{extra}@{self.capacity}{'g' if self.scope == 'global' else ''}"
 
@@ -138,8 +143,8 @@ class SimForecast:
     fMoE's probabilities `[L, E+1]` (1/R on the ranked experts, or the prior's normalised frequencies)."""
 
     def __init__(self, kind: ForecastKind, work: Workload, ids_NLK: np.ndarray, prior_LE: np.ndarray | None,
-                 replayed: Forecasts | None = None):
-        self.kind, self.work, self.ids_NLK, self.replayed = kind, work, ids_NLK, replayed
+                 replayed: Forecasts | None = None, horizon: int = 1):
+        self.kind, self.work, self.ids_NLK, self.replayed, self.horizon = kind, work, ids_NLK, replayed, horizon
         num_layers, e = work.header.num_layers, work.header.num_experts
         if kind == "prior":
             if prior_LE is None:
@@ -162,7 +167,8 @@ class SimForecast:
         source = step if self.kind == "repeat" else step + 1
         if source >= self.work.num_steps:
             return np.full((len(self._rows_L1), 1), -1)
-        return self._union(self.ids_NLK, source)
+        last = source if self.kind == "repeat" else min(step + self.horizon, self.work.num_steps - 1)
+        return self._union(self.ids_NLK, source, last)
 
     def ahead(self, step: int, width: int) -> np.ndarray:
         """The `width` experts per layer to prefetch before `step` runs (-1: none), from the replayed forecast."""
@@ -170,9 +176,11 @@ class SimForecast:
         ranked = self._union(self.replayed.ahead_NLR[:, :, :width], step)
         return ranked[:, : width * (self.work.step_ptr[step + 1] - self.work.step_ptr[step])]
 
-    def _union(self, ids_NLX: np.ndarray, step: int) -> np.ndarray:
-        """The step's tokens' rankings per layer: one token's as it is, several by how many tokens name each."""
-        toks = self.work.step_tokens[self.work.step_ptr[step]:self.work.step_ptr[step + 1]]
+    def _union(self, ids_NLX: np.ndarray, step: int, last: int | None = None) -> np.ndarray:
+        """The rankings per layer of the tokens of steps `step`..`last` (default: `step` alone): one token's as it
+        is, several by how many tokens name each."""
+        end = step if last is None else last
+        toks = self.work.step_tokens[self.work.step_ptr[step]:self.work.step_ptr[end + 1]]
         ids = ids_NLX[toks].astype(np.int64)
         if len(toks) == 1:
             ranked = ids[0].copy()
@@ -227,6 +235,11 @@ def check_spec(spec: SimSpec, h: TraceHeader, prior_LE: np.ndarray | None) -> No
         raise TraceError("prefetch replays a fitted predictor's forecasts (--forecast predictor) into per-layer "
                          f"caches of a policy that admits misses; not '{spec.policy}' with forecast "
                          f"'{spec.forecast}' in scope '{spec.scope}'")
+    if spec.horizon < 1:
+        raise TraceError(f"a forecast horizon must be 1 step or more, got {spec.horizon}")
+    if spec.horizon > 1 and spec.forecast != "oracle":
+        raise TraceError(f"a forecast horizon of {spec.horizon} steps needs forecast 'oracle', not "
+                         f"'{spec.forecast}' (only the true future reaches further than the next step)")
     if spec.prefetch < 0 or spec.prefetch > spec.capacity:
         raise TraceError(f"prefetch {spec.prefetch} experts must be between 0 and the capacity {spec.capacity}")
 
@@ -255,7 +268,7 @@ def simulate(work: Workload, spec: SimSpec, prior_LE: np.ndarray | None = None,
     h = work.header
     ids = work.ids_NLK.astype(np.int64)
     ids[ids == MISSING] = h.num_experts  # the sink column: never cached, never counted
-    forecast = SimForecast(spec.forecast, work, ids, prior_LE, replayed)
+    forecast = SimForecast(spec.forecast, work, ids, prior_LE, replayed, spec.horizon)
     next_use = work.next_use_NLK() if drive.offline else None
     start = time.perf_counter()
     if spec.scope == "layer":

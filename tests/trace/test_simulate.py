@@ -50,6 +50,21 @@ def test_hand_made_sequences(tmp_path):
     assert sum(hits["belady"]) >= max(sum(hits["lru"]), sum(hits["lfu"]))
 
 
+def test_an_oracle_horizon_sees_past_the_next_step(tmp_path):
+    work = _one_layer_trace(tmp_path / "h.mpt", [0, 1, 2, 3, 0])
+    hits = {h: simulate(work, SimSpec("plec", 2, forecast="oracle", horizon=h)).hits_SL[:, 0].tolist()
+            for h in (1, 2)}
+    # At step 2 (expert 2 misses, 0 and 1 cached) the next step names neither: one step ahead PLEC falls back to LRU
+    # and evicts 0, two steps ahead it sees 0 at step 4 and keeps it (evicting 1, then 2 for 3).
+    assert hits[1] == [0, 0, 0, 0, 0]
+    assert hits[2] == [0, 0, 0, 0, 1]
+    assert simulate(work, SimSpec("belady", 2)).hits_SL.sum() >= 1
+    with pytest.raises(TraceError, match="needs forecast 'oracle'"):
+        simulate(work, SimSpec("plec", 2, forecast="repeat", horizon=2))
+    with pytest.raises(TraceError, match="1 step or more"):
+        simulate(work, SimSpec("plec", 2, forecast="oracle", horizon=0))
+
+
 def test_smoe_prefetches_at_most_n_per_layer_and_step(tmp_path):
     work = load_workload(str(random_trace(tmp_path / "t.mpt", experts=16, top_k=3)))
     fixed = simulate(work, SimSpec("smoe-fixed", 6, forecast="repeat"))

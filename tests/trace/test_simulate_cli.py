@@ -33,6 +33,19 @@ def test_simulate_errors(tmp_path, capsys):
     assert "unknown eviction policy 'lur'" in err and "use at least 2" in err and "needs a prior" in err
 
 
+def test_simulate_compares_oracle_horizons(tmp_path, capsys):
+    trace = random_trace(tmp_path / "t.mpt")
+    out_json = tmp_path / "r.json"
+    assert main(["simulate", str(trace), "--policy", "plec-lrfu", "--capacity", "4", "--forecast", "oracle",
+                 "--horizon", "1,4", "--json", str(out_json)]) == 0
+    assert "plec-lrfu/oracle4" in capsys.readouterr().out
+    assert [r["horizon"] for r in json.loads(out_json.read_text())["rows"]] == [1, 4]
+    assert main(["simulate", str(trace), "--horizon", "4"]) == 2
+    assert main(["simulate", str(trace), "--forecast", "oracle", "--horizon", "0,2"]) == 2
+    err = capsys.readouterr().err
+    assert "needs forecast 'oracle'" in err and "whole numbers of steps" in err
+
+
 def test_simulate_replays_a_fitted_predictors_forecasts(tmp_path, capsys):
     trace = random_trace(tmp_path / "t.mpt")
     head = tmp_path / "head.pt"
