@@ -36,6 +36,11 @@ from moepager.predictors.base import Forecast, LayerObservation, PredictorError,
 
 SOURCES = 4
 """Source slots: the last three observed layers, and the target layer of the row just observed (ahead 1)."""
+GATHER_ROWS = 64
+"""Forecasts of at most this many rows sum the weight rows their experts name; more rows (a prefill) multiply a
+multi-hot matrix, which reads the table once (DeepSeek-V2-Lite's MLP head, 2 threads, against the multi-hot product
+of every forecast before: 31 against 56 us for one row, 147 against 208 for 64; gathering 128 rows took 398 us, the
+product 248; 2,000 rows 2.2 ms by the product, 19.7 gathered)."""
 DEFAULT_BUCKETS = 8192
 DEFAULT_RANK = 32
 DEFAULT_HIDDEN = 256
@@ -182,7 +187,12 @@ class HeadPredictor:
         z = self._iteration_base(distance)[:, layer]
         if present:
             ids = torch.cat([self._seen[s] for _, s in present], 1)
-            z = table[layer][ids + self._offset([i for i, _ in present], ids.shape[1] // len(present))].sum(1) + z
+            cols = ids + self._offset([i for i, _ in present], ids.shape[1] // len(present))
+            if rows <= GATHER_ROWS:
+                z = table[layer][cols].sum(1) + z
+            else:  # many rows (a prefill): the multi-hot product reads the table once, not once a row
+                hot = torch.zeros(rows, table.shape[1]).scatter_(1, cols.remainder(table.shape[1]), 1.0)
+                z = torch.addmm(z, hot, table[layer]) if z.shape[0] == rows else hot @ table[layer] + z
         e = self.num_experts
         out = z[:, :e]
         if model.hidden:

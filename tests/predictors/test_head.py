@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moepager.predictors import HeadPredictor, LayerObservation, PredictorError, k_hot, make_predictor
-from moepager.predictors.head import fit_head, source_layers, token_buckets, training_pairs
+from moepager.predictors.head import GATHER_ROWS, fit_head, source_layers, token_buckets, training_pairs
 
 E = 8
 
@@ -125,15 +125,16 @@ def test_a_saved_mlp_head_loads_and_forecasts_the_same(tmp_path):
         fit_head(ids, torch.zeros(len(ids), dtype=torch.long), E, (1,), None, hidden=-1)
 
 
+@pytest.mark.parametrize("rows", [5, GATHER_ROWS + 6])
 @pytest.mark.parametrize("hidden, tokens", [(0, True), (0, False), (8, True), (8, False)])
-def test_forecasts_gather_the_rows_the_dense_product_would_sum(hidden, tokens):
-    """The engine's forecasts sum the weight rows their experts name; the fitted model multiplies a multi-hot
-    vector: the same logits (to float rounding) for every layer and distance, with absent slots and ids, and for the
-    pass."""
+def test_forecasts_gather_the_rows_the_dense_product_would_sum(hidden, tokens, rows):
+    """The engine's forecasts sum the weight rows their experts name (a prefill's many rows multiply a multi-hot
+    matrix of the slots they have); the fitted model multiplies the whole multi-hot vector: the same logits (to float
+    rounding) for every layer and distance, with absent slots and ids, and for the pass."""
     ids, toks = xor_routing(200)
     p = fit_head(ids, torch.zeros(len(ids), dtype=torch.long), E, (0, 1, 2), toks if tokens else None, epochs=1,
                  buckets=64, rank=4, hidden=hidden)
-    test, test_toks = ids[:5].clone(), toks[:5]
+    test, test_toks = ids[:rows].clone(), toks[:rows]
     test[0, 0, 1] = -1  # an id a trace did not record
     buckets = token_buckets(test_toks, 64) if tokens else None
     for upto in (-1, 0, 1, 3):
@@ -146,6 +147,6 @@ def test_forecasts_gather_the_rows_the_dense_product_would_sum(hidden, tokens):
                     assert got is None
                     continue
                 slots, _ = source_layers(layer, distance, 4)
-                src = torch.stack([test[:, s] if 0 <= s <= upto else torch.full((5, 2), -1) for s in slots], 1)
+                src = torch.stack([test[:, s] if 0 <= s <= upto else torch.full((rows, 2), -1) for s in slots], 1)
                 want = torch.sigmoid(p.models[distance].logits(src, buckets, layer))
                 torch.testing.assert_close(got.probs_NE, want, rtol=1e-5, atol=1e-6)
