@@ -134,8 +134,8 @@ def measure(name: str, args: argparse.Namespace) -> list[dict]:
         llms = {}
         for predictor in PREDICTORS:
             prefetch = PrefetchConfig(predictor, file=str(files[predictor]) if predictor in files else None)
-            llms[predictor] = LLM(path, store=StoreConfig(expert_memory=budget, direct_io="auto"), prefetch=prefetch,
-                                  threads=args.threads, show_progress=False)
+            store = StoreConfig(expert_memory=budget, policy="lru", direct_io="auto")
+            llms[predictor] = LLM(path, store=store, prefetch=prefetch, threads=args.threads, show_progress=False)
         prompts = [llms[None].encode(doc)[:64] for doc in demo_documents()[1][: args.prompts]]
         samples: dict[str | None, list[dict]] = {p: [] for p in PREDICTORS}
         with tqdm(total=args.rounds * len(PREDICTORS), desc=f"{name} {budget}", unit="run") as bar:

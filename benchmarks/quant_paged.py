@@ -32,7 +32,8 @@ from moepager.runtime.replay import ReplaySpec  # noqa: E402
 
 
 def run(path: Path, fmt: str, budget_bytes: int | None, spec: ReplaySpec, args: argparse.Namespace) -> dict:
-    store = StoreConfig(expert_memory=str(budget_bytes), io_threads=args.io_threads) if budget_bytes else StoreConfig()
+    store = StoreConfig(expert_memory=str(budget_bytes), policy="lru", io_threads=args.io_threads) if budget_bytes \
+        else StoreConfig()
     llm = LLM(config=EngineConfig(model=str(quantized(path, fmt)), threads=args.threads, store=store),
               show_progress=False)
     return {"format": fmt} | replayed_run(llm, spec, args.layers)

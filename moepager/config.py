@@ -23,8 +23,9 @@ class StoreConfig:
     """Device expert cache: a size (6GiB, 800MB), a share of all experts (25%) or all. None: all resident."""
     host_memory: str | None = None
     """CUDA runs: pinned host RAM for experts, the rest read from disk. None: every expert in host RAM."""
-    policy: str = "lru"
-    """Eviction policy (one of moepager.policies.ENGINE_POLICIES)."""
+    policy: str = "lrfu"
+    """Eviction policy (one of moepager.policies.ENGINE_POLICIES). LRFU by default: on every real routing trace here
+    it hits at least as often as LRU at every cache size, and more wherever the cache can choose (README)."""
     scope: Scope = "layer"
     """layer: each MoE layer gets an equal share of the slots; global: all layers share all slots."""
     io_threads: int = 4

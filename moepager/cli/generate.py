@@ -132,8 +132,8 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host-memory", metavar="SIZE",
                    help="with --device cuda: pinned host RAM for experts (default all); the rest is read from disk")
     g.add_argument("--policy", choices=ENGINE_POLICIES,
-                   help="eviction policy (default lru; lrfu: recency and frequency combined; fmoe, plec and "
-                        "plec-lrfu rank with the --predictor's forecasts)")
+                   help="eviction policy (default lrfu: recency and frequency combined; lru: the last use only; fmoe, "
+                        "plec and plec-lrfu rank with the --predictor's forecasts)")
     g.add_argument("--cache-scope", choices=["layer", "global"],
                    help="layer: equal share of the cache per MoE layer (default); global: shared by all layers")
     g.add_argument("--io-threads", type=int, help="threads reading experts from disk (default 4)")

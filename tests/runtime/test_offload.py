@@ -143,3 +143,19 @@ def test_budget_larger_than_free_ram_is_refused_before_allocating(demo_checkpoin
     with pytest.raises(BudgetError, match="of RAM for its buffers but only"):
         LLM(demo_checkpoint, store=StoreConfig(expert_memory="50%", direct_io="off"), show_progress=False)
     assert os.path.exists(demo_checkpoint)
+
+
+def test_the_default_eviction_is_lrfu_and_hits_at_least_as_often_as_lru():
+    """On the built-in model's real routing the default policy (LRFU: recency and frequency) keeps more of what comes
+    back than LRU at a 25% budget, with the same tokens."""
+    params = SamplingParams(max_tokens=96, ignore_eos=True)
+    runs = {}
+    for name, store in (("default", StoreConfig(expert_memory="25%", direct_io="off")),
+                        ("lru", StoreConfig(expert_memory="25%", direct_io="off", policy="lru"))):
+        llm = LLM(store=store, show_progress=False)
+        tokens = llm.generate("The history of the city", params)[0].token_ids
+        report = llm.last_stats.sections["experts"]
+        runs[name] = (tokens, report.config["policy"], report.phases["decode"]["hit_rate"])
+    assert runs["default"][1] == "lrfu" and runs["lru"][1] == "lru"
+    assert runs["default"][0] == runs["lru"][0]
+    assert runs["default"][2] >= runs["lru"][2]
