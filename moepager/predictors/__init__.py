@@ -123,7 +123,7 @@ PREDICTORS: dict[str, PredictorSpec] = {
     "gate-lookahead": PredictorSpec(_gate_lookahead, fitted=False, default_distance=1, needs_routers=True),
     "token-wise": PredictorSpec(_token_wise, fitted=True),
     # one expert a row, those more likely than not: on replayed DeepSeek-V2-Lite routing at 25% the paired runs put
-    # PLEC + the MLP head at 1.16x LRU over thirteen rounds (k2 1.13x; every expert of top-6 at floor 0.7 0.88-0.93x:
+    # PLEC + the MLP head at 1.14x LRU over sixteen rounds (k2 1.13x; every expert of top-6 at floor 0.7 0.88-0.93x:
     # README)
     "head": PredictorSpec(_head, fitted=True, default_distance=1, default_per_row=1, default_min_p=0.5),
     "path": PredictorSpec(_path, fitted=True),
