@@ -132,9 +132,9 @@ def measure(name: str, args: argparse.Namespace) -> list[dict]:
     rows = []
     for budget in BUDGETS:
         llms = {}
+        store = StoreConfig(expert_memory=budget, policy="lru", direct_io="auto")
         for predictor in PREDICTORS:
             prefetch = PrefetchConfig(predictor, file=str(files[predictor]) if predictor in files else None)
-            store = StoreConfig(expert_memory=budget, policy="lru", direct_io="auto")
             llms[predictor] = LLM(path, store=store, prefetch=prefetch, threads=args.threads, show_progress=False)
         prompts = [llms[None].encode(doc)[:64] for doc in demo_documents()[1][: args.prompts]]
         samples: dict[str | None, list[dict]] = {p: [] for p in PREDICTORS}

@@ -9,11 +9,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from moepager.cli.predictor import parse_ints
 from moepager.errors import MoepagerError
 from moepager.outputs import atomic_file, check_file
 from moepager.planning.cost import PROFILES, CostModel
 from moepager.policies import POLICIES
-from moepager.predictors import FITTED, make_predictor
+from moepager.predictors import FITTED, PredictorError, make_predictor
 from moepager.store.budget import Budget, format_bytes
 from moepager.trace.format import DECODE, TraceError, TraceReader
 from moepager.trace.report import format_table, plot_hit_rates, summary
@@ -132,10 +133,10 @@ def capacities(text: str, work: Workload, expert_bytes: int, scope: str) -> list
 
 
 def horizons(text: str) -> list[int]:
-    items = [item.strip() for item in text.split(",")]
-    if not all(item.isdigit() and int(item) >= 1 for item in items):
-        raise TraceError(f"--horizon '{text}' must be whole numbers of steps, 1 or more, e.g. 1,4,16")
-    return [int(item) for item in items]
+    try:
+        return parse_ints(text, "--horizon")
+    except PredictorError:
+        raise TraceError(f"--horizon '{text}' must be whole numbers of steps, 1 or more, e.g. 1,4,16") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -154,9 +155,9 @@ def run(args: argparse.Namespace) -> int:
                                      dense_bytes_per_layer=args.dense_bytes_per_layer, overlap=args.overlap)
         except ValueError as e:
             raise TraceError(str(e)) from None
+    sizes, windows = capacities(args.capacity, work, expert_bytes, args.scope), horizons(args.horizon)
     specs = [SimSpec(p.strip(), c, args.scope, args.forecast, warm=args.warm, prefetch=args.prefetch, horizon=h)
-             for p in args.policy.split(",") for c in capacities(args.capacity, work, expert_bytes, args.scope)
-             for h in horizons(args.horizon)]
+             for p in args.policy.split(",") for c in sizes for h in windows]
     for spec in specs:  # every run's needs, before the first one starts
         check_spec(spec, work.header, prior)
     replayed = predicted(args, work, cut)

@@ -4,7 +4,7 @@ recency and frequency, CRF = sum over the expert's past requests of DECAY^(steps
 One request's weight halves every ~34 steps (`policies.base.DECAY` = 0.98), so an expert a request keeps coming
 back to outranks one used once just before, and an expert popular long ago fades. Between LRU (DECAY -> 0) and
 LFU (DECAY = 1). On DeepSeek-V2-Lite's routing, per-layer caches of a quarter of the experts hit 48.2% of requests
-against LRU's 44.6% and LFU's 43.0% (`moepager simulate`, README); never-requested experts (CRF 0) go first.
+against LRU's 44.5% and LFU's 43.0% (`moepager simulate`, README); never-requested experts (CRF 0) go first.
 """
 
 from __future__ import annotations
