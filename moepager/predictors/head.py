@@ -21,7 +21,8 @@ Distance 0 is the "pass" head: before any layer of the row runs, from the token 
 predictor can say about the whole coming pass; the path predictor adds the request's context).
 Stateless across iterations like every predictor here: the previous token's routing is only used for
 next-iteration targets, where it is the row just observed.
-Shape legend: N rows, L MoE layers, S source slots, K top-k, E experts, B token buckets, R rank.
+Shape legend: N rows, L MoE layers, S source slots, K top-k, E experts, B token buckets, R rank, C = S * (E + 1)
+multi-hot columns, Y = E logits then the MLP's hidden units.
 """
 
 from __future__ import annotations
@@ -183,20 +184,20 @@ class HeadPredictor:
             return None
         slots, _ = source_layers(layer, distance, self.num_layers)
         present = [(i, s) for i, s in enumerate(slots) if s >= 0 and s in self._seen]
-        table, _, _ = self._tables[distance]
-        z = self._iteration_base(distance)[:, layer]
+        rows_CY = self._tables[distance][0][layer]
+        z_NY = self._iteration_base(distance)[:, layer]
         if present and rows <= GATHER_ROWS:
             ids = torch.cat([self._seen[s] for _, s in present], 1)
-            z = table[layer][ids + self._offset([i for i, _ in present], ids.shape[1] // len(present))].sum(1) + z
+            z_NY = rows_CY[ids + self._offset([i for i, _ in present], ids.shape[1] // len(present))].sum(1) + z_NY
         elif present:  # many rows (a prefill): the multi-hot product reads the table once, not once a row
             k = self._seen[present[0][1]].shape[1]
             src = torch.stack([self._seen[s] if s >= 0 and s in self._seen else torch.full((rows, k), -1)
                                for s in slots], 1)
-            z = multi_hot(src, self.num_experts) @ table[layer] + z
+            z_NY = multi_hot(src, self.num_experts) @ rows_CY + z_NY
         e = self.num_experts
-        out = z[:, :e]
+        out = z_NY[:, :e]
         if model.hidden:
-            out = out + torch.relu(z[:, e:]) @ model.w2[layer]
+            out = out + torch.relu(z_NY[:, e:]) @ model.w2[layer]
         probs = torch.sigmoid(out)
         return Forecast(probs if len(probs) == rows else probs.expand(rows, e).contiguous())
 
