@@ -1,18 +1,88 @@
-"""Frozen, validated configuration of an engine run."""
+"""Frozen, validated configuration of an engine run, and the choice lists it validates against.
+
+A leaf: this module imports only `types` and `errors`, so every layer can take its configuration whole. What needs
+an implementation to check (a policy or predictor name against its registry, int8-a8's FBGEMM, a budget against a
+model's experts) is checked where the engine is built (runtime/builder.py).
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from typing import Literal
 
-from moepager.errors import MoepagerError
-from moepager.experts.quant import check_expert_options
-from moepager.experts.executor import KERNELS, Kernel
-from moepager.models.dense_quant import check_dense_dtype
-from moepager.policies import UnknownPolicyError, make_policy
-from moepager.predictors import PREDICTORS
-from moepager.store.budget import Budget
-from moepager.store.disk import DirectIO
+from moepager.errors import BudgetError, ConfigError, MoepagerError
 from moepager.types import Scope
+
+Kernel = Literal["auto", "loop", "gather", "grouped", "packed"]
+KERNELS: tuple[Kernel, ...] = ("auto", "loop", "gather", "grouped", "packed")
+"""`--expert-kernel` choices (experts/executor.py says what each computes)."""
+EXPERT_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32", "int8", "int4")
+"""`--expert-dtype` choices: float formats, and the lossy opt-in int8/int4 (experts/quant.py)."""
+INT4_GROUPS = (32, 64, 128)
+"""`--int4-group` choices: input elements per int4 scale the kernels support."""
+DENSE_FORMATS = {"int8": "int8", "int8-a8": "int8 (activations quantized to 8 bits, FBGEMM)"}
+"""`--dense-dtype` choices and how a run reports each (accel/dense_quant.py)."""
+DENSE_DTYPES = tuple(DENSE_FORMATS)
+DirectIO = Literal["auto", "on", "off"]
+"""O_DIRECT disk reads (checkpoints/disk.py): where the file system allows, required, or never."""
+
+UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
+         "t": 2**40, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+"""Budget units: KiB/MiB/GiB/TiB and the bare K/M/G/T are powers of 1024; KB/MB/GB/TB powers of 1000."""
+_BUDGET = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z%]*)\s*$")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A parsed memory budget ("6GiB", "1.5G", "800MB", "25%" of all routed experts, "all"): either a byte count
+    or a fraction of all experts (exactly one is set)."""
+
+    nbytes: int | None = None
+    fraction: float | None = None
+    text: str = ""
+
+    @classmethod
+    def parse(cls, text: str, flag: str = "budget") -> Budget:
+        if text.strip().lower() == "all":
+            return cls(fraction=1.0, text=text)
+        m = _BUDGET.match(text.lower())
+        if m is None or (m.group(2) not in UNITS and m.group(2) != "%"):
+            raise BudgetError(f"{flag} '{text}' is not a size: use e.g. 6GiB, 800MB, 25% or all")
+        value, unit = float(m.group(1)), m.group(2)
+        if unit == "%":
+            if not 0 < value <= 100:
+                raise BudgetError(f"{flag} '{text}' must be a percentage in (0, 100]")
+            return cls(fraction=value / 100, text=text)
+        return cls(nbytes=int(value * UNITS[unit]), text=text)
+
+    def slots(self, expert_nbytes: int, total_experts: int, reserved_bytes: int = 0) -> int:
+        """How many whole experts fit beside `reserved_bytes` of buffers, capped at all experts. A share (25%)
+        is that share of all experts' bytes; `all` is every expert whatever the buffers."""
+        if self.fraction == 1.0:
+            return total_experts
+        nbytes = self.nbytes if self.nbytes is not None else int(self.fraction * total_experts * expert_nbytes + 0.5)
+        return max(0, min((nbytes - reserved_bytes) // expert_nbytes, total_experts))
+
+
+ALL = Budget(fraction=1.0, text="all")
+
+
+def check_expert_options(expert_dtype: str | None, group: int | None, zero_point: bool | None) -> None:
+    """Refuse an unknown `--expert-dtype`, and int4 options without int4 or with a group the kernels lack."""
+    if expert_dtype is not None and expert_dtype not in EXPERT_DTYPES:
+        raise ConfigError(f"unknown --expert-dtype '{expert_dtype}'; choose from {', '.join(EXPERT_DTYPES)}")
+    if expert_dtype != "int4" and (group is not None or zero_point):
+        raise ConfigError("--int4-group and --int4-zero-points need --expert-dtype int4")
+    if group is not None and group not in INT4_GROUPS:
+        raise ConfigError(f"--int4-group must be one of {', '.join(map(str, INT4_GROUPS))}, not {group}")
+
+
+def check_dense_name(dense_dtype: str | None) -> None:
+    """Refuse an unknown `--dense-dtype` (whether int8-a8's FBGEMM is here is checked at load)."""
+    if dense_dtype is not None and dense_dtype not in DENSE_DTYPES:
+        raise ConfigError(f"unknown --dense-dtype '{dense_dtype}'; choose from {', '.join(DENSE_DTYPES)} (without "
+                          "it the dense part computes in --dtype)")
 
 
 @dataclass(frozen=True)
@@ -24,8 +94,9 @@ class StoreConfig:
     host_memory: str | None = None
     """CUDA runs: pinned host RAM for experts, the rest read from disk. None: every expert in host RAM."""
     policy: str = "lrfu"
-    """Eviction policy (one of moepager.policies.ENGINE_POLICIES). LRFU by default: on every real routing trace here
-    it hits at least as often as LRU at every cache size, and more wherever the cache can choose (README)."""
+    """Eviction policy (one of moepager.policies.ENGINE_POLICIES; checked when the engine is built). LRFU by
+    default: on every real routing trace here it hits at least as often as LRU at every cache size, and more wherever
+    the cache can choose (benchmarks/README.md, hit_rate)."""
     scope: Scope = "layer"
     """layer: each MoE layer gets an equal share of the slots; global: all layers share all slots."""
     io_threads: int = 4
@@ -42,14 +113,15 @@ class StoreConfig:
     warm: bool = True
     """Fill the cache with experts at load time instead of starting empty."""
 
+    device_budget: Budget = field(init=False, repr=False, compare=False)
+    """`expert_memory` parsed once (all experts when unset)."""
+    host_budget: Budget = field(init=False, repr=False, compare=False)
+    """`host_memory` parsed once (all experts when unset)."""
+
     def __post_init__(self) -> None:
-        for flag, text in (("--expert-memory", self.expert_memory), ("--host-memory", self.host_memory)):
-            if text is not None:
-                Budget.parse(text, flag)
-        try:
-            make_policy(self.policy, engine=True)
-        except UnknownPolicyError as e:
-            raise MoepagerError(str(e)) from None
+        for name, flag, text in (("device_budget", "--expert-memory", self.expert_memory),
+                                 ("host_budget", "--host-memory", self.host_memory)):
+            object.__setattr__(self, name, ALL if text is None else Budget.parse(text, flag))
         if self.scope not in ("layer", "global"):
             raise MoepagerError(f"cache scope must be layer or global, got '{self.scope}'")
         if self.direct_io not in ("auto", "on", "off"):
@@ -69,7 +141,7 @@ class PrefetchConfig:
     """Routing prediction and prefetch (off unless a predictor is named; needs a paged store)."""
 
     predictor: str | None = None
-    """One of moepager.predictors.PREDICTORS; None: no prefetch."""
+    """One of moepager.predictors.PREDICTORS (checked when the engine is built); None: no prefetch."""
     file: str | None = None
     """The fitted predictor (`moepager predictor fit`); expert-map without one starts empty and learns online."""
     distance: int | None = None
@@ -88,8 +160,6 @@ class PrefetchConfig:
     """expert-map: add every finished iteration's map to the store (fMoE's online mode)."""
 
     def __post_init__(self) -> None:
-        if self.predictor is not None and self.predictor not in PREDICTORS:
-            raise MoepagerError(f"unknown predictor '{self.predictor}'; choose from {', '.join(PREDICTORS)}")
         for flag, value in (("--prefetch-distance", self.distance), ("--prefetch-inflight", self.max_inflight)):
             if value is not None and value < 1:
                 raise MoepagerError(f"{flag} must be >= 1, got {value}")
@@ -137,7 +207,7 @@ class EngineConfig:
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     """Routing prediction and prefetch."""
     expert_kernel: Kernel = "auto"
-    """How a layer's routed experts are computed (experts/executor.py): auto, loop, gather or grouped."""
+    """How a layer's routed experts are computed (experts/executor.py): one of KERNELS."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     """Continuous batching and the KV cache."""
     expert_dtype: str | None = None
@@ -151,12 +221,12 @@ class EngineConfig:
     """int8: the dense projections (attention, dense and shared MLPs, LM head) as int8 too (lossy, opt-in);
     None: they compute in `dtype`."""
     pack_dense: bool = True
-    """CPU, bf16: large dense projections computed by oneDNN from weights prepacked at load (models/packed.py);
+    """CPU, bf16: large dense projections computed by oneDNN from weights prepacked at load (accel/packed.py);
     False keeps torch's own GEMV."""
     compile: bool = False
     """CPU: decode passes (one token a row, one row or several) run a TorchInductor-compiled graph, which computes
     small resident experts itself and leaves it at each MoE layer for any other executor, paged ones included
-    (models/compiled.py; opt-in: not bit-equal to the eager forward)."""
+    (accel/compiled.py; opt-in: not bit-equal to the eager forward)."""
 
     cuda_graphs: bool = True
     """CUDA: one-request decode steps replay a CUDA graph where they can be captured (every expert resident in
@@ -167,7 +237,7 @@ class EngineConfig:
             raise MoepagerError("prefetching needs a paged store: set --expert-memory (with every expert resident "
                                 "there is nothing to prefetch)")
         check_expert_options(self.expert_dtype, self.int4_group, self.int4_zero_point)
-        check_dense_dtype(self.dense_dtype)
+        check_dense_name(self.dense_dtype)
         if self.expert_kernel not in KERNELS:
             raise MoepagerError(f"unknown expert kernel '{self.expert_kernel}'; choose from {', '.join(KERNELS)}")
         if self.threads is not None and self.threads < 1:

@@ -67,8 +67,8 @@ class PassInfo(NamedTuple):
     """One forward pass as the engine announces it to the store, the prefetcher and the recorder: batch row i
     carries `counts[i]` tokens of request `requests[i]` from its position `starts[i]` on (tokens row-major,
     padding left out), `token_ids_N` are those tokens. A start below what an observer has seen of a request
-    means it was preempted and computes those tokens again. A pass that carries any prompt tokens is a prefill pass (prompt chunks and decodes may
-    share one); `row_phases` says which each row is."""
+    means it was preempted and computes those tokens again. A pass that carries any prompt tokens is a prefill pass
+    (prompt chunks and decodes may share one); `row_phases` says which each row is."""
 
     pass_id: int
     phase: Phase

@@ -83,7 +83,7 @@ def hf_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def demo_checkpoint(tmp_path_factory) -> Path:
     """A make-model checkpoint with a tokenizer (Qwen3-MoE tiny geometry)."""
-    from moepager.models.synth import make_model
+    from moepager.checkpoints.synth import make_model
 
     return make_model(tmp_path_factory.mktemp("tiny_qwen3"), "tiny", "qwen3_moe", dtype="float32",
                       show_progress=False)
@@ -93,7 +93,7 @@ def expert_budget(nbytes: int, experts: int, io_threads: int = 4) -> str:
     """An --expert-memory byte budget caching exactly `experts` experts of `nbytes` beside the store's stream
     rows and O_DIRECT read buffers (which every budget below all includes: one bounce buffer per I/O thread and
     for the prefetch lane)."""
-    from moepager.runtime.store_setup import STREAM_ROWS
-    from moepager.store.disk import bounce_bytes
+    from moepager.checkpoints.disk import bounce_bytes
+    from moepager.runtime.builder import STREAM_ROWS
 
     return str((experts + STREAM_ROWS) * nbytes + (io_threads + 1) * bounce_bytes(nbytes))

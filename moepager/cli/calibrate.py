@@ -7,9 +7,9 @@ import argparse
 import torch
 from tqdm import tqdm
 
+from moepager.atomic_io import check_file
+from moepager.checkpoints.default import default_model_path
 from moepager.errors import MoepagerError
-from moepager.models.default import default_model_path
-from moepager.outputs import check_file
 from moepager.planning.calibrate import CalibrateOptions, calibrate
 from moepager.store.budget import format_bytes
 

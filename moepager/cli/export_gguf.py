@@ -1,11 +1,11 @@
-"""`moepager export-gguf`: a checkpoint as a GGUF file llama.cpp runs (models/gguf_io.py)."""
+"""`moepager export-gguf`: a checkpoint as a GGUF file llama.cpp runs (checkpoints/gguf_write.py)."""
 
 from __future__ import annotations
 
 import argparse
 
-from moepager.models.default import default_model_path
-from moepager.models.gguf_io import DENSE_EXPORT_TYPES, EXPORT_TYPES, export_gguf
+from moepager.checkpoints.default import default_model_path
+from moepager.checkpoints.gguf_write import DENSE_EXPORT_TYPES, EXPORT_TYPES, export_gguf
 
 HELP = "write a checkpoint (qwen3moe, qwen2moe, olmoe, mixtral, deepseek-v2/v3) as a GGUF file, tokenizer included"
 

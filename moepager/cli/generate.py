@@ -7,17 +7,23 @@ import os
 import sys
 from pathlib import Path
 
-from moepager.config import EngineConfig, PrefetchConfig, SchedulerConfig, StoreConfig
-from moepager.experts.executor import KERNELS
-from moepager.experts.quant import EXPERT_DTYPES, INT4_GROUPS
-from moepager.models.dense_quant import DENSE_DTYPES
+from moepager.atomic_io import check_file
+from moepager.checkpoints.build import read_config
+from moepager.checkpoints.default import default_model_path
+from moepager.config import (
+    DENSE_DTYPES,
+    EXPERT_DTYPES,
+    INT4_GROUPS,
+    KERNELS,
+    EngineConfig,
+    PrefetchConfig,
+    SchedulerConfig,
+    StoreConfig,
+)
 from moepager.errors import MoepagerError
 from moepager.policies import ENGINE_POLICIES
-from moepager.outputs import check_file
 from moepager.predictors import ONLINE, PREDICTORS
 from moepager.runtime.llm import LLM
-from moepager.models.default import default_model_path
-from moepager.models.load import read_config
 from moepager.runtime.replay import ReplaySpec, check_record_path, load_replay
 from moepager.runtime.sampling import SamplingParams, llama_cpp_sampling
 
@@ -27,7 +33,8 @@ HELP = "generate text for one or more prompts (batched together) and print the r
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompts", nargs="*", metavar="PROMPT")
     p.add_argument("--prompt-file", action="append", default=[], metavar="PATH",
-                   help="read a prompt from this file, or from standard input with '-' (repeatable; each is one prompt)")
+                   help="read a prompt from this file, or from standard input with '-' (repeatable; each is one "
+                        "prompt)")
     p.add_argument("--model", help="Hugging Face checkpoint directory (default: the built-in demo model)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="tokens to generate per prompt (default 64; with --route-from: the trace's decode steps + 1)")
@@ -178,7 +185,8 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--route-concurrency", type=int, default=1, metavar="N",
                    help="replay N requests at a time, continuously batched (default 1: one after another)")
     g.add_argument("--route-layers", choices=["match", "first"], default="match",
-                   help="first: a model with fewer MoE layers replays the trace's first ones (default: they must match)")
+                   help="first: a model with fewer MoE layers replays the trace's first ones (default: they must "
+                        "match)")
 
 
 def replay_spec(args: argparse.Namespace) -> ReplaySpec | None:

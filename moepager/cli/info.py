@@ -7,18 +7,17 @@ from collections.abc import Sequence
 
 import torch
 
+from moepager.checkpoints.default import default_model_path
+from moepager.checkpoints.disk import bounce_bytes
+from moepager.checkpoints.dtypes import checkpoint_dtype
+from moepager.checkpoints.expert_reader import is_routed_expert
+from moepager.checkpoints.gguf_read import resolve_model_path
+from moepager.checkpoints.quantized import expert_format, stored_format
+from moepager.checkpoints.safetensors import Checkpoint
+from moepager.config import Budget, StoreConfig
 from moepager.experts.weights import ExpertShape
-from moepager.models.default import default_model_path
-from moepager.models.expert_reader import is_routed_expert
-from moepager.models.gguf_read import resolve_model_path
-from moepager.models.quantized import expert_format, stored_format
-from moepager.models.load import checkpoint_dtype
-from moepager.models.loader import Checkpoint
 from moepager.models.registry import architecture_for
-from moepager.config import StoreConfig
-from moepager.runtime.store_setup import stream_rows
-from moepager.store.budget import Budget
-from moepager.store.disk import bounce_bytes
+from moepager.runtime.builder import stream_rows
 from moepager.store.budget import format_bytes as size
 
 HELP = "describe a checkpoint: architecture, layers, experts, parameter counts and bytes per expert"
@@ -54,8 +53,8 @@ def describe(path: str, budgets: Sequence[str] = ()) -> list[tuple[str, str]]:
     return [
         ("architecture", cfg.architecture),
         ("layers", f"{cfg.num_layers} ({cfg.num_moe_layers} MoE)"),
-        ("experts per MoE layer", f"{cfg.num_experts}, top-{cfg.top_k}"
-                                  + (f", + shared ({cfg.shared_intermediate_size} wide)" if cfg.shared_intermediate_size else "")),
+        ("experts per MoE layer", f"{cfg.num_experts}, top-{cfg.top_k}" + (
+            f", + shared ({cfg.shared_intermediate_size} wide)" if cfg.shared_intermediate_size else "")),
         ("hidden / expert FFN", f"{cfg.hidden_size} / {cfg.expert_intermediate_size}"),
         ("vocabulary", f"{cfg.vocab_size}"),
         ("context", f"{cfg.max_position_embeddings}"),

@@ -5,16 +5,28 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from importlib import metadata
 from collections.abc import Sequence
+from importlib import metadata
 
-from moepager.cli import (calibrate, chat, export_gguf, generate, info, make_model, predict_eval, predictor, quantize,
-                          serve, simulate, trace)
+from moepager.cli import (
+    calibrate,
+    chat,
+    export_gguf,
+    generate,
+    info,
+    make_model,
+    predict_eval,
+    predictor,
+    quantize,
+    serve,
+    simulate,
+    trace,
+)
 from moepager.errors import MoepagerError
 
-COMMANDS = {"generate": generate, "serve": serve, "chat": chat, "info": info, "make-model": make_model, "simulate": simulate,
-            "trace": trace, "predictor": predictor, "predict-eval": predict_eval, "calibrate": calibrate,
-            "quantize": quantize, "export-gguf": export_gguf}
+COMMANDS = {"generate": generate, "serve": serve, "chat": chat, "info": info, "make-model": make_model,
+            "simulate": simulate, "trace": trace, "predictor": predictor, "predict-eval": predict_eval,
+            "calibrate": calibrate, "quantize": quantize, "export-gguf": export_gguf}
 
 
 class _Parser(argparse.ArgumentParser):

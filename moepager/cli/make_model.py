@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from moepager.models.synth import make_model
-from moepager.models.synth_presets import ARCH_TYPES, PRESET_NAMES
+from moepager.checkpoints.synth import make_model
+from moepager.checkpoints.synth_presets import ARCH_TYPES, PRESET_NAMES
 
 HELP = "write a random-weight Hugging Face checkpoint at a real model's geometry (or a tiny test one)"
 

@@ -7,7 +7,7 @@ import argparse
 
 from tqdm import tqdm
 
-from moepager.outputs import atomic_file, check_file
+from moepager.atomic_io import atomic_file, check_file
 from moepager.predictors import FITTED, PredictorError
 from moepager.predictors.head import DEFAULT_HIDDEN
 from moepager.predictors.path import SHAPES

@@ -1,12 +1,12 @@
-"""`moepager quantize`: a checkpoint whose routed experts are stored as int8 or int4 (models/quantized.py)."""
+"""`moepager quantize`: a checkpoint whose routed experts are stored as int8 or int4 (checkpoints/quantized.py)."""
 
 from __future__ import annotations
 
 import argparse
 
-from moepager.experts.quant import INT4_GROUPS
-from moepager.models.default import default_model_path
-from moepager.models.quantized import quantize_checkpoint
+from moepager.checkpoints.default import default_model_path
+from moepager.checkpoints.quantized import quantize_checkpoint
+from moepager.config import INT4_GROUPS
 
 HELP = "write a copy of a checkpoint with its routed experts quantized to int8 or int4 (lossy; smaller reads)"
 

@@ -9,16 +9,17 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from moepager.atomic_io import atomic_file, check_file
 from moepager.cli.predictor import parse_ints
+from moepager.config import Budget
 from moepager.errors import MoepagerError
-from moepager.outputs import atomic_file, check_file
 from moepager.planning.cost import PROFILES, CostModel
 from moepager.policies import POLICIES
 from moepager.predictors import FITTED, PredictorError, make_predictor
-from moepager.store.budget import Budget, format_bytes
+from moepager.store.budget import format_bytes
 from moepager.trace.format import DECODE, TraceError, TraceReader
-from moepager.trace.report import format_table, plot_hit_rates, summary
 from moepager.trace.predict import replay_forecasts
+from moepager.trace.report import format_table, plot_hit_rates, summary
 from moepager.trace.simulate import FORECASTS, Forecasts, SimSpec, check_spec, simulate
 from moepager.trace.workload import Cut, Workload, chosen_requests, load_workload, parse_requests
 
@@ -125,9 +126,9 @@ def capacities(text: str, work: Workload, expert_bytes: int, scope: str) -> list
         held = experts // work.header.num_layers if scope == "layer" else experts
         if held < work.header.top_k:
             where = "per layer" if scope == "layer" else "in all"
+            least = work.header.top_k * expert_bytes * (work.header.num_layers if scope == "layer" else 1)
             raise TraceError(f"--capacity {item} holds {held} experts {where} ({format_bytes(expert_bytes)} each), "
-                             f"below one token's top-{work.header.top_k}; give at least "
-                             f"{format_bytes(work.header.top_k * expert_bytes * (work.header.num_layers if scope == 'layer' else 1))}")
+                             f"below one token's top-{work.header.top_k}; give at least {format_bytes(least)}")
         out.append(held)
     return out
 

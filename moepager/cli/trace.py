@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from moepager.outputs import atomic_file, check_file
+from moepager.atomic_io import atomic_file, check_file
 from moepager.store.budget import format_bytes
 from moepager.trace.convert import CONVERTERS, ConvertOptions, convert
 from moepager.trace.format import DECODE, MISSING, TraceReader
@@ -79,7 +79,8 @@ def _info(path: str) -> int:
                 ("MoE layers", f"{h.num_layers} ({h.moe_layers[0]}..{h.moe_layers[-1]})"),
                 ("experts", f"{h.num_experts} routed, top-{h.top_k}, {h.num_shared} shared"),
                 ("bytes per expert", format_bytes(h.expert_bytes) if h.expert_bytes else "unknown"),
-                ("requests", str(len(reader))), ("tokens", f"{tokens} ({decode} recorded as decode, {tokens - decode} as prefill)"),
+                ("requests", str(len(reader))),
+                ("tokens", f"{tokens} ({decode} recorded as decode, {tokens - decode} as prefill)"),
                 ("missing entries", f"{missing} ({missing / max(tokens * h.num_layers * h.top_k, 1):.2%})"),
                 ("priors", ", ".join(f"{n} ({int(np.sum(reader.prior(n)))} activations)" for n in reader.prior_names)
                  or "none")]

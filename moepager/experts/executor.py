@@ -8,7 +8,7 @@ on where the weights came from or when they arrived:
 2. a kernel computes each used expert on its contiguous slice of sorted tokens (rows of the arena);
 3. `combine`: outputs scaled by the routing weights, cast to x's dtype and `index_add_`-ed into zeros in
    sorted order, i.e. every token sums its experts in ascending id order: with the `loop` kernel the result is
-   bit for bit that of experts/compute.py's reference `combine_experts` (tested).
+   bit for bit that of experts/reference.py's reference `combine_experts` (tested).
 
 Kernels (bf16, this project's 2-core CPU, 1 thread, `python benchmarks/expert_kernels.py`; `auto` is `grouped`
 on CUDA, and on the CPU `loop` for one token and `grouped` for more: batched decodes and prefill):
@@ -32,25 +32,27 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from moepager.experts.compute import expert_forward
+from moepager.config import KERNELS, Kernel
+from moepager.errors import ConfigError
 from moepager.experts.onednn import packed_linear, packing_available, prepack
 from moepager.experts.quant import dequantize_plain, int8_packed_mm, int8_packing_available, int8_prepack, sections
+from moepager.experts.reference import expert_forward
 from moepager.experts.weights import AnyExpertWeights, ExpertShape, expert_view
-from moepager.errors import ConfigError
 from moepager.store.store import ExpertStore
 from moepager.types import RoutingDecision, long_tensor
 
-Kernel = Literal["auto", "loop", "gather", "grouped", "packed"]
-KERNELS: tuple[Kernel, ...] = ("auto", "loop", "gather", "grouped", "packed")
 Act = Callable[[torch.Tensor], torch.Tensor]
 
 
 class ExpertExecutor(Protocol):
+    compute_note: str
+    """How the kernel computes when that is lossier than the experts' format ("" otherwise): a run reports it."""
+
     def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
         """Sum over each token's K routed experts of weight * expert(token), for MoE layer `layer`."""
         ...
@@ -248,7 +250,7 @@ class ArenaKernels:
 
     def indexed_rows(self, x_ND: torch.Tensor, route: RoutingDecision, base: int) -> torch.Tensor:
         """`gather` over one resident layer (expert e at arena row base + e) with the ids read on the device: no
-        host sync and no Python per expert, so a compiled decode step traces it (models/compiled.py). Each token
+        host sync and no Python per expert, so a compiled decode step traces it (accel/compiled.py). Each token
         sums its K experts in top-k order, not ascending id order: not bit-equal to `loop`."""
         ids_NK, weights_NK = route.ids_TK, route.weights_TK
         n, k = ids_NK.shape
@@ -292,6 +294,8 @@ class ArenaKernels:
 class ResidentExecutor:
     """Every routed expert in one arena on the device: row `base[layer] + expert`."""
 
+    compute_note = ""
+
     def __init__(self, arena: torch.Tensor, shape: ExpertShape, moe_layers: Sequence[int], num_experts: int,
                  kernel: Kernel = "auto"):
         self.kernels = ArenaKernels(arena, shape, kernel)
@@ -331,7 +335,7 @@ class ResidentExecutor:
         return self.kernels.views[self.base[layer] + expert]
 
     def stream(self, layer: int, experts: Sequence[int]):  # noqa: ANN201 - the reference's ExpertSource seam
-        """Weights one by one (experts/compute.py's reference `combine_experts` reads them this way)."""
+        """Weights one by one (experts/reference.py's reference `combine_experts` reads them this way)."""
         for e in experts:
             yield self.weights(layer, e)
 
@@ -390,6 +394,8 @@ class PagedExecutor:
     loading, those beyond the layer's cache queued for the store's stream rows), the resident ones computed,
     then each batch of loads that has landed (`loop`: expert by expert), each stream row handed back to the
     store as soon as its expert is computed, until none is left; then released."""
+
+    compute_note = ""
 
     def __init__(self, store: ExpertStore, shape: ExpertShape, kernel: Kernel = "auto"):
         self.store = store

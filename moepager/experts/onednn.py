@@ -1,7 +1,7 @@
 """oneDNN's prepacked bf16 matrix-vector kernel on the CPU: a weight laid out once, at load, in the blocked format
 oneDNN's bf16 kernels read (AVX512-BF16 dot products where the CPU has them), so no call converts or reorders it.
-The dense projections (models/packed.py) and the opt-in `packed` expert kernel (experts/executor.py) use it; the
-measurements that decide where are in models/packed.py and `python benchmarks/gemv.py`.
+The dense projections (accel/packed.py) and the opt-in `packed` expert kernel (experts/executor.py) use it; the
+measurements that decide where are in accel/packed.py and `python benchmarks/gemv.py`.
 """
 
 from __future__ import annotations

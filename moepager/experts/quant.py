@@ -36,10 +36,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from moepager.config import EXPERT_DTYPES, INT4_GROUPS
 from moepager.errors import ConfigError
 
-EXPERT_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32", "int8", "int4")
-INT4_GROUPS = (32, 64, 128)
 INT8_PACKED_MAX_TOKENS = 32
 """int8 calls on more tokens than this dequantise and run one GEMM (see the module note)."""
 ALIGN = 64
@@ -66,16 +65,6 @@ class QuantFormat:
         if self.bits == 8:
             return "int8"
         return f"int4 (groups of {self.group}{', zero points' if self.zero_point else ', symmetric'})"
-
-
-def check_expert_options(expert_dtype: str | None, group: int | None, zero_point: bool | None) -> None:
-    """Refuse an unknown `--expert-dtype`, and int4 options without int4 or with a group the kernels lack."""
-    if expert_dtype is not None and expert_dtype not in EXPERT_DTYPES:
-        raise ConfigError(f"unknown --expert-dtype '{expert_dtype}'; choose from {', '.join(EXPERT_DTYPES)}")
-    if expert_dtype != "int4" and (group is not None or zero_point):
-        raise ConfigError("--int4-group and --int4-zero-points need --expert-dtype int4")
-    if group is not None and group not in INT4_GROUPS:
-        raise ConfigError(f"--int4-group must be one of {', '.join(map(str, INT4_GROUPS))}, not {group}")
 
 
 def parse_expert_dtype(name: str, group: int = 32, zero_point: bool = False,

@@ -7,10 +7,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from moepager.errors import CheckpointError
-from moepager.models.expert_reader import ExpertNaming
 from moepager.experts.executor import ExpertExecutor
 from moepager.models.config import ModelConfig, eos_ids, get
 from moepager.models.layers import CausalLM
+
+
+@dataclass(frozen=True)
+class ExpertNaming:
+    """An architecture's tensor names for routed experts; `{layer}` and `{expert}` are filled in."""
+
+    gate: str
+    up: str
+    down: str
+    fused_gate_up: str
+    fused_down: str
+
 
 PER_EXPERT_MLP = ExpertNaming(
     gate="model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",

@@ -88,7 +88,8 @@ def parse_deepseek_config(raw: Mapping[str, Any], *, experts_key: str = "n_route
     )
 
 
-def build_deepseek(cfg: ModelConfig, experts: ExpertExecutor, router: type[nn.Module], interleaved_rope: bool) -> CausalLM:
+def build_deepseek(cfg: ModelConfig, experts: ExpertExecutor, router: type[nn.Module],
+                   interleaved_rope: bool) -> CausalLM:
     layers = [
         DecoderLayer(cfg, MLAttention(cfg, interleaved_rope=interleaved_rope),
                      DeepseekMoEBlock(cfg, router(cfg), experts, i) if i in cfg.moe_layers

@@ -2,14 +2,14 @@
 weights (`moepager::opaque_linear`).
 
 A paged layer cannot be traced: which experts are resident, which must load and when they land is decided on the
-host, per token. So the compiled decode step (models/compiled.py) of a paged model keeps everything else in its
+host, per token. So the compiled decode step (accel/compiled.py) of a paged model keeps everything else in its
 graph (attention, norms, the router, shared experts) and calls this operator where each MoE block's routed experts
 run: its kernel looks the block up by the handle `register` gave it and runs the block's `host_step` (observers,
 then the expert executor), eagerly. For Inductor the operator is opaque: a fake kernel gives its output's shape
 (x's), and the graph around it compiles whole (`fullgraph`), with no graph break per layer.
 
 Dense projections whose weights are opaque objects Dynamo cannot trace leave the same way, through `opaque_linear`
-(`LeavesGraph` modules: oneDNN-prepacked bf16, models/packed.py, and FBGEMM-prepacked int8, models/dense_quant.py);
+(`LeavesGraph` modules: oneDNN-prepacked bf16, accel/packed.py, and FBGEMM-prepacked int8, accel/dense_quant.py);
 without the exit a compiled step would have to compute them from plain weights (slower on a large model's matrices)
 or not compile at all.
 """

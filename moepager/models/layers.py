@@ -253,7 +253,7 @@ class Attention(nn.Module):
     def fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q, k and v projections as one weight (and bias): made at the first call after the weights are in
         place, with the three parameters turned into views of it, so it costs no memory and stays current."""
-        if self._qkv is not None and torch.compiler.is_compiling():  # made before compiling (models/compiled.py)
+        if self._qkv is not None and torch.compiler.is_compiling():  # made before compiling (accel/compiled.py)
             return self._qkv
         w = self.q_proj.weight
         if self._qkv is None or self._qkv[0].data_ptr() != w.data_ptr() or self._qkv[0].device != w.device:
@@ -386,7 +386,7 @@ class CausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.disk_renames = dict(disk_renames or {})
         self.compiled_decode: Callable[..., torch.Tensor] | None = None
-        """`_hidden` compiled for decode passes (`--compile`, models/compiled.py; the LM head after it); None: eager."""
+        """`_hidden` compiled for decode passes (`--compile`, accel/compiled.py; the LM head after it); None: eager."""
         self.compiled_rows = False
         """The compiled step also runs decode passes of several rows (one graph for every row count >= 2)."""
         self.traceable = True
@@ -510,7 +510,7 @@ class MoEBlock(nn.Module):
         raise NotImplementedError
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # a compiled decode step (models/compiled.py)
+        if torch.compiler.is_compiling():  # a compiled decode step (accel/compiled.py)
             route = self.gate(x_ND)
             if self.graph_exit is None:  # every expert resident: routed on the device, inside the graph
                 out_ND = self.executor.run_on_device(self.layer, x_ND, route)  # type: ignore[attr-defined]

@@ -10,12 +10,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from moepager.models.expert_reader import ExpertNaming
 from moepager.experts.executor import ExpertExecutor
-from moepager.models.base import Architecture, common_fields
+from moepager.models.base import Architecture, ExpertNaming, common_fields
 from moepager.models.config import ModelConfig, get, rope_from_raw
-from moepager.models.layers import (Attention, CausalLM, DecoderLayer, DecoderStack, MoEBlock, RotaryEmbedding,
-                                    SoftmaxTopKRouter)
+from moepager.models.layers import (
+    Attention,
+    CausalLM,
+    DecoderLayer,
+    DecoderStack,
+    MoEBlock,
+    RotaryEmbedding,
+    SoftmaxTopKRouter,
+)
 
 
 def parse_config(raw: Mapping[str, Any]) -> ModelConfig:

@@ -13,8 +13,15 @@ import torch
 from torch import nn
 
 from moepager.models.config import ModelConfig
-from moepager.models.layers import (ForwardBatch, RMSNorm, apply_rope, apply_rope_interleaved, attention,
-                                    cache_update, yarn_softmax_scale)
+from moepager.models.layers import (
+    ForwardBatch,
+    RMSNorm,
+    apply_rope,
+    apply_rope_interleaved,
+    attention,
+    cache_update,
+    yarn_softmax_scale,
+)
 
 
 class MLAttention(nn.Module):

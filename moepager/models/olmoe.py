@@ -12,8 +12,15 @@ from typing import Any
 from moepager.experts.executor import ExpertExecutor
 from moepager.models.base import PER_EXPERT_MLP, Architecture, common_fields
 from moepager.models.config import ModelConfig, get, rope_from_raw
-from moepager.models.layers import (Attention, CausalLM, DecoderLayer, DecoderStack, MoEBlock, RotaryEmbedding,
-                                    SoftmaxTopKRouter)
+from moepager.models.layers import (
+    Attention,
+    CausalLM,
+    DecoderLayer,
+    DecoderStack,
+    MoEBlock,
+    RotaryEmbedding,
+    SoftmaxTopKRouter,
+)
 
 
 def parse_config(raw: Mapping[str, Any]) -> ModelConfig:

@@ -17,8 +17,16 @@ from moepager.errors import CheckpointError
 from moepager.experts.executor import ExpertExecutor
 from moepager.models.base import PER_EXPERT_MLP, Architecture, common_fields
 from moepager.models.config import ModelConfig, get, rope_from_raw
-from moepager.models.layers import (Attention, CausalLM, DecoderLayer, DecoderStack, DenseMLP, MoEBlock,
-                                    RotaryEmbedding, SoftmaxTopKRouter)
+from moepager.models.layers import (
+    Attention,
+    CausalLM,
+    DecoderLayer,
+    DecoderStack,
+    DenseMLP,
+    MoEBlock,
+    RotaryEmbedding,
+    SoftmaxTopKRouter,
+)
 
 
 class Qwen2MoEBlock(MoEBlock):

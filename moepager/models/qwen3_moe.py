@@ -11,8 +11,16 @@ from typing import Any
 from moepager.experts.executor import ExpertExecutor
 from moepager.models.base import PER_EXPERT_MLP, Architecture
 from moepager.models.config import ModelConfig
-from moepager.models.layers import (Attention, CausalLM, DecoderLayer, DecoderStack, DenseMLP, MoEBlock,
-                                    RotaryEmbedding, SoftmaxTopKRouter)
+from moepager.models.layers import (
+    Attention,
+    CausalLM,
+    DecoderLayer,
+    DecoderStack,
+    DenseMLP,
+    MoEBlock,
+    RotaryEmbedding,
+    SoftmaxTopKRouter,
+)
 from moepager.models.qwen2_moe import parse_qwen_config
 
 

@@ -28,18 +28,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moepager.experts.compute import expert_forward
+from moepager.checkpoints.build import cast_model, open_experts
+from moepager.checkpoints.dtypes import checkpoint_dtype
+from moepager.checkpoints.expert_reader import ExpertReader
+from moepager.checkpoints.safetensors import Checkpoint
 from moepager.experts.executor import ArenaKernels, combine, sort_by_expert
 from moepager.experts.quant import QuantExpertWeights, quantize_expert
+from moepager.experts.reference import expert_forward
 from moepager.experts.weights import ExpertShape, expert_view
 from moepager.models.base import Architecture
 from moepager.models.config import ModelConfig
-from moepager.models.expert_reader import ExpertReader
 from moepager.models.layers import ForwardBatch
-from moepager.models.load import cast_model, checkpoint_dtype, open_experts
-from moepager.models.loader import Checkpoint
 from moepager.models.registry import architecture_for
-from moepager.planning.cost import Calibration, CalibratedProfile, Device, Link
+from moepager.planning.cost import CalibratedProfile, Calibration, Device, Link
 from moepager.types import ExpertKey, RoutingDecision
 
 Step = Callable[[str], None]
@@ -242,7 +243,8 @@ def compute_times(arch: Architecture, cfg: ModelConfig, shape: ExpertShape, devi
     pool, wide = ExpertPool(shape, device), ExpertPool(ExpertShape(cfg.hidden_size, 1, shape.dtype), device, 0)
     long = max(prefill_tokens, SHORT_PROMPT + 1)
     dense = DenseProbe(arch, cfg, shape.dtype, device, long)
-    one_wide, full = dense.model.moe_blocks()[0].executor, _CyclingExperts(shape, cfg.num_moe_layers * cfg.top_k, device)
+    one_wide = dense.model.moe_blocks()[0].executor
+    full = _CyclingExperts(shape, cfg.num_moe_layers * cfg.top_k, device)
     dense.prefill_then_decode(long)  # warm-up
     samples: dict[str, list[float]] = {k: [] for k in ("expert_s_64", "expert_overhead_s", "dense_decode_raw_s",
                                                        "dense_decode_long_raw_s", "dense_prefill_raw_s",
@@ -265,7 +267,8 @@ def compute_times(arch: Architecture, cfg: ModelConfig, shape: ExpertShape, devi
     # the two steps' timing noise, the difference alone can come out below it (even negative)
     out["expert_s_1"] = max(out["decode_full_raw_s"] - out["dense_decode_raw_s"], 0.0) / per_token \
         + out["expert_overhead_s"]
-    return out | {"dense_decode_kv": SHORT_PROMPT + (dense.steps + 1) / 2, "dense_long_kv": long + (dense.steps + 1) / 2}
+    middle = (dense.steps + 1) / 2
+    return out | {"dense_decode_kv": SHORT_PROMPT + middle, "dense_long_kv": long + middle}
 
 
 @dataclass(frozen=True)

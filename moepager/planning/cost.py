@@ -21,9 +21,10 @@ tokens (each includes the call's fixed overhead); the link is the measured disk 
 latency for random experts; compute that runs while loads are in flight is slowed by the measured fraction
 `io_slowdown` (on a small CPU reads share cores and memory with the GEMVs): within a layer, the compute that
 overlaps the layer's loads (at most the time until its last load lands), and within a step the compute that
-background prefetches overlap; a layer waiting on its loads hides its slowed compute; and each step pays the model's measured non-expert time (attention, dense and shared MLPs, router, LM head) in
-place of `other`: a decode step dense_decode + dense_kv * (KV length - the length it was measured at), since
-attention reads the whole cache; a step of t > 1 tokens dense_decode + (t - 1) * dense_token.
+background prefetches overlap; a layer waiting on its loads hides its slowed compute; and each step pays the
+model's measured non-expert time (attention, dense and shared MLPs, router, LM head) in place of `other`: a decode
+step dense_decode + dense_kv * (KV length - the length it was measured at), since attention reads the whole cache;
+a step of t > 1 tokens dense_decode + (t - 1) * dense_token.
 """
 
 from __future__ import annotations
@@ -149,7 +150,8 @@ class CalibratedProfile:
             return cls(raw["name"], Device(**raw["device"]), Link(**raw["link"]), Calibration(**raw["calibration"]),
                        dict(raw["measured"]))
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise MoepagerError(f"cannot read profile {path}: {e} (write one with `moepager calibrate --out`)") from None
+            raise MoepagerError(f"cannot read profile {path}: {e} (write one with `moepager calibrate --out`)") \
+                from None
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@
 | expert-map | gate distributions (+ semantic embedding) | a map store fitted on a trace, and/or online |
 | gate-lookahead | the model's routers and hidden states | nothing (uses the next layers' routers) |
 | token-wise | hidden states | per-layer gate-shaped predictors trained on a trace recorded with hidden states |
-| head | expert ids (+ token ids) | a logistic head per layer over the last layers' experts and the token, fitted on a trace |
+| head | expert ids (+ token ids) | a logistic head per layer over the last layers' experts and the token (fitted) |
 | path | token ids | ExpertFlow's routing path predictor: a small causal transformer, every layer before the pass |
 | replay-oracle | a routing replay | nothing: it reads the replayed trace (a perfect predictor's upper bound) |
 """
@@ -30,10 +30,10 @@ from moepager.predictors.base import (
     token_keys,
 )
 from moepager.predictors.expert_map import ExpertMapPredictor, ExpertMapStore
+from moepager.predictors.gate_lookahead import GateLookaheadPredictor, RouterScores
 from moepager.predictors.head import HeadPredictor
 from moepager.predictors.oracle import RecordedRouting, ReplayOracle
 from moepager.predictors.path import PathPredictor
-from moepager.predictors.gate_lookahead import GateLookaheadPredictor, RouterScores
 from moepager.predictors.token_wise import TokenWisePredictor
 from moepager.predictors.transition import TransitionPredictor
 

@@ -11,24 +11,23 @@ from typing import Protocol
 
 import torch
 
+from moepager.accel.compiled import compile_decode
+from moepager.atomic_io import check_file
+from moepager.checkpoints.build import LoadedModel
+from moepager.checkpoints.default import default_model_path
+from moepager.checkpoints.gguf_read import resolve_model_path
 from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
 from moepager.errors import ConfigError, InvalidRequestError
-from moepager.experts.executor import PagedExecutor
-from moepager.models.compiled import compile_decode
-from moepager.models.default import default_model_path
-from moepager.models.gguf_read import resolve_model_path
 from moepager.models.routing import NULL_OBSERVER, OWN_ROUTER, RoutingFanOut, RoutingObserver
-from moepager.models.load import LoadedModel, load_model, parse_dtype, resident_executor
-from moepager.outputs import check_file
 from moepager.predictors import PREDICTORS
+from moepager.runtime.builder import build, store_report
 from moepager.runtime.cuda_graphs import graphable
 from moepager.runtime.engine import Engine, ignore_finish
-from moepager.runtime.prefetch import Prefetcher, build_prefetcher
-from moepager.runtime.request import Detokenize, FinishReason, Request
+from moepager.runtime.prefetch import Prefetcher
 from moepager.runtime.replay import ReplayReport, ReplaySpec, RouteReplayer, check_record_path, load_replay
+from moepager.runtime.request import Detokenize, FinishReason, Request
 from moepager.runtime.sampling import SamplingParams
 from moepager.runtime.stats import RunStats
-from moepager.runtime.store_setup import paged_executor, store_report
 from moepager.runtime.tokenizer import Tokenizer
 from moepager.trace.format import TraceHeader
 from moepager.trace.recorder import RecordedRequest, TraceRecorder
@@ -60,25 +59,17 @@ class LLM:
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
         path = resolve_model_path(self.config.model) if self.config.model else default_model_path()
-        store_config, dev, kernel = self.config.store, torch.device(self.config.device), self.config.expert_kernel
-        executor = paged_executor(store_config, dev, kernel) if store_config.paged else resident_executor(dev, kernel)
-        self.loaded: LoadedModel = load_model(path, parse_dtype(self.config.dtype) if self.config.dtype else None,
-                                              self.config.device, executor, show_progress, store_config.direct_io,
-                                              self.config.expert_dtype, self.config.int4_group,
-                                              self.config.int4_zero_point, self.config.dense_dtype,
-                                              self.config.pack_dense)
+        built = build(self.config, path, show_progress)
+        self.loaded: LoadedModel = built.loaded
         if self.config.compile:
             compile_decode(self.loaded.model, self.loaded.experts, self.loaded.expert_shape, self.loaded.device)
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
         self.eos_token_ids = self._eos_token_ids()
         self.last_stats = RunStats()
         experts = self.loaded.experts
-        self.store = experts.store if isinstance(experts, PagedExecutor) else None
-        self.prefetcher: Prefetcher | None = None
+        self.store = built.store
+        self.prefetcher: Prefetcher | None = built.prefetcher
         """Forecasts routing and loads experts ahead (kept across calls: an online expert-map store grows)."""
-        if self.config.prefetch.predictor is not None and self.store is not None:
-            self.prefetcher = build_prefetcher(self.config.prefetch, self.loaded.model, self.store)
-            self.loaded.model.observe_routing(self.prefetcher)
         self._pass_parts: list[PassPart] = self._parts(None, None)
         self.engine = Engine(self.loaded.model, self.loaded.dtype, self.loaded.device, self.config.scheduler,
                              self.eos_token_ids, self._detokenize, self._on_pass,
@@ -93,13 +84,13 @@ class LLM:
     def _compile_now(self) -> None:
         """Run the compiles of `--compile` now, not in the first request: a throwaway greedy generation whose decode
         steps compile the step (static shapes, then a dynamic KV length, then a dynamic block table width once the
-        cache spans three blocks, models/compiled.py). A prefetcher sits it out: its predictor (an online expert-map
+        cache spans three blocks, accel/compiled.py). A prefetcher sits it out: its predictor (an online expert-map
         store, a per-request path cache) learns from requests, and this one is none (the graph does not trace it)."""
         scheduler = self.config.scheduler
         self._throwaway(1, min(2 * scheduler.block_size + 4, scheduler.kv_cache_tokens - 2))
 
     def warm_batched_decode(self) -> None:
-        """Compile `--compile`'s graph for batched decode passes now, not in the first one (models/compiled.py):
+        """Compile `--compile`'s graph for batched decode passes now, not in the first one (accel/compiled.py):
         throwaway generations of 2 rows (the attention mask's length becomes a symbol), then of 3 (the row count
         does). Nothing to do where decode passes do not compile batched, or the scheduler runs one row at a time."""
         model, scheduler = self.loaded.model, self.config.scheduler
@@ -165,7 +156,8 @@ class LLM:
 
     def _recorder(self, hidden: bool) -> TraceRecorder:
         cfg, shape = self.loaded.config, self.loaded.expert_shape
-        header = TraceHeader(model=str(self.loaded.checkpoint.path), moe_layers=tuple(cfg.moe_layers), num_experts=cfg.num_experts,
+        header = TraceHeader(model=str(self.loaded.checkpoint.path), moe_layers=tuple(cfg.moe_layers),
+                             num_experts=cfg.num_experts,
                              top_k=cfg.top_k, num_shared=int(cfg.shared_intermediate_size > 0),
                              expert_bytes=shape.nbytes, source="moepager generate --record-trace")
         return TraceRecorder(header, hidden)
@@ -298,7 +290,7 @@ class LLM:
         stats.finish(self.loaded.device)
         stats.experts = self.loaded.expert_format or self.loaded.expert_shape.format_name
         stats.dense = self.loaded.dense_format
-        stats.sections["experts"] = store_report(self.loaded.experts, self.config.store, stats.prompt_tokens,
+        stats.sections["experts"] = store_report(self.store, self.config.store, stats.prompt_tokens,
                                                  stats.generated_tokens - stats.num_prompts)
         self.last_stats = stats
 

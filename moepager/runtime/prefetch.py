@@ -28,6 +28,7 @@ import torch
 
 from moepager.config import PrefetchConfig
 from moepager.models.layers import CausalLM, MoEBlock
+from moepager.policies.base import ForecastConsumer
 from moepager.predictors import (
     PREDICTORS,
     Forecast,
@@ -41,7 +42,6 @@ from moepager.predictors import (
     token_keys,
 )
 from moepager.predictors.expert_map import hashed_tokens
-from moepager.policies.base import ForecastConsumer
 from moepager.store.store import ExpertStore
 from moepager.types import PassInfo, RoutingDecision
 

@@ -9,8 +9,8 @@ Algorithm: requests are replayed one after another (batch 1, the simulator's `re
 prompt is its prefill tokens (or, with `prompt_tokens=N`, its first N tokens: a trace of prompts recorded in
 one forward pass replays as decode, valid because with a KV cache token t's routing depends only on tokens up
 to t) and it decodes one step per remaining token. Before each forward pass the engine says which requests'
-tokens it carries and from which position (`begin_pass`); the replayer slices those tokens' recorded ids, and every MoE block
-asks it (`route`) instead of its own router. Weights come from the trace where it has them (Mixtral's
+tokens it carries and from which position (`begin_pass`); the replayer slices those tokens' recorded ids, and every
+MoE block asks it (`route`) instead of its own router. Weights come from the trace where it has them (Mixtral's
 renormalised top-2), otherwise from the model's own router scores at the replayed ids, renormalised to the
 total weight the router itself gave its own top-k (so a replay of the model's own routing changes nothing).
 Tokens whose recorded ids at a layer are missing (-1) keep the model's own routing there.

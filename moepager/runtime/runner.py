@@ -73,7 +73,7 @@ class ModelRunner:
             valid += range(i * t, i * t + n)
             kv_len = max(kv_len, r.start + n)
         # Blocks past kv_len, 2 or more: a compiled step's graph would specialise a width of 1, and a prefix that
-        # fills its blocks exactly (compile again; models/compiled.py). One row's one token replayed from a CUDA
+        # fills its blocks exactly (compile again; accel/compiled.py). One row's one token replayed from a CUDA
         # graph: a power of two under a mask, the graph's shapes (runtime/cuda_graphs.py)
         graphs = self.graphs if b * t == 1 and self.graphs is not None and self.graphs.usable() else None
         width = bucket(kv_len, bs) if graphs is not None else max(2, kv_len // bs + 1)

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from moepager.outputs import atomic_file
+from moepager.atomic_io import atomic_file
 
 
 def percentile(values: list[float], q: float) -> float:

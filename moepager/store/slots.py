@@ -26,7 +26,6 @@ from moepager.policies.base import EvictionPolicy
 from moepager.types import ExpertKey, Scope
 
 
-
 def settled(ticket: Future[torch.cuda.Event | None] | None) -> bool:
     """True when a transfer is finished: its job ran (re-raising its error) and its CUDA copy completed."""
     if ticket is None or ticket.cancelled():

@@ -104,6 +104,15 @@ class ExpertStore:
         self.clock = 0
         """The current pass (`begin_pass`: the engine's pass id + 1): the `step` policies are given."""
 
+    def occupancy(self) -> tuple[int, int]:
+        """(device slots holding an expert, device cache slots)."""
+        table = self.device.table
+        return len(table.slot_of), table.capacity
+
+    def layers(self) -> list[int]:
+        """The MoE layers the store pages, in order."""
+        return list(self.device.table.by_layer)
+
     # -- filling at start -------------------------------------------------------------------------------
     def warm(self, keys: Sequence[ExpertKey], progress: Callable[[int], None] | None = None) -> None:
         """Load `keys` into free slots before any request: the host tier from disk (on the I/O pool), then the

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from moepager.outputs import atomic_file, check_file
+from moepager.atomic_io import atomic_file, check_file
 from moepager.trace.format import DECODE, MISSING, PREFILL, TraceError, TraceHeader, TraceRequest, TraceWriter
 from moepager.trace.pickles import load_counters
 

@@ -29,11 +29,12 @@ from moepager.predictors import (
     PredictorError,
     TokenWisePredictor,
     TransitionPredictor,
+    head,
     k_hot,
+    path,
     target_of,
 )
 from moepager.predictors.base import token_keys
-from moepager.predictors import head, path
 from moepager.predictors.expert_map import DEFAULT_CAPACITY, HASH_DIM, hashed_tokens, prefix_means
 from moepager.predictors.token_wise import train_token_wise
 from moepager.trace.format import PREFILL, TraceHeader, TraceReader, TraceRequest
@@ -310,7 +311,8 @@ class PredictEval:
             return {"coverage": self.coverage(t), **{f"recall@{k}": self.recall(k, t) for k in self.ks},
                     **{f"precision@{k}": self.precision(k, t) for k in self.ks},
                     **({"selected_size": sel[0], "selected_recall": sel[1]} if sel else {})}
-        return {"predictor": self.predictor, "distance": "pass" if self.distance == PASS else self.distance, "requests": self.requests,
+        distance = "pass" if self.distance == PASS else self.distance
+        return {"predictor": self.predictor, "distance": distance, "requests": self.requests,
                 "tokens": self.tokens, "overall": row(None),
                 "per_layer": {str(layer): row(t) for layer, t in zip(self.layers, self.tallies)}}
 

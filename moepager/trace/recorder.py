@@ -19,10 +19,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from moepager.outputs import atomic_file
+from moepager.atomic_io import atomic_file
 from moepager.trace.format import DECODE, PREFILL, TraceHeader, TraceRequest, TraceWriter
 from moepager.types import PassInfo, RoutingDecision
-
 
 FIELDS = ("ids", "weights", "gates", "hidden")
 

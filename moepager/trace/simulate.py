@@ -10,8 +10,8 @@ semantics, so a trace the engine recorded gives the engine's hits and misses (te
 - a step that needs more distinct experts in a layer than its cache holds keeps its hits and, of its misses,
   the first that fit in ascending id; the rest stream through uncached (the engine's stream rows), loaded
   all the same (prefill steps and large batches do this).
-Policies driven with `admits_on_miss` False (SMoE, see DRIVES) never load on a miss (the expert runs on the CPU); after each
-step they load what `admissions` picks from the forecast ranking, evicting by priority.
+Policies driven with `admits_on_miss` False (SMoE, see DRIVES) never load on a miss (the expert runs on the CPU);
+after each step they load what `admissions` picks from the forecast ranking, evicting by priority.
 
 Speed: per-layer caches are replayed with one set of array operations per step over all layers at once;
 the global cache needs one per (step, layer). Policies must be elementwise: an expert's priority depends

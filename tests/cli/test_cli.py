@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
+from moepager.checkpoints.synth import tensor_specs
+from moepager.checkpoints.synth_presets import ARCH_TYPES, preset_config
 from moepager.cli.main import main
-from moepager.models.synth import tensor_specs
-from moepager.models.synth_presets import ARCH_TYPES, preset_config
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,8 @@ def test_generate_several_prompts_and_chat(tiny, capsys):
      "of read buffers)"),
     (["generate", "--model", "{tiny}", "hi", "--expert-memory", "lots"], "--expert-memory 'lots' is not a size"),
     (["generate", "--model", "{tiny}", "hi", "--host-memory", "1GiB"], "--host-memory applies to --device cuda"),
-    (["generate", "--model", "{tiny}", "hi", "--expert-memory", "50%", "--io-threads", "0"], "--io-threads must be >= 1"),
+    (["generate", "--model", "{tiny}", "hi", "--expert-memory", "50%", "--io-threads", "0"],
+     "--io-threads must be >= 1"),
     (["generate", "--model", "{tiny}", "hi", "--expert-memory", "50%", "--predictor", "gate-lookahead",
       "--prefetch-threads", "0"], "--prefetch-threads must be >= 1"),
     (["generate", "--model", "{tiny}", "hi", "--expert-memory", "50%", "--predictor", "gate-lookahead",

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moepager.experts.compute import combine_experts
+from moepager.checkpoints.build import load_model, resident_executor
+from moepager.config import StoreConfig
 from moepager.experts.executor import ArenaKernels, ResidentExecutor, group_ends, grouped_aligned, sort_by_expert
 from moepager.experts.quant import QuantFormat, quantize_expert
+from moepager.experts.reference import combine_experts
 from moepager.experts.weights import ExpertShape, expert_view
-from moepager.config import StoreConfig
-from moepager.models.load import load_model, resident_executor
-from moepager.runtime.store_setup import paged_executor
+from moepager.runtime.builder import paged_executor
 from moepager.types import RoutingDecision
 from tests.conftest import expert_budget
 from tests.runtime.test_offload import logits_run
@@ -60,7 +60,7 @@ def random_arena(rows: int, shape: ExpertShape, gen: torch.Generator) -> torch.T
                          ids=["float", "int8", "int4", "int4-plain", "int4-plain-zero-points"])
 @pytest.mark.parametrize("tokens", [1, 4])
 def test_the_on_device_path_computes_the_reference_sum_without_reading_ids_on_the_host(tokens, quant, hidden):
-    """What a compiled decode step traces (models/compiled.py): ids whose host copy raises are never read there.
+    """What a compiled decode step traces (accel/compiled.py): ids whose host copy raises are never read there.
     int8 experts are converted as they are copied out and scaled after each GEMM; the reference runs torch's int8
     GEMV kernel. int4 experts are copied packed into the same int4 kernel the reference runs, row by row; plain
     int4 (CUDA's layout) is copied out and dequantised for all rows at once."""

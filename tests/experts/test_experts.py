@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moepager.experts.compute import combine_experts, expert_forward
-from moepager.models.expert_reader import ExpertLayout, ExpertReader
+from moepager.checkpoints.build import read_resident
+from moepager.checkpoints.expert_reader import ExpertLayout, ExpertReader
+from moepager.checkpoints.safetensors import Checkpoint
 from moepager.experts.executor import ResidentExecutor
+from moepager.experts.reference import combine_experts, expert_forward
 from moepager.experts.weights import ExpertShape, ExpertWeights
 from moepager.models.base import PER_EXPERT_MLP
-from moepager.models.load import read_resident
-from moepager.models.loader import Checkpoint
 from moepager.types import ExpertKey, RoutingDecision
 
 

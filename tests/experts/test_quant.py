@@ -7,11 +7,26 @@ import torch
 import torch.nn.functional as F
 
 from moepager.errors import ConfigError
-from moepager.experts.compute import expert_forward
-from moepager.experts.quant import (INT8_PACKED_MAX_TOKENS, VNNI, QuantExpertWeights, QuantFormat, check_shape,
-                                    dequantize_projection, int8_mm, int8_packed_mm, int8_prepack,
-                                    pack_int4_cpu, pack_nibbles, parse_expert_dtype, quantize_expert,
-                                    quantize_int4, quantize_int8, quantize_projection, unpack_nibbles)
+from moepager.experts.quant import (
+    INT8_PACKED_MAX_TOKENS,
+    VNNI,
+    QuantExpertWeights,
+    QuantFormat,
+    check_shape,
+    dequantize_projection,
+    int8_mm,
+    int8_packed_mm,
+    int8_prepack,
+    pack_int4_cpu,
+    pack_nibbles,
+    parse_expert_dtype,
+    quantize_expert,
+    quantize_int4,
+    quantize_int8,
+    quantize_projection,
+    unpack_nibbles,
+)
+from moepager.experts.reference import expert_forward
 from moepager.experts.weights import ExpertShape, ExpertWeights, expert_view
 from tests.conftest import needs_fbgemm
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moepager.checkpoints.build import load_model
 from moepager.config import StoreConfig
-from moepager.models.load import load_model
-from moepager.runtime.store_setup import paged_executor
+from moepager.runtime.builder import paged_executor
 from tests.runtime.test_offload import logits_run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

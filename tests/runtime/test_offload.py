@@ -8,14 +8,14 @@ import os
 import pytest
 import torch
 
+from moepager.checkpoints.build import load_model
 from moepager.config import EngineConfig, StoreConfig
 from moepager.errors import BudgetError, CheckpointError, MoepagerError
 from moepager.models.layers import ForwardBatch
-from moepager.models.load import load_model
 from moepager.policies import ENGINE_POLICIES
+from moepager.runtime.builder import paged_executor
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
-from moepager.runtime.store_setup import paged_executor
 from tests.conftest import ARCHS, VOCAB, expert_budget
 
 CPU = torch.device("cpu")

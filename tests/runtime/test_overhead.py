@@ -13,36 +13,11 @@ resident and 80 at a 25% budget with a predictor."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-import moepager
 from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
 from moepager.runtime.llm import LLM
-from moepager.runtime.sampling import SamplingParams
-
-ROOT = os.path.dirname(moepager.__file__)
-
-
-def calls_per_decode_token(llm: LLM) -> float:
-    def calls(max_tokens: int) -> int:
-        count = 0
-
-        def profile(frame, event, arg):  # noqa: ANN001, ANN202 - sys.setprofile's signature
-            nonlocal count
-            if event == "call" and frame.f_code.co_filename.startswith(ROOT):
-                count += 1
-        sys.setprofile(profile)
-        try:
-            llm.generate("The history of", SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-        finally:
-            sys.setprofile(None)
-        return count
-    calls(2)  # warm-up: first-call set-up (fused projections) is not per-token work
-    return (calls(17) - calls(1)) / 16
-
+from moepager.runtime.profiling import calls_per_decode_token
 
 PAGED = StoreConfig(expert_memory="25%", direct_io="off")
 
@@ -59,6 +34,7 @@ def test_python_calls_per_decode_token_stay_bounded(config, bound):
     assert calls_per_decode_token(llm) <= bound
 
 
+@pytest.mark.slow  # a TorchInductor compile: tens of seconds on 2 cores
 def test_the_compiled_decode_step_makes_at_most_40_calls_per_token():
     """The compiled step (`--compile`) is issue 15's resident goal: 39 today, the engine core's scheduler, runner and
     sampler, the model's forward entering its graph, and the LM head after it."""

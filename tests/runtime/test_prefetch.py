@@ -7,14 +7,15 @@ import pytest
 import torch
 
 from moepager.cli.main import main
-from moepager.config import PrefetchConfig, StoreConfig
+from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
 from moepager.errors import MoepagerError
-from moepager.runtime.llm import LLM
-from moepager.runtime.replay import ReplaySpec
-from moepager.runtime.sampling import SamplingParams
 from moepager.predictors import token_keys
 from moepager.predictors.expert_map import hashed_tokens, prefix_means
 from moepager.predictors.oracle import ReplayOracle
+from moepager.runtime.builder import check_names
+from moepager.runtime.llm import LLM
+from moepager.runtime.replay import ReplaySpec
+from moepager.runtime.sampling import SamplingParams
 from moepager.trace.format import DECODE, PREFILL, TraceHeader, TraceReader, TraceRequest, TraceWriter
 from moepager.trace.predict import FITTERS, FitOptions, fit_expert_maps, fit_token_wise, fit_transition
 
@@ -49,7 +50,8 @@ def recorded(hf_checkpoint, tmp_path_factory):
     ("head", True, "layer"), ("path", True, "layer"), ("path", True, "global")])
 def test_every_predictor_prefetches_without_changing_outputs(recorded, predictor, fitted, scope):
     path, reference, files = recorded
-    llm = LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", direct_io="off", scope=scope, warm=False),
+    llm = LLM(path, show_progress=False,
+              store=StoreConfig(expert_memory="50%", direct_io="off", scope=scope, warm=False),
               prefetch=PrefetchConfig(predictor, file=str(files / f"{predictor}.pt") if fitted else None,
                                       learn=not fitted))
     assert [c.token_ids for c in llm.generate(PROMPTS, PARAMS)] == reference
@@ -91,9 +93,10 @@ def test_prefetch_needs_a_paged_store_and_a_fitted_file(recorded):
     with pytest.raises(MoepagerError, match="--expert-memory"):
         LLM(path, show_progress=False, prefetch=PrefetchConfig("gate-lookahead"))
     with pytest.raises(MoepagerError, match="moepager predictor fit"):
-        LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", direct_io="off"), prefetch=PrefetchConfig("token-wise"))
-    with pytest.raises(MoepagerError, match="unknown predictor"):
-        PrefetchConfig("oracle")
+        LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", direct_io="off"),
+            prefetch=PrefetchConfig("token-wise"))
+    with pytest.raises(MoepagerError, match="unknown predictor"):  # checked where the engine is built
+        check_names(EngineConfig(store=StoreConfig(expert_memory="50%"), prefetch=PrefetchConfig("oracle")))
 
 
 def test_generate_cli_prints_prefetch_statistics(demo_checkpoint, capsys):
@@ -107,7 +110,8 @@ def test_generate_cli_prints_prefetch_statistics(demo_checkpoint, capsys):
 
 def test_fmoe_eviction_with_expert_map_forecasts_is_lossless(recorded):
     path, reference, files = recorded
-    llm = LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", direct_io="off", policy="fmoe", warm=False),
+    llm = LLM(path, show_progress=False,
+              store=StoreConfig(expert_memory="50%", direct_io="off", policy="fmoe", warm=False),
               prefetch=PrefetchConfig("expert-map", file=str(files / "expert-map.pt")))
     assert [c.token_ids for c in llm.generate(PROMPTS, PARAMS)] == reference
     policy = llm.loaded.experts.store.order.inner
@@ -116,7 +120,8 @@ def test_fmoe_eviction_with_expert_map_forecasts_is_lossless(recorded):
 
 def test_plec_eviction_ranks_by_the_heads_next_token_forecasts_and_is_lossless(recorded):
     path, reference, files = recorded
-    llm = LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", direct_io="off", policy="plec", warm=False),
+    llm = LLM(path, show_progress=False,
+              store=StoreConfig(expert_memory="50%", direct_io="off", policy="plec", warm=False),
               prefetch=PrefetchConfig("head", file=str(files / "head.pt"), per_row=1))
     assert [c.token_ids for c in llm.generate(PROMPTS, PARAMS)] == reference
     prefetcher = llm.loaded.prefetcher if hasattr(llm.loaded, "prefetcher") else None
@@ -127,7 +132,8 @@ def test_plec_eviction_ranks_by_the_heads_next_token_forecasts_and_is_lossless(r
 
 def test_forecasts_can_rank_evictions_without_prefetching(recorded):
     path, reference, files = recorded
-    llm = LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", direct_io="off", policy="plec", warm=False),
+    llm = LLM(path, show_progress=False,
+              store=StoreConfig(expert_memory="50%", direct_io="off", policy="plec", warm=False),
               prefetch=PrefetchConfig("head", file=str(files / "head.pt"), per_row=0))
     assert [c.token_ids for c in llm.generate(PROMPTS, PARAMS)] == reference
     phases = llm.last_stats.sections["experts"].phases

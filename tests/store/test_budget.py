@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from moepager.config import Budget
 from moepager.errors import BudgetError
-from moepager.store.budget import Budget, check_slots
+from moepager.store.budget import check_slots
 
 
 @pytest.mark.parametrize("text, nbytes", [("6GiB", 6 * 2**30), ("1.5G", int(1.5 * 2**30)), ("800MB", 800 * 10**6),

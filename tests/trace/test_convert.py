@@ -107,7 +107,8 @@ def test_olmoe_counts_become_priors_and_hostile_pickles_are_refused(tmp_path):
     (top1 / "arxiv.pkl").write_bytes(pickle.dumps(firsts))
     assert convert("olmoe-counts", folder, tmp_path / "p.mpt").priors == 1
     with TraceReader(tmp_path / "p.mpt") as r:
-        assert r.header.moe_layers == (0, 7, 15) and r.header.top_k == 2 and r.header.model == "allenai/OLMoE-1B-7B-0924"
+        assert r.header.moe_layers == (0, 7, 15) and r.header.top_k == 2
+        assert r.header.model == "allenai/OLMoE-1B-7B-0924"
         np.testing.assert_array_equal(r.prior("arxiv")[1], [2, 4, 6, 8])
 
     class Evil:

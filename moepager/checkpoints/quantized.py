@@ -28,15 +28,24 @@ from typing import Any
 
 import torch
 
+from moepager.atomic_io import atomic_dir, check_dir
+from moepager.checkpoints.dtypes import checkpoint_dtype
+from moepager.checkpoints.expert_reader import ExpertLayout, ExpertReader
+from moepager.checkpoints.safetensors import Checkpoint, write_shards
+from moepager.config import INT4_GROUPS, check_expert_options
 from moepager.errors import CheckpointError, ConfigError
-from moepager.experts.quant import (INT4_GROUPS, QuantFormat, QuantizedProjection, check_expert_options, check_shape,
-                                    parse_expert_dtype, projection_tensors, quantize_projection)
+from moepager.experts.quant import (
+    QuantFormat,
+    QuantizedProjection,
+    check_shape,
+    parse_expert_dtype,
+    projection_tensors,
+    quantize_projection,
+)
 from moepager.experts.weights import ExpertShape, ExpertWeights
+from moepager.models.base import ExpertNaming
 from moepager.models.config import ModelConfig
-from moepager.models.expert_reader import ExpertLayout, ExpertNaming, ExpertReader
-from moepager.models.loader import Checkpoint, write_shards
 from moepager.models.registry import architecture_for
-from moepager.outputs import atomic_dir, check_dir
 from moepager.types import ExpertKey
 
 QUANT_METHOD = "moepager"
@@ -117,8 +126,6 @@ def quantize_checkpoint(model: str | os.PathLike[str], out: str | os.PathLike[st
                         force: bool = False, show_progress: bool = True) -> Path:
     """Write `model` with its routed experts quantized (`experts`: int8 or int4) to `out`; returns `out`.
     Written into a temporary sibling directory and renamed when complete."""
-    from moepager.models.load import checkpoint_dtype  # load.py imports this module
-
     checkpoint = Checkpoint(model)
     if stored_format(checkpoint.config) is not None:
         raise ConfigError(f"{checkpoint.path} is already quantized; quantize its float original")

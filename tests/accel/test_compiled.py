@@ -10,22 +10,27 @@ from dataclasses import replace
 import pytest
 import torch
 
+from moepager.accel import compiled, packed
+from moepager.accel.compiled import check_compilable, compile_decode
+from moepager.accel.dense_quant import Int8A8Linear
+from moepager.accel.packed import PackedLinear, packing_available
+from moepager.checkpoints.build import load_model
 from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
 from moepager.errors import ConfigError
 from moepager.experts.executor import ResidentExecutor
 from moepager.experts.quant import int8_packing_available
 from moepager.experts.weights import ExpertShape
-from moepager.models import compiled, graph_exit, packed
-from moepager.models.compiled import check_compilable, compile_decode
-from moepager.models.dense_quant import Int8A8Linear
-from moepager.models.load import load_model
-from moepager.models.packed import PackedLinear, packing_available
+from moepager.models import graph_exit
+from moepager.runtime.builder import paged_executor
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
-from moepager.runtime.store_setup import paged_executor
 from moepager.trace.format import TraceReader
 from tests.conftest import ARCHS, expert_budget
 from tests.runtime.test_offload import logits_run
+
+SLOW = pytest.mark.slow
+"""A TorchInductor compile, tens of seconds on 2 cores: the default suite keeps one resident and one paged compile
+(the eager logits, bit-exact paging); the rest run with -m slow."""
 
 CPU = torch.device("cpu")
 
@@ -42,6 +47,7 @@ def test_a_compiled_decode_step_computes_the_eager_logits(hf_checkpoint, arch):
     assert [int(x.argmax()) for x in got] == [int(x.argmax()) for x in ref]
 
 
+@SLOW
 def test_the_engine_decodes_through_the_compiled_graph_and_records_routing_eagerly(demo_checkpoint, tmp_path,
                                                                                     monkeypatch):
     params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -68,6 +74,7 @@ def test_the_engine_decodes_through_the_compiled_graph_and_records_routing_eager
     assert llm.generate("a b c", params)[0].token_ids == want and len(calls) == layers  # compiled again after
 
 
+@SLOW
 @pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
 def test_a_large_bf16_lm_head_runs_prepacked_after_the_graph(hf_checkpoint, monkeypatch):
     """The graph ends at the final norm; a bf16 head at least PACK_MIN_ELEMENTS large (here: any) is prepacked and
@@ -83,6 +90,7 @@ def test_a_large_bf16_lm_head_runs_prepacked_after_the_graph(hf_checkpoint, monk
         assert (a.float() - b.float()).norm() < 0.02 * b.float().norm()  # bf16: other rounding, same map
 
 
+@SLOW
 @pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
 def test_prepacked_dense_projections_leave_the_graph_and_keep_their_kernel(hf_checkpoint, monkeypatch):
     """Projections `pack_dense` prepacked (here: all of them) stay prepacked under `--compile`: the graph calls each
@@ -98,6 +106,7 @@ def test_prepacked_dense_projections_leave_the_graph_and_keep_their_kernel(hf_ch
         assert (a.float() - b.float()).norm() < 0.02 * b.float().norm()
 
 
+@SLOW
 @pytest.mark.skipif(not int8_packing_available(), reason="this torch build has no FBGEMM")
 def test_fbgemm_dense_projections_leave_the_compiled_graph(demo_checkpoint):
     """`--dense-dtype int8-a8`'s projections hold FBGEMM-packed weights: the graph calls each through the
@@ -111,6 +120,7 @@ def test_fbgemm_dense_projections_leave_the_compiled_graph(demo_checkpoint):
     assert llm.generate("a b c", params)[0].token_ids == want
 
 
+@SLOW
 def test_int8_experts_decode_through_the_compiled_graph(demo_checkpoint, monkeypatch):
     """int8 experts are copied out of the arena and converted inside the graph (ArenaKernels._gathered_swiglu):
     the eager int8 run's greedy tokens, and no eager MoE call while decoding."""
@@ -159,6 +169,7 @@ class CountingStep:
         return self.block.host_step(x_ND, route)
 
 
+@SLOW
 def test_the_engine_pages_and_prefetches_through_the_compiled_graph(demo_checkpoint):
     """At a quarter of the experts, with gate-lookahead prefetch, every decode step runs the compiled graph and leaves
     it once per MoE layer (where the predictor observes the routing and the store pages): the eager paged run's
@@ -184,6 +195,7 @@ def test_the_engine_pages_and_prefetches_through_the_compiled_graph(demo_checkpo
     assert decode.loads_ahead > 0 and decode.loads_on_demand > 0
 
 
+@SLOW
 @pytest.mark.parametrize("paged", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["resident", "paged"])
 def test_concurrent_requests_decode_through_the_compiled_graph(demo_checkpoint, monkeypatch, paged):
     """Decode passes of several rows (requests at different lengths) run the compiled graph too, once
@@ -229,6 +241,7 @@ def test_concurrent_requests_decode_through_the_compiled_graph(demo_checkpoint, 
     assert len(calls) == len(prefills) * layers + len(exits)  # and only the prefill ran the eager model
 
 
+@SLOW
 def test_warming_batched_decode_runs_nothing_where_nothing_compiles_batched(demo_checkpoint, monkeypatch):
     """`warm_batched_decode` generates only where batched decode passes compile: not without --compile, and not
     with one row at a time (--max-num-seqs 1)."""
@@ -242,6 +255,7 @@ def test_warming_batched_decode_runs_nothing_where_nothing_compiles_batched(demo
         llm.warm_batched_decode()
 
 
+@SLOW
 @pytest.mark.parametrize("in_graph", [True, False], ids=["in-graph", "graph-exit"])
 def test_int4_experts_decode_through_the_compiled_step(demo_checkpoint, monkeypatch, in_graph):
     """int4 experts are copied packed out of the arena into torch's int4 GEMV inside the graph (unrolled per routed
@@ -274,6 +288,7 @@ def test_compile_refuses_what_it_cannot_run(monkeypatch):
         check_compilable(CPU)
 
 
+@SLOW
 def test_experts_the_graph_cannot_copy_leave_it(demo_checkpoint, monkeypatch):
     """Only resident float, int8 or int4 experts of at most COMPILE_MAX_EXPERT_BYTES are computed inside the graph;
     prepacked, paged or larger ones run eagerly through the graph exit."""

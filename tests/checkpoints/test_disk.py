@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
+from moepager.checkpoints.disk import ALIGN, BOUNCE_BYTES, WHOLE_SPAN_MIN, DiskFiles, Span, bounce_bytes
 from moepager.errors import CheckpointError
-from moepager.store.disk import ALIGN, BOUNCE_BYTES, WHOLE_SPAN_MIN, DiskFiles, Span, bounce_bytes
 
 
 @pytest.fixture()

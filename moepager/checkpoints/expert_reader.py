@@ -3,11 +3,11 @@
 - per-expert (the Hub format): three 2-D tensors per expert, named by the architecture's templates;
 - fused: `gate_up_proj [E, 2F, D]` and `down_proj [E, H, F]` per layer, from which row `e` is read alone.
 The layout is detected from the names present, per checkpoint. An expert's pieces are read in place from
-the safetensors files (`store/disk.py`: O_DIRECT, no page cache) straight into its flat buffer
+the safetensors files (`checkpoints/disk.py`: O_DIRECT, no page cache) straight into its flat buffer
 `[gate 2F x D rows | down D x F]`; only a dtype conversion goes through a per-thread scratch buffer.
 
 Quantized runs (experts/quant.py): a float checkpoint's expert is read into a per-thread float buffer and
-quantized into the slot; a quantized checkpoint (`moepager quantize`, models/quantized.py) stores each
+quantized into the slot; a quantized checkpoint (`moepager quantize`, checkpoints/quantized.py) stores each
 projection's integers, scales and zeros per expert, read into per-thread scratch and laid out for the kernel
 (int8: copied; int4: repacked for the CPU kernel), or dequantized when the run asks for float experts.
 """
@@ -22,24 +22,20 @@ from pathlib import Path
 
 import torch
 
+from moepager.checkpoints.disk import DiskFiles, Span, bounce_bytes
+from moepager.checkpoints.safetensors import Checkpoint, TensorLocation
+from moepager.config import DirectIO
 from moepager.errors import CheckpointError
-from moepager.experts.quant import (QuantFormat, QuantizedProjection, dequantize_projection, projection_tensors,
-                                    quantize_expert)
+from moepager.experts.quant import (
+    QuantFormat,
+    QuantizedProjection,
+    dequantize_projection,
+    projection_tensors,
+    quantize_expert,
+)
 from moepager.experts.weights import ExpertShape, ExpertWeights, expert_view
-from moepager.models.loader import Checkpoint, TensorLocation
-from moepager.store.disk import DirectIO, DiskFiles, Span, bounce_bytes
+from moepager.models.base import ExpertNaming
 from moepager.types import Between, ExpertKey
-
-
-@dataclass(frozen=True)
-class ExpertNaming:
-    """An architecture's tensor names for routed experts; `{layer}` and `{expert}` are filled in."""
-
-    gate: str
-    up: str
-    down: str
-    fused_gate_up: str
-    fused_down: str
 
 
 def is_routed_expert(name: str) -> bool:

@@ -15,17 +15,13 @@ oneDNN at 16-19 (README), where prepacking would lose; `--no-packed-dense` turns
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
+from moepager.accel.dense_quant import replace_dense, replace_head
 from moepager.experts.onednn import packed_linear, packing_available, prepack
-from moepager.models.dense_quant import replace_dense, replace_head
 from moepager.models.graph_exit import LeavesGraph, opaque_linear
-
-if TYPE_CHECKING:
-    from moepager.models.layers import CausalLM
+from moepager.models.layers import CausalLM
 
 PACK_MIN_ELEMENTS = 1 << 20
 """Matrices with at least this many elements are prepacked (see the module note)."""
@@ -59,12 +55,12 @@ def _packed_if_large(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedL
 
 
 def pack_dense(model: nn.Module) -> int:
-    """Prepack the model's large bf16 dense projections in place (models/dense_quant.py's `replace_dense` picks
+    """Prepack the model's large bf16 dense projections in place (accel/dense_quant.py's `replace_dense` picks
     them: attention, dense and shared-expert MLPs, the LM head); returns how many were packed."""
     return replace_dense(model, _packed_if_large) if packing_available() else 0
 
 
 def pack_lm_head(model: CausalLM) -> bool:
     """Prepack only the LM head (tied or not) when it is a large bf16 projection; whether it did. A compiled decode
-    step (models/compiled.py) runs the head after its graph, which traces no prepacked weight."""
+    step (accel/compiled.py) runs the head after its graph, which traces no prepacked weight."""
     return packing_available() and replace_head(model, _packed_if_large)

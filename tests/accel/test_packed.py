@@ -9,16 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moepager.accel import packed
+from moepager.accel.packed import PackedLinear, packing_available
+from moepager.checkpoints.build import load_model, resident_executor
 from moepager.config import StoreConfig
-from moepager.models import packed
-from moepager.models.layers import Attention, SoftmaxTopKRouter
 from moepager.errors import ConfigError
 from moepager.experts.executor import PackedExecutor
 from moepager.experts.quant import QuantFormat
 from moepager.experts.weights import ExpertShape
-from moepager.models.load import load_model, resident_executor
-from moepager.models.packed import PackedLinear, packing_available
-from moepager.runtime.store_setup import paged_executor
+from moepager.models.layers import Attention, SoftmaxTopKRouter
+from moepager.runtime.builder import paged_executor
 from tests.conftest import ARCHS, expert_budget
 from tests.runtime.test_offload import logits_run
 

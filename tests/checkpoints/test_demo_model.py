@@ -9,8 +9,8 @@ import re
 import pytest
 import torch
 
+from moepager.checkpoints.default import default_model_path
 from moepager.cli.main import main
-from moepager.models.default import default_model_path
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 

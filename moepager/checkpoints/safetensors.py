@@ -1,8 +1,8 @@
 """Reading Hugging Face checkpoints: config.json, single-file or sharded safetensors, per-tensor reads.
 
 We parse the safetensors header ourselves (8-byte little-endian length, JSON header, raw data) so that every
-tensor's file, byte offset and length is known without touching its data: a tensor is read (store/disk.py)
-straight into the buffer that will hold it, and an expert can be read on its own (models/expert_reader.py
+tensor's file, byte offset and length is known without touching its data: a tensor is read (checkpoints/disk.py)
+straight into the buffer that will hold it, and an expert can be read on its own (checkpoints/expert_reader.py
 reads experts in place from these same locations). Truncated or corrupt files are reported by file and tensor.
 """
 
@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from moepager.atomic_io import atomic_file
+from moepager.checkpoints.disk import DiskFiles, Span
 from moepager.errors import CheckpointError
-from moepager.outputs import atomic_file
-from moepager.store.disk import DiskFiles, Span
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,

@@ -1,4 +1,4 @@
-"""GGUF in: `--model FILE.gguf` loads a GGUF file of the architectures export-gguf writes (models/gguf_io.py),
+"""GGUF in: `--model FILE.gguf` loads a GGUF file of the architectures export-gguf writes (checkpoints/gguf_write.py),
 converted once into a cached checkpoint directory, then loaded and paged like any other.
 
 Reading: BF16/F16/F32 tensors are taken as they are; Q4_0 experts become moepager int4 experts (groups of 32,
@@ -21,16 +21,31 @@ from typing import Any
 import numpy as np
 import torch
 
+from moepager.atomic_io import atomic_dir
+from moepager.checkpoints.expert_reader import is_routed_expert
+from moepager.checkpoints.gguf_write import (
+    BLOCK,
+    FLOAT_TYPES,
+    HF_ARCHS,
+    QWEN2_PRE,
+    READ_PRES,
+    READ_TYPES,
+    expert_names,
+    gguf_module,
+    join_kv_b,
+    name_map,
+    q4_0_to_int4,
+    q4_0_values,
+    q8_0_values,
+    unpermute,
+)
+from moepager.checkpoints.quantized import quantization_config
+from moepager.checkpoints.safetensors import write_shards
+from moepager.checkpoints.synth import tensor_specs
 from moepager.errors import CheckpointError
 from moepager.experts.quant import QuantFormat, QuantizedProjection, projection_tensors, quantize_int8
 from moepager.models.config import ModelConfig
-from moepager.models.expert_reader import is_routed_expert
-from moepager.models.gguf_io import (BLOCK, FLOAT_TYPES, HF_ARCHS, QWEN2_PRE, READ_PRES, READ_TYPES, expert_names,
-                                     gguf_module, join_kv_b, name_map, q4_0_to_int4, q4_0_values, q8_0_values,
-                                     unpermute)
-from moepager.models.loader import write_shards
 from moepager.models.registry import architecture_for
-from moepager.outputs import atomic_dir
 
 
 def gguf_cache_dir() -> Path:
@@ -189,8 +204,6 @@ def _tokenizer_from_gguf(reader: Any, out: Path) -> None:
 
 
 def _convert_gguf(path: Path, out: Path, show_progress: bool) -> None:
-    from moepager.models.quantized import quantization_config
-
     reader = _open(path)
     arch = _field(reader, "general.architecture")
     if arch not in HF_ARCHS:
@@ -261,8 +274,6 @@ def _dense_entries(tensors: GGUFTensors, arch: str, config: dict[str, Any], cfg:
                    entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
                    produce: dict[str, Callable[[], torch.Tensor]]) -> None:
     """Every tensor but the routed experts, under its HF name (llama's q/k rows unpermuted)."""
-    from moepager.models.synth import tensor_specs
-
     mapped = name_map(arch, config["num_hidden_layers"])
     for hf_name, shape in tensor_specs(config):
         if is_routed_expert(hf_name):

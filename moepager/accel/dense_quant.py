@@ -18,29 +18,22 @@ FBGEMM (Int8A8Linear): faster on large matrices, lossier.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from moepager.config import check_dense_name
 from moepager.errors import ConfigError
 from moepager.experts.quant import int8_mm, int8_packed_mm, int8_packing_available, int8_prepack, quantize_int8
 from moepager.models.graph_exit import LeavesGraph
+from moepager.models.layers import Attention, CausalLM
 
-if TYPE_CHECKING:
-    from moepager.models.layers import CausalLM
-
-DENSE_FORMATS = {"int8": "int8", "int8-a8": "int8 (activations quantized to 8 bits, FBGEMM)"}
-"""`--dense-dtype` choices and how a run reports each."""
-DENSE_DTYPES = tuple(DENSE_FORMATS)
 KEEP = ("kv_b_proj", "shared_expert_gate")
 """nn.Linear modules left in the run's dtype (see the module note)."""
 
 
 def check_dense_dtype(dense_dtype: str | None, device: torch.device | str | None = None) -> None:
-    if dense_dtype is not None and dense_dtype not in DENSE_DTYPES:
-        raise ConfigError(f"unknown --dense-dtype '{dense_dtype}'; choose from {', '.join(DENSE_DTYPES)} (without "
-                          "it the dense part computes in --dtype)")
+    check_dense_name(dense_dtype)
     if dense_dtype == "int8-a8" and (device is not None and torch.device(device).type != "cpu"
                                      or not int8_packing_available()):
         raise ConfigError("--dense-dtype int8-a8 computes with FBGEMM on the CPU (not available here); use "
@@ -104,8 +97,6 @@ def replace_dense(model: nn.Module, make: Make) -> int:
     KEEP) by `make(weight, bias)` in place; returns how many were replaced. Attention's q/k/v are replaced as their
     one fused projection (the three modules are then dropped); a tied LM head gets its own module (the embedding
     keeps its weights)."""
-    from moepager.models.layers import Attention, CausalLM
-
     replaced = 0
     for module in list(model.modules()):
         if isinstance(module, Attention) and module.qkv is None:

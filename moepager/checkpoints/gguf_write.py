@@ -27,7 +27,7 @@ d = absmax / 127; Q4_0 w = (q - 8) * d, d = m / -8 with m the block's value of l
 fp16-rounded scale (experts/quant.py), so a Q4_0 file read back is exactly moepager's int4 (groups of 32,
 symmetric) with those scales.
 
-Reading GGUF files back: models/gguf_read.py.
+Reading GGUF files back: checkpoints/gguf_read.py.
 """
 
 from __future__ import annotations
@@ -41,14 +41,22 @@ from typing import Any
 import numpy as np
 import torch
 
+from moepager.atomic_io import atomic_file
+from moepager.checkpoints.dtypes import checkpoint_dtype
+from moepager.checkpoints.expert_reader import ExpertReader, is_routed_expert
+from moepager.checkpoints.quantized import stored_format
+from moepager.checkpoints.safetensors import Checkpoint
 from moepager.errors import ConfigError
-from moepager.experts.quant import (QuantizedProjection, dequantize_int4, pack_nibbles, quantize_int4, quantize_int8,
-                                    unpack_nibbles)
+from moepager.experts.quant import (
+    QuantizedProjection,
+    dequantize_int4,
+    pack_nibbles,
+    quantize_int4,
+    quantize_int8,
+    unpack_nibbles,
+)
 from moepager.experts.weights import ExpertShape, ExpertWeights
 from moepager.models.config import ModelConfig
-from moepager.models.expert_reader import ExpertReader, is_routed_expert
-from moepager.models.loader import Checkpoint
-from moepager.outputs import atomic_file
 from moepager.models.registry import architecture_for
 
 GGUF_ARCHS = {"Qwen3MoeForCausalLM": "qwen3moe", "Qwen2MoeForCausalLM": "qwen2moe", "OlmoeForCausalLM": "olmoe",
@@ -219,7 +227,6 @@ def export_gguf(model: str | os.PathLike[str], out: str | os.PathLike[str], type
     """Write checkpoint `model` as a GGUF file of `type_` (bf16, f16, q8_0, q4_0) to `out` (atomically);
     `dense_type` q8_0 quantizes the dense projections too."""
     gguf = gguf_module()
-    from moepager.models.load import checkpoint_dtype
 
     if type_ not in EXPORT_TYPES:
         raise ConfigError(f"unknown --type '{type_}'; choose from {', '.join(EXPORT_TYPES)}")
@@ -252,8 +259,6 @@ def export_gguf(model: str | os.PathLike[str], out: str | os.PathLike[str], type
 
 def _exportable(checkpoint: Checkpoint) -> ModelConfig:
     """The checkpoint's parsed config, or the reason llama.cpp's architectures cannot take it."""
-    from moepager.models.quantized import stored_format
-
     config = checkpoint.config
     hf_arch = config.get("architectures", ["?"])[0]
     if hf_arch not in GGUF_ARCHS:

@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
+from moepager.atomic_io import atomic_dir, check_dir
+from moepager.checkpoints.dtypes import DTYPES
+from moepager.checkpoints.safetensors import write_shards
+from moepager.checkpoints.synth_presets import PRESETS, preset_config
 from moepager.errors import MoepagerError
-from moepager.models.load import DTYPES
-from moepager.models.loader import write_shards
 from moepager.models.registry import ARCHITECTURES
-from moepager.models.synth_presets import PRESETS, preset_config
-from moepager.outputs import atomic_dir, check_dir
 
 INIT_STD = 0.02
 OWN_GENERATOR_NUMEL = 1 << 20

@@ -10,15 +10,22 @@ import numpy as np
 import pytest
 import torch
 
+from moepager.checkpoints.build import load_model
+from moepager.checkpoints.default import default_model_path
+from moepager.checkpoints.gguf_read import gguf_checkpoint, resolve_model_path
+from moepager.checkpoints.gguf_write import (
+    export_gguf,
+    q4_0_blocks,
+    q4_0_to_int4,
+    q4_0_values,
+    q8_0_blocks,
+    q8_0_values,
+)
+from moepager.checkpoints.synth import make_model
 from moepager.cli.main import main
 from moepager.errors import CheckpointError, ConfigError
 from moepager.experts.quant import QuantExpertWeights
-from moepager.models.gguf_io import export_gguf, q4_0_blocks, q4_0_to_int4, q4_0_values, q8_0_blocks, q8_0_values
-from moepager.models.gguf_read import gguf_checkpoint, resolve_model_path
-from moepager.models.default import default_model_path
 from moepager.models.layers import ForwardBatch
-from moepager.models.load import load_model
-from moepager.models.synth import make_model
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from tests.runtime.test_offload import logits_run
@@ -160,8 +167,8 @@ def test_dense_q8_0_quantizes_the_projections_dense_dtype_int8_quantizes(tiny, t
     (DeepSeek-V3's tiny q_lora_rank of 24 is not), where int8's per-channel scales take any width."""
     from torch import nn
 
-    from moepager.models.dense_quant import KEEP
-    from moepager.models.gguf_io import GGUF_ARCHS, name_map
+    from moepager.accel.dense_quant import KEEP
+    from moepager.checkpoints.gguf_write import GGUF_ARCHS, name_map
 
     path = default_model_path() if arch == "demo" else tiny(arch)
     model = load_model(path, torch.float32, show_progress=False).model
@@ -266,7 +273,7 @@ def test_bad_exports_and_bad_files_get_one_clear_error_each(tiny, tmp_path, monk
     with pytest.raises(CheckpointError, match="tensor types Q4_1 are not supported; moepager reads F32, F16, BF16, "
                                               "Q8_0, Q4_0"):
         gguf_checkpoint(odd, show_progress=False)
-    import moepager.models.gguf_io as gguf_io
+    import moepager.checkpoints.gguf_write as gguf_io
 
     monkeypatch.setattr(gguf_io, "_pre_type", lambda pre: "deepseek-llm")
     deepseek_pre = export_gguf(tiny("olmoe"), tmp_path / "deepseek-pre.gguf", show_progress=False)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from moepager.experts.source import ExpertSource
+from moepager.experts.protocols import ExpertSource
 from moepager.experts.weights import AnyExpertWeights
 from moepager.types import RoutingDecision
 

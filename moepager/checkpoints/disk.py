@@ -23,10 +23,10 @@ import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 
+from moepager.config import DirectIO
 from moepager.errors import CheckpointError
 from moepager.types import Between
 
@@ -53,7 +53,6 @@ def bounce_bytes(read_nbytes: int) -> int:
 
 MERGE_GAP = 64 * 1024
 """Spans this close in one file are read together with O_DIRECT (one request instead of several)."""
-DirectIO = Literal["auto", "on", "off"]
 
 
 @dataclass(frozen=True)

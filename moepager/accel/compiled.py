@@ -26,7 +26,7 @@ host step, observers included (a prefetcher, a trace recorder), and returns its 
 norms, routers and shared experts stay compiled; the graph is still one (no graph break per layer).
 
 The graph ends at the final norm: the LM head runs after it, eagerly, on oneDNN-prepacked weights when it is a large
-bf16 matrix (models/packed.py; the built-in model's 8192x256 head: 189 us against 382 with torch's own GEMV at one
+bf16 matrix (accel/packed.py; the built-in model's 8192x256 head: 189 us against 382 with torch's own GEMV at one
 thread, ad-hoc probe), which Inductor does not trace. The other dense projections keep their plain weights in the
 graph where `pack_dense` left them plain (under the ~1M elements where prepacking pays: all of a small model's);
 those it prepacked (a large model's attention) leave the graph through `moepager::opaque_linear` and keep their
@@ -53,12 +53,12 @@ from collections.abc import Callable
 
 import torch
 
+from moepager.accel.packed import pack_lm_head
 from moepager.errors import ConfigError
 from moepager.experts.executor import ExpertExecutor, ResidentExecutor
 from moepager.experts.weights import ExpertShape
 from moepager.models.graph_exit import LeavesGraph, register, register_linear
 from moepager.models.layers import Attention, CausalLM, MoEBlock
-from moepager.models.packed import pack_lm_head
 
 RECOMPILE_LIMIT = 16
 """Graphs Dynamo may compile per code object (its default is 8): a compiled decode step needs 6 (one row: static

@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
+from moepager.checkpoints.build import load_model
+from moepager.checkpoints.safetensors import Checkpoint
 from moepager.errors import CheckpointError, UnsupportedArchitectureError
 from moepager.models.layers import ForwardBatch
-from moepager.models.load import load_model
-from moepager.models.loader import Checkpoint
 
 
 def _logits(path):

@@ -8,17 +8,17 @@ import json
 import pytest
 import torch
 
+from moepager.checkpoints import quantized as quantized_module
+from moepager.checkpoints.build import load_model
+from moepager.checkpoints.quantized import quantize_checkpoint, stored_format
+from moepager.checkpoints.safetensors import Checkpoint, write_safetensors
 from moepager.cli.main import main
 from moepager.config import EngineConfig, StoreConfig
 from moepager.errors import CheckpointError, ConfigError
 from moepager.experts.quant import QuantFormat
-from moepager.models import quantized as quantized_module
-from moepager.models.load import load_model
-from moepager.models.loader import Checkpoint, write_safetensors
-from moepager.models.quantized import quantize_checkpoint, stored_format
+from moepager.runtime.builder import paged_executor, read_buffer_bytes
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
-from moepager.runtime.store_setup import paged_executor, read_buffer_bytes
 from tests.conftest import transformers
 from tests.runtime.test_offload import logits_run
 
@@ -84,8 +84,8 @@ def test_quantized_runs_stay_close_to_the_float_run(checkpoints, name):
 
 
 def _reader(path):
+    from moepager.checkpoints.expert_reader import ExpertReader
     from moepager.experts.weights import ExpertShape
-    from moepager.models.expert_reader import ExpertReader
     from moepager.models.registry import architecture_for
 
     ckpt = Checkpoint(path)
@@ -198,7 +198,7 @@ def test_an_interrupted_quantize_leaves_nothing(demo_checkpoint, tmp_path, monke
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
 def test_in_bf16_a_quantized_checkpoint_and_load_time_quantization_agree_bit_for_bit(tmp_path, name):
-    from moepager.models.synth import make_model
+    from moepager.checkpoints.synth import make_model
 
     path = make_model(tmp_path / "bf16", "tiny", "qwen3_moe", dtype="bfloat16", show_progress=False)
     at_load = LLM(path, show_progress=False, config=EngineConfig(model=str(path), expert_dtype=name))

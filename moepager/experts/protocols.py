@@ -1,5 +1,5 @@
 """Protocols of where expert weights come from: a reader that fills flat buffers, and the one-expert-at-a-time
-source that the slow reference `combine_experts` (experts/compute.py) reads.
+source that the slow reference `combine_experts` (experts/reference.py) reads.
 
 A source hands out the experts a layer routed to, in the fixed order their outputs are summed in, each valid
 until the next is requested. Both executors (experts/executor.py) are sources too, so tests can compare the
@@ -17,8 +17,8 @@ from moepager.experts.weights import ExpertShape, ExpertWeights
 from moepager.types import Between, ExpertKey
 
 
-class ExpertReader(Protocol):
-    """Anything that fills an expert's flat buffer from storage (models/expert_reader.py reads checkpoints)."""
+class FlatReader(Protocol):
+    """Anything that fills an expert's flat buffer from storage (checkpoints/expert_reader.py reads checkpoints)."""
 
     shape: ExpertShape
 

@@ -8,13 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moepager.accel.dense_quant import Int8A8Linear, Int8Linear, check_dense_dtype
+from moepager.checkpoints.build import load_model
+from moepager.checkpoints.default import default_model_path
+from moepager.checkpoints.synth import make_model
 from moepager.config import EngineConfig, StoreConfig
 from moepager.errors import ConfigError
 from moepager.experts.quant import INT8_PACKED_MAX_TOKENS
-from moepager.models.default import default_model_path
-from moepager.models.dense_quant import Int8A8Linear, Int8Linear, check_dense_dtype
-from moepager.models.load import load_model
-from moepager.models.synth import make_model
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from tests.conftest import needs_fbgemm

@@ -1,0 +1,210 @@
+"""Building a model from a checkpoint directory: config -> architecture -> experts -> module -> weights.
+
+Routed experts are read one by one through an `ExpertReader` into the `ExpertExecutor` the caller chooses
+(all resident in one arena by default); the module is then built around that executor on the meta device,
+cast to the run's dtype while still empty, materialised, and filled with the non-expert weights.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from moepager.accel.dense_quant import check_dense_dtype, quantize_dense
+from moepager.accel.packed import pack_dense as pack_dense_projections
+from moepager.checkpoints.dtypes import checkpoint_dtype, parse_dtype
+from moepager.checkpoints.expert_reader import ExpertReader, is_routed_expert
+from moepager.checkpoints.gguf_read import resolve_model_path
+from moepager.checkpoints.quantized import expert_format, stored_format
+from moepager.checkpoints.safetensors import Checkpoint, load_module_weights
+from moepager.config import DENSE_FORMATS, DirectIO, EngineConfig, Kernel
+from moepager.experts.executor import ExpertExecutor, PackedExecutor, ResidentExecutor
+from moepager.experts.quant import check_shape
+from moepager.experts.weights import ExpertShape
+from moepager.models.base import Architecture
+from moepager.models.config import ModelConfig
+from moepager.models.layers import CausalLM
+from moepager.models.registry import architecture_for
+from moepager.types import ExpertKey
+
+FP32_TENSORS = ("e_score_correction_bias",)
+"""Tensors kept in fp32 whatever the model dtype (as transformers does)."""
+
+ExecutorFactory = Callable[[ExpertReader, ModelConfig, Callable[[int], None]], ExpertExecutor]
+
+
+@dataclass
+class LoadedModel:
+    checkpoint: Checkpoint
+    config: ModelConfig
+    model: CausalLM
+    experts: ExpertExecutor
+    expert_shape: ExpertShape
+    dtype: torch.dtype
+    device: torch.device
+    dense_format: str = ""
+    """The format the dense projections compute in: the run's dtype, or int8 (`--dense-dtype`, lossy)."""
+    expert_format: str = ""
+    """The routed experts' format, and how their kernel computes when that is lossier still (what a run reports)."""
+
+
+def read_resident(reader: ExpertReader, moe_layers: list[int], num_experts: int, device: torch.device,
+                  progress: Callable[[int], None] | None = None) -> torch.Tensor:
+    """Every routed expert read into one arena on `device`: row i * num_experts + e is expert e of MoE layer i
+    (through one CPU staging buffer when the device is not the CPU)."""
+    shape = reader.shape
+    arena = torch.empty(len(moe_layers) * num_experts, shape.numel, dtype=shape.buffer_dtype, device=device)
+    staging = torch.empty(shape.numel, dtype=shape.buffer_dtype) if device.type != "cpu" else None
+    for i, layer in enumerate(moe_layers):
+        for e in range(num_experts):
+            row = arena[i * num_experts + e]
+            if staging is None:
+                reader.read(ExpertKey(layer, e), row)
+            else:
+                reader.read(ExpertKey(layer, e), staging)
+                row.copy_(staging)
+            if progress is not None:
+                progress(shape.nbytes)
+    return arena
+
+
+def resident_executor(device: torch.device, kernel: Kernel = "auto") -> ExecutorFactory:
+    def make(reader: ExpertReader, cfg: ModelConfig, progress: Callable[[int], None]) -> ExpertExecutor:
+        if kernel == "packed":  # a layer at a time, each arena dropped once packed
+            arenas = (read_resident(reader, [layer], cfg.num_experts, device, progress) for layer in cfg.moe_layers)
+            return PackedExecutor(arenas, reader.shape, cfg.moe_layers, cfg.num_experts, device)
+        arena = read_resident(reader, cfg.moe_layers, cfg.num_experts, device, progress)
+        return ResidentExecutor(arena, reader.shape, cfg.moe_layers, cfg.num_experts, kernel)
+    return make
+
+
+def read_config(path: str | os.PathLike[str]) -> ModelConfig:
+    """A checkpoint's parsed configuration, without loading any weights (to validate options up front)."""
+    checkpoint = Checkpoint(resolve_model_path(path))
+    return architecture_for(checkpoint.config).parse_config(checkpoint.config)
+
+
+def open_experts(checkpoint: Checkpoint, arch: Architecture, cfg: ModelConfig, dtype: torch.dtype,
+                 device: torch.device, direct_io: DirectIO = "auto", expert_dtype: str | None = None,
+                 int4_group: int | None = None, int4_zero_point: bool | None = None) -> ExpertReader:
+    """The reader of the checkpoint's routed experts in the format a run holds them (`expert_dtype`; None: as
+    stored, so a `moepager quantize` checkpoint in its own format); its `shape` is that format's."""
+    stored = stored_format(checkpoint.config)
+    quant = expert_format(expert_dtype, stored, dtype, device, int4_group, int4_zero_point)
+    if quant is not None:
+        check_shape(cfg.hidden_size, cfg.expert_intermediate_size, quant)
+    shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, dtype, quant)
+    return ExpertReader(checkpoint, arch.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0,
+                        direct_io, stored)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a checkpoint is turned into a model (the parts of an EngineConfig the model itself needs)."""
+
+    dtype: torch.dtype | None = None
+    """Compute dtype; None keeps the checkpoint's."""
+    device: str = "cpu"
+    direct_io: DirectIO = "auto"
+    expert_dtype: str | None = None
+    """bf16/fp16/fp32/int8/int4 (int8/int4 lossy, opt-in: experts/quant.py); None: as stored."""
+    int4_group: int | None = None
+    int4_zero_point: bool | None = None
+    dense_dtype: str | None = None
+    """int8: the dense projections quantized too (accel/dense_quant.py; lossy, opt-in)."""
+    pack_dense: bool = True
+    """Prepack the large bf16 dense projections for oneDNN on the CPU (accel/packed.py)."""
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> LoadOptions:
+        return cls(parse_dtype(config.dtype) if config.dtype else None, config.device, config.store.direct_io,
+                   config.expert_dtype, config.int4_group, config.int4_zero_point, config.dense_dtype,
+                   config.pack_dense)
+
+
+@dataclass
+class OpenCheckpoint:
+    """A checkpoint opened for a run: its architecture and configuration, the run's dtype and device, and the reader
+    of its routed experts in the format the run holds them (nothing loaded yet)."""
+
+    checkpoint: Checkpoint
+    arch: Architecture
+    config: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    reader: ExpertReader
+
+    def total_bytes(self) -> int:
+        """Bytes a load moves: every dense weight in the run's dtype and every routed expert in its format."""
+        dense = sum(loc.nbytes // loc.dtype.itemsize * self.dtype.itemsize
+                    for name, loc in self.checkpoint.locations.items() if not is_routed_expert(name))
+        return dense + self.config.num_moe_layers * self.config.num_experts * self.reader.shape.nbytes
+
+
+def open_checkpoint(path: str | os.PathLike[str], options: LoadOptions) -> OpenCheckpoint:
+    """The checkpoint at `path` opened for a run with `options` (clear errors for options it cannot take)."""
+    check_dense_dtype(options.dense_dtype, options.device)
+    checkpoint = Checkpoint(path)
+    arch = architecture_for(checkpoint.config)
+    cfg = arch.parse_config(checkpoint.config)
+    dtype = options.dtype or checkpoint_dtype(checkpoint)
+    dev = torch.device(options.device)
+    reader = open_experts(checkpoint, arch, cfg, dtype, dev, options.direct_io, options.expert_dtype,
+                          options.int4_group, options.int4_zero_point)
+    return OpenCheckpoint(checkpoint, arch, cfg, dtype, dev, reader)
+
+
+def build_model(opened: OpenCheckpoint, experts: ExpertExecutor, options: LoadOptions,
+                progress: Callable[[int], None]) -> LoadedModel:
+    """The model around an executor that already holds (or pages) the routed experts: built on the meta device,
+    cast to the run's dtype while still empty, materialised and filled with the dense weights, then quantized or
+    prepacked as `options` ask."""
+    checkpoint, cfg, dtype, dev = opened.checkpoint, opened.config, opened.dtype, opened.device
+    with torch.device("meta"):
+        model = opened.arch.build(cfg, experts)
+    cast_model(model, dtype)
+    model = model.to_empty(device="cpu")
+    load_module_weights(model, checkpoint, lambda n: n if checkpoint.has(n) else model.disk_name(n), progress=progress)
+    checkpoint.files.close()
+    model.to(dev).eval()
+    if options.dense_dtype is not None:
+        quantize_dense(model, options.dense_dtype)
+    packed = pack_dense_projections(model) if options.dense_dtype is None and options.pack_dense and dev.type == "cpu" \
+        else 0
+    dense_format = DENSE_FORMATS[options.dense_dtype] if options.dense_dtype else str(dtype).removeprefix("torch.")
+    if packed:
+        dense_format += f" ({packed} large projection{'s' if packed > 1 else ''} prepacked for oneDNN)"
+    note = experts.compute_note  # a kernel that is lossier than the format says so
+    shape = opened.reader.shape
+    expert_fmt = shape.format_name + (f" ({note})" if note else "")
+    return LoadedModel(checkpoint, cfg, model, experts, shape, dtype, dev, dense_format, expert_fmt)
+
+
+def load_bar(opened: OpenCheckpoint, show_progress: bool) -> tqdm:
+    """The progress bar of a load (experts and dense weights)."""
+    return tqdm(total=opened.total_bytes(), unit="B", unit_scale=True, desc="loading", disable=not show_progress,
+                leave=False)
+
+
+def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None, device: str = "cpu",
+               executor_factory: ExecutorFactory | None = None, show_progress: bool = True,
+               **options: object) -> LoadedModel:
+    """A checkpoint ready to run, its experts in the executor `executor_factory` makes (all resident by default);
+    `options` are LoadOptions' other fields. The engine builds its executor itself (runtime/builder.py); this is
+    the short form for tools and tests."""
+    load = LoadOptions(dtype, device, **options)  # type: ignore[arg-type]
+    opened = open_checkpoint(path, load)
+    with load_bar(opened, show_progress) as bar:
+        experts = (executor_factory or resident_executor(opened.device))(opened.reader, opened.config, bar.update)
+        return build_model(opened, experts, load, bar.update)
+
+
+def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating tensors to `dtype`, except those transformers keeps in fp32."""
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point() and not name.endswith(FP32_TENSORS):
+            t.data = t.data.to(dtype)

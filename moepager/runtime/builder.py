@@ -1,0 +1,193 @@
+"""The composition root: one EngineConfig -> checkpoint reader -> expert store -> executor -> model -> prefetcher.
+
+Nothing below this module builds a collaborator of its own: the tiers receive their policies, the model
+receives a built executor, the prefetcher receives the store. The expert store is built here too: budgets -> slot
+counts -> arenas -> tiers -> warm start. Checks before anything is allocated: the policy and predictor names
+against their registries, each budget holds at least one MoE layer's top-k experts (the most a decode step pins at
+once), and the arenas fit in the memory that is actually free (RAM, pinned RAM, GPU).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from moepager.checkpoints.build import (
+    ExecutorFactory,
+    LoadedModel,
+    LoadOptions,
+    build_model,
+    load_bar,
+    open_checkpoint,
+    resident_executor,
+)
+from moepager.config import Budget, EngineConfig, Kernel, StoreConfig
+from moepager.errors import BudgetError, ConfigError
+from moepager.experts.executor import ExpertExecutor, PagedExecutor
+from moepager.experts.protocols import FlatReader
+from moepager.models.config import ModelConfig
+from moepager.policies import UnknownPolicyError, make_policy
+from moepager.predictors import PREDICTORS
+from moepager.runtime.prefetch import Prefetcher, build_prefetcher
+from moepager.store.budget import check_slots, format_bytes
+from moepager.store.slots import SlotTable
+from moepager.store.stats import StoreReport
+from moepager.store.store import ExpertStore, Tier
+from moepager.store.transfer import Transfers
+from moepager.types import ExpertKey, Scope
+
+STREAM_ROWS = 2
+"""Device rows, out of the budget, that experts a layer needs beyond its cache stream through (two: one loads
+while the other is computed with, SMoE's ping-pong buffers)."""
+RAM_HEADROOM = 0.9
+"""Share of the currently available RAM that expert buffers may take (the rest is for activations, OS)."""
+
+
+def budget_slots(budget: Budget, flag: str, cfg: ModelConfig, expert_nbytes: int, reserved_bytes: int = 0) -> int:
+    """Experts that `budget` holds beside `reserved_bytes` of read buffers, checked against the minimum (one MoE
+    layer's top-k)."""
+    slots = budget.slots(expert_nbytes, cfg.num_moe_layers * cfg.num_experts, reserved_bytes)
+    check_slots(slots, cfg.top_k, expert_nbytes, flag, budget.text, reserved_bytes)
+    return slots
+
+
+def read_buffer_bytes(reader: FlatReader, io_threads: int, prefetch_threads: int = 1) -> int:
+    """What the threads reading experts from disk allocate (bounce and conversion buffers): every I/O thread
+    and every thread of the prefetch lane. It comes out of the budget of the tier disk reads fill."""
+    return (io_threads + prefetch_threads) * reader.buffer_bytes_per_thread()
+
+
+def warm_order(layers: Sequence[int], num_experts: int) -> list[ExpertKey]:
+    """Expert 0 of every layer, then expert 1 of every layer, ...: any prefix respects per-layer quotas."""
+    return [ExpertKey(layer, e) for e in range(num_experts) for layer in layers]
+
+
+def _check_fits(nbytes: int, device: torch.device, what: str) -> None:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if nbytes > free:
+            raise BudgetError(f"{what} needs {format_bytes(nbytes)} of GPU memory but {format_bytes(free)} is free; "
+                              f"lower --expert-memory")
+        return
+    available = psutil.virtual_memory().available * RAM_HEADROOM
+    if nbytes > available:
+        raise BudgetError(f"{what} needs {format_bytes(nbytes)} of RAM for its buffers but only "
+                          f"{format_bytes(available)} is available; lower the budget")
+
+
+def stream_rows(slots: int, num_routed: int) -> int:
+    """Rows of a device budget of `slots` experts (of `num_routed` in all) that stream experts through instead
+    of caching them: none when the budget holds every expert (no layer ever needs more than it holds)."""
+    return 0 if slots >= num_routed else min(STREAM_ROWS, slots)
+
+
+def _tier(slots: int, cfg: ModelConfig, reader: FlatReader, device: torch.device, config: StoreConfig,
+          pin: bool, what: str, streams: int = 0, scope: Scope | None = None) -> Tier:
+    """`slots` rows of buffers: the last `streams` of them stream rows, the rest the cache."""
+    shape = reader.shape
+    _check_fits(slots * shape.nbytes, device, what)
+    arena = torch.empty(slots, shape.numel, dtype=shape.buffer_dtype, device=device, pin_memory=pin)
+    table = SlotTable(slots - streams, cfg.moe_layers, make_policy(config.policy, engine=True),
+                      scope or config.scope, streams)
+    return Tier(table, arena)
+
+
+def build_store(config: StoreConfig, reader: FlatReader, cfg: ModelConfig, device: torch.device,
+                host_tier: bool, progress: Callable[[int], None] | None = None) -> ExpertStore:
+    """Device slots (budget `expert_memory`, default all) over a host tier (`host_tier`; budget `host_memory`,
+    default all) or straight over disk."""
+    nbytes, buffers = reader.shape.nbytes, read_buffer_bytes(reader, config.io_threads, config.prefetch_threads)
+    device_slots = budget_slots(config.device_budget, "--expert-memory", cfg, nbytes, 0 if host_tier else buffers)
+    host = None
+    if host_tier:
+        host_slots = budget_slots(config.host_budget, "--host-memory", cfg, nbytes, buffers)
+        # the host tier is one cache for all layers: the device tier above it keeps the per-layer quotas
+        host = _tier(host_slots, cfg, reader, torch.device("cpu"), config, device.type == "cuda",
+                     f"--host-memory {config.host_memory or 'all'} ({host_slots} experts)", scope="global")
+    tier = _tier(device_slots, cfg, reader, device, config, False,
+                 f"--expert-memory {config.expert_memory or 'all'} ({device_slots} experts)",
+                 stream_rows(device_slots, cfg.num_moe_layers * cfg.num_experts))
+    transfers = Transfers(device, config.io_threads, config.prefetch_threads, config.prefetch_yields)
+    store = ExpertStore(tier, host, reader.read, transfers, buffers)
+    if config.warm:
+        store.warm(warm_order(cfg.moe_layers, cfg.num_experts), progress)
+    return store
+
+
+def paged_executor(config: StoreConfig, device: torch.device, kernel: Kernel = "auto",
+                   host_tier: bool | None = None) -> ExecutorFactory:
+    """A load_model executor factory for the store; `host_tier` defaults to whether the device is CUDA."""
+    def make(reader: FlatReader, cfg: ModelConfig, progress: Callable[[int], None]) -> ExpertExecutor:
+        return _paged(config, reader, cfg, device, kernel, device.type == "cuda" if host_tier is None else host_tier,
+                      progress)
+    return make
+
+
+def _paged(config: StoreConfig, reader: FlatReader, cfg: ModelConfig, device: torch.device, kernel: Kernel,
+           host_tier: bool, progress: Callable[[int], None]) -> PagedExecutor:
+    if reader.shape.quant is not None and reader.stored is None:
+        print(f"warning: paging {reader.shape.format_name} experts out of a float checkpoint reads float bytes "
+              "and quantizes every miss; `moepager quantize` writes a checkpoint that reads the quantized "
+              "bytes", file=sys.stderr)
+    return PagedExecutor(build_store(config, reader, cfg, device, host_tier, progress), reader.shape, kernel)
+
+
+def check_names(config: EngineConfig) -> None:
+    """The policy and predictor names against their registries (config.py cannot see them), before anything loads."""
+    try:
+        make_policy(config.store.policy, engine=True)
+    except UnknownPolicyError as e:
+        raise ConfigError(str(e)) from None
+    name = config.prefetch.predictor
+    if name is not None and name not in PREDICTORS:
+        raise ConfigError(f"unknown predictor '{name}'; choose from {', '.join(PREDICTORS)}")
+
+
+@dataclass
+class Built:
+    """What `build` composed: the model with its executor, and the store and prefetcher when experts are paged."""
+
+    loaded: LoadedModel
+    store: ExpertStore | None
+    prefetcher: Prefetcher | None
+
+
+def build(config: EngineConfig, path: Path, show_progress: bool) -> Built:
+    """Checkpoint reader -> expert store -> executor -> model -> prefetcher, from one configuration."""
+    check_names(config)
+    options = LoadOptions.of(config)
+    opened = open_checkpoint(path, options)
+    kernel, store_config = config.expert_kernel, config.store
+    with load_bar(opened, show_progress) as bar:
+        if store_config.paged:
+            executor: ExpertExecutor = _paged(store_config, opened.reader, opened.config, opened.device, kernel,
+                                              opened.device.type == "cuda", bar.update)
+        else:
+            executor = resident_executor(opened.device, kernel)(opened.reader, opened.config, bar.update)
+        loaded = build_model(opened, executor, options, bar.update)
+    store = executor.store if isinstance(executor, PagedExecutor) else None
+    prefetcher = None
+    if config.prefetch.predictor is not None and store is not None:
+        prefetcher = build_prefetcher(config.prefetch, loaded.model, store)
+        loaded.model.observe_routing(prefetcher)
+    return Built(loaded, store, prefetcher)
+
+
+def store_report(store: ExpertStore | None, config: StoreConfig, prefill_tokens: int,
+                 decode_tokens: int) -> StoreReport:
+    """The run's expert section: how experts were held and, for the store, what it did per phase."""
+    if store is None:
+        return StoreReport({"placement": "all resident"}, {})
+    described = {"device slots": store.device.table.capacity,
+                 "stream rows": len(store.device.table.stream_rows),
+                 "read buffers": format_bytes(store.read_buffer_bytes),
+                 "host slots": store.host.table.capacity if store.host is not None else "none (disk below)",
+                 "policy": config.policy, "scope": config.scope}
+    phases, nbytes = store.counters.phases, store.device.expert_nbytes
+    return StoreReport(described, {"prefill": phases["prefill"].summary(prefill_tokens, nbytes),
+                                   "decode": phases["decode"].summary(decode_tokens, nbytes)})
