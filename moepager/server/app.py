@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from moepager.errors import InvalidRequestError, MoepagerError
 from moepager.runtime.llm import LLM
@@ -27,7 +27,7 @@ from moepager.runtime.request import Request as EngineRequest
 from moepager.runtime.request import RequestOutput
 from moepager.runtime.sampling import SamplingParams, TokenLogprobs
 from moepager.server.async_engine import AsyncEngine, Delivery
-from moepager.server.metrics import Metrics
+from moepager.server.metrics import CONTENT_TYPE, Metrics
 from moepager.server.protocol import ChatCompletionRequest, CompletionRequest
 
 DISCONNECT_CHECK_S = 0.5
@@ -104,8 +104,8 @@ def create_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI
                                              "owned_by": "moepager", "max_model_len": context}]}
 
     @app.get("/metrics")
-    async def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(metrics.prometheus(), media_type="text/plain; version=0.0.4")
+    async def prometheus() -> Response:
+        return Response(metrics.prometheus(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/stats")
     async def stats() -> dict[str, Any]:
@@ -171,7 +171,8 @@ async def stream_events(engine: AsyncEngine, request: EngineRequest, queue: asyn
         while True:
             item = await queue.get()
             if isinstance(item, BaseException):
-                yield f"data: {json.dumps({'error': {'message': f'generation failed: {item}', 'type': 'server_error'}})}\n\n"
+                failed = {"error": {"message": f"generation failed: {item}", "type": "server_error"}}
+                yield f"data: {json.dumps(failed)}\n\n"
                 return
             if item.new_text or item.finished or item.new_logprobs:
                 yield f"data: {json.dumps(shape.chunk(item))}\n\n"

@@ -1,8 +1,10 @@
-"""What the server reports at /metrics (Prometheus text format 0.0.4) and /v1/stats (JSON for the web page).
+"""What the server reports at /metrics (Prometheus text format, written by `prometheus_client`) and /v1/stats (JSON
+for the web page).
 
-Request metrics are counted as requests finish; engine and store metrics are read when asked: requests running
-and waiting, KV cache blocks in use, and the expert store's counters since the server started (hits per layer,
-bytes read from disk and copied host->device, load time the compute thread was exposed to).
+Request metrics are counted as requests finish (histograms of TTFT, TPOT, latency and step time); engine and store
+metrics are read when asked, by a collector that takes one snapshot per scrape: requests running and waiting, KV
+cache blocks in use, and the expert store's counters since the server started (hits per layer, bytes read from disk
+and copied host->device, load time the compute thread was exposed to). Each app has a registry of its own.
 """
 
 from __future__ import annotations
@@ -10,34 +12,22 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from moepager.runtime.engine import Engine, StepStats
 from moepager.runtime.request import Request
-from moepager.store.store import ExpertStore
+
+if TYPE_CHECKING:  # the store's public counters and occupancy, read at scrape time
+    from moepager.store.store import ExpertStore
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 RATE_WINDOW_S = 10.0
-
-
-class Histogram:
-    def __init__(self, buckets: tuple[float, ...]):
-        self.buckets = buckets
-        self.counts = [0] * len(buckets)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.sum += value
-        self.count += 1
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-
-    def render(self, name: str, help_text: str) -> list[str]:
-        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        lines += [f'{name}_bucket{{le="{bound}"}} {n}' for bound, n in zip(self.buckets, self.counts)]
-        return lines + [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class Metrics:
@@ -46,12 +36,17 @@ class Metrics:
         self.started_s = time.time()
         self.finished: dict[str, int] = {}
         self.prompt_tokens = self.generation_tokens = 0
-        self.ttft = Histogram(LATENCY_BUCKETS_S)
-        self.tpot = Histogram(LATENCY_BUCKETS_S)
-        self.e2e = Histogram(LATENCY_BUCKETS_S)
-        self.steps = Histogram(LATENCY_BUCKETS_S)
+        self.registry = CollectorRegistry(auto_describe=True)
+
+        def histogram(name: str, text: str) -> Histogram:
+            return Histogram(name, text, buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self.ttft = histogram("moepager_time_to_first_token_seconds", "Arrival to first token.")
+        self.tpot = histogram("moepager_time_per_output_token_seconds", "Gap between consecutive tokens.")
+        self.e2e = histogram("moepager_request_latency_seconds", "Arrival to finish.")
+        self.steps = histogram("moepager_step_seconds", "Duration of each engine step (schedule, forward, sample).")
         self._recent: deque[tuple[float, int]] = deque()
         self._lock = threading.Lock()
+        self.registry.register(_Snapshot(self))
 
     # -- the engine thread ----------------------------------------------------------------------------------
     def step(self, step: StepStats | None) -> None:
@@ -92,17 +87,17 @@ class Metrics:
             return {"paged": False, "hit_rate": 1.0, "hit_rate_per_layer": {}, "bytes_disk": 0,
                     "bytes_host_to_device": 0, "exposed_load_s": 0.0, "slots_used": 0, "slots": 0}
         phases = list(self.store.counters.phases.values())
-        hits = {layer: sum(p.hits.get(layer, 0) for p in phases) for layer in self.store.device.table.by_layer}
+        used, slots = self.store.occupancy()
+        hits = {layer: sum(p.hits.get(layer, 0) for p in phases) for layer in self.store.layers()}
         misses = {layer: sum(p.misses.get(layer, 0) for p in phases) for layer in hits}
         total = sum(hits.values()) + sum(misses.values())
-        table = self.store.device.table
         return {"paged": True, "hit_rate": sum(hits.values()) / total if total else 1.0,
                 "hit_rate_per_layer": {str(layer): hits[layer] / (hits[layer] + misses[layer])
                                        for layer in hits if hits[layer] + misses[layer]},
                 "bytes_disk": sum(p.bytes_disk for p in phases),
                 "bytes_host_to_device": sum(p.bytes_host_to_device for p in phases),
                 "exposed_load_s": sum(p.exposed_s for p in phases),
-                "slots_used": len(table.slot_of), "slots": table.capacity}
+                "slots_used": used, "slots": slots}
 
     def snapshot(self) -> dict[str, Any]:
         pool, scheduler = self.engine.pool, self.engine.scheduler
@@ -118,45 +113,54 @@ class Metrics:
                              "block_size": pool.block_size},
                 "experts": self.experts()}
 
-    def prometheus(self) -> str:
-        snap = self.snapshot()
+    def prometheus(self) -> bytes:
+        """The exposition of every metric (one snapshot of the engine and store)."""
+        return generate_latest(self.registry)
+
+
+class _Snapshot(Collector):
+    """Engine and store metrics, read from one snapshot at each scrape."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.metrics.snapshot()
         ex, kv = snap["experts"], snap["kv_cache"]
-        lines = [
-            "# HELP moepager_requests_running Requests in the running batch.", "# TYPE moepager_requests_running gauge",
-            f"moepager_requests_running {snap['requests_running']}",
-            "# HELP moepager_requests_waiting Requests waiting for a place in the batch.",
-            "# TYPE moepager_requests_waiting gauge", f"moepager_requests_waiting {snap['requests_waiting']}",
-            "# HELP moepager_requests_finished_total Requests finished, by reason.",
-            "# TYPE moepager_requests_finished_total counter",
-            *[f'moepager_requests_finished_total{{reason="{r}"}} {n}' for r, n in sorted(snap["requests_finished"].items())],
-            "# HELP moepager_prompt_tokens_total Prompt tokens of finished requests.",
-            "# TYPE moepager_prompt_tokens_total counter", f"moepager_prompt_tokens_total {snap['prompt_tokens']}",
-            "# HELP moepager_generation_tokens_total Tokens generated for finished requests.",
-            "# TYPE moepager_generation_tokens_total counter",
-            f"moepager_generation_tokens_total {snap['generation_tokens']}",
-            f"# HELP moepager_tokens_per_second Tokens sampled per second over the last {RATE_WINDOW_S:g} s.",
-            "# TYPE moepager_tokens_per_second gauge", f"moepager_tokens_per_second {snap['tokens_per_s']}",
-            "# HELP moepager_preemptions_total Requests preempted because the KV cache ran out.",
-            "# TYPE moepager_preemptions_total counter", f"moepager_preemptions_total {snap['preemptions']}",
-            "# HELP moepager_kv_cache_usage_ratio Share of KV cache blocks held by requests.",
-            "# TYPE moepager_kv_cache_usage_ratio gauge",
-            f"moepager_kv_cache_usage_ratio {kv['blocks_used'] / max(1, kv['blocks'])}",
-            "# HELP moepager_expert_hit_rate Share of expert accesses served from the device tier (1 = all resident).",
-            "# TYPE moepager_expert_hit_rate gauge", f"moepager_expert_hit_rate {ex['hit_rate']}",
-            *[f'moepager_expert_hit_rate{{layer="{layer}"}} {rate}' for layer, rate in ex["hit_rate_per_layer"].items()],
-            "# HELP moepager_expert_bytes_total Expert bytes moved, by tier crossing.",
-            "# TYPE moepager_expert_bytes_total counter",
-            f'moepager_expert_bytes_total{{tier="disk"}} {ex["bytes_disk"]}',
-            f'moepager_expert_bytes_total{{tier="host_to_device"}} {ex["bytes_host_to_device"]}',
-            "# HELP moepager_expert_load_exposed_seconds_total Time the compute thread waited for expert loads.",
-            "# TYPE moepager_expert_load_exposed_seconds_total counter",
-            f"moepager_expert_load_exposed_seconds_total {ex['exposed_load_s']}",
-            "# HELP moepager_expert_slots_used Device expert slots holding an expert.",
-            "# TYPE moepager_expert_slots_used gauge", f"moepager_expert_slots_used {ex['slots_used']}",
-        ]
-        with self._lock:
-            lines += self.ttft.render("moepager_time_to_first_token_seconds", "Arrival to first token.")
-            lines += self.tpot.render("moepager_time_per_output_token_seconds", "Gap between consecutive tokens.")
-            lines += self.e2e.render("moepager_request_latency_seconds", "Arrival to finish.")
-            lines += self.steps.render("moepager_step_seconds", "Duration of each engine step (schedule, forward, sample).")
-        return "\n".join(lines) + "\n"
+
+        def gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, text, value=value)
+
+        def counter(name: str, text: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(name, text, value=value)
+
+        yield gauge("moepager_requests_running", "Requests in the running batch.", snap["requests_running"])
+        yield gauge("moepager_requests_waiting", "Requests waiting for a place in the batch.",
+                    snap["requests_waiting"])
+        finished = CounterMetricFamily("moepager_requests_finished", "Requests finished, by reason.",
+                                       labels=["reason"])
+        for reason, n in sorted(snap["requests_finished"].items()):
+            finished.add_metric([reason], n)
+        yield finished
+        yield counter("moepager_prompt_tokens", "Prompt tokens of finished requests.", snap["prompt_tokens"])
+        yield counter("moepager_generation_tokens", "Tokens generated for finished requests.",
+                      snap["generation_tokens"])
+        yield gauge("moepager_tokens_per_second", f"Tokens sampled per second over the last {RATE_WINDOW_S:g} s.",
+                    snap["tokens_per_s"])
+        yield counter("moepager_preemptions", "Requests preempted because the KV cache ran out.", snap["preemptions"])
+        yield gauge("moepager_kv_cache_usage_ratio", "Share of KV cache blocks held by requests.",
+                    kv["blocks_used"] / max(1, kv["blocks"]))
+        hit = GaugeMetricFamily("moepager_expert_hit_rate",
+                                "Share of expert accesses served from the device tier (1 = all resident); per layer "
+                                "with the layer label.", labels=["layer"])
+        hit.add_sample("moepager_expert_hit_rate", {}, ex["hit_rate"])
+        for layer, rate in ex["hit_rate_per_layer"].items():
+            hit.add_metric([layer], rate)
+        yield hit
+        moved = CounterMetricFamily("moepager_expert_bytes", "Expert bytes moved, by tier crossing.", labels=["tier"])
+        moved.add_metric(["disk"], ex["bytes_disk"])
+        moved.add_metric(["host_to_device"], ex["bytes_host_to_device"])
+        yield moved
+        yield counter("moepager_expert_load_exposed_seconds", "Time the compute thread waited for expert loads.",
+                      ex["exposed_load_s"])
+        yield gauge("moepager_expert_slots_used", "Device expert slots holding an expert.", ex["slots_used"])

@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
@@ -57,6 +58,9 @@ def test_models_health_and_metrics(server, client):
                  "moepager_expert_hit_rate", 'moepager_expert_bytes_total{tier="disk"}',
                  "moepager_expert_load_exposed_seconds_total"):
         assert name in metrics.text
+    families = {f.name: f for f in text_string_to_metric_families(metrics.text)}  # the exposition parses as such
+    assert families["moepager_expert_bytes"].type == "counter"
+    assert families["moepager_time_to_first_token_seconds"].type == "histogram"
 
 
 def test_completion_streamed_or_not_gives_the_text_generated_alone(client, alone):
@@ -105,7 +109,8 @@ def test_sixteen_concurrent_streaming_clients_each_get_their_text_alone(client, 
     for t in threads:
         t.join(timeout=120)
     assert not errors and got == alone
-    finished = re.search(r'moepager_requests_finished_total\{reason="length"\} (\d+)', httpx.get(f"{server}/metrics").text)
+    finished = re.search(r'moepager_requests_finished_total\{reason="length"\} (\d+)',
+                         httpx.get(f"{server}/metrics").text)
     assert finished and int(finished.group(1)) >= len(PROMPTS)
 
 
@@ -140,7 +145,8 @@ def test_malformed_completion_requests_get_a_4xx_with_the_reason(server, body, s
 
 
 def test_bad_json_and_bad_chat_messages_are_refused(server, client):
-    r = httpx.post(f"{server}/v1/completions", content=b'{"prompt": "hi", ', headers={"content-type": "application/json"})
+    r = httpx.post(f"{server}/v1/completions", content=b'{"prompt": "hi", ',
+                   headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model="demo-moe", messages=[])
