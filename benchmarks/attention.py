@@ -14,16 +14,12 @@ Prints a table and writes results/attention.json.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import machine_state, median_time, print_table, write_json  # noqa: E402
-from moepager.models.layers import attention  # noqa: E402
+from benchmarks.common import machine_state, median_time, print_table, write_json
+from moepager.models.layers import attention
 
 GEOMETRIES = {  # query heads, KV heads, key dim, value dim
     "demo-moe": (8, 4, 32, 32),

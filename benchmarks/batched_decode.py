@@ -1,5 +1,5 @@
 """Batched decode on the built-in model: B concurrent requests decoding together (the server's continuous batching),
-eager against `--compile` (whose batched graph takes any row count of two or more: models/compiled.py), side by side
+eager against `--compile` (whose batched graph takes any row count of two or more: accel/compiled.py), side by side
 in interleaved rounds. Per row count: the median decode step's time, and output tokens per second over all rows
 (B / step); the compiled engines compile their batched graphs up front (`LLM.warm_batched_decode`, as `moepager
 serve --compile` does). Prompts: the demo model's validation documents, cut to 16 tokens.
@@ -11,15 +11,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import demo_documents, machine_state, print_table, write_json  # noqa: E402
-from moepager.config import EngineConfig  # noqa: E402
-from moepager.runtime.llm import LLM  # noqa: E402
-from moepager.runtime.sampling import SamplingParams  # noqa: E402
+from benchmarks.common import demo_documents, machine_state, print_table, write_json
+from moepager.config import EngineConfig
+from moepager.runtime.llm import LLM
+from moepager.runtime.sampling import SamplingParams
 
 PROMPT_TOKENS = 16
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,12 @@ import psutil
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
+SCHEMA = 1
+"""Version of the JSON every benchmark writes (`write_json`): {schema, benchmark, git, machine, args, results}."""
+TRACES_ENV = "MOEPAGER_TRACES"
+"""The real routing traces' root (`python -m benchmarks --traces DIR` sets it); default ../shared/traces beside the
+repository."""
+SHARED = Path(os.environ.get(TRACES_ENV) or Path(__file__).resolve().parents[2] / "shared" / "traces")
 
 
 def machine_state() -> dict[str, Any]:
@@ -26,7 +33,7 @@ def machine_state() -> dict[str, Any]:
 
 
 def ensure_model(name: str, preset: str, layers: int | None, dtype: str = "bfloat16") -> Path:
-    from moepager.models.synth import make_model
+    from moepager.checkpoints.synth import make_model
 
     path = RESULTS / "models" / name
     if not (path / "config.json").exists():
@@ -53,11 +60,45 @@ def print_table(headers: list[str], rows: list[list[Any]]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
+def git_commit() -> str:
+    """The checkout's commit (with "-dirty" when it has changes), or "unknown" outside a git checkout."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha + ("-dirty" if dirty else "")
+
+
 def write_json(name: str, data: dict[str, Any]) -> Path:
+    """Write results/NAME.json in the one schema: the benchmark's own `data` under "results", beside the schema
+    version, the benchmark's name, the commit, the date and the machine (written through a temporary name)."""
+    import sys
+
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    record = {"schema": SCHEMA, "benchmark": name, "git": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "machine": {"platform": platform.platform(), "cpus": psutil.cpu_count(), "torch": torch.__version__,
+                          "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+              "args": sys.argv[1:], "results": data}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    tmp.replace(path)
     return path
+
+
+def need_traces(*names: str) -> None:
+    """Exit with the reason (status 3: skipped) when a trace this benchmark reads is missing."""
+    missing = [name for name in names if not (SHARED / name).exists()]
+    if missing:
+        import sys
+
+        print(f"skipped: traces {', '.join(missing)} not found under {SHARED} (set --traces or {TRACES_ENV})",
+              file=sys.stderr)
+        raise SystemExit(3)
 
 
 def converted(fmt: str, src: Path, name: str, opts: Any = None) -> Path:
@@ -74,10 +115,7 @@ def converted(fmt: str, src: Path, name: str, opts: Any = None) -> Path:
 
 def demo_documents() -> tuple[list[str], list[str]]:
     """The built-in demo model's (train, validation) documents, split as scripts/train_demo_model.py splits them."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    from train_demo_model import split_documents
+    from scripts.train_demo_model import split_documents
 
     return split_documents(SHARED / "olmoe-stats" / "text")
 
@@ -102,8 +140,8 @@ def record_demo_trace(path: Path, docs: list[str], tokens: int, hidden: bool = F
 def bytes_per_decode_token(llm: Any) -> int:
     """Weight bytes one decode token reads: every non-expert weight (the embedding table only when it is also
     the LM head: tied, and not given an int8 or prepacked head of its own) plus top-k experts per MoE layer."""
-    from moepager.models.dense_quant import Int8A8Linear
-    from moepager.models.packed import PackedLinear
+    from moepager.accel.dense_quant import Int8A8Linear
+    from moepager.accel.packed import PackedLinear
 
     cfg, loaded = llm.loaded.config, llm.loaded
     non_expert = sum(t.numel() * t.element_size() for n, t in loaded.model.state_dict().items()

@@ -13,18 +13,21 @@ prefill. A profile of one moepager decode step says where the time goes.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (RESULTS, bytes_per_decode_token, ensure_model, machine_state, median_time,  # noqa: E402
-                    print_table, write_json)
-
-from moepager.models.layers import ForwardBatch  # noqa: E402
-from moepager.runtime.llm import LLM  # noqa: E402
-from moepager.runtime.sampling import SamplingParams  # noqa: E402
+from benchmarks.common import (
+    RESULTS,
+    bytes_per_decode_token,
+    ensure_model,
+    machine_state,
+    median_time,
+    print_table,
+    write_json,
+)
+from moepager.models.layers import ForwardBatch
+from moepager.runtime.llm import LLM
+from moepager.runtime.sampling import SamplingParams
 
 
 def hf_prefill(hf, ids):
@@ -128,7 +131,8 @@ def main() -> None:
     torch.set_num_threads(max(args.threads))
     prof = profile_decode(llm, short_ids)
     print("\nmoepager decode profile (8 steps), top ops by self CPU time:")
-    print_table(["op", "self ms", "share", "calls"], [[p["op"], p["self_cpu_ms"], p["share"], p["calls"]] for p in prof])
+    print_table(["op", "self ms", "share", "calls"],
+                [[p["op"], p["self_cpu_ms"], p["share"], p["calls"]] for p in prof])
     out = write_json("decode_cpu", {"machine": state, "model": str(path), "prompt_len": args.prompt_len,
                                     "bytes_per_decode_token": bytes_per_decode_token(llm),
                                     "decode_tokens": args.decode_tokens, "results": results, "profile": prof})

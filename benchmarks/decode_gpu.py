@@ -28,15 +28,12 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import (RESULTS, bytes_per_decode_token, ensure_model, machine_state, print_table,  # noqa: E402
-                               write_json)
-from benchmarks.decode_cpu import hf_decode, ours_decode  # noqa: E402
-from moepager.config import EngineConfig  # noqa: E402
-from moepager.planning.calibrate import copy_rate  # noqa: E402
-from moepager.runtime.llm import LLM  # noqa: E402
-from moepager.runtime.sampling import SamplingParams  # noqa: E402
+from benchmarks.common import RESULTS, bytes_per_decode_token, ensure_model, machine_state, print_table, write_json
+from benchmarks.decode_cpu import hf_decode, ours_decode
+from moepager.config import EngineConfig
+from moepager.planning.calibrate import copy_rate
+from moepager.runtime.llm import LLM
+from moepager.runtime.sampling import SamplingParams
 
 
 def prompts(vocab: int, lengths: tuple[int, ...]) -> list[list[int]]:

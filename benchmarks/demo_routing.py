@@ -12,13 +12,10 @@ Usage: python benchmarks/demo_routing.py [--trace-out PATH] [--tokens 256]
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import RESULTS, SHARED, converted, demo_documents, record_demo_trace, write_json  # noqa: E402
-from moepager.trace.stats import RoutingStats, format_stats, routing_stats  # noqa: E402
+from benchmarks.common import RESULTS, SHARED, converted, demo_documents, record_demo_trace, write_json
+from moepager.trace.stats import RoutingStats, format_stats, routing_stats
 
 
 def plot(rows: dict[str, RoutingStats], path: Path) -> None:

@@ -21,20 +21,22 @@ With --step-only [MODEL] [--expert-dtype F]: only the decode-step comparison, on
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import machine_state, median_time, print_table, write_json  # noqa: E402
-from moepager.experts.executor import ArenaKernels, combine, sort_by_expert  # noqa: E402
-from moepager.experts.quant import (QuantExpertWeights, QuantFormat, pack_int4_cpu, pack_nibbles,  # noqa: E402
-                                    quantize_expert, unpack_nibbles)
-from moepager.experts.weights import ExpertShape  # noqa: E402
-from moepager.types import RoutingDecision  # noqa: E402
+from benchmarks.common import machine_state, median_time, print_table, write_json
+from moepager.experts.executor import ArenaKernels, combine, sort_by_expert
+from moepager.experts.quant import (
+    QuantExpertWeights,
+    QuantFormat,
+    pack_int4_cpu,
+    pack_nibbles,
+    quantize_expert,
+    unpack_nibbles,
+)
+from moepager.experts.weights import ExpertShape
+from moepager.types import RoutingDecision
 
 GEOMETRIES = {"demo-moe": (256, 64, 32, 4), "deepseek-v2-lite": (2048, 1408, 64, 6)}
 LINEARS = [(128, 256), (768, 256), (8192, 256), (2816, 2048), (2048, 1408), (4096, 2048), (151936, 2048)]

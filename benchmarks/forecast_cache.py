@@ -24,15 +24,12 @@ Usage: python benchmarks/forecast_cache.py [--quick] [--only deepseek mixtral de
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import RESULTS, SHARED, converted, demo_documents, machine_state, record_demo_trace, write_json  # noqa: E402
-from moepager.trace.format import TraceReader  # noqa: E402
-from moepager.trace.predict import (  # noqa: E402
+from benchmarks.common import RESULTS, SHARED, converted, demo_documents, machine_state, record_demo_trace, write_json
+from moepager.trace.format import TraceReader
+from moepager.trace.predict import (
     FITTERS,
     PASS,
     FitOptions,
@@ -41,8 +38,8 @@ from moepager.trace.predict import (  # noqa: E402
     replay_forecasts,
     split_requests,
 )
-from moepager.trace.simulate import SimSpec, simulate  # noqa: E402
-from moepager.trace.workload import load_workload  # noqa: E402
+from moepager.trace.simulate import SimSpec, simulate
+from moepager.trace.workload import load_workload
 
 DISTANCES = [PASS, 1, 2, 3]
 
@@ -71,7 +68,8 @@ def traces(only: list[str], quick: bool) -> list[tuple[str, Path, Path, list[int
     return out
 
 
-def predictors(name: str, fit: Path, test: Path, train: list[int], tested: list[int], shape: str) -> tuple[list[dict], dict]:
+def predictors(name: str, fit: Path, test: Path, train: list[int], tested: list[int],
+               shape: str) -> tuple[list[dict], dict]:
     rows, fitted = [], {}
     with TraceReader(fit) as fr, TraceReader(test) as tr:
         h = tr.header
@@ -155,7 +153,8 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="subsets of every trace (a smoke run)")
-    ap.add_argument("--only", nargs="+", default=["deepseek", "mixtral", "demo"], choices=["deepseek", "mixtral", "demo"])
+    traces = ["deepseek", "mixtral", "demo"]
+    ap.add_argument("--only", nargs="+", default=traces, choices=traces)
     ap.add_argument("--path-shape", default="small", choices=["small", "paper", "t5"])
     args = ap.parse_args()
     state = machine_state()

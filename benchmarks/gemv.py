@@ -14,19 +14,15 @@ projections and LM head.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_state, print_table, write_json  # noqa: E402
-
-from moepager.experts.onednn import packed_linear, prepack  # noqa: E402
-from moepager.experts.quant import quantize_int8  # noqa: E402
+from benchmarks.common import machine_state, print_table, write_json
+from moepager.experts.onednn import packed_linear, prepack
+from moepager.experts.quant import quantize_int8
 
 SHAPES = [(512, 256), (256, 256), (8192, 256), (128, 256), (5120, 2048), (2048, 4096), (1536, 2048), (2048, 768),
           (151936, 2048)]

@@ -13,20 +13,16 @@ Usage: python benchmarks/hit_rate.py [--quick]   (writes results/hit_rate.json a
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import RESULTS, SHARED, converted, machine_state, write_json  # noqa: E402
-from moepager.trace.convert import ConvertOptions  # noqa: E402
-from moepager.trace.format import TraceReader  # noqa: E402
-from moepager.trace.report import format_table, plot_hit_rates, summary  # noqa: E402
-from moepager.trace.simulate import SimSpec, simulate  # noqa: E402
-from moepager.trace.workload import load_workload  # noqa: E402
+from benchmarks.common import RESULTS, SHARED, converted, machine_state, write_json
+from moepager.trace.convert import ConvertOptions
+from moepager.trace.format import TraceReader
+from moepager.trace.report import format_table, plot_hit_rates, summary
+from moepager.trace.simulate import SimSpec, simulate
+from moepager.trace.workload import load_workload
 
 POLICIES = ["rnd", "lru", "lfu", "lcp", "fmoe", "static-hot", "belady"]
 

@@ -12,12 +12,7 @@ then TTFT at a 512-token prompt. Writes results/offload_cpu.json and .png. See b
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.offload_replay import main  # noqa: E402
+from benchmarks.offload_replay import main
 
 if __name__ == "__main__":
     main("cpu", layers=8, threads=2, name="offload_cpu")

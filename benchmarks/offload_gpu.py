@@ -11,13 +11,10 @@ beside the measured TPOT, and TTFT at a 512-token prompt. Needs CUDA. Writes res
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.offload_replay import main  # noqa: E402
+from benchmarks.offload_replay import main
 
 if __name__ == "__main__":
     if not torch.cuda.is_available():

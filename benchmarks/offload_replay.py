@@ -18,10 +18,9 @@ the model against each configuration's median). A second table: TTFT of one 512-
 from __future__ import annotations
 
 import argparse
-import json
 import gc
+import json
 import statistics
-import sys
 from dataclasses import asdict, dataclass, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -29,22 +28,20 @@ from typing import Any, Literal
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import RESULTS, SHARED, converted, ensure_model, machine_state, print_table, write_json  # noqa: E402
-from moepager.config import PrefetchConfig, StoreConfig  # noqa: E402
-from moepager.planning.calibrate import CalibrateOptions, DiskSampler, calibrate  # noqa: E402
-from moepager.models.quantized import quantize_checkpoint  # noqa: E402
-from moepager.predictors import PREDICTORS  # noqa: E402
-from moepager.predictors.head import DEFAULT_HIDDEN  # noqa: E402
-from moepager.planning.cost import CalibratedProfile, CostModel  # noqa: E402
-from moepager.runtime.llm import LLM  # noqa: E402
-from moepager.runtime.replay import ReplaySpec  # noqa: E402
-from moepager.trace.format import TraceReader, TraceWriter  # noqa: E402
-from moepager.trace.predict import FITTERS, FitOptions  # noqa: E402
-from moepager.trace.report import step_seconds, summary  # noqa: E402
-from moepager.trace.simulate import SimSpec, simulate  # noqa: E402
-from moepager.trace.workload import Cut, load_workload  # noqa: E402
+from benchmarks.common import RESULTS, SHARED, converted, ensure_model, machine_state, print_table, write_json
+from moepager.checkpoints.quantized import quantize_checkpoint
+from moepager.config import PrefetchConfig, StoreConfig
+from moepager.planning.calibrate import CalibrateOptions, DiskSampler, calibrate
+from moepager.planning.cost import CalibratedProfile, CostModel
+from moepager.predictors import PREDICTORS
+from moepager.predictors.head import DEFAULT_HIDDEN
+from moepager.runtime.llm import LLM
+from moepager.runtime.replay import ReplaySpec
+from moepager.trace.format import TraceReader, TraceWriter
+from moepager.trace.predict import FITTERS, FitOptions
+from moepager.trace.report import step_seconds, summary
+from moepager.trace.simulate import SimSpec, simulate
+from moepager.trace.workload import Cut, load_workload
 
 TOLERANCE = 0.20
 HeadFit = Literal["plain", "tokens", "mlp"]
@@ -402,6 +399,7 @@ def remodel(name: str, trace: Path, requests: list[int], cut: Cut, args: argpars
     """The last run's measurements (results/NAME.json) and calibration (results/NAME_profile.json) with the
     current cost model: the modeled columns are recomputed, nothing is measured again."""
     data = json.loads((RESULTS / f"{name}.json").read_text())
+    data = data.get("results", data)  # the common schema keeps the benchmark's own data under "results"
     if data["replayed_requests"] != requests:
         raise SystemExit(f"results/{name}.json replayed requests {data['replayed_requests']}, not {requests}")
     cost = CostModel.profile(str(RESULTS / f"{name}_profile.json"), 0)

@@ -13,18 +13,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import machine_state, print_table, write_json  # noqa: E402
-from moepager.config import EngineConfig, PrefetchConfig, StoreConfig  # noqa: E402
-from moepager.runtime.llm import LLM  # noqa: E402
-from moepager.runtime.sampling import SamplingParams  # noqa: E402
-from tests.runtime.test_overhead import calls_per_decode_token  # noqa: E402
+from benchmarks.common import machine_state, print_table, write_json
+from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
+from moepager.runtime.llm import LLM
+from moepager.runtime.profiling import calls_per_decode_token
+from moepager.runtime.sampling import SamplingParams
 
 PAGED = StoreConfig(expert_memory="25%", direct_io="off")
 CONFIGS = {

@@ -25,7 +25,6 @@ import argparse
 import importlib.util
 import multiprocessing
 import statistics
-import sys
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -33,14 +32,11 @@ from typing import NamedTuple
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, bytes_per_decode_token, ensure_model, machine_state, print_table, write_json  # noqa: E402
-
-from moepager.config import EngineConfig  # noqa: E402
-from moepager.models.default import default_model_path  # noqa: E402
-from moepager.models.dense_quant import DENSE_DTYPES  # noqa: E402
-from moepager.runtime.llm import LLM  # noqa: E402
-from moepager.runtime.sampling import SamplingParams  # noqa: E402
+from benchmarks.common import RESULTS, bytes_per_decode_token, ensure_model, machine_state, print_table, write_json
+from moepager.checkpoints.default import default_model_path
+from moepager.config import DENSE_DTYPES, EngineConfig
+from moepager.runtime.llm import LLM
+from moepager.runtime.sampling import SamplingParams
 
 PROMPT = 16
 PAUSE_S = 0.5
@@ -85,7 +81,7 @@ class LlamaCpp:
     def __init__(self, path: Path, gguf_types: tuple[str, str | None], threads: int):
         import llama_cpp
 
-        from moepager.models.gguf_io import export_gguf
+        from moepager.checkpoints.gguf_write import export_gguf
 
         gguf_type, dense_type = gguf_types
         gguf = RESULTS / "gguf" / f"{path.name}-{gguf_type}{f'-dense-{dense_type}' if dense_type else ''}.gguf"

@@ -16,13 +16,10 @@ similarity-selected sets. Usage: python benchmarks/predictors.py [--quick]
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import (  # noqa: E402
+from benchmarks.common import (
     RESULTS,
     SHARED,
     converted,
@@ -31,12 +28,12 @@ from benchmarks.common import (  # noqa: E402
     record_demo_trace,
     write_json,
 )
-from moepager.models.default import default_model_path  # noqa: E402
-from moepager.models.load import load_model  # noqa: E402
-from moepager.predictors import make_predictor  # noqa: E402
-from moepager.runtime.prefetch import router_scores  # noqa: E402
-from moepager.trace.format import TraceReader  # noqa: E402
-from moepager.trace.predict import (  # noqa: E402
+from moepager.checkpoints.build import load_model
+from moepager.checkpoints.default import default_model_path
+from moepager.predictors import make_predictor
+from moepager.runtime.prefetch import router_scores
+from moepager.trace.format import TraceReader
+from moepager.trace.predict import (
     FITTERS,
     FitOptions,
     PredictEval,
@@ -51,7 +48,8 @@ DISTANCES = [1, 2, 3]
 def row(trace: str, result: PredictEval, k: int, fit_s: float) -> dict:
     sel = result.selected()
     return {"trace": trace, "predictor": result.predictor, "distance": result.distance, "top_k": k,
-            "recall@K": result.recall(k), "recall@2K": result.recall(2 * k), "coverage": result.coverage(), "fit_s": fit_s,
+            "recall@K": result.recall(k), "recall@2K": result.recall(2 * k), "coverage": result.coverage(),
+            "fit_s": fit_s,
             "selected_size": sel[0] if sel else None, "selected_recall": sel[1] if sel else None,
             "per_layer_recall@K": [result.recall(k, t) for t in result.tallies], "tokens": result.tokens}
 

@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.common import (  # noqa: E402
+from benchmarks.common import (
     RESULTS,
     demo_documents,
     ensure_model,
@@ -35,11 +32,11 @@ from benchmarks.common import (  # noqa: E402
     record_demo_trace,
     write_json,
 )
-from moepager.config import PrefetchConfig, StoreConfig  # noqa: E402
-from moepager.runtime.llm import LLM  # noqa: E402
-from moepager.runtime.sampling import SamplingParams  # noqa: E402
-from moepager.trace.format import TraceReader  # noqa: E402
-from moepager.trace.predict import FITTERS, FitOptions  # noqa: E402
+from moepager.config import PrefetchConfig, StoreConfig
+from moepager.runtime.llm import LLM
+from moepager.runtime.sampling import SamplingParams
+from moepager.trace.format import TraceReader
+from moepager.trace.predict import FITTERS, FitOptions
 
 PREDICTORS = [None, "gate-lookahead", *FITTERS]
 """No prefetch, gate lookahead (it reads the model's routers) and every fitted predictor."""

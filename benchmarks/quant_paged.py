@@ -15,20 +15,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchmarks.offload_replay import deepseek_trace, quantized, replayed_requests, replayed_run  # noqa: E402
-from common import ensure_model, machine_state, print_table, write_json  # noqa: E402
-
-from moepager.config import EngineConfig, StoreConfig  # noqa: E402
-from moepager.runtime.llm import LLM  # noqa: E402
-from moepager.runtime.replay import ReplaySpec  # noqa: E402
+from benchmarks.common import ensure_model, machine_state, print_table, write_json
+from benchmarks.offload_replay import deepseek_trace, quantized, replayed_requests, replayed_run
+from moepager.config import EngineConfig, StoreConfig
+from moepager.runtime.llm import LLM
+from moepager.runtime.replay import ReplaySpec
 
 
 def run(path: Path, fmt: str, budget_bytes: int | None, spec: ReplaySpec, args: argparse.Namespace) -> dict:

@@ -22,19 +22,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import demo_documents, ensure_model, machine_state, print_table, write_json  # noqa: E402
-
-from moepager.models.default import default_model_path  # noqa: E402
-from moepager.models.layers import ForwardBatch, MoEBlock  # noqa: E402
-from moepager.models.load import load_model, resident_executor  # noqa: E402
-from moepager.runtime.tokenizer import Tokenizer  # noqa: E402
+from benchmarks.common import demo_documents, ensure_model, machine_state, print_table, write_json
+from moepager.checkpoints.build import load_model, resident_executor
+from moepager.checkpoints.default import default_model_path
+from moepager.models.layers import ForwardBatch, MoEBlock
+from moepager.runtime.tokenizer import Tokenizer
 
 FORMATS = {  # name -> load_model options
     "bf16": {},

@@ -35,14 +35,11 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import httpx
+import openai
 
-import httpx  # noqa: E402
-import openai  # noqa: E402
-
-from benchmarks.common import demo_documents, ensure_model, machine_state, print_table  # noqa: E402
-from benchmarks.common import write_json  # noqa: E402
-from moepager.runtime.stats import percentile  # noqa: E402
+from benchmarks.common import demo_documents, ensure_model, machine_state, print_table, write_json
+from moepager.runtime.stats import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -203,12 +200,10 @@ def http_part(args: argparse.Namespace) -> list[dict[str, object]]:
 
 
 def replay_part(args: argparse.Namespace) -> list[dict[str, object]]:
+    from benchmarks.offload_replay import deepseek_trace, replayed_requests
     from moepager.config import EngineConfig, StoreConfig
     from moepager.runtime.llm import LLM
     from moepager.runtime.replay import ReplaySpec
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from offload_replay import deepseek_trace, replayed_requests
 
     model = ensure_model("deepseek-v2-lite-L9", "deepseek-v2-lite", 9)
     trace = deepseek_trace(8)
