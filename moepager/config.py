@@ -104,6 +104,9 @@ class StoreConfig:
     prefetch_threads: int = 1
     """Threads reading prefetched experts (the transfer engine's prefetch lane; used with a predictor). More read
     ahead sooner, and spend more of the link on wrong forecasts: see README, "a wider prefetch lane"."""
+    prefetch_policy: str = "expertflow"
+    """What becomes of prefetched experts (policies/prefetch.py PREFETCH_POLICIES; checked when the engine is built):
+    expertflow corrects them when their layer routes (ExpertFlow's real-time correction); plain lets them be."""
     prefetch_yields: bool = True
     """A prefetch gives way to demand loads between the chunks of its read too, not only before it starts, and its
     layer's routing promotes or abandons it while it runs (store/transfer.py). Off: once started, it runs to the

@@ -22,6 +22,7 @@ from moepager.config import (
 )
 from moepager.errors import MoepagerError
 from moepager.policies import ENGINE_POLICIES
+from moepager.policies.prefetch import PREFETCH_POLICIES
 from moepager.predictors import ONLINE, PREDICTORS
 from moepager.runtime.llm import LLM
 from moepager.runtime.replay import ReplaySpec, check_record_path, load_replay
@@ -171,6 +172,9 @@ def add_prefetch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefetch-no-yield", action="store_true",
                    help="a prefetch that started reads to its end beside demand loads (default: it gives way to them "
                         "between the chunks of its read, and its layer's routing promotes or abandons it)")
+    g.add_argument("--prefetch-policy", choices=list(PREFETCH_POLICIES),
+                   help="what becomes of prefetches (default expertflow: its layer's routing cancels, promotes or "
+                        "marks each stale; plain: every prefetch runs to its end and stays an ordinary resident)")
     g.add_argument("--learn-maps", action="store_true", help="expert-map: add each iteration's map to the store")
 
 
@@ -219,7 +223,8 @@ def store_config(args: argparse.Namespace) -> StoreConfig:
     given = {name: value for name, value in (("policy", args.policy), ("scope", args.cache_scope),
                                              ("io_threads", args.io_threads), ("direct_io", args.direct_io),
                                              ("prefetch_threads", args.prefetch_threads),
-                                             ("prefetch_yields", False if args.prefetch_no_yield else None))
+                                             ("prefetch_yields", False if args.prefetch_no_yield else None),
+                                             ("prefetch_policy", args.prefetch_policy))
              if value is not None}  # the rest keep StoreConfig's defaults
     return StoreConfig(expert_memory=args.expert_memory, host_memory=args.host_memory, warm=not args.cold, **given)
 
@@ -247,7 +252,7 @@ def refuse_ignored_engine_options(args: argparse.Namespace) -> None:
          {"--predictor-file": args.predictor_file, "--prefetch-distance": args.prefetch_distance,
           "--prefetch-k": args.prefetch_k, "--prefetch-inflight": args.prefetch_inflight,
           "--prefetch-threads": args.prefetch_threads, "--prefetch-min-p": args.prefetch_min_p,
-          "--prefetch-no-yield": args.prefetch_no_yield,
+          "--prefetch-no-yield": args.prefetch_no_yield, "--prefetch-policy": args.prefetch_policy,
           "--learn-maps": args.learn_maps}),
     ]
     for missing, what, options in needs:

@@ -109,11 +109,14 @@ class Ranked:
     simulator drives a policy beyond ranking (offline, preloaded, misses run elsewhere) is the simulator's
     (trace/simulate.py DRIVES). `predict` makes every Ranked a ForecastConsumer; `uses_predictions` says
     whether `priority` reads `stats.prob` (only then is one handed to the prefetcher), `uses_crf` whether it reads
-    `stats.crf` (only then does `on_access` keep it: ~1 us a key).
+    `stats.crf` (only then does `on_access` keep it: ~1 us a key), `ranks_next_use` whether it wants next-token
+    forecasts too. These are declared here, read where the run is built (runtime/builder.py), never probed.
     """
 
     uses_predictions = False
     uses_crf = False
+    ranks_next_use = False
+    """The prefetcher also hands it, once a layer has routed, that layer's forecast for the next token (PLEC)."""
 
     def __init__(self) -> None:
         self._index: dict[ExpertKey, int] = {}

@@ -20,7 +20,6 @@ from moepager.policies.base import AccessStats, Ranked, recency_tiebreak
 class PLEC(Ranked):
     uses_predictions = True
     ranks_next_use = True
-    """The prefetcher also hands it, once a layer has routed, that layer's forecast for the next token."""
 
     def priority(self, stats: AccessStats, step: int) -> np.ndarray:
         return recency_tiebreak(np.nan_to_num(stats.prob), stats.last, step)

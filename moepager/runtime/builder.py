@@ -32,6 +32,7 @@ from moepager.experts.executor import ExpertExecutor, PagedExecutor
 from moepager.experts.protocols import FlatReader
 from moepager.models.config import ModelConfig
 from moepager.policies import UnknownPolicyError, make_policy
+from moepager.policies.prefetch import PREFETCH_POLICIES, make_prefetch_policy
 from moepager.predictors import PREDICTORS
 from moepager.runtime.prefetch import Prefetcher, build_prefetcher
 from moepager.store.budget import check_slots, format_bytes
@@ -87,12 +88,14 @@ def stream_rows(slots: int, num_routed: int) -> int:
 
 
 def _tier(slots: int, cfg: ModelConfig, reader: FlatReader, device: torch.device, config: StoreConfig,
-          pin: bool, what: str, streams: int = 0, scope: Scope | None = None) -> Tier:
+          pin: bool, what: str, streams: int = 0, scope: Scope | None = None, prefetch_aware: bool = False) -> Tier:
     """`slots` rows of buffers: the last `streams` of them stream rows, the rest the cache."""
     shape = reader.shape
     _check_fits(slots * shape.nbytes, device, what)
     arena = torch.empty(slots, shape.numel, dtype=shape.buffer_dtype, device=device, pin_memory=pin)
-    table = SlotTable(slots - streams, cfg.moe_layers, make_policy(config.policy, engine=True),
+    policy = make_policy(config.policy, engine=True)
+    table = SlotTable(slots - streams, cfg.moe_layers,  # the device tier: prefetches share its cache
+                      make_prefetch_policy(config.prefetch_policy, policy) if prefetch_aware else policy,
                       scope or config.scope, streams)
     return Tier(table, arena)
 
@@ -111,7 +114,7 @@ def build_store(config: StoreConfig, reader: FlatReader, cfg: ModelConfig, devic
                      f"--host-memory {config.host_memory or 'all'} ({host_slots} experts)", scope="global")
     tier = _tier(device_slots, cfg, reader, device, config, False,
                  f"--expert-memory {config.expert_memory or 'all'} ({device_slots} experts)",
-                 stream_rows(device_slots, cfg.num_moe_layers * cfg.num_experts))
+                 stream_rows(device_slots, cfg.num_moe_layers * cfg.num_experts), prefetch_aware=True)
     transfers = Transfers(device, config.io_threads, config.prefetch_threads, config.prefetch_yields)
     store = ExpertStore(tier, host, reader.read, transfers, buffers)
     if config.warm:
@@ -143,6 +146,9 @@ def check_names(config: EngineConfig) -> None:
         make_policy(config.store.policy, engine=True)
     except UnknownPolicyError as e:
         raise ConfigError(str(e)) from None
+    if config.store.prefetch_policy not in PREFETCH_POLICIES:
+        raise ConfigError(f"unknown prefetch policy '{config.store.prefetch_policy}'; choose from "
+                          f"{', '.join(PREFETCH_POLICIES)}")
     name = config.prefetch.predictor
     if name is not None and name not in PREDICTORS:
         raise ConfigError(f"unknown predictor '{name}'; choose from {', '.join(PREDICTORS)}")
@@ -173,7 +179,9 @@ def build(config: EngineConfig, path: Path, show_progress: bool) -> Built:
     store = executor.store if isinstance(executor, PagedExecutor) else None
     prefetcher = None
     if config.prefetch.predictor is not None and store is not None:
-        prefetcher = build_prefetcher(config.prefetch, loaded.model, store)
+        inner = store.order.inner  # the device tier's eviction policy, which may rank by forecasts (fMoE, PLEC)
+        prefetcher = build_prefetcher(config.prefetch, loaded.model, store, inner if inner.uses_predictions else None,
+                                      inner.ranks_next_use)
         loaded.model.observe_routing(prefetcher)
     return Built(loaded, store, prefetcher)
 

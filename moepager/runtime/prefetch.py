@@ -29,6 +29,7 @@ import torch
 from moepager.config import PrefetchConfig
 from moepager.models.layers import CausalLM, MoEBlock
 from moepager.policies.base import ForecastConsumer
+from moepager.policies.prefetch import PrefetchAware
 from moepager.predictors import (
     PREDICTORS,
     Forecast,
@@ -78,9 +79,13 @@ class PrefetchPlan:
     """A selected expert is prefetched only when its forecast probability is at least this."""
 
 
+Priority = Callable[[float, int], float]
+"""(probability mass, MoE layers until needed) -> a queued prefetch's rank."""
+
 class Prefetcher:
     def __init__(self, predictor: Predictor, store: ExpertStore, moe_layers: Sequence[int], plan: PrefetchPlan,
-                 embed: SemanticEmbed | None = None, forecasts: ForecastConsumer | None = None):
+                 embed: SemanticEmbed | None = None, forecasts: ForecastConsumer | None = None, next_use: bool = False,
+                 stateful: bool = False, priority: Priority = PrefetchAware.priority):
         self.predictor, self.store, self.plan = predictor, store, plan
         self.moe_layers = list(moe_layers)
         self.position = {layer: i for i, layer in enumerate(moe_layers)}
@@ -93,10 +98,13 @@ class Prefetcher:
         """None when the predictor uses no semantic embedding."""
         self.forecasts = forecasts
         """Sees every target layer's mean forecast (an eviction policy that ranks by them: fMoE, PLEC)."""
-        self.next_use = forecasts is not None and getattr(forecasts, "ranks_next_use", False)
+        self.next_use = forecasts is not None and next_use
         """The policy also wants, once a layer has routed, the forecast of that layer at the next token (PLEC)."""
-        self.stateful = getattr(predictor, "stateful", False)
+        self.stateful = stateful
         """The predictor keeps per-request state (the path predictor's): it is told the rows' requests."""
+        self.priority = priority
+        """A queued prefetch's rank from its probability mass and the MoE layers until it is needed (the store's
+        prefetch policy's)."""
         self._staged: tuple[Forecast | None, Forecast | None] = (None, None)
         """A predictor on the device: the forecasts `stage` made (next-token use, prefetch target), read in `routed`."""
         self.pending: dict[tuple[int, int], dict[int, float]] = {}
@@ -226,13 +234,15 @@ class Prefetcher:
                 continue
             layer = self.moe_layers[j]
             for e, mass in sorted(entry.items(), key=itemgetter(1), reverse=True)[: self.quota[j]]:  # stable
-                ranked.append((mass / until, layer, e))
+                ranked.append((self.priority(mass, until), layer, e))
         ranked.sort(key=itemgetter(0), reverse=True)
         self.store.prefetch_ranked(list(map(itemgetter(1, 2), ranked)), room)
 
 
-def build_prefetcher(config: PrefetchConfig, model: CausalLM, store: ExpertStore) -> Prefetcher:
-    """The configured predictor, wired to the model's routers and embedding layer and to the store."""
+def build_prefetcher(config: PrefetchConfig, model: CausalLM, store: ExpertStore,
+                     forecasts: ForecastConsumer | None = None, next_use: bool = False) -> Prefetcher:
+    """The configured predictor, wired to the model's routers and embedding layer, to the store (and its prefetch
+    policy's ranking), and to `forecasts`, the eviction policy that ranks by forecasts (fMoE, PLEC) if any."""
     assert config.predictor is not None
     cfg = model.config
     blocks = model.moe_blocks()
@@ -250,7 +260,8 @@ def build_prefetcher(config: PrefetchConfig, model: CausalLM, store: ExpertStore
     per_row = config.per_row if config.per_row is not None else spec.default_per_row or cfg.top_k
     min_p = config.min_p if config.min_p is not None else spec.default_min_p
     plan = PrefetchPlan(distance, per_row, config.max_inflight or 2 * cfg.top_k, min_p)
-    return Prefetcher(predictor, store, [b.layer for b in blocks], plan, embed, store.forecast_consumer())
+    return Prefetcher(predictor, store, [b.layer for b in blocks], plan, embed, forecasts, next_use, spec.stateful,
+                      store.order.priority)
 
 
 def router_scores(model: CausalLM) -> list[Callable[[torch.Tensor], torch.Tensor]]:

@@ -11,8 +11,9 @@ The table owns the invariants; the policy only ranks the candidates it is offere
   for all slots.
 - stream rows (`stream_rows`, after the `capacity` cached slots in the arena) are buffers an expert passes
   through without being cached: the table tracks their pins and transfers, never offers them to a claim.
-- which candidate goes is the policy's alone (the store wraps it in policies/prefetch_aware.py, which puts
-  wrongly prefetched experts first and not-yet-used prefetches last); `on_evict` hears of every eviction.
+- which candidate goes is the policy's alone (on the device tier the builder wraps it in the prefetch policy,
+  policies/prefetch.py, which puts wrongly prefetched experts first and not-yet-used prefetches last); `on_evict`
+  hears of every eviction.
 """
 
 from __future__ import annotations

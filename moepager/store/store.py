@@ -17,13 +17,12 @@ slot stays pinned until `release`, so an expert in use is never evicted, and a s
 is never reused, so no load is issued twice.
 
 Prefetch (`prefetch`, fed by runtime/prefetch.py): loads issued ahead go to the transfer engine's prefetch
-lane and are tracked as `ahead` by the eviction order (policies/prefetch_aware.py, wrapped around the device
-tier's policy) until their layer routes. Prefetches never evict each other, nor a resident expert the forecast
-that asked for them names. When a layer's real routing arrives, `settle` judges that layer's prefetches
-(ExpertFlow's real-time correction): a needed one still queued is cancelled and loaded on demand at once
-instead, and a needed one loading is promoted (it stops giving way to demand loads: store/transfer.py); an unneeded
-one still queued, or waiting on the lane to start, is cancelled (abandoned); an unneeded one already loading or
-loaded is wasted and marked stale, so it is evicted before any expert that was actually used. Prefetched experts
+lane and are tracked as `ahead` by the device tier's prefetch policy (policies/prefetch.py, composed around its
+eviction policy by runtime/builder.py) until their layer routes. Prefetches never evict each other, nor (when the
+policy protects the forecast) a resident expert the forecast that asked for them names. When a layer's real routing
+arrives, `settle` carries out the policy's verdict on each of that layer's prefetches: cancel one still queued,
+abandon one waiting on the lane to start, promote one loading (it stops giving way to demand loads:
+store/transfer.py), mark one stale (evicted before any expert that was used) or release it. Prefetched experts
 occupy the same slots, so they count against the same budget.
 """
 
@@ -37,8 +36,7 @@ from typing import Protocol
 
 import torch
 
-from moepager.policies.base import ForecastConsumer
-from moepager.policies.prefetch_aware import PrefetchAware
+from moepager.policies.prefetch import PrefetchAware
 from moepager.store.slots import SlotTable, settled
 from moepager.store.stats import PhaseCounters, StoreCounters
 from moepager.store.transfer import Transfers, completed
@@ -91,10 +89,11 @@ class ExpertStore:
     def __init__(self, device: Tier, host: Tier | None, read: ReadExpert, transfers: Transfers,
                  read_buffer_bytes: int = 0):
         self.device, self.host = device, host
-        policy = device.table.policy
-        self.order = policy if isinstance(policy, PrefetchAware) else PrefetchAware(policy)
-        """The device tier's eviction order: its policy, with prefetched experts ranked as ExpertFlow corrects."""
-        device.table.policy = self.order
+        if not isinstance(device.table.policy, PrefetchAware):
+            raise TypeError("the device tier's policy must be a prefetch policy over its eviction policy "
+                            "(policies/prefetch.py make_prefetch_policy)")
+        self.order: PrefetchAware = device.table.policy
+        """The device tier's prefetch policy: its eviction order with prefetched experts, and their verdicts."""
         device.table.on_evict = self._evicted
         self.read_buffer_bytes = read_buffer_bytes
         """Bytes the reading threads take for bounce/conversion buffers (inside the budget of the tier they fill)."""
@@ -411,11 +410,11 @@ class ExpertStore:
         protects the forecast: evicting it for a prefetch would turn a coming hit into a miss). Experts resident
         or loading are skipped, and so are those that find no slot. Returns loads issued."""
         table, keys, slots, full = self.device.table, [], [], set()
-        named, keep, slot_of = [], set(self.order.ahead), table.slot_of
+        named, keep, slot_of, protect = [], set(self.order.ahead), table.slot_of, self.order.protects_forecast
         for layer, e in wanted:  # a loop, not a comprehension: this runs after every layer a predictor observes
             key = ExpertKey(layer, e)
             named.append(key)
-            if key in slot_of:
+            if protect and key in slot_of:
                 keep.add(key)
         queue = iter(named)
         while len(keys) < limit:  # rounds: the next keys up to the limit, claimed one layer at a time
@@ -457,22 +456,32 @@ class ExpertStore:
         return count
 
     def settle(self, layer: int, experts: Sequence[int]) -> None:
-        """`layer` routed to `experts`: judge the prefetches made for it (see the module note)."""
-        table, counters, needed = self.device.table, self.counters.current, set(experts)
-        for key, slot in list(self.order.ahead.items()):  # a loop over a copy: judged keys leave `ahead`
+        """`layer` routed to `experts`: carry out the prefetch policy's verdict on each prefetch made for it, the
+        first of its actions that applies (see the module note)."""
+        table, counters, needed, order = self.device.table, self.counters.current, set(experts), self.order
+        for key, slot in list(order.ahead.items()):  # a loop over a copy: judged keys leave `ahead`
             if key.layer != layer:
                 continue
             ticket = table.ticket[slot]
-            loading = ticket is not None and not ticket.done()  # (a landed one needs neither step)
-            if loading and (ticket.cancel() or (key.expert not in needed and self.transfers.abandon(ticket))):
-                self._forget(slot)  # queued, or waiting to start and not needed: it never reads a byte
-                self._forget_cancelled_host_read(ticket)
-                counters.prefetch_cancelled += 1
-            elif key.expert not in needed:
-                self.order.unneeded(key)
-                counters.prefetch_wasted += 1
-            elif loading:
-                self.transfers.promote(ticket)  # needed and loading: it stops giving way to the layer's demand loads
+            loading = ticket is not None and not ticket.done()
+            for action in order.settle_actions(key.expert in needed, loading):
+                if action == "cancel" or action == "abandon":
+                    assert ticket is not None
+                    if not (ticket.cancel() if action == "cancel" else self.transfers.abandon(ticket)):
+                        continue  # the read started (or its lane took it): the next action applies
+                    self._forget(slot)  # it never reads a byte
+                    self._forget_cancelled_host_read(ticket)
+                    counters.prefetch_cancelled += 1
+                elif action == "promote":
+                    assert ticket is not None
+                    self.transfers.promote(ticket)  # it stops giving way to the layer's demand loads
+                elif action == "stale":
+                    order.unneeded(key)
+                    counters.prefetch_wasted += 1
+                else:
+                    order.release(key)
+                    counters.prefetch_wasted += 1
+                break
 
     def _forget(self, slot: int) -> None:
         """A device slot whose load failed or was cancelled holds nothing."""
@@ -484,11 +493,6 @@ class ExpertStore:
     def quota(self, layer: int) -> int:
         """`layer`'s even share of the device slots (a layer's cache in layer scope)."""
         return self.device.table.quota[layer]
-
-    def forecast_consumer(self) -> ForecastConsumer | None:
-        """The device tier's policy when it ranks by forecasts (fMoE), for the prefetcher to feed."""
-        inner = self.order.inner
-        return inner if getattr(inner, "uses_predictions", False) else None  # type: ignore[return-value]
 
     def _forget_cancelled_host_read(self, ticket: Ticket) -> None:
         """A cancelled prefetch through the host tier never read its expert: the host slot claimed for it holds

@@ -159,6 +159,7 @@ def test_a_paged_prefill_computes_landed_experts_while_others_still_load():
 
     from moepager.experts.executor import PagedExecutor
     from moepager.policies.lru import LRU
+    from moepager.policies.prefetch import PrefetchAware
     from moepager.store.slots import SlotTable
     from moepager.store.store import ExpertStore, Tier
     from moepager.store.transfer import Transfers
@@ -176,7 +177,8 @@ def test_a_paged_prefill_computes_landed_experts_while_others_still_load():
         out.copy_(arena[key.expert])
         return out.numel() * out.element_size()
 
-    store = ExpertStore(Tier(SlotTable(6, [0], LRU(), "layer"), torch.zeros(6, shape.numel)), None, read,
+    table = SlotTable(6, [0], PrefetchAware(LRU()), "layer")
+    store = ExpertStore(Tier(table, torch.zeros(6, shape.numel)), None, read,
                         Transfers(CPU, io_threads=2))
     executor = PagedExecutor(store, shape, "grouped")
     calls: list[list[int]] = []

@@ -11,7 +11,7 @@ import torch
 
 from moepager.errors import CheckpointError
 from moepager.policies.lru import LRU
-from moepager.policies.prefetch_aware import PrefetchAware
+from moepager.policies.prefetch import PrefetchAware
 from moepager.store.slots import SlotTable
 from moepager.types import ExpertKey
 from tests.store.test_store import FakeReader, consume, make_store, value

@@ -9,6 +9,7 @@ import torch
 
 from moepager.errors import CheckpointError
 from moepager.policies.lru import LRU
+from moepager.policies.prefetch import make_prefetch_policy
 from moepager.store.slots import SlotTable
 from moepager.store.store import ExpertStore, Tier
 from moepager.store.transfer import Transfers
@@ -42,15 +43,16 @@ def value(key: ExpertKey) -> float:
 
 
 def make_store(capacity, layers=(0, 1), scope="layer", host=None, reader=None, io_threads=2, streams=2,
-               ahead_threads=1):
+               ahead_threads=1, prefetch="expertflow"):
     """A store of `capacity` cached slots and `streams` stream rows (over a host tier of `host` slots, one cache
     for all layers as the engine builds it)."""
     reader = reader or FakeReader()
 
-    def tier(n, scope, streams=0):
-        return Tier(SlotTable(n, list(layers), LRU(), scope, streams), torch.zeros(n + streams, NUMEL))
+    def tier(n, scope, streams=0, policy=None):
+        return Tier(SlotTable(n, list(layers), policy or LRU(), scope, streams), torch.zeros(n + streams, NUMEL))
 
-    store = ExpertStore(tier(capacity, scope, streams), tier(host, "global") if host else None, reader,
+    device = tier(capacity, scope, streams, make_prefetch_policy(prefetch, LRU()))  # as the builder composes it
+    store = ExpertStore(device, tier(host, "global") if host else None, reader,
                         Transfers(torch.device("cpu"), io_threads, ahead_threads))
     return store, reader
 
