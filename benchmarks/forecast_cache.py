@@ -28,11 +28,10 @@ import time
 from pathlib import Path
 
 from benchmarks.common import RESULTS, SHARED, converted, demo_documents, machine_state, record_demo_trace, write_json
+from moepager.trace.fit import FITTERS, ExpertMapFit, HeadFit, PathFit, TransitionFit
 from moepager.trace.format import TraceReader
 from moepager.trace.predict import (
-    FITTERS,
     PASS,
-    FitOptions,
     distance_label,
     evaluate,
     replay_forecasts,
@@ -75,13 +74,13 @@ def predictors(name: str, fit: Path, test: Path, train: list[int], tested: list[
         h = tr.header
         k = h.top_k
         ks = sorted({4, k})
-        variants = [("transition (co-occurrence + back-off)", "transition", FitOptions(distances=(1, 2, 3, 4, 5))),
-                    ("transition, 3 sources", "transition", FitOptions(distances=(1, 2, 3, 4, 5), sources=3)),
-                    ("expert-map (fMoE: the best map)", "expert-map", FitOptions()),
+        variants = [("transition (co-occurrence + back-off)", "transition", TransitionFit(distances=(1, 2, 3, 4, 5))),
+                    ("transition, 3 sources", "transition", TransitionFit(distances=(1, 2, 3, 4, 5), sources=3)),
+                    ("expert-map (fMoE: the best map)", "expert-map", ExpertMapFit()),
                     ("expert-map, 16 neighbours, trajectory only", "expert-map",
-                     FitOptions(neighbours=16, trajectory_only=True)),
-                    ("head", "head", FitOptions(distances=(1, 2, 3, h.num_layers))),
-                    (f"path ({shape})", "path", FitOptions(path_shape=shape))]
+                     ExpertMapFit(neighbours=16, trajectory_only=True)),
+                    ("head", "head", HeadFit(distances=(1, 2, 3, h.num_layers))),
+                    (f"path ({shape})", "path", PathFit(shape=shape))]
         for label, kind, options in variants:
             t0 = time.perf_counter()
             try:

@@ -37,8 +37,8 @@ from moepager.predictors import PREDICTORS
 from moepager.predictors.head import DEFAULT_HIDDEN
 from moepager.runtime.llm import LLM
 from moepager.runtime.replay import ReplaySpec
+from moepager.trace.fit import FITTERS
 from moepager.trace.format import TraceReader, TraceWriter
-from moepager.trace.predict import FITTERS, FitOptions
 from moepager.trace.report import step_seconds, summary
 from moepager.trace.simulate import SimSpec, simulate
 from moepager.trace.workload import Cut, load_workload
@@ -246,8 +246,8 @@ def fitted_predictors(trace: Path, fit: list[int], wanted: set[tuple[str, HeadFi
                 continue
             print(f"fitting {name}{tag} on {len(fit)} requests of {trace.name}")
             # the head also forecasts each layer at the next token (distance L: PLEC's next use)
-            options = FitOptions(distances=(1, 2, 3, reader.header.num_layers), tokens=fit_as != "plain",
-                                 head_hidden=HEAD_FITS[fit_as])
+            options = FITTERS[name].applicable(distances=(1, 2, 3, reader.header.num_layers),
+                                               tokens=fit_as != "plain", hidden=HEAD_FITS[fit_as])
             fitted = FITTERS[name].fit(reader, fit, options, lambda advance: None)
             fitted.save(path)
     return files

@@ -32,10 +32,9 @@ from moepager.checkpoints.build import load_model
 from moepager.checkpoints.default import default_model_path
 from moepager.predictors import make_predictor
 from moepager.runtime.prefetch import router_scores
+from moepager.trace.fit import FITTERS
 from moepager.trace.format import TraceReader
 from moepager.trace.predict import (
-    FITTERS,
-    FitOptions,
     PredictEval,
     evaluate,
     format_eval,
@@ -62,10 +61,10 @@ def public_trace(name: str, path: Path, quick: bool) -> list[dict]:
         if quick:
             train, test = train[:300], test[:100]
         print(f"{name}: fit on {len(train)} requests, evaluate on {len(test)}")
-        options = FitOptions(distances=tuple(DISTANCES), max_iterations=5000 if quick else 20_000)
         fitted = []
         for kind in ("transition", "expert-map"):
             t0 = time.perf_counter()
+            options = FITTERS[kind].applicable(distances=tuple(DISTANCES), max_iterations=5000 if quick else 20_000)
             fitted.append((FITTERS[kind].fit(reader, train, options, lambda advance: None), time.perf_counter() - t0))
         results = []
         for predictor, fit_s in fitted:
@@ -89,9 +88,10 @@ def demo(quick: bool) -> list[dict]:
         h = valid.header
         k, everything = h.top_k, list(range(len(train)))
         fitted = []
-        options = FitOptions(distances=tuple(DISTANCES + [h.num_layers]), epochs=300)
         for name, fitter in FITTERS.items():
             t0 = time.perf_counter()
+            options = fitter.applicable(distances=tuple(DISTANCES + [h.num_layers]),
+                                        epochs=300 if name == "token-wise" else None)
             fitted.append((fitter.fit(train, everything, options, lambda advance: None), time.perf_counter() - t0))
             print(f"fitted {name} on {len(everything)} training documents in {fitted[-1][1]:.1f} s")
         routers = router_scores(load_model(default_model_path(), show_progress=False).model)

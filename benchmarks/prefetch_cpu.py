@@ -35,8 +35,8 @@ from benchmarks.common import (
 from moepager.config import PrefetchConfig, StoreConfig
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
+from moepager.trace.fit import FITTERS
 from moepager.trace.format import TraceReader
-from moepager.trace.predict import FITTERS, FitOptions
 
 PREDICTORS = [None, "gate-lookahead", *FITTERS]
 """No prefetch, gate lookahead (it reads the model's routers) and every fitted predictor."""
@@ -64,7 +64,8 @@ def fitted_files(name: str) -> dict[str, Path]:
         everything = list(range(len(reader)))
         for kind, fitter in FITTERS.items():
             if not files[kind].exists():
-                fitter.fit(reader, everything, FitOptions(epochs=300), lambda advance: None).save(files[kind])
+                options = fitter.applicable(epochs=300 if kind == "token-wise" else None)
+                fitter.fit(reader, everything, options, lambda advance: None).save(files[kind])
     return files
 
 

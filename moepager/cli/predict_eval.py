@@ -13,11 +13,10 @@ from moepager.atomic_io import atomic_file, check_file
 from moepager.cli.predictor import parse_ints
 from moepager.predictors import PREDICTORS, Predictor, PredictorError, make_predictor
 from moepager.predictors.head import DEFAULT_HIDDEN
+from moepager.trace.fit import FITTERS
 from moepager.trace.format import TraceReader
 from moepager.trace.predict import (
-    FITTERS,
     PASS,
-    FitOptions,
     PredictEval,
     distance_label,
     evaluate,
@@ -55,8 +54,8 @@ def build(name: str, reader: TraceReader, train: list[int], distances: list[int]
     h = reader.header
     fitter = FITTERS.get(name)
     if fitter is not None:
-        options = FitOptions(distances=tuple(d for d in distances if d != PASS) or (1,), prompt=prompt,
-                             head_hidden=head_hidden, tokens=tokens)
+        options = fitter.applicable(distances=tuple(d for d in distances if d != PASS) or (1,), prompt=prompt,
+                                    hidden=head_hidden, tokens=tokens)
         with tqdm(total=fitter.total(train, options), desc=f"fitting {name}", unit=fitter.unit, leave=False) as bar:
             return fitter.fit(reader, train, options, bar.update)
     assert model is not None  # checked up front (check_needs)

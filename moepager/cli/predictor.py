@@ -11,8 +11,8 @@ from moepager.atomic_io import atomic_file, check_file
 from moepager.predictors import FITTED, PredictorError
 from moepager.predictors.head import DEFAULT_HIDDEN
 from moepager.predictors.path import SHAPES
+from moepager.trace.fit import FITTERS
 from moepager.trace.format import TraceReader
-from moepager.trace.predict import FITTERS, FitOptions
 
 HELP = "fit a routing predictor (transition tables, fMoE expert maps, SMoE token-wise) on a trace"
 
@@ -44,30 +44,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--out", required=True, help="predictor file to write")
     f.add_argument("--distances", help="transition, head: prefetch distances to fit (default 1,2,3; the head also L, "
                                         "the trace's MoE layers: the next token's forecast PLEC evicts by)")
-    f.add_argument("--capacity", type=int, default=1000, help="expert-map: maps kept (default 1000)")
-    f.add_argument("--max-iterations", type=int, default=20_000,
+    f.add_argument("--capacity", type=int, help="expert-map: maps kept (default 1000)")
+    f.add_argument("--max-iterations", type=int,
                    help="expert-map: iterations sampled from the trace for the store (default 20000)")
-    f.add_argument("--distance", type=int, default=3, help="expert-map: prefetch distance (redundancy weights)")
-    f.add_argument("--neighbours", type=int, default=1,
+    f.add_argument("--distance", type=int, help="expert-map: prefetch distance (redundancy weights)")
+    f.add_argument("--neighbours", type=int,
                    help="expert-map: average the best N matching maps (default 1: fMoE's single best)")
     f.add_argument("--trajectory-only", action="store_true",
                    help="expert-map: match by routing trajectory only (no semantic embedding)")
-    f.add_argument("--epochs", type=int, default=200, help="token-wise: full-batch Adam epochs (default 200)")
-    f.add_argument("--sources", type=int, default=1,
+    f.add_argument("--epochs", type=int, help="token-wise: full-batch Adam epochs (default 200)")
+    f.add_argument("--sources", type=int,
                    help="transition: observed layers combined per forecast (default 1: co-occurrence with back-off)")
-    f.add_argument("--alpha", type=float, default=8.0,
+    f.add_argument("--alpha", type=float,
                    help="transition: back-off mass towards the target layer's frequencies (default 8)")
     f.add_argument("--no-tokens", action="store_true",
                    help="head: leave the token out (when the engine will not see the trace's tokens: a model with "
                         "another tokenizer; a replay hands predictors the trace's own)")
-    f.add_argument("--head-epochs", type=int, default=4, help="head: passes over the trace (default 4)")
-    f.add_argument("--head-hidden", type=int, default=DEFAULT_HIDDEN, metavar="H",
+    f.add_argument("--head-epochs", type=int, help="head: passes over the trace (default 4)")
+    f.add_argument("--head-hidden", type=int, metavar="H",
                    help=f"head: add an MLP with H hidden units per layer to the linear head (default {DEFAULT_HIDDEN}, "
                         "which forecast DeepSeek-V2-Lite's routing best, README; 0: the linear head alone, ~3.6x "
                         "faster to fit)")
-    f.add_argument("--path-epochs", type=int, default=20, help="path: passes over the trace (default 20)")
-    f.add_argument("--seed", type=int, default=0, help="head, path: training seed")
-    f.add_argument("--shape", choices=sorted(SHAPES), default="small",
+    f.add_argument("--path-epochs", type=int, help="path: passes over the trace (default 20)")
+    f.add_argument("--seed", type=int, help="head, path: training seed")
+    f.add_argument("--shape", choices=sorted(SHAPES),
                    help="path: small (2 causal layers, d_model 64), paper (ExpertFlow's d_model 32, d_ff 2048, 6 "
                         "causal layers) or t5 (the paper's 6 + 6 encoder-decoder: the encoder reads the prompt)")
     f.add_argument("--prompt", type=int, metavar="N",
@@ -83,6 +83,34 @@ def default_distances(kind: str, num_layers: int) -> tuple[int, ...]:
     return tuple(sorted({d for d in (1, 2, 3) if d <= num_layers} | {num_layers}))
 
 
+OPTIONS: dict[str, tuple[str, tuple[str, ...] | None]] = {
+    "distances": ("distances", None), "sources": ("sources", None), "alpha": ("alpha", None),
+    "capacity": ("capacity", None), "distance": ("distance", None), "max_iterations": ("max_iterations", None),
+    "neighbours": ("neighbours", None), "trajectory_only": ("trajectory_only", None),
+    "epochs": ("epochs", ("token-wise",)), "head_epochs": ("epochs", ("head",)), "path_epochs": ("epochs", ("path",)),
+    "head_hidden": ("hidden", None), "no_tokens": ("tokens", None), "seed": ("seed", None), "shape": ("shape", None),
+    "prompt": ("prompt", None), "resume": ("resume", None),
+}
+"""`predictor fit` option (argparse dest) -> (the fit configuration's field, the kinds it applies to; None: every kind
+whose configuration has that field)."""
+
+
+def fit_config(kind: str, args: argparse.Namespace, distances: tuple[int, ...]) -> object:
+    """The kind's fit configuration from the options given; an option that does nothing for the kind is refused."""
+    fitter, given = FITTERS[kind], {}
+    for dest, (name, kinds) in OPTIONS.items():
+        value = getattr(args, dest)
+        if value is None or value is False:
+            continue
+        if (kinds is not None and kind not in kinds) or name not in fitter.config.__dataclass_fields__:
+            flag = "--" + dest.replace("_", "-")
+            raise PredictorError(f"{flag} does nothing for --kind {kind}")
+        given[name] = (not value) if dest == "no_tokens" else value
+    if "distances" in fitter.config.__dataclass_fields__:
+        given["distances"] = distances
+    return fitter.configure(kind, **given)
+
+
 def run(args: argparse.Namespace) -> int:
     out = check_file(args.out, "--out")
     with TraceReader(args.trace) as reader:
@@ -93,14 +121,7 @@ def run(args: argparse.Namespace) -> int:
         fitter = FITTERS[args.kind]
         distances = tuple(parse_ints(args.distances, "--distances")) if args.distances else default_distances(
             args.kind, reader.header.num_layers)
-        options = FitOptions(distances=distances, capacity=args.capacity,
-                             distance=args.distance, max_iterations=args.max_iterations, epochs=args.epochs,
-                             sources=args.sources, alpha=args.alpha, head_epochs=args.head_epochs,
-                             head_hidden=args.head_hidden,
-                             path_epochs=args.path_epochs, tokens=not args.no_tokens,
-                             neighbours=args.neighbours, trajectory_only=args.trajectory_only,
-                             seed=args.seed,
-                             path_shape=args.shape, resume=args.resume, prompt=args.prompt)
+        options = fit_config(args.kind, args, distances)
         with tqdm(total=fitter.total(everything, options), unit=fitter.unit, desc=args.kind) as bar:
             fitted = fitter.fit(reader, everything, options, bar.update)
     with atomic_file(out) as tmp:

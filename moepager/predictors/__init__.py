@@ -29,13 +29,13 @@ from moepager.predictors.base import (
     target_of,
     token_keys,
 )
-from moepager.predictors.expert_map import ExpertMapPredictor, ExpertMapStore
+from moepager.predictors.expert_map import ExpertMapFit, ExpertMapPredictor, ExpertMapStore
 from moepager.predictors.gate_lookahead import GateLookaheadPredictor, RouterScores
-from moepager.predictors.head import HeadPredictor
+from moepager.predictors.head import HeadFit, HeadPredictor
 from moepager.predictors.oracle import RecordedRouting, ReplayOracle
-from moepager.predictors.path import PathPredictor
-from moepager.predictors.token_wise import TokenWisePredictor
-from moepager.predictors.transition import TransitionPredictor
+from moepager.predictors.path import PathFit, PathPredictor
+from moepager.predictors.token_wise import TokenWiseFit, TokenWisePredictor
+from moepager.predictors.transition import TransitionFit, TransitionPredictor
 
 
 @dataclass(frozen=True)
@@ -56,12 +56,12 @@ class BuildContext:
 
 @dataclass(frozen=True)
 class PredictorSpec:
-    """A registered predictor: how to build it, and what it needs (the same shape as POLICIES and CONVERTERS).
-    Fitting from a trace is registered beside the trace reader (trace/predict.py FITTERS)."""
+    """A registered predictor: how to build it, how it is fitted, and what it needs (the same shape as POLICIES and
+    CONVERTERS). The fitting itself reads traces, so it lives beside the trace reader (trace/fit.py FITTERS)."""
 
     build: Callable[[BuildContext], Predictor]
-    fitted: bool
-    """Its learned state lives in a file written by `moepager predictor fit`."""
+    fit_config: type | None
+    """Its fit configuration (what `moepager predictor fit` takes for it); None: nothing to fit."""
     online: bool = False
     """It can learn while the engine runs (`--learn-maps`)."""
     default_distance: int | None = None
@@ -73,6 +73,9 @@ class PredictorSpec:
     needs_routers: bool = False
     replay_only: bool = False
     """It forecasts from the routing being replayed (`bind` to the replayer): only `LLM.replay` runs it."""
+    stateful: bool = False
+    """It keeps state per request (the path predictor's): the engine tells it the rows' requests (`begin_rows`) and
+    when a request ends (`end_request`)."""
 
 
 def _gate_lookahead(ctx: BuildContext) -> Predictor:
@@ -118,19 +121,19 @@ def _token_wise(ctx: BuildContext) -> Predictor:
 
 
 PREDICTORS: dict[str, PredictorSpec] = {
-    "transition": PredictorSpec(_transition, fitted=True, default_distance=1),
-    "expert-map": PredictorSpec(_expert_map, fitted=True, online=True, default_distance=3),
-    "gate-lookahead": PredictorSpec(_gate_lookahead, fitted=False, default_distance=1, needs_routers=True),
-    "token-wise": PredictorSpec(_token_wise, fitted=True),
+    "transition": PredictorSpec(_transition, TransitionFit, default_distance=1),
+    "expert-map": PredictorSpec(_expert_map, ExpertMapFit, online=True, default_distance=3),
+    "gate-lookahead": PredictorSpec(_gate_lookahead, None, default_distance=1, needs_routers=True),
+    "token-wise": PredictorSpec(_token_wise, TokenWiseFit),
     # one expert a row, those more likely than not: on replayed DeepSeek-V2-Lite routing at 25% the paired runs put
     # PLEC + the MLP head at 1.14x LRU over sixteen rounds (k2 1.13x; every expert of top-6 at floor 0.7 0.88-0.93x:
     # README)
-    "head": PredictorSpec(_head, fitted=True, default_distance=1, default_per_row=1, default_min_p=0.5),
-    "path": PredictorSpec(_path, fitted=True),
-    "replay-oracle": PredictorSpec(lambda ctx: ReplayOracle(ctx.num_experts), fitted=False, default_distance=1,
+    "head": PredictorSpec(_head, HeadFit, default_distance=1, default_per_row=1, default_min_p=0.5),
+    "path": PredictorSpec(_path, PathFit, stateful=True),
+    "replay-oracle": PredictorSpec(lambda ctx: ReplayOracle(ctx.num_experts), None, default_distance=1,
                                    replay_only=True),
 }
-FITTED = [name for name, spec in PREDICTORS.items() if spec.fitted]
+FITTED = [name for name, spec in PREDICTORS.items() if spec.fit_config is not None]
 """Predictors whose learned state lives in a file written by `moepager predictor fit`."""
 ONLINE = [name for name, spec in PREDICTORS.items() if spec.online]
 """Predictors that can learn while the engine runs (`--learn-maps`)."""

@@ -12,10 +12,10 @@ iteration" is row t+1). Protocol, per iteration:
    been observed so far; None when the predictor cannot forecast that target.
 A forecast made after observing layer i for layer j of this iteration is at distance j - i; for layer j of the
 next iteration at distance L - i + j. Predictors keep no state across iterations, so the same object serves
-the engine (rows = batch) and offline evaluation (rows = one request's tokens). The one exception declares
-`stateful = True` (the path predictor's per-request state): the engine then calls `begin_rows(requests,
-starts, counts, phases)` before each `start_iteration` and `end_request(request)` when a request finishes;
-offline evaluation does the same with a request's prompt and its generated tokens as two rows.
+the engine (rows = batch) and offline evaluation (rows = one request's tokens). The one exception is
+declared `stateful` in its registry entry (the path predictor's per-request state): the engine then calls
+`begin_rows(requests, starts, counts, phases)` before each `start_iteration` and `end_request(request)` when a
+request finishes; offline evaluation does the same with a request's prompt and its generated tokens as two rows.
 Shape legend: N rows, D hidden, E experts, K top-k, L MoE layers.
 """
 

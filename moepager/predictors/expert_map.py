@@ -29,6 +29,7 @@ Shape legend: N rows, C stored maps, L MoE layers, E experts, D embedding width.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -55,6 +56,24 @@ def prefix_means(vectors_TD: torch.Tensor) -> torch.Tensor:
     """Row t: the mean of rows 0..t (a request's semantic embedding after its t-th token)."""
     counts = torch.arange(1, len(vectors_TD) + 1, dtype=torch.float32)[:, None]
     return torch.cumsum(vectors_TD.float(), dim=0) / counts
+
+
+@dataclass(frozen=True)
+class ExpertMapFit:
+    """What `moepager predictor fit --kind ...` takes for this predictor (trace/fit.py fits it)."""
+
+    capacity: int = DEFAULT_CAPACITY
+    """Maps kept."""
+    distance: int = 3
+    """The prefetch distance its redundancy weights are for."""
+    max_iterations: int = 20_000
+    """Iterations sampled from the trace."""
+    neighbours: int = 1
+    """Best-matching maps averaged per forecast (1: fMoE's single best map)."""
+    trajectory_only: bool = False
+    """Match by routing trajectory only (no semantic embedding; traces without tokens)."""
+    seed: int = 0
+
 
 
 class ExpertMapStore:

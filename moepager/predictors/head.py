@@ -28,6 +28,7 @@ multi-hot columns, Y = E logits then the MLP's hidden units.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -70,6 +71,23 @@ def source_layers(target: int, distance: int, num_layers: int) -> tuple[list[int
         last += num_layers
     slots = [layer if layer >= 0 else -1 for layer in (last, last - 1, last - 2)]
     return slots + [target if ahead else -1], ahead
+
+
+@dataclass(frozen=True)
+class HeadFit:
+    """What `moepager predictor fit --kind ...` takes for this predictor (trace/fit.py fits it)."""
+
+    distances: tuple[int, ...] = (1, 2, 3)
+    """Prefetch distances to fit heads for (the pass head, distance 0, is fitted too when the trace has tokens)."""
+    epochs: int = 4
+    """Passes over the training tokens."""
+    hidden: int = DEFAULT_HIDDEN
+    """Width of the hidden layer of an MLP added to the linear head (0: the linear head alone)."""
+    tokens: bool = True
+    """Use the token as a feature (off where the engine will not see the trace's tokens: a model with another
+    tokenizer; a replay hands predictors the trace's own)."""
+    seed: int = 0
+
 
 
 class HeadModel(torch.nn.Module):

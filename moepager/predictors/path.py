@@ -41,6 +41,24 @@ from moepager.types import Phase
 
 
 @dataclass(frozen=True)
+class PathFit:
+    """What `moepager predictor fit --kind ...` takes for this predictor (trace/fit.py fits it)."""
+
+    epochs: int = 20
+    """Passes over the training requests."""
+    shape: str = "small"
+    """"small" (decoder-only, 2 layers), "paper" (ExpertFlow's widths, 6 causal layers) or "t5" (the paper's 6 + 6
+    encoder-decoder)."""
+    prompt: int | None = None
+    """(t5) each request's first N tokens are its prompt, the rest generated (as a replay with `--route-prompt N`
+    runs it); default: the recorded phases."""
+    resume: str | None = None
+    """A checkpoint written after every epoch, continued from when it exists."""
+    seed: int = 0
+
+
+
+@dataclass(frozen=True)
 class PathShape:
     layers: int = 6
     d_model: int = 32
@@ -183,8 +201,6 @@ class PathPredictor:
     semantic = None
     needs_scores = False
     hidden = None
-    stateful = True
-    """It keeps each request's state across passes (the engine tells it the rows' requests: `begin_rows`)."""
 
     def __init__(self, model: PathModel):
         self.model = model.eval()

@@ -13,12 +13,22 @@ Shape legend: N rows, D hidden, E experts, K top-k.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from moepager.predictors.base import Forecast, LayerObservation
+
+
+@dataclass(frozen=True)
+class TokenWiseFit:
+    """What `moepager predictor fit --kind ...` takes for this predictor (trace/fit.py fits it)."""
+
+    epochs: int = 200
+    """Full-batch Adam epochs."""
+
 
 
 class TokenWisePredictor:

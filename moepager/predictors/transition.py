@@ -17,11 +17,25 @@ Shape legend: N tokens, L MoE layers, K top-k, E experts.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from moepager.predictors.base import Forecast, LayerObservation, PredictorError, target_of
+
+
+@dataclass(frozen=True)
+class TransitionFit:
+    """What `moepager predictor fit --kind ...` takes for this predictor (trace/fit.py fits it)."""
+
+    distances: tuple[int, ...] = (1, 2, 3)
+    """Prefetch distances to fit tables for."""
+    sources: int = 1
+    """Observed layers combined per forecast (1: the co-occurrence-with-back-off baseline)."""
+    alpha: float = 8.0
+    """Back-off mass (counts) towards the target layer's frequencies."""
+
 
 
 class TransitionPredictor:

@@ -21,22 +21,16 @@ import numpy as np
 import torch
 
 from moepager.predictors import (
-    ExpertMapPredictor,
-    ExpertMapStore,
+    PREDICTORS,
     Forecast,
     LayerObservation,
     Predictor,
     PredictorError,
-    TokenWisePredictor,
-    TransitionPredictor,
-    head,
     k_hot,
-    path,
     target_of,
 )
 from moepager.predictors.base import token_keys
-from moepager.predictors.expert_map import DEFAULT_CAPACITY, HASH_DIM, hashed_tokens, prefix_means
-from moepager.predictors.token_wise import train_token_wise
+from moepager.predictors.expert_map import hashed_tokens, prefix_means
 from moepager.trace.format import PREFILL, TraceHeader, TraceReader, TraceRequest
 from moepager.trace.simulate import Forecasts
 
@@ -93,149 +87,6 @@ def semantic_rows(request: TraceRequest) -> torch.Tensor | None:
     return prefix_means(hashed_tokens(tokens)) if tokens else None
 
 
-# -- fitting ----------------------------------------------------------------------------------------------------
-def stacked(reader: TraceReader, train: Sequence[int]) -> tuple[list[TraceRequest], torch.Tensor, torch.Tensor]:
-    """The training requests, their ids_NLK one after another, and which request each row is (request_N)."""
-    requests = [reader.request(i) for i in train]
-    ids = torch.from_numpy(np.concatenate([r.ids_TLK for r in requests]).astype(np.int64))
-    request_N = torch.from_numpy(np.repeat(np.arange(len(requests)), [r.num_tokens for r in requests]))
-    return requests, ids, request_N
-
-
-def fit_transition(reader: TraceReader, train: Sequence[int], distances: Sequence[int], sources: int = 1,
-                   alpha: float = 8.0) -> TransitionPredictor:
-    """Tables for `distances` and, with several sources, the older layers' distances too (d + 1, d + 2, ...)."""
-    _, ids, request_N = stacked(reader, train)
-    num_layers = reader.header.num_layers
-    wanted = sorted({d + extra for d in distances for extra in range(sources) if d + extra <= num_layers})
-    fitted = TransitionPredictor.fit(ids, request_N, reader.header.num_experts, wanted)
-    fitted.alpha, fitted.sources = alpha, sources
-    return fitted
-
-
-def fit_expert_maps(reader: TraceReader, train: Sequence[int], capacity: int = DEFAULT_CAPACITY,
-                    distance: int = 3, max_iterations: int = 20_000, seed: int = 0,
-                    progress: Progress | None = None, neighbours: int = 1,
-                    trajectory_only: bool = False) -> ExpertMapStore:
-    """fMoE's offline store: iterations of the training requests (a seeded sample of at most
-    `max_iterations`) inserted with redundancy-based replacement. Requests without token ids or strings get a
-    zero semantic embedding (the semantic search then cannot forecast for them); `trajectory_only` stores none
-    (semantic kind "none")."""
-    h = reader.header
-    total = sum(reader.request(i).num_tokens for i in train) if len(train) else 0
-    keep = min(1.0, max_iterations / max(total, 1))
-    rng = np.random.default_rng(seed)
-    store = ExpertMapStore(h.num_layers, h.num_experts, "none" if trajectory_only else "hashed-tokens", capacity,
-                           distance, neighbours)
-    for i in train:
-        request = reader.request(i)
-        sem = None if trajectory_only else semantic_rows(request)
-        if sem is None:
-            sem = torch.zeros(request.num_tokens, HASH_DIM)
-        rows = np.flatnonzero(rng.random(request.num_tokens) < keep)
-        maps = torch.stack([o.probs_NE for o in observations(request, h)], 1)
-        store.add(sem[rows], maps[rows])
-        if progress is not None:
-            progress(1)
-    return store
-
-
-def fit_token_wise(reader: TraceReader, train: Sequence[int], epochs: int = 200,
-                   progress: Callable[[int, float], None] | None = None) -> TokenWisePredictor:
-    requests = [reader.request(i) for i in train]
-    if any(r.hidden_TLD is None for r in requests):
-        raise PredictorError(f"{reader.path} has no hidden states; record one with "
-                             "`moepager generate --record-trace PATH --record-hidden`")
-    x = torch.from_numpy(np.concatenate([r.hidden_TLD for r in requests]).astype(np.float32))
-    ids = torch.from_numpy(np.concatenate([r.ids_TLK for r in requests]).astype(np.int64))
-    lengths = [r.num_tokens for r in requests]
-    nxt = np.arange(1, sum(lengths) + 1)
-    nxt[np.cumsum(lengths) - 1] = -1
-    init = torch.zeros(reader.header.num_layers, reader.header.num_experts, x.shape[2])
-    return train_token_wise(x, ids, torch.from_numpy(nxt), init, epochs=epochs, progress=progress)
-
-
-@dataclass(frozen=True)
-class FitOptions:
-    """Options of the fitted predictors (each reads its own)."""
-
-    distances: tuple[int, ...] = (1, 2, 3)
-    """transition and head: the prefetch distances to fit for."""
-    sources: int = 1
-    """transition: observed layers combined per forecast (1: the co-occurrence-with-back-off baseline)."""
-    alpha: float = 8.0
-    """transition: back-off mass (counts) towards the target layer's frequencies."""
-    capacity: int = DEFAULT_CAPACITY
-    """expert-map: maps kept."""
-    distance: int = 3
-    """expert-map: the prefetch distance its redundancy weights are for."""
-    max_iterations: int = 20_000
-    """expert-map: iterations sampled from the trace."""
-    neighbours: int = 1
-    """expert-map: best-matching maps averaged per forecast (1: fMoE's single best map)."""
-    trajectory_only: bool = False
-    """expert-map: match by routing trajectory only (no semantic embedding; traces without tokens)."""
-    epochs: int = 200
-    """token-wise: full-batch Adam epochs."""
-    head_epochs: int = 4
-    """head: passes over the training tokens."""
-    head_hidden: int = head.DEFAULT_HIDDEN
-    """head: width of the hidden layer of an MLP added to the linear head (0: the linear head alone)."""
-    seed: int = 0
-    tokens: bool = True
-    """head: use the token as a feature (off where the engine will not see the trace's tokens: a model with another
-    tokenizer; a replay hands predictors the trace's own)."""
-    path_epochs: int = 20
-    """path: passes over the training requests."""
-    path_shape: str = "small"
-    """path: "small" (decoder-only, 2 layers), "paper" (ExpertFlow's widths, 6 causal layers) or "t5" (the
-    paper's 6 + 6 encoder-decoder)."""
-    prompt: int | None = None
-    """path (t5): each request's first N tokens are its prompt, the rest generated (as a replay with
-    `--route-prompt N` runs it); default: the recorded phases."""
-    resume: str | None = None
-    """path: a checkpoint written after every epoch, continued from when it exists."""
-
-
-@dataclass(frozen=True)
-class Fitter:
-    """How a fitted predictor (predictors.PREDICTORS with `fitted`) learns from a trace's requests."""
-
-    fit: Callable[[TraceReader, Sequence[int], FitOptions, Progress], Predictor]
-    """(reader, training requests, options, progress(advance)) -> the predictor."""
-    unit: str
-    """What the progress counts."""
-    total: Callable[[Sequence[int], FitOptions], int]
-
-
-def _fit_transition(reader: TraceReader, train: Sequence[int], o: FitOptions, progress: Progress) -> Predictor:
-    fitted = fit_transition(reader, train, o.distances, o.sources, o.alpha)
-    progress(1)
-    return fitted
-
-
-def fit_head(reader: TraceReader, train: Sequence[int], o: FitOptions, progress: Progress) -> Predictor:
-    """The learned head for every fitted distance and the pass (distance 0, when the trace has tokens)."""
-    requests, ids, request_N = stacked(reader, train)
-    tokens = [row_token_ids(r) for r in requests]
-    have_tokens = o.tokens and all(len(t) == r.num_tokens for t, r in zip(tokens, requests)) and len(requests) > 0
-    return head.fit_head(ids, request_N, reader.header.num_experts, (0, *o.distances),
-                         torch.cat(tokens).tolist() if have_tokens else None, epochs=o.head_epochs,
-                         hidden=o.head_hidden, seed=o.seed, progress=progress)
-
-
-def fit_path(reader: TraceReader, train: Sequence[int], o: FitOptions, progress: Progress) -> Predictor:
-    requests = [reader.request(i) for i in train]
-    tokens = [row_token_ids(r) for r in requests]
-    if any(len(t) != r.num_tokens for t, r in zip(tokens, requests)):
-        raise PredictorError(f"the path predictor reads tokens, and {reader.path} has requests without token ids "
-                             f"or strings")
-    return path.fit_path([t.tolist() for t in tokens], [torch.from_numpy(r.ids_TLK.astype(np.int64))
-                                                       for r in requests], reader.header.num_experts,
-                         path.SHAPES[o.path_shape], o.path_epochs, seed=o.seed, resume=o.resume, progress=progress,
-                         prompts=[prompt_length(r, o.prompt) for r in requests])
-
-
 def prompt_length(request: TraceRequest, prompt: int | None = None) -> int:
     """How many of the request's first tokens are its prompt: `prompt` (a replay's `--route-prompt`), else
     its recorded prefill tokens."""
@@ -243,20 +94,6 @@ def prompt_length(request: TraceRequest, prompt: int | None = None) -> int:
         return min(prompt, request.num_tokens)
     decode = np.flatnonzero(request.phase_T != PREFILL)
     return int(decode[0]) if len(decode) else request.num_tokens
-
-
-FITTERS: dict[str, Fitter] = {
-    "transition": Fitter(_fit_transition, "fit", lambda train, o: 1),
-    "expert-map": Fitter(lambda reader, train, o, progress: ExpertMapPredictor(fit_expert_maps(
-        reader, train, o.capacity, o.distance, o.max_iterations, progress=progress, neighbours=o.neighbours,
-        trajectory_only=o.trajectory_only)), "request",
-        lambda train, o: len(train)),
-    "token-wise": Fitter(lambda reader, train, o, progress: fit_token_wise(
-        reader, train, o.epochs, progress=lambda epoch, loss: progress(1)), "epoch", lambda train, o: o.epochs),
-    "head": Fitter(fit_head, "epoch", lambda train, o: o.head_epochs * (len(o.distances) + 1)),
-    "path": Fitter(fit_path, "epoch", lambda train, o: o.path_epochs),
-}
-"""Every fitted predictor's fitting, by registry name."""
 
 
 # -- evaluation -------------------------------------------------------------------------------------------------
@@ -336,7 +173,7 @@ def _forecasts(predictor: Predictor, reader: TraceReader, requests: Sequence[int
             j, ahead = target_of(i, distance, h.num_layers)
             yield j, ahead, predictor.forecast(j, ahead)
 
-    stateful = getattr(predictor, "stateful", False)
+    stateful = PREDICTORS[predictor.name].stateful
     for index in requests:
         request = reader.request(index)
         obs = observations(request, h)

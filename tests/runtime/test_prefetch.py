@@ -16,8 +16,8 @@ from moepager.runtime.builder import check_names
 from moepager.runtime.llm import LLM
 from moepager.runtime.replay import ReplaySpec
 from moepager.runtime.sampling import SamplingParams
+from moepager.trace.fit import FITTERS, HeadFit, PathFit, fit_expert_maps, fit_token_wise, fit_transition
 from moepager.trace.format import DECODE, PREFILL, TraceHeader, TraceReader, TraceRequest, TraceWriter
-from moepager.trace.predict import FITTERS, FitOptions, fit_expert_maps, fit_token_wise, fit_transition
 
 PROMPTS = [[5, 9, 2, 40, 41], [7, 1, 3]]
 PARAMS = SamplingParams(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
@@ -38,8 +38,7 @@ def recorded(hf_checkpoint, tmp_path_factory):
         fit_expert_maps(reader, everything, capacity=50).save(out / "expert-map.pt")
         fit_token_wise(reader, everything, epochs=50).save(out / "token-wise.pt")
         num_layers = reader.header.num_layers
-        options = FitOptions(distances=(1, num_layers), head_epochs=2, path_epochs=2)
-        for name in ("head", "path"):
+        for name, options in (("head", HeadFit(distances=(1, num_layers), epochs=2)), ("path", PathFit(epochs=2))):
             FITTERS[name].fit(reader, everything, options, lambda advance: None).save(out / f"{name}.pt")
     return path, reference, out
 
@@ -106,6 +105,16 @@ def test_generate_cli_prints_prefetch_statistics(demo_checkpoint, capsys):
     assert "decode prefetch" in out and "accuracy" in out
     assert main(["generate", "--model", str(demo_checkpoint), "--predictor", "gate-lookahead", "hello"]) == 2
     assert "--expert-memory" in capsys.readouterr().err
+
+
+def test_the_plain_prefetch_policy_is_lossless_and_cancels_nothing(recorded):
+    path, reference, files = recorded
+    llm = LLM(path, show_progress=False,
+              store=StoreConfig(expert_memory="50%", direct_io="off", warm=False, prefetch_policy="plain"),
+              prefetch=PrefetchConfig("transition", file=str(files / "transition.pt")))
+    assert [c.token_ids for c in llm.generate(PROMPTS, PARAMS)] == reference
+    phases = llm.last_stats.sections["experts"].phases.values()
+    assert sum(p["loads_ahead"] for p in phases) > 0 and sum(p["prefetch_cancelled"] for p in phases) == 0
 
 
 def test_fmoe_eviction_with_expert_map_forecasts_is_lossless(recorded):

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from moepager.cli.main import main
-from moepager.predictors import ExpertMapPredictor, Forecast
+from moepager.predictors import ExpertMapPredictor, Forecast, PredictorError
+from moepager.trace.fit import fit_expert_maps, fit_transition
 from moepager.trace.format import DECODE, TraceHeader, TraceReader, TraceRequest, TraceWriter
-from moepager.trace.predict import LayerTally, _tally, evaluate, fit_expert_maps, fit_transition, split_requests
+from moepager.trace.predict import LayerTally, _tally, evaluate, split_requests
 from tests.trace.conftest import random_trace
 
 E, L = 6, 3
@@ -111,3 +112,20 @@ def test_the_head_is_fitted_as_the_clis_say(tmp_path, capsys):
         assert main(["predictor", "fit", "--kind", "head", "--trace", str(deep), "--out", str(tmp_path / "d.pt"),
                      "--head-epochs", "1"]) == 0
         assert {int(d) for d in torch.load(tmp_path / "d.pt")["models"]} == want  # (no tokens: no pass head)
+
+
+def test_each_fitted_predictor_has_its_own_fit_configuration_and_refuses_the_others_options(tmp_path, capsys):
+    from moepager.predictors import FITTED, PREDICTORS
+    from moepager.trace.fit import FITTERS
+
+    assert set(FITTERS) == set(FITTED)
+    for name, fitter in FITTERS.items():
+        assert fitter.config is PREDICTORS[name].fit_config
+    with pytest.raises(PredictorError, match="transition takes no epochs"):
+        FITTERS["transition"].configure("transition", epochs=3)
+    assert FITTERS["head"].applicable(epochs=2, capacity=9).epochs == 2  # capacity is expert-map's: not applicable
+    path = random_trace(tmp_path / "t.mpt")
+    assert main(["predictor", "fit", "--kind", "transition", "--trace", str(path), "--out", str(tmp_path / "p.pt"),
+                 "--head-epochs", "2"]) == 2
+    assert "--head-epochs does nothing for --kind transition" in capsys.readouterr().err
+    assert not (tmp_path / "p.pt").exists()
