@@ -1,4 +1,4 @@
-"""Decode attention on this CPU: one query per row, grouped-query heads, bf16 (what models/layers.py `attention`
+"""Decode attention on this CPU: one query per row, grouped-query heads, bf16 (what models/attention.py `attention`
 decides). For each geometry, batch size and KV length: torch's SDPA with `enable_gqa` (the query heads of one KV
 head as separate heads), against the same SDPA call with each KV head's G query heads folded into the query
 length ([B, Hkv, G, D]), and whether the two results are equal bit for bit. Rows of a batch attend to prefixes
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import machine_state, median_time, print_table, write_json
-from moepager.models.layers import attention
+from moepager.models.attention import attention
 
 GEOMETRIES = {  # query heads, KV heads, key dim, value dim
     "demo-moe": (8, 4, 32, 32),

@@ -25,7 +25,7 @@ from benchmarks.common import (
     print_table,
     write_json,
 )
-from moepager.models.layers import ForwardBatch
+from moepager.models.attention import ForwardBatch
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 

@@ -57,8 +57,10 @@ from moepager.accel.packed import pack_lm_head
 from moepager.errors import ConfigError
 from moepager.experts.executor import ExpertExecutor, ResidentExecutor
 from moepager.experts.weights import ExpertShape
+from moepager.models.attention import Attention
 from moepager.models.graph_exit import LeavesGraph, register, register_linear
-from moepager.models.layers import Attention, CausalLM, MoEBlock
+from moepager.models.layers import CausalLM
+from moepager.models.moe import MoEBlock
 
 RECOMPILE_LIMIT = 16
 """Graphs Dynamo may compile per code object (its default is 8): a compiled decode step needs 6 (one row: static

@@ -25,8 +25,9 @@ from torch import nn
 from moepager.config import check_dense_name
 from moepager.errors import ConfigError
 from moepager.experts.quant import int8_mm, int8_packed_mm, int8_packing_available, int8_prepack, quantize_int8
+from moepager.models.attention import Attention
 from moepager.models.graph_exit import LeavesGraph
-from moepager.models.layers import Attention, CausalLM
+from moepager.models.layers import CausalLM
 
 KEEP = ("kv_b_proj", "shared_expert_gate")
 """nn.Linear modules left in the run's dtype (see the module note)."""

@@ -17,10 +17,12 @@ from torch import nn
 
 from moepager.errors import CheckpointError
 from moepager.experts.executor import ExpertExecutor
+from moepager.models.attention import RotaryEmbedding
 from moepager.models.base import PER_EXPERT_MLP, Architecture, common_fields
 from moepager.models.config import ModelConfig, get, rope_from_raw
-from moepager.models.layers import CausalLM, DecoderLayer, DecoderStack, DenseMLP, MoEBlock, RotaryEmbedding
+from moepager.models.layers import CausalLM, DecoderLayer, DecoderStack, DenseMLP
 from moepager.models.mla import MLAttention
+from moepager.models.moe import MoEBlock
 from moepager.types import RoutingDecision
 
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moepager.models.config import ModelConfig
-from moepager.models.layers import (
+from moepager.models.attention import (
     ForwardBatch,
     RMSNorm,
     apply_rope,
@@ -22,6 +21,7 @@ from moepager.models.layers import (
     cache_update,
     yarn_softmax_scale,
 )
+from moepager.models.config import ModelConfig
 
 
 class MLAttention(nn.Module):

@@ -10,17 +10,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from moepager.experts.executor import ExpertExecutor
+from moepager.models.attention import Attention, RotaryEmbedding
 from moepager.models.base import PER_EXPERT_MLP, Architecture, common_fields
 from moepager.models.config import ModelConfig, get, rope_from_raw
-from moepager.models.layers import (
-    Attention,
-    CausalLM,
-    DecoderLayer,
-    DecoderStack,
-    MoEBlock,
-    RotaryEmbedding,
-    SoftmaxTopKRouter,
-)
+from moepager.models.layers import CausalLM, DecoderLayer, DecoderStack
+from moepager.models.moe import MoEBlock, SoftmaxTopKRouter
 
 
 def parse_config(raw: Mapping[str, Any]) -> ModelConfig:

@@ -15,18 +15,11 @@ from torch import nn
 
 from moepager.errors import CheckpointError
 from moepager.experts.executor import ExpertExecutor
+from moepager.models.attention import Attention, RotaryEmbedding
 from moepager.models.base import PER_EXPERT_MLP, Architecture, common_fields
 from moepager.models.config import ModelConfig, get, rope_from_raw
-from moepager.models.layers import (
-    Attention,
-    CausalLM,
-    DecoderLayer,
-    DecoderStack,
-    DenseMLP,
-    MoEBlock,
-    RotaryEmbedding,
-    SoftmaxTopKRouter,
-)
+from moepager.models.layers import CausalLM, DecoderLayer, DecoderStack, DenseMLP
+from moepager.models.moe import MoEBlock, SoftmaxTopKRouter
 
 
 class Qwen2MoEBlock(MoEBlock):

@@ -9,18 +9,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from moepager.experts.executor import ExpertExecutor
+from moepager.models.attention import Attention, RotaryEmbedding
 from moepager.models.base import PER_EXPERT_MLP, Architecture
 from moepager.models.config import ModelConfig
-from moepager.models.layers import (
-    Attention,
-    CausalLM,
-    DecoderLayer,
-    DecoderStack,
-    DenseMLP,
-    MoEBlock,
-    RotaryEmbedding,
-    SoftmaxTopKRouter,
-)
+from moepager.models.layers import CausalLM, DecoderLayer, DecoderStack, DenseMLP
+from moepager.models.moe import MoEBlock, SoftmaxTopKRouter
 from moepager.models.qwen2_moe import parse_qwen_config
 
 

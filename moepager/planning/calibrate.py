@@ -36,9 +36,9 @@ from moepager.experts.executor import ArenaKernels, combine, sort_by_expert
 from moepager.experts.quant import QuantExpertWeights, quantize_expert
 from moepager.experts.reference import expert_forward
 from moepager.experts.weights import ExpertShape, expert_view
+from moepager.models.attention import ForwardBatch
 from moepager.models.base import Architecture
 from moepager.models.config import ModelConfig
-from moepager.models.layers import ForwardBatch
 from moepager.models.registry import architecture_for
 from moepager.planning.cost import CalibratedProfile, Calibration, Device, Link
 from moepager.types import ExpertKey, RoutingDecision

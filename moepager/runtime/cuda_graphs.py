@@ -4,7 +4,7 @@ A decode token of a MoE model is hundreds of small kernels; launched one by one 
 host (qwen3-30b-a3b geometry, 8 layers, H200: a 7.1 ms eager forward against 1.7 ms replayed, measured). A graph
 needs fixed shapes and no host reads, so:
 - a replayed one-row decode pass reads its KV cache through a block table padded to a power-of-two width
-  (`bucket`) under a mask of the positions written (models/layers.py `ForwardBatch.build(masked=True)`). Passes
+  (`bucket`) under a mask of the positions written (models/attention.py `ForwardBatch.build(masked=True)`). Passes
   that run eagerly (`--no-cuda-graphs`, paged experts, a trace recorder) read their exact prefix instead: the
   padded pass cost the eager step 15% on the qwen3 geometry (88.2 against 103.9 tok/s, H200), so the two round
   differently (graphed runs are close to eager ones, not equal; paged runs equal the eager step bit for bit);
@@ -26,7 +26,8 @@ from collections.abc import Callable
 import torch
 
 from moepager.experts.executor import ExpertExecutor, ResidentExecutor
-from moepager.models.layers import CausalLM, ForwardBatch
+from moepager.models.attention import ForwardBatch
+from moepager.models.layers import CausalLM
 from moepager.runtime.kv_pool import SCRATCH, KVBlockPool
 
 WARM_POSITIONS = 16384

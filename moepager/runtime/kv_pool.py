@@ -1,7 +1,7 @@
 """The engine's KV cache: fixed-size blocks from one preallocated pool, handed to requests and taken back.
 
 Every layer's cache is one [num_blocks, block_size, Hc, C] tensor (keys and values side by side on the head axis;
-models/layers.py reads a row's blocks through its block table). Block 0 is scratch: padding tokens write there
+models/attention.py reads a row's blocks through its block table). Block 0 is scratch: padding tokens write there
 and padded block-table entries point there; attention masks every position a row has not written, so nothing
 needs clearing when a block changes hands. The pool is allocated at first use and grows (only while no request
 holds a block) when one request alone needs more.

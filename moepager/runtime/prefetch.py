@@ -27,7 +27,8 @@ from typing import Protocol
 import torch
 
 from moepager.config import PrefetchConfig
-from moepager.models.layers import CausalLM, MoEBlock
+from moepager.models.layers import CausalLM
+from moepager.models.moe import MoEBlock
 from moepager.policies.base import ForecastConsumer
 from moepager.policies.prefetch import PrefetchAware
 from moepager.predictors import (

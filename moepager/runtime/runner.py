@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from moepager.errors import NumericalError
-from moepager.models.layers import CausalLM, ForwardBatch
+from moepager.models.attention import ForwardBatch
+from moepager.models.layers import CausalLM
 from moepager.runtime.cuda_graphs import DecodeGraphs, bucket
 from moepager.runtime.kv_pool import SCRATCH, KVBlockPool
 from moepager.runtime.scheduler import Scheduled

@@ -25,7 +25,7 @@ from moepager.checkpoints.synth import make_model
 from moepager.cli.main import main
 from moepager.errors import CheckpointError, ConfigError
 from moepager.experts.quant import QuantExpertWeights
-from moepager.models.layers import ForwardBatch
+from moepager.models.attention import ForwardBatch
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from tests.runtime.test_offload import logits_run

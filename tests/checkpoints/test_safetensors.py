@@ -11,7 +11,7 @@ import torch
 from moepager.checkpoints.build import load_model
 from moepager.checkpoints.safetensors import Checkpoint
 from moepager.errors import CheckpointError, UnsupportedArchitectureError
-from moepager.models.layers import ForwardBatch
+from moepager.models.attention import ForwardBatch
 
 
 def _logits(path):

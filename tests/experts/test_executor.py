@@ -223,7 +223,7 @@ def test_sorting_reads_the_host_copy_of_the_ids_when_the_route_has_one(tokens):
 
 
 def test_an_observed_block_hands_its_observers_and_executor_one_host_copy_of_the_ids():
-    from moepager.models.layers import MoEBlock, SoftmaxTopKRouter
+    from moepager.models.moe import MoEBlock, SoftmaxTopKRouter
 
     seen = []
 

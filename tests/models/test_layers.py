@@ -1,4 +1,4 @@
-"""Blocks shared by the architectures (models/layers.py) against their plain definitions."""
+"""Blocks shared by the architectures (models/attention.py, moe.py, layers.py) against their plain definitions."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moepager.models.layers import attention
+from moepager.models.attention import attention
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(8, 4), (16, 1), (4, 4)])

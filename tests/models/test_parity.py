@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moepager.checkpoints.build import load_model
-from moepager.models.layers import ForwardBatch
+from moepager.models.attention import ForwardBatch
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from tests.conftest import ARCHS, VOCAB

@@ -6,7 +6,7 @@ import torch
 
 import moepager.models.routing as routing
 from moepager.config import PrefetchConfig, StoreConfig
-from moepager.models.layers import SoftmaxTopKRouter
+from moepager.models.moe import SoftmaxTopKRouter
 from moepager.models.routing import RoutingFanOut, observe
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams

@@ -11,7 +11,7 @@ import torch
 from moepager.checkpoints.build import load_model
 from moepager.config import EngineConfig, StoreConfig
 from moepager.errors import BudgetError, CheckpointError, MoepagerError
-from moepager.models.layers import ForwardBatch
+from moepager.models.attention import ForwardBatch
 from moepager.policies import ENGINE_POLICIES
 from moepager.runtime.builder import paged_executor
 from moepager.runtime.llm import LLM
