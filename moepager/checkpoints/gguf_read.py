@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
 
@@ -31,7 +32,6 @@ from moepager.checkpoints.gguf_write import (
     READ_PRES,
     READ_TYPES,
     expert_names,
-    gguf_module,
     join_kv_b,
     name_map,
     q4_0_to_int4,
@@ -84,7 +84,6 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 
 def _open(path: Path) -> Any:
-    gguf = gguf_module()
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # noqa: BLE001 - the reader raises many kinds on a short or garbled file
@@ -134,7 +133,6 @@ def _config_from_gguf(reader: Any, arch: str, vocab: int, tied: bool) -> dict[st
 def _deepseek2_config(kv: Callable[..., Any], heads: int, experts: int, ff: int, expert_ff: int) -> dict[str, Any]:
     """A DeepSeek-V2 (softmax router) or V3 (sigmoid router) config from deepseek2 metadata (as
     `_deepseek2_metadata` and llama.cpp's converter write it; files without the MLA lengths hold per-head ones)."""
-    gguf = gguf_module()
     v3 = int(kv("expert_gating_func", gguf.ExpertGatingFuncType.SOFTMAX)) == gguf.ExpertGatingFuncType.SIGMOID
     rope = int(kv("rope.dimension_count"))
     config: dict[str, Any] = {

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
 
@@ -49,11 +50,9 @@ from moepager.checkpoints.safetensors import Checkpoint
 from moepager.errors import ConfigError
 from moepager.experts.quant import (
     QuantizedProjection,
-    dequantize_int4,
     pack_nibbles,
     quantize_int4,
     quantize_int8,
-    unpack_nibbles,
 )
 from moepager.experts.weights import ExpertShape, ExpertWeights
 from moepager.models.config import ModelConfig
@@ -81,14 +80,6 @@ QWEN2_PRE = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}|
 GPT2_PRES = ("gpt-2", "olmo", "mpt")
 """GGUF pre types that split with GPT-2's regex in llama.cpp (llama-vocab.cpp)."""
 READ_PRES = (*GPT2_PRES, "qwen2")
-
-
-def gguf_module():
-    try:
-        import gguf
-    except ImportError as e:  # a dependency; say so if an install lacks it
-        raise ConfigError("GGUF needs the `gguf` package (pip install gguf)") from e
-    return gguf
 
 
 # ---- ggml blocks ------------------------------------------------------------------------------------------
@@ -121,23 +112,24 @@ def q4_0_to_int4(raw: torch.Tensor, n: int, k: int) -> QuantizedProjection:
 
 
 def q8_0_values(raw: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """block_q8_0 bytes -> the exact fp32 values q * d of an [N, K] matrix."""
-    b = raw.reshape(-1, 34)
-    d = b[:, :2].contiguous().view(torch.float16).float()
-    return (b[:, 2:].contiguous().view(torch.int8).float() * d).reshape(n, k)
+    """block_q8_0 bytes -> the exact fp32 values q * d of an [N, K] matrix (the `gguf` package's dequantizer)."""
+    return _dequantized(raw, "Q8_0", n, k)
 
 
 def q4_0_values(raw: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """block_q4_0 bytes -> the exact fp32 values (q - 8) * d of an [N, K] matrix."""
-    p = q4_0_to_int4(raw, n, k)
-    return dequantize_int4(unpack_nibbles(p.q), p.scale, torch.zeros_like(p.scale))
+    """block_q4_0 bytes -> the exact fp32 values (q - 8) * d of an [N, K] matrix (the `gguf` package's)."""
+    return _dequantized(raw, "Q4_0", n, k)
+
+
+def _dequantized(raw: torch.Tensor, kind: str, n: int, k: int) -> torch.Tensor:
+    values = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[kind])
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(n, k)
 
 
 # ---- names --------------------------------------------------------------------------------------------------
 
 
 def name_map(arch: str, blocks: int) -> Callable[[str], str | None]:
-    gguf = gguf_module()
     model_arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
     tmap = gguf.get_tensor_name_map(model_arch, blocks)
     # DeepSeek-V3's router bias is a buffer named `..._bias`; the name map knows it as a `.bias`.
@@ -185,26 +177,17 @@ def _tokenizer_metadata(writer: Any, directory: Path, config: dict[str, Any]) ->
     for text, i in vocab.items():
         tokens[i] = text
         types[i] = 3 if i in special else 1  # CONTROL or NORMAL
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre_type)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    eos = config.get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) and eos else eos
-    if eos is not None:
-        writer.add_eos_token_id(int(eos))
-    if config.get("bos_token_id") is not None:
-        writer.add_bos_token_id(int(config["bos_token_id"]))
-    writer.add_add_bos_token(False)
-    tcfg_path = directory / "tokenizer_config.json"
-    tcfg = json.loads(tcfg_path.read_text(encoding="utf-8")) if tcfg_path.exists() else {}
-    template = tcfg.get("chat_template")
-    if template is None and (directory / "chat_template.jinja").exists():
-        template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
-    if isinstance(template, str):
-        writer.add_chat_template(template)
+    # merges, the special ids (eos, bos, pad ... from tokenizer_config.json and config.json) and the chat template,
+    # as llama.cpp's own converter finds them
+    special = gguf.SpecialVocab(directory, load_merges=True, n_vocab=size)
+    if not special.merges:
+        special.merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    special.add_special_token.setdefault("bos", False)  # moepager's tokenizers add no BOS (nor does the HF one)
+    special.add_to_gguf(writer, quiet=True)
 
 
 def _pre_type(pre: dict[str, Any]) -> str:
@@ -226,7 +209,6 @@ def export_gguf(model: str | os.PathLike[str], out: str | os.PathLike[str], type
                 show_progress: bool = True, dense_type: str | None = None) -> Path:
     """Write checkpoint `model` as a GGUF file of `type_` (bf16, f16, q8_0, q4_0) to `out` (atomically);
     `dense_type` q8_0 quantizes the dense projections too."""
-    gguf = gguf_module()
 
     if type_ not in EXPORT_TYPES:
         raise ConfigError(f"unknown --type '{type_}'; choose from {', '.join(EXPORT_TYPES)}")
@@ -302,7 +284,6 @@ def _deepseek2_exportable(config: dict[str, Any], cfg: ModelConfig) -> None:
 
 
 def _write_metadata(writer: Any, name: str, cfg: ModelConfig, checkpoint: Checkpoint, type_: str) -> None:
-    gguf = gguf_module()
     config = checkpoint.config
     writer.add_name(checkpoint.path.name)
     writer.add_block_count(cfg.num_layers)
@@ -338,7 +319,6 @@ def _deepseek2_metadata(writer: Any, cfg: ModelConfig, config: dict[str, Any]) -
     """MLA as llama.cpp runs it: an MQA (one KV head) over the latent, keys kv_lora_rank + rope wide, values
     kv_lora_rank wide; the per-head ("MLA") lengths; leading dense layers, shared experts, the router's
     scoring, and DeepSeek's YaRN (keys as llama.cpp's convert_hf_to_gguf.py writes them)."""
-    gguf = gguf_module()
     rank, rope, nope = int(config["kv_lora_rank"]), int(config["qk_rope_head_dim"]), int(config["qk_nope_head_dim"])
     v3 = config["architectures"][0] == "DeepseekV3ForCausalLM"
     writer.add_head_count_kv(1)
@@ -372,7 +352,6 @@ def _add_dense(writer: Any, name: str, cfg: ModelConfig, checkpoint: Checkpoint,
                q8_0: bool = False) -> None:
     """Every tensor but the routed experts, under its GGUF name (norms and routers in F32; with `q8_0` the dense
     projections in Q8_0, a tied LM head as its own output.weight)."""
-    gguf = gguf_module()
     mapped = name_map(name, cfg.num_layers)
     for hf_name, loc in checkpoint.locations.items():
         if is_routed_expert(hf_name):
@@ -415,7 +394,6 @@ def join_kv_b(k_b_HRN: torch.Tensor, v_b_HVR: torch.Tensor) -> torch.Tensor:
 def _add_experts(writer: Any, cfg: ModelConfig, checkpoint: Checkpoint, shape: ExpertShape, type_: str,
                  float_type: torch.dtype) -> None:
     """Each MoE layer's experts as three stacked tensors, in `float_type` or quantized to Q8_0/Q4_0."""
-    gguf = gguf_module()
     naming = architecture_for(checkpoint.config).expert_naming
     reader = ExpertReader(checkpoint, naming, shape, cfg.moe_layers[0], "off")
     d, f, e_count = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts
@@ -437,7 +415,6 @@ def _add_experts(writer: Any, cfg: ModelConfig, checkpoint: Checkpoint, shape: E
 
 
 def _add(writer: Any, name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
-    gguf = gguf_module()
     t = t.to(dtype).contiguous()
     if dtype == torch.bfloat16:
         writer.add_tensor(name, t.view(torch.int16).numpy().view(np.uint16), raw_dtype=gguf.GGMLQuantizationType.BF16)
