@@ -1,8 +1,9 @@
 """moepager against its peers on the CPU, all experts resident, bf16 or quantized experts: decode tokens/s side by side.
 
 Engines, each in its own process and measured in interleaved rounds (median of per-token times over --decode steps
-after a 16-token prompt; the warm-up decode compiles a --compiled row): moepager (one row per --kernels entry and
---formats entry: bf16, or --expert-dtype int8/int4), HF
+after a 16-token prompt; the warm-up decode compiles a --compiled row; engines that do not fit in the machine's RAM
+together are measured in turns, each format beside its llama.cpp peer, and the run says so up front): moepager
+(one row per --kernels entry and --formats entry: bf16, or --expert-dtype int8/int4), HF
 transformers (a greedy loop over its DynamicCache; bf16) and llama.cpp through `llama-cpp-python` when it is
 installed (`pip install -e ".[peers]"`, which builds llama.cpp from source; on this project's CPU set CMAKE_ARGS
 as FACTS.md says, AMX off) on the same weights written by our own `moepager export-gguf`: BF16, or Q8_0/Q4_0
@@ -13,7 +14,7 @@ tensor what llama.cpp's own convert_hf_to_gguf.py writes. Models: the built-in d
 qwen3-30b-a3b --layers 4` (~1.08 GB of weights read per token in bf16). Reports tok/s, the ratios to HF and to
 llama.cpp in the same format, and the weight bytes per token divided by the time per token (achieved GB/s).
 
-    python benchmarks/peers.py [--models demo qwen3-30b-a3b] [--threads 1 2] [--rounds 3] [--decode 64]
+    python -m benchmarks run peers [--models demo qwen3-30b-a3b] [--threads 1 2] [--rounds 3] [--decode 64]
         [--kernels auto loop gather grouped packed] [--formats bf16 int8 int4] [--dense int8 int8-a8]
         [--unpacked] [--compiled] [--no-hf]
         [--out peers]
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import multiprocessing
 import statistics
 import time
@@ -30,10 +32,13 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import NamedTuple
 
+import psutil
 import torch
 
 from benchmarks.common import RESULTS, bytes_per_decode_token, ensure_model, machine_state, print_table, write_json
 from moepager.checkpoints.default import default_model_path
+from moepager.checkpoints.expert_reader import is_routed_expert
+from moepager.checkpoints.safetensors import Checkpoint
 from moepager.config import DENSE_DTYPES, EngineConfig
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
@@ -206,6 +211,9 @@ def arguments() -> argparse.Namespace:
                     help="also each moepager row with --compile (the one-token decode step compiled by TorchInductor; "
                          "twice the engines in memory: on the qwen3 geometry ask for one row)")
     ap.add_argument("--no-hf", action="store_true", help="leave transformers out")
+    ap.add_argument("--memory", type=float, metavar="GB",
+                    help=f"RAM the engines measured together may take (default {HEADROOM:.0%} of what is available at "
+                         "the start); more engines than fit are measured in turns")
     ap.add_argument("--out", default="peers", help="results/NAME.json")
     return ap.parse_args()
 
@@ -214,29 +222,92 @@ Engines = dict[str, tuple[str, Remote]]
 """Row label -> (its peer format: bf16, int8, int4 or int8+dense; the engine)."""
 
 
-def our_engines(path: Path, args: argparse.Namespace) -> Engines:
+class Spec(NamedTuple):
+    """An engine to start: its row label, peer format, kind and constructor arguments, and the RAM it will take."""
+
+    label: str
+    fmt: str
+    kind: str
+    args: tuple[object, ...]
+    nbytes: int
+
+
+EXPERT_SHARE = {"bf16": 1.0, "int8": 0.5 + 1 / 64, "int4": 0.3125, "int8+dense": 0.5 + 1 / 64}
+"""Bytes of a routed expert in each format against bf16 (int8: a scale per row; int4: groups of 32, bf16 scales)."""
+HEADROOM = 0.75
+"""Share of the RAM available at the start that the engines measured together may take (activations, the OS, the
+tokenizers and torch's own buffers take the rest)."""
+
+
+def footprint(path: Path, fmt: str, kind: str) -> int:
+    """RAM an engine of `kind` holding the checkpoint at `path` with experts in `fmt` takes, estimated from the
+    checkpoint's tensors (bf16 for every dense weight; HF holds everything in bf16), plus 25% for the runtime."""
+    ckpt = Checkpoint(path)
+    dense = sum(loc.nbytes // loc.dtype.itemsize * 2 for n, loc in ckpt.locations.items() if not is_routed_expert(n))
+    experts = sum(loc.nbytes // loc.dtype.itemsize * 2 for n, loc in ckpt.locations.items() if is_routed_expert(n))
+    share = 1.0 if kind == "hf" else EXPERT_SHARE[fmt]
+    if fmt == "int8+dense" and kind != "hf":
+        dense = dense // 2
+    return int(1.25 * (dense + share * experts))
+
+
+def in_turns(specs: list[Spec], budget: int) -> list[list[Spec]]:
+    """The engines grouped so that each group fits `budget` together: each format's engines and its llama.cpp peer
+    stay in one group where they fit (the ratio to the peer is then measured side by side), formats in the order
+    given. An engine that alone exceeds the budget gets a group of its own (and may not fit at all)."""
+    by_fmt: dict[str, list[Spec]] = {}
+    for spec in specs:
+        by_fmt.setdefault(spec.fmt, []).append(spec)
+    groups: list[list[Spec]] = []
+    current: list[Spec] = []
+    for members in by_fmt.values():
+        for spec in members:
+            if current and sum(s.nbytes for s in current) + spec.nbytes > budget:
+                groups.append(current)
+                current = []
+            current.append(spec)
+    return groups + ([current] if current else [])
+
+
+def start(specs: list[Spec], threads: int) -> Engines:
+    engines: Engines = {}
+    for spec in specs:
+        try:
+            engines[spec.label] = (spec.fmt, Remote(spec.kind, *spec.args))
+        except Exception as e:  # noqa: BLE001 - an engine that cannot run is reported, not fatal
+            print(f"{spec.label}: not measured ({e})")
+            continue
+        engines[spec.label][1].threads = threads
+    return engines
+
+
+def our_specs(path: Path, args: argparse.Namespace) -> list[Spec]:
     """One moepager engine per kernel, format, dense format and packing asked for, and with --compiled a compiled
     twin of each (`--compile`: resident experts up to 1 MiB inside the graph, any other ones and prepacked
     projections through its exits, models/graph_exit.py)."""
-    rows = {f"moepager {k}" + ("" if fmt == "bf16" else f" {fmt}") + (f" +dense {dense}" if dense else "")
-            + ("" if pack else " (torch GEMV)"): (fmt + ("+dense" if dense and fmt == "int8" else ""),
-                                                 (k, None if fmt == "bf16" else fmt, dense, pack))
-            for fmt in args.formats for k in args.kernels if runs(k, fmt)
-            for dense in [None, *args.dense]
-            for pack in ([True, False] if args.unpacked and not dense else [True])}
-    ours: Engines = {label: (key, Remote("ours", path, *options)) for label, (key, options) in rows.items()}
-    if args.compiled:
-        ours |= {f"{label} compiled": (key, Remote("ours", path, *options, True))
-                 for label, (key, options) in rows.items()}
-    return ours
+    specs = []
+    for fmt in args.formats:
+        for k in args.kernels:
+            if not runs(k, fmt):
+                continue
+            for dense in [None, *args.dense]:
+                for pack in ([True, False] if args.unpacked and not dense else [True]):
+                    label = (f"moepager {k}" + ("" if fmt == "bf16" else f" {fmt}") + (f" +dense {dense}" if dense
+                             else "") + ("" if pack else " (torch GEMV)"))
+                    key = fmt + ("+dense" if dense and fmt == "int8" else "")
+                    options = (path, k, None if fmt == "bf16" else fmt, dense, pack)
+                    specs.append(Spec(label, key, "ours", options, footprint(path, key, "ours")))
+                    if args.compiled:
+                        specs.append(Spec(f"{label} compiled", key, "ours", (*options, True),
+                                          footprint(path, key, "ours")))
+    return specs
 
 
-def weight_bytes(ours: Engines) -> dict[str, int]:
+def weight_bytes(facts: dict[str, tuple[str, Facts]]) -> dict[str, int]:
     """Weight bytes per decode token by peer format (bf16-dense rows), and by label for rows with int8 dense."""
-    facts = {label: engine.facts for label, (_, engine) in ours.items() if engine.facts is not None}
-    nbytes = {ours[label][0]: f.bytes_per_token for label, f in facts.items() if not f.int8_dense}
-    nbytes |= {label: f.bytes_per_token for label, f in facts.items() if f.int8_dense}
-    return nbytes | {fmt: nbytes[label] for label, (fmt, _) in ours.items() if fmt == "int8+dense"}
+    nbytes = {fmt: f.bytes_per_token for label, (fmt, f) in facts.items() if not f.int8_dense}
+    nbytes |= {label: f.bytes_per_token for label, (fmt, f) in facts.items() if f.int8_dense}
+    return nbytes | {fmt: nbytes[label] for label, (fmt, _) in facts.items() if fmt == "int8+dense"}
 
 
 def tok_per_s(engines: Engines, ids: list[int], args: argparse.Namespace) -> dict[str, float]:
@@ -257,39 +328,46 @@ def main() -> None:
     have_llama = importlib.util.find_spec("llama_cpp") is not None
     if not have_llama:
         print("llama.cpp: not measured (llama-cpp-python is not installed: pip install -e \".[peers]\")")
+    budget = int(args.memory * 1e9) if args.memory else int(HEADROOM * psutil.virtual_memory().available)
     results, rows = [], []
     for name in args.models:
         path = model_path(name)
-        ours = our_engines(path, args)
-        peers: Engines = {} if args.no_hf else {"HF": ("bf16", Remote("hf", path))}
-        nbytes = weight_bytes(ours)
-        peer_formats = [*args.formats] + (["int8+dense"] if "int8+dense" in nbytes else [])
-        vocab = next(f.vocab for _, engine in ours.values() if (f := engine.facts) is not None)
+        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
         ids = torch.randint(0, vocab, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
+        ours = our_specs(path, args)
+        peer_formats = list(dict.fromkeys(spec.fmt for spec in ours))
         for threads in args.threads:
-            llama: Engines = {}
+            specs = ours + ([] if args.no_hf else [Spec("HF", "bf16", "hf", (path,), footprint(path, "bf16", "hf"))])
             if have_llama:
-                for fmt in peer_formats:
-                    try:
-                        llama[PEER_LABELS[fmt]] = (fmt, Remote("llama.cpp", path, GGUF_TYPES[fmt], threads))
-                    except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
-                        print(f"{PEER_LABELS[fmt]} on {name}: not measured ({e})")
-            engines: Engines = {**ours, **peers, **llama}
-            for _, engine in engines.values():
-                engine.threads = threads
-            tok_s = tok_per_s(engines, ids, args)
-            for _, engine in llama.values():
-                engine.close()
-            fmts = {label: fmt for label, (fmt, _) in engines.items()}
-            r = {"model": name, "threads": threads, "bytes_per_token": nbytes, "tok_s": tok_s,
-                 "GBps": {label: v * nbytes.get(label, nbytes[fmts[label]]) / 1e9 for label, v in tok_s.items()}}
+                specs += [Spec(PEER_LABELS[fmt], fmt, "llama.cpp", (path, GGUF_TYPES[fmt], threads),
+                               footprint(path, fmt, "llama.cpp")) for fmt in peer_formats]
+            groups = in_turns(specs, budget)
+            if len(groups) > 1:
+                need = sum(s.nbytes for s in specs) / 1e9
+                print(f"{name} at {threads} threads: {len(specs)} engines need ~{need:.1f} GB, {budget / 1e9:.1f} GB "
+                      f"may be used: measured in {len(groups)} turns ("
+                      + "; ".join(", ".join(s.label for s in g) for g in groups)
+                      + "); ratios across turns are less exact than within one")
+            tok_s: dict[str, float] = {}
+            facts: dict[str, tuple[str, Facts]] = {}
+            fmts: dict[str, str] = {}
+            for group in groups:
+                engines = start(group, threads)
+                tok_s |= tok_per_s(engines, ids, args)
+                for label, (fmt, engine) in engines.items():
+                    fmts[label] = fmt
+                    if engine.facts is not None:
+                        facts[label] = (fmt, engine.facts)
+                    engine.close()
+            nbytes = weight_bytes(facts)
+            r = {"model": name, "threads": threads, "bytes_per_token": nbytes, "tok_s": tok_s, "turns": len(groups),
+                 "GBps": {label: v * nbytes.get(label, nbytes.get(fmts[label], 0)) / 1e9
+                          for label, v in tok_s.items()}}
             results.append(r)
             for label, v in tok_s.items():
                 peer = PEER_LABELS[fmts[label]]
                 rows.append([name, threads, label, v, v / tok_s["HF"] if "HF" in tok_s else "-",
                              v / tok_s[peer] if peer in tok_s else "-", r["GBps"][label]])
-        for _, engine in {**ours, **peers}.values():
-            engine.close()
     print_table(["model", "threads", "engine", "decode tok/s", "x HF", "x llama.cpp (same format)",
                  "GB/s of weights"], rows)
     out = write_json(args.out, {"machine": state, "decode_steps": args.decode, "rounds": args.rounds,
