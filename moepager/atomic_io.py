@@ -1,7 +1,9 @@
 """One output discipline for every command: check output paths before any work, write under a temporary name
 in the same directory and rename when complete, and never clobber a directory that holds something.
 
-- `check_file(path, flag)`: the directory must exist and be writable, the path must not be a directory;
+- `check_file(path, flag, replace)`: the directory must exist and take a new file (checked by creating and
+  removing a probe file in it: permission bits say nothing to root, nor about read-only or special file systems
+  such as /proc), the path must not be a directory, and an existing file is replaced only when `replace` says so;
   missing parent directories are refused, not created (a typo must not build a tree at /).
 - `check_dir(path, flag, force)`: a directory output must not exist yet, or be empty, or `force` is given.
 - `atomic_file(path)` / `atomic_dir(path, force)`: yield a temporary sibling to write into; on success it
@@ -13,31 +15,40 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from moepager.errors import MoepagerError
+from moepager.errors import ConfigError
 
 
-class OutputError(MoepagerError):
+class OutputError(ConfigError):
     """An output path cannot be written (missing directory, no permission, would clobber something)."""
 
 
 def _writable_dir(directory: Path, flag: str, path: Path) -> None:
+    """A probe file created and removed in `directory`: what the temporary output will need."""
     if not directory.is_dir():
         raise OutputError(f"{flag} {path}: directory {directory} does not exist; create it first")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise OutputError(f"{flag} {path}: directory {directory} is not writable")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".moepager-probe-", dir=directory)
+    except OSError as e:
+        raise OutputError(f"{flag} {path}: cannot write in {directory}: {e.strerror or e}") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
-def check_file(path: str | os.PathLike[str] | None, flag: str) -> Path | None:
-    """`path` can be written as a file (None passes: the output was not asked for)."""
+def check_file(path: str | os.PathLike[str] | None, flag: str, replace: bool = True) -> Path | None:
+    """`path` can be written as a file (None passes: the output was not asked for); an existing file is refused
+    unless `replace`."""
     if path is None:
         return None
     out = Path(path).expanduser()
     if out.is_dir():
         raise OutputError(f"{flag} {out} is a directory; give a file name")
+    if out.exists() and not replace:
+        raise OutputError(f"{flag} {out} already exists; choose another name or pass --force to replace it")
     if out.exists() and not os.access(out, os.W_OK):
         raise OutputError(f"{flag} {out} exists and is not writable")
     _writable_dir(out.parent, flag, out)

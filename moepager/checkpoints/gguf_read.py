@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,18 +64,47 @@ def resolve_model_path(path: str | os.PathLike[str]) -> Path:
     return p
 
 
+SOURCE = "moepager-source.json"
+"""What a cached conversion was made from (path, size, modification time): how stale ones are found."""
+
+
 def gguf_checkpoint(path: Path, show_progress: bool = True) -> Path:
     """The checkpoint directory a GGUF file converts to, under the cache (keyed by the file's path, size and
-    modification time); converted now if it is not there yet."""
+    modification time); converted now if it is not there yet. A new conversion first removes the cached ones whose
+    GGUF file is gone or has changed since (they can never be used again), and says where it writes and how much."""
     st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    source = {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    key = hashlib.sha256(f"{source['path']}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out = gguf_cache_dir() / f"{path.stem}-{key}"
     if (out / "config.json").exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    freed = prune_gguf_cache()
     with atomic_dir(out, force=True) as tmp:
         _convert_gguf(path, tmp, show_progress)
+        (tmp / SOURCE).write_text(json.dumps(source))
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    note = f"; removed {freed[0]} stale conversion(s), {freed[1] / 2**30:.2f} GiB" if freed[0] else ""
+    print(f"converted {path.name} once into {out} ({size / 2**30:.2f} GiB; MOEPAGER_CACHE moves the cache{note})",
+          file=sys.stderr)
     return out
+
+
+def prune_gguf_cache() -> tuple[int, int]:
+    """Remove cached conversions whose GGUF file no longer exists or has changed; (how many, bytes freed)."""
+    removed = freed = 0
+    for entry in gguf_cache_dir().glob("*/" + SOURCE):
+        try:
+            source = json.loads(entry.read_text())
+            st = os.stat(source["path"])
+            current = (st.st_size, st.st_mtime_ns) == (source["size"], source["mtime_ns"])
+        except (OSError, ValueError, KeyError):
+            current = False
+        if not current:
+            freed += sum(f.stat().st_size for f in entry.parent.iterdir() if f.is_file())
+            shutil.rmtree(entry.parent, ignore_errors=True)
+            removed += 1
+    return removed, freed
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:

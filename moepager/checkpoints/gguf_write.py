@@ -42,7 +42,7 @@ import gguf
 import numpy as np
 import torch
 
-from moepager.atomic_io import atomic_file
+from moepager.atomic_io import atomic_file, check_file
 from moepager.checkpoints.dtypes import checkpoint_dtype
 from moepager.checkpoints.expert_reader import ExpertReader, is_routed_expert
 from moepager.checkpoints.quantized import stored_format
@@ -206,21 +206,17 @@ def _pre_type(pre: dict[str, Any]) -> str:
 
 
 def export_gguf(model: str | os.PathLike[str], out: str | os.PathLike[str], type_: str = "bf16",
-                show_progress: bool = True, dense_type: str | None = None) -> Path:
-    """Write checkpoint `model` as a GGUF file of `type_` (bf16, f16, q8_0, q4_0) to `out` (atomically);
-    `dense_type` q8_0 quantizes the dense projections too."""
-
+                show_progress: bool = True, dense_type: str | None = None, force: bool = False) -> Path:
+    """Write checkpoint `model` as a GGUF file of `type_` (bf16, f16, q8_0, q4_0) to `out` (atomically; an existing
+    file only with `force`); `dense_type` q8_0 quantizes the dense projections too."""
     if type_ not in EXPORT_TYPES:
         raise ConfigError(f"unknown --type '{type_}'; choose from {', '.join(EXPORT_TYPES)}")
     if dense_type is not None and dense_type not in DENSE_EXPORT_TYPES:
         raise ConfigError(f"unknown --dense-type '{dense_type}'; choose from {', '.join(DENSE_EXPORT_TYPES)}")
+    out_path = check_file(out, "--out", replace=force)
+    assert out_path is not None
     checkpoint = Checkpoint(model)
     cfg = _exportable(checkpoint)
-    out_path = Path(out)
-    if out_path.is_dir():
-        raise ConfigError(f"--out {out_path} is a directory; give a file name such as model.gguf")
-    if not out_path.parent.is_dir():
-        raise ConfigError(f"--out: {out_path.parent} does not exist")
     dtype = checkpoint_dtype(checkpoint)
     float_type = {"f16": torch.float16, "bf16": torch.bfloat16}.get(type_, dtype)
     float_type = torch.bfloat16 if float_type == torch.float32 else float_type

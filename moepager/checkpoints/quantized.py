@@ -165,8 +165,14 @@ def quantize_checkpoint(model: str | os.PathLike[str], out: str | os.PathLike[st
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for src in checkpoint.path.iterdir():  # tokenizer, generation config, chat template, ...
             if src.is_file() and src.suffix != ".safetensors" and src.name not in (
-                    "config.json", "model.safetensors.index.json"):
+                    "config.json", "model.safetensors.index.json", "README.md"):
                 shutil.copy2(src, tmp / src.name)
+        card = checkpoint.path / "README.md"
+        if card.is_file():  # the original's card, under a note of what this copy is
+            (tmp / "README.md").write_text(
+                f"> **A quantized copy.** `moepager quantize` wrote this checkpoint from `{checkpoint.path.name}` with "
+                f"its routed experts in {fmt.name} (lossy). The card below describes the float original: its "
+                f"measurements are not this copy's.\n\n" + card.read_text(encoding="utf-8"), encoding="utf-8")
     checkpoint.files.close()
     return out_dir
 

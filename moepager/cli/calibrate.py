@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from moepager.atomic_io import check_file
 from moepager.checkpoints.default import default_model_path
+from moepager.cli.generate import check_threads
 from moepager.errors import MoepagerError
 from moepager.planning.calibrate import CalibrateOptions, calibrate
 from moepager.store.budget import format_bytes
@@ -32,9 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise MoepagerError(f"device '{args.device}' requested but CUDA is not available")
+    check_threads(args.threads)
     if args.threads is not None:
-        if args.threads < 1:
-            raise MoepagerError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     if args.io_threads < 1:
         raise MoepagerError(f"--io-threads must be >= 1, got {args.io_threads}")

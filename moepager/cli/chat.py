@@ -7,6 +7,7 @@ the last answer's statistics, `/exit` or Ctrl-D quits). Ctrl-C stops the answer 
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 from collections.abc import Callable
 
@@ -16,6 +17,7 @@ from moepager.cli.generate import (
     engine_config,
     refuse_ignored_engine_options,
     sampling_params,
+    utf8,
 )
 from moepager.errors import InvalidRequestError, MoepagerError
 from moepager.runtime.llm import LLM
@@ -84,7 +86,18 @@ class Chat:
                 f"decode {rate}, history {len(self.messages)} messages")
 
 
+
+def read_line() -> str:
+    """One line of input (with the terminal's line editing); bytes that are not UTF-8 are replaced, with a warning
+    (as generate's prompts are), so a stray byte never ends the conversation."""
+    if isinstance(sys.stdin, io.TextIOWrapper) and sys.stdin.errors != "surrogateescape":
+        sys.stdin.reconfigure(errors="surrogateescape")  # undecodable bytes reach us, as lone surrogates
+    line = input("> ")
+    return utf8(line.encode("utf-8", "surrogateescape"), "this message")
+
 def run(args: argparse.Namespace) -> int:
+    if args.max_tokens < 1:
+        raise MoepagerError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     refuse_ignored_engine_options(args)
     llm = LLM(config=engine_config(args), show_progress=not args.quiet)
     if llm.tokenizer is None or not llm.tokenizer.chat_template:
@@ -93,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     print("moepager chat — /reset forgets the conversation, /stats, /exit; Ctrl-C stops an answer", flush=True)
     while True:
         try:
-            line = input("> ")
+            line = read_line()
         except EOFError:
             print()
             return 0

@@ -19,9 +19,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also quantize the dense projections (attention, dense and shared-expert MLPs, the LM head) "
                         "as llama.cpp's Q8_0 (lossy; what moepager's --dense-dtype int8 quantizes)")
     p.add_argument("--out", required=True, help="the .gguf file to write")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
 
 
 def run(args: argparse.Namespace) -> int:
-    out = export_gguf(args.model or default_model_path(), args.out, args.type, dense_type=args.dense_type)
+    out = export_gguf(args.model or default_model_path(), args.out, args.type, dense_type=args.dense_type,
+                      force=args.force)
     print(f"wrote {out} (run it: moepager generate --model {out} PROMPT)")
     return 0

@@ -262,16 +262,23 @@ def refuse_ignored_engine_options(args: argparse.Namespace) -> None:
     if args.learn_maps and args.predictor not in ONLINE:
         raise MoepagerError(f"--learn-maps: the {args.predictor} predictor does not learn online (only "
                             f"{', '.join(ONLINE)} does)")
+    check_threads(args.threads)
+
+
+def check_threads(threads: int | None) -> None:
+    """Refuse --threads below 1 or above the machine's cores (every command that takes it)."""
     cores = os.cpu_count() or 1
-    if args.threads is not None and args.threads > cores:
-        raise MoepagerError(f"--threads {args.threads} is more than this machine's {cores} CPU cores; oversubscribed "
+    if threads is not None and threads < 1:
+        raise MoepagerError(f"--threads must be >= 1, got {threads}")
+    if threads is not None and threads > cores:
+        raise MoepagerError(f"--threads {threads} is more than this machine's {cores} CPU cores; oversubscribed "
                             f"threads make every step wait for the others (10-100x slower): use at most {cores}")
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
     """PROMPT arguments, then each --prompt-file (or '-' for stdin); bytes that are not UTF-8 are replaced,
     with a warning."""
-    prompts = [_utf8(p.encode("utf-8", "surrogateescape"), "a PROMPT argument") for p in args.prompts]
+    prompts = [utf8(p.encode("utf-8", "surrogateescape"), "a PROMPT argument") for p in args.prompts]
     for name in args.prompt_file:
         if name == "-":
             data = sys.stdin.buffer.read()
@@ -280,11 +287,11 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
                 data = Path(name).read_bytes()
             except OSError as e:
                 raise MoepagerError(f"--prompt-file {name}: {e.strerror or e}") from None
-        prompts.append(_utf8(data, f"--prompt-file {name}"))
+        prompts.append(utf8(data, f"--prompt-file {name}"))
     return prompts
 
 
-def _utf8(data: bytes, where: str) -> str:
+def utf8(data: bytes, where: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -16,6 +17,7 @@ from moepager.atomic_io import check_file
 from moepager.checkpoints.build import LoadedModel
 from moepager.checkpoints.default import default_model_path
 from moepager.checkpoints.gguf_read import resolve_model_path
+from moepager.checkpoints.safetensors import Checkpoint
 from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
 from moepager.errors import ConfigError, InvalidRequestError
 from moepager.models.routing import NULL_OBSERVER, OWN_ROUTER, RoutingFanOut, RoutingObserver
@@ -45,6 +47,24 @@ class Completion:
     text: str
     finish_reason: FinishReason
 
+
+
+
+def model_name(checkpoint: Checkpoint) -> str:
+    """What a trace records as its model: the checkpoint's own name (config.json `_name_or_path`, as transformers
+    writes it) or its directory's name; never a path on this machine."""
+    named = checkpoint.config.get("_name_or_path")
+    return named if isinstance(named, str) and named and not Path(named).is_absolute() else checkpoint.path.name
+
+def valid_text(text: str, what: str) -> str:
+    """`text` as it is when it is valid Unicode; a clear error for a lone UTF-16 surrogate (what JSON's "\\ud800"
+    decodes to), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{what} is not valid Unicode: a lone surrogate (U+{ord(text[e.start]):04X}) at "
+                                  f"character {e.start}") from None
+    return text
 
 class LLM:
     """A loaded model plus its tokenizer. `generate` runs one static batch and records `last_stats`."""
@@ -136,13 +156,15 @@ class LLM:
         elif chat:
             return self.encode_chat([{"role": "user", "content": prompt}])
         else:
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(valid_text(prompt, "prompt"))
         return self._checked(ids)
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """A conversation through the tokenizer's chat template, ending with the assistant's turn to answer."""
         if self.tokenizer is None:
             raise InvalidRequestError("this checkpoint has no tokenizer.json; chat needs one")
+        for i, message in enumerate(messages):
+            valid_text(message["content"], f"messages[{i}].content")
         text = self.tokenizer.apply_chat_template(messages)
         return self._checked(self.tokenizer.encode(text, add_special_tokens=False))
 
@@ -156,7 +178,7 @@ class LLM:
 
     def _recorder(self, hidden: bool) -> TraceRecorder:
         cfg, shape = self.loaded.config, self.loaded.expert_shape
-        header = TraceHeader(model=str(self.loaded.checkpoint.path), moe_layers=tuple(cfg.moe_layers),
+        header = TraceHeader(model=model_name(self.loaded.checkpoint), moe_layers=tuple(cfg.moe_layers),
                              num_experts=cfg.num_experts,
                              top_k=cfg.top_k, num_shared=int(cfg.shared_intermediate_size > 0),
                              expert_bytes=shape.nbytes, source="moepager generate --record-trace")

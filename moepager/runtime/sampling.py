@@ -68,6 +68,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not math.isfinite(value) or not -2 <= value <= 2:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {value!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -SEED_RANGE <= self.seed < SEED_RANGE):
+            raise InvalidRequestError(f"seed must be an integer in [-2**63, 2**63 - 2**16), got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise InvalidRequestError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -81,6 +83,9 @@ class SamplingParams:
     def penalised(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
+
+SEED_RANGE = 2**63 - 2**16
+"""Seeds are 64-bit signed integers (OpenAI's), less room for the + i of a batch's request i."""
 
 LLAMA_CPP_SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
 """llama.cpp's default sampler chain (common/common.h): what `chat`, `serve` and `generate` use unless told."""

@@ -6,6 +6,7 @@ lstrip_blocks, `raise_exception`), so `--chat` produces the same prompt text.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,6 +43,13 @@ class Tokenizer:
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
         self.chat_template: str | None = self.config.get("chat_template")
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token spans (its vocabulary string's length: a byte-level token's string has one
+        character per byte, and a character is at least one byte). A text of n characters is at least
+        n / max_token_chars tokens: what lets a server refuse an overlong prompt without tokenising it."""
+        return max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     @property
     def eos_token_id(self) -> int | None:

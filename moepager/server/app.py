@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moepager.errors import InvalidRequestError, MoepagerError
 from moepager.runtime.llm import LLM
@@ -28,8 +29,13 @@ from moepager.runtime.request import RequestOutput
 from moepager.runtime.sampling import SamplingParams, TokenLogprobs
 from moepager.server.async_engine import AsyncEngine, Delivery
 from moepager.server.metrics import CONTENT_TYPE, Metrics
-from moepager.server.protocol import ChatCompletionRequest, CompletionRequest
+from moepager.server.protocol import UNSUPPORTED_ERROR, ChatCompletionRequest, CompletionRequest
 
+BODY_BYTES_PER_POSITION = 64
+"""A request body may take this many bytes per position of the model's context (JSON-escaped text, \\uXXXX for
+every character at worst, and a chat's framing), beyond BODY_BYTES_BASE: a longer body cannot hold a prompt the
+context takes, and is refused before it is read."""
+BODY_BYTES_BASE = 1 << 20
 DISCONNECT_CHECK_S = 0.5
 """How often a request that is not streamed checks that its client is still there."""
 CHAT_MAX_TOKENS = 1024
@@ -53,10 +59,20 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        if first.get("type") == "json_invalid":
+        kind = first.get("type")
+        if kind == "json_invalid":
             return error_response(400, f"the request body is not valid JSON: {first.get('msg', '')}")
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        if kind == UNSUPPORTED_ERROR:
+            field = first.get("ctx", {}).get("field")
+            return error_response(400, first.get("msg", "unsupported field"), "unsupported_field", field)
+        if kind == "extra_forbidden":
+            return error_response(400, f"unknown field '{where}'", "unknown_field", where)
         return error_response(400, f"{where or 'body'}: {first.get('msg', 'invalid value')}", param=where or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -65,6 +81,56 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(MoepagerError)
     async def refused(request: Request, exc: MoepagerError) -> JSONResponse:
         return error_response(400 if isinstance(exc, InvalidRequestError) else 500, str(exc))
+
+
+class BodyLimit:
+    """ASGI middleware: a request whose body is longer than `limit` bytes is answered 413 (OpenAI's error shape)
+    before its body is read, by its Content-Length, or as soon as a chunked body passes the limit."""
+
+    def __init__(self, app: Any, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers", ())).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await self._refuse(send)
+            return
+        seen, started = 0, False
+
+        async def counted() -> dict[str, Any]:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge
+            return message
+
+        async def watched(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, watched)
+        except _TooLarge:
+            if not started:
+                await self._refuse(send)
+
+    async def _refuse(self, send: Any) -> None:
+        body = json.dumps({"error": {"message": f"the request body exceeds {self.limit} bytes (longer than any prompt "
+                                                f"this model's context holds)", "type": "invalid_request_error",
+                                     "param": None, "code": "request_too_large"}}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
 
 
 def create_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI:
@@ -86,6 +152,7 @@ def create_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI
 
     app = FastAPI(title="moepager", lifespan=lifespan)
     app.state.engine = engine
+    app.add_middleware(BodyLimit, limit=BODY_BYTES_BASE + BODY_BYTES_PER_POSITION * context)
 
     install_error_handlers(app)
 
@@ -98,10 +165,17 @@ def create_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    card = {"id": model_name, "object": "model", "created": int(metrics.started_s), "owned_by": "moepager",
+            "max_model_len": context}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(metrics.started_s),
-                                             "owned_by": "moepager", "max_model_len": context}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        check_model(model_id)
+        return card
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -117,10 +191,21 @@ def create_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI
     async def page() -> str:
         return web_page
 
+    def check_length(chars: int) -> None:
+        """Refuse a text that cannot fit the context before tokenising it (n characters are at least
+        n / max_token_chars tokens)."""
+        tokenizer = llm.tokenizer
+        if tokenizer is not None and chars > context * tokenizer.max_token_chars:
+            raise ApiError(400, f"the prompt's {chars} characters are more tokens than fit: it exceeds the model's "
+                                f"context of {context} tokens", "context_length_exceeded", "prompt")
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request) -> Any:
         check_model(body.model)
-        ids = llm.encode(body.prompt_value())
+        prompt = body.prompt_value()
+        if isinstance(prompt, str):
+            check_length(len(prompt))
+        ids = await asyncio.to_thread(llm.encode, prompt)  # off the event loop: other requests go on meanwhile
         params = body.params(body.max_tokens if body.max_tokens is not None else 16, body.logprobs)
         shape = CompletionShape(llm, model_name, ids, params)
         return await respond(engine, http, ids, params, body.stream, body.include_usage, shape)
@@ -128,7 +213,9 @@ def create_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, http: Request) -> Any:
         check_model(body.model)
-        ids = llm.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        check_length(sum(len(m["content"]) for m in messages))
+        ids = await asyncio.to_thread(llm.encode_chat, messages)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.params(limit if limit is not None else max(1, min(CHAT_MAX_TOKENS, context - len(ids))),
                              body.chat_logprobs())

@@ -3,27 +3,56 @@
 Unset sampling fields take llama.cpp's defaults (runtime/sampling.py LLAMA_CPP_SAMPLING); `temperature: 0`
 is greedy. Beyond OpenAI's fields, llama.cpp's and vLLM's `top_k`, `min_p` and `repetition_penalty` are accepted.
 Range checks live in SamplingParams, so the server and the Python API refuse the same values the same way.
+
+Bodies are validated strictly: a field of the wrong JSON type (`"max_tokens": "5"`, `"stream": "yes"`) is refused,
+not coerced; an unknown field is refused with its name; OpenAI fields this server does not implement (`echo`,
+`best_of`, `suffix`, `tools`, ...) are refused with the reason unless they carry their neutral value; `model` is
+required, as OpenAI requires it. `user` is accepted and ignored (OpenAI's end-user id, for abuse monitoring).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from moepager.errors import InvalidRequestError
 from moepager.runtime.sampling import SamplingParams, llama_cpp_sampling
 
+STRICT = ConfigDict(extra="forbid", strict=True)
+UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "echo": (False, "echo is not supported (the response holds the completion only)"),
+    "best_of": (1, "best_of must be 1 (one completion per request)"),
+    "suffix": (None, "suffix is not supported (no fill-in-the-middle)"),
+    "logit_bias": (None, "logit_bias is not supported"),
+    "tools": (None, "tools are not supported (no function calling)"),
+    "tool_choice": (None, "tool_choice is not supported (no function calling)"),
+    "parallel_tool_calls": (None, "parallel_tool_calls is not supported (no function calling)"),
+    "functions": (None, "functions are not supported (no function calling)"),
+    "function_call": (None, "function_call is not supported (no function calling)"),
+    "response_format": (None, "response_format is not supported (no constrained decoding)"),
+}
+"""OpenAI request fields this server knows and does not implement: (the neutral value it accepts, why it refuses any
+other)."""
+
+
+UNSUPPORTED_ERROR = "unsupported_field"
+"""The validation error type of such a field (the server answers 400 with its reason; `ctx.field` names it)."""
+
+
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
     """A last chunk, with no choices, carries the request's token usage."""
 
 
 class Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
-    model: str | None = None
+    model: str
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -38,6 +67,18 @@ class Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = 1
     ignore_eos: bool = False
+    user: str | None = None
+    """OpenAI's end-user id: accepted, not used."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, (neutral, reason) in UNSUPPORTED.items():
+                if name in data and data[name] != neutral and not (neutral is None and data[name] in ([], {})):
+                    raise PydanticCustomError(UNSUPPORTED_ERROR, reason, {"field": name})
+            data = {k: v for k, v in data.items() if k not in UNSUPPORTED}
+        return data
 
     @property
     def include_usage(self) -> bool:
@@ -70,13 +111,19 @@ class CompletionRequest(Sampling):
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
+    model_config = STRICT
+
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart]
+    name: str | None = None
+    """OpenAI's participant name: accepted, not used by chat templates here."""
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)

@@ -235,3 +235,53 @@ def test_simulate_json_is_written_whole(trace, tmp_path):
     assert len(json.loads((tmp_path / "s.json").read_text())["rows"]) == 2
     assert [p.name for p in tmp_path.iterdir()] == ["s.json"]
     assert np.isfinite([r["hit_rate"] for r in json.loads((tmp_path / "s.json").read_text())["rows"]]).all()
+
+
+# -- 4. issue 45: one line for every bad input, nothing a user owns lost ------------------------------------------
+def test_outputs_the_os_refuses_are_caught_before_any_work(tiny, trace, tmp_path, capsys):
+    """/proc exists and passes an access check as root, but takes no new file: each output is probed first."""
+    cases = [
+        ["quantize", "--model", str(tiny), "--experts", "int8", "--out", "/proc/q"],
+        ["export-gguf", "--model", str(tiny), "--out", "/proc/m.gguf"],
+        ["make-model", "--preset", "tiny", "--arch", "olmoe", "--out", "/proc/m"],
+        ["calibrate", "--model", str(tiny), "--out", "/proc/p.json"],
+        ["trace", "convert", "--format", "deepseek-csv", str(tmp_path), "/proc/o.mpt"],
+        ["simulate", str(trace), "--plot", "/proc/p.png"],
+        ["generate", "--model", str(tiny), "hi", "--stats-json", "/proc/s.json"],
+        ["generate", "--model", str(tiny), "hi", "--record-trace", "/proc/t.mpt"],
+    ]
+    for argv in cases:
+        refused(capsys, argv, "cannot write in /proc")
+
+
+def test_export_gguf_never_replaces_a_file_without_force(tiny, tmp_path, capsys):
+    out = tmp_path / "mine.gguf"
+    out.write_bytes(b"someone's model")
+    refused(capsys, ["export-gguf", "--model", str(tiny), "--out", str(out)], "already exists")
+    assert out.read_bytes() == b"someone's model"
+    assert main(["export-gguf", "--model", str(tiny), "--out", str(out), "--force"]) == 0
+    assert out.read_bytes()[:4] == b"GGUF"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--model", "{tiny}", "hi", "--seed", str(2**80)], "seed must be an integer in"),
+    (["calibrate", "--model", "{tiny}", "--threads", "99"], "more than this machine's"),
+    (["chat", "--model", "{tiny}", "--max-tokens", "0"], "--max-tokens must be >= 1"),
+    (["quantize", "--model", "{tiny}", "--experts", "int8", "--int4-group", "64", "--out", "{out}"],
+     "apply to --experts int4"),
+    (["predictor", "fit", "--kind", "transition", "--trace", "{trace}", "--out", "{out}", "--epochs", "3"],
+     "--epochs does nothing for --kind transition"),
+])
+def test_options_that_make_no_sense_are_refused_in_one_line(tiny, trace, tmp_path, capsys, argv, message):
+    fill = {"{tiny}": str(tiny), "{trace}": str(trace), "{out}": str(tmp_path / "out")}
+    refused(capsys, [fill.get(a, a) for a in argv], message)
+    assert not (tmp_path / "out").exists()
+
+
+def test_chat_replaces_bytes_that_are_not_utf8_and_goes_on(tiny):
+    run = subprocess.run([sys.executable, "-m", "moepager.cli.main", "chat", "--model", str(tiny), "--quiet",
+                          "--temperature", "0", "--max-tokens", "2"], input=b"caf\xe9\n/stats\n/exit\n",
+                         capture_output=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert b"not valid UTF-8" in run.stderr and b"Traceback" not in run.stderr
+    assert b"prompt" in run.stdout  # /stats after the answer: the conversation went on

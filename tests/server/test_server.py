@@ -138,10 +138,71 @@ def test_seeded_sampling_repeats_and_logprobs_are_reported(client):
     (dict(prompt=[10**9], max_tokens=4), 400, "prompt token ids must be in"),
     (dict(max_tokens=4), 400, "prompt: Field required"),
     (dict(prompt="hi", n=2), 400, "n must be 1"),
+    (dict(prompt="hi", seed=2**80), 400, "seed must be an integer in"),
+    (dict(prompt="a\ud800b"), 400, "not valid Unicode: a lone surrogate"),
+    (dict(prompt="hi", max_tokens="5"), 400, "max_tokens: Input should be a valid integer"),
+    (dict(prompt="hi", max_tokens=True), 400, "max_tokens: Input should be a valid integer"),
+    (dict(prompt="hi", stream="yes"), 400, "stream: Input should be a valid boolean"),
+    (dict(prompt="hi", model=None), 400, "model: Input should be a valid string"),
+    (dict(prompt="hi", echo=True), 400, "echo is not supported"),
+    (dict(prompt="hi", best_of=3), 400, "best_of must be 1"),
+    (dict(prompt="hi", suffix="!"), 400, "suffix is not supported"),
+    (dict(prompt="hi", tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools are not supported"),
+    (dict(prompt="hi", temprature=0.5), 400, "unknown field 'temprature'"),
 ])
 def test_malformed_completion_requests_get_a_4xx_with_the_reason(server, body, status, reason):
-    r = httpx.post(f"{server}/v1/completions", json={"model": "demo-moe", **body}, timeout=30)
+    sent = json.dumps({"model": "demo-moe", **body})  # ASCII escapes: a lone surrogate travels as JSON sends it
+    r = httpx.post(f"{server}/v1/completions", content=sent, headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == status and reason in r.json()["error"]["message"]
+
+
+def test_neutral_values_of_unsupported_fields_and_the_user_field_are_accepted(server):
+    body = {"model": "demo-moe", "prompt": "hi", "max_tokens": 2, "echo": False, "best_of": 1, "suffix": None,
+            "tools": [], "user": "someone"}
+    assert httpx.post(f"{server}/v1/completions", json=body, timeout=30).status_code == 200
+
+
+def test_a_missing_model_a_retrieved_model_and_an_unknown_route_answer_in_openais_shape(server, client):
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "hi"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "model: Field required"
+    assert client.models.retrieve("demo-moe").id == "demo-moe"
+    with pytest.raises(openai.NotFoundError, match="model 'gpt-17' not found"):
+        client.models.retrieve("gpt-17")
+    r = httpx.get(f"{server}/v2/nothing", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(f"{server}/v1/completions", timeout=30)
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_a_50_mb_body_is_refused_at_once_while_a_stream_goes_on(server, client):
+    """The body is refused by its length before it is read (413), and an overlong text prompt within the limit is
+    refused before it is tokenised, off the event loop: a stream running meanwhile never waits, /health answers."""
+    import psutil
+
+    rss = psutil.Process().memory_info().rss
+    gaps: list[float] = []
+
+    def stream() -> None:
+        last = time.monotonic()
+        for _ in client.completions.create(prompt="The history of", stream=True, **{**GREEDY, "max_tokens": 200}):
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+    runner = threading.Thread(target=stream)
+    runner.start()
+    time.sleep(0.3)
+    big = json.dumps({"model": "demo-moe", "prompt": "word " * 10_000_000, "max_tokens": 4}).encode()
+    started = time.monotonic()
+    r = httpx.post(f"{server}/v1/completions", content=big, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 413 and "exceeds" in r.json()["error"]["message"] and time.monotonic() - started < 5
+    long_text = {"model": "demo-moe", "prompt": "x" * 900_000, "max_tokens": 4}  # under the body limit
+    r = httpx.post(f"{server}/v1/completions", json=long_text, timeout=30)
+    assert r.status_code == 400 and "exceeds the model's context" in r.json()["error"]["message"]
+    started = time.monotonic()
+    assert httpx.get(f"{server}/health", timeout=5).status_code == 200 and time.monotonic() - started < 1
+    runner.join(timeout=120)
+    assert gaps and max(gaps[1:]) < 1.0  # (the first gap is the prompt's prefill)
+    assert psutil.Process().memory_info().rss < 1.1 * rss + (64 << 20)
 
 
 def test_bad_json_and_bad_chat_messages_are_refused(server, client):
