@@ -304,3 +304,23 @@ def test_our_q8_0_and_q4_0_blocks_against_the_gguf_packages_quantizer():
         else:
             assert steps.min() == 0 and steps.max() <= 16
             assert ours_err.abs().mean() <= 1.01 * lib_err.abs().mean()
+
+
+def test_stale_gguf_conversions_are_pruned(tmp_path, monkeypatch):
+    import json
+
+    from moepager.checkpoints.gguf_read import SOURCE, gguf_cache_dir, prune_gguf_cache
+
+    monkeypatch.setenv("MOEPAGER_CACHE", str(tmp_path / "cache"))
+    kept_file = tmp_path / "kept.gguf"
+    kept_file.write_bytes(b"GGUF")
+    st = kept_file.stat()
+    for name, source in (("kept", {"path": str(kept_file), "size": st.st_size, "mtime_ns": st.st_mtime_ns}),
+                         ("gone", {"path": str(tmp_path / "gone.gguf"), "size": 4, "mtime_ns": 1}),
+                         ("changed", {"path": str(kept_file), "size": 99, "mtime_ns": 1})):
+        entry = gguf_cache_dir() / name
+        entry.mkdir(parents=True)
+        (entry / SOURCE).write_text(json.dumps(source))
+        (entry / "model.safetensors").write_bytes(b"x" * 1000)
+    assert prune_gguf_cache()[0] == 2
+    assert sorted(p.name for p in gguf_cache_dir().iterdir()) == ["kept"]

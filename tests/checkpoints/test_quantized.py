@@ -10,6 +10,7 @@ import torch
 
 from moepager.checkpoints import quantized as quantized_module
 from moepager.checkpoints.build import load_model
+from moepager.checkpoints.default import default_model_path
 from moepager.checkpoints.quantized import quantize_checkpoint, stored_format
 from moepager.checkpoints.safetensors import Checkpoint, write_safetensors
 from moepager.cli.main import main
@@ -208,3 +209,10 @@ def test_in_bf16_a_quantized_checkpoint_and_load_time_quantization_agree_bit_for
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     assert stored.generate(["The history of"], params)[0].token_ids == \
         at_load.generate(["The history of"], params)[0].token_ids
+
+
+def test_a_quantized_copy_of_a_model_with_a_card_says_what_it_is(tmp_path):
+    out = quantize_checkpoint(default_model_path(), tmp_path / "q", "int8", show_progress=False)
+    card = (out / "README.md").read_text()
+    assert card.startswith("> **A quantized copy.**") and "int8" in card.splitlines()[0]
+    assert (default_model_path() / "README.md").read_text() in card  # the original's card follows, whole

@@ -62,6 +62,8 @@ def test_replaying_the_models_own_routing_changes_nothing(olmoe, tmp_path):
     prompts = [[5, 9, 2], [7, 1, 3, 4, 8]]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     original = llm.generate(prompts, params, record_trace=tmp_path / "own.mpt")
+    with TraceReader(tmp_path / "own.mpt") as reader:  # the model's name, never a path on this machine
+        assert reader.header.model == olmoe.name
     replayed = llm.replay(ReplaySpec(tmp_path / "own.mpt"))
     assert [c.prompt_token_ids for c in replayed] == prompts
     assert [c.token_ids for c in replayed] == [c.token_ids for c in original]
