@@ -185,6 +185,11 @@ class SchedulerConfig:
     preempted and recomputed later. A request that needs more than this alone grows it while nothing runs."""
     block_size: int = 16
     """Positions per KV cache block."""
+    batch_invariant: bool = False
+    """Each request's tokens are computed in a forward pass of its own, and its prompt in chunks of a fixed size
+    whatever else runs: a request's tokens never depend on which others share its steps (a batched pass computes a
+    row with other kernels than a lone one: different roundings, so once in a while another greedy token), unless
+    the KV cache runs out and it is recomputed. Costs the throughput batching brings (opt-in: `--deterministic`)."""
 
     def __post_init__(self) -> None:
         for flag, value in (("--max-num-seqs", self.max_num_seqs), ("--max-batched-tokens", self.max_batched_tokens),

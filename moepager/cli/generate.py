@@ -119,13 +119,16 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="most tokens one step computes (prompts are chunked to fit)")
     g.add_argument("--kv-cache-tokens", type=int, default=defaults.kv_cache_tokens,
                    help="KV cache positions shared by the running requests (the youngest is preempted when full)")
+    g.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant: each request computed in a pass of its own and its prompt in fixed chunks, "
+                        "so its tokens never depend on what else runs (at the cost of batching's throughput)")
     add_store_arguments(p)
     add_prefetch_arguments(p)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
-                                kv_cache_tokens=args.kv_cache_tokens)
+                                kv_cache_tokens=args.kv_cache_tokens, batch_invariant=args.deterministic)
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
                         store=store_config(args), prefetch=prefetch_config(args), expert_kernel=args.expert_kernel,
                         scheduler=scheduler, expert_dtype=args.expert_dtype, int4_group=args.int4_group,

@@ -49,7 +49,8 @@ class Engine:
         self.model, self.config = model, config
         self.pool = KVBlockPool(model, dtype, device, config.kv_cache_tokens, config.block_size)
         self.scheduler = Scheduler(config, self.pool)
-        self.runner = ModelRunner(model, self.pool, device, on_pass, DecodeGraphs(model, self.pool) if graphs else None)
+        self.runner = ModelRunner(model, self.pool, device, on_pass, DecodeGraphs(model, self.pool) if graphs else None,
+                                  config.batch_invariant)
         self.eos_ids, self.detokenize = frozenset(eos_ids), detokenize
         self.on_finish = on_finish
         """Told each finished request's id (the prefetcher forgets its per-request state)."""

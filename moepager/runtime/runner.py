@@ -31,8 +31,10 @@ def ignore_pass(info: PassInfo) -> None:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVBlockPool, device: torch.device, on_pass: OnPass = ignore_pass,
-                 graphs: DecodeGraphs | None = None):
+                 graphs: DecodeGraphs | None = None, batch_invariant: bool = False):
         self.model, self.pool, self.device = model, pool, device
+        self.batch_invariant = batch_invariant
+        """Every row a pass of its own (SchedulerConfig.batch_invariant)."""
         self.on_pass = on_pass
         self.window = model.config.sliding_window
         self.passes = itertools.count()
@@ -43,7 +45,9 @@ class ModelRunner:
         """Compute the rows' tokens into the cache; logits [V] of each row that completes its tokens."""
         counts = [r.count for r in rows]
         groups = [rows]
-        if len(rows) * max(counts) > 2 * sum(counts) and 1 in counts:
+        if self.batch_invariant:
+            groups = [[r] for r in rows]
+        elif len(rows) * max(counts) > 2 * sum(counts) and 1 in counts:
             groups = [[r for r in rows if r.count == 1], [r for r in rows if r.count > 1]]
         out = []
         for group in groups:

@@ -4,7 +4,9 @@ Algorithm (vLLM's, at our size): running requests first, oldest first, each taki
 when decoding, the rest of its prompt otherwise) within the step's token budget; a request whose next tokens
 need a KV block the pool does not have preempts the youngest running request (its blocks freed, its tokens
 recomputed when it runs again) until the block is found. Then waiting requests are admitted in arrival order
-while the budget, the request limit and the pool allow, their prompts chunked to fit the budget.
+while the budget, the request limit and the pool allow, their prompts chunked to fit the budget. Batch-invariant
+(SchedulerConfig.batch_invariant), a prompt is always chunked at the same places (`fixed_chunk`), whatever else runs:
+a chunk that does not fit waits for the next step.
 """
 
 from __future__ import annotations
@@ -47,7 +49,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             remaining = request.remaining
-            count = min(remaining, budget)
+            count = self._take(remaining, budget)
+            if count is None:  # batch-invariant: its fixed chunk does not fit beside the rows before it
+                i += 1
+                continue
             if not self.pool.reserve(request.blocks, request.num_computed + count):
                 victim = self.running.pop()  # the youngest; never one already scheduled (those sit before i)
                 self._preempt(victim)
@@ -57,13 +62,28 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            count = min(request.remaining, budget)
+            count = self._take(request.remaining, budget)
+            if count is None:
+                break
             if not self.pool.reserve(request.blocks, request.num_computed + count):
                 break
             self.running.append(self.waiting.popleft())
             rows.append(Scheduled(request, request.num_computed, count, False))  # it joins: its prompt (or all again)
             budget -= count
         return rows
+
+    def _take(self, remaining: int, budget: int) -> int | None:
+        """How many of a request's remaining tokens this step computes: as many as the budget allows; batch-invariant,
+        its next fixed chunk or none (so its prompt is split at the same places whatever else runs)."""
+        if not self.config.batch_invariant:
+            return min(remaining, budget)
+        chunk = min(remaining, self.fixed_chunk)
+        return chunk if chunk <= budget else None
+
+    @property
+    def fixed_chunk(self) -> int:
+        """A batch-invariant prompt chunk: room for it beside a decode row of every other request the step takes."""
+        return max(1, self.config.max_batched_tokens - self.config.max_num_seqs + 1)
 
     def _preempt(self, request: Request) -> None:
         self.pool.release(request.blocks)

@@ -110,3 +110,20 @@ def test_finish_frees_a_waiting_or_running_request_and_its_blocks():
     s.finish(b)  # waiting
     s.finish(a)  # running
     assert (s.running, list(s.waiting), len(pool.free)) == ([], [], 4)
+
+
+def test_batch_invariant_prompts_are_chunked_at_the_same_places_whatever_runs_beside_them():
+    config = SchedulerConfig(max_num_seqs=4, max_batched_tokens=12, batch_invariant=True)
+    s = Scheduler(config, FakePool(64))
+    assert s.fixed_chunk == 9  # room for three other requests' decodes beside a chunk
+    a, b = FakeRequest("a", [1] * 20), FakeRequest("b", [1] * 5)
+    s.add(a)
+    s.add(b)
+    assert step(s) == [("a", 0, 9, False)]  # b's 5 tokens would fit the 3 left, but not whole: it waits
+    assert step(s) == [("a", 9, 9, False)]
+    assert step(s) == [("a", 18, 2, False), ("b", 0, 5, False)]
+    assert step(s) == [("a", 20, 1, True), ("b", 5, 1, True)]
+    alone = Scheduler(config, FakePool(64))
+    c = FakeRequest("c", [1] * 20)
+    alone.add(c)
+    assert [step(alone)[0][1:3] for _ in range(3)] == [(0, 9), (9, 9), (18, 2)]  # the same chunks alone
