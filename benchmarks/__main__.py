@@ -52,6 +52,7 @@ BENCHMARKS: dict[str, Bench] = {
                     runtime="1 min"),
     "gemv": _b("How fast do torch's one-token kernels read a weight matrix?", runtime="5 min"),
     "expert_kernels": _b("Which expert kernel computes a MoE layer fastest at 1 and 64 tokens?", runtime="5 min"),
+    "threads": _b("Which thread count decodes fastest on an idle and on a busy machine?", runtime="2 min"),
     "overhead": _b("How many Python calls and how much time does a decode token cost?",
                    quick=("--rounds", "1", "--decode", "8"), runtime="3 min"),
     "decode_cpu": _b("HF transformers against moepager on the CPU, prefill and decode", needs="bench",

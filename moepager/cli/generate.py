@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+import psutil
+
 from moepager.atomic_io import check_file
 from moepager.checkpoints.build import read_config
 from moepager.checkpoints.default import default_model_path
@@ -77,7 +79,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Where the model runs and how its experts and requests are held (generate, serve, chat)."""
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="convert weights (default: as stored)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: the cores other processes leave idle, measured at start: torch's "
+                        "threads spin against a busy core)")
     p.add_argument("--expert-kernel", choices=KERNELS, default="auto",
                    help="how a layer's routed experts are computed: auto (per call: loop on the CPU, gather for "
                         "small experts at one token, grouped on CUDA), loop, gather, grouped, or packed (CPU, every "
@@ -129,7 +133,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
                                 kv_cache_tokens=args.kv_cache_tokens, batch_invariant=args.deterministic)
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
+    threads = args.threads if args.threads is not None or args.device != "cpu" else idle_cores()
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, threads=threads,
                         store=store_config(args), prefetch=prefetch_config(args), expert_kernel=args.expert_kernel,
                         scheduler=scheduler, expert_dtype=args.expert_dtype, int4_group=args.int4_group,
                         int4_zero_point=args.int4_zero_points, dense_dtype=args.dense_dtype,
@@ -266,6 +271,23 @@ def refuse_ignored_engine_options(args: argparse.Namespace) -> None:
         raise MoepagerError(f"--learn-maps: the {args.predictor} predictor does not learn online (only "
                             f"{', '.join(ONLINE)} does)")
     check_threads(args.threads)
+
+
+BUSY_SAMPLE_S = 0.25
+"""How long the CPU's use by other processes is sampled before a command picks its threads."""
+
+
+def idle_cores() -> int:
+    """The cores other processes leave idle (at least one), said when it is fewer than all: torch's OpenMP threads
+    spin while they wait for each other, so one that shares a core with a busy process stalls every step (measured:
+    docs/performance-notes.md, "Threads")."""
+    cores = os.cpu_count() or 1
+    busy = psutil.cpu_percent(interval=BUSY_SAMPLE_S) / 100 * cores
+    threads = max(1, cores - int(busy + 0.5))
+    if threads < cores:
+        print(f"note: other processes keep ~{busy:.1f} of {cores} cores busy: computing with {threads} thread"
+              f"{'s' if threads > 1 else ''} (--threads N overrides)", file=sys.stderr)
+    return threads
 
 
 def check_threads(threads: int | None) -> None:

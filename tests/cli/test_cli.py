@@ -133,3 +133,17 @@ def _numel(shape):
 def test_every_architecture_has_a_tiny_preset():
     for arch in ARCH_TYPES:
         assert tensor_specs(preset_config("tiny", arch, None))
+
+
+def test_the_default_threads_are_the_cores_other_processes_leave_idle(monkeypatch, capsys):
+    import psutil
+
+    from moepager.cli import generate
+
+    monkeypatch.setattr(generate.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval: 3.0)  # idle
+    assert generate.idle_cores() == 4 and capsys.readouterr().err == ""
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval: 52.0)  # two of four cores busy
+    assert generate.idle_cores() == 2 and "computing with 2 threads (--threads N overrides)" in capsys.readouterr().err
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval: 100.0)
+    assert generate.idle_cores() == 1
