@@ -34,7 +34,8 @@ def test_serve_answers_and_stops_on_ctrl_c():
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc)
-        r = httpx.post(f"{url}/v1/completions", json={"prompt": "The history of", "max_tokens": 4, "temperature": 0},
+        r = httpx.post(f"{url}/v1/completions", json={"model": "demo-moe", "prompt": "The history of", "max_tokens": 4,
+                                                      "temperature": 0},  # (model: required, as OpenAI requires it)
                        timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "demo-moe"
