@@ -14,6 +14,7 @@ from collections.abc import Callable
 from moepager.cli.generate import (
     add_engine_arguments,
     add_sampling_arguments,
+    announce_threads,
     engine_config,
     refuse_ignored_engine_options,
     sampling_params,
@@ -100,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         raise MoepagerError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     refuse_ignored_engine_options(args)
     llm = LLM(config=engine_config(args), show_progress=not args.quiet)
+    announce_threads(args)
     if llm.tokenizer is None or not llm.tokenizer.chat_template:
         raise MoepagerError("this checkpoint has no chat template (tokenizer_config.json chat_template); use generate")
     chat = Chat(llm, args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -79,6 +80,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Where the model runs and how its experts and requests are held (generate, serve, chat)."""
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="convert weights (default: as stored)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.set_defaults(threads_note="")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: the cores other processes leave idle, measured at start: torch's "
                         "threads spin against a busy core)")
@@ -133,7 +135,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
                                 kv_cache_tokens=args.kv_cache_tokens, batch_invariant=args.deterministic)
-    threads = args.threads if args.threads is not None or args.device != "cpu" else idle_cores()
+    threads = args.threads
+    if threads is None and args.device == "cpu":
+        threads, args.threads_note = idle_cores()
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, threads=threads,
                         store=store_config(args), prefetch=prefetch_config(args), expert_kernel=args.expert_kernel,
                         scheduler=scheduler, expert_dtype=args.expert_dtype, int4_group=args.int4_group,
@@ -277,17 +281,35 @@ BUSY_SAMPLE_S = 0.25
 """How long the CPU's use by other processes is sampled before a command picks its threads."""
 
 
-def idle_cores() -> int:
-    """The cores other processes leave idle (at least one), said when it is fewer than all: torch's OpenMP threads
-    spin while they wait for each other, so one that shares a core with a busy process stalls every step (measured:
-    docs/performance-notes.md, "Threads")."""
+def idle_cores() -> tuple[int, str]:
+    """The cores other processes leave idle (at least one), and a note saying so when it is fewer than all (what
+    `announce_threads` prints once the run has started): torch's OpenMP threads spin while they wait for each other,
+    so one that shares a core with a busy process stalls every step (docs/performance-notes.md, "Threads"). This
+    process's own use is left out of the sample."""
     cores = os.cpu_count() or 1
-    busy = psutil.cpu_percent(interval=BUSY_SAMPLE_S) / 100 * cores
+    busy = others_busy_cores(cores)
     threads = max(1, cores - int(busy + 0.5))
-    if threads < cores:
-        print(f"note: other processes keep ~{busy:.1f} of {cores} cores busy: computing with {threads} thread"
-              f"{'s' if threads > 1 else ''} (--threads N overrides)", file=sys.stderr)
-    return threads
+    note = (f"note: other processes keep ~{busy:.1f} of {cores} cores busy: computing with {threads} thread"
+            f"{'s' if threads > 1 else ''} (--threads N overrides)") if threads < cores else ""
+    return threads, note
+
+
+def others_busy_cores(cores: int) -> float:
+    """How many of the machine's `cores` other processes kept busy over BUSY_SAMPLE_S (this process left out)."""
+    own = psutil.Process()
+    before, mine = psutil.cpu_times(), own.cpu_times()
+    time.sleep(BUSY_SAMPLE_S)
+    after, mine_after = psutil.cpu_times(), own.cpu_times()
+    idle = (after.idle + getattr(after, "iowait", 0.0)) - (before.idle + getattr(before, "iowait", 0.0))
+    total = sum(after) - sum(before)
+    ours = (mine_after.user + mine_after.system) - (mine.user + mine.system)
+    return max(0.0, (total - idle - ours) / total * cores) if total > 0 else 0.0
+
+
+def announce_threads(args: argparse.Namespace) -> None:
+    """The threads note of `idle_cores`, once the model has loaded (an error before it stays one line)."""
+    if args.threads_note:
+        print(args.threads_note, file=sys.stderr)
 
 
 def check_threads(threads: int | None) -> None:
@@ -334,6 +356,7 @@ def run(args: argparse.Namespace) -> int:
     if replay is not None:  # a trace that cannot replay on this model is refused before the model loads
         load_replay(replay, read_config(args.model or default_model_path()))
     llm = LLM(config=engine_config(args), show_progress=not args.quiet)
+    announce_threads(args)
     if replay is not None:
         return _replay(llm, replay, params, args)
     if llm.tokenizer is None:

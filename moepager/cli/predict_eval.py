@@ -38,9 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="gate-lookahead: the checkpoint whose routers to apply (the trace's model)")
     p.add_argument("--per-layer", action="store_true", help="also print recall@top-k per layer")
     p.add_argument("--json", metavar="PATH", help="write every result (with per-layer figures) as JSON")
-    p.add_argument("--head-hidden", type=int, default=DEFAULT_HIDDEN, metavar="H",
-                   help=f"head: fit it with an MLP of H hidden units per layer beside the linear head (default "
-                        f"{DEFAULT_HIDDEN}; 0: linear)")
+    p.add_argument("--head-hidden", type=int, metavar="H",
+                   help=f"head: fit it with an MLP of H hidden units per layer beside the linear head (0: linear; "
+                        f"default: linear or {DEFAULT_HIDDEN}, chosen on held-out training requests)")
     p.add_argument("--no-tokens", action="store_true", help="head: fit it without the token")
     p.add_argument("--prompt", type=int, metavar="N",
                    help="each request's first N tokens are its prompt, the rest generated (as a replay with "
@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build(name: str, reader: TraceReader, train: list[int], distances: list[int], model: str | None,
-          prompt: int | None = None, head_hidden: int = DEFAULT_HIDDEN, tokens: bool = True) -> Predictor:
+          prompt: int | None = None, head_hidden: int | None = None, tokens: bool = True) -> Predictor:
     """A fitted predictor learns on `train` (FITTERS); gate-lookahead applies the routers of `model`."""
     h = reader.header
     fitter = FITTERS.get(name)

@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from moepager.atomic_io import atomic_file, check_file
 from moepager.predictors import FITTED, PredictorError
-from moepager.predictors.head import DEFAULT_HIDDEN
+from moepager.predictors.head import DEFAULT_HIDDEN, DEFAULT_STEPS
 from moepager.predictors.path import SHAPES
 from moepager.trace.fit import FITTERS
 from moepager.trace.format import TraceReader
@@ -60,11 +60,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--no-tokens", action="store_true",
                    help="head: leave the token out (when the engine will not see the trace's tokens: a model with "
                         "another tokenizer; a replay hands predictors the trace's own)")
-    f.add_argument("--head-epochs", type=int, help="head: passes over the trace (default 4)")
+    f.add_argument("--head-steps", type=int,
+                   help=f"head: optimiser steps per head (default {DEFAULT_STEPS}, whatever the trace's size)")
+    f.add_argument("--head-epochs", type=int, help="head: passes over the trace instead of --head-steps")
     f.add_argument("--head-hidden", type=int, metavar="H",
-                   help=f"head: add an MLP with H hidden units per layer to the linear head (default {DEFAULT_HIDDEN}, "
-                        "which forecast DeepSeek-V2-Lite's routing best, README; 0: the linear head alone, ~3.6x "
-                        "faster to fit)")
+                   help=f"head: an MLP with H hidden units per layer beside the linear head (0: the linear head "
+                        f"alone; default: linear or {DEFAULT_HIDDEN}, whichever forecasts 15%% of the training "
+                        "requests, held out, better; it says which)")
     f.add_argument("--path-epochs", type=int, help="path: passes over the trace (default 20)")
     f.add_argument("--seed", type=int, help="head, path: training seed")
     f.add_argument("--shape", choices=sorted(SHAPES),
@@ -88,7 +90,8 @@ OPTIONS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "capacity": ("capacity", None), "distance": ("distance", None), "max_iterations": ("max_iterations", None),
     "neighbours": ("neighbours", None), "trajectory_only": ("trajectory_only", None),
     "epochs": ("epochs", ("token-wise",)), "head_epochs": ("epochs", ("head",)), "path_epochs": ("epochs", ("path",)),
-    "head_hidden": ("hidden", None), "no_tokens": ("tokens", None), "seed": ("seed", None), "shape": ("shape", None),
+    "head_hidden": ("hidden", None), "head_steps": ("steps", ("head",)), "no_tokens": ("tokens", None),
+    "seed": ("seed", None), "shape": ("shape", None),
     "prompt": ("prompt", None), "resume": ("resume", None),
 }
 """`predictor fit` option (argparse dest) -> (the fit configuration's field, the kinds it applies to; None: every kind

@@ -6,7 +6,7 @@ import argparse
 import threading
 from pathlib import Path
 
-from moepager.cli.generate import add_engine_arguments, engine_config, refuse_ignored_engine_options
+from moepager.cli.generate import add_engine_arguments, announce_threads, engine_config, refuse_ignored_engine_options
 from moepager.errors import MoepagerError
 from moepager.runtime.llm import LLM
 
@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
         raise MoepagerError(f"--port must be in 1..65535, got {args.port}")
     refuse_ignored_engine_options(args)
     llm = LLM(config=engine_config(args), show_progress=not args.quiet)
+    announce_threads(args)
     llm.warm_batched_decode()  # --compile: concurrent requests decode through the compiled step from the first
     name = args.served_model_name or Path(args.model or llm.loaded.checkpoint.path).name  # a GGUF: its file name
     print(f"serving {name} on http://{args.host}:{args.port} (web page at /, OpenAI API at /v1)", flush=True)

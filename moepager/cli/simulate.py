@@ -19,7 +19,7 @@ from moepager.predictors import FITTED, PredictorError, make_predictor
 from moepager.store.budget import format_bytes
 from moepager.trace.format import DECODE, TraceError, TraceReader
 from moepager.trace.predict import replay_forecasts
-from moepager.trace.report import format_table, plot_hit_rates, summary
+from moepager.trace.report import format_table, plot_hit_rates, summary, with_gaps
 from moepager.trace.simulate import FORECASTS, Forecasts, SimSpec, check_spec, simulate
 from moepager.trace.workload import Cut, Workload, chosen_requests, load_workload, parse_requests
 
@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
             if json_out is not None:
                 with atomic_file(json_out) as tmp:
                     tmp.write_text(json.dumps({"trace": args.trace, "header": vars(h), "profile": args.profile,
-                                               "rows": rows}, indent=1, default=list))
+                                               "rows": with_gaps(rows)}, indent=1, default=list))
     if plot_out is not None:
         with atomic_file(plot_out) as tmp:
             plot_hit_rates(rows, tmp, f"{h.model}: hit rate vs cache size")

@@ -7,6 +7,7 @@ counts. Shape legend: N rows, L MoE layers, K top-k, E experts, D hidden.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -32,7 +33,15 @@ from moepager.predictors import (
 from moepager.predictors.expert_map import DEFAULT_CAPACITY, HASH_DIM
 from moepager.predictors.token_wise import train_token_wise
 from moepager.trace.format import TraceReader, TraceRequest
-from moepager.trace.predict import Progress, observations, prompt_length, row_token_ids, semantic_rows
+from moepager.trace.predict import (
+    Progress,
+    evaluate,
+    observations,
+    prompt_length,
+    row_token_ids,
+    semantic_rows,
+    split_requests,
+)
 
 
 def stacked(reader: TraceReader, train: Sequence[int]) -> tuple[list[TraceRequest], torch.Tensor, torch.Tensor]:
@@ -107,7 +116,8 @@ class Fitter:
     """(reader, training requests, configuration, progress(advance)) -> the predictor."""
     unit: str
     """What the progress counts."""
-    total: Callable[[Sequence[int], Any], int]
+    total: Callable[[Sequence[int], Any], int | None]
+    """What the progress will count to (None: not known before the fit starts)."""
 
     def configure(self, kind: str, **given: Any) -> Any:
         """Its configuration from `given` (field -> value; None keeps the default), refusing a field it has not."""
@@ -140,13 +150,38 @@ def _fit_token_wise(reader: TraceReader, train: Sequence[int], c: TokenWiseFit, 
 
 
 def fit_head(reader: TraceReader, train: Sequence[int], c: HeadFit, progress: Progress) -> Predictor:
-    """The learned head for every fitted distance and the pass (distance 0, when the trace has tokens)."""
+    """The learned head for every fitted distance and the pass (distance 0, when the trace has tokens). Its shape
+    (linear, or with head.DEFAULT_HIDDEN hidden units) is `c.hidden`, or, when None, the one whose heads fitted on
+    all but `c.holdout` of the training requests forecast the held-out ones better (recall at the trace's top-k,
+    averaged over the fitted distances; a tie goes to the linear head, the cheaper), refitted on every request."""
+    if c.hidden is not None:
+        return _fit_head_shape(reader, train, c, c.hidden, progress)
+    if len(train) < 2:
+        print("head: linear (one training request leaves none to hold out and choose the shape by)", file=sys.stderr)
+        return _fit_head_shape(reader, train, c, 0, progress)
+    picked, held = split_requests(len(train), c.holdout, c.seed)
+    fit_on, held_out = [train[i] for i in picked], [train[i] for i in held]
+    k = reader.header.top_k
+    recall = {}
+    for hidden in (0, head.DEFAULT_HIDDEN):
+        candidate = _fit_head_shape(reader, fit_on, c, hidden, progress)
+        recall[hidden] = sum(evaluate(candidate, reader, held_out, d, [k]).recall(k) for d in c.distances) \
+            / len(c.distances)
+    chosen = max(recall, key=lambda h: (recall[h], -h))
+    shape = {0: "linear", head.DEFAULT_HIDDEN: f"an MLP of {head.DEFAULT_HIDDEN} hidden units"}
+    print(f"head: {shape[chosen]}, which forecast {len(held_out)} held-out requests better (recall@{k} "
+          + ", ".join(f"{shape[h].split(' of')[0]} {recall[h]:.3f}" for h in recall) + ")", file=sys.stderr)
+    return _fit_head_shape(reader, train, c, chosen, progress)
+
+
+def _fit_head_shape(reader: TraceReader, train: Sequence[int], c: HeadFit, hidden: int,
+                    progress: Progress) -> Predictor:
     requests, ids, request_N = stacked(reader, train)
     tokens = [row_token_ids(r) for r in requests]
     have_tokens = c.tokens and all(len(t) == r.num_tokens for t, r in zip(tokens, requests)) and len(requests) > 0
     return head.fit_head(ids, request_N, reader.header.num_experts, (0, *c.distances),
                          torch.cat(tokens).tolist() if have_tokens else None, epochs=c.epochs,
-                         hidden=c.hidden, seed=c.seed, progress=progress)
+                         hidden=hidden, seed=c.seed, progress=progress, steps=c.steps)
 
 
 def fit_path(reader: TraceReader, train: Sequence[int], c: PathFit, progress: Progress) -> Predictor:
@@ -165,7 +200,7 @@ FITTERS: dict[str, Fitter] = {
     "transition": Fitter(TransitionFit, _fit_transition, "fit", lambda train, c: 1),
     "expert-map": Fitter(ExpertMapFit, _fit_expert_maps, "request", lambda train, c: len(train)),
     "token-wise": Fitter(TokenWiseFit, _fit_token_wise, "epoch", lambda train, c: c.epochs),
-    "head": Fitter(HeadFit, fit_head, "epoch", lambda train, c: c.epochs * (len(c.distances) + 1)),
+    "head": Fitter(HeadFit, fit_head, "pass", lambda train, c: None),
     "path": Fitter(PathFit, fit_path, "epoch", lambda train, c: c.epochs),
 }
 """Every fitted predictor's fitting, by registry name (its configuration class is the one its registry entry names:

@@ -23,6 +23,7 @@ def summary(result: SimResult, work: Workload, cost: CostModel | None) -> dict[s
         "horizon": result.spec.horizon, "capacity": result.spec.capacity,
         "scope": result.spec.scope, "hit_rate": result.hit_rate(), "prefill_hit_rate": result.hit_rate(PREFILL),
         "decode_hit_rate": result.hit_rate(DECODE), "misses": result.misses, "loads": result.loads,
+        "prefetch_loads": int(result.prefetch_loads_SL.sum()), "prefetch_used": int(result.prefetch_used_SL.sum()),
         "loads_per_token": result.loads / max(tokens, 1), "tokens": tokens, "steps": len(result.step_tokens),
         "sim_wall_s": result.wall_s, "layer_hit_rates": result.layer_hit_rates().round(4).tolist(),
     }
@@ -35,6 +36,27 @@ def summary(result: SimResult, work: Workload, cost: CostModel | None) -> dict[s
         row["tpot_ms"] = 1e3 * float(t_S[decode].sum() / max(result.step_tokens[decode].sum(), 1))
         row["ttft_ms"] = 1e3 * float(t_S[~decode].mean()) if (~decode).any() else None
     return row
+
+
+def with_gaps(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row with the share of the LRU -> Belady gap it closes, in hits and in bytes moved (demand + prefetch
+    loads), where the same run has LRU and Belady at its capacity and scope (plain, no forecast or prefetch). A
+    prefetched expert that is used is a hit but still cost a transfer: in bytes it counts as one, which is why a
+    prefetching row can close much of the gap in hits and little or none in bytes. Belady is demand-only, so
+    a prefetching row can pass 100% in hits, never in bytes."""
+    plain = {(r["policy"], r["capacity"], r["scope"]): r for r in rows
+             if r["forecast"] == "none" and not r.get("prefetch") and r.get("horizon", 1) == 1}
+    out = []
+    for r in rows:
+        lru, belady = plain.get(("lru", r["capacity"], r["scope"])), plain.get(("belady", r["capacity"], r["scope"]))
+        r = dict(r)
+        if lru is not None and belady is not None:
+            hits = belady["hit_rate"] - lru["hit_rate"]
+            loads = lru["loads"] - belady["loads"]
+            r["gap_closed_hits"] = (r["hit_rate"] - lru["hit_rate"]) / hits if hits > 0 else None
+            r["gap_closed_bytes"] = (lru["loads"] - r["loads"]) / loads if loads > 0 else None
+        out.append(r)
+    return out
 
 
 def step_seconds(result: SimResult, work: Workload, cost: CostModel) -> np.ndarray:
@@ -53,8 +75,14 @@ def _label(row: dict[str, Any]) -> str:
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The rows as a table; with LRU and Belady among them, each row's share of their gap closed in hits and in
+    bytes moved (`with_gaps`), and prefetched experts used against loaded where there are any."""
+    rows = with_gaps(rows)
+    gaps = any("gap_closed_bytes" in r for r in rows)
+    prefetching = any(r.get("prefetch_loads") for r in rows)
     head = ["policy", "capacity", "hit %", "prefill %", "decode %", "loads/token", "MiB/token", "TPOT ms",
-            "TTFT ms", "sim s"]
+            "TTFT ms", "sim s"] + (["gap % hits", "gap % bytes"] if gaps else []) + \
+        (["prefetched used/loaded"] if prefetching else [])
 
     def pct(x: float) -> str:
         return "-" if x is None or np.isnan(x) else f"{100 * x:.1f}"
@@ -68,7 +96,9 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
         lines.append([name, f"{r['capacity']}{' global' if r['scope'] == 'global' else ''}", pct(r["hit_rate"]),
                       pct(r["prefill_hit_rate"]), pct(r["decode_hit_rate"]), f"{r['loads_per_token']:.2f}",
                       num(r.get("bytes_per_token", 0) / 2**20 if "bytes_per_token" in r else None, ".1f"),
-                      num(r.get("tpot_ms"), ".2f"), num(r.get("ttft_ms"), ".1f"), f"{r['sim_wall_s']:.1f}"])
+                      num(r.get("tpot_ms"), ".2f"), num(r.get("ttft_ms"), ".1f"), f"{r['sim_wall_s']:.1f}"]
+                     + ([pct(r.get("gap_closed_hits")), pct(r.get("gap_closed_bytes"))] if gaps else [])
+                     + ([f"{r.get('prefetch_used', 0)}/{r.get('prefetch_loads', 0)}"] if prefetching else []))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths)))
                      for line in lines)

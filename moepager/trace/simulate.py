@@ -104,6 +104,8 @@ class SimResult:
     """Experts loaded on a miss (admitted to the cache, or streamed through when it has no room)."""
     prefetch_loads_SL: np.ndarray
     """Experts loaded ahead of use (SMoE's token-wise prefetch)."""
+    prefetch_used_SL: np.ndarray
+    """Of those, the ones their step then requested (a hit that still cost a transfer)."""
     step_phase: np.ndarray
     step_tokens: np.ndarray
     """Tokens in each step."""
@@ -299,6 +301,9 @@ class _State:
         self.hits = np.zeros((s, num_layers), np.int32)
         self.demand = np.zeros((s, num_layers), np.int32)
         self.prefetch = np.zeros((s, num_layers), np.int32)
+        self.prefetch_used = np.zeros((s, num_layers), np.int32)
+        self.ahead = np.zeros((num_layers, e + 1), bool)
+        """Experts loaded ahead for the current step (counted used when the step requests them)."""
 
     def request(self, step: int, ids_nLK: np.ndarray, next_nLK: np.ndarray | None, touch: bool = True) -> np.ndarray:
         """Marks this step's requests (and, with `touch`, updates every layer's statistics); the request mask."""
@@ -322,8 +327,14 @@ class _State:
         if has_next:
             self.stats.next_use[layer][req] = self.next[layer][req]
 
-    def outputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        return self.requested, self.hits, self.demand, self.prefetch
+    def used_ahead(self, step: int, req: np.ndarray) -> None:
+        """The step's requests judge what was loaded ahead for it: those requested were used, the rest wasted."""
+        if self.ahead.any():
+            self.prefetch_used[step] = (self.ahead & req).sum(1)
+            self.ahead[:] = False
+
+    def outputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return self.requested, self.hits, self.demand, self.prefetch, self.prefetch_used
 
 
 def _preload(state: _State, drive: Drive, cap_L: np.ndarray, warm: bool) -> None:
@@ -361,6 +372,7 @@ def _prefetch_layers(state: _State, policy: Ranked, step: int, ahead_LR: np.ndar
         room = cap_L - state.cached.sum(1)
         load &= np.cumsum(load, axis=1) <= room[:, None]
         state.cached |= load
+        state.ahead |= load
     return load.sum(1)
 
 
@@ -380,6 +392,7 @@ def _replay_layers(work: Workload, policy: Ranked, drive: Drive, capacity: int, 
         hit = req & state.cached
         state.requested[s] = nreq = req.sum(1)
         state.hits[s] = nhit = hit.sum(1)
+        state.used_ahead(s, req)
         if wants_prob:
             state.stats.prob = forecast.prob(s)
         if admits:
@@ -400,6 +413,7 @@ def _replay_layers(work: Workload, policy: Ranked, drive: Drive, capacity: int, 
             if over.max() > 0:
                 _evict_layers(state, policy, s, over, load)
             state.cached |= load
+            state.ahead |= load
             state.prefetch[s] = load.sum(1)
         if progress is not None and s % 4096 == 0:
             progress(s)
