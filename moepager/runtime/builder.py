@@ -169,14 +169,16 @@ def build(config: EngineConfig, path: Path, show_progress: bool) -> Built:
     options = LoadOptions.of(config)
     opened = open_checkpoint(path, options)
     kernel, store_config = config.expert_kernel, config.store
+    store: ExpertStore | None = None
     with load_bar(opened, show_progress) as bar:
         if store_config.paged:
-            executor: ExpertExecutor = _paged(store_config, opened.reader, opened.config, opened.device, kernel,
-                                              opened.device.type == "cuda", bar.update)
+            paged = _paged(store_config, opened.reader, opened.config, opened.device, kernel,
+                           opened.device.type == "cuda", bar.update)
+            executor: ExpertExecutor = paged
+            store = paged.store
         else:
             executor = resident_executor(opened.device, kernel)(opened.reader, opened.config, bar.update)
         loaded = build_model(opened, executor, options, bar.update)
-    store = executor.store if isinstance(executor, PagedExecutor) else None
     prefetcher = None
     if config.prefetch.predictor is not None and store is not None:
         inner = store.order.inner  # the device tier's eviction policy, which may rank by forecasts (fMoE, PLEC)

@@ -98,27 +98,31 @@ class BodyLimit:
         if length is not None and length.isdigit() and int(length) > self.limit:
             await self._refuse(send)
             return
-        seen, started = 0, False
+        seen, started, refused = 0, False, False
 
         async def counted() -> dict[str, Any]:
-            nonlocal seen
+            nonlocal seen, refused
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
+                    if not started and not refused:
+                        refused = True
+                        await self._refuse(send)  # answered here: the app may turn the error below into its own
                     raise _TooLarge
             return message
 
         async def watched(message: dict[str, Any]) -> None:
             nonlocal started
+            if refused:
+                return  # the 413 went out already
             started = started or message["type"] == "http.response.start"
             await send(message)
 
         try:
             await self.app(scope, counted, watched)
         except _TooLarge:
-            if not started:
-                await self._refuse(send)
+            pass
 
     async def _refuse(self, send: Any) -> None:
         body = json.dumps({"error": {"message": f"the request body exceeds {self.limit} bytes (longer than any prompt "

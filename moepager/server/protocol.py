@@ -75,7 +75,8 @@ class Sampling(BaseModel):
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, (neutral, reason) in UNSUPPORTED.items():
-                if name in data and data[name] != neutral and not (neutral is None and data[name] in ([], {})):
+                value = data.get(name)
+                if value is not None and value != neutral and value not in ([], {}):
                     raise PydanticCustomError(UNSUPPORTED_ERROR, reason, {"field": name})
             data = {k: v for k, v in data.items() if k not in UNSUPPORTED}
         return data

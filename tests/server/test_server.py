@@ -157,7 +157,7 @@ def test_malformed_completion_requests_get_a_4xx_with_the_reason(server, body, s
 
 
 def test_neutral_values_of_unsupported_fields_and_the_user_field_are_accepted(server):
-    body = {"model": "demo-moe", "prompt": "hi", "max_tokens": 2, "echo": False, "best_of": 1, "suffix": None,
+    body = {"model": "demo-moe", "prompt": "hi", "max_tokens": 2, "echo": False, "best_of": None, "suffix": None,
             "tools": [], "user": "someone"}
     assert httpx.post(f"{server}/v1/completions", json=body, timeout=30).status_code == 200
 
@@ -195,6 +195,9 @@ def test_a_50_mb_body_is_refused_at_once_while_a_stream_goes_on(server, client):
     started = time.monotonic()
     r = httpx.post(f"{server}/v1/completions", content=big, headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 413 and "exceeds" in r.json()["error"]["message"] and time.monotonic() - started < 5
+    chunks = iter([big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20)])  # no Content-Length: counted
+    r = httpx.post(f"{server}/v1/completions", content=chunks, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     long_text = {"model": "demo-moe", "prompt": "x" * 900_000, "max_tokens": 4}  # under the body limit
     r = httpx.post(f"{server}/v1/completions", json=long_text, timeout=30)
     assert r.status_code == 400 and "exceeds the model's context" in r.json()["error"]["message"]
