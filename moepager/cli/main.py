@@ -15,6 +15,7 @@ from moepager.cli import (
     generate,
     info,
     make_model,
+    plan,
     predict_eval,
     predictor,
     quantize,
@@ -25,7 +26,7 @@ from moepager.cli import (
 from moepager.errors import MoepagerError
 
 COMMANDS = {"generate": generate, "serve": serve, "chat": chat, "info": info, "make-model": make_model,
-            "simulate": simulate, "trace": trace, "predictor": predictor, "predict-eval": predict_eval,
+            "simulate": simulate, "plan": plan, "trace": trace, "predictor": predictor, "predict-eval": predict_eval,
             "calibrate": calibrate, "quantize": quantize, "export-gguf": export_gguf}
 
 

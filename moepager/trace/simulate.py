@@ -81,6 +81,9 @@ class SimSpec:
     prefetch: int = 0
     """Experts per token and layer loaded from a fitted predictor's forecast before the layer runs (PLEC's
     layer-order prefetch; needs forecast "predictor" with prefetch ranks); 0: none."""
+    per_layer: tuple[int, ...] | None = None
+    """Layer scope: each MoE layer's own capacity (a configured split of the budget: planning/configurator.py);
+    None: `capacity` for every layer."""
     horizon: int = 1
     """With forecast `oracle`: the true experts of the next `horizon` steps, not only the next one's (ranked by how
     often the window uses them, each with the same probability, so PLEC-LRFU breaks their ties by the CRF): what a
@@ -218,6 +221,10 @@ def check_spec(spec: SimSpec, h: TraceHeader, prior_LE: np.ndarray | None) -> No
     drive = drive_of(spec.policy)
     most = h.num_experts if spec.scope == "layer" else h.num_experts * h.num_layers
     where = "per layer" if spec.scope == "layer" else "in all"
+    if spec.per_layer is not None and (spec.scope != "layer" or len(spec.per_layer) != h.num_layers
+                                       or not all(h.top_k <= c <= h.num_experts for c in spec.per_layer)):
+        raise TraceError(f"per-layer capacities need scope 'layer', one for each of the {h.num_layers} layers, each "
+                         f"between the top-{h.top_k} and the {h.num_experts} experts of a layer")
     if spec.capacity < h.top_k:
         raise TraceError(f"capacity {spec.capacity} experts {where} is below one token's top-{h.top_k}; use at "
                          f"least {h.top_k}")
@@ -274,7 +281,8 @@ def simulate(work: Workload, spec: SimSpec, prior_LE: np.ndarray | None = None,
     next_use = work.next_use_NLK() if drive.offline else None
     start = time.perf_counter()
     if spec.scope == "layer":
-        out = _replay_layers(work, policy, drive, spec.capacity, ids, forecast, next_use, prior_LE, progress, spec.warm,
+        capacity = spec.per_layer if spec.per_layer is not None else spec.capacity
+        out = _replay_layers(work, policy, drive, capacity, ids, forecast, next_use, prior_LE, progress, spec.warm,
                              spec.prefetch)
     else:
         out = _replay_global(work, policy, drive, spec.capacity, ids, forecast, next_use, prior_LE, progress, spec.warm)
@@ -376,11 +384,11 @@ def _prefetch_layers(state: _State, policy: Ranked, step: int, ahead_LR: np.ndar
     return load.sum(1)
 
 
-def _replay_layers(work: Workload, policy: Ranked, drive: Drive, capacity: int, ids: np.ndarray, forecast: SimForecast,
-                   next_use: np.ndarray | None, prior_LE: np.ndarray | None, progress: Progress | None,
-                   warm: bool = False, prefetch: int = 0):
+def _replay_layers(work: Workload, policy: Ranked, drive: Drive, capacity: int | tuple[int, ...], ids: np.ndarray,
+                   forecast: SimForecast, next_use: np.ndarray | None, prior_LE: np.ndarray | None,
+                   progress: Progress | None, warm: bool = False, prefetch: int = 0):
     state = _State(work, prior_LE, policy.uses_crf)
-    cap_L = np.full(work.header.num_layers, capacity)
+    cap_L = np.broadcast_to(np.asarray(capacity), (work.header.num_layers,)).copy()
     _preload(state, drive, cap_L, warm)
     ptr, tokens, admits = work.step_ptr, work.step_tokens, drive.admits_on_miss
     wants_prob = forecast.kind != "none"

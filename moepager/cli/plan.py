@@ -1,0 +1,113 @@
+"""`moepager plan TRACE --expert-memory 25%`: MoEpic's per-layer budgets and split ratios for a routing trace, and
+what they move against the even split (planning/configurator.py).
+
+The hit curves are measured on the `--fit` requests; the configured split is then judged on the `--requests`
+ones (disjoint by default: the first 70% and the rest) by replaying them through per-layer LRU caches of the
+chosen sizes: a hit on a cached top still loads its bottom (1 - θ of an expert), a miss loads the whole expert.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+from moepager.atomic_io import atomic_file, check_file
+from moepager.config import Budget
+from moepager.planning.configurator import LayerCosts, Plan, expert_split, hit_curves, vram_allocation
+from moepager.planning.cost import PROFILES, CostModel
+from moepager.store.budget import format_bytes
+from moepager.trace.format import TraceError, TraceReader
+from moepager.trace.simulate import SimSpec, check_spec, simulate
+from moepager.trace.workload import Workload, load_workload, parse_requests
+
+HELP = "per-layer expert budgets and split ratios for a trace (MoEpic's configurator), judged against the even split"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="trace file (moepager trace convert ... or generate --record-trace)")
+    p.add_argument("--expert-memory", required=True, help="the budget to split: a size (4GiB) or a share (25%%)")
+    p.add_argument("--profile", default="cpu-disk",
+                   help=f"costs: one of {sorted(PROFILES)} or a `moepager calibrate` JSON (default cpu-disk)")
+    p.add_argument("--zeta", type=float, default=0.01, help="budget moved per step, as a share of it (default 0.01)")
+    p.add_argument("--fit", help="requests A:B the hit curves are measured on (default: the first 70%%)")
+    p.add_argument("--requests", help="requests A:B the plan is judged on (default: the rest)")
+    p.add_argument("--expert-bytes", type=int, help="bytes per expert when the trace header has none")
+    p.add_argument("--json", metavar="PATH", help="write the plan and the comparison as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    json_out = check_file(args.json, "--json")
+    with TraceReader(args.trace) as reader:
+        count, header = len(reader), reader.header
+    split = max(1, min(count - 1, round(0.7 * count))) if count > 1 else count
+    fit = parse_requests(args.fit) if args.fit else slice(0, split)
+    judged = parse_requests(args.requests) if args.requests else slice(split if count > 1 else 0, None)
+    expert_bytes = args.expert_bytes or header.expert_bytes
+    if not expert_bytes:
+        raise TraceError(f"{args.trace} does not say how large an expert is: give --expert-bytes")
+    num_layers, num_experts, k = header.num_layers, header.num_experts, header.top_k
+    budget = Budget.parse(args.expert_memory, "--expert-memory")
+    total = budget.fraction * num_layers * num_experts if budget.fraction is not None else budget.nbytes / expert_bytes
+    try:
+        cost = CostModel.profile(args.profile, expert_bytes)
+    except ValueError as e:
+        raise TraceError(str(e)) from None
+    costs = layer_costs(cost, num_layers)
+    fitted = load_workload(args.trace, "decode", 1, fit)
+    hit_LC = hit_curves(fitted.ids_NLK[fitted.step_tokens], num_experts)
+    plan = vram_allocation(total, hit_LC, k, costs, args.zeta)
+    even = expert_split(np.full(num_layers, total / num_layers), hit_LC, k, costs)
+    test = load_workload(args.trace, "decode", 1, judged)
+    rows = [judge("even split, whole experts", np.full(num_layers, np.floor(total / num_layers)),
+                  np.ones(num_layers), test, expert_bytes),
+            judge("configured (MoEpic)", np.floor(plan.cached_L), plan.theta_L, test, expert_bytes)]
+    print(f"{args.trace}: {num_layers} layers x {num_experts} experts (top-{k}), budget {args.expert_memory} = "
+          f"{total:.1f} experts ({format_bytes(total * expert_bytes)}); hit curves from {len(fitted.names)} "
+          f"requests, judged on {len(test.names)}; profile {args.profile}")
+    print(layer_table(plan))
+    print(f"modeled exposed load per token: {1e3 * plan.exposed_s:.2f} ms configured, {1e3 * even.exposed_s:.2f} ms "
+          f"even ({len(plan.objectives) - 1} budget moves)")
+    for row in rows:
+        print(f"{row['label']:<26} hit {100 * row['hit_rate']:.1f}%, {row['bytes_per_token'] / 2**20:.1f} MiB a token")
+    ratio = rows[1]["bytes_per_token"] / rows[0]["bytes_per_token"]
+    print(f"configured / even: {ratio:.3f}x the bytes a token")
+    if json_out is not None:
+        with atomic_file(json_out) as tmp:
+            tmp.write_text(json.dumps({"trace": args.trace, "budget_experts": total, "profile": args.profile,
+                                       "budgets": plan.budgets_L.tolist(), "theta": plan.theta_L.tolist(),
+                                       "cached": plan.cached_L.tolist(), "exposed_s": plan.exposed_s,
+                                       "even_exposed_s": even.exposed_s, "judged": rows}, indent=1))
+    return 0
+
+
+def layer_costs(cost: CostModel, num_layers: int) -> LayerCosts:
+    """The configurator's T values from the cost model: an expert's load over the link, its compute for one token,
+    and (calibrated) each layer's share of the step's non-expert time, which hides loads as attention does."""
+    load = cost.link.latency_s + cost.expert_bytes / cost.link.bytes_per_s
+    attention = cost.calibration.dense_decode_s / num_layers if cost.calibration is not None else 0.0
+    return LayerCosts(load_s=load, compute_s=float(cost.compute_s(1.0)), attention_s=attention)
+
+
+def judge(label: str, cached_L: np.ndarray, theta_L: np.ndarray, work: Workload, expert_bytes: int) -> dict:
+    """Per-layer LRU caches of `cached_L` experts' tops (θ_L of each) replayed over `work`: hit rate and bytes a
+    token (a hit loads the bottom, a miss the whole expert)."""
+    header = work.header
+    capacities = tuple(int(min(max(c, header.top_k), header.num_experts)) for c in cached_L)
+    spec = SimSpec("lru", max(capacities), per_layer=capacities)
+    check_spec(spec, header, None)
+    result = simulate(work, spec)
+    hits_L, misses_L = result.hits_SL.sum(0), (result.requested_SL - result.hits_SL).sum(0)
+    moved = float((misses_L + hits_L * (1 - theta_L)).sum() * expert_bytes)
+    tokens = int(result.step_tokens.sum())
+    return {"label": label, "hit_rate": result.hit_rate(), "bytes_per_token": moved / max(tokens, 1),
+            "capacities": list(capacities), "theta": [float(t) for t in theta_L]}
+
+
+def layer_table(plan: Plan) -> str:
+    lines = ["layer  budget (experts)  theta  tops cached  resident of top-k  exposed ms"]
+    for i, (v, t, c, m, e) in enumerate(zip(plan.budgets_L, plan.theta_L, plan.cached_L, plan.resident_L,
+                                            plan.exposed_L)):
+        lines.append(f"{i:>5}  {v:>16.2f}  {t:>5.2f}  {int(c):>11}  {m:>17.2f}  {1e3 * e:>10.3f}")
+    return "\n".join(lines)

@@ -1,0 +1,172 @@
+"""MoEpic's cache configurator (MoEpic §3.4, Alg. 1): each MoE layer's memory budget V_i and split ratio θ_i.
+
+An expert split at θ keeps its top segment (a share θ of its intermediate dimension) cached and loads the bottom
+when it is needed, so a layer's budget of V_i experts' bytes holds the tops of C_i = V_i / θ_i experts. The
+configurator chooses {V_i, θ_i} to minimise the load time compute cannot hide, Σ_i 𝒯^i:
+- `expert_split` (eqs. 9-11): per layer, in layer order, the cache size C (θ = min(1, V_i / C)) that maximises m_i,
+  the expected number of a token's K experts already resident (cached tops: K·H_i(C)·θ, plus what prefetching the
+  predicted experts within the layer's window adds when prediction statistics are given); then
+  𝒯^i = max(0, (K - m_i)·T_load - m_i·T_comp), and the next layer's window is T_moe - min(T_hide, T_miss) + T_att.
+- `vram_allocation` (the greedy exchange): from the even split, move ζ·V_e of budget from the layer that loses
+  least by giving it up to the layer that gains most by receiving it, while the sum of 𝒯^i strictly falls.
+
+The search over C starts at floor(V_i), not MoEpic's ceil(V_i): whole experts at θ = 1 with a fraction of an expert
+unused, so that a larger budget is never worse than a smaller one (with ceil, V = 4.3 must split 5 experts at
+θ = 0.86 and can hold fewer hits than V = 4).
+
+H_i(C), the share of layer i's activated experts found in a cache of C experts, is a statistic of the routing:
+`hit_curves` measures it on a trace with LRU stack distances (an LRU cache's hit rate at every size at once;
+MoEpic ranks by LCP priorities, which this approximates). Shape legend: L MoE layers, E experts, C cache sizes
+0..E, K top-k, S steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moepager.errors import MoepagerError
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Profiled times (seconds) the objective weighs (MoEpic's T values)."""
+
+    load_s: float
+    """T_load^exp: loading one whole expert."""
+    compute_s: float
+    """T_comp^exp: computing one expert for a decode token."""
+    attention_s: float
+    """T_comp^att: one layer's attention."""
+    head_s: float = 0.0
+    """T_comp^head: what runs before the first MoE layer (its prefetch window)."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A predictor's statistics for the prefetch term (MoEpic §2.5); without them, nothing is prefetched."""
+
+    accuracy_LY: np.ndarray
+    """P_i(y): how often the expert ranked y-th by predicted score was activated (sums to K over y)."""
+    cached_LYC: np.ndarray
+    """PH_i(y, C): how often the expert ranked y-th was in a cache of C experts."""
+
+
+@dataclass
+class Plan:
+    budgets_L: np.ndarray
+    """V_i, in whole experts' bytes (fractions allowed: a budget of tops)."""
+    theta_L: np.ndarray
+    """θ_i: the cached share of each expert's intermediate dimension."""
+    cached_L: np.ndarray
+    """C_i = V_i / θ_i: experts whose tops the layer caches."""
+    resident_L: np.ndarray
+    """m_i: expected experts of a token's K resident when the layer routes."""
+    exposed_L: np.ndarray
+    """𝒯^i: the layer's load time compute does not hide."""
+    objectives: list[float] = field(default_factory=list)
+    """Σ 𝒯^i after each accepted move (the first: the even split's)."""
+
+    @property
+    def exposed_s(self) -> float:
+        return float(self.exposed_L.sum())
+
+
+def hit_curves(ids_SLK: np.ndarray, num_experts: int) -> np.ndarray:
+    """H[L, C] for C = 0..E: the share of each layer's activations that an LRU cache of C experts would hold,
+    from LRU stack distances over the steps of `ids_SLK` (negative ids: not recorded, skipped)."""
+    steps, num_layers, _ = ids_SLK.shape
+    last = np.full((num_layers, num_experts), -1, np.int64)
+    depth_counts = np.zeros((num_layers, num_experts + 1), np.int64)  # depth E: never seen (always a miss)
+    rows = np.arange(num_layers)[:, None]
+    for s in range(steps):
+        ids = ids_SLK[s]
+        valid = ids >= 0
+        safe = np.where(valid, ids, 0)
+        seen = last[rows, safe]  # [L, K]
+        depth = (last[:, None, :] > seen[:, :, None]).sum(-1)  # distinct experts used since this one
+        depth = np.where(seen < 0, num_experts, depth)
+        np.add.at(depth_counts, (np.broadcast_to(rows, ids.shape)[valid], depth[valid]), 1)
+        last[np.broadcast_to(rows, ids.shape)[valid], ids[valid]] = s
+    total = np.maximum(depth_counts.sum(1, keepdims=True), 1)
+    cumulative = np.cumsum(depth_counts, 1) / total  # share with depth <= d
+    return np.concatenate([np.zeros((num_layers, 1)), cumulative[:, :num_experts]], 1)  # hit at C: depth < C
+
+
+def expert_split(budgets_L: np.ndarray, hit_LC: np.ndarray, top_k: int, costs: LayerCosts,
+                 prediction: Prediction | None = None) -> Plan:
+    """MoEpic's ExpertSplit: each layer's best cache size C >= V_i for its budget, layer by layer (a layer's
+    window depends on the layer before)."""
+    num_layers, sizes = hit_LC.shape
+    num_experts = sizes - 1
+    t_moe = top_k * costs.compute_s
+    window = costs.head_s + costs.attention_s
+    theta_L, cached_L, resident_L, exposed_L = (np.zeros(num_layers) for _ in range(4))
+    for i in range(num_layers):
+        v = float(budgets_L[i])
+        best, best_c = -math.inf, num_experts
+        for c in range(max(1, math.floor(v + 1e-9)), num_experts + 1):  # from floor(V): see the module note
+            theta = min(1.0, v / c)
+            m = top_k * hit_LC[i, c] * theta
+            if prediction is not None:
+                m += _prefetched(prediction, i, c, theta, costs.load_s, window)
+            if m > best:
+                best, best_c = m, c
+        m = min(max(best, 0.0), float(top_k))
+        hide, miss = m * costs.compute_s, (top_k - m) * costs.load_s
+        theta_L[i], cached_L[i], resident_L[i] = min(1.0, v / best_c), best_c, m
+        exposed_L[i] = max(0.0, miss - hide)
+        window = (t_moe - min(hide, miss)) + costs.attention_s
+    return Plan(np.asarray(budgets_L, np.float64).copy(), theta_L, cached_L, resident_L, exposed_L)
+
+
+def _prefetched(prediction: Prediction, layer: int, c: int, theta: float, load_s: float, window: float) -> float:
+    """The resident experts prefetching adds: the predicted experts in score order whose missing part (all of it,
+    or the bottom of a cached one) loads within the window (eqs. 9-10)."""
+    added, spent = 0.0, 0.0
+    for y in range(prediction.accuracy_LY.shape[1]):
+        missing = 1.0 - prediction.cached_LYC[layer, y, c] * theta
+        if spent + missing * load_s > window:
+            break
+        spent += missing * load_s
+        added += missing * prediction.accuracy_LY[layer, y]
+    return added
+
+
+def vram_allocation(total: float, hit_LC: np.ndarray, top_k: int, costs: LayerCosts, zeta: float = 0.01,
+                    prediction: Prediction | None = None, max_moves: int = 100_000) -> Plan:
+    """MoEpic's VramAllocation from the even split: each move raises the layer that gains most from ζ·total more
+    and lowers the one that loses least from ζ·total less (never below the layer's top-k, what a decode step holds
+    at once, nor past all of its experts), kept only while Σ 𝒯^i strictly falls. Σ V_i = total throughout."""
+    num_layers, sizes = hit_LC.shape
+    if not 0 < zeta < 1:
+        raise MoepagerError(f"zeta must be in (0, 1), got {zeta}")
+    if not top_k <= total / num_layers <= sizes - 1:
+        raise MoepagerError(f"a budget of {total:.2f} experts over {num_layers} layers is not between one layer's "
+                            f"top-{top_k} and all of its {sizes - 1} experts per layer")
+    step = zeta * total
+    budgets = np.full(num_layers, total / num_layers)
+    plan = expert_split(budgets, hit_LC, top_k, costs, prediction)
+    history = [plan.exposed_s]
+    for _ in range(max_moves):
+        raised = expert_split(np.minimum(budgets + step, sizes - 1), hit_LC, top_k, costs, prediction).exposed_L
+        lowered = expert_split(np.maximum(budgets - step, top_k), hit_LC, top_k, costs, prediction).exposed_L
+        gain = np.where(budgets + step <= sizes - 1, plan.exposed_L - raised, -np.inf)
+        i1 = int(np.argmax(gain))
+        loss = np.where((budgets - step >= top_k - 1e-9) & (np.arange(num_layers) != i1), lowered - plan.exposed_L,
+                        np.inf)
+        i2 = int(np.argmin(loss))
+        if not np.isfinite(gain[i1]) or not np.isfinite(loss[i2]):
+            break
+        moved = budgets.copy()
+        moved[i1] += step
+        moved[i2] -= step
+        candidate = expert_split(moved, hit_LC, top_k, costs, prediction)
+        if candidate.exposed_s >= plan.exposed_s:
+            break  # no strict improvement: the allocation is a fixed point
+        budgets, plan = moved, candidate
+        history.append(plan.exposed_s)
+    plan.objectives = history
+    return plan

@@ -1,0 +1,103 @@
+"""MoEpic's configurator: LRU hit curves from routing, ExpertSplit against a brute-force search, and the budget
+exchange's invariants (the total kept, the objective never rising, the loop ending)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moepager.errors import MoepagerError
+from moepager.planning.configurator import LayerCosts, expert_split, hit_curves, vram_allocation
+
+COSTS = LayerCosts(load_s=10e-3, compute_s=1e-3, attention_s=0.5e-3)
+
+
+def lru_hits(seq: list[int], capacity: int) -> int:
+    cache: list[int] = []
+    hits = 0
+    for e in seq:
+        if e in cache:
+            hits += 1
+            cache.remove(e)
+        elif len(cache) == capacity:
+            cache.pop(0)
+        cache.append(e)
+    return hits
+
+
+def test_hit_curves_are_lru_hit_rates_at_every_size():
+    rng = np.random.default_rng(0)
+    seq = rng.choice(6, size=200, p=[0.4, 0.2, 0.15, 0.1, 0.1, 0.05]).tolist()
+    ids = np.array(seq)[:, None, None]  # S steps, one layer, top-1
+    h = hit_curves(ids, 6)
+    assert h.shape == (1, 7) and h[0, 0] == 0
+    for c in range(1, 7):
+        assert h[0, c] == pytest.approx(lru_hits(seq, c) / len(seq))
+    assert np.all(np.diff(h[0]) >= 0)
+
+
+def brute_force(v: float, hit_C: np.ndarray, k: int) -> tuple[float, int]:
+    """The best m = K·H(C)·V/C over C >= V (no prefetch), and its C."""
+    best = max(range(max(1, int(np.floor(v))), len(hit_C)), key=lambda c: (k * hit_C[c] * min(1, v / c), -c))
+    return k * hit_C[best] * min(1, v / best), best
+
+
+def test_expert_split_picks_the_cache_size_a_brute_force_search_picks():
+    rng = np.random.default_rng(1)
+    hit_LC = np.sort(rng.random((4, 17)), 1)
+    hit_LC[:, 0] = 0
+    budgets = np.array([2.0, 3.5, 5.0, 8.0])
+    plan = expert_split(budgets, hit_LC, 2, COSTS)
+    for i, v in enumerate(budgets):
+        m, c = brute_force(v, hit_LC[i], 2)
+        assert plan.resident_L[i] == pytest.approx(m) and plan.cached_L[i] == c
+        assert plan.theta_L[i] == pytest.approx(min(1, v / c)) and plan.exposed_L[i] >= 0
+
+
+def test_the_budget_exchange_keeps_the_total_never_raises_the_objective_and_ends():
+    num_experts, top_k = 16, 2
+    c = np.arange(num_experts + 1)
+    skewed = 1 - np.exp(-c / 4)  # a layer whose hot experts take most activations
+    flat = c / num_experts  # a layer that routes uniformly
+    hit_LC = np.stack([skewed, flat, skewed, flat])
+    plan = vram_allocation(4 * 4.0, hit_LC, top_k, COSTS, zeta=1 / 16)  # whole experts a move
+    assert plan.budgets_L.sum() == pytest.approx(16.0)
+    assert all(b < a for a, b in zip(plan.objectives, plan.objectives[1:]))  # strictly falling, then it stops
+    assert plan.exposed_s <= plan.objectives[0]
+    assert np.all(plan.budgets_L >= top_k) and np.all(plan.budgets_L <= num_experts)
+    assert plan.budgets_L[0] > 4 and plan.budgets_L[1] < 4  # budget moved to where it hits more
+    even = expert_split(np.full(4, 4.0), hit_LC, top_k, COSTS)
+    assert plan.exposed_s < even.exposed_s  # the layers differ, so moving budget pays
+
+
+def test_identical_layers_keep_the_even_split_and_bad_budgets_are_refused():
+    hit_LC = np.tile(1 - np.exp(-np.arange(9) / 3), (3, 1))
+    plan = vram_allocation(3 * 3.0, hit_LC, 2, COSTS)
+    assert np.allclose(plan.budgets_L, 3.0) and len(plan.objectives) == 1
+    with pytest.raises(MoepagerError, match="not between one layer's top-2"):
+        vram_allocation(3.0, hit_LC, 2, COSTS)
+    with pytest.raises(MoepagerError, match="zeta"):
+        vram_allocation(9.0, hit_LC, 2, COSTS, zeta=0)
+
+
+def test_a_larger_budget_never_holds_fewer_experts_resident():
+    hit_LC = np.tile(1 - np.exp(-np.arange(17) / 2), (1, 1))
+    resident = [expert_split(np.array([v]), hit_LC, 2, COSTS).resident_L[0] for v in np.arange(2, 16, 0.25)]
+    assert all(b >= a - 1e-12 for a, b in zip(resident, resident[1:]))
+
+
+def test_plan_configures_a_trace_and_judges_it_against_the_even_split(tmp_path, capsys):
+    import json
+
+    from moepager.cli.main import main
+    from tests.trace.conftest import random_trace
+
+    trace = random_trace(tmp_path / "t.mpt", lengths=(40, 30, 50, 20, 35), experts=16)
+    assert main(["plan", str(trace), "--expert-memory", "50%", "--expert-bytes", "1000000", "--json",
+                 str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert "even split, whole experts" in out and "configured (MoEpic)" in out and "configured / even" in out
+    plan = json.loads((tmp_path / "p.json").read_text())
+    assert sum(plan["budgets"]) == pytest.approx(plan["budget_experts"])
+    assert [r["label"] for r in plan["judged"]] == ["even split, whole experts", "configured (MoEpic)"]
+    assert main(["plan", str(trace), "--expert-memory", "1%", "--expert-bytes", "1000000"]) == 2  # below top-k
