@@ -15,12 +15,14 @@ import numpy as np
 
 from moepager.atomic_io import atomic_file, check_file
 from moepager.config import Budget
-from moepager.planning.configurator import LayerCosts, Plan, expert_split, hit_curves, vram_allocation
+from moepager.planning.configurator import LayerCosts, Plan, expert_split, statistics, vram_allocation
 from moepager.planning.cost import PROFILES, CostModel
+from moepager.predictors import FITTED, make_predictor
 from moepager.store.budget import format_bytes
 from moepager.trace.format import TraceError, TraceReader
+from moepager.trace.predict import forecast_ranks
 from moepager.trace.simulate import SimSpec, check_spec, simulate
-from moepager.trace.workload import Workload, load_workload, parse_requests
+from moepager.trace.workload import Workload, chosen_requests, load_workload, parse_requests
 
 HELP = "per-layer expert budgets and split ratios for a trace (MoEpic's configurator), judged against the even split"
 
@@ -34,6 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fit", help="requests A:B the hit curves are measured on (default: the first 70%%)")
     p.add_argument("--requests", help="requests A:B the plan is judged on (default: the rest)")
     p.add_argument("--expert-bytes", type=int, help="bytes per expert when the trace header has none")
+    p.add_argument("--predictor", choices=FITTED,
+                   help="a fitted predictor whose forecasts prefetch each layer's experts (MoEpic's prefetch term: "
+                        "the bottoms of cached tops and whole experts, within the compute window)")
+    p.add_argument("--predictor-file", help="--predictor: the file `moepager predictor fit` wrote")
+    p.add_argument("--prefetch-distance", type=int, default=1, metavar="D",
+                   help="--predictor: forecasts made D MoE layers ahead (default 1)")
     p.add_argument("--json", metavar="PATH", help="write the plan and the comparison as JSON")
 
 
@@ -55,17 +63,22 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise TraceError(str(e)) from None
     costs = layer_costs(cost, num_layers)
+    if (args.predictor is None) != (args.predictor_file is None):
+        raise TraceError("--predictor and --predictor-file go together")
     fitted = load_workload(args.trace, "decode", 1, fit)
-    hit_LC = hit_curves(fitted.ids_NLK[fitted.step_tokens], num_experts)
-    plan = vram_allocation(total, hit_LC, k, costs, args.zeta)
-    even = expert_split(np.full(num_layers, total / num_layers), hit_LC, k, costs)
+    ranks = forecasts(args, fitted, fit) if args.predictor else None
+    hit_LC, prediction = statistics(fitted.ids_NLK[fitted.step_tokens], ranks, num_experts)
+    plan = vram_allocation(total, hit_LC, k, costs, args.zeta, prediction)
+    even = expert_split(np.full(num_layers, total / num_layers), hit_LC, k, costs, prediction)
     test = load_workload(args.trace, "decode", 1, judged)
     rows = [judge("even split, whole experts", np.full(num_layers, np.floor(total / num_layers)),
                   np.ones(num_layers), test, expert_bytes),
             judge("configured (MoEpic)", np.floor(plan.cached_L), plan.theta_L, test, expert_bytes)]
     print(f"{args.trace}: {num_layers} layers x {num_experts} experts (top-{k}), budget {args.expert_memory} = "
           f"{total:.1f} experts ({format_bytes(total * expert_bytes)}); hit curves from {len(fitted.names)} "
-          f"requests, judged on {len(test.names)}; profile {args.profile}")
+          f"requests, judged on {len(test.names)}; profile {args.profile}"
+          + (f"; prefetch from {args.predictor} forecasts {args.prefetch_distance} layer(s) ahead" if ranks is not None
+             else "; no prefetch"))
     print(layer_table(plan))
     print(f"modeled exposed load per token: {1e3 * plan.exposed_s:.2f} ms configured, {1e3 * even.exposed_s:.2f} ms "
           f"even ({len(plan.objectives) - 1} budget moves)")
@@ -80,6 +93,17 @@ def run(args: argparse.Namespace) -> int:
                                        "cached": plan.cached_L.tolist(), "exposed_s": plan.exposed_s,
                                        "even_exposed_s": even.exposed_s, "judged": rows}, indent=1))
     return 0
+
+
+def forecasts(args: argparse.Namespace, work: Workload, fit: slice) -> np.ndarray:
+    """The predictor's ranked forecasts for every step of the fit requests, every expert ranked ([S, L, E])."""
+    h = work.header
+    predictor = make_predictor(args.predictor, num_layers=h.num_layers, num_experts=h.num_experts,
+                               file=args.predictor_file, distance=args.prefetch_distance)
+    with TraceReader(args.trace) as reader:
+        chosen = chosen_requests(fit, len(reader), args.trace)
+        ranks = forecast_ranks(predictor, reader, chosen, args.prefetch_distance, h.num_experts)
+    return ranks[work.step_tokens]
 
 
 def layer_costs(cost: CostModel, num_layers: int) -> LayerCosts:

@@ -77,22 +77,46 @@ class Plan:
 def hit_curves(ids_SLK: np.ndarray, num_experts: int) -> np.ndarray:
     """H[L, C] for C = 0..E: the share of each layer's activations that an LRU cache of C experts would hold,
     from LRU stack distances over the steps of `ids_SLK` (negative ids: not recorded, skipped)."""
+    return statistics(ids_SLK, None, num_experts)[0]
+
+
+def statistics(ids_SLK: np.ndarray, ranks_SLY: np.ndarray | None, num_experts: int
+               ) -> tuple[np.ndarray, Prediction | None]:
+    """H[L, C] (`hit_curves`) and, given a predictor's ranked forecasts ranks_SLY (-1: none) for the same steps,
+    its statistics P_i(y) (the y-th ranked expert was activated) and PH_i(y, C) (it was in an LRU cache of C
+    experts when its layer routed), per step: MoEpic §2.5, with stack distances standing in for its shadow caches."""
     steps, num_layers, _ = ids_SLK.shape
+    width = ranks_SLY.shape[2] if ranks_SLY is not None else 0
     last = np.full((num_layers, num_experts), -1, np.int64)
     depth_counts = np.zeros((num_layers, num_experts + 1), np.int64)  # depth E: never seen (always a miss)
+    activated_LY = np.zeros((num_layers, width))
+    cached_depth = np.zeros((num_layers, width, num_experts + 1), np.int64)
     rows = np.arange(num_layers)[:, None]
+
+    def depths(ids: np.ndarray) -> np.ndarray:
+        seen = last[rows, np.where(ids >= 0, ids, 0)]
+        depth = (last[:, None, :] > seen[:, :, None]).sum(-1)  # distinct experts used since this one
+        return np.where((seen < 0) | (ids < 0), num_experts, depth)
+
     for s in range(steps):
         ids = ids_SLK[s]
         valid = ids >= 0
-        safe = np.where(valid, ids, 0)
-        seen = last[rows, safe]  # [L, K]
-        depth = (last[:, None, :] > seen[:, :, None]).sum(-1)  # distinct experts used since this one
-        depth = np.where(seen < 0, num_experts, depth)
+        if width:
+            ranks = ranks_SLY[s]
+            depth_Y = depths(ranks)
+            np.add.at(cached_depth, (np.broadcast_to(rows, ranks.shape), np.arange(width)[None, :], depth_Y), 1)
+            activated_LY += ((ranks[:, :, None] == ids[:, None, :]) & (ranks[:, :, None] >= 0)).any(-1)
+        depth = depths(ids)
         np.add.at(depth_counts, (np.broadcast_to(rows, ids.shape)[valid], depth[valid]), 1)
         last[np.broadcast_to(rows, ids.shape)[valid], ids[valid]] = s
     total = np.maximum(depth_counts.sum(1, keepdims=True), 1)
     cumulative = np.cumsum(depth_counts, 1) / total  # share with depth <= d
-    return np.concatenate([np.zeros((num_layers, 1)), cumulative[:, :num_experts]], 1)  # hit at C: depth < C
+    hit_LC = np.concatenate([np.zeros((num_layers, 1)), cumulative[:, :num_experts]], 1)  # hit at C: depth < C
+    if not width:
+        return hit_LC, None
+    in_cache = np.cumsum(cached_depth, 2) / max(steps, 1)  # share of steps with depth <= d
+    cached_LYC = np.concatenate([np.zeros((num_layers, width, 1)), in_cache[:, :, :num_experts]], 2)
+    return hit_LC, Prediction(activated_LY / max(steps, 1), cached_LYC)
 
 
 def expert_split(budgets_L: np.ndarray, hit_LC: np.ndarray, top_k: int, costs: LayerCosts,

@@ -101,3 +101,33 @@ def test_plan_configures_a_trace_and_judges_it_against_the_even_split(tmp_path, 
     assert sum(plan["budgets"]) == pytest.approx(plan["budget_experts"])
     assert [r["label"] for r in plan["judged"]] == ["even split, whole experts", "configured (MoEpic)"]
     assert main(["plan", str(trace), "--expert-memory", "1%", "--expert-bytes", "1000000"]) == 2  # below top-k
+
+
+def test_prediction_statistics_and_their_prefetch_term():
+    from moepager.planning.configurator import statistics
+
+    rng = np.random.default_rng(2)
+    ids = np.stack([rng.choice(8, size=(2, 2), replace=False) for _ in range(300)])  # S, L=2, K=2
+    others = np.stack([[np.setdiff1d(np.arange(8), ids[s, layer]) for layer in range(2)] for s in range(300)])
+    ranks = np.concatenate([ids, others], 2)  # a perfect forecast: the activated experts ranked first
+    hit_LC, pred = statistics(ids, ranks, 8)
+    assert np.allclose(hit_LC, hit_curves(ids, 8))
+    assert np.allclose(pred.accuracy_LY[:, :2], 1) and np.allclose(pred.accuracy_LY[:, 2:], 0)
+    assert np.all(np.diff(pred.cached_LYC, axis=2) >= 0) and pred.cached_LYC.max() <= 1
+    budgets = np.full(2, 3.0)
+    plain = expert_split(budgets, hit_LC, 2, COSTS)
+    window = LayerCosts(load_s=1e-3, compute_s=1e-3, attention_s=5e-3)  # a window that fits two loads
+    assert expert_split(budgets, hit_LC, 2, window, pred).resident_L.min() >= plain.resident_L.max()
+
+
+def test_plan_prefetches_from_a_fitted_predictor(tmp_path, capsys):
+    from moepager.cli.main import main
+    from tests.trace.conftest import random_trace
+
+    trace = random_trace(tmp_path / "t.mpt", lengths=(40, 30, 50, 20, 35), experts=16)
+    assert main(["predictor", "fit", "--kind", "transition", "--trace", str(trace), "--out",
+                 str(tmp_path / "tr.pt")]) == 0
+    assert main(["plan", str(trace), "--expert-memory", "50%", "--expert-bytes", "1000000", "--predictor",
+                 "transition", "--predictor-file", str(tmp_path / "tr.pt")]) == 0
+    assert "prefetch from transition forecasts 1 layer(s) ahead" in capsys.readouterr().out
+    assert main(["plan", str(trace), "--expert-memory", "50%", "--predictor", "transition"]) == 2
