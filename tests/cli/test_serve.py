@@ -56,3 +56,32 @@ def test_a_port_in_use_is_one_clear_error():
         assert f"could not listen on 127.0.0.1:{port}" in second.stderr.read()
     finally:
         first.kill()
+
+
+def test_a_50_mb_body_leaves_the_servers_memory_where_it_was():
+    """Refused by its length before it is read (or, chunked, as it passes the limit): the serve process's memory
+    stays within 10% of where it was."""
+    import json
+
+    import psutil
+
+    port = free_port()
+    proc = start(port)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc)
+        body = {"model": "demo-moe", "prompt": "The history of", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200  # warm
+        server = psutil.Process(proc.pid)
+        before = server.memory_info().rss
+        big = json.dumps({"model": "demo-moe", "prompt": "word " * 10_000_000, "max_tokens": 4}).encode()
+        r = httpx.post(f"{url}/v1/completions", content=big, headers={"content-type": "application/json"},
+                       timeout=60)
+        assert r.status_code == 413
+        chunks = iter([big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20)])
+        r = httpx.post(f"{url}/v1/completions", content=chunks, headers={"content-type": "application/json"},
+                       timeout=60)
+        assert r.status_code == 413
+        assert server.memory_info().rss < 1.1 * before
+    finally:
+        proc.kill()

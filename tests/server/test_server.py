@@ -177,9 +177,6 @@ def test_a_missing_model_a_retrieved_model_and_an_unknown_route_answer_in_openai
 def test_a_50_mb_body_is_refused_at_once_while_a_stream_goes_on(server, client):
     """The body is refused by its length before it is read (413), and an overlong text prompt within the limit is
     refused before it is tokenised, off the event loop: a stream running meanwhile never waits, /health answers."""
-    import psutil
-
-    rss = psutil.Process().memory_info().rss
     gaps: list[float] = []
 
     def stream() -> None:
@@ -205,7 +202,7 @@ def test_a_50_mb_body_is_refused_at_once_while_a_stream_goes_on(server, client):
     assert httpx.get(f"{server}/health", timeout=5).status_code == 200 and time.monotonic() - started < 1
     runner.join(timeout=120)
     assert gaps and max(gaps[1:]) < 1.0  # (the first gap is the prompt's prefill)
-    assert psutil.Process().memory_info().rss < 1.1 * rss + (64 << 20)
+    # (the server's memory, apart from this client's own 50 MB: tests/cli/test_serve.py, against a serve process)
 
 
 def test_bad_json_and_bad_chat_messages_are_refused(server, client):
