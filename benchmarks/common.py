@@ -7,6 +7,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -76,8 +77,6 @@ def git_commit() -> str:
 def write_json(name: str, data: dict[str, Any]) -> Path:
     """Write results/NAME.json in the one schema: the benchmark's own `data` under "results", beside the schema
     version, the benchmark's name, the commit, the date and the machine (written through a temporary name)."""
-    import sys
-
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     record = {"schema": SCHEMA, "benchmark": name, "git": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -94,8 +93,6 @@ def need_traces(*names: str) -> None:
     """Exit with the reason (status 3: skipped) when a trace this benchmark reads is missing."""
     missing = [name for name in names if not (SHARED / name).exists()]
     if missing:
-        import sys
-
         print(f"skipped: traces {', '.join(missing)} not found under {SHARED} (set --traces or {TRACES_ENV})",
               file=sys.stderr)
         raise SystemExit(3)

@@ -109,11 +109,15 @@ class LoadOptions:
     dtype: torch.dtype | None = None
     """Compute dtype; None keeps the checkpoint's."""
     device: str = "cpu"
+    """Where the model computes: cpu or cuda[:N]."""
     direct_io: DirectIO = "auto"
+    """O_DIRECT reads of the routed experts (checkpoints/disk.py)."""
     expert_dtype: str | None = None
     """bf16/fp16/fp32/int8/int4 (int8/int4 lossy, opt-in: experts/quant.py); None: as stored."""
     int4_group: int | None = None
+    """int4: input elements per scale; None: 32, or a quantized checkpoint's."""
     int4_zero_point: bool | None = None
+    """int4: a zero point per group; None: symmetric, or a quantized checkpoint's."""
     dense_dtype: str | None = None
     """int8: the dense projections quantized too (accel/dense_quant.py; lossy, opt-in)."""
     pack_dense: bool = True

@@ -22,7 +22,8 @@ from moepager.policies.rnd import RND
 from moepager.policies.smoe import SMoE
 from moepager.policies.static_hot import StaticHot
 
-__all__ = ["ENGINE_POLICIES", "POLICIES", "EvictionPolicy", "Ranked", "UnknownPolicyError", "make_policy"]
+__all__ = ["ENGINE_POLICIES", "POLICIES", "EvictionPolicy", "Ranked", "UnknownPolicyError", "make_policy",
+           "policy_spec"]
 
 
 class PolicySpec(NamedTuple):
@@ -54,8 +55,8 @@ class UnknownPolicyError(ValueError):
     pass
 
 
-def make_policy(name: str, *, engine: bool = False, seed: int = 0) -> Ranked:
-    """A fresh policy; `engine=True` refuses the simulator-only ones, saying why."""
+def policy_spec(name: str, *, engine: bool = False) -> PolicySpec:
+    """The registered policy `name`; `engine=True` refuses the simulator-only ones, saying why."""
     spec = POLICIES.get(name)
     choices = ENGINE_POLICIES if engine else sorted(POLICIES)
     if spec is None:
@@ -63,4 +64,10 @@ def make_policy(name: str, *, engine: bool = False, seed: int = 0) -> Ranked:
     if engine and not spec.engine:
         raise UnknownPolicyError(f"policy '{name}' runs only in the trace simulator (`moepager simulate`); "
                                  f"the engine can use {choices}")
+    return spec
+
+
+def make_policy(name: str, *, engine: bool = False, seed: int = 0) -> Ranked:
+    """A fresh policy (`policy_spec`'s checks first)."""
+    spec = policy_spec(name, engine=engine)
     return spec.make(seed=seed) if spec.seeded else spec.make()

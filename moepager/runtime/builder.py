@@ -31,7 +31,7 @@ from moepager.errors import BudgetError, ConfigError
 from moepager.experts.executor import ExpertExecutor, PagedExecutor
 from moepager.experts.protocols import FlatReader
 from moepager.models.config import ModelConfig
-from moepager.policies import UnknownPolicyError, make_policy
+from moepager.policies import UnknownPolicyError, make_policy, policy_spec
 from moepager.policies.prefetch import PREFETCH_POLICIES, make_prefetch_policy
 from moepager.predictors import PREDICTORS
 from moepager.runtime.prefetch import Prefetcher, build_prefetcher
@@ -143,7 +143,7 @@ def _paged(config: StoreConfig, reader: FlatReader, cfg: ModelConfig, device: to
 def check_names(config: EngineConfig) -> None:
     """The policy and predictor names against their registries (config.py cannot see them), before anything loads."""
     try:
-        make_policy(config.store.policy, engine=True)
+        policy_spec(config.store.policy, engine=True)  # the tiers build it
     except UnknownPolicyError as e:
         raise ConfigError(str(e)) from None
     if config.store.prefetch_policy not in PREFETCH_POLICIES:

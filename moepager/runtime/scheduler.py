@@ -37,6 +37,10 @@ class Scheduled(NamedTuple):
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: KVBlockPool):
         self.config, self.pool = config, pool
+        self.fixed_chunk = max(1, config.max_batched_tokens - config.max_num_seqs + 1) if config.batch_invariant \
+            else 0
+        """Batch-invariant: every prompt chunk's size (room for it beside a decode row of every other request the
+        step takes); 0 otherwise, when a chunk is whatever the budget leaves."""
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
@@ -49,7 +53,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             remaining = request.remaining
-            count = self._take(remaining, budget)
+            count = min(remaining, budget) if not self.fixed_chunk else self._fixed(remaining, budget)
             if count is None:  # batch-invariant: its fixed chunk does not fit beside the rows before it
                 i += 1
                 continue
@@ -62,7 +66,7 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            count = self._take(request.remaining, budget)
+            count = min(request.remaining, budget) if not self.fixed_chunk else self._fixed(request.remaining, budget)
             if count is None:
                 break
             if not self.pool.reserve(request.blocks, request.num_computed + count):
@@ -72,18 +76,11 @@ class Scheduler:
             budget -= count
         return rows
 
-    def _take(self, remaining: int, budget: int) -> int | None:
-        """How many of a request's remaining tokens this step computes: as many as the budget allows; batch-invariant,
-        its next fixed chunk or none (so its prompt is split at the same places whatever else runs)."""
-        if not self.config.batch_invariant:
-            return min(remaining, budget)
+    def _fixed(self, remaining: int, budget: int) -> int | None:
+        """Batch-invariant: the request's next fixed chunk, or none this step (so its prompt is split at the same
+        places whatever else runs). Off, the step loops take min(remaining, budget) inline: no call per row."""
         chunk = min(remaining, self.fixed_chunk)
         return chunk if chunk <= budget else None
-
-    @property
-    def fixed_chunk(self) -> int:
-        """A batch-invariant prompt chunk: room for it beside a decode row of every other request the step takes."""
-        return max(1, self.config.max_batched_tokens - self.config.max_num_seqs + 1)
 
     def _preempt(self, request: Request) -> None:
         self.pool.release(request.blocks)
