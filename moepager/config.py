@@ -14,8 +14,8 @@ from typing import Literal
 from moepager.errors import BudgetError, ConfigError, MoepagerError
 from moepager.types import Scope
 
-Kernel = Literal["auto", "loop", "gather", "grouped", "packed"]
-KERNELS: tuple[Kernel, ...] = ("auto", "loop", "gather", "grouped", "packed")
+Kernel = Literal["auto", "loop", "gather", "grouped", "packed", "fused"]
+KERNELS: tuple[Kernel, ...] = ("auto", "loop", "gather", "grouped", "packed", "fused")
 """`--expert-kernel` choices (experts/executor.py says what each computes)."""
 EXPERT_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32", "int8", "int4")
 """`--expert-dtype` choices: float formats, and the lossy opt-in int8/int4 (experts/quant.py)."""

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm import tqdm
 
+from moepager.accel import cpu_kernels
 from moepager.accel.dense_quant import check_dense_dtype, quantize_dense
 from moepager.accel.packed import pack_dense as pack_dense_projections
 from moepager.checkpoints.dtypes import checkpoint_dtype, parse_dtype
@@ -77,8 +78,9 @@ def resident_executor(device: torch.device, kernel: Kernel = "auto") -> Executor
         if kernel == "packed":  # a layer at a time, each arena dropped once packed
             arenas = (read_resident(reader, [layer], cfg.num_experts, device, progress) for layer in cfg.moe_layers)
             return PackedExecutor(arenas, reader.shape, cfg.moe_layers, cfg.num_experts, device)
+        fused = cpu_kernels.fused_experts(reader.shape, device, kernel)
         arena = read_resident(reader, cfg.moe_layers, cfg.num_experts, device, progress)
-        return ResidentExecutor(arena, reader.shape, cfg.moe_layers, cfg.num_experts, kernel)
+        return ResidentExecutor(arena, reader.shape, cfg.moe_layers, cfg.num_experts, kernel, fused)
     return make
 
 
@@ -90,14 +92,21 @@ def read_config(path: str | os.PathLike[str]) -> ModelConfig:
 
 def open_experts(checkpoint: Checkpoint, arch: Architecture, cfg: ModelConfig, dtype: torch.dtype,
                  device: torch.device, direct_io: DirectIO = "auto", expert_dtype: str | None = None,
-                 int4_group: int | None = None, int4_zero_point: bool | None = None) -> ExpertReader:
+                 int4_group: int | None = None, int4_zero_point: bool | None = None,
+                 kernel: Kernel = "auto") -> ExpertReader:
     """The reader of the checkpoint's routed experts in the format a run holds them (`expert_dtype`; None: as
-    stored, so a `moepager quantize` checkpoint in its own format); its `shape` is that format's."""
+    stored, so a `moepager quantize` checkpoint in its own format); its `shape` is that format's. int4 experts that
+    the fused CPU kernel computes (`kernel` auto or fused, accel/cpu_kernels.py) are held as plain nibbles, which it
+    reads, rather than in torch's int4pack layout."""
     stored = stored_format(checkpoint.config)
     quant = expert_format(expert_dtype, stored, dtype, device, int4_group, int4_zero_point)
     if quant is not None:
         check_shape(cfg.hidden_size, cfg.expert_intermediate_size, quant)
     shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, dtype, quant)
+    if quant is not None and quant.layout == "cpu":
+        rows = replace(shape, quant=replace(quant, layout="rows"))
+        if cpu_kernels.applies(rows, device, kernel):
+            shape = rows
     return ExpertReader(checkpoint, arch.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0,
                         direct_io, stored)
 
@@ -122,12 +131,14 @@ class LoadOptions:
     """int8: the dense projections quantized too (accel/dense_quant.py; lossy, opt-in)."""
     pack_dense: bool = True
     """Prepack the large bf16 dense projections for oneDNN on the CPU (accel/packed.py)."""
+    expert_kernel: Kernel = "auto"
+    """The expert kernel the run asks for: where it is the fused CPU kernel, int4 experts are held in its layout."""
 
     @classmethod
     def of(cls, config: EngineConfig) -> LoadOptions:
         return cls(parse_dtype(config.dtype) if config.dtype else None, config.device, config.store.direct_io,
                    config.expert_dtype, config.int4_group, config.int4_zero_point, config.dense_dtype,
-                   config.pack_dense)
+                   config.pack_dense, config.expert_kernel)
 
 
 @dataclass
@@ -158,7 +169,7 @@ def open_checkpoint(path: str | os.PathLike[str], options: LoadOptions) -> OpenC
     dtype = options.dtype or checkpoint_dtype(checkpoint)
     dev = torch.device(options.device)
     reader = open_experts(checkpoint, arch, cfg, dtype, dev, options.direct_io, options.expert_dtype,
-                          options.int4_group, options.int4_zero_point)
+                          options.int4_group, options.int4_zero_point, options.expert_kernel)
     return OpenCheckpoint(checkpoint, arch, cfg, dtype, dev, reader)
 
 

@@ -85,10 +85,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU threads (default: the cores other processes leave idle, measured at start: torch's "
                         "threads spin against a busy core)")
     p.add_argument("--expert-kernel", choices=KERNELS, default="auto",
-                   help="how a layer's routed experts are computed: auto (per call: loop on the CPU, gather for "
-                        "small experts at one token, grouped on CUDA), loop, gather, grouped, or packed (CPU, every "
-                        "expert resident, weights prepacked at load: bf16 through oneDNN, int8 through FBGEMM with "
-                        "activations quantized to 8 bits (lossier); faster on large experts, not bit-equal to loop)")
+                   help="how a layer's routed experts are computed: auto (CPU: the fused kernel where it applies, "
+                        "else loop for one token and grouped for more; CUDA: grouped), loop, gather, grouped, packed "
+                        "(CPU, every expert resident, weights prepacked at load: bf16 through oneDNN, int8 through "
+                        "FBGEMM with activations quantized to 8 bits (lossier); not bit-equal to loop), or fused "
+                        "(CPU, bf16/int8/int4: moepager's AVX512 kernel, a whole layer in one call, int8/int4 with "
+                        "8-bit activations; `moepager info` says whether this machine has it)")
     p.add_argument("--no-packed-dense", dest="pack_dense", action="store_false",
                    help="CPU, bf16: compute the large dense projections (attention, LM head) with torch's own GEMV "
                         "instead of oneDNN on weights prepacked at load (1.4-1.6x faster on matrices of 1M+ elements "

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from moepager.accel import cpu_kernels
 from moepager.checkpoints.default import default_model_path
 from moepager.checkpoints.disk import bounce_bytes
 from moepager.checkpoints.dtypes import checkpoint_dtype
@@ -69,6 +70,7 @@ def describe(path: str, budgets: Sequence[str] = ()) -> list[tuple[str, str]]:
         ("read buffers", f"{size(buffers)} (O_DIRECT bounce buffers of {defaults.io_threads} I/O threads + "
                          f"{defaults.prefetch_threads} prefetch; inside every --expert-memory budget on the CPU, "
                          "--host-memory on CUDA)"),
+        ("CPU expert kernels", cpu_kernels.status()),
         ("minimum expert memory", f"{size(cfg.top_k * expert_nbytes + buffers)} (one MoE layer's top-{cfg.top_k} "
                                   f"+ read buffers)"),
     ] + [budget_row(text, expert_nbytes, num_routed, cfg.top_k, buffers) for text in budgets]

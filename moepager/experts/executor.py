@@ -40,7 +40,14 @@ import torch.nn.functional as F
 from moepager.config import KERNELS, Kernel
 from moepager.errors import ConfigError
 from moepager.experts.onednn import packed_linear, packing_available, prepack
-from moepager.experts.quant import dequantize_plain, int8_packed_mm, int8_packing_available, int8_prepack, sections
+from moepager.experts.protocols import FusedKernel
+from moepager.experts.quant import (
+    dequantize_buffer_int4,
+    int8_packed_mm,
+    int8_packing_available,
+    int8_prepack,
+    sections,
+)
 from moepager.experts.reference import expert_forward
 from moepager.experts.weights import AnyExpertWeights, ExpertShape, expert_view
 from moepager.store.store import ExpertStore
@@ -51,7 +58,8 @@ Act = Callable[[torch.Tensor], torch.Tensor]
 
 class ExpertExecutor(Protocol):
     compute_note: str
-    """How the kernel computes when that is lossier than the experts' format ("" otherwise): a run reports it."""
+    """Which kernel computes when it is not torch's, and how when that is lossier than the experts' format ("" for
+    torch's kernels at the format's own precision): a run reports it beside the format."""
 
     def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
         """Sum over each token's K routed experts of weight * expert(token), for MoE layer `layer`."""
@@ -135,12 +143,21 @@ def combine(x_ND: torch.Tensor, work: SortedTokens, y_MD: torch.Tensor) -> torch
 class ArenaKernels:
     """The three kernels over one arena; `views[row]` are the row's projection views."""
 
-    def __init__(self, arena: torch.Tensor, shape: ExpertShape, kernel: Kernel = "auto", act: Act = F.silu):
+    def __init__(self, arena: torch.Tensor, shape: ExpertShape, kernel: Kernel = "auto", act: Act = F.silu,
+                 fused: FusedKernel | None = None):
         if kernel not in KERNELS:
             raise ValueError(f"unknown expert kernel '{kernel}'; choose from {', '.join(KERNELS)}")
         if kernel == "packed":
             raise ConfigError("the 'packed' expert kernel computes resident experts only (it keeps no plain weights "
                               "to page); leave --expert-memory unset, or choose another --expert-kernel")
+        if kernel == "fused" and fused is None:
+            raise ConfigError("the 'fused' expert kernel was not built for these experts (accel/cpu_kernels.py)")
+        if fused is not None and act is not F.silu:
+            raise ConfigError("the fused expert kernel computes SwiGLU experts (SiLU) only")
+        self.fused = fused
+        """A layer's experts in one call on up to `fused.max_tokens` tokens (accel/cpu_kernels.py), or None."""
+        if kernel == "fused":
+            kernel = "auto"  # the kernels of calls past its max_tokens (none: it takes every size)
         if shape.quant is not None and kernel not in ("auto", "loop"):
             raise ConfigError(f"the '{kernel}' expert kernel computes float experts only; {shape.format_name} "
                               "experts run the 'loop' kernel (--expert-kernel auto or loop)")
@@ -159,7 +176,7 @@ class ArenaKernels:
         self.int4_rows: tuple[torch.Tensor, ...] | None = None
         """int4 in the CPU kernel's layout: whole-arena views of the packed gate_up and down and their group scales."""
         self.int4_plain_rows: tuple[torch.Tensor, ...] | None = None
-        """int4 as plain nibbles (CUDA): the same four whole-arena views."""
+        """int4 as plain nibbles (CUDA, or the fused CPU kernel's "rows" layout): the same four whole-arena views."""
         if shape.quant is not None:  # whole-arena views of the quantized buffers' sections
             views = tuple(arena[:, s.offset: s.offset + s.nbytes].view(s.dtype).unflatten(1, s.shape)
                           for s in sections(d, f, shape.dtype, shape.quant)[0])
@@ -217,8 +234,10 @@ class ArenaKernels:
             return self._unrolled_int4_swiglu(x_MD, index_M)
         if self.int4_plain_rows is not None:  # the rows' nibbles copied out and dequantised at once
             q_gu, q_dn, s_gu, s_dn = self.int4_plain_rows
-            gate_up_M2FD, down_MDF = (dequantize_plain(q.index_select(0, index_M), s.index_select(0, index_M)
-                                                       ).to(x_MD.dtype) for q, s in ((q_gu, s_gu), (q_dn, s_dn)))
+            layout = self.shape.quant.layout if self.shape.quant is not None else "plain"
+            gate_up_M2FD, down_MDF = (dequantize_buffer_int4(q.index_select(0, index_M), s.index_select(0, index_M),
+                                                             layout).to(x_MD.dtype)
+                                      for q, s in ((q_gu, s_gu), (q_dn, s_dn)))
             h_M12F = torch.bmm(x_MD[:, None], gate_up_M2FD.transpose(1, 2))
             gate, up = h_M12F.chunk(2, dim=-1)
             return torch.bmm(self.act(gate) * up, down_MDF.transpose(1, 2))[:, 0]
@@ -294,11 +313,10 @@ class ArenaKernels:
 class ResidentExecutor:
     """Every routed expert in one arena on the device: row `base[layer] + expert`."""
 
-    compute_note = ""
-
     def __init__(self, arena: torch.Tensor, shape: ExpertShape, moe_layers: Sequence[int], num_experts: int,
-                 kernel: Kernel = "auto"):
-        self.kernels = ArenaKernels(arena, shape, kernel)
+                 kernel: Kernel = "auto", fused: FusedKernel | None = None):
+        self.kernels = ArenaKernels(arena, shape, kernel, fused=fused)
+        self.compute_note = fused.note if fused is not None else ""
         self.base = {layer: i * num_experts for i, layer in enumerate(moe_layers)}
         self.num_experts = num_experts
         self.in_graph = False
@@ -314,6 +332,9 @@ class ResidentExecutor:
 
     def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
         kernels, base = self.kernels, self.base[layer]
+        fused = kernels.fused
+        if fused is not None and x_ND.shape[0] <= fused.max_tokens:  # the whole layer in one call
+            return fused.resident(x_ND, route.ids_TK, route.weights_TK, kernels.arena, base, self.num_experts)
         kernel = kernels.batched if x_ND.shape[0] > 1 else kernels.resolved  # `choose`, inlined: per layer and token
         if kernel == "grouped":  # the layer's own rows only: empty groups still cost (CPU: 0.57 against 0.37 ms)
             return kernels.grouped_rows(x_ND, route, base, self.num_experts)
@@ -395,22 +416,29 @@ class PagedExecutor:
     then each batch of loads that has landed (`loop`: expert by expert), each stream row handed back to the
     store as soon as its expert is computed, until none is left; then released."""
 
-    compute_note = ""
-
-    def __init__(self, store: ExpertStore, shape: ExpertShape, kernel: Kernel = "auto"):
+    def __init__(self, store: ExpertStore, shape: ExpertShape, kernel: Kernel = "auto",
+                 fused: FusedKernel | None = None):
         self.store = store
-        self.kernels = ArenaKernels(store.device.buffers, shape, kernel)
+        self.kernels = ArenaKernels(store.device.buffers, shape, kernel, fused=fused)
+        self.compute_note = fused.note if fused is not None else ""
 
     def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
         work = sort_by_expert(x_ND, route)
-        kernel = self.kernels.choose(x_ND.shape[0])
+        n, fused = x_ND.shape[0], self.kernels.fused
+        if fused is not None and n > fused.max_tokens:
+            fused = None
+        kernel = self.kernels.choose(n)
         held = self.store.acquire(layer, work.experts)  # its ready experts need no wait
         try:
-            if kernel != "loop" and not held.pending and not held.queued:
+            if fused is None and kernel != "loop" and not held.pending and not held.queued:
                 y_MD = self.kernels.compute(work, held.slots, kernel)
             else:
-                y_MD = torch.empty_like(work.x_MD)
-                some = self.kernels.loop if kernel == "loop" else partial(self._some, kernel=kernel)
+                if fused is not None:  # fp32 weighted rows, summed per token by the kernel's own combine
+                    y_MD = torch.empty(work.x_MD.shape, dtype=torch.float32)
+                    some = partial(fused.rows, x_ND=x_ND, w_M=work.w_M1.reshape(-1).float(), arena=self.kernels.arena)
+                else:
+                    y_MD = torch.empty_like(work.x_MD)
+                    some = self.kernels.loop if kernel == "loop" else partial(self._some, kernel=kernel)
                 some(work, held.slots, held.ready, y_MD)
                 pending = held.pending + (self.store.recycle(held, held.ready) if held.streaming else [])
                 while pending:
@@ -422,7 +450,7 @@ class PagedExecutor:
                         pending += self.store.recycle(held, landed)
         finally:
             self.store.release(held)
-        return combine(x_ND, work, y_MD)
+        return fused.combine(y_MD, work.token_M, n) if fused is not None else combine(x_ND, work, y_MD)
 
     def _some(self, work: SortedTokens, rows: Sequence[int], which: Sequence[int], out_MD: torch.Tensor,
               kernel: Kernel) -> None:

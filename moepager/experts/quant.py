@@ -57,8 +57,10 @@ class QuantFormat:
     """int4: input elements per scale (32, 64 or 128); 0 for int8 (one scale per output channel)."""
     zero_point: bool = False
     """int4: asymmetric groups with a zero each (otherwise symmetric, zero = 0)."""
-    layout: Literal["cpu", "plain"] = "cpu"
-    """int4 weights in the buffer: torch's CPU int4pack layout, or plain nibbles (CUDA, checkpoints)."""
+    layout: Literal["cpu", "plain", "rows"] = "cpu"
+    """int4 weights in the buffer: torch's CPU int4pack layout; plain nibbles with [K/g, N, 2] scales and zeros (CUDA,
+    checkpoints); or plain nibbles with row-major [N, K/g] scales, symmetric only (the fused CPU kernel's,
+    accel/cpu_kernels.py: a row's scales are contiguous)."""
 
     @property
     def name(self) -> str:
@@ -101,6 +103,9 @@ def sections(hidden: int, intermediate: int, dtype: torch.dtype, fmt: QuantForma
     d, f = hidden, intermediate
     if fmt.bits == 8:
         parts = [(torch.int8, (2 * f, d)), (torch.int8, (d, f)), (dtype, (2 * f,)), (dtype, (d,))]
+    elif fmt.layout == "rows":
+        parts = [(torch.uint8, (2 * f, d // 2)), (torch.uint8, (d, f // 2)),
+                 (dtype, (2 * f, d // fmt.group)), (dtype, (d, f // fmt.group))]
     else:
         parts = [(torch.uint8, (2 * f, d // 2)), (torch.uint8, (d, f // 2)),
                  (dtype, (d // fmt.group, 2 * f, 2)), (dtype, (f // fmt.group, d, 2))]
@@ -116,6 +121,8 @@ def check_shape(hidden: int, intermediate: int, fmt: QuantFormat) -> None:
     """Refuse geometries the int4 kernels cannot take, saying why."""
     if fmt.bits != 4:
         return
+    if fmt.layout == "rows" and fmt.zero_point:
+        raise ConfigError("the int4 'rows' layout is symmetric (no zero points)")
     for name, k in (("hidden size", hidden), ("expert intermediate size", intermediate)):
         if k % fmt.group:
             raise ConfigError(f"int4 group size {fmt.group} does not divide the {name} {k}; choose a group from "
@@ -199,6 +206,17 @@ def dequantize_int4(q_NK: torch.Tensor, scale_NG: torch.Tensor, zero_NG: torch.T
     g = q_NK.shape[-1] // scale_NG.shape[-1]
     w = (q_NK.float().unflatten(-1, (-1, g)) - 8) * scale_NG.float()[..., None] + zero_NG.float()[..., None]
     return w.flatten(-2)
+
+
+def dequantize_rows(q_NH: torch.Tensor, s_NG: torch.Tensor) -> torch.Tensor:
+    """Float32 weights [..., N, K] of plain int4 nibbles and row-major symmetric group scales [..., N, K/g] (the
+    "rows" layout)."""
+    return dequantize_int4(unpack_nibbles(q_NH), s_NG, torch.zeros_like(s_NG))
+
+
+def dequantize_buffer_int4(q_NH: torch.Tensor, s: torch.Tensor, layout: str) -> torch.Tensor:
+    """Float32 weights of one projection (or a stack) as an expert buffer holds them, plain or rows layout."""
+    return dequantize_rows(q_NH, s) if layout == "rows" else dequantize_plain(q_NH, s)
 
 
 def dequantize_plain(q_NH: torch.Tensor, s_GN2: torch.Tensor) -> torch.Tensor:
@@ -325,7 +343,7 @@ class QuantExpertWeights:
             return int8_mm(x, q, s)
         if fmt.layout == "cpu":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, fmt.group, s)
-        return F.linear(x, dequantize_plain(q, s).to(x.dtype))
+        return F.linear(x, dequantize_buffer_int4(q, s, fmt.layout).to(x.dtype))
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Float32 (gate_up [2F, D], down [D, F]): what the kernels compute with (for tests)."""
@@ -347,6 +365,11 @@ class QuantExpertWeights:
                 q.copy_(pack_int4_cpu(proj.q))
             else:
                 q.copy_(proj.q)
+            if self.fmt.layout == "rows":
+                if proj.zero is not None:
+                    raise ValueError("the int4 'rows' layout is symmetric: these groups have zero points")
+                s.copy_(proj.scale)
+                continue
             s[..., 0].copy_(proj.scale.t())
             if proj.zero is None:
                 s[..., 1].zero_()

@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from moepager.accel import cpu_kernels
 from moepager.checkpoints.build import (
     ExecutorFactory,
     LoadedModel,
@@ -137,7 +138,8 @@ def _paged(config: StoreConfig, reader: FlatReader, cfg: ModelConfig, device: to
         print(f"warning: paging {reader.shape.format_name} experts out of a float checkpoint reads float bytes "
               "and quantizes every miss; `moepager quantize` writes a checkpoint that reads the quantized "
               "bytes", file=sys.stderr)
-    return PagedExecutor(build_store(config, reader, cfg, device, host_tier, progress), reader.shape, kernel)
+    fused = cpu_kernels.fused_experts(reader.shape, device, kernel)
+    return PagedExecutor(build_store(config, reader, cfg, device, host_tier, progress), reader.shape, kernel, fused)
 
 
 def check_names(config: EngineConfig) -> None:

@@ -1,0 +1,240 @@
+"""moepager's fused CPU expert kernels (accel/cpu_kernels.py, accel/cpu_moe.cpp): each format against an fp32
+reference on odd shapes and token counts, paged equal to resident bit for bit, every architecture's logits against
+torch's kernels, and the fallback when the extension cannot be used.
+
+Tolerances (stated in accel/cpu_kernels.py): bf16 experts differ from the fp32 reference on the same weights by the
+bf16 rounding of the activation and output (measured <= 0.4% of the output's largest magnitude: 1% allowed); int8 and
+int4 experts also quantize the activations to 8 bits in blocks of 32 (measured <= 1.6%: 3% allowed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moepager.accel import cpu_kernels
+from moepager.checkpoints.build import LoadOptions, load_model, open_checkpoint, resident_executor
+from moepager.checkpoints.quantized import quantize_checkpoint
+from moepager.config import StoreConfig
+from moepager.errors import ConfigError
+from moepager.experts.executor import PagedExecutor, ResidentExecutor
+from moepager.experts.quant import QuantExpertWeights, QuantFormat, quantize_expert, sections
+from moepager.experts.weights import ExpertShape
+from moepager.runtime.builder import STREAM_ROWS, paged_executor, read_buffer_bytes
+from moepager.types import RoutingDecision
+from tests.conftest import ARCHS, VOCAB
+from tests.runtime.test_offload import logits_run
+
+BF16, CPU = torch.bfloat16, torch.device("cpu")
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no fused CPU kernels here: "
+                                   f"{cpu_kernels.unsupported_reason()}")
+TOLERANCE = {"bf16": 0.01, "int8": 0.03, "int4": 0.03}
+
+
+def make_layer(fmt: str, d: int, f: int, e: int, seed: int = 0
+               ) -> tuple[torch.Tensor, ExpertShape, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """An arena of `e` experts in `fmt` and each expert's fp32 weights as the format holds them."""
+    g = torch.Generator().manual_seed(seed)
+    raw = [(torch.randn(2 * f, d, generator=g) * 0.1, torch.randn(d, f, generator=g) * 0.1) for _ in range(e)]
+    if fmt == "bf16":
+        shape = ExpertShape(d, f, BF16)
+        arena = torch.stack([torch.cat([gu.to(BF16).flatten(), dn.to(BF16).flatten()]) for gu, dn in raw])
+        return arena, shape, [(gu.to(BF16).float(), dn.to(BF16).float()) for gu, dn in raw]
+    quant = QuantFormat(8) if fmt == "int8" else QuantFormat(4, 32, False, "rows")
+    shape = ExpertShape(d, f, BF16, quant)
+    arena = torch.zeros(e, sections(d, f, BF16, quant)[1], dtype=torch.uint8)
+    weights = []
+    for row, (gu, dn) in enumerate(raw):
+        view = QuantExpertWeights(arena[row], d, f, BF16, quant)
+        quantize_expert(gu, dn, view, BF16)
+        weights.append(view.dequantized())
+    return arena, shape, weights
+
+
+def reference(x: torch.Tensor, route: RoutingDecision, weights: list[tuple[torch.Tensor, torch.Tensor]]
+              ) -> torch.Tensor:
+    out = torch.zeros(x.shape[0], weights[0][1].shape[0])
+    for t in range(x.shape[0]):
+        for k in range(route.ids_TK.shape[1]):
+            gu, dn = weights[int(route.ids_TK[t, k])]
+            h = gu @ x[t].float()
+            f = dn.shape[1]
+            out[t] += route.weights_TK[t, k].float() * (dn @ (F.silu(h[:f]) * h[f:]))
+    return out
+
+
+def random_route(n: int, e: int, k: int, seed: int = 1) -> RoutingDecision:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+    return RoutingDecision(ids, torch.softmax(torch.randn(n, k, generator=g), -1).to(BF16), None)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt, d, f", [("bf16", 100, 72), ("bf16", 256, 128), ("int8", 100, 72), ("int8", 192, 200),
+                                       ("int4", 96, 64), ("int4", 256, 160)])
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_a_fused_layer_computes_the_reference_on_odd_shapes(fmt, d, f, tokens):
+    """Rows and inputs that are not multiples of 16, 32, 64 or 128; one token, a few, a prefill's worth."""
+    e, k = 8, 3
+    arena, shape, weights = make_layer(fmt, d, f, e)
+    route = random_route(tokens, e, k)
+    x = torch.randn(tokens, d, generator=torch.Generator().manual_seed(2)).to(BF16)
+    executor = ResidentExecutor(arena, shape, [0], e, "fused", cpu_kernels.FusedExperts(shape, 1 << 62))
+    got = executor.run(0, x, route)
+    ref = reference(x, route, weights)
+    assert got.dtype == BF16 and got.shape == (tokens, d)
+    assert (got.float() - ref).abs().max() <= TOLERANCE[fmt] * ref.abs().max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_computing_a_layer_in_pieces_as_experts_land_gives_the_one_call_bits(fmt):
+    e, k, n = 8, 3, 5
+    arena, shape, _ = make_layer(fmt, 128, 96, e)
+    fused = cpu_kernels.FusedExperts(shape, 1 << 62)
+    route = random_route(n, e, k)
+    x = torch.randn(n, 128, generator=torch.Generator().manual_seed(2)).to(BF16)
+    whole = fused.resident(x, route.ids_TK, route.weights_TK, arena, 0, e)
+    order = torch.argsort(route.ids_TK.flatten(), stable=True)
+    token, w = order // k, route.weights_TK.flatten()[order].float()
+    used, counts = torch.unique(route.ids_TK, return_counts=True)
+    ends = counts.cumsum(0)
+    spans = torch.stack([ends - counts, ends], 1)
+    y = torch.empty(n * k, 128)
+    for part in (slice(1, None, 2), slice(0, None, 2)):  # the odd experts land first
+        fused.module.moe_partial(x, arena, token, w, used[part].contiguous(), spans[part].contiguous(), y, fused.spec)
+    assert torch.equal(fused.combine(y, token, n), whole)
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_architecture_computes_torchs_logits_with_the_fused_kernel(hf_checkpoint, arch):
+    _, path = hf_checkpoint(arch)
+    got = load_model(path, dtype=BF16, executor_factory=resident_executor(CPU, "fused"), show_progress=False)
+    assert got.experts.kernels.fused is not None and "fused CPU kernel" in got.expert_format
+    ref = load_model(path, dtype=BF16, executor_factory=resident_executor(CPU, "loop"), show_progress=False)
+    assert ref.experts.kernels.fused is None
+    for a, b in zip(logits_run(got, rows=2), logits_run(ref, rows=2)):  # prefill of two rows, then decodes
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory):
+    """A tiny bf16 Qwen3-MoE whose expert width (32) takes int4 groups of 32 (the shared tiny configs' are 16)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         head_dim=16, intermediate_size=64, moe_intermediate_size=32,
+                                         num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
+                                         norm_topk_prob=True, max_position_embeddings=256, eos_token_id=None,
+                                         bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("qwen3_bf16")
+    transformers.AutoModelForCausalLM.from_config(config).to(BF16).save_pretrained(path)
+    return path
+
+
+@needs_kernels
+@pytest.mark.parametrize("expert_dtype", ["int8", "int4"])
+def test_quantized_experts_take_the_fused_kernel_in_its_layout_by_default(bf16_checkpoint, expert_dtype):
+    """auto holds int4 in the kernel's 'rows' layout, says the activations are quantized, and stays close to the
+    weight-only torch kernels (the activations' quantization is the difference)."""
+    path = bf16_checkpoint
+    got = load_model(path, dtype=BF16, expert_dtype=expert_dtype, show_progress=False)
+    assert isinstance(got.experts, ResidentExecutor) and got.experts.kernels.fused is not None
+    assert "activations quantized to 8 bits in blocks of 32" in got.expert_format
+    if expert_dtype == "int4":
+        assert got.expert_shape.quant.layout == "rows"
+    ref = load_model(path, dtype=BF16, expert_dtype=expert_dtype, expert_kernel="loop",
+                     executor_factory=resident_executor(CPU, "loop"), show_progress=False)
+    assert ref.experts.kernels.fused is None and ref.expert_format == ref.expert_shape.format_name
+    assert expert_dtype == "int8" or ref.expert_shape.quant.layout == "cpu"
+    for a, b in zip(logits_run(got, rows=2), logits_run(ref, rows=2)):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.08, atol=0.08)
+
+
+@needs_kernels
+@pytest.mark.parametrize("expert_dtype", [None, "int8", "int4"])
+def test_paged_fused_layers_give_the_resident_runs_bits(bf16_checkpoint, tmp_path, expert_dtype):
+    path = bf16_checkpoint  # bf16 on disk: float experts are read as they lie
+    if expert_dtype is not None:  # quantized on disk: the store reads quantized bytes
+        path = quantize_checkpoint(bf16_checkpoint, tmp_path / expert_dtype, expert_dtype, show_progress=False)
+    resident = load_model(path, show_progress=False)
+    assert resident.experts.kernels.fused is not None
+    ref = logits_run(resident, steps=6, rows=1)  # one token a step: the decode path
+    nbytes, defaults = resident.expert_shape.nbytes, StoreConfig()
+    reserved = read_buffer_bytes(open_checkpoint(path, LoadOptions()).reader, defaults.io_threads,
+                                 defaults.prefetch_threads)
+    config = StoreConfig(expert_memory=str((3 + STREAM_ROWS) * nbytes + reserved), warm=False)
+    paged = load_model(path, executor_factory=paged_executor(config, CPU), show_progress=False)
+    assert isinstance(paged.experts, PagedExecutor) and paged.experts.kernels.fused is not None
+    assert all(torch.equal(a, b) for a, b in zip(logits_run(paged, steps=6, rows=1), ref))
+    assert sum(p.loads_on_demand for p in paged.experts.store.counters.phases.values()) > 0
+    paged.experts.store.close()
+
+
+@pytest.fixture
+def fresh_state(monkeypatch):
+    """The extension looked up anew (and the real state restored after the test)."""
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+
+
+def test_without_the_extension_runs_fall_back_to_torch_and_say_why(fresh_state, monkeypatch, capsys, bf16_checkpoint):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    assert cpu_kernels.extension() is None
+    assert capsys.readouterr().err.count("\n") == 1  # one line
+    assert cpu_kernels.status() == "torch's (ours unavailable: this CPU lacks AVX512-BF16 or AVX512-VNNI)"
+    shape = ExpertShape(64, 64, BF16)
+    assert cpu_kernels.fused_experts(shape, CPU, "auto") is None
+    with pytest.raises(ConfigError, match="cannot compute these bfloat16 experts: this CPU lacks"):
+        cpu_kernels.fused_experts(shape, CPU, "fused")
+    loaded = load_model(bf16_checkpoint, expert_dtype="int4", show_progress=False)
+    assert loaded.experts.kernels.fused is None and loaded.expert_shape.quant.layout == "cpu"  # torch's int4 layout
+    assert capsys.readouterr().err == ""  # said once per process
+
+
+def test_moepager_cpu_kernels_0_turns_the_extension_off_silently(fresh_state, monkeypatch, capsys):
+    monkeypatch.setenv("MOEPAGER_CPU_KERNELS", "0")
+    assert cpu_kernels.extension() is None and capsys.readouterr().err == ""
+    assert cpu_kernels.status() == "torch's (ours unavailable: MOEPAGER_CPU_KERNELS=0)"
+
+
+def test_a_failed_build_falls_back_with_its_reason(fresh_state, monkeypatch, capsys):
+    monkeypatch.setattr(cpu_kernels, "unsupported_reason", lambda: None)
+
+    def broken() -> None:
+        raise RuntimeError("Error building extension 'moepager_cpu_moe'\nc++: fatal error: no input files")
+
+    monkeypatch.setattr(cpu_kernels, "_build", broken)
+    assert cpu_kernels.extension() is None
+    assert "the build failed (c++: fatal error: no input files)" in capsys.readouterr().err
+
+
+def test_formats_the_fused_kernel_cannot_compute_are_refused_by_name():
+    assert "computes in bf16" in cpu_kernels.unsupported_format(ExpertShape(64, 64, torch.float32))
+    assert "zero points" in cpu_kernels.unsupported_format(ExpertShape(64, 64, BF16, QuantFormat(4, 32, True,
+                                                                                                   "plain")))
+    assert "'rows' layout" in cpu_kernels.unsupported_format(ExpertShape(64, 64, BF16, QuantFormat(4, 32)))
+    assert cpu_kernels.unsupported_format(ExpertShape(64, 64, BF16, QuantFormat(4, 64, False, "rows"))) is None
+    with pytest.raises(ConfigError, match="runs on the CPU"):
+        cpu_kernels.fused_experts(ExpertShape(64, 64, BF16), torch.device("meta"), "fused")
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_the_rows_int4_layout_round_trips_through_an_experts_buffer(group):
+    """The fused kernel's int4 layout holds the same weights as the plain one (dequantized by torch's path)."""
+    g = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(256, 128, generator=g), torch.randn(128, 128, generator=g)
+    out = []
+    for layout in ("plain", "rows"):
+        fmt = QuantFormat(4, group, False, layout)
+        view = QuantExpertWeights(torch.zeros(sections(128, 128, BF16, fmt)[1], dtype=torch.uint8), 128, 128, BF16,
+                                  fmt)
+        quantize_expert(gate_up, down, view, BF16)
+        out.append(view.dequantized())
+    assert all(torch.equal(a, b) for a, b in zip(*out))
+
+
+@needs_kernels
+def test_the_stream_read_helper_reads_every_byte():
+    x = torch.arange(1 << 16, dtype=torch.int64)
+    assert cpu_kernels.extension().stream_read(x) == int(x.sum())
