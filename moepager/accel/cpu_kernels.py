@@ -64,6 +64,9 @@ def unsupported_reason() -> str | None:
         return "this CPU lacks AVX512-BF16 or AVX512-VNNI"
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler (c++) on PATH"
+    beside = Path(sys.executable).parent  # the `ninja` dependency's script, in a virtual environment not activated
+    if shutil.which("ninja") is None and (beside / "ninja").exists():
+        os.environ["PATH"] = f"{beside}{os.pathsep}{os.environ.get('PATH', '')}"
     try:
         from torch.utils.cpp_extension import verify_ninja_availability
         verify_ninja_availability()

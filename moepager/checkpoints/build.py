@@ -189,10 +189,10 @@ def build_model(opened: OpenCheckpoint, experts: ExpertExecutor, options: LoadOp
     if options.dense_dtype is not None:
         quantize_dense(model, options.dense_dtype)
     packed = pack_dense_projections(model) if options.dense_dtype is None and options.pack_dense and dev.type == "cpu" \
-        else 0
+        else ""
     dense_format = DENSE_FORMATS[options.dense_dtype] if options.dense_dtype else str(dtype).removeprefix("torch.")
     if packed:
-        dense_format += f" ({packed} large projection{'s' if packed > 1 else ''} prepacked for oneDNN)"
+        dense_format += f" ({packed})"
     note = experts.compute_note  # a kernel that is lossier than the format says so
     shape = opened.reader.shape
     expert_fmt = shape.format_name + (f" ({note})" if note else "")

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from moepager.accel import cpu_kernels
+from moepager.accel.packed import FusedLinear
 from moepager.checkpoints.build import LoadOptions, load_model, open_checkpoint, resident_executor
 from moepager.checkpoints.quantized import quantize_checkpoint
 from moepager.config import StoreConfig
@@ -20,6 +21,7 @@ from moepager.errors import ConfigError
 from moepager.experts.executor import PagedExecutor, ResidentExecutor
 from moepager.experts.quant import QuantExpertWeights, QuantFormat, quantize_expert, sections
 from moepager.experts.weights import ExpertShape
+from moepager.models.attention import Attention
 from moepager.runtime.builder import STREAM_ROWS, paged_executor, read_buffer_bytes
 from moepager.types import RoutingDecision
 from tests.conftest import ARCHS, VOCAB
@@ -238,3 +240,31 @@ def test_the_rows_int4_layout_round_trips_through_an_experts_buffer(group):
 def test_the_stream_read_helper_reads_every_byte():
     x = torch.arange(1 << 16, dtype=torch.int64)
     assert cpu_kernels.extension().stream_read(x) == int(x.sum())
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_fused_dense_projection_computes_the_linear_map(rows, bias):
+    """Up to FUSED_DENSE_MAX_TOKENS rows on moepager's GEMV, more on torch's GEMM; odd sizes, leading dimensions."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(203, 100, generator=g).to(BF16)
+    b = torch.randn(203, generator=g).to(BF16) if bias else None
+    x = torch.randn(1, rows, 100, generator=g).to(BF16)
+    y = FusedLinear(w, b)(x)
+    assert y.shape == (1, rows, 203) and y.dtype == BF16
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1.6e-2, atol=1e-2)  # bf16: the last bit may differ
+
+
+@needs_kernels
+def test_loading_puts_every_bf16_dense_projection_on_the_gemv(hf_checkpoint):
+    _, path = hf_checkpoint("qwen3_moe")
+    loaded = load_model(path, dtype=BF16, show_progress=False)
+    model = loaded.model
+    assert isinstance(model.lm_head, FusedLinear) and "on moepager's CPU GEMV" in loaded.dense_format
+    attn = [m for m in model.modules() if isinstance(m, Attention)]
+    assert attn and all(isinstance(a.qkv, FusedLinear) and isinstance(a.o_proj, FusedLinear) for a in attn)
+    plain = load_model(path, dtype=BF16, show_progress=False, pack_dense=False)
+    assert not any(isinstance(m, FusedLinear) for m in plain.model.modules())
+    for a, b in zip(logits_run(loaded, rows=2), logits_run(plain, rows=2)):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)
