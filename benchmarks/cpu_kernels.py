@@ -6,8 +6,9 @@ experts, top-4), format (bf16; int8 and int4 in groups of 32, the fused kernel w
 one layer's routed experts are computed by `ResidentExecutor.run` with the fused kernel and with the torch path
 (`loop` for one token, `auto`'s choice for more: grouped for bf16, loop for int8/int4, whose int4 arena is held in
 torch's int4pack layout), over fresh random routing each repetition (so a large layer's experts come from RAM, not
-the caches). Weight GB/s = bytes of the distinct experts a call reads / its time; `% stream` divides that by the
-streaming read bandwidth measured by the extension's `stream_read` over 1 GiB at the same thread count.
+the caches); arenas on huge pages, as the engine holds them. Weight GB/s = bytes of the distinct experts a call
+reads / its time; `% stream` divides that by the streaming read bandwidth measured by the extension's `stream_read`
+over 1 GiB on huge pages at the same thread count.
 
     python -m benchmarks run cpu_kernels [--threads 1 2] [--tokens 1 4 16 64] [--formats bf16 int8 int4]
         [--geometries qwen3 demo] [--reps 30]
@@ -25,13 +26,14 @@ from moepager.accel import cpu_kernels
 from moepager.experts.executor import ResidentExecutor
 from moepager.experts.quant import QuantExpertWeights, QuantFormat, quantize_expert, sections
 from moepager.experts.weights import ExpertShape
-from moepager.types import RoutingDecision
+from moepager.types import RoutingDecision, host_empty
 
 GEOMETRIES = {"qwen3": (2048, 768, 128, 8), "demo": (256, 64, 32, 4)}
 
 
 def stream_bandwidth(module, nbytes: int = 1 << 30) -> float:
-    buf = torch.ones(nbytes, dtype=torch.uint8)
+    """Best of 5 reads of 1 GiB on huge pages (as the engine holds its weights: types.py `host_empty`)."""
+    buf = host_empty(nbytes, dtype=torch.uint8).fill_(1)
     module.stream_read(buf)
     best = 0.0
     for _ in range(5):
@@ -45,10 +47,13 @@ def arena_of(fmt: str, d: int, f: int, e: int, layout: str) -> tuple[torch.Tenso
     gen = torch.Generator().manual_seed(0)
     if fmt == "bf16":
         shape = ExpertShape(d, f, torch.bfloat16)
-        return (torch.randn(e, shape.numel, generator=gen) * 0.02).to(torch.bfloat16), shape
+        arena = host_empty(e, shape.numel, dtype=torch.bfloat16)  # huge pages, as the engine's arenas
+        for row in range(e):
+            arena[row] = torch.randn(shape.numel, generator=gen) * 0.02
+        return arena, shape
     quant = QuantFormat(8) if fmt == "int8" else QuantFormat(4, 32, False, layout)  # type: ignore[arg-type]
     shape = ExpertShape(d, f, torch.bfloat16, quant)
-    arena = torch.empty(e, sections(d, f, torch.bfloat16, quant)[1], dtype=torch.uint8)
+    arena = host_empty(e, sections(d, f, torch.bfloat16, quant)[1], dtype=torch.uint8)
     gate_up, down = torch.randn(2 * f, d, generator=gen) * 0.02, torch.randn(d, f, generator=gen) * 0.02
     for row in range(e):  # one quantized expert copied everywhere would be cached: perturb each
         quantize_expert(gate_up.roll(row, 1), down.roll(row, 0), QuantExpertWeights(arena[row], d, f, torch.bfloat16,

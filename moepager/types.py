@@ -5,6 +5,8 @@ Shape legend: T tokens, D hidden, F expert FFN width, E experts, K top-k.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from collections.abc import Callable
 from typing import Literal, NamedTuple
 
@@ -77,3 +79,55 @@ class PassInfo(NamedTuple):
     counts: tuple[int, ...]
     row_phases: tuple[Phase, ...]
     token_ids_N: torch.Tensor
+
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+_libc: ctypes.CDLL | None = None
+
+
+def _advise_huge(address: int, nbytes: int) -> bool:
+    global _libc
+    if sys.platform != "linux":
+        return False
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return _libc.madvise(address, nbytes, _MADV_HUGEPAGE) == 0
+    except OSError:
+        return False
+
+
+def host_empty(*size: int, dtype: torch.dtype) -> torch.Tensor:
+    """`torch.empty(size, dtype=dtype)` on the CPU, backed by 2 MiB transparent huge pages where Linux offers them on
+    request (THP in its usual `madvise` mode: asked for before the memory is first touched). Weights read once per
+    token stream through memory much faster so (this project's CPU, 1 GiB read with 512-bit loads: 19.8 against 24.9
+    GB/s at 1 thread, 27.8 against 49.5 at 2; on 4 KiB pages the hardware prefetcher stops at every page). Under
+    2 MiB, or where madvise is refused, a plain tensor."""
+    numel = 1
+    for s in size:
+        numel *= s
+    nbytes = numel * dtype.itemsize
+    if nbytes < HUGE_PAGE or sys.platform != "linux":
+        return torch.empty(size, dtype=dtype)
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # a fresh mapping, untouched: faults in huge pages
+    start = -raw.data_ptr() % HUGE_PAGE
+    _advise_huge(raw.data_ptr() + start, nbytes)
+    return raw[start: start + nbytes].view(dtype).view(size)
+
+
+def rehome_on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of CPU tensors of 2 MiB or more on huge pages (`host_empty`), others as they are; tensors that are the
+    same view of the same memory (a tied embedding and LM head) get the same copy."""
+    done: dict[tuple[int, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+    out = []
+    for t in tensors:
+        if t.device.type != "cpu" or t.nbytes < HUGE_PAGE or not t.is_contiguous():
+            out.append(t)
+            continue
+        key = (t.data_ptr(), tuple(t.shape), t.stride())
+        if key not in done:
+            done[key] = host_empty(*t.shape, dtype=t.dtype).copy_(t)
+        out.append(done[key])
+    return out

@@ -30,7 +30,7 @@ from moepager.models.base import Architecture
 from moepager.models.config import ModelConfig
 from moepager.models.layers import CausalLM
 from moepager.models.registry import architecture_for
-from moepager.types import ExpertKey
+from moepager.types import ExpertKey, host_empty, rehome_on_huge_pages
 
 FP32_TENSORS = ("e_score_correction_bias",)
 """Tensors kept in fp32 whatever the model dtype (as transformers does)."""
@@ -58,7 +58,9 @@ def read_resident(reader: ExpertReader, moe_layers: list[int], num_experts: int,
     """Every routed expert read into one arena on `device`: row i * num_experts + e is expert e of MoE layer i
     (through one CPU staging buffer when the device is not the CPU)."""
     shape = reader.shape
-    arena = torch.empty(len(moe_layers) * num_experts, shape.numel, dtype=shape.buffer_dtype, device=device)
+    rows = len(moe_layers) * num_experts
+    arena = host_empty(rows, shape.numel, dtype=shape.buffer_dtype) if device.type == "cpu" else \
+        torch.empty(rows, shape.numel, dtype=shape.buffer_dtype, device=device)
     staging = torch.empty(shape.numel, dtype=shape.buffer_dtype) if device.type != "cpu" else None
     for i, layer in enumerate(moe_layers):
         for e in range(num_experts):
@@ -190,6 +192,8 @@ def build_model(opened: OpenCheckpoint, experts: ExpertExecutor, options: LoadOp
         quantize_dense(model, options.dense_dtype)
     packed = pack_dense_projections(model) if options.dense_dtype is None and options.pack_dense and dev.type == "cpu" \
         else ""
+    if dev.type == "cpu":
+        weights_on_huge_pages(model)
     dense_format = DENSE_FORMATS[options.dense_dtype] if options.dense_dtype else str(dtype).removeprefix("torch.")
     if packed:
         dense_format += f" ({packed})"
@@ -216,6 +220,19 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None, d
     with load_bar(opened, show_progress) as bar:
         experts = (executor_factory or resident_executor(opened.device))(opened.reader, opened.config, bar.update)
         return build_model(opened, experts, load, bar.update)
+
+
+def weights_on_huge_pages(model: torch.nn.Module) -> None:
+    """Move the model's large CPU weights (parameters and buffers of 2 MiB or more: the embedding, the LM head,
+    attention and dense projections) onto huge pages (types.py `host_empty`), ties kept."""
+    named = [(m, n, t) for m in model.modules() for n, t in list(m._parameters.items()) + list(m._buffers.items())
+             if t is not None]
+    for (module, name, old), new in zip(named, rehome_on_huge_pages([t.data for _, _, t in named])):
+        if new is not old.data:
+            if isinstance(old, torch.nn.Parameter):
+                old.data = new
+            else:
+                module._buffers[name] = new
 
 
 def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moepager.accel import cpu_kernels
+from moepager.accel.packed import pack_dense
 from moepager.checkpoints.build import cast_model, open_experts
 from moepager.checkpoints.dtypes import checkpoint_dtype
 from moepager.checkpoints.expert_reader import ExpertReader
@@ -80,17 +82,36 @@ def random_arena(rows: int, shape: ExpertShape, device: torch.device) -> torch.T
     return one.to(device).expand(rows, -1).clone()
 
 
+FUSED_GROUP = 8
+"""Experts per fused layer call when timing the fused kernel (a top-8 layer's worth)."""
+
 class ExpertPool:
     """Distinct experts worth `pool_bytes`, called in turn so that each call's weights come from memory."""
 
     def __init__(self, shape: ExpertShape, device: torch.device, pool_bytes: int = 768 << 20):
-        self.count = max(4, min(64, pool_bytes // shape.nbytes))
+        self.count = max(FUSED_GROUP, min(64, pool_bytes // shape.nbytes))
         self.shape, self.device = shape, device
-        self.experts = [expert_view(row, shape) for row in random_arena(self.count, shape, device)]
+        self.arena = random_arena(self.count, shape, device)
+        self.experts = [expert_view(row, shape) for row in self.arena]
+        self.fused = cpu_kernels.fused_experts(shape, device, "auto")
+        """The kernel a run computes these experts with on the CPU where it applies (accel/cpu_kernels.py)."""
 
     def seconds_per_call(self, tokens: int) -> float:
-        """Mean seconds of one expert call on `tokens` tokens over one pass through the pool."""
+        """Mean seconds of one expert call on `tokens` tokens over one pass through the pool (with the fused kernel:
+        FUSED_GROUP experts a layer call, as a layer computes them, and its time shared among them)."""
         x = torch.randn(tokens, self.shape.hidden, device=self.device, dtype=self.shape.dtype)
+        fused = self.fused if self.fused is not None and tokens <= self.fused.max_tokens else None
+        if fused is not None:
+            groups = self.count // FUSED_GROUP
+            ids = [torch.arange(g * FUSED_GROUP, (g + 1) * FUSED_GROUP).expand(tokens, -1) for g in range(groups)]
+            w = torch.full((tokens, FUSED_GROUP), 1 / FUSED_GROUP, dtype=self.shape.dtype)
+
+            def run() -> None:
+                for ids_NK in ids:
+                    fused.resident(x, ids_NK, w, self.arena, 0, self.count)
+            with torch.inference_mode():
+                run()
+                return _timed(run, self.device) / (groups * FUSED_GROUP)
 
         def run() -> None:
             for w in self.experts:
@@ -104,7 +125,8 @@ class _ArenaStandIn:
     """An executor over a small arena whose rows stand in for every expert (`rows` picks them per call)."""
 
     def __init__(self, shape: ExpertShape, count: int, device: torch.device):
-        self.kernels = ArenaKernels(random_arena(count, shape, device), shape)
+        self.kernels = ArenaKernels(random_arena(count, shape, device), shape,
+                                    fused=cpu_kernels.fused_experts(shape, device, "auto"))
         self.count, self._next = count, 0
 
     def rows(self, n: int) -> list[int]:
@@ -112,7 +134,13 @@ class _ArenaStandIn:
 
     def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
         work = sort_by_expert(x_ND, route)
-        return combine(x_ND, work, self.kernels.compute(work, self.rows(len(work.experts))))
+        rows, fused = self.rows(len(work.experts)), self.kernels.fused
+        if fused is not None and x_ND.shape[0] <= fused.max_tokens:  # as a run computes them (the fused kernel)
+            y_MD = torch.empty(work.x_MD.shape, dtype=torch.float32)
+            fused.rows(work, rows, range(len(rows)), y_MD, x_ND=x_ND, w_M=work.w_M1.reshape(-1).float(),
+                       arena=self.kernels.arena)
+            return fused.combine(y_MD, work.token_M, x_ND.shape[0])
+        return combine(x_ND, work, self.kernels.compute(work, rows))
 
 
 class _OneWideExperts(_ArenaStandIn):
@@ -144,6 +172,8 @@ class DenseProbe:
         self.model = arch.build(cfg, _OneWideExperts(cfg.hidden_size, dtype, device))
         cast_model(self.model, dtype)
         self.model.to(device).eval()
+        if device.type == "cpu":  # the dense projections' kernel, as a run's (accel/packed.py)
+            pack_dense(self.model)
         self.dtype, self.device, self.steps = dtype, device, steps
         gen = torch.Generator().manual_seed(0)
         self.ids = torch.randint(0, cfg.vocab_size, (1, longest + steps), generator=gen).to(device)

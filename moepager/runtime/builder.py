@@ -41,7 +41,7 @@ from moepager.store.slots import SlotTable
 from moepager.store.stats import StoreReport
 from moepager.store.store import ExpertStore, Tier
 from moepager.store.transfer import Transfers
-from moepager.types import ExpertKey, Scope
+from moepager.types import ExpertKey, Scope, host_empty
 
 STREAM_ROWS = 2
 """Device rows, out of the budget, that experts a layer needs beyond its cache stream through (two: one loads
@@ -93,7 +93,8 @@ def _tier(slots: int, cfg: ModelConfig, reader: FlatReader, device: torch.device
     """`slots` rows of buffers: the last `streams` of them stream rows, the rest the cache."""
     shape = reader.shape
     _check_fits(slots * shape.nbytes, device, what)
-    arena = torch.empty(slots, shape.numel, dtype=shape.buffer_dtype, device=device, pin_memory=pin)
+    arena = host_empty(slots, shape.numel, dtype=shape.buffer_dtype) if device.type == "cpu" and not pin else \
+        torch.empty(slots, shape.numel, dtype=shape.buffer_dtype, device=device, pin_memory=pin)
     policy = make_policy(config.policy, engine=True)
     table = SlotTable(slots - streams, cfg.moe_layers,  # the device tier: prefetches share its cache
                       make_prefetch_policy(config.prefetch_policy, policy) if prefetch_aware else policy,
