@@ -89,6 +89,15 @@ def demo_checkpoint(tmp_path_factory) -> Path:
                       show_progress=False)
 
 
+@pytest.fixture
+def onednn(monkeypatch):
+    """Dense projections on oneDNN's prepacked kernel, as on a machine without moepager's own CPU kernels (which take
+    precedence where they run: tests/accel/test_cpu_kernels.py)."""
+    from moepager.accel import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "_state", {"module": None, "reason": "this test runs oneDNN's"})
+
+
 def expert_budget(nbytes: int, experts: int, io_threads: int = 4) -> str:
     """An --expert-memory byte budget caching exactly `experts` experts of `nbytes` beside the store's stream
     rows and O_DIRECT read buffers (which every budget below all includes: one bounce buffer per I/O thread and

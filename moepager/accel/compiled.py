@@ -53,7 +53,7 @@ from collections.abc import Callable
 
 import torch
 
-from moepager.accel.packed import pack_lm_head
+from moepager.accel.packed import pack_lm_head, unfuse_dense
 from moepager.errors import ConfigError
 from moepager.experts.executor import ExpertExecutor, ResidentExecutor
 from moepager.experts.weights import ExpertShape
@@ -97,6 +97,7 @@ def compile_decode(model: CausalLM, experts: ExpertExecutor, shape: ExpertShape,
     """Make `model` run its decode passes through a compiled graph (compiled lazily by the first such passes;
     `LLM` runs them while loading)."""
     check_compilable(device)
+    unfuse_dense(model)  # moepager's GEMV for the head only: the other projections stay inside the graph
     pack_lm_head(model)
     exits = not experts_in_graph(experts, shape)
     for module in model.modules():

@@ -112,6 +112,23 @@ def pack_dense(model: nn.Module) -> str:
     return f"{n} large projection{'s' if n != 1 else ''} prepacked for oneDNN" if n else ""
 
 
+def unfuse_dense(model: CausalLM) -> int:
+    """Turn every FusedLinear but the LM head back into a plain nn.Linear on the same weights (a compiled decode step
+    traces them inside its graph, where each FusedLinear would be a graph exit: accel/compiled.py); how many."""
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, FusedLinear) and child is not model.lm_head:
+                with torch.device("meta"):
+                    plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                plain.weight = nn.Parameter(child.weight, requires_grad=False)
+                if child.bias is not None:
+                    plain.bias = nn.Parameter(child.bias, requires_grad=False)
+                setattr(module, name, plain)
+                count += 1
+    return count
+
+
 def pack_lm_head(model: CausalLM) -> bool:
     """Give only the LM head (tied or not) the faster kernel `pack_dense` would; whether it did. A compiled decode
     step (accel/compiled.py) runs the head after its graph."""

@@ -10,10 +10,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from moepager.accel import compiled, packed
+from moepager.accel import compiled, cpu_kernels, packed
 from moepager.accel.compiled import check_compilable, compile_decode
 from moepager.accel.dense_quant import Int8A8Linear
-from moepager.accel.packed import PackedLinear, packing_available
+from moepager.accel.packed import FusedLinear, PackedLinear, packing_available
 from moepager.checkpoints.build import load_model
 from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
 from moepager.errors import ConfigError
@@ -76,7 +76,7 @@ def test_the_engine_decodes_through_the_compiled_graph_and_records_routing_eager
 
 @SLOW
 @pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
-def test_a_large_bf16_lm_head_runs_prepacked_after_the_graph(hf_checkpoint, monkeypatch):
+def test_a_large_bf16_lm_head_runs_prepacked_after_the_graph(hf_checkpoint, monkeypatch, onednn):
     """The graph ends at the final norm; a bf16 head at least PACK_MIN_ELEMENTS large (here: any) is prepacked and
     runs after it, while every other projection keeps its plain weights for Inductor to trace."""
     monkeypatch.setattr(packed, "PACK_MIN_ELEMENTS", 0)
@@ -92,7 +92,7 @@ def test_a_large_bf16_lm_head_runs_prepacked_after_the_graph(hf_checkpoint, monk
 
 @SLOW
 @pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
-def test_prepacked_dense_projections_leave_the_graph_and_keep_their_kernel(hf_checkpoint, monkeypatch):
+def test_prepacked_dense_projections_leave_the_graph_and_keep_their_kernel(hf_checkpoint, monkeypatch, onednn):
     """Projections `pack_dense` prepacked (here: all of them) stay prepacked under `--compile`: the graph calls each
     through the `packed_linear` exit, the eager prepacked run's logits to bf16 rounding."""
     monkeypatch.setattr(packed, "PACK_MIN_ELEMENTS", 0)
@@ -102,6 +102,22 @@ def test_prepacked_dense_projections_leave_the_graph_and_keep_their_kernel(hf_ch
     compile_decode(loaded.model, loaded.experts, loaded.expert_shape, loaded.device)
     exits = [m.graph_exit for m in loaded.model.modules() if isinstance(m, PackedLinear)]
     assert len(exits) > 2 and None not in exits  # attention's fused qkv and o of each layer, and the head
+    for a, b in zip(logits_run(loaded, steps=3, rows=1), ref):
+        assert (a.float() - b.float()).norm() < 0.02 * b.float().norm()
+
+
+@SLOW
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no moepager CPU kernels here")
+def test_under_compile_only_the_head_keeps_moepagers_gemv(hf_checkpoint):
+    """With moepager's CPU kernels, loading puts every bf16 projection on its GEMV; `--compile` gives them back to the
+    graph as plain projections (each would otherwise be a graph exit) but the LM head, which runs after the graph;
+    the compiled step gives the eager run's logits to bf16 rounding."""
+    _, path = hf_checkpoint("qwen3_moe")
+    ref = logits_run(load_model(path, torch.bfloat16, show_progress=False), steps=3, rows=1)
+    loaded = load_model(path, torch.bfloat16, show_progress=False)
+    assert sum(isinstance(m, FusedLinear) for m in loaded.model.modules()) > 2
+    compile_decode(loaded.model, loaded.experts, loaded.expert_shape, loaded.device)
+    assert [m for m in loaded.model.modules() if isinstance(m, FusedLinear)] == [loaded.model.lm_head]
     for a, b in zip(logits_run(loaded, steps=3, rows=1), ref):
         assert (a.float() - b.float()).norm() < 0.02 * b.float().norm()
 

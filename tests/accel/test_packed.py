@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moepager.accel import cpu_kernels, packed
+from moepager.accel import packed
 from moepager.accel.packed import PackedLinear, packing_available
 from moepager.checkpoints.build import load_model, resident_executor
 from moepager.config import StoreConfig
@@ -28,11 +28,7 @@ BF16 = torch.bfloat16
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def onednn(monkeypatch):
-    """oneDNN's prepacked projections, as on a machine without moepager's own CPU kernels (which take precedence:
-    tests/accel/test_cpu_kernels.py)."""
-    monkeypatch.setattr(cpu_kernels, "_state", {"module": None, "reason": "this test runs oneDNN's"})
+pytestmark = [pytestmark, pytest.mark.usefixtures("onednn")]  # oneDNN's kernel, not moepager's (conftest.py)
 
 
 @pytest.fixture
