@@ -114,10 +114,12 @@ def available() -> bool:
 
 # ---- bound to one expert format ------------------------------------------------------------------------------
 
-FUSED_MAX_TOKENS = 16
+FUSED_MAX_TOKENS = 128
 """`--expert-kernel auto` computes float experts with the fused kernel on up to this many tokens a layer call
-(decode, batched decode); more (prefill) go to torch's GEMMs. Quantized experts take it at every size (torch's own
-int8/int4 kernels are slower still there). See benchmarks/README.md, cpu_kernels."""
+(decode, batched decode, prefill chunks); more go to torch's GEMMs. One qwen3-30b-a3b layer (128 experts, top-8),
+fused against torch's `grouped`, 1 / 2 threads: 2.0x / 1.6x at 32 tokens, 1.2x / 1.6x at 128, 1.0x / 1.1x at 256
+(`python -m benchmarks run cpu_kernels --tokens 32 128 256`, 2026-11-27). Quantized experts take it at every size
+(torch's own int8/int4 kernels are slower still there: benchmarks/README.md, cpu_kernels)."""
 
 
 def unsupported_format(shape: ExpertShape) -> str | None:
