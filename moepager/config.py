@@ -21,7 +21,7 @@ EXPERT_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32", "int8", "int4")
 """`--expert-dtype` choices: float formats, and the lossy opt-in int8/int4 (experts/quant.py)."""
 INT4_GROUPS = (32, 64, 128)
 """`--int4-group` choices: input elements per int4 scale the kernels support."""
-DENSE_FORMATS = {"int8": "int8", "int8-a8": "int8 (activations quantized to 8 bits, FBGEMM)"}
+DENSE_FORMATS = {"int8": "int8", "int8-a8": "int8 (activations quantized to 8 bits)"}
 """`--dense-dtype` choices and how a run reports each (accel/dense_quant.py)."""
 DENSE_DTYPES = tuple(DENSE_FORMATS)
 DirectIO = Literal["auto", "on", "off"]

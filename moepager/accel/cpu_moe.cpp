@@ -573,6 +573,43 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w) {
   return out;
 }
 
+// y = x (q * scale)^T for bf16 x [T, K], int8 q [N, K] and bf16 scales [N], the activations quantized to 8 bits in
+// blocks of 32 (the int8 experts' arithmetic): `--dense-dtype int8-a8` projections.
+torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && q.scalar_type() == torch::kChar && q.is_contiguous() &&
+              scale.scalar_type() == torch::kBFloat16 && scale.is_contiguous() && x.dim() == 2 && q.dim() == 2 &&
+              x.size(1) == q.size(1) && scale.numel() == q.size(0), "bf16 x [T, K], int8 q [N, K], bf16 scale [N]");
+  auto xc = x.contiguous();
+  const int64_t T = xc.size(0), K = xc.size(1), N = q.size(0);
+  auto yf = torch::empty({T, N}, x.options().dtype(torch::kFloat));
+  auto out = torch::empty({T, N}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  const Projection p{static_cast<const uint8_t*>(q.data_ptr()), reinterpret_cast<const uint16_t*>(scale.data_ptr()),
+                     N, K};
+  float* yp = yf.data_ptr<float>();
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  pybind11::gil_scoped_release release;
+  QBuffer xq;
+  xq.resize(T, K, INT8);
+  at::parallel_for(0, T, 1, [&](int64_t a, int64_t b) {
+    std::vector<float> row(K);
+    for (int64_t t = a; t < b; ++t) {
+      for (int64_t i = 0; i < K; ++i) row[i] = bf16_to_float(xp[t * K + i]);
+      quantize_row(row.data(), K, INT8, xq.row(t));
+    }
+  });
+  std::vector<QRow> rows(T);
+  for (int64_t t = 0; t < T; ++t) rows[t] = xq.row(t);
+  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t a, int64_t b) {
+    for (int64_t task = a; task < b; ++task) {
+      const int64_t r0 = task * 16, r1 = std::min(N, r0 + 16);
+      rows_any(INT8, p, 0, r0, r1, nullptr, rows.data(), T, yp, N);
+      for (int64_t t = 0; t < T; ++t) to_bf16(yp + t * N + r0, op + t * N + r0, r1 - r0);
+    }
+  });
+  return out;
+}
+
 // Reads every byte of `x` once with 512-bit loads, threads splitting it: the machine's streaming read bandwidth, the
 // limit the kernels above are measured against (benchmarks/cpu_kernels.py).
 int64_t stream_read(const torch::Tensor& x) {
@@ -607,4 +644,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_combine", &moe_combine);
   m.def("moe_resident", &moe_resident);
   m.def("linear_bf16", &linear_bf16);
+  m.def("linear_int8", &linear_int8);
 }

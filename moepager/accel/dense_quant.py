@@ -12,7 +12,8 @@ Bytes and speed on this CPU (`python benchmarks/gemv.py`: `aten._weight_int8pack
 one token, one thread): the built-in model's matrices run 1.0-2.2x faster (its 8192x256 LM head 131 against
 289 us), matrices with K >= 2048 gain nothing (9.6-12.1 GB/s of int8 against bf16's 22-23.5: about the same time
 for half the bytes). Memory halves either way. `--dense-dtype int8-a8` quantizes the activations too and runs
-FBGEMM (Int8A8Linear): faster on large matrices, lossier.
+moepager's VNNI GEMV (accel/cpu_kernels.py, activations in blocks of 32 with a scale each) for bf16 runs where it is
+built, else FBGEMM (activations with one scale per row) (Int8A8Linear): faster on large matrices, lossier.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from moepager.accel import cpu_kernels
 from moepager.config import check_dense_name
 from moepager.errors import ConfigError
 from moepager.experts.quant import int8_mm, int8_packed_mm, int8_packing_available, int8_prepack, quantize_int8
@@ -36,7 +38,7 @@ KEEP = ("kv_b_proj", "shared_expert_gate")
 def check_dense_dtype(dense_dtype: str | None, device: torch.device | str | None = None) -> None:
     check_dense_name(dense_dtype)
     if dense_dtype == "int8-a8" and (device is not None and torch.device(device).type != "cpu"
-                                     or not int8_packing_available()):
+                                     or not (int8_packing_available() or cpu_kernels.available())):
         raise ConfigError("--dense-dtype int8-a8 computes with FBGEMM on the CPU (not available here); use "
                           "--dense-dtype int8")
 
@@ -81,11 +83,20 @@ class Int8A8Linear(_RowsLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         q, scale = quantize_int8(weight, weight.dtype)
-        self.packed = int8_prepack(q, scale)
         self.out_features, self.in_features = q.shape
+        module = cpu_kernels.extension() if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" else None
+        self._ours = None if module is None else module.linear_int8
+        """moepager's VNNI GEMV (accel/cpu_kernels.py; activations in blocks of 32) where it runs, else FBGEMM."""
+        if self._ours is not None:
+            self.register_buffer("q", q)
+            self.register_buffer("scale", scale)
+        else:
+            self.packed = int8_prepack(q, scale)
         self.register_buffer("bias", None if bias is None else bias.detach())
 
     def rows_mm(self, x_TK: torch.Tensor) -> torch.Tensor:
+        if self._ours is not None:
+            return self._ours(x_TK, self.q, self.scale)
         return int8_packed_mm(x_TK, self.packed)
 
 

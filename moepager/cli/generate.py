@@ -117,8 +117,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="int4: a zero point per group (default: symmetric, llama.cpp's Q4_0)")
     q.add_argument("--dense-dtype", choices=DENSE_DTYPES,
                    help="int8: the dense projections (attention, dense and shared MLPs, LM head) as int8 with "
-                        "per-channel scales too (lossy); int8-a8 (CPU): the same weights computed by FBGEMM with "
-                        "activations quantized to 8 bits as well (lossier, faster on large matrices); routers, "
+                        "per-channel scales too (lossy); int8-a8 (CPU): the same weights computed by moepager's VNNI "
+                        "GEMV (bf16 runs, where built) or FBGEMM with activations quantized to 8 bits as well "
+                        "(lossier, faster on large matrices); routers, "
                         "norms and embeddings keep --dtype")
     g = p.add_argument_group("continuous batching")
     defaults = SchedulerConfig()

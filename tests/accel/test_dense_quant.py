@@ -8,16 +8,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moepager.accel import cpu_kernels
 from moepager.accel.dense_quant import Int8A8Linear, Int8Linear, check_dense_dtype
 from moepager.checkpoints.build import load_model
 from moepager.checkpoints.default import default_model_path
 from moepager.checkpoints.synth import make_model
 from moepager.config import EngineConfig, StoreConfig
 from moepager.errors import ConfigError
-from moepager.experts.quant import INT8_PACKED_MAX_TOKENS
+from moepager.experts.quant import INT8_PACKED_MAX_TOKENS, int8_packing_available
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
-from tests.conftest import needs_fbgemm
 from tests.runtime.test_offload import logits_run
 
 
@@ -85,21 +85,33 @@ def test_an_unknown_dense_dtype_is_refused_with_the_choices():
         load_model(default_model_path(), show_progress=False, dense_dtype="fp8")
 
 
-@needs_fbgemm
-@pytest.mark.parametrize("tokens", [1, 5])
-def test_int8_a8_linear_computes_the_int8_projection_with_quantized_activations(tokens):
+@pytest.fixture(params=["moepager", "fbgemm"])
+def a8_kernel(request, monkeypatch):
+    """int8-a8 on moepager's VNNI GEMV (where it is built here) and on FBGEMM (moepager's kernels turned off)."""
+    if request.param == "moepager" and not cpu_kernels.available():
+        pytest.skip(f"no moepager CPU kernels here: {cpu_kernels.unsupported_reason()}")
+    if request.param == "fbgemm":
+        if not int8_packing_available():
+            pytest.skip("this torch build has no FBGEMM engine")
+        monkeypatch.setattr(cpu_kernels, "_state", {"module": None, "reason": "this test runs FBGEMM"})
+    return request.param
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 12])
+def test_int8_a8_linear_computes_the_int8_projection_with_quantized_activations(tokens, a8_kernel):
     gen = torch.Generator().manual_seed(3)
     w, b = torch.randn(48, 64, generator=gen).bfloat16(), torch.randn(48, generator=gen).bfloat16()
     x = torch.randn(2, tokens, 64, generator=gen).bfloat16()
-    got, ref = Int8A8Linear(w, b)(x), Int8Linear(w, b)
+    a8 = Int8A8Linear(w, b)
+    assert (a8._ours is not None) == (a8_kernel == "moepager")
+    got, ref = a8(x), Int8Linear(w, b)
     want = F.linear(x.float(), ref.q.float() * ref.scale.float()[:, None], b.float())
     assert got.shape == (2, tokens, 48) and got.dtype == torch.bfloat16
     err = (got.float() - want).norm(dim=-1) / want.norm(dim=-1)  # per token: 8-bit activations, then bf16
     assert float(err.max()) < 0.02
 
 
-@needs_fbgemm
-def test_dense_int8_a8_runs_every_dense_projection_on_fbgemm_and_says_so():
+def test_dense_int8_a8_runs_every_dense_projection_quantized_and_says_so(a8_kernel):
     llm = LLM(config=EngineConfig(dense_dtype="int8-a8"), show_progress=False)
     kinds = {type(m) for m in llm.loaded.model.modules() if isinstance(m, (nn.Linear, Int8Linear, Int8A8Linear))}
     assert Int8A8Linear in kinds and Int8Linear not in kinds
@@ -107,7 +119,7 @@ def test_dense_int8_a8_runs_every_dense_projection_on_fbgemm_and_says_so():
     want = ref.generate(["The history of"], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
     out = llm.generate(["The history of"], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
     assert sum(a == b for a, b in zip(out, want)) >= 6  # lossier than int8, not another model
-    assert "activations quantized to 8 bits, FBGEMM) (lossy)" in llm.last_stats.table()
+    assert "activations quantized to 8 bits) (lossy)" in llm.last_stats.table()
 
 
 def test_dense_int8_a8_is_refused_where_it_cannot_run():
