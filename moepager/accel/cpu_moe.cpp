@@ -341,6 +341,29 @@ Projection down_of(const Spec& s, const uint8_t* buf) {
   return {buf + s.off_dn, reinterpret_cast<const uint16_t*>(buf + s.off_sdn), s.D, s.F};
 }
 
+// Each token's output for columns d0..d1: the sum of its y rows in sorted order in fp32, rounded to bf16 once. The one
+// reduction both `moe_resident` and `moe_combine` run, so a paged layer equals a resident one bit for bit.
+void combine_tile(const float* y, const int64_t* token, int64_t M, int64_t N, int64_t D, int64_t d0, int64_t d1,
+                  uint16_t* out, std::vector<float>& acc) {
+  const int64_t w = d1 - d0;
+  acc.assign(N * w, 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t d = d0; d < d1; ++d) acc[token[m] * w + d - d0] += y[m * D + d];
+  for (int64_t t = 0; t < N; ++t) to_bf16(acc.data() + t * w, out + t * D + d0, w);
+}
+
+// Every row of bf16 x [T, K] quantized for the integer formats (once per call: each row serves many weight rows).
+void quantize_inputs(const uint16_t* x, int64_t T, int64_t K, int64_t fmt, QBuffer& xq) {
+  xq.resize(T, K, fmt);
+  at::parallel_for(0, T, 1, [&](int64_t a, int64_t b) {
+    std::vector<float> row(K);
+    for (int64_t t = a; t < b; ++t) {
+      for (int64_t i = 0; i < K; ++i) row[i] = bf16_to_float(x[t * K + i]);
+      quantize_row(row.data(), K, fmt, xq.row(t));
+    }
+  });
+}
+
 // The y rows (fp32 [M, D], routing-weighted) of every pair of `groups`; with `out` (bf16 [N, D]) also each token's
 // sum of its rows (then `groups` are all of the layer's pairs).
 void run_layer(const Spec& s, const uint16_t* x, int64_t N, const std::vector<Group>& groups, const int64_t* token,
@@ -350,16 +373,7 @@ void run_layer(const Spec& s, const uint16_t* x, int64_t N, const std::vector<Gr
   for (const auto& g : groups) M = std::max(M, g.end);
   // inputs: bf16 rows as they are, or quantized once per token
   QBuffer xq;
-  if (fmt != BF16) {
-    xq.resize(N, D, fmt);
-    at::parallel_for(0, N, 1, [&](int64_t a, int64_t b) {
-      std::vector<float> row(D);
-      for (int64_t t = a; t < b; ++t) {
-        for (int64_t i = 0; i < D; ++i) row[i] = bf16_to_float(x[t * D + i]);
-        quantize_row(row.data(), D, fmt, xq.row(t));
-      }
-    });
-  }
+  if (fmt != BF16) quantize_inputs(x, N, D, fmt, xq);
   // phase 1: gate and up rows, SiLU(gate) * up -> h (bf16 rows, or quantized rows), one task per (group, F tile)
   std::vector<uint16_t> hb(fmt == BF16 ? M * F : 0);
   QBuffer hq;
@@ -429,11 +443,7 @@ void run_layer(const Spec& s, const uint16_t* x, int64_t N, const std::vector<Gr
         for (int64_t m = g.begin; m < g.end; ++m)
           for (int64_t d = d0; d < d1; ++d) y[m * D + d] *= weight[m];
       }
-      if (out == nullptr) continue;
-      acc.assign(N * TILE_D, 0.f);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t d = d0; d < d1; ++d) acc[token[m] * TILE_D + d - d0] += y[m * D + d];
-      for (int64_t t = 0; t < N; ++t) to_bf16(acc.data() + t * TILE_D, out + t * D + d0, d1 - d0);
+      if (out != nullptr) combine_tile(y, token, M, N, D, d0, d1, out, acc);
     }
   });
 }
@@ -493,15 +503,10 @@ torch::Tensor moe_combine(const torch::Tensor& y, const torch::Tensor& token, in
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t tiles = (D + TILE_D - 1) / TILE_D;
   pybind11::gil_scoped_release release;
-  at::parallel_for(0, tiles, 16, [&](int64_t a, int64_t b) {
+  at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t b) {
     std::vector<float> acc;
-    for (int64_t task = a; task < b; ++task) {
-      const int64_t d0 = task * TILE_D, d1 = std::min(D, d0 + TILE_D);
-      acc.assign(n * TILE_D, 0.f);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t d = d0; d < d1; ++d) acc[tp[m] * TILE_D + d - d0] += yp[m * D + d];
-      for (int64_t t = 0; t < n; ++t) to_bf16(acc.data() + t * TILE_D, op + t * D + d0, d1 - d0);
-    }
+    for (int64_t task = a; task < b; ++task)
+      combine_tile(yp, tp, M, n, D, task * TILE_D, std::min(D, task * TILE_D + TILE_D), op, acc);
   });
   return out;
 }
@@ -547,30 +552,45 @@ torch::Tensor moe_resident(const torch::Tensor& x, const torch::Tensor& ids, con
   return out;
 }
 
-// y = x W^T for bf16 x [T, K] and W [N, K] (dense projections on a few tokens).
-torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16 && x.dim() == 2 &&
-              w.dim() == 2 && x.size(1) == w.size(1) && w.is_contiguous(), "bf16 x [T, K] and contiguous W [N, K]");
+namespace {
+
+// y = x W^T (bf16 out) for bf16 x [T, K] against the N rows of `p` in format `fmt` (bf16, or int8 with the inputs
+// quantized first), 16 rows a task.
+torch::Tensor gemv(int64_t fmt, const Projection& p, const torch::Tensor& x) {
   auto xc = x.contiguous();
-  const int64_t T = xc.size(0), K = xc.size(1), N = w.size(0);
+  const int64_t T = xc.size(0), K = xc.size(1), N = p.N;
   auto yf = torch::empty({T, N}, x.options().dtype(torch::kFloat));
   auto out = torch::empty({T, N}, x.options());
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
-  std::vector<const uint16_t*> xs(T);
-  for (int64_t t = 0; t < T; ++t) xs[t] = xp + t * K;
-  const Projection p{static_cast<const uint8_t*>(w.data_ptr()), nullptr, N, K};
   float* yp = yf.data_ptr<float>();
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t tiles = (N + 15) / 16;
   pybind11::gil_scoped_release release;
-  at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t b) {
+  std::vector<const uint16_t*> xs(T);
+  std::vector<QRow> xr(T);
+  QBuffer xq;
+  if (fmt == BF16) {
+    for (int64_t t = 0; t < T; ++t) xs[t] = xp + t * K;
+  } else {
+    quantize_inputs(xp, T, K, fmt, xq);
+    for (int64_t t = 0; t < T; ++t) xr[t] = xq.row(t);
+  }
+  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t a, int64_t b) {
     for (int64_t task = a; task < b; ++task) {
       const int64_t r0 = task * 16, r1 = std::min(N, r0 + 16);
-      rows_any(BF16, p, 0, r0, r1, xs.data(), nullptr, T, yp, N);
+      rows_any(fmt, p, 0, r0, r1, fmt == BF16 ? xs.data() : nullptr, fmt == BF16 ? nullptr : xr.data(), T, yp, N);
       for (int64_t t = 0; t < T; ++t) to_bf16(yp + t * N + r0, op + t * N + r0, r1 - r0);
     }
   });
   return out;
+}
+
+}  // namespace
+
+// y = x W^T for bf16 x [T, K] and W [N, K] (dense projections on a few tokens).
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16 && x.dim() == 2 &&
+              w.dim() == 2 && x.size(1) == w.size(1) && w.is_contiguous(), "bf16 x [T, K] and contiguous W [N, K]");
+  return gemv(BF16, {static_cast<const uint8_t*>(w.data_ptr()), nullptr, w.size(0), w.size(1)}, x);
 }
 
 // y = x (q * scale)^T for bf16 x [T, K], int8 q [N, K] and bf16 scales [N], the activations quantized to 8 bits in
@@ -579,35 +599,8 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const 
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && q.scalar_type() == torch::kChar && q.is_contiguous() &&
               scale.scalar_type() == torch::kBFloat16 && scale.is_contiguous() && x.dim() == 2 && q.dim() == 2 &&
               x.size(1) == q.size(1) && scale.numel() == q.size(0), "bf16 x [T, K], int8 q [N, K], bf16 scale [N]");
-  auto xc = x.contiguous();
-  const int64_t T = xc.size(0), K = xc.size(1), N = q.size(0);
-  auto yf = torch::empty({T, N}, x.options().dtype(torch::kFloat));
-  auto out = torch::empty({T, N}, x.options());
-  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
-  const Projection p{static_cast<const uint8_t*>(q.data_ptr()), reinterpret_cast<const uint16_t*>(scale.data_ptr()),
-                     N, K};
-  float* yp = yf.data_ptr<float>();
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  pybind11::gil_scoped_release release;
-  QBuffer xq;
-  xq.resize(T, K, INT8);
-  at::parallel_for(0, T, 1, [&](int64_t a, int64_t b) {
-    std::vector<float> row(K);
-    for (int64_t t = a; t < b; ++t) {
-      for (int64_t i = 0; i < K; ++i) row[i] = bf16_to_float(xp[t * K + i]);
-      quantize_row(row.data(), K, INT8, xq.row(t));
-    }
-  });
-  std::vector<QRow> rows(T);
-  for (int64_t t = 0; t < T; ++t) rows[t] = xq.row(t);
-  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t a, int64_t b) {
-    for (int64_t task = a; task < b; ++task) {
-      const int64_t r0 = task * 16, r1 = std::min(N, r0 + 16);
-      rows_any(INT8, p, 0, r0, r1, nullptr, rows.data(), T, yp, N);
-      for (int64_t t = 0; t < T; ++t) to_bf16(yp + t * N + r0, op + t * N + r0, r1 - r0);
-    }
-  });
-  return out;
+  return gemv(INT8, {static_cast<const uint8_t*>(q.data_ptr()), reinterpret_cast<const uint16_t*>(scale.data_ptr()),
+                     q.size(0), q.size(1)}, x);
 }
 
 // Reads every byte of `x` once with 512-bit loads, threads splitting it: the machine's streaming read bandwidth, the

@@ -71,11 +71,7 @@ class FusedLinear(LeavesGraph):
         self.register_buffer("bias", None if bias is None else bias.detach())
 
     def host_linear(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] > FUSED_DENSE_MAX_TOKENS:
-            return F.linear(x, self.weight, self.bias)
-        y = self._gemv(rows, self.weight)
-        return (y if self.bias is None else y + self.bias).view(*x.shape[:-1], self.out_features)
+        return self.forward(x)  # run by a graph exit, eagerly: `forward` computes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`LeavesGraph.forward` with `host_linear` written out (every projection of a decode step runs here)."""

@@ -192,6 +192,14 @@ class ArenaKernels:
             self._transposed = [(w.gate_up_2FD.t(), w.down_DF.t()) for w in self.views]
             """Per row, the projections as `mm` takes them (F.linear's own transpose, done once)."""
 
+    def fused_compute(self, fused: FusedKernel, work: SortedTokens, rows: Sequence[int], x_ND: torch.Tensor
+                      ) -> torch.Tensor:
+        """The layer's output with the fused kernel, every used expert at arena row rows[i] (all ready): its fp32
+        weighted rows, then its per-token sum (the paged executor does the same in batches as experts land)."""
+        y_MD = torch.empty(work.x_MD.shape, dtype=torch.float32)
+        fused.rows(work, rows, range(len(rows)), y_MD, x_ND=x_ND, w_M=work.w_M1.reshape(-1).float(), arena=self.arena)
+        return fused.combine(y_MD, work.token_M, x_ND.shape[0])
+
     def choose(self, tokens: int) -> Kernel:
         """The kernel for a call on `tokens` tokens: `auto` on the CPU is `loop` for one token and `grouped` for
         more (a batch of decodes spreads over many experts with few tokens each: grouped decodes the built-in model
@@ -433,7 +441,7 @@ class PagedExecutor:
             if fused is None and kernel != "loop" and not held.pending and not held.queued:
                 y_MD = self.kernels.compute(work, held.slots, kernel)
             else:
-                if fused is not None:  # fp32 weighted rows, summed per token by the kernel's own combine
+                if fused is not None:  # `fused_compute`'s rows and batches, inline (a call less per layer and token)
                     y_MD = torch.empty(work.x_MD.shape, dtype=torch.float32)
                     some = partial(fused.rows, x_ND=x_ND, w_M=work.w_M1.reshape(-1).float(), arena=self.kernels.arena)
                 else:

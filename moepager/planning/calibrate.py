@@ -136,10 +136,7 @@ class _ArenaStandIn:
         work = sort_by_expert(x_ND, route)
         rows, fused = self.rows(len(work.experts)), self.kernels.fused
         if fused is not None and x_ND.shape[0] <= fused.max_tokens:  # as a run computes them (the fused kernel)
-            y_MD = torch.empty(work.x_MD.shape, dtype=torch.float32)
-            fused.rows(work, rows, range(len(rows)), y_MD, x_ND=x_ND, w_M=work.w_M1.reshape(-1).float(),
-                       arena=self.kernels.arena)
-            return fused.combine(y_MD, work.token_M, x_ND.shape[0])
+            return self.kernels.fused_compute(fused, work, rows, x_ND)
         return combine(x_ND, work, self.kernels.compute(work, rows))
 
 
