@@ -17,6 +17,9 @@ from moepager.types import Scope
 Kernel = Literal["auto", "loop", "gather", "grouped", "packed", "fused"]
 KERNELS: tuple[Kernel, ...] = ("auto", "loop", "gather", "grouped", "packed", "fused")
 """`--expert-kernel` choices (experts/executor.py says what each computes)."""
+Execution = Literal["gpu", "hybrid", "cpu-experts", "auto"]
+EXECUTIONS: tuple[Execution, ...] = ("gpu", "hybrid", "cpu-experts", "auto")
+"""`--execution` choices: where a routed expert is computed (experts/hybrid.py says what each does)."""
 EXPERT_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32", "int8", "int4")
 """`--expert-dtype` choices: float formats, and the lossy opt-in int8/int4 (experts/quant.py)."""
 INT4_GROUPS = (32, 64, 128)
@@ -236,6 +239,16 @@ class EngineConfig:
     small resident experts itself and leaves it at each MoE layer for any other executor, paged ones included
     (accel/compiled.py; opt-in: not bit-equal to the eager forward)."""
 
+    execution: Execution = "gpu"
+    """Where routed experts compute (experts/hybrid.py): gpu (on the device, a miss copied in), hybrid (a miss
+    computed on the CPU in host memory unless copying it pays), cpu-experts (every routed expert on the CPU: llama.cpp's
+    --cpu-moe), auto (chosen from the cost model when the run is built, and said why)."""
+    cpu_threads: int | None = None
+    """Torch threads of the thread computing experts on the CPU (hybrid, cpu-experts); None: `threads`."""
+    profile: str | None = None
+    """A calibrated profile (`moepager calibrate --out`) that hybrid placement and `auto` read their costs from;
+    None: the nominal figures of planning/cost.py."""
+
     cuda_graphs: bool = True
     """CUDA: one-request decode steps replay a CUDA graph where they can be captured (every expert resident in
     bf16, nothing observing routing: runtime/cuda_graphs.py); the same tokens as launching each kernel."""
@@ -250,6 +263,20 @@ class EngineConfig:
             raise MoepagerError(f"unknown expert kernel '{self.expert_kernel}'; choose from {', '.join(KERNELS)}")
         if self.threads is not None and self.threads < 1:
             raise MoepagerError(f"--threads must be >= 1, got {self.threads}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise MoepagerError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
+        if self.execution not in EXECUTIONS:
+            raise MoepagerError(f"unknown --execution '{self.execution}'; choose from {', '.join(EXECUTIONS)}")
+        if self.execution == "hybrid" and self.store.expert_memory is None:
+            raise MoepagerError("--execution hybrid computes the experts missing from the device on the CPU: set "
+                                "--expert-memory (the device's share of the experts; with every expert there, "
+                                "nothing is missing)")
+        if self.execution == "cpu-experts" and self.store.expert_memory is not None:
+            raise MoepagerError("--execution cpu-experts keeps every routed expert in host memory, none on the device: "
+                                "drop --expert-memory (--host-memory budgets host RAM, the rest read from disk)")
+        if self.execution in ("hybrid", "cpu-experts") and self.compile:
+            raise MoepagerError(f"--compile traces the CPU's decode step; --execution {self.execution} places "
+                                "experts between devices: use one or the other")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise MoepagerError(f"device '{self.device}' is not supported; use cpu or cuda[:N]")
         if self.device.startswith("cuda"):
@@ -257,6 +284,6 @@ class EngineConfig:
 
             if not torch.cuda.is_available():
                 raise MoepagerError(f"device '{self.device}' requested but CUDA is not available")
-        elif self.store.host_memory is not None:
+        elif self.store.host_memory is not None and self.execution not in ("hybrid", "cpu-experts"):
             raise MoepagerError("--host-memory applies to --device cuda; on the CPU experts are computed in RAM, "
                                 "so --expert-memory is the RAM budget")

@@ -51,6 +51,8 @@ class LoadedModel:
     """The format the dense projections compute in: the run's dtype, or int8 (`--dense-dtype`, lossy)."""
     expert_format: str = ""
     """The routed experts' format, and how their kernel computes when that is lossier still (what a run reports)."""
+    execution: str = ""
+    """Where routed experts compute when not only on the device (`--execution`), and why (what a run reports)."""
 
 
 def read_resident(reader: ExpertReader, moe_layers: list[int], num_experts: int, device: torch.device,
@@ -135,12 +137,14 @@ class LoadOptions:
     """Prepack the large bf16 dense projections for oneDNN on the CPU (accel/packed.py)."""
     expert_kernel: Kernel = "auto"
     """The expert kernel the run asks for: where it is the fused CPU kernel, int4 experts are held in its layout."""
+    experts_on_cpu: bool = False
+    """Every routed expert computes on the CPU (`--execution cpu-experts`): their format is the CPU's."""
 
     @classmethod
     def of(cls, config: EngineConfig) -> LoadOptions:
         return cls(parse_dtype(config.dtype) if config.dtype else None, config.device, config.store.direct_io,
                    config.expert_dtype, config.int4_group, config.int4_zero_point, config.dense_dtype,
-                   config.pack_dense, config.expert_kernel)
+                   config.pack_dense, config.expert_kernel, config.execution == "cpu-experts")
 
 
 @dataclass
@@ -170,7 +174,8 @@ def open_checkpoint(path: str | os.PathLike[str], options: LoadOptions) -> OpenC
     cfg = arch.parse_config(checkpoint.config)
     dtype = options.dtype or checkpoint_dtype(checkpoint)
     dev = torch.device(options.device)
-    reader = open_experts(checkpoint, arch, cfg, dtype, dev, options.direct_io, options.expert_dtype,
+    reader = open_experts(checkpoint, arch, cfg, dtype, torch.device("cpu") if options.experts_on_cpu else dev,
+                          options.direct_io, options.expert_dtype,
                           options.int4_group, options.int4_zero_point, options.expert_kernel)
     return OpenCheckpoint(checkpoint, arch, cfg, dtype, dev, reader)
 

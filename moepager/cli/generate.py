@@ -15,6 +15,7 @@ from moepager.checkpoints.build import read_config
 from moepager.checkpoints.default import default_model_path
 from moepager.config import (
     DENSE_DTYPES,
+    EXECUTIONS,
     EXPERT_DTYPES,
     INT4_GROUPS,
     KERNELS,
@@ -91,6 +92,20 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "FBGEMM with activations quantized to 8 bits (lossier); not bit-equal to loop), or fused "
                         "(CPU, bf16/int8/int4: moepager's AVX512 kernel, a whole layer in one call, int8/int4 with "
                         "8-bit activations; `moepager info` says whether this machine has it)")
+    h = p.add_argument_group("where experts compute (CPU and GPU)")
+    h.add_argument("--execution", choices=EXECUTIONS, default="gpu",
+                   help="gpu: every routed expert computes on --device, a missing one copied in first; hybrid: a "
+                        "missing expert computes on the CPU in host memory, at the same time as the device computes "
+                        "its hits, unless copying it pays (SMoE: a prefill's heavy experts), needs --expert-memory; "
+                        "cpu-experts: every routed expert on the CPU, attention and dense layers on --device "
+                        "(llama.cpp's --cpu-moe; --host-memory budgets their RAM); auto: chosen from the cost model "
+                        "(--profile), and the run says why")
+    h.add_argument("--cpu-threads", type=int, metavar="N",
+                   help="hybrid, cpu-experts: torch threads of the thread computing experts on the CPU (default "
+                        "--threads)")
+    h.add_argument("--profile", metavar="FILE.json",
+                   help="a profile from `moepager calibrate --out` that hybrid placement and --execution auto take "
+                        "their costs from (default: nominal figures for the device's kind)")
     p.add_argument("--no-packed-dense", dest="pack_dense", action="store_false",
                    help="CPU, bf16: compute the large dense projections (attention, LM head) with torch's own GEMV "
                         "instead of oneDNN on weights prepacked at load (1.4-1.6x faster on matrices of 1M+ elements "
@@ -145,7 +160,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         store=store_config(args), prefetch=prefetch_config(args), expert_kernel=args.expert_kernel,
                         scheduler=scheduler, expert_dtype=args.expert_dtype, int4_group=args.int4_group,
                         int4_zero_point=args.int4_zero_points, dense_dtype=args.dense_dtype,
-                        pack_dense=args.pack_dense, compile=args.compile, cuda_graphs=args.cuda_graphs)
+                        pack_dense=args.pack_dense, compile=args.compile, cuda_graphs=args.cuda_graphs,
+                        execution=args.execution, cpu_threads=args.cpu_threads, profile=args.profile)
 
 
 def add_store_arguments(p: argparse.ArgumentParser) -> None:
@@ -269,6 +285,8 @@ def refuse_ignored_engine_options(args: argparse.Namespace) -> None:
           "--prefetch-threads": args.prefetch_threads, "--prefetch-min-p": args.prefetch_min_p,
           "--prefetch-no-yield": args.prefetch_no_yield, "--prefetch-policy": args.prefetch_policy,
           "--learn-maps": args.learn_maps}),
+        (args.execution == "gpu", "--execution hybrid, cpu-experts or auto",
+         {"--cpu-threads": args.cpu_threads, "--profile": args.profile}),
     ]
     for missing, what, options in needs:
         given = [flag for flag, value in options.items() if value not in (None, False)]
@@ -278,6 +296,7 @@ def refuse_ignored_engine_options(args: argparse.Namespace) -> None:
         raise MoepagerError(f"--learn-maps: the {args.predictor} predictor does not learn online (only "
                             f"{', '.join(ONLINE)} does)")
     check_threads(args.threads)
+    check_threads(args.cpu_threads, "--cpu-threads")
 
 
 BUSY_SAMPLE_S = 0.25
@@ -315,13 +334,13 @@ def announce_threads(args: argparse.Namespace) -> None:
         print(args.threads_note, file=sys.stderr)
 
 
-def check_threads(threads: int | None) -> None:
+def check_threads(threads: int | None, flag: str = "--threads") -> None:
     """Refuse --threads below 1 or above the machine's cores (every command that takes it)."""
     cores = os.cpu_count() or 1
     if threads is not None and threads < 1:
-        raise MoepagerError(f"--threads must be >= 1, got {threads}")
+        raise MoepagerError(f"{flag} must be >= 1, got {threads}")
     if threads is not None and threads > cores:
-        raise MoepagerError(f"--threads {threads} is more than this machine's {cores} CPU cores; oversubscribed "
+        raise MoepagerError(f"{flag} {threads} is more than this machine's {cores} CPU cores; oversubscribed "
                             f"threads make every step wait for the others (10-100x slower): use at most {cores}")
 
 

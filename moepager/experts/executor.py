@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +50,7 @@ from moepager.experts.quant import (
 )
 from moepager.experts.reference import expert_forward
 from moepager.experts.weights import AnyExpertWeights, ExpertShape, expert_view
-from moepager.store.store import ExpertStore
+from moepager.store.store import ExpertStore, Held
 from moepager.types import RoutingDecision, long_tensor
 
 Act = Callable[[torch.Tensor], torch.Tensor]
@@ -318,6 +318,57 @@ class ArenaKernels:
         return out_MD
 
 
+    def some(self, work: SortedTokens, rows: Sequence[int], which: Sequence[int], out_MD: torch.Tensor,
+             kernel: Kernel) -> None:
+        """Experts `which` (indices into work.experts, at arena rows rows[i]) computed in one call of `kernel` into
+        their rows of out_MD (`loop`: one by one)."""
+        if not which:
+            return
+        if kernel == "loop":
+            self.loop(work, rows, which, out_MD)
+            return
+        pieces = [(work.starts[i], work.starts[i + 1]) for i in which]
+        index_M = torch.cat([torch.arange(s, e, device=out_MD.device) for s, e in pieces])
+        starts = [0]
+        for s, e in pieces:
+            starts.append(starts[-1] + e - s)
+        part = SortedTokens(work.x_MD.index_select(0, index_M), work.w_M1.index_select(0, index_M),
+                            work.token_M.index_select(0, index_M), [work.experts[i] for i in which], starts)
+        out_MD[index_M] = self.compute(part, [rows[i] for i in which], kernel)
+
+    def batch(self, work: SortedTokens, x_ND: torch.Tensor, y_MD: torch.Tensor | None = None) -> Batch:
+        """How this layer call computes its experts a share at a time (as they land, or the share placed here): the
+        fused kernel into fp32 weighted rows where it takes this many tokens, else `choose`'s kernel into rows in x's
+        dtype; into `y_MD` when given (another arena's batch of the same format shares it)."""
+        n, fused = x_ND.shape[0], self.fused
+        if fused is not None and n <= fused.max_tokens:
+            if y_MD is None:
+                y_MD = torch.empty(work.x_MD.shape, dtype=torch.float32, device=x_ND.device)
+            return Batch(y_MD, partial(fused.rows, x_ND=x_ND, w_M=work.w_M1.reshape(-1).float(), arena=self.arena),
+                         "fused", fused)
+        kernel = self.choose(n)
+        return Batch(torch.empty_like(work.x_MD) if y_MD is None else y_MD, partial(self.some, kernel=kernel), kernel,
+                     None)
+
+
+@dataclass
+class Batch:
+    """A layer call's experts computed a share at a time into their rows of `y_MD` (`ArenaKernels.batch`)."""
+
+    y_MD: torch.Tensor
+    some: Callable[[SortedTokens, Sequence[int], Sequence[int], torch.Tensor], None]
+    """`some(work, rows, which, y_MD)`: experts `which` (indices into work.experts) from arena rows rows[i]."""
+    kernel: Kernel | Literal["fused"]
+    fused: FusedKernel | None
+    """The fused kernel when it computes (y_MD then holds fp32 rows already weighted), else None."""
+
+    def combine(self, x_ND: torch.Tensor, work: SortedTokens) -> torch.Tensor:
+        """Every token's sum of its rows in ascending expert order."""
+        if self.fused is not None:
+            return self.fused.combine(self.y_MD, work.token_M, x_ND.shape[0])
+        return combine(x_ND, work, self.y_MD)
+
+
 class ResidentExecutor:
     """Every routed expert in one arena on the device: row `base[layer] + expert`."""
 
@@ -431,48 +482,53 @@ class PagedExecutor:
         self.compute_note = fused.note if fused is not None else ""
 
     def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
-        work = sort_by_expert(x_ND, route)
-        n, fused = x_ND.shape[0], self.kernels.fused
-        if fused is not None and n > fused.max_tokens:
-            fused = None
-        kernel = self.kernels.choose(n)
-        held = self.store.acquire(layer, work.experts)  # its ready experts need no wait
+        return self.run_sorted(layer, sort_by_expert(x_ND, route), x_ND)
+
+    def run_sorted(self, layer: int, work: SortedTokens, x_ND: torch.Tensor) -> torch.Tensor:
+        """`run` on tokens already sorted by expert."""
+        batch = self.kernels.batch(work, x_ND)
+        if batch.fused is None and batch.kernel != "loop":  # every expert ready at once: one call, no copies
+            held = self.store.acquire(layer, work.experts)
+            try:
+                if not held.pending and not held.queued:
+                    return combine(x_ND, work, self.kernels.compute(work, held.slots, batch.kernel))
+                self._as_they_land(held, work, None, batch)
+            finally:
+                self.store.release(held)
+        else:
+            self.through_store(layer, work, None, batch)
+        return batch.combine(x_ND, work)
+
+    def through_store(self, layer: int, work: SortedTokens, which: Sequence[int] | None, batch: Batch) -> None:
+        """Experts `which` (indices into work.experts; None: all) acquired from the store and computed into their
+        rows of `batch.y_MD` as they land, then released."""
+        held = self.store.acquire(layer, work.experts if which is None else [work.experts[i] for i in which])
         try:
-            if fused is None and kernel != "loop" and not held.pending and not held.queued:
-                y_MD = self.kernels.compute(work, held.slots, kernel)
-            else:
-                if fused is not None:  # `fused_compute`'s rows and batches, inline (a call less per layer and token)
-                    y_MD = torch.empty(work.x_MD.shape, dtype=torch.float32)
-                    some = partial(fused.rows, x_ND=x_ND, w_M=work.w_M1.reshape(-1).float(), arena=self.kernels.arena)
-                else:
-                    y_MD = torch.empty_like(work.x_MD)
-                    some = self.kernels.loop if kernel == "loop" else partial(self._some, kernel=kernel)
-                some(work, held.slots, held.ready, y_MD)
-                pending = held.pending + (self.store.recycle(held, held.ready) if held.streaming else [])
-                while pending:
-                    landed = self.store.wait_landed(held, pending)
-                    some(work, held.slots, landed, y_MD)
-                    done = set(landed)
-                    pending = [i for i in pending if i not in done]
-                    if held.streaming:
-                        pending += self.store.recycle(held, landed)
+            self._as_they_land(held, work, which, batch)
         finally:
             self.store.release(held)
-        return fused.combine(y_MD, work.token_M, n) if fused is not None else combine(x_ND, work, y_MD)
 
-    def _some(self, work: SortedTokens, rows: Sequence[int], which: Sequence[int], out_MD: torch.Tensor,
-              kernel: Kernel) -> None:
-        """Experts `which` (indices into work.experts) computed in one call into their rows of out_MD."""
-        if not which:
-            return
-        pieces = [(work.starts[i], work.starts[i + 1]) for i in which]
-        index_M = torch.cat([torch.arange(s, e, device=out_MD.device) for s, e in pieces])
-        starts = [0]
-        for s, e in pieces:
-            starts.append(starts[-1] + e - s)
-        part = SortedTokens(work.x_MD.index_select(0, index_M), work.w_M1.index_select(0, index_M),
-                            work.token_M.index_select(0, index_M), [work.experts[i] for i in which], starts)
-        out_MD[index_M] = self.kernels.compute(part, [rows[i] for i in which], kernel)
+    def _as_they_land(self, held: Held, work: SortedTokens, which: Sequence[int] | None, batch: Batch) -> None:
+        """The ready experts of `held`, then each batch of its loads as it lands (stream rows recycled)."""
+        rows = held.slots if which is None else [-1] * len(work.experts)
+
+        def compute(indices: Sequence[int]) -> None:
+            if which is None:
+                batch.some(work, rows, indices, batch.y_MD)
+                return
+            for j in indices:  # the held expert j is work.experts[which[j]]; its slot may be a recycled stream row
+                rows[which[j]] = held.slots[j]
+            batch.some(work, rows, [which[j] for j in indices], batch.y_MD)
+
+        compute(held.ready)
+        pending = held.pending + (self.store.recycle(held, held.ready) if held.streaming else [])
+        while pending:
+            landed = self.store.wait_landed(held, pending)
+            compute(landed)
+            done = set(landed)
+            pending = [i for i in pending if i not in done]
+            if held.streaming:
+                pending += self.store.recycle(held, landed)
 
     def stream(self, layer: int, experts: Sequence[int]):  # noqa: ANN201 - the reference's ExpertSource seam
         for slot in self.store.stream(layer, experts):

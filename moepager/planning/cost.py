@@ -38,6 +38,7 @@ from typing import Any, Literal
 import numpy as np
 
 from moepager.errors import MoepagerError
+from moepager.experts.hybrid import ExpertTimes
 
 Overlap = Literal["none", "layer"]
 
@@ -102,10 +103,23 @@ class Calibration:
     model: str
     threads: int
     device: str
+    cpu_expert_s_1: float | None = None
+    """A CUDA calibration: one routed expert computed on the CPU for 1 token, weights in host memory (hybrid
+    execution's other side); None where the device is the CPU (expert_s_1 is that) or the profile predates it."""
+    cpu_expert_s_64: float | None = None
 
     def expert_s(self, tokens: np.ndarray) -> np.ndarray:
         slope = (self.expert_s_64 - self.expert_s_1) / 63
         return self.expert_s_1 + np.maximum(tokens - 1, 0) * max(slope, 0.0)
+
+    def cpu_expert_s(self, tokens: np.ndarray) -> np.ndarray | None:
+        """The CPU's time where measured (a CPU calibration's own expert time), else None."""
+        if self.device == "cpu":
+            return self.expert_s(tokens)
+        if self.cpu_expert_s_1 is None or self.cpu_expert_s_64 is None:
+            return None
+        slope = (self.cpu_expert_s_64 - self.cpu_expert_s_1) / 63
+        return self.cpu_expert_s_1 + np.maximum(tokens - 1, 0) * max(slope, 0.0)
 
     def dense_s(self, tokens_S: np.ndarray, kv_S: np.ndarray | None = None) -> np.ndarray:
         """Non-expert seconds of steps of `tokens_S` tokens ending at KV length `kv_S` (a prefill's own
@@ -113,6 +127,19 @@ class Calibration:
         decode = self.dense_decode_s if kv_S is None else \
             np.maximum(self.dense_decode_s + (kv_S - self.dense_decode_kv) * self.dense_kv_s, 0.0)
         return np.where(tokens_S > 1, self.dense_decode_s + (tokens_S - 1) * self.dense_token_s, decode)
+
+
+def nominal_profile(device_name: str) -> str:
+    """The built-in profile nearest a device (torch.cuda.get_device_name, or "cpu"): the run's costs when no
+    calibrated profile is given."""
+    name = device_name.lower()
+    if name == "cpu":
+        return "cpu-disk"
+    for key, profile in (("h100", "h100-pcie5"), ("h200", "h100-pcie5"), ("a100", "a100-pcie4"),
+                         ("4090", "rtx4090-pcie4"), ("a6000", "a6000-pcie4")):
+        if key in name:
+            return profile
+    return "a6000-pcie4"
 
 
 PROFILE_KIND = "moepager-profile"
@@ -192,6 +219,21 @@ class CostModel:
         d = device or self.device
         flops = tokens * 2 * (self.expert_bytes / 2)  # bf16: 2 bytes/param
         return np.maximum(self.expert_bytes / d.mem_Bps, flops / d.flops) + d.launch_s
+
+    def expert_times(self, on_cpu: bool) -> ExpertTimes:
+        """One expert's costs for hybrid placement (experts/hybrid.py): on the CPU (measured, else this project's
+        CPU's nominal figures), on the device, and copied over the link (`on_cpu`: the device is the CPU itself, so
+        both sides cost the same and no missing expert is worth a copy)."""
+        n = np.array([1.0, 64.0])  # a line through 1 and 64 tokens, as calibrations measure
+        device = self.compute_s(n)
+        cpu = device if on_cpu else None
+        if cpu is None and self.calibration is not None:
+            cpu = self.calibration.cpu_expert_s(n)
+        if cpu is None:
+            cpu = self.compute_s(n, DEVICES["cpu"])
+        copy = self.expert_bytes / self.link.bytes_per_s + self.link.latency_s
+        return ExpertTimes(float(cpu[0]), float(cpu[1] - cpu[0]) / 63, float(device[0]),
+                           float(device[1] - device[0]) / 63, copy)
 
     def step_times(self, requested_SL: np.ndarray, hits_SL: np.ndarray, prefetch_SL: np.ndarray,
                    tokens_S: np.ndarray, top_k: int, misses_on_cpu: bool, kv_S: np.ndarray | None = None) -> np.ndarray:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -27,11 +27,13 @@ from moepager.checkpoints.build import (
     open_checkpoint,
     resident_executor,
 )
-from moepager.config import Budget, EngineConfig, Kernel, StoreConfig
+from moepager.config import Budget, EngineConfig, Execution, Kernel, StoreConfig
 from moepager.errors import BudgetError, ConfigError
 from moepager.experts.executor import ExpertExecutor, PagedExecutor
+from moepager.experts.hybrid import CpuExpertsExecutor, CpuPool, ExpertTimes, HybridExecutor
 from moepager.experts.protocols import FlatReader
 from moepager.models.config import ModelConfig
+from moepager.planning.cost import CostModel, nominal_profile
 from moepager.policies import UnknownPolicyError, make_policy, policy_spec
 from moepager.policies.prefetch import PREFETCH_POLICIES, make_prefetch_policy
 from moepager.predictors import PREDICTORS
@@ -166,22 +168,96 @@ class Built:
     prefetcher: Prefetcher | None
 
 
+def expert_times(config: EngineConfig, device: torch.device, expert_bytes: int) -> tuple[ExpertTimes, str]:
+    """What an expert costs on the CPU, on the device and to copy over (`--profile`, else the nominal figures of
+    the device's kind), and the profile's name."""
+    name = config.profile or nominal_profile(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+    try:
+        return CostModel.profile(name, expert_bytes).expert_times(on_cpu=device.type == "cpu"), name
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def resolve_execution(config: EngineConfig, device: torch.device, times: ExpertTimes, profile: str
+                      ) -> tuple[Execution, str]:
+    """`--execution auto` made concrete, and why (the others as they are)."""
+    if config.execution != "auto":
+        return config.execution, ""
+    if device.type == "cpu":
+        return "gpu", "auto: no GPU, every expert computes on the CPU where its slot is"
+    if config.store.expert_memory is None:
+        return "gpu", "auto: every routed expert is on the device"
+    cpu, copied = times.cpu_s(1), times.device_s(1) + times.copy_s
+    choice: Execution = "hybrid" if cpu < copied else "gpu"
+    return choice, (f"auto: {choice}, a decode's missing expert takes {cpu * 1e3:.2f} ms on the CPU against "
+                    f"{copied * 1e3:.2f} ms copied and computed on the device ({profile})")
+
+
+def hybrid_executor(config: EngineConfig, device: torch.device, times: ExpertTimes | None = None) -> ExecutorFactory:
+    """A load_model executor factory for `--execution hybrid` (`times`: the placement's costs; default the run's
+    profile's)."""
+    def make(reader: FlatReader, cfg: ModelConfig, progress: Callable[[int], None]) -> ExpertExecutor:
+        return _hybrid(config, reader, cfg, device, times or expert_times(config, device, reader.shape.nbytes)[0],
+                       progress)
+    return make
+
+
+def _hybrid(config: EngineConfig, reader: FlatReader, cfg: ModelConfig, device: torch.device, times: ExpertTimes,
+            progress: Callable[[int], None]) -> HybridExecutor:
+    """Device slots at --expert-memory over a host tier (--host-memory, default every expert), even on a CPU run,
+    whose 'device' is then RAM computed by the calling thread (the data path, tested without a GPU)."""
+    kernel = config.expert_kernel
+    store = build_store(config.store, reader, cfg, device, True, progress)
+    return HybridExecutor(store, reader.shape, kernel, cpu_kernels.fused_experts(reader.shape, device, kernel),
+                          cpu_kernels.fused_experts(reader.shape, torch.device("cpu"), kernel), times,
+                          CpuPool(config.cpu_threads or config.threads))
+
+
+def cpu_experts_executor(config: EngineConfig, device: torch.device) -> ExecutorFactory:
+    """A load_model executor factory for `--execution cpu-experts`: every routed expert in host RAM (--host-memory,
+    the rest paged from disk) computed on the CPU."""
+    def make(reader: FlatReader, cfg: ModelConfig, progress: Callable[[int], None]) -> ExpertExecutor:
+        cpu, kernel = torch.device("cpu"), config.expert_kernel
+        if config.store.host_memory is not None:  # host RAM as a CPU run's device tier, over disk
+            store_config = replace(config.store, expert_memory=config.store.host_memory, host_memory=None)
+            inner: ExpertExecutor = _paged(store_config, reader, cfg, cpu, kernel, False, progress)
+        else:
+            inner = resident_executor(cpu, kernel)(reader, cfg, progress)  # type: ignore[arg-type]
+        return CpuExpertsExecutor(inner, device, CpuPool(config.cpu_threads or config.threads))
+    return make
+
+
 def build(config: EngineConfig, path: Path, show_progress: bool) -> Built:
     """Checkpoint reader -> expert store -> executor -> model -> prefetcher, from one configuration."""
     check_names(config)
     options = LoadOptions.of(config)
     opened = open_checkpoint(path, options)
     kernel, store_config = config.expert_kernel, config.store
+    times, profile = expert_times(config, opened.device, opened.reader.shape.nbytes)
+    execution, why = resolve_execution(config, opened.device, times, profile)
+    if why:
+        print(why, file=sys.stderr)
     store: ExpertStore | None = None
     with load_bar(opened, show_progress) as bar:
-        if store_config.paged:
+        if execution == "hybrid":
+            hybrid = _hybrid(config, opened.reader, opened.config, opened.device, times, bar.update)
+            executor: ExpertExecutor = hybrid
+            store = hybrid.store
+            why = why or f"hybrid: {times.describe()} ({profile})"
+        elif execution == "cpu-experts":
+            cpu_experts = cpu_experts_executor(config, opened.device)(opened.reader, opened.config, bar.update)
+            assert isinstance(cpu_experts, CpuExpertsExecutor)
+            executor, store = cpu_experts, cpu_experts.store
+            why = why or "cpu-experts: every routed expert computes on the CPU"
+        elif store_config.paged:
             paged = _paged(store_config, opened.reader, opened.config, opened.device, kernel,
                            opened.device.type == "cuda", bar.update)
-            executor: ExpertExecutor = paged
+            executor = paged
             store = paged.store
         else:
             executor = resident_executor(opened.device, kernel)(opened.reader, opened.config, bar.update)
         loaded = build_model(opened, executor, options, bar.update)
+    loaded.execution = why
     prefetcher = None
     if config.prefetch.predictor is not None and store is not None:
         inner = store.order.inner  # the device tier's eviction policy, which may rank by forecasts (fMoE, PLEC)
@@ -192,15 +268,16 @@ def build(config: EngineConfig, path: Path, show_progress: bool) -> Built:
 
 
 def store_report(store: ExpertStore | None, config: StoreConfig, prefill_tokens: int,
-                 decode_tokens: int) -> StoreReport:
+                 decode_tokens: int, execution: str = "") -> StoreReport:
     """The run's expert section: how experts were held and, for the store, what it did per phase."""
+    where = {"execution": execution} if execution else {}
     if store is None:
-        return StoreReport({"placement": "all resident"}, {})
+        return StoreReport({"placement": "all resident", **where}, {})
     described = {"device slots": store.device.table.capacity,
                  "stream rows": len(store.device.table.stream_rows),
                  "read buffers": format_bytes(store.read_buffer_bytes),
                  "host slots": store.host.table.capacity if store.host is not None else "none (disk below)",
-                 "policy": config.policy, "scope": config.scope}
+                 "policy": config.policy, "scope": config.scope, **where}
     phases, nbytes = store.counters.phases, store.device.expert_nbytes
     return StoreReport(described, {"prefill": phases["prefill"].summary(prefill_tokens, nbytes),
                                    "decode": phases["decode"].summary(decode_tokens, nbytes)})

@@ -313,7 +313,7 @@ class LLM:
         stats.experts = self.loaded.expert_format or self.loaded.expert_shape.format_name
         stats.dense = self.loaded.dense_format
         stats.sections["experts"] = store_report(self.store, self.config.store, stats.prompt_tokens,
-                                                 stats.generated_tokens - stats.num_prompts)
+                                                 stats.generated_tokens - stats.num_prompts, self.loaded.execution)
         self.last_stats = stats
 
     @property

@@ -35,6 +35,8 @@ class PhaseCounters:
     prefetch_cancelled: int = 0
     """Prefetches cancelled before they started (needed ones are then loaded on demand)."""
     host_hits: int = 0
+    on_cpu: int = 0
+    """Misses computed on the CPU where they are, in the host tier (hybrid execution): no transfer to the device."""
     disk_reads: int = 0
     bytes_disk: int = 0
     bytes_host_to_device: int = 0
@@ -94,6 +96,7 @@ class PhaseCounters:
             "prefetch_accuracy": self.prefetch_used / max(1, self.prefetch_used + self.prefetch_wasted),
             "prefetch_wasted_bytes": self.prefetch_wasted * expert_bytes,
             "host_hits": self.host_hits,
+            "computed_on_cpu": self.on_cpu,
             "disk_reads": self.disk_reads,
             "bytes_disk": self.bytes_disk,
             "bytes_host_to_device": self.bytes_host_to_device,
@@ -188,6 +191,9 @@ class StoreReport:
                 (f"{phase} loads", f"{s['loads_on_demand']} on demand, {s['loads_ahead']} ahead, "
                                    f"{s['host_hits']} from host cache, {s['disk_reads']} from disk"),
             ]
+            if s["computed_on_cpu"]:
+                rows.append((f"{phase} on the CPU", f"{s['computed_on_cpu']} missed experts computed in host memory "
+                                                    "(hybrid execution: no copy)"))
             if s["loads_ahead"]:
                 rows.append((f"{phase} prefetch", f"{s['prefetch_used']} used, {s['prefetch_wasted']} wasted "
                              f"({format_bytes(s['prefetch_wasted_bytes'])}), {s['prefetch_cancelled']} cancelled; "

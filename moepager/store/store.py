@@ -85,6 +85,17 @@ class Held:
     """Indices in stream rows now (nothing for `recycle` to do when 0)."""
 
 
+@dataclass
+class HostHeld:
+    """A layer's experts pinned in the host tier by `acquire_host`, to be computed there (hybrid execution)."""
+
+    layer: int
+    slots: list[int]
+    """Each expert's host slot, in the order asked for."""
+    reads: list[Ticket | None]
+    """Each expert's read from disk into its slot when it was not there (None: it was): wait before computing."""
+
+
 class ExpertStore:
     def __init__(self, device: Tier, host: Tier | None, read: ReadExpert, transfers: Transfers,
                  read_buffer_bytes: int = 0):
@@ -323,6 +334,57 @@ class ExpertStore:
             for slot in slots:
                 if slot >= 0:
                     table.free_event[slot] = event
+
+    # -- hybrid execution: misses computed where they are ---------------------------------------------------
+    def on_device(self, key: ExpertKey) -> bool:
+        """Whether `key` is in a device slot (landed, or loading: a layer then waits for it, SMoE's wait_cache)."""
+        return key in self.device.table.slot_of
+
+    def acquire_host(self, layer: int, experts: Sequence[int]) -> HostHeld:
+        """Pin host-tier slots holding `experts` of `layer`, which hybrid execution computes there on the CPU
+        instead of copying them to the device: each one not in the host tier is read from disk into a slot the host
+        tier's policy frees (the demand lane). They count as device misses computed on the CPU, and the device
+        tier's policy sees their access (SMoE's LFU counts every activated expert). Wait for `reads` before
+        computing (any thread); `release_host` when done (this thread)."""
+        host = self.host
+        if host is None:
+            raise RuntimeError("expert store: hybrid execution computes misses in the host tier, and this store "
+                               "has none")
+        table, counters = host.table, self.counters.current
+        keys = [ExpertKey(layer, e) for e in experts]
+        self.device.table.policy.on_access(keys, self.clock)
+        table.policy.on_access(keys, self.clock)
+        counters.misses[layer] += len(keys)
+        counters.on_cpu += len(keys)
+        held = HostHeld(layer, [], [])
+        try:
+            for key in keys:
+                slot = table.slot_of.get(key)
+                read: Ticket | None = None
+                if slot is None:
+                    slot = self._claim(table, key)
+                    if slot is None:
+                        raise RuntimeError(f"expert store: no host slot can be freed for {key} (capacity "
+                                           f"{table.capacity}, all in use)")
+                    read = self.transfers.submit(self._disk_job, key, host.buffers[slot], counters)
+                    table.ticket[slot] = read
+                elif not settled(table.ticket[slot]):
+                    read = table.ticket[slot]  # a read (or a copy out of it) in flight: its expert lands first
+                    self.transfers.promote(read)  # a prefetch's read must not give way to demand loads now
+                table.pins[slot] += 1
+                held.slots.append(slot)
+                held.reads.append(read)
+        except BaseException:
+            self.release_host(held)
+            raise
+        return held
+
+    def release_host(self, held: HostHeld) -> None:
+        assert self.host is not None
+        pins = self.host.table.pins
+        for slot in held.slots:
+            pins[slot] -= 1
+        held.slots = []
 
     # -- loading ----------------------------------------------------------------------------------------
     def _load(self, keys: Sequence[ExpertKey], slots: Sequence[int], counters: PhaseCounters, ahead: bool) -> None:

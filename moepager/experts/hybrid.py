@@ -1,0 +1,266 @@
+"""Hybrid execution: an expert that is not on the device is computed where it already is, in host memory on the CPU,
+instead of being copied over (SMoE; llama.cpp's `--cpu-moe` and kTransformers put every routed expert there).
+
+`--execution` (config.py EXECUTIONS):
+- `gpu`: every expert computed on the device, a miss copied in first (the paged executor, experts/executor.py);
+- `hybrid` (`HybridExecutor`): per MoE layer, after the router, each used expert is placed by SMoE's rule
+  (Algorithm 1, `ExpertTimes.on_device`): on the device when it is there already (a hit, or loading: the layer
+  waits for it), or when computing it on the CPU would take longer than copying it and computing it on the device,
+  T_CPU(n) > T_dev(n) + T_copy for its n tokens; else on the CPU from the host tier, read from disk into it first
+  when it is not there. A decode's misses (one token each) go to the CPU, a prefill's heavy experts to the device,
+  through the cache or, beyond the layer's share, the store's two stream rows (SMoE's ping-pong buffers: one loads
+  while the other computes). The CPU part runs on its own thread (`CpuPool`, `--cpu-threads` torch threads) while
+  the device part computes; the device cache changes only through the experts placed on the device and through
+  prefetches (a predictor's forecasts), as SMoE's does;
+- `cpu-experts` (`CpuExpertsExecutor`): every routed expert on the CPU in host memory, attention and dense layers
+  on the device (llama.cpp `--cpu-moe`).
+
+Lossless: every expert's rows do not depend on which side computed them when both sides run the same kernel (a CPU
+run: the device side is the CPU, with its own thread), so each token's sum in ascending expert order is the
+all-resident run's bit for bit (tested). On CUDA the CPU rows come from the CPU's kernel, whose roundings differ from
+the GPU's: both sides' rows are weighted in fp32 and each token sums them in ascending expert order (deterministic),
+within a stated tolerance of the GPU-only run.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from moepager.experts.executor import ArenaKernels, Batch, ExpertExecutor, PagedExecutor, SortedTokens, sort_by_expert
+from moepager.experts.protocols import FusedKernel
+from moepager.experts.weights import ExpertShape
+from moepager.store.store import ExpertStore, HostHeld
+from moepager.types import ExpertKey, RoutingDecision, to_host
+
+
+@dataclass(frozen=True)
+class ExpertTimes:
+    """What one routed expert costs on each side, for placing it (planning/cost.py `CostModel.expert_times` builds
+    it from a calibrated profile or the nominal figures): linear in its token count n."""
+
+    cpu_s_1: float
+    """Computing it on the CPU for one token, weights in host memory."""
+    cpu_s_token: float
+    """... each further token."""
+    device_s_1: float
+    device_s_token: float
+    copy_s: float
+    """Copying it from host memory into a device slot."""
+
+    def cpu_s(self, tokens: int) -> float:
+        return self.cpu_s_1 + (tokens - 1) * self.cpu_s_token
+
+    def device_s(self, tokens: int) -> float:
+        return self.device_s_1 + (tokens - 1) * self.device_s_token
+
+    def on_device(self, tokens: int) -> bool:
+        """SMoE's rule for an expert not on the device: copy it over when T_CPU(n) > T_dev(n) + T_copy."""
+        return self.cpu_s(tokens) > self.device_s(tokens) + self.copy_s
+
+    def threshold(self, most: int = 1 << 20) -> int | None:
+        """The fewest tokens that send a missing expert to the device (None: none up to `most`): both times are
+        linear, so every count from there up goes too when the CPU's slope is the steeper."""
+        lo, hi = 1, most
+        if not self.on_device(hi):
+            return None
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.on_device(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def describe(self) -> str:
+        n = self.threshold()
+        where = "every missing expert on the CPU" if n is None else \
+            f"a missing expert on the device from {n} token{'s' if n > 1 else ''} up, on the CPU below"
+        return (f"{where} (CPU {self.cpu_s_1 * 1e3:.2f} ms + {self.cpu_s_token * 1e3:.3f} ms/token, device "
+                f"{self.device_s_1 * 1e3:.2f} ms + {self.device_s_token * 1e3:.3f} ms/token, copy "
+                f"{self.copy_s * 1e3:.2f} ms)")
+
+
+class CpuPool:
+    """The thread that computes a layer's CPU experts while the calling thread runs the device's, with its own
+    torch thread count (OpenMP's is per thread: the caller's is left as it was)."""
+
+    def __init__(self, threads: int | None):
+        self.threads = threads
+        self._pool = ThreadPoolExecutor(1, "moepager-cpu-experts", initializer=self._init)
+
+    def _init(self) -> None:
+        if self.threads is not None:
+            caller = torch.get_num_threads()
+            torch.set_num_threads(self.threads)
+            _restore_default(caller)
+
+    def submit(self, fn: Callable[..., torch.Tensor], *args: object) -> Future[torch.Tensor]:
+        """`fn(*args)` on the pool's thread, in the caller's inference and grad modes (both are per thread)."""
+        return self._pool.submit(_in_modes, torch.is_inference_mode_enabled(), torch.is_grad_enabled(), fn, args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _in_modes(inference: bool, grad: bool, fn: Callable[..., torch.Tensor], args: tuple[object, ...]) -> torch.Tensor:
+    with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+        return fn(*args)
+
+
+def _restore_default(threads: int) -> None:
+    """`torch.set_num_threads` also sets the count that threads started later begin with: put that back (the
+    calling thread's own count, and this thread's, are per thread)."""
+    done = threading.Event()
+
+    def probe() -> None:
+        torch.set_num_threads(threads)
+        done.set()
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+
+
+def cpu_rows_on_device(work: SortedTokens, which: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The sorted rows of experts `which` (indices into work.experts), as an index on `device`."""
+    pieces = [torch.arange(work.starts[i], work.starts[i + 1]) for i in which]
+    return torch.cat(pieces).to(device, non_blocking=True)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the host (through pinned memory on CUDA)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+def combine_fp32(y_MD: torch.Tensor, work: SortedTokens, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Weighted fp32 rows in expert order summed per token in ascending expert order, then rounded once: a stable
+    sort by token keeps each token's rows in expert order, and `sum` over its K rows is deterministic (an fp32
+    `index_add_` on CUDA is not)."""
+    by_token = torch.argsort(work.token_M, stable=True)
+    return y_MD.index_select(0, by_token).view(n, k, -1).sum(1).to(dtype)
+
+
+class HybridExecutor:
+    """`--execution hybrid`: a layer's experts placed per expert between the device (through the store) and the CPU
+    (in the store's host tier), computed at the same time, summed in one fixed order (module note)."""
+
+    def __init__(self, store: ExpertStore, shape: ExpertShape, kernel: str, device_fused: FusedKernel | None,
+                 host_fused: FusedKernel | None, times: ExpertTimes, pool: CpuPool):
+        if store.host is None:
+            raise ValueError("hybrid execution needs a store with a host tier")
+        self.paged = PagedExecutor(store, shape, kernel, device_fused)  # type: ignore[arg-type]
+        self.host = ArenaKernels(store.host.buffers, shape, kernel, fused=host_fused)  # type: ignore[arg-type]
+        self.store, self.times, self.pool = store, times, pool
+        self.device = store.device.buffers.device
+        self.shared_memory = self.device.type == "cpu"
+        """The device side computes in RAM too (a CPU run): the CPU side writes its rows straight into the device
+        side's (tests set it False to run the CUDA run's copies and merge on the CPU)."""
+        notes = {device_fused.note if device_fused else "", host_fused.note if host_fused else ""} - {""}
+        self.compute_note = "; ".join(sorted(notes)) + ("" if self.device.type == "cpu" or host_fused is None else
+                                                        " (CPU experts)")
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def placement(self, layer: int, work: SortedTokens) -> tuple[list[int], list[int]]:
+        """Indices into work.experts computed on the device and on the CPU."""
+        device, cpu, on_device, times, starts = [], [], self.store.on_device, self.times, work.starts
+        for i, e in enumerate(work.experts):
+            if on_device(ExpertKey(layer, e)) or times.on_device(starts[i + 1] - starts[i]):
+                device.append(i)
+            else:
+                cpu.append(i)
+        return device, cpu
+
+    def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
+        work = sort_by_expert(x_ND, route)
+        device, cpu = self.placement(layer, work)
+        if not cpu:
+            return self.paged.run_sorted(layer, work, x_ND)
+        same = self.shared_memory
+        batch = self.paged.kernels.batch(work, x_ND)
+        host_work, host_x = (work, x_ND) if same else _on_host(work, x_ND)
+        host_batch = self.host.batch(host_work, host_x, batch.y_MD if same else None)
+        if same and (host_batch.fused is None) != (batch.fused is None):
+            raise RuntimeError("hybrid execution on the CPU: both sides must compute rows of one format")
+        held = self.store.acquire_host(layer, [work.experts[i] for i in cpu])
+        try:
+            future = self.pool.submit(self._cpu_part, held, host_work, cpu, host_batch)
+            try:
+                if device:
+                    self.paged.through_store(layer, work, device, batch)
+            finally:
+                future.result()  # the host slots stay pinned until the CPU is done with them
+        finally:
+            self.store.release_host(held)
+        if same:
+            return batch.combine(x_ND, work)
+        return self._merge(x_ND, work, cpu, batch, host_batch)
+
+    def _cpu_part(self, held: HostHeld, work: SortedTokens, cpu: Sequence[int], batch: Batch) -> torch.Tensor:
+        """On the pool's thread: the CPU experts once their host slots hold them."""
+        for read in held.reads:
+            if read is not None:
+                read.result()  # re-raises a failed read
+        rows = [-1] * len(work.experts)
+        for i, slot in zip(cpu, held.slots):
+            rows[i] = slot
+        batch.some(work, rows, cpu, batch.y_MD)
+        return batch.y_MD
+
+    def _merge(self, x_ND: torch.Tensor, work: SortedTokens, cpu: Sequence[int], batch: Batch,
+               host_batch: Batch) -> torch.Tensor:
+        """CUDA: the CPU's rows into the device's, then one sum per token in ascending expert order."""
+        index_M = cpu_rows_on_device(work, cpu, self.device)
+        host_rows = to_device(host_batch.y_MD.index_select(0, index_M.cpu()), self.device)
+        n, k = x_ND.shape[0], work.x_MD.shape[0] // max(x_ND.shape[0], 1)
+        if batch.fused is None and host_batch.fused is None:  # both unweighted in x's dtype: the usual combine
+            batch.y_MD[index_M] = host_rows
+            return batch.combine(x_ND, work)
+        y_MD = batch.y_MD.float()
+        if batch.fused is None:
+            y_MD = y_MD * work.w_M1.float()
+        if host_batch.fused is None:
+            host_rows = host_rows.float() * work.w_M1.index_select(0, index_M).float()
+        y_MD[index_M] = host_rows
+        return combine_fp32(y_MD, work, n, k, x_ND.dtype)
+
+    def stream(self, layer: int, experts: Sequence[int]):  # noqa: ANN201 - the reference's ExpertSource seam
+        return self.paged.stream(layer, experts)
+
+
+def _on_host(work: SortedTokens, x_ND: torch.Tensor) -> tuple[SortedTokens, torch.Tensor]:
+    """The sorted tokens and x copied to the host at once (one wait for the device)."""
+    x_ND, w_M1, token_M = to_host(x_ND, work.w_M1, work.token_M)
+    x_MD = x_ND.expand(work.x_MD.shape[0], -1) if work.x_1D is not None else x_ND.index_select(0, token_M)
+    return SortedTokens(x_MD, w_M1, token_M, work.experts, work.starts, x_ND if work.x_1D is not None else None), x_ND
+
+
+class CpuExpertsExecutor:
+    """`--execution cpu-experts`: every routed expert computed on the CPU by `inner` (an executor over host memory:
+    all resident, or paged from disk), on the pool's thread; the layer's input copied over and its output back."""
+
+    def __init__(self, inner: ExpertExecutor, device: torch.device, pool: CpuPool):
+        self.inner, self.device, self.pool = inner, device, pool
+        self.compute_note = inner.compute_note + (" (CPU experts)" if inner.compute_note and device.type != "cpu"
+                                                  else "")
+        self.store: ExpertStore | None = getattr(inner, "store", None)
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return self.pool.submit(self.inner.run, layer, x_ND, route).result()
+        x_host, ids_host, weights_host = to_host(x_ND, route.ids_TK, route.weights_TK)
+        host_route = RoutingDecision(ids_host, weights_host, route.scores_TE, ids_host)
+        out = self.pool.submit(self.inner.run, layer, x_host, host_route).result()
+        return to_device(out, self.device)
+
+    def stream(self, layer: int, experts: Sequence[int]):  # noqa: ANN201 - the reference's ExpertSource seam
+        return self.inner.stream(layer, experts)  # type: ignore[attr-defined]

@@ -1,0 +1,166 @@
+"""Hybrid execution (experts/hybrid.py): SMoE's placement rule, and outputs equal to the all-resident run on every
+architecture, expert format and budget, the 'device' side computed on the CPU by the calling thread and the CPU side
+by the pool's (a CPU run's data path; the CUDA run's copies and merge too, with `shared_memory` off)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moepager.accel import cpu_kernels
+from moepager.checkpoints.build import load_model, resident_executor
+from moepager.config import EngineConfig, StoreConfig
+from moepager.errors import MoepagerError
+from moepager.experts.hybrid import CpuExpertsExecutor, ExpertTimes, HybridExecutor
+from moepager.planning.cost import CostModel
+from moepager.runtime.builder import cpu_experts_executor, hybrid_executor
+from tests.conftest import ARCHS, expert_budget
+from tests.runtime.test_offload import logits_run
+
+CPU = torch.device("cpu")
+PREFILL_ON_DEVICE = ExpertTimes(cpu_s_1=1e-3, cpu_s_token=1e-3, device_s_1=1e-4, device_s_token=1e-5, copy_s=2.5e-3)
+"""A missing expert with 3 tokens or more is copied to the device (3 ms on the CPU against 0.12 + 2.5), one with
+fewer is computed on the CPU (2 against 0.11 + 2.5): prefills copy their heavy experts, decodes compute every miss
+on the CPU."""
+
+
+def test_placement_is_smoes_rule_on_a_fixed_cost_model():
+    t = PREFILL_ON_DEVICE
+    assert [t.on_device(n) for n in (1, 2, 3, 4, 64)] == [False, False, True, True, True]
+    assert t.threshold() == 3
+    assert "from 3 tokens up" in t.describe()
+    never = ExpertTimes(cpu_s_1=1e-4, cpu_s_token=0.0, device_s_1=1e-4, device_s_token=0.0, copy_s=1e-3)
+    assert never.threshold() is None and not never.on_device(10**6)
+    assert "every missing expert on the CPU" in never.describe()
+
+
+def test_the_cost_model_places_by_its_devices_and_link():
+    gpu = CostModel.profile("h100-pcie3", 18 * 2**20).expert_times(on_cpu=False)
+    assert gpu.cpu_s(1) < gpu.device_s(1) + gpu.copy_s  # a decode's miss: the CPU reads it faster than PCIe copies it
+    assert gpu.threshold() is not None and gpu.threshold() > 1  # a prefill's heavy expert: copied
+    fast_link = CostModel.profile("h100-pcie5", 18 * 2**20).expert_times(on_cpu=False)
+    assert fast_link.on_device(1)  # PCIe 5 copies it faster than this project's 2-core CPU reads it
+    same = CostModel.profile("cpu-disk", 18 * 2**20).expert_times(on_cpu=True)
+    assert same.threshold() is None  # the device is the CPU: a copy never pays
+
+
+def _run(path, factory, **options) -> tuple[list[torch.Tensor], object]:
+    loaded = load_model(path, executor_factory=factory, show_progress=False, **options)
+    return logits_run(loaded), loaded.experts
+
+
+def _total(experts, counter: str) -> int:
+    """A store counter summed over phases (`logits_run` calls the model without announcing passes)."""
+    return sum(getattr(p, counter) for p in experts.store.counters.phases.values())
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hybrid_gives_the_resident_logits_bit_for_bit(hf_checkpoint, arch):
+    _, path = hf_checkpoint(arch)
+    resident = load_model(path, show_progress=False)
+    ref = logits_run(resident)
+    cfg, nbytes = resident.config, resident.expert_shape.nbytes
+    for slots in (cfg.top_k, cfg.num_moe_layers * cfg.num_experts // 2):
+        config = EngineConfig(store=StoreConfig(expert_memory=str(slots * nbytes)), execution="hybrid")
+        got, experts = _run(path, hybrid_executor(config, CPU, PREFILL_ON_DEVICE))
+        assert isinstance(experts, HybridExecutor)
+        assert _equal(got, ref), slots
+        assert _total(experts, "on_cpu") > 0  # misses computed in the host tier (the decodes')
+        assert _total(experts, "loads_on_demand") > 0  # the prefill's heavy experts copied to the device
+        experts.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cpu_experts_gives_the_resident_logits_bit_for_bit(hf_checkpoint, arch):
+    _, path = hf_checkpoint(arch)
+    ref = logits_run(load_model(path, show_progress=False))
+    got, experts = _run(path, cpu_experts_executor(EngineConfig(execution="cpu-experts"), CPU))
+    assert isinstance(experts, CpuExpertsExecutor) and experts.store is None
+    assert _equal(got, ref)
+    experts.close()
+
+
+def test_cpu_experts_paged_from_disk_is_lossless(hf_checkpoint):
+    _, path = hf_checkpoint("olmoe")
+    resident = load_model(path, show_progress=False)
+    ref = logits_run(resident)
+    budget = expert_budget(resident.expert_shape.nbytes, resident.config.top_k + 1)
+    config = EngineConfig(store=StoreConfig(host_memory=budget), execution="cpu-experts")
+    got, experts = _run(path, cpu_experts_executor(config, CPU))
+    assert _equal(got, ref)
+    assert experts.store is not None and _total(experts, "disk_reads") > 0
+    experts.close()
+
+
+def test_hybrid_over_a_host_tier_smaller_than_the_model_reads_misses_from_disk(hf_checkpoint):
+    _, path = hf_checkpoint("qwen2_moe")
+    resident = load_model(path, show_progress=False)
+    ref = logits_run(resident)
+    nbytes, cfg = resident.expert_shape.nbytes, resident.config
+    store = StoreConfig(expert_memory=str(cfg.top_k * nbytes), host_memory=expert_budget(nbytes, cfg.num_experts))
+    config = EngineConfig(store=store, execution="hybrid")
+    got, experts = _run(path, hybrid_executor(config, CPU, PREFILL_ON_DEVICE))
+    assert _equal(got, ref)
+    assert _total(experts, "on_cpu") > 0 and _total(experts, "disk_reads") > 0
+    experts.close()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_hybrid_on_the_fused_kernels_formats_is_bit_exact(demo_checkpoint, fmt):
+    """bf16 (the fused kernel when built), int8 and int4 experts: both sides run one kernel, so rows are equal."""
+    path = demo_checkpoint
+    options = {"dtype": torch.bfloat16} | ({} if fmt == "bf16" else {"expert_dtype": fmt})
+    resident = load_model(path, show_progress=False, **options)
+    ref = logits_run(resident)
+    slots = resident.config.top_k + 2
+    config = EngineConfig(store=StoreConfig(expert_memory=str(slots * resident.expert_shape.nbytes)),
+                          execution="hybrid")
+    got, experts = _run(path, hybrid_executor(config, CPU, PREFILL_ON_DEVICE), **options)
+    assert _equal(got, ref)
+    assert _total(experts, "on_cpu") > 0
+    experts.close()
+
+
+@pytest.mark.parametrize("device_kernel", ["loop", "auto"])
+def test_the_cuda_runs_copies_and_merge_on_the_cpu(hf_checkpoint, device_kernel):
+    """`shared_memory` off: x copied to the host side, its rows copied back and merged as on CUDA. With one
+    kernel on both sides (loop) the logits are the resident run's bit for bit; with the fused kernel on the CPU side
+    only (rows weighted in fp32 there, as on CUDA), within a bf16 rounding."""
+    _, path = hf_checkpoint("mixtral")
+    resident = load_model(path, dtype=torch.bfloat16, executor_factory=resident_executor(CPU, device_kernel),
+                          show_progress=False, expert_kernel=device_kernel)
+    ref = logits_run(resident)
+    config = EngineConfig(store=StoreConfig(expert_memory=str(4 * resident.expert_shape.nbytes)),
+                          execution="hybrid", expert_kernel=device_kernel)
+    loaded = load_model(path, dtype=torch.bfloat16, executor_factory=hybrid_executor(config, CPU, PREFILL_ON_DEVICE),
+                        show_progress=False, expert_kernel=device_kernel)
+    experts = loaded.experts
+    assert isinstance(experts, HybridExecutor)
+    experts.shared_memory = False
+    if device_kernel == "auto" and cpu_kernels.available():
+        experts.paged.kernels.fused = None  # the device side computes with torch's kernels, as a GPU does
+    got = logits_run(loaded)
+    if device_kernel == "loop":
+        assert _equal(got, ref)
+    else:
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)
+    assert _total(experts, "on_cpu") > 0
+    experts.close()
+
+
+def test_execution_options_are_checked():
+    with pytest.raises(MoepagerError, match="set --expert-memory"):
+        EngineConfig(execution="hybrid")
+    with pytest.raises(MoepagerError, match="drop --expert-memory"):
+        EngineConfig(execution="cpu-experts", store=StoreConfig(expert_memory="25%"))
+    with pytest.raises(MoepagerError, match="unknown --execution"):
+        EngineConfig(execution="npu")  # type: ignore[arg-type]
+    with pytest.raises(MoepagerError, match="--cpu-threads must be"):
+        EngineConfig(execution="cpu-experts", cpu_threads=0)
+    with pytest.raises(MoepagerError, match="use one or the other"):
+        EngineConfig(execution="hybrid", store=StoreConfig(expert_memory="25%"), compile=True)
