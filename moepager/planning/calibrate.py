@@ -368,10 +368,16 @@ def calibrate(path: str | os.PathLike[str], options: CalibrateOptions, step: Ste
     reader.files.close()
     step("compute slowed by reads running beside it")
     link = Link(f"disk, {options.io_threads} reads at once", disk_Bps, max(0.0, single_s - shape.nbytes / disk_Bps))
+    cpu: dict[str, float] = {}
     if device.type == "cuda":
         measured["h2d_Bps"] = h2d_rate(shape.nbytes, device)
         link = Link("host->device from pinned memory", measured["h2d_Bps"], 0.0)
         step("host->device copies")
+        host = ExpertPool(shape, torch.device("cpu"))  # hybrid execution's other side, with the run's CPU kernel
+        cpu = {"cpu_expert_s_1": statistics.median(host.seconds_per_call(1) for _ in range(options.rounds)),
+               "cpu_expert_s_64": statistics.median(host.seconds_per_call(64) for _ in range(options.rounds))}
+        measured |= cpu
+        step("experts on the CPU (hybrid execution)")
     overhead, c1, c64 = measured["expert_overhead_s"], measured["expert_s_1"], measured["expert_s_64"]
     name = f"calibrated {device.type} ({torch.get_num_threads()} threads) for {checkpoint.path.name}"
     dev = Device(name, shape.nbytes / max(c1 - overhead, 1e-9), 64 * 2 * shape.numel / max(c64 - overhead, 1e-9),
@@ -385,5 +391,5 @@ def calibrate(path: str | os.PathLike[str], options: CalibrateOptions, step: Ste
         dense_kv_s=max(0.0, (measured["dense_decode_long_raw_s"] - decode_s) / (kv1 - kv0)),
         dense_token_s=max(0.0, (prefill_s - decode_s) / (max(options.prefill_tokens, SHORT_PROMPT + 1) - 1)),
         io_slowdown=measured["io_slowdown"], model=str(checkpoint.path),
-        threads=torch.get_num_threads(), device=device.type)
+        threads=torch.get_num_threads(), device=device.type, **cpu)
     return CalibratedProfile(name, dev, link, calibration, measured)

@@ -9,6 +9,8 @@ Per step and MoE layer, with n distinct experts requested, h of them cached, m =
     at the link's aggregate rate, the latency overlapping; hits compute meanwhile and each miss computes when
     it lands)
   misses on the CPU (SMoE): layer = other + max(h*c, m*c_cpu)   (GPU and CPU run their experts in parallel)
+  hybrid execution: m_cpu of the misses on the CPU, the rest loaded: layer = other + max(device part over
+    h + m_dev experts as above, m_cpu*c_cpu); c_cpu is calibrated where the profile measured it
 Prefetches (SMoE) use the link in the background; a step whose prefetch traffic outlasts its compute waits
 for the rest. `other` is the per-layer non-expert time: shared experts plus `dense_bytes_per_layer` read at
 memory speed (attention and norms are not in a trace; pass their size to include them).
@@ -220,42 +222,54 @@ class CostModel:
         flops = tokens * 2 * (self.expert_bytes / 2)  # bf16: 2 bytes/param
         return np.maximum(self.expert_bytes / d.mem_Bps, flops / d.flops) + d.launch_s
 
+    def cpu_compute_s(self, tokens_per_expert: np.ndarray) -> np.ndarray:
+        """One expert's compute on the CPU: calibrated where the profile measured it, else this project's CPU's
+        nominal figures."""
+        tokens = np.asarray(tokens_per_expert, np.float64)
+        measured = None if self.calibration is None else self.calibration.cpu_expert_s(tokens)
+        return measured if measured is not None else self.compute_s(tokens, DEVICES["cpu"])
+
+    @property
+    def device_is_cpu(self) -> bool:
+        """The profile's device is a CPU (hybrid execution then has no other side to place an expert on)."""
+        return self.device is DEVICES["cpu"] or (self.calibration is not None and self.calibration.device == "cpu")
+
     def expert_times(self, on_cpu: bool) -> ExpertTimes:
         """One expert's costs for hybrid placement (experts/hybrid.py): on the CPU (measured, else this project's
         CPU's nominal figures), on the device, and copied over the link (`on_cpu`: the device is the CPU itself, so
         both sides cost the same and no missing expert is worth a copy)."""
         n = np.array([1.0, 64.0])  # a line through 1 and 64 tokens, as calibrations measure
         device = self.compute_s(n)
-        cpu = device if on_cpu else None
-        if cpu is None and self.calibration is not None:
-            cpu = self.calibration.cpu_expert_s(n)
-        if cpu is None:
-            cpu = self.compute_s(n, DEVICES["cpu"])
+        cpu = device if on_cpu else self.cpu_compute_s(n)
         copy = self.expert_bytes / self.link.bytes_per_s + self.link.latency_s
         return ExpertTimes(float(cpu[0]), float(cpu[1] - cpu[0]) / 63, float(device[0]),
                            float(device[1] - device[0]) / 63, copy)
 
     def step_times(self, requested_SL: np.ndarray, hits_SL: np.ndarray, prefetch_SL: np.ndarray,
-                   tokens_S: np.ndarray, top_k: int, misses_on_cpu: bool, kv_S: np.ndarray | None = None) -> np.ndarray:
-        """Modeled seconds per step (`kv_S`: each step's KV length, for calibrated non-expert time)."""
+                   tokens_S: np.ndarray, top_k: int, misses_on_cpu: bool, kv_S: np.ndarray | None = None,
+                   cpu_SL: np.ndarray | None = None) -> np.ndarray:
+        """Modeled seconds per step (`kv_S`: each step's KV length, for calibrated non-expert time). The misses
+        computed on the CPU are every miss (`misses_on_cpu`, SMoE's policy) or `cpu_SL` (hybrid execution); the
+        device computes the rest, the loaded ones as they land, while the CPU computes its share."""
         n, h = requested_SL.astype(np.float64), hits_SL.astype(np.float64)
-        m = n - h
+        cpu = n - h if misses_on_cpu else np.zeros_like(n) if cpu_SL is None else cpu_SL.astype(np.float64)
+        n_dev = n - cpu
+        m = n_dev - h
         per_expert_tokens = tokens_S[:, None] * top_k / np.maximum(n, 1)
         c = self.compute_s(per_expert_tokens)
         other = self.num_shared * self.compute_s(tokens_S[:, None]) + self.dense_bytes_per_layer / self.device.mem_Bps
         load = self.expert_bytes / self.link.bytes_per_s + self.link.latency_s
         sigma = 0.0 if self.calibration is None else self.calibration.io_slowdown
-        if misses_on_cpu:
-            layer = other + np.maximum(h * c, m * self.compute_s(per_expert_tokens, DEVICES["cpu"]))
-        elif self.overlap == "none":
-            layer = other + n * c + m * load
+        if self.overlap == "none":
+            device = n_dev * c + m * load
         else:  # every miss is loaded, admitted or streamed through; a layer's misses are in flight together
             last_lands = load + np.maximum(m - 1, 0) * (self.expert_bytes / self.link.bytes_per_s)
             # compute running before the last load lands is slowed by sigma; the last expert's is not
-            slowed = sigma * np.minimum(np.maximum(n - 1, 0) * c, last_lands)
+            slowed = sigma * np.minimum(np.maximum(n_dev - 1, 0) * c, last_lands)
             slowed_misses = sigma * np.minimum(np.maximum(m - 1, 0) * c, last_lands - load)
             loaded = np.maximum(load + m * c + slowed_misses, last_lands + c)
-            layer = other + np.where(m > 0, np.maximum(n * c + slowed, loaded), n * c)
+            device = np.where(m > 0, np.maximum(n_dev * c + slowed, loaded), n_dev * c)
+        layer = other + np.maximum(device, cpu * self.cpu_compute_s(per_expert_tokens))
         compute = layer.sum(1)
         if self.calibration is not None:
             kv = None if kv_S is None else kv_S.astype(np.float64)

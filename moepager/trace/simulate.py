@@ -12,6 +12,9 @@ semantics, so a trace the engine recorded gives the engine's hits and misses (te
   all the same (prefill steps and large batches do this).
 Policies driven with `admits_on_miss` False (SMoE, see DRIVES) never load on a miss (the expert runs on the CPU);
 after each step they load what `admissions` picks from the forecast ranking, evicting by priority.
+Hybrid execution (`SimSpec.execution`, the engine's `--execution hybrid`: experts/hybrid.py) places each missing
+expert by its token count in the step: one with at least `device_tokens` tokens is loaded (and admitted) as above,
+one with fewer is computed on the CPU (`cpu_SL`): nothing loaded, nothing admitted.
 
 Speed: per-layer caches are replayed with one set of array operations per step over all layers at once;
 the global cache needs one per (step, layer). Policies must be elementwise: an expert's priority depends
@@ -84,6 +87,11 @@ class SimSpec:
     per_layer: tuple[int, ...] | None = None
     """Layer scope: each MoE layer's own capacity (a configured split of the budget: planning/configurator.py);
     None: `capacity` for every layer."""
+    execution: Literal["gpu", "hybrid"] = "gpu"
+    """gpu: every miss is loaded; hybrid: a miss with fewer than `device_tokens` tokens is computed on the CPU."""
+    device_tokens: int | None = None
+    """Hybrid: the fewest tokens in a step that make a missing expert worth copying (the cost model's
+    `ExpertTimes.threshold`); None: every missing expert is computed on the CPU."""
     horizon: int = 1
     """With forecast `oracle`: the true experts of the next `horizon` steps, not only the next one's (ranked by how
     often the window uses them, each with the same probability, so PLEC-LRFU breaks their ties by the CRF): what a
@@ -94,6 +102,7 @@ class SimSpec:
         extra = f"/{self.forecast}" if self.forecast != "none" else ""
         extra += f"{self.horizon}" if self.horizon > 1 else ""
         extra += f"+pf{self.prefetch}" if self.prefetch else ""
+        extra += "/hybrid" if self.execution == "hybrid" else ""
         return f"{self.policy}{extra}@{self.capacity}{'g' if self.scope == 'global' else ''}"
 
 
@@ -109,6 +118,8 @@ class SimResult:
     """Experts loaded ahead of use (SMoE's token-wise prefetch)."""
     prefetch_used_SL: np.ndarray
     """Of those, the ones their step then requested (a hit that still cost a transfer)."""
+    cpu_SL: np.ndarray
+    """Missing experts computed on the CPU without a transfer (hybrid execution)."""
     step_phase: np.ndarray
     step_tokens: np.ndarray
     """Tokens in each step."""
@@ -249,6 +260,9 @@ def check_spec(spec: SimSpec, h: TraceHeader, prior_LE: np.ndarray | None) -> No
     if spec.horizon > 1 and spec.forecast != "oracle":
         raise TraceError(f"a forecast horizon of {spec.horizon} steps needs forecast 'oracle', not "
                          f"'{spec.forecast}' (only the true future reaches further than the next step)")
+    if spec.execution == "hybrid" and (not drive.admits_on_miss or spec.scope != "layer"):
+        raise TraceError(f"hybrid execution places the misses of per-layer caches that admit them; not '{spec.policy}' "
+                         f"in scope '{spec.scope}'")
     if spec.prefetch < 0 or spec.prefetch > spec.capacity:
         raise TraceError(f"prefetch {spec.prefetch} experts must be between 0 and the capacity {spec.capacity}")
 
@@ -282,8 +296,9 @@ def simulate(work: Workload, spec: SimSpec, prior_LE: np.ndarray | None = None,
     start = time.perf_counter()
     if spec.scope == "layer":
         capacity = spec.per_layer if spec.per_layer is not None else spec.capacity
+        hybrid = (spec.device_tokens or np.iinfo(np.int64).max) if spec.execution == "hybrid" else None
         out = _replay_layers(work, policy, drive, capacity, ids, forecast, next_use, prior_LE, progress, spec.warm,
-                             spec.prefetch)
+                             spec.prefetch, hybrid)
     else:
         out = _replay_global(work, policy, drive, spec.capacity, ids, forecast, next_use, prior_LE, progress, spec.warm)
     return SimResult(spec, *out, step_phase=work.step_phase, step_tokens=np.diff(work.step_ptr),
@@ -310,6 +325,7 @@ class _State:
         self.demand = np.zeros((s, num_layers), np.int32)
         self.prefetch = np.zeros((s, num_layers), np.int32)
         self.prefetch_used = np.zeros((s, num_layers), np.int32)
+        self.cpu = np.zeros((s, num_layers), np.int32)
         self.ahead = np.zeros((num_layers, e + 1), bool)
         """Experts loaded ahead for the current step (counted used when the step requests them)."""
 
@@ -341,8 +357,8 @@ class _State:
             self.prefetch_used[step] = (self.ahead & req).sum(1)
             self.ahead[:] = False
 
-    def outputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        return self.requested, self.hits, self.demand, self.prefetch, self.prefetch_used
+    def outputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return self.requested, self.hits, self.demand, self.prefetch, self.prefetch_used, self.cpu
 
 
 def _preload(state: _State, drive: Drive, cap_L: np.ndarray, warm: bool) -> None:
@@ -386,7 +402,8 @@ def _prefetch_layers(state: _State, policy: Ranked, step: int, ahead_LR: np.ndar
 
 def _replay_layers(work: Workload, policy: Ranked, drive: Drive, capacity: int | tuple[int, ...], ids: np.ndarray,
                    forecast: SimForecast, next_use: np.ndarray | None, prior_LE: np.ndarray | None,
-                   progress: Progress | None, warm: bool = False, prefetch: int = 0):
+                   progress: Progress | None, warm: bool = False, prefetch: int = 0, hybrid: int | None = None):
+    """`hybrid`: the fewest tokens that send a missing expert to the device (None: gpu execution)."""
     state = _State(work, prior_LE, policy.uses_crf)
     cap_L = np.broadcast_to(np.asarray(capacity), (work.header.num_layers,)).copy()
     _preload(state, drive, cap_L, warm)
@@ -398,20 +415,27 @@ def _replay_layers(work: Workload, policy: Ranked, drive: Drive, capacity: int |
         toks = tokens[ptr[s]:ptr[s + 1]]
         req = state.request(s, ids[toks], None if next_use is None else next_use[toks])
         hit = req & state.cached
-        state.requested[s] = nreq = req.sum(1)
-        state.hits[s] = nhit = hit.sum(1)
+        state.requested[s] = req.sum(1)
+        state.hits[s] = hit.sum(1)
         state.used_ahead(s, req)
         if wants_prob:
             state.stats.prob = forecast.prob(s)
         if admits:
+            miss = req & ~hit
+            if hybrid is not None:  # the light misses compute on the CPU: never loaded, never admitted
+                counts = np.zeros(req.shape, np.int64)
+                np.add.at(counts, (state.rows_L1[None], ids[toks]), 1)
+                light = miss & (counts < hybrid)
+                state.cpu[s] = light.sum(1)
+                miss &= ~light
+            loads = miss.sum(1)
             occupancy = state.cached.sum(1)
-            over = occupancy + (nreq - nhit) - cap_L
+            over = occupancy + loads - cap_L
             if over.max() > 0:
                 _evict_layers(state, policy, s, over, req)
-            miss = req & ~hit
-            state.demand[s] = nreq - nhit  # every miss is loaded, cached or streamed through
+            state.demand[s] = loads  # every miss placed on the device is loaded, cached or streamed through
             room = cap_L - state.cached.sum(1)
-            if (room < nreq - nhit).any():  # more distinct experts than slots: keep the first `room`
+            if (room < loads).any():  # more distinct experts than slots: keep the first `room`
                 miss &= np.cumsum(miss, axis=1) <= room[:, None]
             state.cached |= miss
         else:

@@ -153,3 +153,31 @@ def test_replayed_forecasts_are_checked(tmp_path):
     with pytest.raises(TraceError, match="prefetch needs the predictor's forecasts ahead"):
         simulate(work, SimSpec("lru", 2, forecast="predictor", prefetch=1),
                  replayed=Forecasts(np.zeros((4, 1, 1), np.int16)))
+
+
+def test_cost_model_places_misses_on_the_cpu_for_hybrid_execution():
+    """cpu_SL of the misses on the CPU: all of them is SMoE's policy (misses_on_cpu), none is gpu execution, and a
+    layer takes the longer of its device part and its CPU part."""
+    n, h, z, tokens = np.array([[4, 4]]), np.array([[1, 4]]), np.zeros((1, 2)), np.array([1])
+    model = CostModel.profile("h100-pcie3", 17 << 20)
+    gpu = model.step_times(n, h, z, tokens, 2, False)[0]
+    assert model.step_times(n, h, z, tokens, 2, False, cpu_SL=np.zeros((1, 2)))[0] == gpu
+    every = model.step_times(n, h, z, tokens, 2, False, cpu_SL=n - h)[0]
+    assert every == pytest.approx(model.step_times(n, h, z, tokens, 2, True)[0])
+    c, c_cpu = model.compute_s(0.5), model.cpu_compute_s(np.array(0.5))
+    assert every == pytest.approx(max(c, 3 * c_cpu) + 4 * c)
+    assert every < gpu  # PCIe 3 copies an expert slower than the CPU computes it
+
+
+def test_hybrid_replay_computes_light_misses_on_the_cpu_and_admits_nothing_of_them(tmp_path):
+    trace = random_trace(tmp_path / "t.mpt", lengths=(12, 9), prefill=12, seed=4)
+    work = load_workload(str(trace), "recorded")
+    gpu = simulate(work, SimSpec("lru", 4))
+    never = simulate(work, SimSpec("lru", 4, execution="hybrid", device_tokens=None))
+    assert never.loads == 0 and never.hits_SL.sum() == 0  # nothing ever enters a cold cache
+    assert int(never.cpu_SL.sum()) == never.misses == int(never.requested_SL.sum())
+    some = simulate(work, SimSpec("lru", 4, execution="hybrid", device_tokens=2))
+    assert 0 < some.loads < gpu.loads and some.cpu_SL.sum() > 0
+    assert (some.demand_loads_SL + some.cpu_SL == some.requested_SL - some.hits_SL).all()
+    with pytest.raises(TraceError, match="hybrid execution places"):
+        simulate(work, SimSpec("smoe-fixed", 4, forecast="repeat", execution="hybrid"))

@@ -66,3 +66,20 @@ def test_simulate_replays_a_fitted_predictors_forecasts(tmp_path, capsys):
                  "--predictor-file", str(no_next)]) == 2
     err = capsys.readouterr().err
     assert "(--forecast predictor)" in err and "needs --predictor NAME" in err and "--distances ...,3" in err
+
+
+def test_simulate_compares_gpu_and_hybrid_execution(tmp_path, capsys):
+    trace = random_trace(tmp_path / "t.mpt")
+    out_json = tmp_path / "r.json"
+    assert main(["simulate", str(trace), "--policy", "lru", "--capacity", "4", "--order", "recorded",
+                 "--execution", "gpu,hybrid", "--profile", "h100-pcie3", "--expert-bytes", str(17 << 20),
+                 "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "hybrid placement (h100-pcie3): a missing expert on the device from" in out and "lru/hybrid" in out
+    gpu, hybrid = json.loads(out_json.read_text())["rows"]
+    assert (gpu["execution"], hybrid["execution"]) == ("gpu", "hybrid")
+    assert hybrid["on_cpu_per_token"] > 0 and hybrid["bytes_per_token"] < gpu["bytes_per_token"]
+    assert main(["simulate", str(trace), "--execution", "hybrid"]) == 2
+    assert main(["simulate", str(trace), "--execution", "npu", "--profile", "h100-pcie3"]) == 2
+    err = capsys.readouterr().err
+    assert "give --profile" in err and "choose gpu or hybrid" in err
