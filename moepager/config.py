@@ -243,6 +243,10 @@ class EngineConfig:
     """Where routed experts compute (experts/hybrid.py): gpu (on the device, a miss copied in), hybrid (a miss
     computed on the CPU in host memory unless copying it pays), cpu-experts (every routed expert on the CPU: llama.cpp's
     --cpu-moe), auto (chosen from the cost model when the run is built, and said why)."""
+    hybrid_admit: int = 0
+    """Hybrid: up to this many of a layer's experts computed on the CPU are then copied to the device in the
+    background (loads ahead, evicting by the policy); 0: the cache changes only through the experts placed on the
+    device and prefetches (SMoE's)."""
     cpu_threads: int | None = None
     """Torch threads of the thread computing experts on the CPU (hybrid, cpu-experts); None: `threads`."""
     profile: str | None = None
@@ -265,6 +269,11 @@ class EngineConfig:
             raise MoepagerError(f"--threads must be >= 1, got {self.threads}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise MoepagerError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
+        if self.hybrid_admit < 0:
+            raise MoepagerError(f"--hybrid-admit must be >= 0, got {self.hybrid_admit}")
+        if self.hybrid_admit and self.execution not in ("hybrid", "auto"):
+            raise MoepagerError("--hybrid-admit copies the experts hybrid execution computed on the CPU: add "
+                                "--execution hybrid")
         if self.execution not in EXECUTIONS:
             raise MoepagerError(f"unknown --execution '{self.execution}'; choose from {', '.join(EXECUTIONS)}")
         if self.execution == "hybrid" and self.store.expert_memory is None:

@@ -100,6 +100,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "cpu-experts: every routed expert on the CPU, attention and dense layers on --device "
                         "(llama.cpp's --cpu-moe; --host-memory budgets their RAM); auto: chosen from the cost model "
                         "(--profile), and the run says why")
+    h.add_argument("--hybrid-admit", type=int, default=0, metavar="N",
+                   help="hybrid: copy up to N of each layer's experts computed on the CPU to the device in the "
+                        "background, so the cache follows the routing (default 0: it changes only through a "
+                        "prefill's heavy experts and --predictor prefetches, as SMoE's)")
     h.add_argument("--cpu-threads", type=int, metavar="N",
                    help="hybrid, cpu-experts: torch threads of the thread computing experts on the CPU (default "
                         "--threads)")
@@ -161,7 +165,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         scheduler=scheduler, expert_dtype=args.expert_dtype, int4_group=args.int4_group,
                         int4_zero_point=args.int4_zero_points, dense_dtype=args.dense_dtype,
                         pack_dense=args.pack_dense, compile=args.compile, cuda_graphs=args.cuda_graphs,
-                        execution=args.execution, cpu_threads=args.cpu_threads, profile=args.profile)
+                        execution=args.execution, cpu_threads=args.cpu_threads, profile=args.profile,
+                        hybrid_admit=args.hybrid_admit)
 
 
 def add_store_arguments(p: argparse.ArgumentParser) -> None:

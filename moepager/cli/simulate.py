@@ -62,10 +62,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", metavar="NAME|FILE.json",
                    help=f"hardware profile for modeled TPOT/TTFT: one of {', '.join(sorted(PROFILES))}, or a "
                         f"profile `moepager calibrate --out` wrote")
-    p.add_argument("--execution", default="gpu", metavar="gpu|hybrid[,...]",
+    p.add_argument("--execution", default="gpu", metavar="gpu|hybrid|hybrid+admitN[,...]",
                    help="where missing experts compute (comma-separated to compare): gpu (each is loaded) or hybrid "
                         "(the engine's --execution hybrid: one with fewer of the step's tokens than the --profile's "
-                        "threshold computes on the CPU without a transfer, the rest are loaded)")
+                        "threshold computes on the CPU without a transfer, the rest are loaded); hybrid+admitN: then "
+                        "copies up to N of a layer's CPU experts to the device in the background (the engine's "
+                        "--hybrid-admit N)")
     p.add_argument("--overlap", choices=["layer", "none"], default="layer", help="cost model: load/compute overlap")
     p.add_argument("--expert-bytes", type=int, help="bytes per expert, if the trace header lacks it")
     p.add_argument("--dense-bytes-per-layer", type=int, default=0, help="cost model: non-expert weights per layer")
@@ -138,19 +140,22 @@ def capacities(text: str, work: Workload, expert_bytes: int, scope: str) -> list
     return out
 
 
-def executions(text: str, cost: CostModel | None) -> list[tuple[Literal["gpu", "hybrid"], int | None]]:
-    """`--execution`'s items, each hybrid one with the fewest tokens that send a missing expert to the device (from
-    the cost model: hybrid needs --profile)."""
-    out: list[tuple[Literal["gpu", "hybrid"], int | None]] = []
+def executions(text: str, cost: CostModel | None) -> list[tuple[Literal["gpu", "hybrid"], int | None, int]]:
+    """`--execution`'s items: (execution, for hybrid the fewest tokens that send a missing expert to the device (from
+    the cost model: hybrid needs --profile), whether the CPU's experts are then admitted in the background)."""
+    out: list[tuple[Literal["gpu", "hybrid"], int | None, int]] = []
     for item in (t.strip() for t in text.split(",")):
+        name, _, admit = item.partition("+admit")
         if item == "gpu":
-            out.append(("gpu", None))
-        elif item == "hybrid":
+            out.append(("gpu", None, 0))
+        elif name == "hybrid" and (admit == "" or admit.isdigit()):
             if cost is None:
-                raise TraceError("--execution hybrid places each missing expert by the cost model: give --profile")
-            out.append(("hybrid", cost.expert_times(on_cpu=cost.device_is_cpu).threshold()))
+                raise TraceError(f"--execution {item} places each missing expert by the cost model: give --profile")
+            n = (int(admit) if admit else 1) if "+admit" in item else 0
+            out.append(("hybrid", cost.expert_times(on_cpu=cost.device_is_cpu).threshold(), n))
         else:
-            raise TraceError(f"--execution '{item}': choose gpu or hybrid (comma-separated to compare)")
+            raise TraceError(f"--execution '{item}': choose gpu, hybrid or hybrid+admitN (comma-separated to "
+                             "compare)")
     return out
 
 
@@ -180,9 +185,9 @@ def run(args: argparse.Namespace) -> int:
     sizes, windows = capacities(args.capacity, work, expert_bytes, args.scope), horizons(args.horizon)
     placed = executions(args.execution, cost)
     specs = [SimSpec(p.strip(), c, args.scope, args.forecast, warm=args.warm, prefetch=args.prefetch, horizon=h,
-                     execution=x, device_tokens=n)
-             for x, n in placed for p in args.policy.split(",") for c in sizes for h in windows]
-    if any(x == "hybrid" for x, _ in placed) and cost is not None:
+                     execution=x, device_tokens=n, admit=a)
+             for x, n, a in placed for p in args.policy.split(",") for c in sizes for h in windows]
+    if any(x == "hybrid" for x, _, _ in placed) and cost is not None:
         times = cost.expert_times(on_cpu=cost.device_is_cpu)
         print(f"hybrid placement ({args.profile}): {times.describe()}")
     for spec in specs:  # every run's needs, before the first one starts

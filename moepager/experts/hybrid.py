@@ -10,8 +10,10 @@ instead of being copied over (SMoE; llama.cpp's `--cpu-moe` and kTransformers pu
   when it is not there. A decode's misses (one token each) go to the CPU, a prefill's heavy experts to the device,
   through the cache or, beyond the layer's share, the store's two stream rows (SMoE's ping-pong buffers: one loads
   while the other computes). The CPU part runs on its own thread (`CpuPool`, `--cpu-threads` torch threads) while
-  the device part computes; the device cache changes only through the experts placed on the device and through
-  prefetches (a predictor's forecasts), as SMoE's does;
+  the device part computes. The device cache changes through the experts placed on the device and through
+  prefetches (a predictor's forecasts), as SMoE's does, and with `--hybrid-admit N` through up to N of each layer's
+  CPU experts copied in the background after the layer (the cache then follows the routing at a bounded cost of the
+  link; `moepager simulate --execution hybrid+admitN` says what N is worth on a trace);
 - `cpu-experts` (`CpuExpertsExecutor`): every routed expert on the CPU in host memory, attention and dense layers
   on the device (llama.cpp `--cpu-moe`).
 
@@ -150,12 +152,14 @@ class HybridExecutor:
     (in the store's host tier), computed at the same time, summed in one fixed order (module note)."""
 
     def __init__(self, store: ExpertStore, shape: ExpertShape, kernel: str, device_fused: FusedKernel | None,
-                 host_fused: FusedKernel | None, times: ExpertTimes, pool: CpuPool):
+                 host_fused: FusedKernel | None, times: ExpertTimes, pool: CpuPool, admit: int = 0):
         if store.host is None:
             raise ValueError("hybrid execution needs a store with a host tier")
         self.paged = PagedExecutor(store, shape, kernel, device_fused)  # type: ignore[arg-type]
         self.host = ArenaKernels(store.host.buffers, shape, kernel, fused=host_fused)  # type: ignore[arg-type]
         self.store, self.times, self.pool = store, times, pool
+        self.admit = admit
+        """Experts of a layer computed on the CPU (the lowest ids) then copied to the device in the background."""
         self.device = store.device.buffers.device
         self.shared_memory = self.device.type == "cpu"
         """The device side computes in RAM too (a CPU run): the CPU side writes its rows straight into the device
@@ -198,6 +202,8 @@ class HybridExecutor:
                 future.result()  # the host slots stay pinned until the CPU is done with them
         finally:
             self.store.release_host(held)
+        if self.admit:
+            self.store.admit(layer, [work.experts[i] for i in cpu[: self.admit]], [work.experts[i] for i in device])
         if same:
             return batch.combine(x_ND, work)
         return self._merge(x_ND, work, cpu, batch, host_batch)

@@ -210,7 +210,7 @@ def _hybrid(config: EngineConfig, reader: FlatReader, cfg: ModelConfig, device: 
     store = build_store(config.store, reader, cfg, device, True, progress)
     return HybridExecutor(store, reader.shape, kernel, cpu_kernels.fused_experts(reader.shape, device, kernel),
                           cpu_kernels.fused_experts(reader.shape, torch.device("cpu"), kernel), times,
-                          CpuPool(config.cpu_threads or config.threads))
+                          CpuPool(config.cpu_threads or config.threads), config.hybrid_admit)
 
 
 def cpu_experts_executor(config: EngineConfig, device: torch.device) -> ExecutorFactory:

@@ -379,6 +379,20 @@ class ExpertStore:
             raise
         return held
 
+    def admit(self, layer: int, experts: Sequence[int], protect: Sequence[int] = ()) -> int:
+        """Copy `experts` of `layer`, just computed in the host tier, into device slots in the background (hybrid
+        execution's `--hybrid-admit`): loads on the prefetch lane, each evicting by the policy among the layer's
+        settled, unpinned experts other than `protect` (the layer's device experts, which it just used, as the
+        simulator protects a step's requests); those that find no slot are skipped. Returns loads issued."""
+        table = self.device.table
+        keys = [ExpertKey(layer, e) for e in experts if ExpertKey(layer, e) not in table.slot_of]
+        if not keys:
+            return 0
+        slots = table.claim_many(keys, self.clock, {ExpertKey(layer, e) for e in protect})
+        if slots:
+            self._load(keys[: len(slots)], slots, self.counters.current, ahead=True)
+        return len(slots)
+
     def release_host(self, held: HostHeld) -> None:
         assert self.host is not None
         pins = self.host.table.pins

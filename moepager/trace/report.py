@@ -26,7 +26,8 @@ def summary(result: SimResult, work: Workload, cost: CostModel | None) -> dict[s
         "prefetch_loads": int(result.prefetch_loads_SL.sum()), "prefetch_used": int(result.prefetch_used_SL.sum()),
         "loads_per_token": result.loads / max(tokens, 1), "tokens": tokens, "steps": len(result.step_tokens),
         "sim_wall_s": result.wall_s, "layer_hit_rates": result.layer_hit_rates().round(4).tolist(),
-        "execution": result.spec.execution, "on_cpu_per_token": float(result.cpu_SL.sum()) / max(tokens, 1),
+        "execution": result.spec.execution, "admit": result.spec.admit,
+        "on_cpu_per_token": float(result.cpu_SL.sum()) / max(tokens, 1),
     }
     if h.expert_bytes:
         row["bytes_moved"] = result.loads * h.expert_bytes
@@ -73,7 +74,8 @@ def _label(row: dict[str, Any]) -> str:
     return row["policy"] + (f"/{row['forecast']}" if row["forecast"] != "none" else "") + \
         (f"{row['horizon']}" if row.get("horizon", 1) > 1 else "") + \
         (f"+pf{row['prefetch']}" if row.get("prefetch") else "") + \
-        ("/hybrid" if row.get("execution") == "hybrid" else "")
+        (("/hybrid" + (f"+admit{row['admit']}" if row.get("admit") else "")) if row.get("execution") == "hybrid"
+         else "")
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:

@@ -92,6 +92,10 @@ class SimSpec:
     device_tokens: int | None = None
     """Hybrid: the fewest tokens in a step that make a missing expert worth copying (the cost model's
     `ExpertTimes.threshold`); None: every missing expert is computed on the CPU."""
+    admit: int = 0
+    """Hybrid: up to this many of a layer's experts computed on the CPU (the lowest ids) are then copied to the device
+    in the background (loads ahead of their next use, evicting by the policy), so the cache follows the routing as
+    gpu execution's does at a bounded cost of the link; 0: none."""
     horizon: int = 1
     """With forecast `oracle`: the true experts of the next `horizon` steps, not only the next one's (ranked by how
     often the window uses them, each with the same probability, so PLEC-LRFU breaks their ties by the CRF): what a
@@ -102,7 +106,7 @@ class SimSpec:
         extra = f"/{self.forecast}" if self.forecast != "none" else ""
         extra += f"{self.horizon}" if self.horizon > 1 else ""
         extra += f"+pf{self.prefetch}" if self.prefetch else ""
-        extra += "/hybrid" if self.execution == "hybrid" else ""
+        extra += (f"/hybrid+admit{self.admit}" if self.admit else "/hybrid") if self.execution == "hybrid" else ""
         return f"{self.policy}{extra}@{self.capacity}{'g' if self.scope == 'global' else ''}"
 
 
@@ -298,7 +302,7 @@ def simulate(work: Workload, spec: SimSpec, prior_LE: np.ndarray | None = None,
         capacity = spec.per_layer if spec.per_layer is not None else spec.capacity
         hybrid = (spec.device_tokens or np.iinfo(np.int64).max) if spec.execution == "hybrid" else None
         out = _replay_layers(work, policy, drive, capacity, ids, forecast, next_use, prior_LE, progress, spec.warm,
-                             spec.prefetch, hybrid)
+                             spec.prefetch, hybrid, spec.admit)
     else:
         out = _replay_global(work, policy, drive, spec.capacity, ids, forecast, next_use, prior_LE, progress, spec.warm)
     return SimResult(spec, *out, step_phase=work.step_phase, step_tokens=np.diff(work.step_ptr),
@@ -402,8 +406,10 @@ def _prefetch_layers(state: _State, policy: Ranked, step: int, ahead_LR: np.ndar
 
 def _replay_layers(work: Workload, policy: Ranked, drive: Drive, capacity: int | tuple[int, ...], ids: np.ndarray,
                    forecast: SimForecast, next_use: np.ndarray | None, prior_LE: np.ndarray | None,
-                   progress: Progress | None, warm: bool = False, prefetch: int = 0, hybrid: int | None = None):
-    """`hybrid`: the fewest tokens that send a missing expert to the device (None: gpu execution)."""
+                   progress: Progress | None, warm: bool = False, prefetch: int = 0, hybrid: int | None = None,
+                   admit: int = 0):
+    """`hybrid`: the fewest tokens that send a missing expert to the device (None: gpu execution); `admit`: the
+    experts computed on the CPU are then loaded into the cache in the background (counted as loads ahead)."""
     state = _State(work, prior_LE, policy.uses_crf)
     cap_L = np.broadcast_to(np.asarray(capacity), (work.header.num_layers,)).copy()
     _preload(state, drive, cap_L, warm)
@@ -438,6 +444,16 @@ def _replay_layers(work: Workload, policy: Ranked, drive: Drive, capacity: int |
             if (room < loads).any():  # more distinct experts than slots: keep the first `room`
                 miss &= np.cumsum(miss, axis=1) <= room[:, None]
             state.cached |= miss
+            if hybrid is not None and admit and light.any():  # then the CPU's, in the background, as room allows
+                light &= np.cumsum(light, axis=1) <= admit
+                protect = req & ~light
+                over = state.cached.sum(1) + light.sum(1) - cap_L
+                if over.max() > 0:
+                    _evict_layers(state, policy, s, over, protect)
+                room = cap_L - state.cached.sum(1)
+                light &= np.cumsum(light, axis=1) <= room[:, None]
+                state.cached |= light
+                state.prefetch[s] = light.sum(1)
         else:
             load = np.zeros_like(req)
             load[:, : state.e] = policy.admissions(forecast.ranked(s), state.cached[:, : state.e])

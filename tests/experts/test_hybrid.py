@@ -74,6 +74,20 @@ def test_hybrid_gives_the_resident_logits_bit_for_bit(hf_checkpoint, arch):
         experts.close()
 
 
+def test_hybrid_admitting_cpu_experts_in_the_background_is_lossless(hf_checkpoint):
+    _, path = hf_checkpoint("deepseek_v3")
+    resident = load_model(path, show_progress=False)
+    ref = logits_run(resident, steps=8)
+    cfg = resident.config
+    slots = cfg.num_moe_layers * cfg.num_experts // 3
+    config = EngineConfig(store=StoreConfig(expert_memory=str(slots * resident.expert_shape.nbytes), warm=False),
+                          execution="hybrid", hybrid_admit=1)
+    loaded = load_model(path, executor_factory=hybrid_executor(config, CPU, PREFILL_ON_DEVICE), show_progress=False)
+    assert _equal(logits_run(loaded, steps=8), ref)
+    assert _total(loaded.experts, "loads_ahead") > 0 and _total(loaded.experts, "on_cpu") > 0
+    loaded.experts.close()
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cpu_experts_gives_the_resident_logits_bit_for_bit(hf_checkpoint, arch):
     _, path = hf_checkpoint(arch)
@@ -162,5 +176,7 @@ def test_execution_options_are_checked():
         EngineConfig(execution="npu")  # type: ignore[arg-type]
     with pytest.raises(MoepagerError, match="--cpu-threads must be"):
         EngineConfig(execution="cpu-experts", cpu_threads=0)
+    with pytest.raises(MoepagerError, match="add --execution hybrid"):
+        EngineConfig(hybrid_admit=1)
     with pytest.raises(MoepagerError, match="use one or the other"):
         EngineConfig(execution="hybrid", store=StoreConfig(expert_memory="25%"), compile=True)

@@ -113,8 +113,8 @@ def test_layers_needing_more_experts_than_their_cache_stream_the_rest_as_the_sim
     assert all(len(keys) <= table.quota[layer] for layer, keys in table.by_layer.items()) or scope == "global"
 
 
-@pytest.mark.parametrize("warm", [False, True])
-def test_simulator_agrees_with_a_hybrid_run(hf_checkpoint, tmp_path, monkeypatch, warm):
+@pytest.mark.parametrize("warm, admit", [(False, 0), (True, 0), (True, 1), (False, 2)])
+def test_simulator_agrees_with_a_hybrid_run(hf_checkpoint, tmp_path, monkeypatch, warm, admit):
     """`--execution hybrid` against `simulate --execution hybrid` at the same threshold (3 tokens): 8-token prompts
     copy their heavy experts to the device, cached or streamed through, and compute the light ones on the CPU, as
     do every decode step's misses; the hits, misses, loads and CPU-computed experts are the simulator's."""
@@ -127,11 +127,15 @@ def test_simulator_agrees_with_a_hybrid_run(hf_checkpoint, tmp_path, monkeypatch
     trace = random_trace(tmp_path / "t.mpt", lengths=(12, 9, 15), prefill=15, seed=5, skew=0.5)
     per_layer, nbytes = 3, LLM(path, show_progress=False).loaded.expert_shape.nbytes
     store = StoreConfig(expert_memory=str(nbytes * (per_layer * 3 + 2)), policy="lru", warm=warm)
-    llm = LLM(config=EngineConfig(model=str(path), store=store, execution="hybrid"), show_progress=False)
+    llm = LLM(config=EngineConfig(model=str(path), store=store, execution="hybrid", hybrid_admit=admit),
+              show_progress=False)
     llm.replay(ReplaySpec(trace, prompt_tokens=8))
     phases = llm.loaded.experts.store.counters.phases
-    spec = SimSpec("lru", per_layer, warm=warm, execution="hybrid", device_tokens=PREFILL_ON_DEVICE.threshold())
+    spec = SimSpec("lru", per_layer, warm=warm, execution="hybrid", device_tokens=PREFILL_ON_DEVICE.threshold(),
+                   admit=admit)
     sim = simulate(load_workload(str(trace), "recorded", cut=Cut(prompt_tokens=8)), spec)
     assert_same_hits_and_misses(phases, sim, llm.loaded.config.moe_layers)
-    assert sum(p.loads_on_demand for p in phases.values()) == sim.loads > 0
+    assert sum(p.loads_on_demand for p in phases.values()) == int(sim.demand_loads_SL.sum()) > 0
     assert sum(p.on_cpu for p in phases.values()) == int(sim.cpu_SL.sum()) > 0
+    assert sum(p.loads_ahead for p in phases.values()) == int(sim.prefetch_loads_SL.sum())
+    assert (sim.prefetch_loads_SL.sum() > 0) == (admit > 0)

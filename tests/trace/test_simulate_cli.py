@@ -72,14 +72,16 @@ def test_simulate_compares_gpu_and_hybrid_execution(tmp_path, capsys):
     trace = random_trace(tmp_path / "t.mpt")
     out_json = tmp_path / "r.json"
     assert main(["simulate", str(trace), "--policy", "lru", "--capacity", "4", "--order", "recorded",
-                 "--execution", "gpu,hybrid", "--profile", "h100-pcie3", "--expert-bytes", str(17 << 20),
+                 "--execution", "gpu,hybrid,hybrid+admit1", "--profile", "h100-pcie3", "--expert-bytes", str(17 << 20),
                  "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     assert "hybrid placement (h100-pcie3): a missing expert on the device from" in out and "lru/hybrid" in out
-    gpu, hybrid = json.loads(out_json.read_text())["rows"]
-    assert (gpu["execution"], hybrid["execution"]) == ("gpu", "hybrid")
+    assert "lru/hybrid+admit1" in out
+    gpu, hybrid, admit = json.loads(out_json.read_text())["rows"]
+    assert (gpu["execution"], hybrid["execution"], hybrid["admit"], admit["admit"]) == ("gpu", "hybrid", 0, 1)
+    assert 0 < admit["prefetch_loads"] and admit["hit_rate"] >= hybrid["hit_rate"]
     assert hybrid["on_cpu_per_token"] > 0 and hybrid["bytes_per_token"] < gpu["bytes_per_token"]
     assert main(["simulate", str(trace), "--execution", "hybrid"]) == 2
     assert main(["simulate", str(trace), "--execution", "npu", "--profile", "h100-pcie3"]) == 2
     err = capsys.readouterr().err
-    assert "give --profile" in err and "choose gpu or hybrid" in err
+    assert "give --profile" in err and "choose gpu, hybrid or hybrid+admitN" in err
