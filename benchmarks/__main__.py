@@ -86,6 +86,11 @@ BENCHMARKS: dict[str, Bench] = {
                       runtime="60 min", traces=(DS,)),
     "offload_gpu": _b("offload_replay's GPU preset: experts paged host->device", needs="gpu traces",
                       suites="gpu traces", runtime="20 min", traces=(DS,)),
+    "hybrid": _b("Does computing missing experts on the CPU (--execution hybrid, cpu-experts) beat copying them?",
+                 needs="traces", suites="cpu gpu traces",
+                 quick=("--modes", "gpu", "hybrid", "cpu-experts", "--decode", "8", "--profiles", "h100-pcie3",
+                        "--sim-requests", "8"),
+                 runtime="3 min (CPU); 15 min (GPU)", traces=(DS, MIX, OLMOE)),
     "decode_gpu": _b("GPU decode, all resident, against HF and the bandwidth limit", needs="gpu", suites="gpu",
                      runtime="10 min"),
 }

@@ -481,54 +481,52 @@ class PagedExecutor:
         self.kernels = ArenaKernels(store.device.buffers, shape, kernel, fused=fused)
         self.compute_note = fused.note if fused is not None else ""
 
-    def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
-        return self.run_sorted(layer, sort_by_expert(x_ND, route), x_ND)
-
-    def run_sorted(self, layer: int, work: SortedTokens, x_ND: torch.Tensor) -> torch.Tensor:
-        """`run` on tokens already sorted by expert."""
+    def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision, work: SortedTokens | None = None
+            ) -> torch.Tensor:
+        """`work`: the tokens already sorted by expert (else sorted here)."""
+        if work is None:
+            work = sort_by_expert(x_ND, route)
         batch = self.kernels.batch(work, x_ND)
-        if batch.fused is None and batch.kernel != "loop":  # every expert ready at once: one call, no copies
-            held = self.store.acquire(layer, work.experts)
-            try:
-                if not held.pending and not held.queued:
-                    return combine(x_ND, work, self.kernels.compute(work, held.slots, batch.kernel))
-                self._as_they_land(held, work, None, batch)
-            finally:
-                self.store.release(held)
-        else:
-            self.through_store(layer, work, None, batch)
-        return batch.combine(x_ND, work)
+        held = self.store.acquire(layer, work.experts)  # its ready experts need no wait
+        try:
+            if batch.fused is None and batch.kernel != "loop" and not held.pending and not held.queued:
+                return combine(x_ND, work, self.kernels.compute(work, held.slots, batch.kernel))  # one call, no copy
+            self._as_they_land(held, work, None, batch)
+        finally:
+            self.store.release(held)
+        fused = batch.fused  # `Batch.combine`, inline (a call less per layer and token)
+        return fused.combine(batch.y_MD, work.token_M, x_ND.shape[0]) if fused is not None else \
+            combine(x_ND, work, batch.y_MD)
 
-    def through_store(self, layer: int, work: SortedTokens, which: Sequence[int] | None, batch: Batch) -> None:
-        """Experts `which` (indices into work.experts; None: all) acquired from the store and computed into their
-        rows of `batch.y_MD` as they land, then released."""
-        held = self.store.acquire(layer, work.experts if which is None else [work.experts[i] for i in which])
+    def through_store(self, layer: int, work: SortedTokens, which: Sequence[int], batch: Batch) -> None:
+        """Experts `which` (indices into work.experts) acquired from the store and computed into their rows of
+        `batch.y_MD` as they land, then released."""
+        held = self.store.acquire(layer, [work.experts[i] for i in which])
         try:
             self._as_they_land(held, work, which, batch)
         finally:
             self.store.release(held)
 
     def _as_they_land(self, held: Held, work: SortedTokens, which: Sequence[int] | None, batch: Batch) -> None:
-        """The ready experts of `held`, then each batch of its loads as it lands (stream rows recycled)."""
+        """The ready experts of `held`, then each batch of its loads as it lands (stream rows recycled). `which`:
+        the index into work.experts of each held expert (None: the same index)."""
         rows = held.slots if which is None else [-1] * len(work.experts)
-
-        def compute(indices: Sequence[int]) -> None:
-            if which is None:
-                batch.some(work, rows, indices, batch.y_MD)
+        some, y_MD, store = batch.some, batch.y_MD, self.store
+        landed, pending = held.ready, list(held.pending)
+        while True:
+            if landed and which is None:
+                some(work, rows, landed, y_MD)
+            elif landed:  # held expert j is work.experts[which[j]]; its slot may be a recycled stream row
+                for j in landed:
+                    rows[which[j]] = held.slots[j]
+                some(work, rows, [which[j] for j in landed], y_MD)
+            if held.streaming:  # computed: their stream rows take the next queued misses
+                pending += store.recycle(held, landed)
+            if not pending:
                 return
-            for j in indices:  # the held expert j is work.experts[which[j]]; its slot may be a recycled stream row
-                rows[which[j]] = held.slots[j]
-            batch.some(work, rows, [which[j] for j in indices], batch.y_MD)
-
-        compute(held.ready)
-        pending = held.pending + (self.store.recycle(held, held.ready) if held.streaming else [])
-        while pending:
-            landed = self.store.wait_landed(held, pending)
-            compute(landed)
+            landed = store.wait_landed(held, pending)
             done = set(landed)
             pending = [i for i in pending if i not in done]
-            if held.streaming:
-                pending += self.store.recycle(held, landed)
 
     def stream(self, layer: int, experts: Sequence[int]):  # noqa: ANN201 - the reference's ExpertSource seam
         for slot in self.store.stream(layer, experts):

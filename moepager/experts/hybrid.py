@@ -128,12 +128,6 @@ def _restore_default(threads: int) -> None:
     t.join()
 
 
-def cpu_rows_on_device(work: SortedTokens, which: Sequence[int], device: torch.device) -> torch.Tensor:
-    """The sorted rows of experts `which` (indices into work.experts), as an index on `device`."""
-    pieces = [torch.arange(work.starts[i], work.starts[i + 1]) for i in which]
-    return torch.cat(pieces).to(device, non_blocking=True)
-
-
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` without waiting for the host (through pinned memory on CUDA)."""
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
@@ -185,7 +179,7 @@ class HybridExecutor:
         work = sort_by_expert(x_ND, route)
         device, cpu = self.placement(layer, work)
         if not cpu:
-            return self.paged.run_sorted(layer, work, x_ND)
+            return self.paged.run(layer, x_ND, route, work)
         same = self.shared_memory
         batch = self.paged.kernels.batch(work, x_ND)
         host_work, host_x = (work, x_ND) if same else _on_host(work, x_ND)
@@ -222,8 +216,9 @@ class HybridExecutor:
     def _merge(self, x_ND: torch.Tensor, work: SortedTokens, cpu: Sequence[int], batch: Batch,
                host_batch: Batch) -> torch.Tensor:
         """CUDA: the CPU's rows into the device's, then one sum per token in ascending expert order."""
-        index_M = cpu_rows_on_device(work, cpu, self.device)
-        host_rows = to_device(host_batch.y_MD.index_select(0, index_M.cpu()), self.device)
+        index_host = torch.cat([torch.arange(work.starts[i], work.starts[i + 1]) for i in cpu])
+        index_M = to_device(index_host, self.device)
+        host_rows = to_device(host_batch.y_MD.index_select(0, index_host), self.device)
         n, k = x_ND.shape[0], work.x_MD.shape[0] // max(x_ND.shape[0], 1)
         if batch.fused is None and host_batch.fused is None:  # both unweighted in x's dtype: the usual combine
             batch.y_MD[index_M] = host_rows

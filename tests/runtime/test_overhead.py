@@ -46,7 +46,7 @@ def landed(monkeypatch):
 
 @pytest.mark.parametrize("config, bound", [
     (EngineConfig(), 140),
-    (EngineConfig(store=PAGED), 250),
+    (EngineConfig(store=PAGED), 256),  # 250.4: the landing loop the hybrid executor shares is a call of its own
     # (with moepager's CPU kernels: +12 frames a token for the dense projections' FusedLinear, each replacing a
     # ~15 us oneDNN call by a ~2 us GEMV; -12 for the fused expert layers)
     (EngineConfig(store=PAGED, prefetch=PrefetchConfig("gate-lookahead")), 450),
