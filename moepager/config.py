@@ -175,6 +175,11 @@ class PrefetchConfig:
             raise MoepagerError(f"--prefetch-min-p must be between 0 and 1, got {self.min_p}")
 
 
+BatchPolicy = Literal["fifo", "expertflow"]
+BATCH_POLICIES: tuple[BatchPolicy, ...] = ("fifo", "expertflow")
+"""`--batch-policy` choices (runtime/scheduler.py says what each does)."""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching: how many requests run together and how much KV cache they share."""
@@ -188,6 +193,9 @@ class SchedulerConfig:
     preempted and recomputed later. A request that needs more than this alone grows it while nothing runs."""
     block_size: int = 16
     """Positions per KV cache block."""
+    batch_policy: BatchPolicy = "fifo"
+    """Which running requests decode together: fifo (all of them, every step) or expertflow (twice --max-num-seqs
+    requests run, as two groups of similar routing paths that decode in turns: ExpertFlow's token scheduler)."""
     batch_invariant: bool = False
     """Each request's tokens are computed in a forward pass of its own, and its prompt in chunks of a fixed size
     whatever else runs: a request's tokens never depend on which others share its steps (a batched pass computes a
@@ -195,6 +203,9 @@ class SchedulerConfig:
     the KV cache runs out and it is recomputed. Costs the throughput batching brings (opt-in: `--deterministic`)."""
 
     def __post_init__(self) -> None:
+        if self.batch_policy not in BATCH_POLICIES:
+            raise MoepagerError(f"unknown --batch-policy '{self.batch_policy}'; choose from "
+                                f"{', '.join(BATCH_POLICIES)}")
         for flag, value in (("--max-num-seqs", self.max_num_seqs), ("--max-batched-tokens", self.max_batched_tokens),
                             ("--kv-cache-tokens", self.kv_cache_tokens), ("--kv-block-size", self.block_size)):
             if not isinstance(value, int) or value < 1:

@@ -14,6 +14,7 @@ from moepager.atomic_io import check_file
 from moepager.checkpoints.build import read_config
 from moepager.checkpoints.default import default_model_path
 from moepager.config import (
+    BATCH_POLICIES,
     DENSE_DTYPES,
     EXECUTIONS,
     EXPERT_DTYPES,
@@ -147,6 +148,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="most tokens one step computes (prompts are chunked to fit)")
     g.add_argument("--kv-cache-tokens", type=int, default=defaults.kv_cache_tokens,
                    help="KV cache positions shared by the running requests (the youngest is preempted when full)")
+    g.add_argument("--batch-policy", choices=BATCH_POLICIES, default=defaults.batch_policy,
+                   help="which running requests decode together: fifo (all, every step) or expertflow (ExpertFlow's "
+                        "token scheduler: twice --max-num-seqs requests run, as two groups of similar routing paths "
+                        "that decode in turns, so each step activates fewer distinct experts; a request sits out at "
+                        "most one step in a row)")
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant: each request computed in a pass of its own and its prompt in fixed chunks, "
                         "so its tokens never depend on what else runs (at the cost of batching's throughput)")
@@ -156,6 +162,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
+                                batch_policy=args.batch_policy,
                                 kv_cache_tokens=args.kv_cache_tokens, batch_invariant=args.deterministic)
     threads = args.threads
     if threads is None and args.device == "cpu":

@@ -20,6 +20,7 @@ from moepager.config import SchedulerConfig
 from moepager.errors import InvalidRequestError
 from moepager.models.layers import CausalLM
 from moepager.runtime.cuda_graphs import DecodeGraphs
+from moepager.runtime.grouping import PathTracker
 from moepager.runtime.kv_pool import KVBlockPool
 from moepager.runtime.request import Detokenize, FinishReason, Request, RequestOutput, TextTracker
 from moepager.runtime.runner import ModelRunner, OnPass, ignore_pass
@@ -44,11 +45,14 @@ class StepStats:
 class Engine:
     def __init__(self, model: CausalLM, dtype: torch.dtype, device: torch.device, config: SchedulerConfig,
                  eos_ids: Sequence[int], detokenize: Detokenize | None, on_pass: OnPass = ignore_pass,
-                 on_finish: Callable[[int], None] = ignore_finish, graphs: bool = False):
-        """`graphs`: one-row decode passes replay CUDA graphs (the caller checked the model can be captured)."""
+                 on_finish: Callable[[int], None] = ignore_finish, graphs: bool = False,
+                 paths: PathTracker | None = None):
+        """`graphs`: one-row decode passes replay CUDA graphs (the caller checked the model can be captured);
+        `paths`: the requests' routing paths, for the expertflow batch policy (the caller feeds it passes and
+        routing)."""
         self.model, self.config = model, config
         self.pool = KVBlockPool(model, dtype, device, config.kv_cache_tokens, config.block_size)
-        self.scheduler = Scheduler(config, self.pool)
+        self.scheduler = Scheduler(config, self.pool, paths)
         self.runner = ModelRunner(model, self.pool, device, on_pass, DecodeGraphs(model, self.pool) if graphs else None,
                                   config.batch_invariant)
         self.eos_ids, self.detokenize = frozenset(eos_ids), detokenize

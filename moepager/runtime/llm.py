@@ -25,6 +25,7 @@ from moepager.predictors import PREDICTORS
 from moepager.runtime.builder import build, store_report
 from moepager.runtime.cuda_graphs import graphable
 from moepager.runtime.engine import Engine, ignore_finish
+from moepager.runtime.grouping import PathTracker
 from moepager.runtime.prefetch import Prefetcher
 from moepager.runtime.replay import ReplayReport, ReplaySpec, RouteReplayer, check_record_path, load_replay
 from moepager.runtime.request import Detokenize, FinishReason, Request
@@ -90,11 +91,17 @@ class LLM:
         self.store = built.store
         self.prefetcher: Prefetcher | None = built.prefetcher
         """Forecasts routing and loads experts ahead (kept across calls: an online expert-map store grows)."""
+        cfg = self.loaded.config
+        self.paths = PathTracker(cfg.moe_layers, cfg.num_experts) \
+            if self.config.scheduler.batch_policy == "expertflow" else None
+        """Each running request's routing path (the expertflow batch policy groups requests by them)."""
         self._pass_parts: list[PassPart] = self._parts(None, None)
+        self._observe()
         self.engine = Engine(self.loaded.model, self.loaded.dtype, self.loaded.device, self.config.scheduler,
                              self.eos_token_ids, self._detokenize, self._on_pass,
                              self.prefetcher.end_request if self.prefetcher is not None else ignore_finish,
-                             self.config.cuda_graphs and graphable(self.loaded.model, experts, self.loaded.device))
+                             self.config.cuda_graphs and graphable(self.loaded.model, experts, self.loaded.device),
+                             self.paths)
         """The engine core every call (and the server) runs requests on; its KV cache is reused across calls."""
         if self.engine.runner.graphs is not None:
             self.engine.runner.graphs.warm()  # every width now, so no request pays a capture
@@ -129,7 +136,7 @@ class LLM:
         finally:
             self.prefetcher = prefetcher
             self._pass_parts = self._parts(None, None)
-            self.loaded.model.observe_routing(prefetcher if prefetcher is not None else NULL_OBSERVER)
+            self._observe()
         self.last_stats = RunStats()
 
     def check_runs_prompts(self) -> None:
@@ -186,7 +193,13 @@ class LLM:
 
     def _parts(self, replayer: RouteReplayer | None, recorder: TraceRecorder | None) -> list[PassPart]:
         """What each pass is announced to, in order: the store's clock first (the prefetcher's loads use it)."""
-        return [p for p in (self.store, replayer, recorder, self.prefetcher) if p is not None]
+        return [p for p in (self.store, replayer, recorder, self.prefetcher, self.paths) if p is not None]
+
+    def _observe(self, recorder: TraceRecorder | None = None) -> None:
+        """The model's routing to the recorder (for one call), the prefetcher and the path tracker, where there are."""
+        observers: list[RoutingObserver] = [p for p in (recorder, self.prefetcher, self.paths) if p is not None]
+        self.loaded.model.observe_routing(NULL_OBSERVER if not observers else observers[0] if len(observers) == 1
+                                          else RoutingFanOut(observers))
 
     def _on_pass(self, info: PassInfo) -> None:
         """The one pass clock: the store's counters and policies, the prefetcher, recorder and replayer."""
@@ -200,10 +213,8 @@ class LLM:
         model = self.loaded.model
         if self.store is not None:
             self.store.counters.reset()
-        observers: list[RoutingObserver] = [p for p in (recorder, self.prefetcher) if p is not None]
         self._pass_parts = self._parts(replayer, recorder)
-        if observers:
-            model.observe_routing(observers[0] if len(observers) == 1 else RoutingFanOut(observers))
+        self._observe(recorder)
         if replayer is not None:
             model.route_with(replayer)
         if self.prefetcher is not None:
@@ -214,7 +225,7 @@ class LLM:
             if self.prefetcher is not None:
                 self.prefetcher.bind_replay(None)
             self._pass_parts = self._parts(None, None)
-            model.observe_routing(self.prefetcher if self.prefetcher is not None else NULL_OBSERVER)
+            self._observe()
             model.route_with(OWN_ROUTER)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None, *,

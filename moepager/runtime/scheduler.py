@@ -7,6 +7,13 @@ recomputed when it runs again) until the block is found. Then waiting requests a
 while the budget, the request limit and the pool allow, their prompts chunked to fit the budget. Batch-invariant
 (SchedulerConfig.batch_invariant), a prompt is always chunked at the same places (`fixed_chunk`), whatever else runs:
 a chunk that does not fit waits for the next step.
+
+Batch policy `expertflow` (ExpertFlow's token scheduler, runtime/grouping.py): up to twice `max_num_seqs` requests run.
+When more requests are decoding than `max_num_seqs`, they are split into two groups of similar routing paths
+(balanced 2-means over each request's last routed token) that decode in turns: the first group this step, the second
+the next (with any request that started decoding in between), then the groups are formed again. Prompt chunks are
+scheduled as in FIFO. A decoding request therefore sits out at most one step in a row (`WAIT_BOUND`) unless it is
+preempted. A request's KV blocks stay in its block table whichever group it is in.
 """
 
 from __future__ import annotations
@@ -14,9 +21,15 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
+import numpy as np
+
 from moepager.config import SchedulerConfig
+from moepager.runtime.grouping import PathTracker, balanced_two_means
 from moepager.runtime.kv_pool import KVBlockPool
 from moepager.runtime.request import Request
+
+WAIT_BOUND = 1
+"""`expertflow`: the most steps in a row a decoding request sits out (unless preempted)."""
 
 
 class Scheduled(NamedTuple):
@@ -35,8 +48,17 @@ class Scheduled(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: KVBlockPool):
+    def __init__(self, config: SchedulerConfig, pool: KVBlockPool, paths: PathTracker | None = None):
         self.config, self.pool = config, pool
+        self.paths = paths
+        """`expertflow`: each request's routing path (None for fifo)."""
+        self.max_running = config.max_num_seqs * (2 if config.batch_policy == "expertflow" else 1)
+        if config.batch_policy == "expertflow" and paths is None:
+            raise ValueError("the expertflow batch policy groups requests by their routing paths: give a PathTracker")
+        self._pair: set[int] = set()
+        """`expertflow`: the decoding requests the current pair of steps grouped."""
+        self._second: set[int] = set()
+        """`expertflow`: the group that decodes next step (empty: the next step forms new groups)."""
         self.fixed_chunk = max(1, config.max_batched_tokens - config.max_num_seqs + 1) if config.batch_invariant \
             else 0
         """Batch-invariant: every prompt chunk's size (room for it beside a decode row of every other request the
@@ -50,8 +72,12 @@ class Scheduler:
 
     def schedule(self) -> list[Scheduled]:
         budget, rows, i = self.config.max_batched_tokens, [], 0
+        resting = self._resting() if self.paths is not None else ()
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if resting and request.request_id in resting:  # expertflow: its group's turn is the next step
+                i += 1
+                continue
             remaining = request.remaining
             count = min(remaining, budget) if not self.fixed_chunk else self._fixed(remaining, budget)
             if count is None:  # batch-invariant: its fixed chunk does not fit beside the rows before it
@@ -64,7 +90,7 @@ class Scheduler:
             rows.append(Scheduled(request, request.num_computed, count, remaining == 1 and bool(request.out_ids)))
             budget -= count
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
             request = self.waiting[0]
             count = min(request.remaining, budget) if not self.fixed_chunk else self._fixed(request.remaining, budget)
             if count is None:
@@ -75,6 +101,26 @@ class Scheduler:
             rows.append(Scheduled(request, request.num_computed, count, False))  # it joins: its prompt (or all again)
             budget -= count
         return rows
+
+    def _resting(self) -> set[int]:
+        """`expertflow`: the decoding requests that sit this step out (see the module note)."""
+        decoding = [r for r in self.running if r.out_ids and r.remaining == 1]
+        ids = {r.request_id for r in decoding}
+        if len(decoding) <= self.config.max_num_seqs:  # one step takes them all
+            self._pair, self._second = set(), set()
+            return set()
+        if self._second:  # the pair's second step: its second group, and whoever started decoding since
+            run = (self._second & ids) | (ids - self._pair)
+            self._pair, self._second = set(), set()
+            return ids - run
+        assert self.paths is not None
+        width = len(self.paths.column) * self.paths.num_experts
+        paths = np.stack([p if (p := self.paths.path(r.request_id)) is not None else np.zeros(width, bool)
+                          for r in decoding])
+        first, second = balanced_two_means(paths)
+        self._pair = ids
+        self._second = {decoding[j].request_id for j in second}
+        return set(self._second)
 
     def _fixed(self, remaining: int, budget: int) -> int | None:
         """Batch-invariant: the request's next fixed chunk, or none this step (so its prompt is split at the same
@@ -90,7 +136,9 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def finish(self, request: Request) -> None:
-        """Take a finished (or aborted) request out, wherever it is, and free its blocks."""
+        """Take a finished (or aborted) request out, wherever it is, and free its blocks (and forget its path)."""
+        if self.paths is not None:
+            self.paths.forget(request.request_id)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

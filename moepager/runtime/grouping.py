@@ -1,0 +1,116 @@
+"""ExpertFlow's token scheduler (§3.3.3): sequences grouped by the similarity of their routing paths, so that each
+decode step activates fewer distinct experts.
+
+A sequence's path is the set of experts its next token is expected to use at every MoE layer, a bit per (layer,
+expert). `PathTracker` keeps each running request's last token's routing as that forecast (routing has token-to-token
+locality; ExpertFlow's own path predictor forecasts it from the tokens instead). `balanced_two_means` splits paths into
+two groups of sizes ceil(n/2) and floor(n/2) by balanced 2-means on Hamming similarity (eq. 6,
+S[i, j] = 1 - Hamming(r_i, r_j) / (L E)):
+1. medoids: the oldest sequence, and the one least similar to it (ties: the older);
+2. assign: sort by S[i, c1] - S[i, c2], descending (stable: older first on ties); the first ceil(n/2) form group 1;
+3. each group's new medoid is its member most similar on average to the others (ties: the older);
+4. repeat 2-3 until the groups stop changing, at most `iters` times.
+Deterministic: the same paths give the same groups. The objective is the sum over the two groups of their distinct
+(layer, expert) pairs (eq. 4-5 with the union, as the digest corrects).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from moepager.types import PassInfo, RoutingDecision
+
+ITERATIONS = 10
+"""Most rounds of 2-means (the paper leaves it open; a handful settle on every trace tried)."""
+
+
+def similarity(paths_NP: np.ndarray) -> np.ndarray:
+    """S[i, j] = 1 - Hamming(path_i, path_j) / P for boolean paths [N, P]."""
+    r = paths_NP.astype(np.float32)
+    hamming = r @ (1 - r).T + (1 - r) @ r.T
+    return 1 - hamming / max(paths_NP.shape[1], 1)
+
+
+def union_size(paths_NP: np.ndarray, members: Sequence[int]) -> int:
+    """Distinct (layer, expert) pairs the `members` activate together."""
+    return int(paths_NP[list(members)].any(0).sum()) if len(members) else 0
+
+
+def balanced_two_means(paths_NP: np.ndarray, iters: int = ITERATIONS) -> tuple[list[int], list[int]]:
+    """Rows of `paths_NP` split into two groups of ceil(n/2) and floor(n/2), each in ascending order (module note)."""
+    n = len(paths_NP)
+    if n < 2:
+        return list(range(n)), []
+    s = similarity(paths_NP)
+    c1 = 0
+    c2 = int(np.argmin(np.where(np.arange(n) == c1, np.inf, s[c1])))
+    half = (n + 1) // 2
+    groups: tuple[list[int], list[int]] | None = None
+    for _ in range(iters):
+        order = np.argsort(-(s[:, c1] - s[:, c2]), kind="stable")
+        new = (sorted(order[:half].tolist()), sorted(order[half:].tolist()))
+        if new == groups:
+            break
+        groups = new
+        c1, c2 = (_medoid(s, g) for g in groups)
+    assert groups is not None
+    return groups
+
+
+def _medoid(s: np.ndarray, members: list[int]) -> int:
+    """The member most similar on average to the others (the first on ties)."""
+    block = s[np.ix_(members, members)]
+    return members[int(np.argmax(block.sum(1)))]
+
+
+class PathTracker:
+    """Each running request's latest token's routing over every MoE layer, as a path (a routing observer and a pass
+    part: runtime/llm.py plugs it in when the engine's batch policy groups by paths)."""
+
+    def __init__(self, moe_layers: Sequence[int], num_experts: int):
+        self.column = {layer: i for i, layer in enumerate(moe_layers)}
+        self.num_experts = num_experts
+        self.paths: dict[int, np.ndarray] = {}
+        """request id -> bool [L * E]: the experts of its last routed token."""
+        self._info: PassInfo | None = None
+        self._last_rows: np.ndarray | None = None
+        self._pending: dict[int, np.ndarray] = {}
+
+    def begin_pass(self, info: PassInfo) -> None:
+        self._flush()
+        self._info = info
+        ends = np.cumsum(info.counts)
+        self._last_rows = ends - 1  # MoE blocks see the valid tokens row-major: a row's last token ends its span
+
+    def stage(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> Sequence[torch.Tensor]:
+        return ()
+
+    def routed(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision, staged: Sequence[torch.Tensor]) -> None:
+        if self._last_rows is None or route.ids_host_TK is None:
+            return
+        self._pending[self.column[layer]] = route.ids_host_TK.numpy()[self._last_rows]
+
+    def _flush(self) -> None:
+        info, pending = self._info, self._pending
+        if info is None or len(pending) != len(self.column):
+            self._pending = {}
+            return
+        layers, e = len(self.column), self.num_experts
+        for row, request in enumerate(info.requests):
+            path = np.zeros((layers, e), bool)
+            for column, ids_RK in pending.items():
+                path[column, ids_RK[row]] = True
+            self.paths[request] = path.reshape(-1)
+        self._pending, self._info = {}, None
+
+    def path(self, request: int) -> np.ndarray | None:
+        """The request's latest path (its last pass's routing), or None before it has routed."""
+        self._flush()
+        return self.paths.get(request)
+
+    def forget(self, request: int) -> None:
+        self._flush()  # its last pass first, so that nothing brings it back
+        self.paths.pop(request, None)

@@ -1,0 +1,145 @@
+"""ExpertFlow's token scheduler: balanced 2-means on path similarity, the path tracker, the `expertflow` batch policy's
+turns and wait bound on fake requests, and its tokens against FIFO's on a real model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from moepager.config import EngineConfig, SchedulerConfig
+from moepager.runtime.grouping import PathTracker, balanced_two_means, union_size
+from moepager.runtime.llm import LLM
+from moepager.runtime.sampling import SamplingParams
+from moepager.runtime.scheduler import WAIT_BOUND, Scheduler
+from moepager.types import PassInfo, RoutingDecision
+from tests.runtime.test_scheduler import FakePool, FakeRequest, step
+
+
+def clustered(n: int, layers: int = 4, experts: int = 16, k: int = 2, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Paths of two planted clusters (each prefers its own half of the experts), in interleaved order, and each
+    row's cluster."""
+    rng = np.random.default_rng(seed)
+    cluster = np.arange(n) % 2
+    paths = np.zeros((n, layers, experts), bool)
+    for i in range(n):
+        for layer in range(layers):
+            half = rng.choice(experts // 2, size=k, replace=False) + cluster[i] * experts // 2
+            paths[i, layer, half] = True
+    return paths.reshape(n, -1), cluster
+
+
+def test_two_means_is_balanced_deterministic_and_finds_planted_clusters():
+    paths, cluster = clustered(10)
+    first, second = balanced_two_means(paths)
+    assert (len(first), len(second)) == (5, 5) and sorted(first + second) == list(range(10))
+    assert (first, second) == balanced_two_means(paths)  # deterministic
+    assert len({int(cluster[i]) for i in first}) == 1 and len({int(cluster[i]) for i in second}) == 1
+    fifo = union_size(paths, range(5)) + union_size(paths, range(5, 10))  # oldest half, newest half
+    assert union_size(paths, first) + union_size(paths, second) < fifo
+    odd = balanced_two_means(paths[:7])
+    assert (len(odd[0]), len(odd[1])) == (4, 3)
+    assert balanced_two_means(paths[:1]) == ([0], [])
+
+
+@dataclass
+class Tracked(FakeRequest):
+    request_id: int = 0
+
+
+class FakePaths:
+    """PathTracker's view for the scheduler: fixed paths by request id."""
+
+    def __init__(self, paths: np.ndarray):
+        self.paths = {i: p for i, p in enumerate(paths)}
+        self.column = {layer: layer for layer in range(4)}
+        self.num_experts = 16
+
+    def path(self, request: int) -> np.ndarray | None:
+        return self.paths.get(request)
+
+    def forget(self, request: int) -> None:
+        self.paths.pop(request, None)
+
+
+def expertflow(max_seqs: int, paths: np.ndarray) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_batched_tokens=64, batch_policy="expertflow")
+    return Scheduler(config, FakePool(64), FakePaths(paths))  # type: ignore[arg-type]
+
+
+def test_expertflow_runs_twice_the_requests_as_two_similar_groups_in_turns():
+    paths, cluster = clustered(8)
+    s = expertflow(4, paths)
+    requests = [Tracked(str(i), [1] * 2, request_id=i) for i in range(8)]
+    for r in requests:
+        s.add(r)
+    assert len(step(s)) == 8  # all 8 admitted (twice --max-num-seqs), their prompts in one step
+    turns = [{int(name) for name, *_ in step(s)} for _ in range(6)]
+    for a, b in zip(turns[::2], turns[1::2]):
+        assert len(a) == len(b) == 4 and a | b == set(range(8))  # a pair of steps decodes every request once
+        assert len({int(cluster[i]) for i in a}) == 1  # each group is one planted cluster
+    waits = {i: 0 for i in range(8)}
+    for turn in turns:
+        for i in waits:
+            waits[i] = 0 if i in turn else waits[i] + 1
+            assert waits[i] <= WAIT_BOUND
+
+
+def test_expertflow_takes_everyone_when_one_step_holds_them_and_bounds_the_wait_of_newcomers():
+    paths, _ = clustered(6)
+    s = expertflow(4, paths)
+    requests = [Tracked(str(i), [1] * (2 if i < 3 else 6), request_id=i) for i in range(6)]
+    for r in requests:
+        s.add(r)
+    step(s)  # prompts: 0-2 finish theirs (2 tokens), 3-5 too (6 tokens, budget 64)
+    last_seen = {i: 0 for i in range(6)}
+    for t in range(1, 12):
+        ran = {int(name) for name, *_ in step(s)}
+        for i in ran:
+            assert t - last_seen[i] <= WAIT_BOUND + 1
+            last_seen[i] = t
+        if t == 5:
+            s.finish(requests[0])  # 5 decoding: still more than one step takes
+            s.finish(requests[1])  # 4 decoding: one step takes them all again
+            last_seen.pop(0), last_seen.pop(1)
+        if t > 6:
+            assert ran == {2, 3, 4, 5}
+
+
+def test_the_path_tracker_keeps_each_requests_last_routed_token():
+    tracker = PathTracker([1, 3], num_experts=4)
+    info = PassInfo(0, "prefill", (7, 9), (0, 0), (2, 1), ("prefill", "prefill"), torch.tensor([1, 2, 3]))
+    tracker.begin_pass(info)
+    for layer, ids in ((1, [[0, 1], [2, 3], [1, 2]]), (3, [[3, 0], [0, 2], [1, 3]])):
+        ids_TK = torch.tensor(ids)
+        tracker.routed(layer, torch.zeros(3, 2), RoutingDecision(ids_TK, ids_TK.float(), ids_TK.float(), ids_TK), ())
+    path7 = tracker.path(7)
+    assert path7 is not None and np.flatnonzero(path7).tolist() == [2, 3, 4, 6]  # its 2nd token: {2,3} and {0,2}
+    assert np.flatnonzero(tracker.path(9)).tolist() == [1, 2, 5, 7]
+    tracker.forget(7)
+    assert tracker.path(7) is None
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_expertflow_gives_fifos_tokens(hf_checkpoint, deterministic):
+    """Batch-invariant, every request's tokens are FIFO's exactly whatever its group; batched (fp32 tiny model), too."""
+    _, path = hf_checkpoint("qwen2_moe")
+    prompts = [[3, 11, 5], [7, 1], [2, 2, 9, 4], [5], [8, 6, 1], [4, 4]]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    out = {}
+    for policy in ("fifo", "expertflow"):
+        scheduler = SchedulerConfig(max_num_seqs=2, batch_policy=policy, batch_invariant=deterministic)
+        llm = LLM(config=EngineConfig(model=str(path), scheduler=scheduler), show_progress=False)
+        out[policy] = [c.token_ids for c in llm.generate(prompts, params)]
+        if policy == "expertflow":
+            assert llm.paths is not None and llm.paths.paths == {}  # every finished request forgotten
+    assert out["fifo"] == out["expertflow"]
+
+
+def test_batch_policy_is_checked():
+    from moepager.errors import MoepagerError
+
+    with pytest.raises(MoepagerError, match="unknown --batch-policy"):
+        SchedulerConfig(batch_policy="random")  # type: ignore[arg-type]
