@@ -91,6 +91,10 @@ BENCHMARKS: dict[str, Bench] = {
                  quick=("--modes", "gpu", "hybrid", "cpu-experts", "--decode", "8", "--profiles", "h100-pcie3",
                         "--sim-requests", "8"),
                  runtime="3 min (CPU); 15 min (GPU)", traces=(DS, MIX, OLMOE)),
+    "token_scheduler": _b("Does ExpertFlow's token scheduler (--batch-policy expertflow) move fewer expert bytes?",
+                          needs="traces", suites="cpu traces",
+                          quick=("--workloads", "built-in", "--clients", "8", "--decode", "4"),
+                          runtime="3 min", traces=(DS, OLMOE)),
     "decode_gpu": _b("GPU decode, all resident, against HF and the bandwidth limit", needs="gpu", suites="gpu",
                      runtime="10 min"),
 }
