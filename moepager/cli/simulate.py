@@ -12,11 +12,12 @@ from tqdm import tqdm
 
 from moepager.atomic_io import atomic_file, check_file
 from moepager.cli.predictor import parse_ints
-from moepager.config import Budget
+from moepager.config import BATCH_POLICIES, Budget, SchedulerConfig
 from moepager.errors import MoepagerError
 from moepager.planning.cost import PROFILES, CostModel
 from moepager.policies import POLICIES
 from moepager.predictors import FITTED, PredictorError, make_predictor
+from moepager.runtime.step_order import engine_steps
 from moepager.store.budget import format_bytes
 from moepager.trace.format import DECODE, TraceError, TraceReader
 from moepager.trace.predict import replay_forecasts
@@ -34,9 +35,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated cache sizes: experts (per layer with --scope layer, total with global) "
                         "or bytes such as 4GiB (a total budget, split evenly over layers with --scope layer)")
     p.add_argument("--scope", choices=["layer", "global"], default="layer", help="per-layer caches or one cache")
-    p.add_argument("--order", choices=["decode", "recorded"], default="decode",
-                   help="decode: every token is a step; recorded: a request's prefill is one step")
-    p.add_argument("--batch", type=int, default=1, help="requests decoded together (continuous batching)")
+    p.add_argument("--order", choices=["decode", "recorded", "engine"], default="decode",
+                   help="decode: every token is a step; recorded: a request's prefill is one step; engine: the passes "
+                        "the engine's scheduler runs (chunked prompts beside decodes, --batch requests at a time as "
+                        "generate --route-concurrency feeds them; needs --route-prompt)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="requests decoded together (continuous batching); with --order engine, the concurrency")
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig().max_num_seqs,
+                   help="--order engine: the scheduler's request limit")
+    p.add_argument("--max-batched-tokens", type=int, default=SchedulerConfig().max_batched_tokens,
+                   help="--order engine: the scheduler's token budget")
+    p.add_argument("--batch-policy", choices=BATCH_POLICIES, default="fifo",
+                   help="--order engine: the scheduler's batch policy (fifo or expertflow)")
     p.add_argument("--requests", help="replay only these requests: A:B (end exclusive), e.g. 0:100")
     p.add_argument("--route-prompt", type=int, metavar="N",
                    help="the first N tokens of each request are its prompt, the rest decode steps (as generate "
@@ -171,8 +181,22 @@ def run(args: argparse.Namespace) -> int:
     if plot_out is not None:
         require_matplotlib("--plot")
     cut = Cut(args.route_prompt, args.decode_steps, args.layers)
-    work = load_workload(args.trace, args.order, args.batch, parse_requests(args.requests) if args.requests else None,
-                         cut)
+    chosen = parse_requests(args.requests) if args.requests else None
+    if args.order == "engine":
+        if args.route_prompt is None:
+            raise TraceError("--order engine schedules each request's prompt and decode steps: give --route-prompt N")
+        scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
+                                    batch_policy=args.batch_policy)
+        work = engine_steps(load_workload(args.trace, "recorded", 1, chosen, cut), scheduler, args.batch)
+    else:
+        defaults = SchedulerConfig()
+        given = [flag for flag, value, default in (("--max-num-seqs", args.max_num_seqs, defaults.max_num_seqs),
+                                                   ("--max-batched-tokens", args.max_batched_tokens,
+                                                    defaults.max_batched_tokens),
+                                                   ("--batch-policy", args.batch_policy, "fifo")) if value != default]
+        if given:
+            raise TraceError(f"{', '.join(given)} schedule the engine's passes: add --order engine")
+        work = load_workload(args.trace, args.order, args.batch, chosen, cut)
     expert_bytes = args.expert_bytes or work.header.expert_bytes
     prior = load_prior(args.prior, work)
     cost = None

@@ -29,6 +29,17 @@ def ignore_pass(info: PassInfo) -> None:
     """The `on_pass` of runs that neither page experts, record a trace nor prefetch."""
 
 
+def pass_groups(rows: Sequence[Scheduled], batch_invariant: bool) -> list[Sequence[Scheduled]]:
+    """The forward passes a step's rows run as: one, or (batch-invariant) one per row, or the decodes then the prompt
+    chunks when their lengths differ so much that padding would more than double the tokens computed."""
+    if batch_invariant:
+        return [[r] for r in rows]
+    counts = [r.count for r in rows]
+    if len(rows) * max(counts) > 2 * sum(counts) and 1 in counts:
+        return [[r for r in rows if r.count == 1], [r for r in rows if r.count > 1]]
+    return [rows]
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVBlockPool, device: torch.device, on_pass: OnPass = ignore_pass,
                  graphs: DecodeGraphs | None = None, batch_invariant: bool = False):
@@ -43,14 +54,8 @@ class ModelRunner:
 
     def run(self, rows: Sequence[Scheduled]) -> list[tuple[Scheduled, torch.Tensor]]:
         """Compute the rows' tokens into the cache; logits [V] of each row that completes its tokens."""
-        counts = [r.count for r in rows]
-        groups = [rows]
-        if self.batch_invariant:
-            groups = [[r] for r in rows]
-        elif len(rows) * max(counts) > 2 * sum(counts) and 1 in counts:
-            groups = [[r for r in rows if r.count == 1], [r for r in rows if r.count > 1]]
         out = []
-        for group in groups:
+        for group in pass_groups(rows, self.batch_invariant):
             with torch.inference_mode():
                 logits_BV = self._forward(group)
             for b, r in enumerate(group):

@@ -139,3 +139,33 @@ def test_simulator_agrees_with_a_hybrid_run(hf_checkpoint, tmp_path, monkeypatch
     assert sum(p.on_cpu for p in phases.values()) == int(sim.cpu_SL.sum()) > 0
     assert sum(p.loads_ahead for p in phases.values()) == int(sim.prefetch_loads_SL.sum())
     assert (sim.prefetch_loads_SL.sum() > 0) == (admit > 0)
+
+
+@pytest.mark.parametrize("policy, seqs, budget", [("fifo", 2, 6), ("fifo", 3, 64), ("expertflow", 2, 64),
+                                                  ("expertflow", 2, 6)])
+def test_simulator_in_the_engines_step_order_agrees_with_a_batched_replay(hf_checkpoint, tmp_path, policy, seqs,
+                                                                           budget):
+    """`simulate --order engine`: 5 requests, 3 at a time, prompts chunked under a small token budget beside decodes
+    (or not), FIFO or ExpertFlow's groups: the simulator's passes are the engine's, so its hits and misses per phase
+    and layer, and its loads, are the engine's."""
+    from moepager.config import EngineConfig, SchedulerConfig
+    from moepager.runtime.step_order import engine_steps
+
+    _, path = hf_checkpoint("olmoe")
+    trace = random_trace(tmp_path / "t.mpt", lengths=(12, 9, 15, 11, 13), prefill=15, seed=6, skew=0.5)
+    per_layer, nbytes = 3, LLM(path, show_progress=False).loaded.expert_shape.nbytes
+    scheduler = SchedulerConfig(max_num_seqs=seqs, max_batched_tokens=budget, batch_policy=policy)
+    store = StoreConfig(expert_memory=expert_budget(nbytes, per_layer * 3), policy="lru", warm=False)
+    llm = LLM(config=EngineConfig(model=str(path), store=store, scheduler=scheduler), show_progress=False)
+    llm.replay(ReplaySpec(trace, prompt_tokens=5), concurrency=3)
+    phases = llm.loaded.experts.store.counters.phases
+    work = engine_steps(load_workload(str(trace), "recorded", cut=Cut(prompt_tokens=5)), scheduler, 3)
+    sim = simulate(work, SimSpec("lru", per_layer))
+    assert_same_hits_and_misses(phases, sim, llm.loaded.config.moe_layers)
+    assert sum(p.loads_on_demand for p in phases.values()) == sim.loads
+    assert (np.diff(work.step_ptr) > 1).any()  # batched passes
+    assert main(["simulate", str(trace), "--order", "engine", "--route-prompt", "5", "--batch", "3", "--max-num-seqs",
+                 str(seqs), "--max-batched-tokens", str(budget), "--batch-policy", policy, "--policy", "lru",
+                 "--capacity", str(per_layer), "--json", str(tmp_path / "sim.json")]) == 0
+    row = json.loads((tmp_path / "sim.json").read_text())["rows"][0]
+    assert row["decode_hit_rate"] == pytest.approx(llm.last_stats.sections["experts"].phases["decode"]["hit_rate"])
