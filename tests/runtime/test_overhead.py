@@ -46,10 +46,12 @@ def landed(monkeypatch):
 
 @pytest.mark.parametrize("config, bound", [
     (EngineConfig(), 140),
-    (EngineConfig(store=PAGED), 256),  # 250.4: the landing loop the hybrid executor shares is a call of its own
+    # paged: +1 a layer since the landing loop the hybrid executor shares is a call of its own, +1 a step for the
+    # runner's pass split the simulator shares (251.4 and 450.7 today)
+    (EngineConfig(store=PAGED), 256),
     # (with moepager's CPU kernels: +12 frames a token for the dense projections' FusedLinear, each replacing a
     # ~15 us oneDNN call by a ~2 us GEMV; -12 for the fused expert layers)
-    (EngineConfig(store=PAGED, prefetch=PrefetchConfig("gate-lookahead")), 450),
+    (EngineConfig(store=PAGED, prefetch=PrefetchConfig("gate-lookahead")), 456),
     pytest.param(EngineConfig(store=PAGED, prefetch=PrefetchConfig("gate-lookahead"), compile=True), 390,
                  marks=pytest.mark.slow),
 ], ids=["resident", "paged-25%", "paged-25%-gate-lookahead", "paged-25%-gate-lookahead-compiled"])
