@@ -12,6 +12,9 @@ Beside them, what grouping could gain at best on the DeepSeek-V2-Lite trace (`bo
 `--clients` random requests at a random decode position, the distinct (layer, expert) pairs of their next token
 summed over the two halves of a FIFO split, of 2-means on each request's previous token (what the engine does),
 and of 2-means on the next token itself (an oracle predictor), against one batch of all.
+Simulated (`simulate --order engine`, LRFU, warm start): the same three schedules over the DeepSeek-V2-Lite and
+Mixtral traces and the built-in model's recording, `--clients` requests at a time, at 12.5/25/50% of the experts:
+expert loads per output token and distinct experts per decode pass (a table, and results/token_scheduler.png).
 Two workloads:
 - replayed routing (`--replay`, the default when the trace is there): the DeepSeek-V2-Lite geometry with `--layers`
   MoE layers replaying the DeepSeek-V2-Lite trace's routing (`generate --route-from ... --route-concurrency`), its
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,7 +49,8 @@ def arguments() -> argparse.ArgumentParser:
     p.add_argument("--prompt", type=int, default=16)
     p.add_argument("--decode", type=int, default=16)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--workloads", nargs="+", default=["replay", "built-in"], choices=["replay", "built-in"])
+    p.add_argument("--workloads", nargs="+", default=["replay", "built-in", "simulated"],
+                   choices=["replay", "built-in", "simulated"])
     return p
 
 
@@ -139,6 +144,66 @@ def grouping_bound(args: argparse.Namespace, trials: int = 40) -> list[dict]:
             for k, v in sums.items()]
 
 
+def simulated(args: argparse.Namespace) -> list[dict]:
+    """The three schedules replayed by the simulator in the engine's step order on every trace (module note)."""
+    from benchmarks.common import RESULTS, converted, record_demo_trace
+    from moepager.runtime.step_order import engine_steps
+    from moepager.trace.format import DECODE, TraceReader
+    from moepager.trace.simulate import SimSpec, simulate
+    from moepager.trace.workload import Cut, load_workload
+
+    docs, _ = demo_documents()
+    traces = {"deepseek-v2-lite": converted("deepseek-csv", SHARED / "deepseek-v2-lite", "deepseek-v2-lite"),
+              "mixtral-8x7b": converted("mixtral-jsonl", SHARED / "mixtral-8x7b" / "routing_data_collected",
+                                        "mixtral-8x7b"),
+              "built-in": record_demo_trace(RESULTS / "traces" / "demo-hybrid.mpt", docs[:48], 64, max_new=24)}
+    rows = []
+    for name, path in traces.items():
+        with TraceReader(path) as reader:
+            long = [i for i in range(len(reader)) if reader.request(i).num_tokens >= args.prompt + args.decode]
+            h = reader.header
+        chosen = long[: 4 * args.clients]
+        base = load_workload(str(path), "recorded", requests=chosen, cut=Cut(args.prompt, args.decode))
+        for label, scheduler in schedules(args.clients):
+            work = engine_steps(base, scheduler, args.clients)
+            decode = work.step_phase == DECODE
+            for share in (0.125, 0.25, 0.5):
+                per_layer = max(h.top_k, round(share * h.num_experts))
+                result = simulate(work, SimSpec("lrfu", per_layer, warm=True))
+                tokens = int(np.diff(work.step_ptr)[decode].sum())
+                rows.append({"trace": name, "schedule": label, "budget": f"{100 * share:g}%", "per_layer": per_layer,
+                             "requests": len(chosen),
+                             "loads_per_decode_token": float(result.demand_loads_SL[decode].sum()) / max(tokens, 1),
+                             "experts_per_decode_pass": float(result.requested_SL[decode].sum()) / max(decode.sum(), 1),
+                             "decode_hit_rate": result.hit_rate(DECODE)})
+    for r in rows:
+        first = next(b for b in rows if (b["trace"], b["budget"]) == (r["trace"], r["budget"]))
+        r["loads_vs_first"] = r["loads_per_decode_token"] / first["loads_per_decode_token"] \
+            if first["loads_per_decode_token"] else None
+    return rows
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({r["trace"] for r in rows})
+    fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 3.8))
+    for ax, name in zip(np.atleast_1d(axes), names):
+        mine = [r for r in rows if r["trace"] == name]
+        for label in dict.fromkeys(r["schedule"] for r in mine):
+            points = [(r["budget"], r["loads_per_decode_token"]) for r in mine if r["schedule"] == label]
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+        ax.set(title=name, xlabel="expert budget", ylabel="expert loads per decode token")
+        ax.grid(alpha=0.3)
+    np.atleast_1d(axes)[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def close(llm: LLM) -> None:
     if llm.store is not None:
         llm.store.close()
@@ -171,7 +236,18 @@ def main() -> None:
               "next token over two steps")
         print_table(["grouping", "pairs", "x fifo halves"],
                     [[b["grouping"], b["pairs_per_two_steps"], b["vs_fifo_halves"]] for b in bound])
-    out = write_json("token_scheduler", {"machine": state, "args": vars(args), "rows": rows, "bound": bound})
+    sim = simulated(args) if "simulated" in args.workloads and (SHARED / "deepseek-v2-lite").exists() else []
+    if sim:
+        print(f"\nsimulated in the engine's step order, {args.clients} requests at a time (LRFU, warm):")
+        print_table(["trace", "schedule", "budget", "loads/decode token", "x first", "experts/decode pass", "hit %"],
+                    [[r["trace"], r["schedule"], r["budget"], r["loads_per_decode_token"], r["loads_vs_first"] or "-",
+                      r["experts_per_decode_pass"], 100 * r["decode_hit_rate"]] for r in sim])
+        from benchmarks.common import RESULTS
+
+        plot(sim, RESULTS / "token_scheduler.png")
+        print(f"plot: {RESULTS / 'token_scheduler.png'}")
+    out = write_json("token_scheduler", {"machine": state, "args": vars(args), "rows": rows, "bound": bound,
+                                         "simulated": sim})
     print(f"results: {out}")
 
 
