@@ -180,3 +180,23 @@ def test_execution_options_are_checked():
         EngineConfig(hybrid_admit=1)
     with pytest.raises(MoepagerError, match="use one or the other"):
         EngineConfig(execution="hybrid", store=StoreConfig(expert_memory="25%"), compile=True)
+
+
+def test_generate_runs_each_execution_and_reports_it(demo_checkpoint, tmp_path, capsys):
+    from moepager.cli.main import main
+
+    out = {}
+    for args in (["--execution", "hybrid", "--expert-memory", "25%", "--cpu-threads", "1"],
+                 ["--execution", "cpu-experts"], ["--execution", "auto", "--expert-memory", "25%"], []):
+        assert main(["generate", "--model", str(demo_checkpoint), "--max-tokens", "8", "--temperature", "0",
+                     "--ignore-eos", "--stats-json", str(tmp_path / "s.json"), "The history of", *args]) == 0
+        printed = capsys.readouterr()
+        out[args[1] if args else "default"] = (printed.out.split("\n\n")[0], printed.out + printed.err)
+    assert len({text for text, _ in out.values()}) == 1  # the same greedy text every way
+    assert "on the CPU" in out["hybrid"][1] and "execution hybrid: every missing expert on the CPU" in out["hybrid"][1]
+    assert "execution cpu-experts" in out["cpu-experts"][1]
+    assert "auto: no GPU" in out["auto"][1]
+    assert main(["generate", "--model", str(demo_checkpoint), "--profile", "x.json", "Hi"]) == 2
+    assert main(["generate", "--model", str(demo_checkpoint), "--execution", "hybrid", "Hi"]) == 2
+    err = capsys.readouterr().err
+    assert "--profile does nothing without --execution hybrid" in err and "set --expert-memory" in err
