@@ -118,6 +118,9 @@ class StoreConfig:
     """O_DIRECT disk reads: auto (where the file system allows), on (required) or off (page cache, dropped)."""
     warm: bool = True
     """Fill the cache with experts at load time instead of starting empty."""
+    layer_plan: str | None = None
+    """A `moepager plan --json` file: the device cache split between MoE layers in proportion to its per-layer budgets
+    (MoEpic's configurator) instead of evenly (scope layer)."""
 
     device_budget: Budget = field(init=False, repr=False, compare=False)
     """`expert_memory` parsed once (all experts when unset)."""
@@ -132,6 +135,9 @@ class StoreConfig:
             raise MoepagerError(f"cache scope must be layer or global, got '{self.scope}'")
         if self.direct_io not in ("auto", "on", "off"):
             raise MoepagerError(f"direct I/O must be auto, on or off, got '{self.direct_io}'")
+        if self.layer_plan is not None and (self.expert_memory is None or self.scope != "layer"):
+            raise MoepagerError("--layer-plan splits the --expert-memory cache between layers: set --expert-memory "
+                                "(and keep --cache-scope layer)")
         for flag, value in (("--io-threads", self.io_threads), ("--prefetch-threads", self.prefetch_threads)):
             if value < 1:
                 raise MoepagerError(f"{flag} must be >= 1, got {value}")

@@ -192,6 +192,9 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
                    help="O_DIRECT disk reads (auto, the default: where the file system allows; off: page cache, "
                         "then dropped)")
     g.add_argument("--cold", action="store_true", help="start with an empty expert cache")
+    g.add_argument("--layer-plan", metavar="PLAN.json",
+                   help="split the --expert-memory cache between MoE layers in proportion to the per-layer budgets of "
+                        "`moepager plan --whole-experts --json PLAN.json` (MoEpic's configurator) instead of evenly")
 
 
 def add_prefetch_arguments(p: argparse.ArgumentParser) -> None:
@@ -267,7 +270,8 @@ def store_config(args: argparse.Namespace) -> StoreConfig:
                                              ("io_threads", args.io_threads), ("direct_io", args.direct_io),
                                              ("prefetch_threads", args.prefetch_threads),
                                              ("prefetch_yields", False if args.prefetch_no_yield else None),
-                                             ("prefetch_policy", args.prefetch_policy))
+                                             ("prefetch_policy", args.prefetch_policy),
+                                             ("layer_plan", args.layer_plan))
              if value is not None}  # the rest keep StoreConfig's defaults
     return StoreConfig(expert_memory=args.expert_memory, host_memory=args.host_memory, warm=not args.cold, **given)
 

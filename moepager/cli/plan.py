@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--predictor-file", help="--predictor: the file `moepager predictor fit` wrote")
     p.add_argument("--prefetch-distance", type=int, default=1, metavar="D",
                    help="--predictor: forecasts made D MoE layers ahead (default 1)")
+    p.add_argument("--whole-experts", action="store_true",
+                   help="no split (θ = 1 in every layer): per-layer budgets of whole experts, what the engine's "
+                        "--layer-plan takes")
     p.add_argument("--json", metavar="PATH", help="write the plan and the comparison as JSON")
 
 
@@ -68,12 +71,14 @@ def run(args: argparse.Namespace) -> int:
     fitted = load_workload(args.trace, "decode", 1, fit)
     ranks = forecasts(args, fitted, fit) if args.predictor else None
     hit_LC, prediction = statistics(fitted.ids_NLK[fitted.step_tokens], ranks, num_experts)
-    plan = vram_allocation(total, hit_LC, k, costs, args.zeta, prediction)
-    even = expert_split(np.full(num_layers, total / num_layers), hit_LC, k, costs, prediction)
+    split = not args.whole_experts
+    plan = vram_allocation(total, hit_LC, k, costs, args.zeta, prediction, split=split)
+    even = expert_split(np.full(num_layers, total / num_layers), hit_LC, k, costs, prediction, split)
     test = load_workload(args.trace, "decode", 1, judged)
     rows = [judge("even split, whole experts", np.full(num_layers, np.floor(total / num_layers)),
                   np.ones(num_layers), test, expert_bytes),
-            judge("configured (MoEpic)", np.floor(plan.cached_L), plan.theta_L, test, expert_bytes)]
+            judge("configured (MoEpic)" + ("" if split else ", whole experts"), np.floor(plan.cached_L), plan.theta_L,
+                  test, expert_bytes)]
     print(f"{args.trace}: {num_layers} layers x {num_experts} experts (top-{k}), budget {args.expert_memory} = "
           f"{total:.1f} experts ({format_bytes(total * expert_bytes)}); hit curves from {len(fitted.names)} "
           f"requests, judged on {len(test.names)}; profile {args.profile}"
@@ -89,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if json_out is not None:
         with atomic_file(json_out) as tmp:
             tmp.write_text(json.dumps({"trace": args.trace, "budget_experts": total, "profile": args.profile,
+                                       "whole_experts": not split,
                                        "budgets": plan.budgets_L.tolist(), "theta": plan.theta_L.tolist(),
                                        "cached": plan.cached_L.tolist(), "exposed_s": plan.exposed_s,
                                        "even_exposed_s": even.exposed_s, "judged": rows}, indent=1))

@@ -120,9 +120,10 @@ def statistics(ids_SLK: np.ndarray, ranks_SLY: np.ndarray | None, num_experts: i
 
 
 def expert_split(budgets_L: np.ndarray, hit_LC: np.ndarray, top_k: int, costs: LayerCosts,
-                 prediction: Prediction | None = None) -> Plan:
+                 prediction: Prediction | None = None, split: bool = True) -> Plan:
     """MoEpic's ExpertSplit: each layer's best cache size C >= V_i for its budget, layer by layer (a layer's
-    window depends on the layer before)."""
+    window depends on the layer before). `split` False: whole experts only (C = floor(V_i), θ = 1), what a store
+    without split experts holds."""
     num_layers, sizes = hit_LC.shape
     num_experts = sizes - 1
     t_moe = top_k * costs.compute_s
@@ -131,7 +132,8 @@ def expert_split(budgets_L: np.ndarray, hit_LC: np.ndarray, top_k: int, costs: L
     for i in range(num_layers):
         v = float(budgets_L[i])
         best, best_c = -math.inf, num_experts
-        for c in range(max(1, math.floor(v + 1e-9)), num_experts + 1):  # from floor(V): see the module note
+        first = max(1, math.floor(v + 1e-9))
+        for c in range(first, num_experts + 1 if split else first + 1):  # from floor(V): see the module note
             theta = min(1.0, v / c)
             m = top_k * hit_LC[i, c] * theta
             if prediction is not None:
@@ -160,7 +162,7 @@ def _prefetched(prediction: Prediction, layer: int, c: int, theta: float, load_s
 
 
 def vram_allocation(total: float, hit_LC: np.ndarray, top_k: int, costs: LayerCosts, zeta: float = 0.01,
-                    prediction: Prediction | None = None, max_moves: int = 100_000) -> Plan:
+                    prediction: Prediction | None = None, max_moves: int = 100_000, split: bool = True) -> Plan:
     """MoEpic's VramAllocation from the even split: each move raises the layer that gains most from ζ·total more
     and lowers the one that loses least from ζ·total less (never below the layer's top-k, what a decode step holds
     at once, nor past all of its experts), kept only while Σ 𝒯^i strictly falls. Σ V_i = total throughout."""
@@ -170,13 +172,15 @@ def vram_allocation(total: float, hit_LC: np.ndarray, top_k: int, costs: LayerCo
     if not top_k <= total / num_layers <= sizes - 1:
         raise MoepagerError(f"a budget of {total:.2f} experts over {num_layers} layers is not between one layer's "
                             f"top-{top_k} and all of its {sizes - 1} experts per layer")
-    step = zeta * total
+    step = zeta * total if split else max(1.0, round(zeta * total))  # whole experts move whole
     budgets = np.full(num_layers, total / num_layers)
-    plan = expert_split(budgets, hit_LC, top_k, costs, prediction)
+    if not split:
+        budgets = np.floor(budgets)
+    plan = expert_split(budgets, hit_LC, top_k, costs, prediction, split)
     history = [plan.exposed_s]
     for _ in range(max_moves):
-        raised = expert_split(np.minimum(budgets + step, sizes - 1), hit_LC, top_k, costs, prediction).exposed_L
-        lowered = expert_split(np.maximum(budgets - step, top_k), hit_LC, top_k, costs, prediction).exposed_L
+        raised = expert_split(np.minimum(budgets + step, sizes - 1), hit_LC, top_k, costs, prediction, split).exposed_L
+        lowered = expert_split(np.maximum(budgets - step, top_k), hit_LC, top_k, costs, prediction, split).exposed_L
         gain = np.where(budgets + step <= sizes - 1, plan.exposed_L - raised, -np.inf)
         i1 = int(np.argmax(gain))
         loss = np.where((budgets - step >= top_k - 1e-9) & (np.arange(num_layers) != i1), lowered - plan.exposed_L,
@@ -187,7 +191,7 @@ def vram_allocation(total: float, hit_LC: np.ndarray, top_k: int, costs: LayerCo
         moved = budgets.copy()
         moved[i1] += step
         moved[i2] -= step
-        candidate = expert_split(moved, hit_LC, top_k, costs, prediction)
+        candidate = expert_split(moved, hit_LC, top_k, costs, prediction, split)
         if candidate.exposed_s >= plan.exposed_s:
             break  # no strict improvement: the allocation is a fixed point
         budgets, plan = moved, candidate

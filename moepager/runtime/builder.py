@@ -66,9 +66,39 @@ def read_buffer_bytes(reader: FlatReader, io_threads: int, prefetch_threads: int
     return (io_threads + prefetch_threads) * reader.buffer_bytes_per_thread()
 
 
-def warm_order(layers: Sequence[int], num_experts: int) -> list[ExpertKey]:
-    """Expert 0 of every layer, then expert 1 of every layer, ...: any prefix respects per-layer quotas."""
-    return [ExpertKey(layer, e) for e in range(num_experts) for layer in layers]
+def warm_order(layers: Sequence[int], num_experts: int, quotas: dict[int, int] | None = None) -> list[ExpertKey]:
+    """Expert 0 of every layer, then expert 1 of every layer, ...: any prefix respects even per-layer quotas; with
+    `quotas` (a configured split), each layer's experts 0..quota-1 in that order, and then the rest."""
+    order = [ExpertKey(layer, e) for e in range(num_experts) for layer in layers]
+    if quotas is None:
+        return order
+    first = [k for k in order if k.expert < quotas[k.layer]]
+    return first + [k for k in order if k.expert >= quotas[k.layer]]
+
+
+def plan_quotas(path: str, cfg: ModelConfig, capacity: int) -> list[int]:
+    """Each MoE layer's share of `capacity` cache slots in proportion to the per-layer budgets of a `moepager plan
+    --json` file, none above a layer's experts and none below its top-k where the capacity allows (what a decode step
+    holds at once; the simulator's per-layer capacities have the same floor)."""
+    import json
+
+    try:
+        budgets = [float(b) for b in json.loads(Path(path).read_text())["budgets"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--layer-plan {path}: not a `moepager plan --json` file ({e})") from None
+    layers, most = cfg.num_moe_layers, cfg.num_experts
+    if len(budgets) != layers or min(budgets) < 0 or sum(budgets) <= 0:
+        raise ConfigError(f"--layer-plan {path} has budgets for {len(budgets)} layers; this model has {layers} MoE "
+                          "layers (plan on a trace of this model)")
+    least = cfg.top_k if capacity >= layers * cfg.top_k else capacity // layers  # what a decode step holds at once
+    share = [capacity * b / sum(budgets) for b in budgets]
+    want = [max(0.0, x - least) for x in share]  # what each layer's share asks beyond the least
+    rest = capacity - least * layers
+    quotas = [least + min(int(rest * w / sum(want)) if sum(want) else 0, most - least) for w in want]
+    while sum(quotas) < capacity:  # the rest one at a time, to the layers furthest below their share
+        room = [i for i in range(layers) if quotas[i] < most]
+        quotas[max(room, key=lambda i: (share[i] - quotas[i], -i))] += 1
+    return quotas
 
 
 def _check_fits(nbytes: int, device: torch.device, what: str) -> None:
@@ -91,7 +121,8 @@ def stream_rows(slots: int, num_routed: int) -> int:
 
 
 def _tier(slots: int, cfg: ModelConfig, reader: FlatReader, device: torch.device, config: StoreConfig,
-          pin: bool, what: str, streams: int = 0, scope: Scope | None = None, prefetch_aware: bool = False) -> Tier:
+          pin: bool, what: str, streams: int = 0, scope: Scope | None = None, prefetch_aware: bool = False,
+          quotas: Sequence[int] | None = None) -> Tier:
     """`slots` rows of buffers: the last `streams` of them stream rows, the rest the cache."""
     shape = reader.shape
     _check_fits(slots * shape.nbytes, device, what)
@@ -100,7 +131,7 @@ def _tier(slots: int, cfg: ModelConfig, reader: FlatReader, device: torch.device
     policy = make_policy(config.policy, engine=True)
     table = SlotTable(slots - streams, cfg.moe_layers,  # the device tier: prefetches share its cache
                       make_prefetch_policy(config.prefetch_policy, policy) if prefetch_aware else policy,
-                      scope or config.scope, streams)
+                      scope or config.scope, streams, quotas)
     return Tier(table, arena)
 
 
@@ -116,13 +147,16 @@ def build_store(config: StoreConfig, reader: FlatReader, cfg: ModelConfig, devic
         # the host tier is one cache for all layers: the device tier above it keeps the per-layer quotas
         host = _tier(host_slots, cfg, reader, torch.device("cpu"), config, device.type == "cuda",
                      f"--host-memory {config.host_memory or 'all'} ({host_slots} experts)", scope="global")
+    streams = stream_rows(device_slots, cfg.num_moe_layers * cfg.num_experts)
+    quotas = plan_quotas(config.layer_plan, cfg, device_slots - streams) if config.layer_plan else None
     tier = _tier(device_slots, cfg, reader, device, config, False,
-                 f"--expert-memory {config.expert_memory or 'all'} ({device_slots} experts)",
-                 stream_rows(device_slots, cfg.num_moe_layers * cfg.num_experts), prefetch_aware=True)
+                 f"--expert-memory {config.expert_memory or 'all'} ({device_slots} experts)", streams,
+                 prefetch_aware=True, quotas=quotas)
     transfers = Transfers(device, config.io_threads, config.prefetch_threads, config.prefetch_yields)
     store = ExpertStore(tier, host, reader.read, transfers, buffers)
     if config.warm:
-        store.warm(warm_order(cfg.moe_layers, cfg.num_experts), progress)
+        store.warm(warm_order(cfg.moe_layers, cfg.num_experts, store.device.table.quota if quotas else None),
+                   progress)
     return store
 
 
@@ -278,6 +312,8 @@ def store_report(store: ExpertStore | None, config: StoreConfig, prefill_tokens:
                  "read buffers": format_bytes(store.read_buffer_bytes),
                  "host slots": store.host.table.capacity if store.host is not None else "none (disk below)",
                  "policy": config.policy, "scope": config.scope, **where}
+    if config.layer_plan:
+        described["per-layer cache"] = " ".join(str(q) for q in store.device.table.quota.values())
     phases, nbytes = store.counters.phases, store.device.expert_nbytes
     return StoreReport(described, {"prefill": phases["prefill"].summary(prefill_tokens, nbytes),
                                    "decode": phases["decode"].summary(decode_tokens, nbytes)})

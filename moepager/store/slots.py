@@ -4,7 +4,8 @@ The table owns the invariants; the policy only ranks the candidates it is offere
 - a pinned slot (its expert is being computed with, or is scheduled to be) is never offered;
 - a slot whose load (or copy out of it) is still in flight is never offered, so no load is issued twice
   and no buffer is overwritten while a transfer uses it;
-- with scope "layer", every MoE layer has a quota of slots (capacity split evenly) and never holds more: a
+- with scope "layer", every MoE layer has a quota of slots (capacity split evenly, or a configured split: MoEpic's
+  per-layer budgets) and never holds more: a
   layer at its quota evicts among its own experts even while other layers' slots are free, and when none of
   its own can go the claim fails (so each layer is the fixed-size cache the trace simulator models; the
   store streams an expert that finds no slot through a stream row). With scope "global" all layers compete
@@ -39,7 +40,8 @@ def settled(ticket: Future[torch.cuda.Event | None] | None) -> bool:
 
 class SlotTable:
     def __init__(self, capacity: int, layers: Sequence[int], policy: EvictionPolicy, scope: Scope,
-                 stream_rows: int = 0):
+                 stream_rows: int = 0, quotas: Sequence[int] | None = None):
+        """`quotas`: scope "layer", each layer's share of the `capacity` slots (default: an even split)."""
         self.capacity = capacity
         self.policy = policy
         self.scope = scope
@@ -55,6 +57,11 @@ class SlotTable:
         self.by_layer: dict[int, set[ExpertKey]] = {layer: set() for layer in layers}
         n = max(len(layers), 1)
         self.quota = {layer: capacity // n + (i < capacity % n) for i, layer in enumerate(layers)}
+        if quotas is not None:
+            if len(quotas) != len(layers) or sum(quotas) != capacity or min(quotas) < 0:
+                raise ValueError(f"per-layer quotas {list(quotas)} must give each of the {len(layers)} layers a share "
+                                 f"of the {capacity} slots")
+            self.quota = dict(zip(layers, quotas))
         self._free = list(range(capacity - 1, -1, -1))
         self.on_evict: Callable[[list[ExpertKey]], None] | None = None
         """Called with the experts each claim evicted (the store judges prefetches with it)."""

@@ -131,3 +131,29 @@ def test_plan_prefetches_from_a_fitted_predictor(tmp_path, capsys):
                  "transition", "--predictor-file", str(tmp_path / "tr.pt")]) == 0
     assert "prefetch from transition forecasts 1 layer(s) ahead" in capsys.readouterr().out
     assert main(["plan", str(trace), "--expert-memory", "50%", "--predictor", "transition"]) == 2
+
+
+def test_whole_expert_budgets_move_whole_experts_and_never_split():
+    num_experts, top_k = 16, 2
+    c = np.arange(num_experts + 1)
+    hit_LC = np.stack([1 - np.exp(-c / 4), c / num_experts, 1 - np.exp(-c / 4), c / num_experts])
+    plan = vram_allocation(4 * 4.5, hit_LC, top_k, COSTS, zeta=0.01, split=False)
+    assert np.all(plan.theta_L == 1.0) and np.all(plan.budgets_L == np.floor(plan.budgets_L))
+    assert np.array_equal(plan.cached_L, plan.budgets_L)
+    assert plan.budgets_L.sum() == 16  # floor(4.5) each to start, then whole experts move
+    assert all(b < a for a, b in zip(plan.objectives, plan.objectives[1:])) and plan.budgets_L[0] > 4
+
+
+def test_plan_writes_whole_expert_budgets_the_engine_takes(tmp_path, capsys):
+    import json
+
+    from moepager.cli.main import main
+    from tests.trace.conftest import random_trace
+
+    trace = random_trace(tmp_path / "t.mpt", lengths=(40, 30, 50, 20, 35), experts=16)
+    assert main(["plan", str(trace), "--expert-memory", "50%", "--expert-bytes", "1000000", "--whole-experts",
+                 "--json", str(tmp_path / "p.json")]) == 0
+    assert "configured (MoEpic), whole experts" in capsys.readouterr().out
+    plan = json.loads((tmp_path / "p.json").read_text())
+    assert plan["whole_experts"] and set(plan["theta"]) == {1.0}
+    assert all(b == int(b) for b in plan["budgets"])

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from moepager.cli.main import main
 from moepager.config import StoreConfig
@@ -169,3 +170,47 @@ def test_simulator_in_the_engines_step_order_agrees_with_a_batched_replay(hf_che
                  "--capacity", str(per_layer), "--json", str(tmp_path / "sim.json")]) == 0
     row = json.loads((tmp_path / "sim.json").read_text())["rows"][0]
     assert row["decode_hit_rate"] == pytest.approx(llm.last_stats.sections["experts"].phases["decode"]["hit_rate"])
+
+
+def test_a_layer_plan_splits_the_cache_unevenly_as_the_simulators_per_layer_capacities(hf_checkpoint, tmp_path):
+    """`--layer-plan`: each layer's cache sized from a plan's budgets (MoEpic's per-layer V_i), warm-started with its
+    own experts 0..quota-1; the engine's hits and misses equal the simulator's with those per-layer capacities, and
+    the logits the resident run's."""
+    from tests.runtime.test_offload import logits_run
+
+    _, path = hf_checkpoint("olmoe")
+    trace = random_trace(tmp_path / "t.mpt", lengths=(12, 9, 15), prefill=15, seed=2)
+    nbytes = LLM(path, show_progress=False).loaded.expert_shape.nbytes
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"budgets": [1.0, 5.5, 2.5]}))
+    for warm in (False, True):
+        store = StoreConfig(expert_memory=expert_budget(nbytes, 9), policy="lru", warm=warm, layer_plan=str(plan))
+        llm = LLM(path, store=store, show_progress=False)
+        quotas = list(llm.loaded.experts.store.device.table.quota.values())
+        assert quotas == [2, 5, 2]  # each at least its top-2, the rest by the budgets
+        llm.replay(ReplaySpec(trace, prompt_tokens=2))
+        sim = simulate(load_workload(str(trace), "recorded", cut=Cut(prompt_tokens=2)),
+                       SimSpec("lru", max(quotas), per_layer=tuple(quotas), warm=warm))
+        assert_same_hits_and_misses(llm.loaded.experts.store.counters.phases, sim, llm.loaded.config.moe_layers)
+        assert "per-layer cache 2 5 2" in llm.last_stats.table()
+    from moepager.checkpoints.build import load_model
+    from moepager.runtime.builder import paged_executor
+
+    ref = logits_run(load_model(path, show_progress=False))
+    paged = load_model(path, executor_factory=paged_executor(store, torch.device("cpu")), show_progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(logits_run(paged), ref))
+
+
+def test_layer_plans_are_checked(hf_checkpoint, tmp_path):
+    from moepager.errors import ConfigError, MoepagerError
+
+    _, path = hf_checkpoint("olmoe")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"budgets": [1.0, 2.0]}))
+    with pytest.raises(ConfigError, match="budgets for 2 layers; this model has 3"):
+        LLM(path, store=StoreConfig(expert_memory="50%", layer_plan=str(bad)), show_progress=False)
+    bad.write_text("{}")
+    with pytest.raises(ConfigError, match="not a `moepager plan --json` file"):
+        LLM(path, store=StoreConfig(expert_memory="50%", layer_plan=str(bad)), show_progress=False)
+    with pytest.raises(MoepagerError, match="set --expert-memory"):
+        StoreConfig(layer_plan=str(bad))
