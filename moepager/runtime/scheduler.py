@@ -11,7 +11,11 @@ a chunk that does not fit waits for the next step.
 Batch policy `expertflow` (ExpertFlow's token scheduler, runtime/grouping.py): up to twice `max_num_seqs` requests run.
 When more requests are decoding than `max_num_seqs`, they are split into two groups of similar routing paths
 (balanced 2-means over each request's last routed token) that decode in turns: the first group this step, the second
-the next (with any request that started decoding in between), then the groups are formed again. Prompt chunks are
+the next (with any request that started decoding in between), then the groups are formed again. The dual-batch
+pipeline (ExpertFlow §4.2): the next pair's groups are formed on a thread of their own while the second group's step
+computes, from the paths known when that step was scheduled (the first group's latest, the second's previous token);
+at the next pair they are used with the finished requests dropped and new ones added to the smaller group. Prompt
+chunks are
 scheduled as in FIFO. A decoding request therefore sits out at most one step in a row (`WAIT_BOUND`) unless it is
 preempted. A request's KV blocks stay in its block table whichever group it is in.
 """
@@ -19,6 +23,7 @@ preempted. A request's KV blocks stay in its block table whichever group it is i
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
@@ -59,6 +64,9 @@ class Scheduler:
         """`expertflow`: the decoding requests the current pair of steps grouped."""
         self._second: set[int] = set()
         """`expertflow`: the group that decodes next step (empty: the next step forms new groups)."""
+        self._next: Future[tuple[set[int], set[int]]] | None = None
+        """`expertflow`: the next pair's groups, formed on `_pool`'s thread while the pair's second step computes."""
+        self._pool = ThreadPoolExecutor(1, "moepager-token-scheduler") if paths is not None else None
         self.fixed_chunk = max(1, config.max_batched_tokens - config.max_num_seqs + 1) if config.batch_invariant \
             else 0
         """Batch-invariant: every prompt chunk's size (room for it beside a decode row of every other request the
@@ -105,22 +113,45 @@ class Scheduler:
     def _resting(self) -> set[int]:
         """`expertflow`: the decoding requests that sit this step out (see the module note)."""
         decoding = [r for r in self.running if r.out_ids and r.remaining == 1]
-        ids = {r.request_id for r in decoding}
+        ids = [r.request_id for r in decoding]
         if len(decoding) <= self.config.max_num_seqs:  # one step takes them all
-            self._pair, self._second = set(), set()
+            self._pair, self._second, self._next = set(), set(), None
             return set()
         if self._second:  # the pair's second step: its second group, and whoever started decoding since
-            run = (self._second & ids) | (ids - self._pair)
+            run = (self._second & set(ids)) | (set(ids) - self._pair)
             self._pair, self._second = set(), set()
-            return ids - run
+            self._next = self._pool.submit(self._groups, ids, self._snapshot(ids))  # the dual-batch pipeline
+            return set(ids) - run
+        groups = self._next.result() if self._next is not None else None
+        self._next = None
+        second = self._fitted(groups, ids) if groups is not None else None
+        if second is None:
+            second = self._groups(ids, self._snapshot(ids))[1]
+        self._pair, self._second = set(ids), second
+        return set(second)
+
+    def _snapshot(self, ids: list[int]) -> np.ndarray:
+        """The requests' paths as they are now (a request that has not routed yet: an empty path)."""
         assert self.paths is not None
         width = len(self.paths.column) * self.paths.num_experts
-        paths = np.stack([p if (p := self.paths.path(r.request_id)) is not None else np.zeros(width, bool)
-                          for r in decoding])
+        return np.stack([p if (p := self.paths.path(i)) is not None else np.zeros(width, bool) for i in ids])
+
+    @staticmethod
+    def _groups(ids: list[int], paths: np.ndarray) -> tuple[set[int], set[int]]:
         first, second = balanced_two_means(paths)
-        self._pair = ids
-        self._second = {decoding[j].request_id for j in second}
-        return set(self._second)
+        return {ids[j] for j in first}, {ids[j] for j in second}
+
+    @staticmethod
+    def _fitted(groups: tuple[set[int], set[int]], ids: list[int]) -> set[int] | None:
+        """The second group of the pair formed ahead, for the requests decoding now: the finished ones dropped and the
+        new ones (oldest first) given to the smaller group; None when the groups came apart by more than one request
+        (then they are formed again)."""
+        now = set(ids)
+        first, second = groups[0] & now, groups[1] & now
+        for i in ids:
+            if i not in first and i not in second:
+                (first if len(first) <= len(second) else second).add(i)
+        return second if abs(len(first) - len(second)) <= 1 and first and second else None
 
     def _fixed(self, remaining: int, budget: int) -> int | None:
         """Batch-invariant: the request's next fixed chunk, or none this step (so its prompt is split at the same

@@ -143,3 +143,21 @@ def test_batch_policy_is_checked():
 
     with pytest.raises(MoepagerError, match="unknown --batch-policy"):
         SchedulerConfig(batch_policy="random")  # type: ignore[arg-type]
+
+
+def test_the_dual_batch_pipeline_forms_the_next_pair_during_the_second_step():
+    paths, cluster = clustered(8)
+    s = expertflow(4, paths)
+    for i in range(8):
+        s.add(Tracked(str(i), [1] * 2, request_id=i))
+    step(s)  # prompts
+    step(s)  # a pair's first step: groups formed now
+    assert s._next is None
+    step(s)  # its second step: the next pair's groups are formed on the scheduler's thread meanwhile
+    assert s._next is not None
+    ahead = s._next.result()
+    third = {int(name) for name, *_ in step(s)}
+    assert third == set(range(8)) - ahead[1]  # the next pair ran the groups formed ahead
+    # formed-ahead groups fitted to who decodes now: finished ones dropped, new ones to the smaller group
+    assert Scheduler._fitted(({0, 1, 2}, {3, 4, 5}), [0, 1, 3, 4, 5, 6]) == {3, 4, 5}
+    assert Scheduler._fitted(({0, 1, 2}, {3, 4, 5}), [0, 3, 4, 5]) is None  # too far apart: formed again
