@@ -173,6 +173,14 @@ def http_part(args: argparse.Namespace) -> list[dict[str, object]]:
             ("25% budget", ["--expert-memory", "25%", "--policy", args.policy], prompts, args.clients, args.tokens)]
     if args.compile:  # the same servers with the compiled decode step, batched passes included
         runs += [(f"{label}, --compile", [*extra, "--compile"], *rest) for label, extra, *rest in runs]
+    if args.scheduling:  # ExpertFlow's token scheduler against FIFO at the same step size, each client count
+        budget = ["--expert-memory", "25%", "--policy", args.policy]
+        runs = [] if args.scheduling_only else runs
+        for clients in args.clients:
+            half = str(max(1, clients // 2))
+            runs += [(f"25%, fifo, {half} a step", [*budget, "--max-num-seqs", half], prompts, [clients], args.tokens),
+                     (f"25%, expertflow, {half} a step", [*budget, "--max-num-seqs", half, "--batch-policy",
+                                                          "expertflow"], prompts, [clients], args.tokens)]
     if args.real_geometry:
         model = str(ensure_model("qwen3-30b-a3b-L4", "qwen3-30b-a3b", 4))
         runs.append(("qwen3-30b-a3b L4, 25%", ["--model", model, "--expert-memory", "25%", "--policy", args.policy],
@@ -268,6 +276,10 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=1,
                    help="run every (client, clients) pair this many times, interleaved; ratios from the medians")
     p.add_argument("--skip-replay", action="store_true")
+    p.add_argument("--scheduling", action="store_true",
+                   help="also, at 25%%, servers that take half of each --clients count a step: FIFO and --batch-policy "
+                        "expertflow (ExpertFlow's token scheduler)")
+    p.add_argument("--scheduling-only", action="store_true", help="--scheduling's servers only")
     p.add_argument("--real-geometry", action="store_true",
                    help="also serve a qwen3-30b-a3b-geometry checkpoint (4 layers) at 25%% to 1 and 4 clients (its "
                         "random-weight routing is nearly static: a serving check, not an offloading figure)")
