@@ -270,6 +270,14 @@ class EngineConfig:
     """A calibrated profile (`moepager calibrate --out`) that hybrid placement and `auto` read their costs from;
     None: the nominal figures of planning/cost.py."""
 
+    workers: int = 0
+    """Worker processes that hold and compute the routed experts (OD-MoE; `torchrun ... -m moepager.distributed` or
+    `generate --workers N` starts them); 0: none, every expert in this process."""
+    worker_group: int | None = None
+    """Workers that share one MoE layer's experts (each expert on one of them); None: min(top-k, workers)."""
+    worker_timeout_s: float = 60.0
+    """How long the main process waits for a worker's answer before it stops with an error naming the worker."""
+
     cuda_graphs: bool = True
     """CUDA: one-request decode steps replay a CUDA graph where they can be captured (every expert resident in
     bf16, nothing observing routing: runtime/cuda_graphs.py); the same tokens as launching each kernel."""
@@ -286,6 +294,14 @@ class EngineConfig:
             raise MoepagerError(f"--threads must be >= 1, got {self.threads}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise MoepagerError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
+        if self.workers < 0 or self.worker_timeout_s <= 0:
+            raise MoepagerError("--workers must be >= 0 and --worker-timeout positive")
+        if self.workers and (self.store.paged or self.execution != "gpu" or self.compile
+                             or self.prefetch.predictor is not None or self.device != "cpu"):
+            raise MoepagerError("--workers holds every routed expert on the worker processes (CPU, gloo): drop "
+                                "--expert-memory/--host-memory, --execution, --compile, --predictor and --device")
+        if self.worker_group is not None and not 1 <= self.worker_group <= max(self.workers, 1):
+            raise MoepagerError(f"--worker-group must be between 1 and --workers {self.workers}")
         if self.hybrid_admit < 0:
             raise MoepagerError(f"--hybrid-admit must be >= 0, got {self.hybrid_admit}")
         if self.hybrid_admit and self.execution not in ("hybrid", "auto"):

@@ -24,6 +24,7 @@ FLOORS = {
     "runtime": 10,
     "server": 11,
     "cli": 12,
+    "distributed": 13,
 }
 """Each node imports only nodes on lower floors (docs/architecture.md, "Layers")."""
 LOCAL_IMPORTS_ALLOWED = {"cli"}

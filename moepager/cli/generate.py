@@ -105,6 +105,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="hybrid: copy up to N of each layer's experts computed on the CPU to the device in the "
                         "background, so the cache follows the routing (default 0: it changes only through a "
                         "prefill's heavy experts and --predictor prefetches, as SMoE's)")
+    w = p.add_argument_group("worker processes (OD-MoE)")
+    w.add_argument("--workers", type=int, default=0, metavar="N",
+                   help="N worker processes hold and compute the routed experts (started with torchrun on this "
+                        "machine, gloo): this process keeps the dense weights and the KV cache")
+    w.add_argument("--worker-group", type=int, metavar="G",
+                   help="--workers: workers sharing one MoE layer's experts (default min(top-k, N)); layers go "
+                        "round-robin to the N/G groups")
+    w.add_argument("--worker-timeout", type=float, default=60.0, metavar="S",
+                   help="--workers: seconds to wait for a worker's answer before stopping with an error naming it")
     h.add_argument("--cpu-threads", type=int, metavar="N",
                    help="hybrid, cpu-experts: torch threads of the thread computing experts on the CPU (default "
                         "--threads)")
@@ -173,7 +182,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         int4_zero_point=args.int4_zero_points, dense_dtype=args.dense_dtype,
                         pack_dense=args.pack_dense, compile=args.compile, cuda_graphs=args.cuda_graphs,
                         execution=args.execution, cpu_threads=args.cpu_threads, profile=args.profile,
-                        hybrid_admit=args.hybrid_admit)
+                        hybrid_admit=args.hybrid_admit, workers=args.workers, worker_group=args.worker_group,
+                        worker_timeout_s=args.worker_timeout)
 
 
 def add_store_arguments(p: argparse.ArgumentParser) -> None:
@@ -386,6 +396,8 @@ def utf8(data: bytes, where: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.workers and "RANK" not in os.environ:  # start the worker processes: torchrun runs this command again
+        return launch_workers(args)
     args.prompts = read_prompts(args)
     refuse_ignored_options(args)
     replay = replay_spec(args)
@@ -419,6 +431,18 @@ def run(args: argparse.Namespace) -> int:
         for i, (prompt, c) in enumerate(zip(args.prompts, completions)):
             print(f"[{i}] {prompt}{c.text}")
     return _report(llm, args)
+
+
+def launch_workers(args: argparse.Namespace) -> int:
+    """`--workers N`: this command again as N + 1 processes under torchrun (`moepager.distributed`), its exit status."""
+    import subprocess
+
+    if args.workers < 1:
+        raise MoepagerError(f"--workers must be >= 1, got {args.workers}")
+    argv = args.argv[1:]  # less the command's name
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.workers + 1),
+           "-m", "moepager.distributed", "generate", *argv]
+    return subprocess.call(cmd)
 
 
 def _replay(llm: LLM, spec: ReplaySpec, params: SamplingParams, args: argparse.Namespace) -> int:

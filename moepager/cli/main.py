@@ -53,6 +53,8 @@ def _version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    """The command line as given (`generate --workers` runs it again under torchrun)."""
     try:
         return COMMANDS[args.command].run(args)
     except MoepagerError as e:

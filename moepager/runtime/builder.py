@@ -32,6 +32,7 @@ from moepager.errors import BudgetError, ConfigError
 from moepager.experts.executor import ExpertExecutor, PagedExecutor
 from moepager.experts.hybrid import CpuExpertsExecutor, CpuPool, ExpertTimes, HybridExecutor
 from moepager.experts.protocols import FlatReader
+from moepager.experts.remote import ExpertWorker, Placement, RemoteExecutor
 from moepager.models.config import ModelConfig
 from moepager.planning.cost import CostModel, nominal_profile
 from moepager.policies import UnknownPolicyError, make_policy, policy_spec
@@ -261,6 +262,38 @@ def cpu_experts_executor(config: EngineConfig, device: torch.device) -> Executor
     return make
 
 
+def placement(config: EngineConfig, cfg: ModelConfig) -> Placement:
+    """Which worker holds each expert (experts/remote.py), checked against the processes that were started."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() != config.workers + 1:
+        raise ConfigError(f"--workers {config.workers} needs {config.workers + 1} processes started together: run "
+                          f"`moepager generate --workers {config.workers} ...` or `torchrun --nproc-per-node "
+                          f"{config.workers + 1} -m moepager.distributed generate ...`")
+    return Placement(config.workers, config.worker_group or min(cfg.top_k, config.workers))
+
+
+def remote_executor(config: EngineConfig, reader: FlatReader, cfg: ModelConfig) -> RemoteExecutor:
+    """The main rank's executor: routed experts computed by the worker ranks."""
+    shape = reader.shape
+    return RemoteExecutor(shape, cfg.moe_layers, placement(config, cfg),
+                          cpu_kernels.fused_experts(shape, torch.device("cpu"), config.expert_kernel),
+                          config.worker_timeout_s)
+
+
+def expert_worker(config: EngineConfig, path: Path, rank: int) -> ExpertWorker:
+    """A worker rank's experts (its share of every layer's, `Placement`), read from the checkpoint into RAM."""
+    opened = open_checkpoint(path, LoadOptions.of(config))
+    cfg, reader = opened.config, opened.reader
+    owned = placement(config, cfg).owned(rank, cfg.num_moe_layers, cfg.num_experts)
+    arena = host_empty(max(len(owned), 1), reader.shape.numel, dtype=reader.shape.buffer_dtype)
+    for row, (position, e) in enumerate(owned):
+        reader.read(ExpertKey(cfg.moe_layers[position], e), arena[row])
+    kernel = config.expert_kernel
+    return ExpertWorker(arena, owned, reader.shape, kernel,
+                        cpu_kernels.fused_experts(reader.shape, torch.device("cpu"), kernel))
+
+
 def build(config: EngineConfig, path: Path, show_progress: bool) -> Built:
     """Checkpoint reader -> expert store -> executor -> model -> prefetcher, from one configuration."""
     check_names(config)
@@ -273,9 +306,12 @@ def build(config: EngineConfig, path: Path, show_progress: bool) -> Built:
         print(why, file=sys.stderr)
     store: ExpertStore | None = None
     with load_bar(opened, show_progress) as bar:
-        if execution == "hybrid":
+        if config.workers:
+            executor: ExpertExecutor = remote_executor(config, opened.reader, opened.config)
+            why = f"{config.workers} worker processes"
+        elif execution == "hybrid":
             hybrid = _hybrid(config, opened.reader, opened.config, opened.device, times, bar.update)
-            executor: ExpertExecutor = hybrid
+            executor = hybrid
             store = hybrid.store
             why = why or f"hybrid: {times.describe()} ({profile})"
         elif execution == "cpu-experts":

@@ -1,0 +1,37 @@
+"""`torchrun --nproc-per-node N -m moepager.distributed generate [generate's options]`: `moepager generate` on rank 0
+with its routed experts on the other N-1 ranks (`--workers`, set from the world size; distributed/roles.py)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from moepager.cli import generate
+from moepager.cli.main import build_parser
+from moepager.config import EngineConfig
+from moepager.distributed.roles import launch
+from moepager.errors import MoepagerError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "generate":
+        print("usage: torchrun --nproc-per-node N -m moepager.distributed generate [options] PROMPT...",
+              file=sys.stderr)
+        return 2
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+
+    def on_main(config: EngineConfig) -> int:
+        args.workers = config.workers
+        return generate.run(args)
+
+    try:
+        return launch(generate.engine_config(args), on_main)
+    except MoepagerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

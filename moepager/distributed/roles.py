@@ -1,0 +1,65 @@
+"""The ranks' roles under torchrun (gloo): rank 0 runs the model with its routed experts on the other ranks, which
+hold their share of the experts (experts/remote.py `Placement`) and compute what rank 0 sends until it says stop."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from moepager.checkpoints.default import default_model_path
+from moepager.checkpoints.gguf_read import resolve_model_path
+from moepager.config import EngineConfig
+from moepager.errors import MoepagerError
+from moepager.experts.remote import HEADER, STOP
+from moepager.runtime.builder import expert_worker
+
+
+def launch(config: EngineConfig, main: Callable[[EngineConfig], int]) -> int:
+    """In each process torchrun started: rank 0 returns `main(config)` with `config.workers` set to the other ranks,
+    and tells them to stop when it is done (or fails); every other rank serves its experts. An error is one line
+    naming the rank."""
+    if "RANK" not in os.environ:
+        raise MoepagerError("worker processes are started by torchrun: `torchrun --nproc-per-node N -m "
+                            "moepager.distributed generate ...` or `moepager generate --workers N-1 ...`")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=config.worker_timeout_s))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world < 2:
+        dist.destroy_process_group()
+        raise MoepagerError("torchrun started one process: give --nproc-per-node 2 or more (a main and workers)")
+    config = replace(config, workers=world - 1)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    try:
+        if rank == 0:
+            try:
+                return main(config)
+            finally:
+                _stop(world)
+        path = resolve_model_path(config.model) if config.model else default_model_path()
+        expert_worker(config, path, rank).serve()
+        return 0
+    except MoepagerError as e:
+        print(f"error (rank {rank}): {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:  # a worker whose main rank went away: nothing left to answer
+        if rank == 0:
+            raise
+        print(f"error (rank {rank}): lost the main rank ({str(e).splitlines()[0]})", file=sys.stderr)
+        return 1
+    finally:
+        dist.destroy_process_group()
+
+
+def _stop(world: int) -> None:
+    """Every worker still there is told to stop (one already gone is skipped)."""
+    for rank in range(1, world):
+        try:
+            dist.send(torch.tensor([STOP] + [0] * (HEADER - 1)), rank)
+        except RuntimeError:
+            pass

@@ -1,0 +1,174 @@
+"""Experts computed by worker processes over torch.distributed (OD-MoE's worker nodes; gloo on CPU).
+
+Rank 0, the main rank, keeps the dense weights and the KV cache and runs the model; ranks 1..W are workers that hold
+routed experts and compute them on demand. `Placement`: the workers form W // G groups of G consecutive ranks, MoE
+layer i (in order) is served by group i mod (W // G) (round-robin by layer, as OD-MoE assigns layers), and expert e of
+a layer lives on rank group[e mod G], so every expert lives on exactly one worker.
+
+Per MoE layer call the main rank sends each worker of the layer's group that holds a routed expert a header (the
+operation, the layer, the token count, the dtypes), then the layer's input and routing; the worker sorts the tokens by
+expert exactly as the main rank does, computes its experts' rows with the same kernels as a single process
+(`ArenaKernels.batch`), and sends them back in sorted order; the main rank places them among the layer's rows and
+sums every token's rows in ascending expert order. So the output is the single-process run's bit for bit at the same
+thread count. Every answer is awaited with a timeout: a worker that died (its connection drops) or stopped answering
+is named in a `WorkerLost` error, and nothing hangs.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moepager.errors import MoepagerError
+from moepager.experts.executor import ArenaKernels, SortedTokens, combine, sort_by_expert
+from moepager.experts.protocols import FusedKernel
+from moepager.experts.weights import ExpertShape
+from moepager.types import RoutingDecision
+
+RUN, STOP = 1, 0
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+HEADER = 6
+"""op, layer position, tokens, top-k, x's dtype, the weights' dtype."""
+
+
+class WorkerLost(MoepagerError):
+    """A worker rank died or did not answer in time."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which worker rank holds each (MoE layer position, expert) (module note)."""
+
+    workers: int
+    group_size: int
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or not 1 <= self.group_size <= self.workers:
+            raise MoepagerError(f"a worker group of {self.group_size} needs 1 to {self.workers} workers")
+
+    @property
+    def groups(self) -> int:
+        return self.workers // self.group_size
+
+    def rank(self, position: int, expert: int) -> int:
+        group = position % self.groups
+        return 1 + group * self.group_size + expert % self.group_size
+
+    def owned(self, rank: int, num_layers: int, num_experts: int) -> list[tuple[int, int]]:
+        """(layer position, expert) pairs `rank` holds, in order."""
+        return [(p, e) for p in range(num_layers) for e in range(num_experts) if self.rank(p, e) == rank]
+
+
+def _sorted_rows(work: SortedTokens, which: Sequence[int]) -> torch.Tensor:
+    return torch.cat([torch.arange(work.starts[i], work.starts[i + 1]) for i in which])
+
+
+def _weighted(fused: FusedKernel | None, n: int) -> bool:
+    """Whether a layer call on `n` tokens computes fp32 weighted rows (the fused kernel) or rows in x's dtype: both
+    sides decide alike, as `ArenaKernels.batch` does."""
+    return fused is not None and n <= fused.max_tokens
+
+
+class RemoteExecutor:
+    """The main rank's executor: each layer's routed experts computed by the workers that hold them."""
+
+    def __init__(self, shape: ExpertShape, moe_layers: Sequence[int], placement: Placement,
+                 fused: FusedKernel | None, timeout_s: float):
+        self.shape, self.placement, self.fused = shape, placement, fused
+        self.position = {layer: i for i, layer in enumerate(moe_layers)}
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.compute_note = (fused.note + ", " if fused is not None else "") + \
+            f"on {placement.workers} worker processes"
+        self.store = None
+        self.stopped = False
+
+    def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
+        work = sort_by_expert(x_ND, route)
+        n, k = route.ids_TK.shape
+        position, placement = self.position[layer], self.placement
+        by_rank: dict[int, list[int]] = {}
+        for i, e in enumerate(work.experts):
+            by_rank.setdefault(placement.rank(position, e), []).append(i)
+        x = x_ND.contiguous()
+        ids, weights = route.ids_TK.contiguous(), route.weights_TK.contiguous()
+        header = torch.tensor([RUN, position, n, k, DTYPES.index(x.dtype), DTYPES.index(weights.dtype)])
+        for rank in by_rank:  # every worker starts before any answer is awaited: they compute at the same time
+            for t in (header, x, ids, weights):
+                dist.send(t, rank)
+        weighted = _weighted(self.fused, n)
+        y_MD = torch.empty(work.x_MD.shape, dtype=torch.float32 if weighted else x.dtype)
+        for rank, which in by_rank.items():
+            index = _sorted_rows(work, which)
+            rows = torch.empty(len(index), x.shape[1], dtype=y_MD.dtype)
+            self._receive(rows, rank, layer)
+            y_MD[index] = rows
+        if weighted:
+            assert self.fused is not None
+            return self.fused.combine(y_MD, work.token_M, n)
+        return combine(x_ND, work, y_MD)
+
+    def _receive(self, t: torch.Tensor, rank: int, layer: int) -> None:
+        try:
+            dist.irecv(t, rank).wait(timeout=self.timeout)
+        except RuntimeError as e:
+            if "timed out" in str(e).lower():
+                raise WorkerLost(f"worker rank {rank} did not answer for MoE layer {layer} within "
+                                 f"{self.timeout.total_seconds():g} s (--worker-timeout)") from None
+            raise WorkerLost(f"worker rank {rank} is gone: its connection dropped while MoE layer {layer} waited for "
+                             f"it ({str(e).splitlines()[0].split('] ')[-1][:120]})") from None
+
+    def close(self) -> None:
+        """Tell every worker to stop (once; a worker already gone is skipped)."""
+        if self.stopped:
+            return
+        self.stopped = True
+        for rank in range(1, self.placement.workers + 1):
+            try:
+                dist.send(torch.tensor([STOP, 0, 0, 0, 0, 0]), rank)
+            except RuntimeError:
+                pass
+
+    def stream(self, layer: int, experts: Sequence[int]):  # noqa: ANN201 - the reference's ExpertSource seam
+        raise MoepagerError("experts on worker processes are not streamed to the main rank")
+
+
+class ExpertWorker:
+    """A worker rank: its experts in one arena, computed for whatever the main rank sends until it says stop."""
+
+    def __init__(self, arena: torch.Tensor, owned: Sequence[tuple[int, int]], shape: ExpertShape, kernel: str,
+                 fused: FusedKernel | None):
+        self.kernels = ArenaKernels(arena, shape, kernel, fused=fused)  # type: ignore[arg-type]
+        self.row = {key: i for i, key in enumerate(owned)}
+        self.shape = shape
+
+    def serve(self) -> int:
+        """Answer layer calls until told to stop; returns the calls answered."""
+        calls, d = 0, self.shape.hidden
+        header = torch.empty(HEADER, dtype=torch.long)
+        while True:
+            dist.recv(header, 0)
+            op, position, n, k, x_code, w_code = header.tolist()
+            if op == STOP:
+                return calls
+            x = torch.empty(n, d, dtype=DTYPES[x_code])
+            ids, weights = torch.empty(n, k, dtype=torch.long), torch.empty(n, k, dtype=DTYPES[w_code])
+            for t in (x, ids, weights):
+                dist.recv(t, 0)
+            with torch.inference_mode():
+                rows = self.compute(position, x, ids, weights)
+            dist.send(rows, 0)
+            calls += 1
+
+    def compute(self, position: int, x_ND: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tensor
+                ) -> torch.Tensor:
+        """This worker's experts' rows of the layer, in the main rank's sorted order."""
+        work = sort_by_expert(x_ND, RoutingDecision(ids_NK, weights_NK, weights_NK, ids_NK))
+        which = [i for i, e in enumerate(work.experts) if (position, e) in self.row]
+        rows = [self.row.get((position, e), -1) for e in work.experts]
+        batch = self.kernels.batch(work, x_ND)
+        batch.some(work, rows, which, batch.y_MD)
+        return batch.y_MD.index_select(0, _sorted_rows(work, which)).contiguous()

@@ -1,0 +1,68 @@
+"""Run under torchrun by tests/distributed/test_workers.py: rank 0 generates greedy tokens from token-id prompts on
+each checkpoint with its experts on the other ranks, and writes them to OUT; the workers serve each checkpoint in turn.
+MOEPAGER_TEST_FAULT=die|hang makes rank 2 exit, or stop answering, at its third layer call."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from moepager.config import EngineConfig
+from moepager.distributed.roles import _stop
+from moepager.errors import MoepagerError
+from moepager.experts.remote import ExpertWorker
+from moepager.runtime.builder import expert_worker
+from moepager.runtime.llm import LLM
+from moepager.runtime.sampling import SamplingParams
+
+PROMPTS = [[3, 11, 5, 7], [7, 1, 2], [2, 2, 9, 4, 6]]
+
+
+def main() -> int:
+    out, group, paths = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    fault = os.environ.get("MOEPAGER_TEST_FAULT")
+    if fault and rank == 2:
+        compute, calls = ExpertWorker.compute, [0]
+
+        def faulty(self, *args):  # noqa: ANN001, ANN202
+            calls[0] += 1
+            if calls[0] == 3:
+                if fault == "die":
+                    os._exit(1)
+                time.sleep(60)
+            return compute(self, *args)
+        ExpertWorker.compute = faulty
+    results = {}
+    for path in paths:
+        config = EngineConfig(model=path, threads=1, workers=world - 1, worker_group=group, worker_timeout_s=3.0)
+        if rank == 0:
+            try:
+                llm = LLM(config=config, show_progress=False)
+                params = SamplingParams(max_tokens=6, ignore_eos=True)
+                results[path] = [c.token_ids for c in llm.generate(PROMPTS, params)]
+            except MoepagerError as e:
+                with open(out, "w") as f:
+                    json.dump({"error": str(e)}, f)
+                _stop(world)
+                return 1
+            _stop(world)
+        else:
+            expert_worker(config, __import__("pathlib").Path(path), rank).serve()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

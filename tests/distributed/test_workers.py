@@ -1,0 +1,95 @@
+"""OD-MoE's worker processes (experts/remote.py, distributed/): a main rank and 2-3 workers started by torchrun on
+this machine (gloo, one thread each) give the single-process greedy tokens on every architecture; a worker that dies
+or stops answering is named in an error within the timeout, and nothing hangs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moepager.config import EngineConfig
+from moepager.errors import MoepagerError
+from moepager.experts.remote import Placement
+from moepager.runtime.llm import LLM
+from moepager.runtime.sampling import SamplingParams
+from tests.conftest import ARCHS
+from tests.distributed.ranks import PROMPTS
+
+TIMEOUT_S = 240
+
+
+def torchrun(procs: int, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs), *args]
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=environ)
+
+
+def single_process(path: str) -> list[list[int]]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llm = LLM(config=EngineConfig(model=path, threads=1), show_progress=False)
+        return [c.token_ids for c in llm.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True))]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_every_expert_lives_on_exactly_one_worker_and_layers_go_round_robin():
+    p = Placement(workers=4, group_size=2)
+    owners = {(layer, e): p.rank(layer, e) for layer in range(6) for e in range(8)}
+    assert set(owners.values()) == {1, 2, 3, 4}
+    assert {p.rank(0, e) for e in range(8)} == {1, 2} and {p.rank(1, e) for e in range(8)} == {3, 4}
+    assert sum(len(p.owned(r, 6, 8)) for r in range(1, 5)) == 48
+    with pytest.raises(MoepagerError):
+        Placement(workers=2, group_size=3)
+
+
+@pytest.mark.parametrize("procs, group", [(3, 1), (4, 2)], ids=["2-workers", "3-workers-groups-of-2"])
+def test_workers_give_the_single_process_tokens_on_every_architecture(hf_checkpoint, tmp_path, procs, group):
+    paths = [str(hf_checkpoint(arch)[1]) for arch in ARCHS]
+    out = tmp_path / "tokens.json"
+    run = torchrun(procs, "tests/distributed/ranks.py", str(out), str(group), *paths)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(out.read_text())
+    for path in paths:
+        assert got[path] == single_process(path), path
+
+
+@pytest.mark.parametrize("fault, says", [("die", "is gone: its connection dropped"), ("hang", "did not answer for MoE "
+                                                                                         "layer 1 within 3 s")])
+def test_a_lost_worker_is_named_and_nothing_hangs(hf_checkpoint, tmp_path, fault, says):
+    path = str(hf_checkpoint("olmoe")[1])
+    out = tmp_path / "tokens.json"
+    run = torchrun(3, "tests/distributed/ranks.py", str(out), "1", path, env={"MOEPAGER_TEST_FAULT": fault})
+    assert run.returncode != 0
+    error = json.loads(out.read_text())["error"]
+    assert "worker rank 2" in error and says in error
+
+
+def test_workers_without_their_processes_are_refused(hf_checkpoint):
+    path = str(hf_checkpoint("olmoe")[1])
+    with pytest.raises(MoepagerError, match="needs 3 processes started together"):
+        LLM(config=EngineConfig(model=path, workers=2), show_progress=False)
+    with pytest.raises(MoepagerError, match="drop --expert-memory"):
+        from moepager.config import StoreConfig
+
+        EngineConfig(workers=2, store=StoreConfig(expert_memory="25%"))
+
+
+def test_generate_with_workers_starts_them_and_prints_the_single_process_text(tmp_path):
+    common = ["generate", "--threads", "1", "--max-tokens", "10", "--temperature", "0", "--ignore-eos", "--quiet",
+              "The history of"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    alone = subprocess.run([sys.executable, "-m", "moepager.cli.main", *common], capture_output=True, text=True,
+                           timeout=TIMEOUT_S, env=env)
+    spread = subprocess.run([sys.executable, "-m", "moepager.cli.main", *common, "--workers", "2"],
+                            capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    assert alone.returncode == 0 and spread.returncode == 0, spread.stderr[-3000:]
+    text = alone.stdout.split("\n\n")[0]
+    assert text.startswith("The history of") and spread.stdout.split("\n\n")[0] == text
+    assert "on 2 worker processes" in spread.stdout
