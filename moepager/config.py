@@ -275,6 +275,9 @@ class EngineConfig:
     `generate --workers N` starts them); 0: none, every expert in this process."""
     worker_group: int | None = None
     """Workers that share one MoE layer's experts (each expert on one of them); None: min(top-k, workers)."""
+    worker_memory: str | None = None
+    """Each worker's expert cache: a size or a share of its own experts ("25%"); the rest read from the checkpoint
+    on demand (OD-MoE's just-in-time loading). None: each holds all of its experts in RAM."""
     worker_timeout_s: float = 60.0
     """How long the main process waits for a worker's answer before it stops with an error naming the worker."""
 
@@ -300,6 +303,8 @@ class EngineConfig:
                              or self.prefetch.predictor is not None or self.device != "cpu"):
             raise MoepagerError("--workers holds every routed expert on the worker processes (CPU, gloo): drop "
                                 "--expert-memory/--host-memory, --execution, --compile, --predictor and --device")
+        if self.worker_memory is not None and not self.workers:
+            raise MoepagerError("--worker-memory budgets the worker processes' experts: add --workers N")
         if self.worker_group is not None and not 1 <= self.worker_group <= max(self.workers, 1):
             raise MoepagerError(f"--worker-group must be between 1 and --workers {self.workers}")
         if self.hybrid_admit < 0:

@@ -112,6 +112,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--worker-group", type=int, metavar="G",
                    help="--workers: workers sharing one MoE layer's experts (default min(top-k, N)); layers go "
                         "round-robin to the N/G groups")
+    w.add_argument("--worker-memory", metavar="SIZE",
+                   help="--workers: each worker's expert cache, a size or a share of its own experts (25%%); the rest "
+                        "read from the checkpoint on demand (default: all of its experts in RAM)")
     w.add_argument("--worker-timeout", type=float, default=60.0, metavar="S",
                    help="--workers: seconds to wait for a worker's answer before stopping with an error naming it")
     h.add_argument("--cpu-threads", type=int, metavar="N",
@@ -183,7 +186,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         pack_dense=args.pack_dense, compile=args.compile, cuda_graphs=args.cuda_graphs,
                         execution=args.execution, cpu_threads=args.cpu_threads, profile=args.profile,
                         hybrid_admit=args.hybrid_admit, workers=args.workers, worker_group=args.worker_group,
-                        worker_timeout_s=args.worker_timeout)
+                        worker_timeout_s=args.worker_timeout, worker_memory=args.worker_memory)
 
 
 def add_store_arguments(p: argparse.ArgumentParser) -> None:

@@ -16,7 +16,7 @@ from moepager.checkpoints.default import default_model_path
 from moepager.checkpoints.gguf_read import resolve_model_path
 from moepager.config import EngineConfig
 from moepager.errors import MoepagerError
-from moepager.experts.remote import HEADER, STOP
+from moepager.experts.remote import HEADER, STATS, STOP
 from moepager.runtime.builder import expert_worker
 
 
@@ -40,7 +40,8 @@ def launch(config: EngineConfig, main: Callable[[EngineConfig], int]) -> int:
             try:
                 return main(config)
             finally:
-                _stop(world)
+                for rank_, stats in stop_workers(world, config.worker_timeout_s).items():
+                    print(describe(rank_, stats), file=sys.stderr)
         path = resolve_model_path(config.model) if config.model else default_model_path()
         expert_worker(config, path, rank).serve()
         return 0
@@ -56,10 +57,23 @@ def launch(config: EngineConfig, main: Callable[[EngineConfig], int]) -> int:
         dist.destroy_process_group()
 
 
-def _stop(world: int) -> None:
-    """Every worker still there is told to stop (one already gone is skipped)."""
+def stop_workers(world: int, timeout_s: float) -> dict[int, dict[str, float]]:
+    """Every worker still there is told to stop and answers with its counters (`ExpertWorker.stats`); one already
+    gone, or silent for `timeout_s`, is skipped."""
+    out = {}
     for rank in range(1, world):
         try:
             dist.send(torch.tensor([STOP] + [0] * (HEADER - 1)), rank)
+            stats = torch.empty(len(STATS), dtype=torch.float64)
+            dist.irecv(stats, rank).wait(timeout=datetime.timedelta(seconds=timeout_s))
+            out[rank] = dict(zip(STATS, stats.tolist()))
         except RuntimeError:
             pass
+    return out
+
+
+def describe(rank: int, stats: dict[str, float]) -> str:
+    accesses = stats["hits"] + stats["misses"]
+    paged = f", hit rate {100 * stats['hits'] / accesses:.1f}%, {stats['bytes_disk'] / 2**20:.1f} MiB read from disk" \
+        if accesses else " (its experts resident)"
+    return f"worker rank {rank}: {stats['calls']:.0f} layer calls{paged}"

@@ -24,12 +24,14 @@ import torch
 import torch.distributed as dist
 
 from moepager.errors import MoepagerError
-from moepager.experts.executor import ArenaKernels, SortedTokens, combine, sort_by_expert
+from moepager.experts.executor import ArenaKernels, PagedExecutor, SortedTokens, combine, sort_by_expert
 from moepager.experts.protocols import FusedKernel
 from moepager.experts.weights import ExpertShape
 from moepager.types import RoutingDecision
 
 RUN, STOP = 1, 0
+STATS = ("calls", "hits", "misses", "bytes_disk")
+"""What a worker answers a stop with (`ExpertWorker.stats`)."""
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HEADER = 6
 """op, layer position, tokens, top-k, x's dtype, the weights' dtype."""
@@ -137,23 +139,29 @@ class RemoteExecutor:
 
 
 class ExpertWorker:
-    """A worker rank: its experts in one arena, computed for whatever the main rank sends until it says stop."""
+    """A worker rank: its experts held resident in one arena, or paged through an expert store of its own from the
+    checkpoint on its disk (`--worker-memory`: OD-MoE's just-in-time loading, with a cache of that size); computed for
+    whatever the main rank sends until it says stop, when it answers with its counters (`STATS`)."""
 
-    def __init__(self, arena: torch.Tensor, owned: Sequence[tuple[int, int]], shape: ExpertShape, kernel: str,
-                 fused: FusedKernel | None):
-        self.kernels = ArenaKernels(arena, shape, kernel, fused=fused)  # type: ignore[arg-type]
+    def __init__(self, moe_layers: Sequence[int], owned: Sequence[tuple[int, int]], shape: ExpertShape,
+                 kernels: ArenaKernels | None = None, paged: PagedExecutor | None = None):
+        if (kernels is None) == (paged is None):
+            raise ValueError("a worker holds its experts resident (kernels) or paged (paged), one of the two")
+        self.moe_layers, self.shape = list(moe_layers), shape
+        self.kernels, self.paged = kernels, paged
         self.row = {key: i for i, key in enumerate(owned)}
-        self.shape = shape
+        self.calls, self._last = 0, -1
 
     def serve(self) -> int:
-        """Answer layer calls until told to stop; returns the calls answered."""
-        calls, d = 0, self.shape.hidden
+        """Answer layer calls until told to stop, then send the counters; returns the calls answered."""
+        d = self.shape.hidden
         header = torch.empty(HEADER, dtype=torch.long)
         while True:
             dist.recv(header, 0)
             op, position, n, k, x_code, w_code = header.tolist()
             if op == STOP:
-                return calls
+                dist.send(self.stats(), 0)
+                return self.calls
             x = torch.empty(n, d, dtype=DTYPES[x_code])
             ids, weights = torch.empty(n, k, dtype=torch.long), torch.empty(n, k, dtype=DTYPES[w_code])
             for t in (x, ids, weights):
@@ -161,14 +169,33 @@ class ExpertWorker:
             with torch.inference_mode():
                 rows = self.compute(position, x, ids, weights)
             dist.send(rows, 0)
-            calls += 1
+            self.calls += 1
 
     def compute(self, position: int, x_ND: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tensor
                 ) -> torch.Tensor:
         """This worker's experts' rows of the layer, in the main rank's sorted order."""
         work = sort_by_expert(x_ND, RoutingDecision(ids_NK, weights_NK, weights_NK, ids_NK))
         which = [i for i, e in enumerate(work.experts) if (position, e) in self.row]
-        rows = [self.row.get((position, e), -1) for e in work.experts]
-        batch = self.kernels.batch(work, x_ND)
-        batch.some(work, rows, which, batch.y_MD)
+        if self.paged is not None:
+            store = self.paged.store
+            if position <= self._last:  # a new forward pass: the clock the store's policy ranks by
+                store.clock += 1
+            store.counters.set_phase("decode" if x_ND.shape[0] == 1 else "prefill")
+            batch = self.paged.kernels.batch(work, x_ND)
+            self.paged.through_store(self.moe_layers[position], work, which, batch)
+        else:
+            assert self.kernels is not None
+            rows = [self.row.get((position, e), -1) for e in work.experts]
+            batch = self.kernels.batch(work, x_ND)
+            batch.some(work, rows, which, batch.y_MD)
+        self._last = position
         return batch.y_MD.index_select(0, _sorted_rows(work, which)).contiguous()
+
+    def stats(self) -> torch.Tensor:
+        """[calls, hits, misses, bytes read from disk] (resident: every access a hit, nothing read)."""
+        if self.paged is None:
+            return torch.tensor([self.calls, 0, 0, 0], dtype=torch.float64)
+        phases = self.paged.store.counters.phases.values()
+        return torch.tensor([self.calls, sum(sum(p.hits.values()) for p in phases),
+                             sum(sum(p.misses.values()) for p in phases), sum(p.bytes_disk for p in phases)],
+                            dtype=torch.float64)

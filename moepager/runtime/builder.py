@@ -29,7 +29,7 @@ from moepager.checkpoints.build import (
 )
 from moepager.config import Budget, EngineConfig, Execution, Kernel, StoreConfig
 from moepager.errors import BudgetError, ConfigError
-from moepager.experts.executor import ExpertExecutor, PagedExecutor
+from moepager.experts.executor import ArenaKernels, ExpertExecutor, PagedExecutor
 from moepager.experts.hybrid import CpuExpertsExecutor, CpuPool, ExpertTimes, HybridExecutor
 from moepager.experts.protocols import FlatReader
 from moepager.experts.remote import ExpertWorker, Placement, RemoteExecutor
@@ -282,16 +282,24 @@ def remote_executor(config: EngineConfig, reader: FlatReader, cfg: ModelConfig) 
 
 
 def expert_worker(config: EngineConfig, path: Path, rank: int) -> ExpertWorker:
-    """A worker rank's experts (its share of every layer's, `Placement`), read from the checkpoint into RAM."""
+    """A worker rank's experts (its share of every layer's, `Placement`): read into RAM, or with `--worker-memory`
+    paged from the checkpoint through a store of that many of them (one cache for all its layers)."""
     opened = open_checkpoint(path, LoadOptions.of(config))
     cfg, reader = opened.config, opened.reader
     owned = placement(config, cfg).owned(rank, cfg.num_moe_layers, cfg.num_experts)
-    arena = host_empty(max(len(owned), 1), reader.shape.numel, dtype=reader.shape.buffer_dtype)
+    shape, kernel, cpu = reader.shape, config.expert_kernel, torch.device("cpu")
+    fused = cpu_kernels.fused_experts(shape, cpu, kernel)
+    if config.worker_memory is not None:
+        slots = Budget.parse(config.worker_memory, "--worker-memory").slots(shape.nbytes, len(owned))
+        check_slots(slots, cfg.top_k, shape.nbytes, "--worker-memory", config.worker_memory)
+        store_config = StoreConfig(expert_memory=str(slots * shape.nbytes + read_buffer_bytes(reader, 4)),
+                                   scope="global", policy=config.store.policy, warm=False)
+        store = build_store(store_config, reader, cfg, cpu, False)
+        return ExpertWorker(cfg.moe_layers, owned, shape, paged=PagedExecutor(store, shape, kernel, fused))
+    arena = host_empty(max(len(owned), 1), shape.numel, dtype=shape.buffer_dtype)
     for row, (position, e) in enumerate(owned):
         reader.read(ExpertKey(cfg.moe_layers[position], e), arena[row])
-    kernel = config.expert_kernel
-    return ExpertWorker(arena, owned, reader.shape, kernel,
-                        cpu_kernels.fused_experts(reader.shape, torch.device("cpu"), kernel))
+    return ExpertWorker(cfg.moe_layers, owned, shape, ArenaKernels(arena, shape, kernel, fused=fused))
 
 
 def build(config: EngineConfig, path: Path, show_progress: bool) -> Built:

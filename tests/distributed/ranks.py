@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from moepager.config import EngineConfig
-from moepager.distributed.roles import _stop
+from moepager.distributed.roles import stop_workers
 from moepager.errors import MoepagerError
 from moepager.experts.remote import ExpertWorker
 from moepager.runtime.builder import expert_worker
@@ -43,7 +43,8 @@ def main() -> int:
         ExpertWorker.compute = faulty
     results = {}
     for path in paths:
-        config = EngineConfig(model=path, threads=1, workers=world - 1, worker_group=group, worker_timeout_s=3.0)
+        config = EngineConfig(model=path, threads=1, workers=world - 1, worker_group=group, worker_timeout_s=3.0,
+                              worker_memory=os.environ.get("MOEPAGER_TEST_WORKER_MEMORY"))
         if rank == 0:
             try:
                 llm = LLM(config=config, show_progress=False)
@@ -52,9 +53,9 @@ def main() -> int:
             except MoepagerError as e:
                 with open(out, "w") as f:
                     json.dump({"error": str(e)}, f)
-                _stop(world)
+                stop_workers(world, 3.0)
                 return 1
-            _stop(world)
+            results[path + " workers"] = list(stop_workers(world, 3.0).values())
         else:
             expert_worker(config, __import__("pathlib").Path(path), rank).serve()
     if rank == 0:

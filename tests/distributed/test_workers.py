@@ -58,6 +58,21 @@ def test_workers_give_the_single_process_tokens_on_every_architecture(hf_checkpo
     got = json.loads(out.read_text())
     for path in paths:
         assert got[path] == single_process(path), path
+        assert sum(w["calls"] for w in got[path + " workers"]) > 0
+
+
+def test_workers_paging_their_experts_from_disk_give_the_same_tokens(hf_checkpoint, tmp_path):
+    """`--worker-memory 60%`: each worker pages its experts through a cache of 60% of them (OD-MoE's just-in-time
+    loading), and the tokens stay the single-process ones."""
+    paths = [str(hf_checkpoint(arch)[1]) for arch in ("olmoe", "deepseek_v2", "mixtral")]
+    out = tmp_path / "tokens.json"
+    run = torchrun(3, "tests/distributed/ranks.py", str(out), "1", *paths, env={"MOEPAGER_TEST_WORKER_MEMORY": "60%"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(out.read_text())
+    for path in paths:
+        assert got[path] == single_process(path), path
+        workers = got[path + " workers"]
+        assert all(w["misses"] > 0 and w["bytes_disk"] > 0 for w in workers)
 
 
 @pytest.mark.parametrize("fault, says", [("die", "is gone: its connection dropped"), ("hang", "did not answer for MoE "
