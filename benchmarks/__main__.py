@@ -95,6 +95,9 @@ BENCHMARKS: dict[str, Bench] = {
                           needs="traces", suites="cpu traces",
                           quick=("--workloads", "built-in", "--clients", "8", "--decode", "4"),
                           runtime="3 min", traces=(DS, OLMOE)),
+    "workers": _b("Do OD-MoE's worker processes keep up with one process, and would an int8 shadow predict routing?",
+                  needs="traces", quick=("--workers", "2", "--prompts", "2", "--tokens", "8", "--shadow-docs", "4"),
+                  runtime="1 min", traces=(OLMOE,)),
     "decode_gpu": _b("GPU decode, all resident, against HF and the bandwidth limit", needs="gpu", suites="gpu",
                      runtime="10 min"),
 }

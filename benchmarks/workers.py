@@ -1,0 +1,156 @@
+"""OD-MoE's worker processes (`--workers N --worker-memory S`): throughput and bytes against one process paging at the
+same total expert memory, and how well an int8 shadow of the model would predict its routing.
+
+Part 1, measured (processes as nodes on this machine, one torch thread each, gloo): the built-in model decodes
+`--prompts` prompts of the demo validation text (`--tokens` each, greedy) in one process with `--expert-memory B`,
+then as a main rank with 2 and 4 workers, each worker's cache `--worker-memory B` of its own experts (so the same
+total), read from the checkpoint on demand. Per run: decode tok/s, TPOT, expert bytes read per output token, the
+workers' hit rate, and whether the tokens equal the single process's.
+Part 2, OD-MoE's shadow model: the built-in model with int8 experts and int8 dense projections (the shadow) run over
+the same tokens as the full model (teacher-forced: the validation documents), and per MoE layer the recall of the
+full model's top-k in the shadow's top-k (OD-MoE reports 97.34% for INT8).
+
+    python -m benchmarks.workers [--budget 25%] [--workers 2 4] [--prompts 4] [--tokens 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import demo_documents, machine_state, print_table, write_json
+from moepager.config import EngineConfig, StoreConfig
+
+
+def arguments() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--budget", default="25%")
+    p.add_argument("--workers", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=24)
+    p.add_argument("--shadow-docs", type=int, default=24, help="part 2: validation documents (128 tokens each)")
+    p.add_argument("--rank-out", help=argparse.SUPPRESS)
+    return p
+
+
+def prompts(count: int) -> list[str]:
+    _, validation = demo_documents()
+    return [" ".join(doc.split()[:16]) for doc in validation[:count]]
+
+
+def generate(config: EngineConfig, args: argparse.Namespace) -> dict:
+    from moepager.runtime.llm import LLM
+    from moepager.runtime.sampling import SamplingParams
+
+    llm = LLM(config=config, show_progress=False)
+    out = llm.generate(prompts(args.prompts), SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0))
+    s = llm.last_stats
+    decoded = s.generated_tokens - s.num_prompts
+    experts = s.sections["experts"].to_dict()
+    moved = sum(experts.get(p, {}).get("bytes_disk", 0) for p in ("prefill", "decode"))
+    return {"tokens": [c.token_ids for c in out], "decode_tok_s": decoded / s.decode_s,
+            "tpot_ms": 1e3 * s.tpot_median_s, "generated": s.generated_tokens, "bytes_disk": moved,
+            "hit_rate": experts.get("decode", {}).get("hit_rate")}
+
+
+def rank_main(args: argparse.Namespace) -> int:
+    """One process of a torchrun run: the main rank generates and writes its figures and the workers' counters."""
+    from moepager.distributed.roles import launch, stop_workers
+
+    config = EngineConfig(threads=1, workers=1, worker_memory=args.budget)
+
+    def main(cfg: EngineConfig) -> int:
+        row = generate(cfg, args)
+        row["workers"] = stop_workers(cfg.workers + 1, cfg.worker_timeout_s)
+        Path(args.rank_out).write_text(json.dumps(row))
+        return 0
+
+    return launch(config, main)
+
+
+def measured(args: argparse.Namespace) -> list[dict]:
+    import torch
+
+    torch.set_num_threads(1)
+    rows = [{"run": "1 process"} | generate(EngineConfig(threads=1, store=StoreConfig(expert_memory=args.budget)),
+                                            args)]
+    for workers in args.workers:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "row.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                   str(workers + 1), "-m", "benchmarks.workers", "--budget", args.budget, "--prompts",
+                   str(args.prompts), "--tokens", str(args.tokens), "--rank-out", str(out)]
+            t0 = time.perf_counter()
+            run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            if run.returncode != 0:
+                raise SystemExit(run.stderr[-3000:])
+            row = json.loads(out.read_text())
+        stats = list(row.pop("workers").values())
+        hits, misses = sum(w["hits"] for w in stats), sum(w["misses"] for w in stats)
+        row |= {"run": f"{workers} workers", "bytes_disk": sum(w["bytes_disk"] for w in stats),
+                "hit_rate": hits / max(hits + misses, 1), "wall_s": time.perf_counter() - t0}
+        rows.append(row)
+    for r in rows:
+        r["MiB_per_token"] = r["bytes_disk"] / 2**20 / max(r["generated"], 1)
+        r["same_tokens"] = r["tokens"] == rows[0]["tokens"]
+        r["vs_1_process"] = r["decode_tok_s"] / rows[0]["decode_tok_s"]
+    return rows
+
+
+def shadow_recall(args: argparse.Namespace) -> dict:
+    """Per MoE layer, the share of the full model's top-k the int8 shadow's top-k holds, over the same tokens."""
+    from moepager.runtime.llm import LLM
+    from moepager.runtime.sampling import SamplingParams
+    from moepager.trace.format import TraceReader
+
+    _, validation = demo_documents()
+    full = LLM(show_progress=False)
+    token_ids = [ids[:128] for ids in (full.encode(d) for d in validation[: args.shadow_docs]) if len(ids) >= 16]
+    ids = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, config in (("full", EngineConfig()), ("shadow", EngineConfig(expert_dtype="int8",
+                                                                                dense_dtype="int8"))):
+            llm = full if name == "full" else LLM(config=config, show_progress=False)
+            path = Path(tmp) / f"{name}.mpt"
+            llm.generate(token_ids, SamplingParams(max_tokens=1), record_trace=path)
+            with TraceReader(path) as reader:
+                ids[name] = np.concatenate([reader.request(i).ids_TLK for i in range(len(reader))])
+    a, b = ids["full"], ids["shadow"]
+    k = a.shape[2]
+    hits = (a[:, :, :, None] == b[:, :, None, :]).any(-1).sum(-1)  # [T, L]: the full top-k found in the shadow's
+    per_layer = (hits / k).mean(0)
+    return {"tokens": int(a.shape[0]), "recall_per_layer": per_layer.round(4).tolist(),
+            "recall": float(per_layer.mean())}
+
+
+def main() -> None:
+    args = arguments().parse_args()
+    if args.rank_out:
+        sys.exit(rank_main(args))
+    state = machine_state()
+    rows = measured(args)
+    print(f"built-in model, expert memory {args.budget} in all, {args.prompts} prompts x {args.tokens} tokens, "
+          "one thread a process:")
+    print_table(["run", "decode tok/s", "x 1 process", "TPOT ms", "MiB read / token", "hit %", "same tokens"],
+                [[r["run"], r["decode_tok_s"], r["vs_1_process"], r["tpot_ms"], r["MiB_per_token"],
+                  100 * (r["hit_rate"] or 0), r["same_tokens"]] for r in rows])
+    recall = shadow_recall(args)
+    print(f"\nint8 shadow (int8 experts and dense projections) against the full built-in model, {recall['tokens']} "
+          f"tokens: recall of the top-k {100 * recall['recall']:.2f}%, per layer "
+          + " ".join(f"{100 * r:.1f}" for r in recall["recall_per_layer"]))
+    for r in rows:
+        r.pop("tokens")
+    out = write_json("workers", {"machine": state, "args": vars(args), "rows": rows, "shadow": recall})
+    print(f"results: {out}")
+
+
+if __name__ == "__main__":
+    main()
