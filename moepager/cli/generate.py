@@ -115,6 +115,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--worker-memory", metavar="SIZE",
                    help="--workers: each worker's expert cache, a size or a share of its own experts (25%%); the rest "
                         "read from the checkpoint on demand (default: all of its experts in RAM)")
+    w.add_argument("--on-worker-loss", choices=["stop", "failover"], default="stop",
+                   help="--workers: a worker that dies or stops answering stops the run with an error naming it "
+                        "(stop), or its experts go to the workers left and the run goes on (failover)")
     w.add_argument("--worker-timeout", type=float, default=60.0, metavar="S",
                    help="--workers: seconds to wait for a worker's answer before stopping with an error naming it")
     h.add_argument("--cpu-threads", type=int, metavar="N",
@@ -186,7 +189,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         pack_dense=args.pack_dense, compile=args.compile, cuda_graphs=args.cuda_graphs,
                         execution=args.execution, cpu_threads=args.cpu_threads, profile=args.profile,
                         hybrid_admit=args.hybrid_admit, workers=args.workers, worker_group=args.worker_group,
-                        worker_timeout_s=args.worker_timeout, worker_memory=args.worker_memory)
+                        worker_timeout_s=args.worker_timeout, worker_memory=args.worker_memory,
+                        on_worker_loss=args.on_worker_loss)
 
 
 def add_store_arguments(p: argparse.ArgumentParser) -> None:
@@ -437,15 +441,27 @@ def run(args: argparse.Namespace) -> int:
 
 
 def launch_workers(args: argparse.Namespace) -> int:
-    """`--workers N`: this command again as N + 1 processes under torchrun (`moepager.distributed`), its exit status."""
+    """`--workers N`: this command again as N + 1 processes on this machine (`moepager.distributed`, torch.distributed's
+    environment set as torchrun sets it, but each process outliving the others, so a lost worker can be failed over);
+    the main process's exit status. Workers that do not stop within --worker-timeout after it are killed."""
+    import socket
     import subprocess
 
     if args.workers < 1:
         raise MoepagerError(f"--workers must be >= 1, got {args.workers}")
-    argv = args.argv[1:]  # less the command's name
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.workers + 1),
-           "-m", "moepager.distributed", "generate", *argv]
-    return subprocess.call(cmd)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(args.workers + 1)}
+    cmd = [sys.executable, "-m", "moepager.distributed", *args.argv]  # argv starts with the command, generate
+    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(args.workers + 1)]
+    code = procs[0].wait()
+    for p in procs[1:]:
+        try:
+            p.wait(timeout=args.worker_timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    return code
 
 
 def _replay(llm: LLM, spec: ReplaySpec, params: SamplingParams, args: argparse.Namespace) -> int:

@@ -17,7 +17,8 @@ is named in a `WorkerLost` error, and nothing hangs.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,7 @@ from moepager.experts.protocols import FusedKernel
 from moepager.experts.weights import ExpertShape
 from moepager.types import RoutingDecision
 
-RUN, STOP = 1, 0
+RUN, STOP, PLACE = 1, 0, 2
 STATS = ("calls", "hits", "misses", "bytes_disk")
 """What a worker answers a stop with (`ExpertWorker.stats`)."""
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -43,14 +44,23 @@ class WorkerLost(MoepagerError):
 
 @dataclass(frozen=True)
 class Placement:
-    """Which worker rank holds each (MoE layer position, expert) (module note)."""
+    """Which worker rank holds each (MoE layer position, expert) (module note): `ranks` are the live workers."""
 
-    workers: int
+    ranks: tuple[int, ...]
     group_size: int
 
     def __post_init__(self) -> None:
-        if self.workers < 1 or not 1 <= self.group_size <= self.workers:
-            raise MoepagerError(f"a worker group of {self.group_size} needs 1 to {self.workers} workers")
+        if not self.ranks or not 1 <= self.group_size <= len(self.ranks):
+            raise MoepagerError(f"a worker group of {self.group_size} needs 1 to {len(self.ranks)} workers")
+
+    @classmethod
+    def of(cls, workers: int, group_size: int) -> Placement:
+        """Workers 1..`workers`."""
+        return cls(tuple(range(1, workers + 1)), group_size)
+
+    @property
+    def workers(self) -> int:
+        return len(self.ranks)
 
     @property
     def groups(self) -> int:
@@ -58,11 +68,24 @@ class Placement:
 
     def rank(self, position: int, expert: int) -> int:
         group = position % self.groups
-        return 1 + group * self.group_size + expert % self.group_size
+        return self.ranks[group * self.group_size + expert % self.group_size]
 
     def owned(self, rank: int, num_layers: int, num_experts: int) -> list[tuple[int, int]]:
         """(layer position, expert) pairs `rank` holds, in order."""
         return [(p, e) for p in range(num_layers) for e in range(num_experts) if self.rank(p, e) == rank]
+
+    def without(self, lost: set[int]) -> Placement:
+        """The placement over the workers left (groups no larger than they are)."""
+        ranks = tuple(r for r in self.ranks if r not in lost)
+        if not ranks:
+            raise WorkerLost(f"every worker is lost (ranks {', '.join(map(str, sorted(lost)))})")
+        return Placement(ranks, min(self.group_size, len(ranks)))
+
+
+class _Lost(Exception):
+    def __init__(self, reasons: dict[int, str]):
+        super().__init__(reasons)
+        self.reasons = reasons
 
 
 def _sorted_rows(work: SortedTokens, which: Sequence[int]) -> torch.Tensor:
@@ -76,20 +99,36 @@ def _weighted(fused: FusedKernel | None, n: int) -> bool:
 
 
 class RemoteExecutor:
-    """The main rank's executor: each layer's routed experts computed by the workers that hold them."""
+    """The main rank's executor: each layer's routed experts computed by the workers that hold them. A worker lost
+    (`WorkerLost`) stops the run, or with `on_loss="failover"` a worker that died has its experts go to the workers
+    left (a `PLACE` message: they load them) and the layer call is made again, so no token is lost or computed twice.
+    A worker that stops answering always stops the run: gloo closes every connection of its process group when an
+    operation times out."""
 
     def __init__(self, shape: ExpertShape, moe_layers: Sequence[int], placement: Placement,
-                 fused: FusedKernel | None, timeout_s: float):
+                 fused: FusedKernel | None, timeout_s: float, on_loss: str = "stop"):
         self.shape, self.placement, self.fused = shape, placement, fused
         self.position = {layer: i for i, layer in enumerate(moe_layers)}
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.on_loss = on_loss
+        self.lost: list[int] = []
+        """Workers lost and failed over, in order."""
         self.compute_note = (fused.note + ", " if fused is not None else "") + \
             f"on {placement.workers} worker processes"
         self.store = None
-        self.stopped = False
 
     def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
         work = sort_by_expert(x_ND, route)
+        while True:
+            try:
+                return self._call(layer, x_ND, route, work)
+            except _Lost as lost:
+                if self.on_loss != "failover":
+                    rank, reason = next(iter(lost.reasons.items()))
+                    raise WorkerLost(reason) from None
+                self._failover(lost.reasons)
+
+    def _call(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision, work: SortedTokens) -> torch.Tensor:
         n, k = route.ids_TK.shape
         position, placement = self.position[layer], self.placement
         by_rank: dict[int, list[int]] = {}
@@ -98,59 +137,97 @@ class RemoteExecutor:
         x = x_ND.contiguous()
         ids, weights = route.ids_TK.contiguous(), route.weights_TK.contiguous()
         header = torch.tensor([RUN, position, n, k, DTYPES.index(x.dtype), DTYPES.index(weights.dtype)])
+        lost: dict[int, str] = {}
         for rank in by_rank:  # every worker starts before any answer is awaited: they compute at the same time
-            for t in (header, x, ids, weights):
-                dist.send(t, rank)
+            try:
+                for t in (header, x, ids, weights):
+                    dist.send(t, rank)
+            except RuntimeError as e:
+                lost[rank] = self._reason(rank, layer, e)
         weighted = _weighted(self.fused, n)
         y_MD = torch.empty(work.x_MD.shape, dtype=torch.float32 if weighted else x.dtype)
         for rank, which in by_rank.items():
+            if rank in lost:
+                continue
             index = _sorted_rows(work, which)
             rows = torch.empty(len(index), x.shape[1], dtype=y_MD.dtype)
-            self._receive(rows, rank, layer)
+            try:  # every answer is taken, even after a loss: the workers' streams stay in step
+                dist.irecv(rows, rank).wait(timeout=self.timeout)
+            except RuntimeError as e:
+                lost[rank] = self._reason(rank, layer, e)
+                continue
             y_MD[index] = rows
+        if lost:
+            raise _Lost(lost)
         if weighted:
             assert self.fused is not None
             return self.fused.combine(y_MD, work.token_M, n)
         return combine(x_ND, work, y_MD)
 
-    def _receive(self, t: torch.Tensor, rank: int, layer: int) -> None:
-        try:
-            dist.irecv(t, rank).wait(timeout=self.timeout)
-        except RuntimeError as e:
-            if "timed out" in str(e).lower():
-                raise WorkerLost(f"worker rank {rank} did not answer for MoE layer {layer} within "
-                                 f"{self.timeout.total_seconds():g} s (--worker-timeout)") from None
-            raise WorkerLost(f"worker rank {rank} is gone: its connection dropped while MoE layer {layer} waited for "
-                             f"it ({str(e).splitlines()[0].split('] ')[-1][:120]})") from None
+    def _reason(self, rank: int, layer: int, e: RuntimeError) -> str:
+        if "timed out" in str(e).lower():
+            return (f"worker rank {rank} did not answer for MoE layer {layer} within "
+                    f"{self.timeout.total_seconds():g} s (--worker-timeout)")
+        where = f"while MoE layer {layer} waited for it" if layer >= 0 else "while it was given a new placement"
+        return (f"worker rank {rank} is gone: its connection dropped {where} "
+                f"({str(e).splitlines()[0].split('] ')[-1][:120]})")
+
+    def _failover(self, reasons: dict[int, str]) -> None:
+        """The lost workers' experts to the workers left: each is told the new placement (and loads what it now
+        holds before it answers the next call)."""
+        silent = [r for r, reason in reasons.items() if "did not answer" in reason]
+        if silent:  # gloo closes every connection of its group when an operation times out: nothing to go on with
+            raise WorkerLost(f"{reasons[silent[0]]}; a timeout ends gloo's process group, so the run cannot fail "
+                             "over (a worker that dies can be)")
+        placement = self.placement.without(set(reasons))
+        message = torch.tensor([PLACE, len(placement.ranks), placement.group_size, 0, 0, 0])
+        for rank in placement.ranks:
+            try:
+                dist.send(message, rank)
+                dist.send(torch.tensor(placement.ranks), rank)
+            except RuntimeError as e:  # lost as well: placed again without it at the next call
+                reasons = {**reasons, rank: self._reason(rank, -1, e)}
+        self.placement = placement
+        self.lost += sorted(reasons)
+        for reason in reasons.values():
+            print(f"{reason}; failing over: its experts go to worker ranks {', '.join(map(str, placement.ranks))}",
+                  file=sys.stderr)
 
     def close(self) -> None:
-        """Tell every worker to stop (once; a worker already gone is skipped)."""
-        if self.stopped:
-            return
-        self.stopped = True
-        for rank in range(1, self.placement.workers + 1):
-            try:
-                dist.send(torch.tensor([STOP, 0, 0, 0, 0, 0]), rank)
-            except RuntimeError:
-                pass
+        """Nothing: the launcher stops the workers (distributed/roles.py)."""
 
     def stream(self, layer: int, experts: Sequence[int]):  # noqa: ANN201 - the reference's ExpertSource seam
         raise MoepagerError("experts on worker processes are not streamed to the main rank")
 
 
+Holding = tuple[ArenaKernels | None, PagedExecutor | None]
+"""A worker's experts: resident (kernels over its arena) or paged (an executor over its own store)."""
+
+
 class ExpertWorker:
     """A worker rank: its experts held resident in one arena, or paged through an expert store of its own from the
     checkpoint on its disk (`--worker-memory`: OD-MoE's just-in-time loading, with a cache of that size); computed for
-    whatever the main rank sends until it says stop, when it answers with its counters (`STATS`)."""
+    whatever the main rank sends until it says stop, when it answers with its counters (`STATS`). A new placement
+    (`PLACE`, after another worker was lost) makes it hold what the placement now gives it (`hold`)."""
 
-    def __init__(self, moe_layers: Sequence[int], owned: Sequence[tuple[int, int]], shape: ExpertShape,
-                 kernels: ArenaKernels | None = None, paged: PagedExecutor | None = None):
-        if (kernels is None) == (paged is None):
-            raise ValueError("a worker holds its experts resident (kernels) or paged (paged), one of the two")
-        self.moe_layers, self.shape = list(moe_layers), shape
-        self.kernels, self.paged = kernels, paged
-        self.row = {key: i for i, key in enumerate(owned)}
+    def __init__(self, rank: int, moe_layers: Sequence[int], num_experts: int, shape: ExpertShape,
+                 placement: Placement, hold: Callable[[Sequence[tuple[int, int]]], Holding]):
+        self.rank, self.moe_layers, self.num_experts, self.shape = rank, list(moe_layers), num_experts, shape
+        self.hold = hold
         self.calls, self._last = 0, -1
+        self.paged: PagedExecutor | None = None
+        self._carried = torch.zeros(len(STATS), dtype=torch.float64)
+        """The counters of the stores earlier placements gave this worker."""
+        self._place(placement)
+
+    def _place(self, placement: Placement) -> None:
+        owned = placement.owned(self.rank, len(self.moe_layers), self.num_experts)
+        if self.paged is not None:
+            self._carried += self.stats()
+            self._carried[0] = 0  # calls are counted once, in `calls`
+            self.paged.store.close()
+        self.kernels, self.paged = self.hold(owned)
+        self.row = {key: i for i, key in enumerate(owned)}
 
     def serve(self) -> int:
         """Answer layer calls until told to stop, then send the counters; returns the calls answered."""
@@ -162,6 +239,11 @@ class ExpertWorker:
             if op == STOP:
                 dist.send(self.stats(), 0)
                 return self.calls
+            if op == PLACE:  # position: how many workers are left, n: their group size
+                ranks = torch.empty(position, dtype=torch.long)
+                dist.recv(ranks, 0)
+                self._place(Placement(tuple(ranks.tolist()), n))
+                continue
             x = torch.empty(n, d, dtype=DTYPES[x_code])
             ids, weights = torch.empty(n, k, dtype=torch.long), torch.empty(n, k, dtype=DTYPES[w_code])
             for t in (x, ids, weights):
@@ -194,8 +276,8 @@ class ExpertWorker:
     def stats(self) -> torch.Tensor:
         """[calls, hits, misses, bytes read from disk] (resident: every access a hit, nothing read)."""
         if self.paged is None:
-            return torch.tensor([self.calls, 0, 0, 0], dtype=torch.float64)
+            return self._carried + torch.tensor([self.calls, 0, 0, 0], dtype=torch.float64)
         phases = self.paged.store.counters.phases.values()
-        return torch.tensor([self.calls, sum(sum(p.hits.values()) for p in phases),
-                             sum(sum(p.misses.values()) for p in phases), sum(p.bytes_disk for p in phases)],
-                            dtype=torch.float64)
+        return self._carried + torch.tensor([self.calls, sum(sum(p.hits.values()) for p in phases),
+                                             sum(sum(p.misses.values()) for p in phases),
+                                             sum(p.bytes_disk for p in phases)], dtype=torch.float64)

@@ -270,7 +270,7 @@ def placement(config: EngineConfig, cfg: ModelConfig) -> Placement:
         raise ConfigError(f"--workers {config.workers} needs {config.workers + 1} processes started together: run "
                           f"`moepager generate --workers {config.workers} ...` or `torchrun --nproc-per-node "
                           f"{config.workers + 1} -m moepager.distributed generate ...`")
-    return Placement(config.workers, config.worker_group or min(cfg.top_k, config.workers))
+    return Placement.of(config.workers, config.worker_group or min(cfg.top_k, config.workers))
 
 
 def remote_executor(config: EngineConfig, reader: FlatReader, cfg: ModelConfig) -> RemoteExecutor:
@@ -278,28 +278,31 @@ def remote_executor(config: EngineConfig, reader: FlatReader, cfg: ModelConfig) 
     shape = reader.shape
     return RemoteExecutor(shape, cfg.moe_layers, placement(config, cfg),
                           cpu_kernels.fused_experts(shape, torch.device("cpu"), config.expert_kernel),
-                          config.worker_timeout_s)
+                          config.worker_timeout_s, config.on_worker_loss)
 
 
 def expert_worker(config: EngineConfig, path: Path, rank: int) -> ExpertWorker:
     """A worker rank's experts (its share of every layer's, `Placement`): read into RAM, or with `--worker-memory`
-    paged from the checkpoint through a store of that many of them (one cache for all its layers)."""
+    paged from the checkpoint through a store of that many of them (one cache for all its layers); held again the same
+    way when a failover changes its share."""
     opened = open_checkpoint(path, LoadOptions.of(config))
     cfg, reader = opened.config, opened.reader
-    owned = placement(config, cfg).owned(rank, cfg.num_moe_layers, cfg.num_experts)
     shape, kernel, cpu = reader.shape, config.expert_kernel, torch.device("cpu")
     fused = cpu_kernels.fused_experts(shape, cpu, kernel)
-    if config.worker_memory is not None:
-        slots = Budget.parse(config.worker_memory, "--worker-memory").slots(shape.nbytes, len(owned))
-        check_slots(slots, cfg.top_k, shape.nbytes, "--worker-memory", config.worker_memory)
-        store_config = StoreConfig(expert_memory=str(slots * shape.nbytes + read_buffer_bytes(reader, 4)),
-                                   scope="global", policy=config.store.policy, warm=False)
-        store = build_store(store_config, reader, cfg, cpu, False)
-        return ExpertWorker(cfg.moe_layers, owned, shape, paged=PagedExecutor(store, shape, kernel, fused))
-    arena = host_empty(max(len(owned), 1), shape.numel, dtype=shape.buffer_dtype)
-    for row, (position, e) in enumerate(owned):
-        reader.read(ExpertKey(cfg.moe_layers[position], e), arena[row])
-    return ExpertWorker(cfg.moe_layers, owned, shape, ArenaKernels(arena, shape, kernel, fused=fused))
+
+    def hold(owned: Sequence[tuple[int, int]]) -> tuple[ArenaKernels | None, PagedExecutor | None]:
+        if config.worker_memory is not None:
+            slots = Budget.parse(config.worker_memory, "--worker-memory").slots(shape.nbytes, len(owned))
+            check_slots(slots, cfg.top_k, shape.nbytes, "--worker-memory", config.worker_memory)
+            store_config = StoreConfig(expert_memory=str(slots * shape.nbytes + read_buffer_bytes(reader, 4)),
+                                       scope="global", policy=config.store.policy, warm=False)
+            return None, PagedExecutor(build_store(store_config, reader, cfg, cpu, False), shape, kernel, fused)
+        arena = host_empty(max(len(owned), 1), shape.numel, dtype=shape.buffer_dtype)
+        for row, (position, e) in enumerate(owned):
+            reader.read(ExpertKey(cfg.moe_layers[position], e), arena[row])
+        return ArenaKernels(arena, shape, kernel, fused=fused), None
+
+    return ExpertWorker(rank, cfg.moe_layers, cfg.num_experts, shape, placement(config, cfg), hold)
 
 
 def build(config: EngineConfig, path: Path, show_progress: bool) -> Built:

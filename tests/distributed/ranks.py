@@ -1,6 +1,7 @@
 """Run under torchrun by tests/distributed/test_workers.py: rank 0 generates greedy tokens from token-id prompts on
 each checkpoint with its experts on the other ranks, and writes them to OUT; the workers serve each checkpoint in turn.
-MOEPAGER_TEST_FAULT=die|hang makes rank 2 exit, or stop answering, at its third layer call."""
+MOEPAGER_TEST_FAULT=die|hang makes rank 2 exit, or stop answering, at its third layer call; MOEPAGER_TEST_ON_LOSS is
+the run's --on-worker-loss (stop by default)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -44,12 +46,14 @@ def main() -> int:
     results = {}
     for path in paths:
         config = EngineConfig(model=path, threads=1, workers=world - 1, worker_group=group, worker_timeout_s=3.0,
-                              worker_memory=os.environ.get("MOEPAGER_TEST_WORKER_MEMORY"))
+                              worker_memory=os.environ.get("MOEPAGER_TEST_WORKER_MEMORY"),
+                              on_worker_loss=os.environ.get("MOEPAGER_TEST_ON_LOSS", "stop"))
         if rank == 0:
             try:
                 llm = LLM(config=config, show_progress=False)
                 params = SamplingParams(max_tokens=6, ignore_eos=True)
                 results[path] = [c.token_ids for c in llm.generate(PROMPTS, params)]
+                results[path + " lost"] = llm.loaded.experts.lost
             except MoepagerError as e:
                 with open(out, "w") as f:
                     json.dump({"error": str(e)}, f)
@@ -57,7 +61,7 @@ def main() -> int:
                 return 1
             results[path + " workers"] = list(stop_workers(world, 3.0).values())
         else:
-            expert_worker(config, __import__("pathlib").Path(path), rank).serve()
+            expert_worker(config, Path(path), rank).serve()
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)

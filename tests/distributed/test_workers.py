@@ -29,6 +29,27 @@ def torchrun(procs: int, *args: str, env: dict[str, str] | None = None) -> subpr
     return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=environ)
 
 
+def spawn(procs: int, *args: str, env: dict[str, str] | None = None) -> list[int]:
+    """`procs` processes of a script as `generate --workers` starts them (each outliving the others); exit codes."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "WORLD_SIZE": str(procs), **(env or {})}
+    running = [subprocess.Popen([sys.executable, *args], env={**environ, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for r in range(procs)]
+    codes = [running[0].wait(timeout=TIMEOUT_S)]
+    for p in running[1:]:
+        try:
+            codes.append(p.wait(timeout=10))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append(p.wait())
+    return codes
+
+
 def single_process(path: str) -> list[list[int]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -40,13 +61,16 @@ def single_process(path: str) -> list[list[int]]:
 
 
 def test_every_expert_lives_on_exactly_one_worker_and_layers_go_round_robin():
-    p = Placement(workers=4, group_size=2)
+    p = Placement.of(4, 2)
     owners = {(layer, e): p.rank(layer, e) for layer in range(6) for e in range(8)}
     assert set(owners.values()) == {1, 2, 3, 4}
     assert {p.rank(0, e) for e in range(8)} == {1, 2} and {p.rank(1, e) for e in range(8)} == {3, 4}
     assert sum(len(p.owned(r, 6, 8)) for r in range(1, 5)) == 48
     with pytest.raises(MoepagerError):
-        Placement(workers=2, group_size=3)
+        Placement.of(2, 3)
+    left = p.without({2})  # a lost worker's experts go to the others: every expert still on exactly one of them
+    assert left.ranks == (1, 3, 4) and left.group_size == 2
+    assert {left.rank(layer, e) for layer in range(6) for e in range(8)} <= {1, 3, 4}
 
 
 @pytest.mark.parametrize("procs, group", [(3, 1), (4, 2)], ids=["2-workers", "3-workers-groups-of-2"])
@@ -108,3 +132,26 @@ def test_generate_with_workers_starts_them_and_prints_the_single_process_text(tm
     text = alone.stdout.split("\n\n")[0]
     assert text.startswith("The history of") and spread.stdout.split("\n\n")[0] == text
     assert "on 2 worker processes" in spread.stdout
+
+
+def test_failover_gives_a_dead_workers_experts_to_the_others_and_loses_no_token(hf_checkpoint, tmp_path):
+    """--on-worker-loss failover: rank 2 of 3 workers dies at its third layer call; its experts go to ranks 1 and 3,
+    the layer call is made again, and every token is the single-process one (two models, one after the other)."""
+    paths = [str(hf_checkpoint(arch)[1]) for arch in ("olmoe", "deepseek_v3")]
+    out = tmp_path / "tokens.json"
+    codes = spawn(4, "tests/distributed/ranks.py", str(out), "1", *paths,
+                  env={"MOEPAGER_TEST_FAULT": "die", "MOEPAGER_TEST_ON_LOSS": "failover"})
+    assert codes[0] == 0
+    got = json.loads(out.read_text())
+    assert got[paths[0] + " lost"] == [2]
+    for path in paths:
+        assert got[path] == single_process(path), path
+
+
+def test_a_silent_worker_stops_even_a_failover_run_with_the_reason(hf_checkpoint, tmp_path):
+    out = tmp_path / "tokens.json"
+    codes = spawn(4, "tests/distributed/ranks.py", str(out), "1", str(hf_checkpoint("olmoe")[1]),
+                  env={"MOEPAGER_TEST_FAULT": "hang", "MOEPAGER_TEST_ON_LOSS": "failover"})
+    assert codes[0] == 1
+    error = json.loads(out.read_text())["error"]
+    assert "worker rank 2 did not answer" in error and "cannot fail over" in error
