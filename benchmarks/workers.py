@@ -4,7 +4,8 @@ same total expert memory, and how well an int8 shadow of the model would predict
 Part 1, measured (processes as nodes on this machine, one torch thread each, gloo): the built-in model decodes
 `--prompts` prompts of the demo validation text (`--tokens` each, greedy) in one process with `--expert-memory B`,
 then as a main rank with 2 and 4 workers, each worker's cache `--worker-memory B` of its own experts (so the same
-total), read from the checkpoint on demand. Per run: decode tok/s, TPOT, expert bytes read per output token, the
+total), read from the checkpoint on demand, and 2 workers loading ahead what the main rank's `--predictor`
+forecasts (OD-MoE without a shadow rank). Per run: decode tok/s, TPOT, expert bytes read per output token, the
 workers' hit rate, and whether the tokens equal the single process's.
 Part 2, OD-MoE's shadow model: the built-in model with int8 experts and int8 dense projections (the shadow) run over
 the same tokens as the full model (teacher-forced: the validation documents), and per MoE layer the recall of the
@@ -37,7 +38,10 @@ def arguments() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--tokens", type=int, default=24)
     p.add_argument("--shadow-docs", type=int, default=24, help="part 2: validation documents (128 tokens each)")
+    p.add_argument("--predictor", default="gate-lookahead",
+                   help="the predictor of the extra 2-worker run whose forecasts the workers load ahead ('' : none)")
     p.add_argument("--rank-out", help=argparse.SUPPRESS)
+    p.add_argument("--rank-predictor", default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -63,9 +67,11 @@ def generate(config: EngineConfig, args: argparse.Namespace) -> dict:
 
 def rank_main(args: argparse.Namespace) -> int:
     """One process of a torchrun run: the main rank generates and writes its figures and the workers' counters."""
+    from moepager.config import PrefetchConfig
     from moepager.distributed.roles import launch, stop_workers
 
-    config = EngineConfig(threads=1, workers=1, worker_memory=args.budget)
+    config = EngineConfig(threads=1, workers=1, worker_memory=args.budget,
+                          prefetch=PrefetchConfig(args.rank_predictor or None))
 
     def main(cfg: EngineConfig) -> int:
         row = generate(cfg, args)
@@ -82,12 +88,14 @@ def measured(args: argparse.Namespace) -> list[dict]:
     torch.set_num_threads(1)
     rows = [{"run": "1 process"} | generate(EngineConfig(threads=1, store=StoreConfig(expert_memory=args.budget)),
                                             args)]
-    for workers in args.workers:
+    runs = [(w, None) for w in args.workers] + ([(2, args.predictor)] if args.predictor else [])
+    for workers, predictor in runs:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "row.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                    str(workers + 1), "-m", "benchmarks.workers", "--budget", args.budget, "--prompts",
-                   str(args.prompts), "--tokens", str(args.tokens), "--rank-out", str(out)]
+                   str(args.prompts), "--tokens", str(args.tokens), "--rank-out", str(out)] + \
+                (["--rank-predictor", predictor] if predictor else [])
             t0 = time.perf_counter()
             run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             if run.returncode != 0:
@@ -95,7 +103,8 @@ def measured(args: argparse.Namespace) -> list[dict]:
             row = json.loads(out.read_text())
         stats = list(row.pop("workers").values())
         hits, misses = sum(w["hits"] for w in stats), sum(w["misses"] for w in stats)
-        row |= {"run": f"{workers} workers", "bytes_disk": sum(w["bytes_disk"] for w in stats),
+        row |= {"run": f"{workers} workers" + (f", {predictor} prefetch" if predictor else ""),
+                "bytes_disk": sum(w["bytes_disk"] for w in stats),
                 "hit_rate": hits / max(hits + misses, 1), "wall_s": time.perf_counter() - t0}
         rows.append(row)
     for r in rows:

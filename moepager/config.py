@@ -289,9 +289,9 @@ class EngineConfig:
     bf16, nothing observing routing: runtime/cuda_graphs.py); the same tokens as launching each kernel."""
 
     def __post_init__(self) -> None:
-        if self.prefetch.predictor is not None and not self.store.paged:
+        if self.prefetch.predictor is not None and not self.store.paged and self.worker_memory is None:
             raise MoepagerError("prefetching needs a paged store: set --expert-memory (with every expert resident "
-                                "there is nothing to prefetch)")
+                                "there is nothing to prefetch), or --workers with --worker-memory")
         check_expert_options(self.expert_dtype, self.int4_group, self.int4_zero_point)
         check_dense_name(self.dense_dtype)
         if self.expert_kernel not in KERNELS:
@@ -302,10 +302,9 @@ class EngineConfig:
             raise MoepagerError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         if self.workers < 0 or self.worker_timeout_s <= 0:
             raise MoepagerError("--workers must be >= 0 and --worker-timeout positive")
-        if self.workers and (self.store.paged or self.execution != "gpu" or self.compile
-                             or self.prefetch.predictor is not None or self.device != "cpu"):
+        if self.workers and (self.store.paged or self.execution != "gpu" or self.compile or self.device != "cpu"):
             raise MoepagerError("--workers holds every routed expert on the worker processes (CPU, gloo): drop "
-                                "--expert-memory/--host-memory, --execution, --compile, --predictor and --device")
+                                "--expert-memory/--host-memory, --execution, --compile and --device")
         if self.on_worker_loss not in ("stop", "failover"):
             raise MoepagerError(f"--on-worker-loss must be stop or failover, got '{self.on_worker_loss}'")
         if self.worker_memory is not None and not self.workers:

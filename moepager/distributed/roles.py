@@ -74,6 +74,7 @@ def stop_workers(world: int, timeout_s: float) -> dict[int, dict[str, float]]:
 
 def describe(rank: int, stats: dict[str, float]) -> str:
     accesses = stats["hits"] + stats["misses"]
-    paged = f", hit rate {100 * stats['hits'] / accesses:.1f}%, {stats['bytes_disk'] / 2**20:.1f} MiB read from disk" \
-        if accesses else " (its experts resident)"
+    ahead = f" ({stats['loads_ahead']:.0f} experts loaded ahead)" if stats["loads_ahead"] else ""
+    paged = f", hit rate {100 * stats['hits'] / accesses:.1f}%, {stats['bytes_disk'] / 2**20:.1f} MiB read from " \
+        f"disk{ahead}" if accesses else " (its experts resident)"
     return f"worker rank {rank}: {stats['calls']:.0f} layer calls{paged}"

@@ -20,6 +20,7 @@ import datetime
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -28,10 +29,11 @@ from moepager.errors import MoepagerError
 from moepager.experts.executor import ArenaKernels, PagedExecutor, SortedTokens, combine, sort_by_expert
 from moepager.experts.protocols import FusedKernel
 from moepager.experts.weights import ExpertShape
+from moepager.policies.prefetch import PrefetchAware
 from moepager.types import RoutingDecision
 
-RUN, STOP, PLACE = 1, 0, 2
-STATS = ("calls", "hits", "misses", "bytes_disk")
+RUN, STOP, PLACE, PREFETCH = 1, 0, 2, 3
+STATS = ("calls", "hits", "misses", "bytes_disk", "loads_ahead")
 """What a worker answers a stop with (`ExpertWorker.stats`)."""
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HEADER = 6
@@ -105,10 +107,11 @@ class RemoteExecutor:
     A worker that stops answering always stops the run: gloo closes every connection of its process group when an
     operation times out."""
 
-    def __init__(self, shape: ExpertShape, moe_layers: Sequence[int], placement: Placement,
+    def __init__(self, shape: ExpertShape, moe_layers: Sequence[int], num_experts: int, placement: Placement,
                  fused: FusedKernel | None, timeout_s: float, on_loss: str = "stop"):
         self.shape, self.placement, self.fused = shape, placement, fused
         self.position = {layer: i for i, layer in enumerate(moe_layers)}
+        self.num_experts = num_experts
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.on_loss = on_loss
         self.lost: list[int] = []
@@ -193,6 +196,35 @@ class RemoteExecutor:
             print(f"{reason}; failing over: its experts go to worker ranks {', '.join(map(str, placement.ranks))}",
                   file=sys.stderr)
 
+    # -- the prefetcher's store (runtime/prefetch.py): forecasts become the workers' loads ahead ---------------------
+    order = SimpleNamespace(priority=PrefetchAware.priority)
+    """How the prefetcher ranks queued prefetches (the store's default prefetch policy's rule)."""
+
+    def quota(self, layer: int) -> int:
+        """At most this many of a layer's experts are queued ahead (each worker's store takes what fits)."""
+        return self.num_experts
+
+    def settle(self, layer: int, experts: Sequence[int]) -> None:
+        """Nothing here: each worker judges its own prefetches when the layer reaches it."""
+
+    def prefetches_in_flight(self) -> int:
+        return 0
+
+    def prefetch_ranked(self, wanted: Sequence[tuple[int, int]], limit: int) -> int:
+        """Send each worker its share of the first `limit` (layer, expert) forecasts, best first, to load ahead
+        (workers that page: `--worker-memory`); returns the loads asked for."""
+        by_rank: dict[int, list[tuple[int, int]]] = {}
+        for layer, e in list(wanted)[:limit]:
+            position = self.position[layer]
+            by_rank.setdefault(self.placement.rank(position, e), []).append((position, e))
+        for rank, pairs in by_rank.items():
+            try:
+                dist.send(torch.tensor([PREFETCH, len(pairs), 0, 0, 0, 0]), rank)
+                dist.send(torch.tensor(pairs), rank)
+            except RuntimeError:
+                pass  # a lost worker: the next layer call finds it
+        return sum(map(len, by_rank.values()))
+
     def close(self) -> None:
         """Nothing: the launcher stops the workers (distributed/roles.py)."""
 
@@ -239,6 +271,12 @@ class ExpertWorker:
             if op == STOP:
                 dist.send(self.stats(), 0)
                 return self.calls
+            if op == PREFETCH:  # position: how many (layer position, expert) pairs follow
+                pairs = torch.empty(position, 2, dtype=torch.long)
+                dist.recv(pairs, 0)
+                if self.paged is not None:
+                    self.paged.store.prefetch_ranked([(self.moe_layers[p], e) for p, e in pairs.tolist()], position)
+                continue
             if op == PLACE:  # position: how many workers are left, n: their group size
                 ranks = torch.empty(position, dtype=torch.long)
                 dist.recv(ranks, 0)
@@ -263,6 +301,7 @@ class ExpertWorker:
             if position <= self._last:  # a new forward pass: the clock the store's policy ranks by
                 store.clock += 1
             store.counters.set_phase("decode" if x_ND.shape[0] == 1 else "prefill")
+            store.settle(self.moe_layers[position], [work.experts[i] for i in which])  # judge its prefetches
             batch = self.paged.kernels.batch(work, x_ND)
             self.paged.through_store(self.moe_layers[position], work, which, batch)
         else:
@@ -274,10 +313,11 @@ class ExpertWorker:
         return batch.y_MD.index_select(0, _sorted_rows(work, which)).contiguous()
 
     def stats(self) -> torch.Tensor:
-        """[calls, hits, misses, bytes read from disk] (resident: every access a hit, nothing read)."""
+        """`STATS`: calls, hits, misses, bytes read from disk, loads ahead (resident: nothing read)."""
         if self.paged is None:
-            return self._carried + torch.tensor([self.calls, 0, 0, 0], dtype=torch.float64)
+            return self._carried + torch.tensor([self.calls, 0, 0, 0, 0], dtype=torch.float64)
         phases = self.paged.store.counters.phases.values()
         return self._carried + torch.tensor([self.calls, sum(sum(p.hits.values()) for p in phases),
                                              sum(sum(p.misses.values()) for p in phases),
-                                             sum(p.bytes_disk for p in phases)], dtype=torch.float64)
+                                             sum(p.bytes_disk for p in phases), sum(p.loads_ahead for p in phases)],
+                                            dtype=torch.float64)

@@ -276,7 +276,7 @@ def placement(config: EngineConfig, cfg: ModelConfig) -> Placement:
 def remote_executor(config: EngineConfig, reader: FlatReader, cfg: ModelConfig) -> RemoteExecutor:
     """The main rank's executor: routed experts computed by the worker ranks."""
     shape = reader.shape
-    return RemoteExecutor(shape, cfg.moe_layers, placement(config, cfg),
+    return RemoteExecutor(shape, cfg.moe_layers, cfg.num_experts, placement(config, cfg),
                           cpu_kernels.fused_experts(shape, torch.device("cpu"), config.expert_kernel),
                           config.worker_timeout_s, config.on_worker_loss)
 
@@ -340,7 +340,11 @@ def build(config: EngineConfig, path: Path, show_progress: bool) -> Built:
         loaded = build_model(opened, executor, options, bar.update)
     loaded.execution = why
     prefetcher = None
-    if config.prefetch.predictor is not None and store is not None:
+    if config.prefetch.predictor is not None and config.workers:  # forecasts become the workers' loads ahead
+        assert isinstance(executor, RemoteExecutor)
+        prefetcher = build_prefetcher(config.prefetch, loaded.model, executor)  # type: ignore[arg-type]
+        loaded.model.observe_routing(prefetcher)
+    elif config.prefetch.predictor is not None and store is not None:
         inner = store.order.inner  # the device tier's eviction policy, which may rank by forecasts (fMoE, PLEC)
         prefetcher = build_prefetcher(config.prefetch, loaded.model, store, inner if inner.uses_predictions else None,
                                       inner.ranks_next_use)

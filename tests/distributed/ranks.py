@@ -1,7 +1,7 @@
 """Run under torchrun by tests/distributed/test_workers.py: rank 0 generates greedy tokens from token-id prompts on
 each checkpoint with its experts on the other ranks, and writes them to OUT; the workers serve each checkpoint in turn.
 MOEPAGER_TEST_FAULT=die|hang makes rank 2 exit, or stop answering, at its third layer call; MOEPAGER_TEST_ON_LOSS is
-the run's --on-worker-loss (stop by default)."""
+the run's --on-worker-loss (stop by default), MOEPAGER_TEST_PREDICTOR its --predictor."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moepager.config import EngineConfig
+from moepager.config import EngineConfig, PrefetchConfig
 from moepager.distributed.roles import stop_workers
 from moepager.errors import MoepagerError
 from moepager.experts.remote import ExpertWorker
@@ -47,7 +47,8 @@ def main() -> int:
     for path in paths:
         config = EngineConfig(model=path, threads=1, workers=world - 1, worker_group=group, worker_timeout_s=3.0,
                               worker_memory=os.environ.get("MOEPAGER_TEST_WORKER_MEMORY"),
-                              on_worker_loss=os.environ.get("MOEPAGER_TEST_ON_LOSS", "stop"))
+                              on_worker_loss=os.environ.get("MOEPAGER_TEST_ON_LOSS", "stop"),
+                              prefetch=PrefetchConfig(os.environ.get("MOEPAGER_TEST_PREDICTOR")))
         if rank == 0:
             try:
                 llm = LLM(config=config, show_progress=False)

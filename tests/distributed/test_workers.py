@@ -134,6 +134,19 @@ def test_generate_with_workers_starts_them_and_prints_the_single_process_text(tm
     assert "on 2 worker processes" in spread.stdout
 
 
+def test_a_predictor_on_the_main_rank_drives_the_workers_loads_ahead(hf_checkpoint, tmp_path):
+    """--predictor with --worker-memory: the main rank's forecasts become its workers' prefetches (OD-MoE without a
+    shadow rank); they load experts ahead and the tokens stay the single-process ones."""
+    path = str(hf_checkpoint("qwen3_moe")[1])
+    out = tmp_path / "tokens.json"
+    run = torchrun(3, "tests/distributed/ranks.py", str(out), "1", path,
+                   env={"MOEPAGER_TEST_WORKER_MEMORY": "60%", "MOEPAGER_TEST_PREDICTOR": "gate-lookahead"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got[path] == single_process(path)
+    assert sum(w["loads_ahead"] for w in got[path + " workers"]) > 0
+
+
 def test_failover_gives_a_dead_workers_experts_to_the_others_and_loses_no_token(hf_checkpoint, tmp_path):
     """--on-worker-loss failover: rank 2 of 3 workers dies at its third layer call; its experts go to ranks 1 and 3,
     the layer call is made again, and every token is the single-process one (two models, one after the other)."""
