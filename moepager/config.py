@@ -278,6 +278,9 @@ class EngineConfig:
     worker_memory: str | None = None
     """Each worker's expert cache: a size or a share of its own experts ("25%"); the rest read from the checkpoint
     on demand (OD-MoE's just-in-time loading). None: each holds all of its experts in RAM."""
+    shadow: bool = False
+    """--workers: one more process runs the model's int8 copy on the main process's passes and sends each layer's
+    routing to the workers as forecasts to load ahead (OD-MoE's shadow model)."""
     on_worker_loss: Literal["stop", "failover"] = "stop"
     """A worker lost (dead, or silent past the timeout): stop with an error naming it, or give its experts to the
     workers left and go on (needs processes that outlive one another: `generate --workers` starts them so)."""
@@ -307,6 +310,8 @@ class EngineConfig:
                                 "--expert-memory/--host-memory, --execution, --compile and --device")
         if self.on_worker_loss not in ("stop", "failover"):
             raise MoepagerError(f"--on-worker-loss must be stop or failover, got '{self.on_worker_loss}'")
+        if self.shadow and not self.workers:
+            raise MoepagerError("--shadow forecasts routing for the worker processes: add --workers N")
         if self.worker_memory is not None and not self.workers:
             raise MoepagerError("--worker-memory budgets the worker processes' experts: add --workers N")
         if self.worker_group is not None and not 1 <= self.worker_group <= max(self.workers, 1):

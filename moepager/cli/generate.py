@@ -115,6 +115,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--worker-memory", metavar="SIZE",
                    help="--workers: each worker's expert cache, a size or a share of its own experts (25%%); the rest "
                         "read from the checkpoint on demand (default: all of its experts in RAM)")
+    w.add_argument("--shadow", action="store_true",
+                   help="--workers: one more process runs the model's int8 copy on each pass as it starts and sends "
+                        "every layer's routing to the workers to load ahead (OD-MoE's shadow model)")
     w.add_argument("--on-worker-loss", choices=["stop", "failover"], default="stop",
                    help="--workers: a worker that dies or stops answering stops the run with an error naming it "
                         "(stop), or its experts go to the workers left and the run goes on (failover)")
@@ -190,7 +193,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         execution=args.execution, cpu_threads=args.cpu_threads, profile=args.profile,
                         hybrid_admit=args.hybrid_admit, workers=args.workers, worker_group=args.worker_group,
                         worker_timeout_s=args.worker_timeout, worker_memory=args.worker_memory,
-                        on_worker_loss=args.on_worker_loss)
+                        on_worker_loss=args.on_worker_loss, shadow=args.shadow)
 
 
 def add_store_arguments(p: argparse.ArgumentParser) -> None:
@@ -452,9 +455,10 @@ def launch_workers(args: argparse.Namespace) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(args.workers + 1)}
+    world = args.workers + 1 + args.shadow
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
     cmd = [sys.executable, "-m", "moepager.distributed", *args.argv]  # argv starts with the command, generate
-    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(args.workers + 1)]
+    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
     code = procs[0].wait()
     for p in procs[1:]:
         try:

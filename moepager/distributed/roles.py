@@ -12,12 +12,14 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from moepager.checkpoints.build import read_config
 from moepager.checkpoints.default import default_model_path
 from moepager.checkpoints.gguf_read import resolve_model_path
 from moepager.config import EngineConfig
 from moepager.errors import MoepagerError
-from moepager.experts.remote import HEADER, STATS, STOP
-from moepager.runtime.builder import expert_worker
+from moepager.experts.remote import STATS, STOP, message
+from moepager.runtime.builder import expert_worker, placement
+from moepager.runtime.shadow import SHADOW_RANK, Shadow
 
 
 def launch(config: EngineConfig, main: Callable[[EngineConfig], int]) -> int:
@@ -29,10 +31,10 @@ def launch(config: EngineConfig, main: Callable[[EngineConfig], int]) -> int:
                             "moepager.distributed generate ...` or `moepager generate --workers N-1 ...`")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=config.worker_timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world < 2:
+    if world < 2 + config.shadow:
         dist.destroy_process_group()
         raise MoepagerError("torchrun started one process: give --nproc-per-node 2 or more (a main and workers)")
-    config = replace(config, workers=world - 1)
+    config = replace(config, workers=world - 1 - config.shadow)
     if config.threads:
         torch.set_num_threads(config.threads)
     try:
@@ -41,9 +43,13 @@ def launch(config: EngineConfig, main: Callable[[EngineConfig], int]) -> int:
                 return main(config)
             finally:
                 for rank_, stats in stop_workers(world, config.worker_timeout_s).items():
-                    print(describe(rank_, stats), file=sys.stderr)
+                    if not (config.shadow and rank_ == SHADOW_RANK):
+                        print(describe(rank_, stats), file=sys.stderr)
         path = resolve_model_path(config.model) if config.model else default_model_path()
-        expert_worker(config, path, rank).serve()
+        if config.shadow and rank == SHADOW_RANK:
+            Shadow(config, path, placement(config, read_config(path))).serve()
+        else:
+            expert_worker(config, path, rank).serve()
         return 0
     except MoepagerError as e:
         print(f"error (rank {rank}): {e}", file=sys.stderr)
@@ -63,7 +69,7 @@ def stop_workers(world: int, timeout_s: float) -> dict[int, dict[str, float]]:
     out = {}
     for rank in range(1, world):
         try:
-            dist.send(torch.tensor([STOP] + [0] * (HEADER - 1)), rank)
+            dist.send(message(STOP), rank)
             stats = torch.empty(len(STATS), dtype=torch.float64)
             dist.irecv(stats, rank).wait(timeout=datetime.timedelta(seconds=timeout_s))
             out[rank] = dict(zip(STATS, stats.tolist()))
@@ -75,6 +81,8 @@ def stop_workers(world: int, timeout_s: float) -> dict[int, dict[str, float]]:
 def describe(rank: int, stats: dict[str, float]) -> str:
     accesses = stats["hits"] + stats["misses"]
     ahead = f" ({stats['loads_ahead']:.0f} experts loaded ahead)" if stats["loads_ahead"] else ""
+    if stats["forecast"]:
+        ahead += f"; forecasts named {100 * stats['forecast'] / max(stats['routed'], 1):.1f}% of its routed experts"
     paged = f", hit rate {100 * stats['hits'] / accesses:.1f}%, {stats['bytes_disk'] / 2**20:.1f} MiB read from " \
         f"disk{ahead}" if accesses else " (its experts resident)"
     return f"worker rank {rank}: {stats['calls']:.0f} layer calls{paged}"

@@ -30,14 +30,22 @@ from moepager.experts.executor import ArenaKernels, PagedExecutor, SortedTokens,
 from moepager.experts.protocols import FusedKernel
 from moepager.experts.weights import ExpertShape
 from moepager.policies.prefetch import PrefetchAware
-from moepager.types import RoutingDecision
+from moepager.types import PassInfo, RoutingDecision
 
 RUN, STOP, PLACE, PREFETCH = 1, 0, 2, 3
-STATS = ("calls", "hits", "misses", "bytes_disk", "loads_ahead")
+STATS = ("calls", "hits", "misses", "bytes_disk", "loads_ahead", "forecast", "routed")
+"""`forecast`: the routed experts some forecast for their pass had named (a shadow's or the main rank's predictor's),
+of `routed`, every expert the worker computed."""
 """What a worker answers a stop with (`ExpertWorker.stats`)."""
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-HEADER = 6
-"""op, layer position, tokens, top-k, x's dtype, the weights' dtype."""
+HEADER = 7
+"""op, then up to five fields (RUN: layer position, tokens, top-k, x's dtype, the weights' dtype), then the main
+rank's pass (forecasts and layer calls of one pass go together)."""
+
+
+def message(op: int, *fields: int, pass_id: int = 0) -> torch.Tensor:
+    """A header: `op`, its fields, zeros up to HEADER - 1, the pass."""
+    return torch.tensor([op, *fields] + [0] * (HEADER - 2 - len(fields)) + [pass_id])
 
 
 class WorkerLost(MoepagerError):
@@ -115,6 +123,7 @@ class RemoteExecutor:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.on_loss = on_loss
         self.lost: list[int] = []
+        self.pass_id = 0
         """Workers lost and failed over, in order."""
         self.compute_note = (fused.note + ", " if fused is not None else "") + \
             f"on {placement.workers} worker processes"
@@ -139,7 +148,7 @@ class RemoteExecutor:
             by_rank.setdefault(placement.rank(position, e), []).append(i)
         x = x_ND.contiguous()
         ids, weights = route.ids_TK.contiguous(), route.weights_TK.contiguous()
-        header = torch.tensor([RUN, position, n, k, DTYPES.index(x.dtype), DTYPES.index(weights.dtype)])
+        header = message(RUN, position, n, k, DTYPES.index(x.dtype), DTYPES.index(weights.dtype), pass_id=self.pass_id)
         lost: dict[int, str] = {}
         for rank in by_rank:  # every worker starts before any answer is awaited: they compute at the same time
             try:
@@ -183,10 +192,10 @@ class RemoteExecutor:
             raise WorkerLost(f"{reasons[silent[0]]}; a timeout ends gloo's process group, so the run cannot fail "
                              "over (a worker that dies can be)")
         placement = self.placement.without(set(reasons))
-        message = torch.tensor([PLACE, len(placement.ranks), placement.group_size, 0, 0, 0])
+        header = message(PLACE, len(placement.ranks), placement.group_size)
         for rank in placement.ranks:
             try:
-                dist.send(message, rank)
+                dist.send(header, rank)
                 dist.send(torch.tensor(placement.ranks), rank)
             except RuntimeError as e:  # lost as well: placed again without it at the next call
                 reasons = {**reasons, rank: self._reason(rank, -1, e)}
@@ -213,17 +222,13 @@ class RemoteExecutor:
     def prefetch_ranked(self, wanted: Sequence[tuple[int, int]], limit: int) -> int:
         """Send each worker its share of the first `limit` (layer, expert) forecasts, best first, to load ahead
         (workers that page: `--worker-memory`); returns the loads asked for."""
-        by_rank: dict[int, list[tuple[int, int]]] = {}
-        for layer, e in list(wanted)[:limit]:
-            position = self.position[layer]
-            by_rank.setdefault(self.placement.rank(position, e), []).append((position, e))
-        for rank, pairs in by_rank.items():
-            try:
-                dist.send(torch.tensor([PREFETCH, len(pairs), 0, 0, 0, 0]), rank)
-                dist.send(torch.tensor(pairs), rank)
-            except RuntimeError:
-                pass  # a lost worker: the next layer call finds it
-        return sum(map(len, by_rank.values()))
+        pairs = [(self.position[layer], e) for layer, e in list(wanted)[:limit]]
+        send_forecasts(self.placement, pairs, self.pass_id)  # matched to this pass's layer calls, or later ones
+        return len(pairs)
+
+    def begin_pass(self, info: PassInfo) -> None:
+        """The main rank's pass: the tag of its layer calls (a worker matches forecasts to them)."""
+        self.pass_id = info.pass_id
 
     def close(self) -> None:
         """Nothing: the launcher stops the workers (distributed/roles.py)."""
@@ -234,6 +239,20 @@ class RemoteExecutor:
 
 Holding = tuple[ArenaKernels | None, PagedExecutor | None]
 """A worker's experts: resident (kernels over its arena) or paged (an executor over its own store)."""
+
+
+def send_forecasts(placement: Placement, pairs: Sequence[tuple[int, int]], pass_id: int) -> None:
+    """(layer position, expert) forecasts to the workers that hold them, to load ahead (`PREFETCH`); a lost worker
+    is skipped (the next layer call finds it)."""
+    by_rank: dict[int, list[tuple[int, int]]] = {}
+    for position, e in pairs:
+        by_rank.setdefault(placement.rank(position, e), []).append((position, e))
+    for rank, mine in by_rank.items():
+        try:
+            dist.send(message(PREFETCH, len(mine), pass_id=pass_id), rank)
+            dist.send(torch.tensor(mine), rank)
+        except RuntimeError:
+            pass
 
 
 class ExpertWorker:
@@ -247,6 +266,9 @@ class ExpertWorker:
         self.rank, self.moe_layers, self.num_experts, self.shape = rank, list(moe_layers), num_experts, shape
         self.hold = hold
         self.calls, self._last = 0, -1
+        self.forecasts: dict[tuple[int, int], set[int]] = {}
+        """(pass, layer position) -> experts forecast for it, until the layer call of that pass comes."""
+        self.forecast_hits, self.routed = 0, 0
         self.paged: PagedExecutor | None = None
         self._carried = torch.zeros(len(STATS), dtype=torch.float64)
         """The counters of the stores earlier placements gave this worker."""
@@ -256,29 +278,29 @@ class ExpertWorker:
         owned = placement.owned(self.rank, len(self.moe_layers), self.num_experts)
         if self.paged is not None:
             self._carried += self.stats()
-            self._carried[0] = 0  # calls are counted once, in `calls`
+            self._carried[[0, 5, 6]] = 0  # counted once, in `calls`, `forecast_hits` and `routed`
             self.paged.store.close()
         self.kernels, self.paged = self.hold(owned)
         self.row = {key: i for i, key in enumerate(owned)}
 
     def serve(self) -> int:
-        """Answer layer calls until told to stop, then send the counters; returns the calls answered."""
+        """Answer layer calls until told to stop, then send the counters; returns the calls answered. Forecasts
+        (`PREFETCH`) may come from the main rank or a shadow rank, whichever sends first."""
         d = self.shape.hidden
         header = torch.empty(HEADER, dtype=torch.long)
         while True:
-            dist.recv(header, 0)
-            op, position, n, k, x_code, w_code = header.tolist()
+            source = dist.recv(header)
+            op, a, n, k, x_code, w_code, pass_id = header.tolist()
             if op == STOP:
                 dist.send(self.stats(), 0)
                 return self.calls
-            if op == PREFETCH:  # position: how many (layer position, expert) pairs follow
-                pairs = torch.empty(position, 2, dtype=torch.long)
-                dist.recv(pairs, 0)
-                if self.paged is not None:
-                    self.paged.store.prefetch_ranked([(self.moe_layers[p], e) for p, e in pairs.tolist()], position)
+            if op == PREFETCH:  # a: how many (layer position, expert) pairs follow
+                pairs = torch.empty(a, 2, dtype=torch.long)
+                dist.recv(pairs, source)
+                self._forecast(pairs.tolist(), pass_id)
                 continue
-            if op == PLACE:  # position: how many workers are left, n: their group size
-                ranks = torch.empty(position, dtype=torch.long)
+            if op == PLACE:  # a: how many workers are left, n: their group size
+                ranks = torch.empty(a, dtype=torch.long)
                 dist.recv(ranks, 0)
                 self._place(Placement(tuple(ranks.tolist()), n))
                 continue
@@ -287,15 +309,27 @@ class ExpertWorker:
             for t in (x, ids, weights):
                 dist.recv(t, 0)
             with torch.inference_mode():
-                rows = self.compute(position, x, ids, weights)
+                rows = self.compute(a, x, ids, weights, pass_id)
             dist.send(rows, 0)
             self.calls += 1
 
-    def compute(self, position: int, x_ND: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tensor
-                ) -> torch.Tensor:
+    def _forecast(self, pairs: list[list[int]], pass_id: int) -> None:
+        """Experts forecast for a pass: remembered (to count how many it got right) and, paged, loaded ahead."""
+        for p, e in pairs:
+            self.forecasts.setdefault((pass_id, p), set()).add(e)
+        if self.paged is not None:
+            self.paged.store.prefetch_ranked([(self.moe_layers[p], e) for p, e in pairs], len(pairs))
+
+    def compute(self, position: int, x_ND: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tensor,
+                pass_id: int = 0) -> torch.Tensor:
         """This worker's experts' rows of the layer, in the main rank's sorted order."""
         work = sort_by_expert(x_ND, RoutingDecision(ids_NK, weights_NK, weights_NK, ids_NK))
         which = [i for i, e in enumerate(work.experts) if (position, e) in self.row]
+        named: set[int] = set()
+        for key in [key for key in self.forecasts if key[1] == position and key[0] <= pass_id]:
+            named |= self.forecasts.pop(key)  # every forecast for this layer up to this pass
+        self.forecast_hits += sum(work.experts[i] in named for i in which)
+        self.routed += len(which)
         if self.paged is not None:
             store = self.paged.store
             if position <= self._last:  # a new forward pass: the clock the store's policy ranks by
@@ -314,10 +348,11 @@ class ExpertWorker:
 
     def stats(self) -> torch.Tensor:
         """`STATS`: calls, hits, misses, bytes read from disk, loads ahead (resident: nothing read)."""
+        forecast = [self.forecast_hits, self.routed]
         if self.paged is None:
-            return self._carried + torch.tensor([self.calls, 0, 0, 0, 0], dtype=torch.float64)
+            return self._carried + torch.tensor([self.calls, 0, 0, 0, 0, *forecast], dtype=torch.float64)
         phases = self.paged.store.counters.phases.values()
         return self._carried + torch.tensor([self.calls, sum(sum(p.hits.values()) for p in phases),
                                              sum(sum(p.misses.values()) for p in phases),
-                                             sum(p.bytes_disk for p in phases), sum(p.loads_ahead for p in phases)],
-                                            dtype=torch.float64)
+                                             sum(p.bytes_disk for p in phases), sum(p.loads_ahead for p in phases),
+                                             *forecast], dtype=torch.float64)

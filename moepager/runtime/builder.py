@@ -266,11 +266,14 @@ def placement(config: EngineConfig, cfg: ModelConfig) -> Placement:
     """Which worker holds each expert (experts/remote.py), checked against the processes that were started."""
     import torch.distributed as dist
 
-    if not dist.is_initialized() or dist.get_world_size() != config.workers + 1:
-        raise ConfigError(f"--workers {config.workers} needs {config.workers + 1} processes started together: run "
+    processes = config.workers + 1 + config.shadow
+    if not dist.is_initialized() or dist.get_world_size() != processes:
+        raise ConfigError(f"--workers {config.workers} needs {processes} processes started together: run "
                           f"`moepager generate --workers {config.workers} ...` or `torchrun --nproc-per-node "
-                          f"{config.workers + 1} -m moepager.distributed generate ...`")
-    return Placement.of(config.workers, config.worker_group or min(cfg.top_k, config.workers))
+                          f"{processes} -m moepager.distributed generate ...`")
+    first = 2 if config.shadow else 1  # rank 1 is the shadow's
+    return Placement(tuple(range(first, first + config.workers)),
+                     config.worker_group or min(cfg.top_k, config.workers))
 
 
 def remote_executor(config: EngineConfig, reader: FlatReader, cfg: ModelConfig) -> RemoteExecutor:

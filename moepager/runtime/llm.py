@@ -20,6 +20,7 @@ from moepager.checkpoints.gguf_read import resolve_model_path
 from moepager.checkpoints.safetensors import Checkpoint
 from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
 from moepager.errors import ConfigError, InvalidRequestError
+from moepager.experts.remote import RemoteExecutor
 from moepager.models.routing import NULL_OBSERVER, OWN_ROUTER, RoutingFanOut, RoutingObserver
 from moepager.predictors import PREDICTORS
 from moepager.runtime.builder import build, store_report
@@ -30,6 +31,7 @@ from moepager.runtime.prefetch import Prefetcher
 from moepager.runtime.replay import ReplayReport, ReplaySpec, RouteReplayer, check_record_path, load_replay
 from moepager.runtime.request import Detokenize, FinishReason, Request
 from moepager.runtime.sampling import SamplingParams
+from moepager.runtime.shadow import ShadowFeed
 from moepager.runtime.stats import RunStats
 from moepager.runtime.tokenizer import Tokenizer
 from moepager.trace.format import TraceHeader
@@ -95,6 +97,10 @@ class LLM:
         self.paths = PathTracker(cfg.moe_layers, cfg.num_experts) \
             if self.config.scheduler.batch_policy == "expertflow" else None
         """Each running request's routing path (the expertflow batch policy groups requests by them)."""
+        self.remote: list[PassPart] = [experts] if isinstance(experts, RemoteExecutor) else []
+        """Worker processes' executor (its layer calls carry the pass), and the shadow's feed when there is one."""
+        if self.config.shadow:
+            self.remote.insert(0, ShadowFeed())
         self._pass_parts: list[PassPart] = self._parts(None, None)
         self._observe()
         self.engine = Engine(self.loaded.model, self.loaded.dtype, self.loaded.device, self.config.scheduler,
@@ -192,8 +198,10 @@ class LLM:
         return TraceRecorder(header, hidden)
 
     def _parts(self, replayer: RouteReplayer | None, recorder: TraceRecorder | None) -> list[PassPart]:
-        """What each pass is announced to, in order: the store's clock first (the prefetcher's loads use it)."""
-        return [p for p in (self.store, replayer, recorder, self.prefetcher, self.paths) if p is not None]
+        """What each pass is announced to, in order: the worker processes' parts, then the store's clock (the
+        prefetcher's loads use it)."""
+        parts = (self.store, replayer, recorder, self.prefetcher, self.paths)
+        return [*self.remote, *(p for p in parts if p is not None)]
 
     def _observe(self, recorder: TraceRecorder | None = None) -> None:
         """The model's routing to the recorder (for one call), the prefetcher and the path tracker, where there are."""

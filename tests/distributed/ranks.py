@@ -1,7 +1,8 @@
 """Run under torchrun by tests/distributed/test_workers.py: rank 0 generates greedy tokens from token-id prompts on
 each checkpoint with its experts on the other ranks, and writes them to OUT; the workers serve each checkpoint in turn.
 MOEPAGER_TEST_FAULT=die|hang makes rank 2 exit, or stop answering, at its third layer call; MOEPAGER_TEST_ON_LOSS is
-the run's --on-worker-loss (stop by default), MOEPAGER_TEST_PREDICTOR its --predictor."""
+the run's --on-worker-loss (stop by default), MOEPAGER_TEST_PREDICTOR its --predictor, MOEPAGER_TEST_SHADOW=1 makes
+rank 1 the shadow (--shadow)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moepager.checkpoints.build import read_config
 from moepager.config import EngineConfig, PrefetchConfig
 from moepager.distributed.roles import stop_workers
 from moepager.errors import MoepagerError
 from moepager.experts.remote import ExpertWorker
-from moepager.runtime.builder import expert_worker
+from moepager.runtime.builder import expert_worker, placement
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
+from moepager.runtime.shadow import SHADOW_RANK, Shadow
 
 PROMPTS = [[3, 11, 5, 7], [7, 1, 2], [2, 2, 9, 4, 6]]
 
@@ -45,10 +48,13 @@ def main() -> int:
         ExpertWorker.compute = faulty
     results = {}
     for path in paths:
-        config = EngineConfig(model=path, threads=1, workers=world - 1, worker_group=group, worker_timeout_s=3.0,
+        shadow = bool(os.environ.get("MOEPAGER_TEST_SHADOW"))
+        config = EngineConfig(model=path, threads=1, workers=world - 1 - shadow, worker_group=group,
+                              worker_timeout_s=3.0,
                               worker_memory=os.environ.get("MOEPAGER_TEST_WORKER_MEMORY"),
                               on_worker_loss=os.environ.get("MOEPAGER_TEST_ON_LOSS", "stop"),
-                              prefetch=PrefetchConfig(os.environ.get("MOEPAGER_TEST_PREDICTOR")))
+                              prefetch=PrefetchConfig(os.environ.get("MOEPAGER_TEST_PREDICTOR")),
+                              shadow=bool(os.environ.get("MOEPAGER_TEST_SHADOW")))
         if rank == 0:
             try:
                 llm = LLM(config=config, show_progress=False)
@@ -61,6 +67,8 @@ def main() -> int:
                 stop_workers(world, 3.0)
                 return 1
             results[path + " workers"] = list(stop_workers(world, 3.0).values())
+        elif shadow and rank == SHADOW_RANK:
+            Shadow(config, Path(path), placement(config, read_config(path))).serve()
         else:
             expert_worker(config, Path(path), rank).serve()
     if rank == 0:

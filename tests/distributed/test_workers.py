@@ -147,6 +147,22 @@ def test_a_predictor_on_the_main_rank_drives_the_workers_loads_ahead(hf_checkpoi
     assert sum(w["loads_ahead"] for w in got[path + " workers"]) > 0
 
 
+def test_a_shadow_rank_forecasts_the_workers_routing_and_changes_no_token(hf_checkpoint, tmp_path):
+    """--shadow: rank 1 computes every pass on an int8 copy as the main rank announces it and sends each layer's
+    routing to the workers, who load it ahead; its forecasts name most routed experts, and the tokens are the
+    single-process ones."""
+    path = str(hf_checkpoint("qwen3_moe")[1])
+    out = tmp_path / "tokens.json"
+    run = torchrun(4, "tests/distributed/ranks.py", str(out), "1", path,
+                   env={"MOEPAGER_TEST_WORKER_MEMORY": "60%", "MOEPAGER_TEST_SHADOW": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got[path] == single_process(path)
+    workers = got[path + " workers"][1:]  # rank 1, the shadow, answers with no counters
+    assert sum(w["loads_ahead"] for w in workers) > 0
+    assert sum(w["forecast"] for w in workers) > 0.5 * sum(w["routed"] for w in workers)
+
+
 def test_failover_gives_a_dead_workers_experts_to_the_others_and_loses_no_token(hf_checkpoint, tmp_path):
     """--on-worker-loss failover: rank 2 of 3 workers dies at its third layer call; its experts go to ranks 1 and 3,
     the layer call is made again, and every token is the single-process one (two models, one after the other)."""
