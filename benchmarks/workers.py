@@ -4,9 +4,11 @@ same total expert memory, and how well an int8 shadow of the model would predict
 Part 1, measured (processes as nodes on this machine, one torch thread each, gloo): the built-in model decodes
 `--prompts` prompts of the demo validation text (`--tokens` each, greedy) in one process with `--expert-memory B`,
 then as a main rank with 2 and 4 workers, each worker's cache `--worker-memory B` of its own experts (so the same
-total), read from the checkpoint on demand, and 2 workers loading ahead what the main rank's `--predictor`
-forecasts (OD-MoE without a shadow rank). Per run: decode tok/s, TPOT, expert bytes read per output token, the
-workers' hit rate, and whether the tokens equal the single process's.
+total), read from the checkpoint on demand; then 2 workers loading ahead what the main rank's `--predictor`
+forecasts (OD-MoE without a shadow rank), and 2 workers with a shadow rank (`--shadow`: the int8 copy computing each
+pass as it is announced and sending each layer's routing to the workers). Per run: decode tok/s, TPOT, expert bytes
+read per output token, the workers' hit rate, the share of routed experts a forecast had named, and whether the
+tokens equal the single process's.
 Part 2, OD-MoE's shadow model: the built-in model with int8 experts and int8 dense projections (the shadow) run over
 the same tokens as the full model (teacher-forced: the validation documents), and per MoE layer the recall of the
 full model's top-k in the shadow's top-k (OD-MoE reports 97.34% for INT8).
@@ -42,6 +44,8 @@ def arguments() -> argparse.ArgumentParser:
                    help="the predictor of the extra 2-worker run whose forecasts the workers load ahead ('' : none)")
     p.add_argument("--rank-out", help=argparse.SUPPRESS)
     p.add_argument("--rank-predictor", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--rank-shadow", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--no-shadow", action="store_true", help="leave out the 2-worker run with a shadow rank")
     return p
 
 
@@ -71,7 +75,7 @@ def rank_main(args: argparse.Namespace) -> int:
     from moepager.distributed.roles import launch, stop_workers
 
     config = EngineConfig(threads=1, workers=1, worker_memory=args.budget,
-                          prefetch=PrefetchConfig(args.rank_predictor or None))
+                          prefetch=PrefetchConfig(args.rank_predictor or None), shadow=args.rank_shadow)
 
     def main(cfg: EngineConfig) -> int:
         row = generate(cfg, args)
@@ -88,22 +92,27 @@ def measured(args: argparse.Namespace) -> list[dict]:
     torch.set_num_threads(1)
     rows = [{"run": "1 process"} | generate(EngineConfig(threads=1, store=StoreConfig(expert_memory=args.budget)),
                                             args)]
-    runs = [(w, None) for w in args.workers] + ([(2, args.predictor)] if args.predictor else [])
+    runs = [(w, None) for w in args.workers] + ([(2, args.predictor)] if args.predictor else []) + \
+        ([(2, "shadow")] if not args.no_shadow else [])
     for workers, predictor in runs:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "row.json"
+            shadow = predictor == "shadow"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                   str(workers + 1), "-m", "benchmarks.workers", "--budget", args.budget, "--prompts",
+                   str(workers + 1 + shadow), "-m", "benchmarks.workers", "--budget", args.budget, "--prompts",
                    str(args.prompts), "--tokens", str(args.tokens), "--rank-out", str(out)] + \
-                (["--rank-predictor", predictor] if predictor else [])
+                (["--rank-shadow"] if shadow else ["--rank-predictor", predictor] if predictor else [])
             t0 = time.perf_counter()
             run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             if run.returncode != 0:
                 raise SystemExit(run.stderr[-3000:])
             row = json.loads(out.read_text())
-        stats = list(row.pop("workers").values())
+        stats = [w for rank, w in row.pop("workers").items() if not (shadow and rank == "1")]
         hits, misses = sum(w["hits"] for w in stats), sum(w["misses"] for w in stats)
-        row |= {"run": f"{workers} workers" + (f", {predictor} prefetch" if predictor else ""),
+        routed = sum(w["routed"] for w in stats)
+        row |= {"run": f"{workers} workers" + (", a shadow rank" if shadow else f", {predictor} prefetch"
+                                                if predictor else ""),
+                "forecast_recall": sum(w["forecast"] for w in stats) / routed if routed else None,
                 "bytes_disk": sum(w["bytes_disk"] for w in stats),
                 "hit_rate": hits / max(hits + misses, 1), "wall_s": time.perf_counter() - t0}
         rows.append(row)
@@ -148,9 +157,12 @@ def main() -> None:
     rows = measured(args)
     print(f"built-in model, expert memory {args.budget} in all, {args.prompts} prompts x {args.tokens} tokens, "
           "one thread a process:")
-    print_table(["run", "decode tok/s", "x 1 process", "TPOT ms", "MiB read / token", "hit %", "same tokens"],
+    print_table(["run", "decode tok/s", "x 1 process", "TPOT ms", "MiB read / token", "hit %", "forecast named %",
+                 "same tokens"],
                 [[r["run"], r["decode_tok_s"], r["vs_1_process"], r["tpot_ms"], r["MiB_per_token"],
-                  100 * (r["hit_rate"] or 0), r["same_tokens"]] for r in rows])
+                  100 * (r["hit_rate"] or 0),
+                  "-" if r.get("forecast_recall") is None else 100 * r["forecast_recall"], r["same_tokens"]]
+                 for r in rows])
     recall = shadow_recall(args)
     print(f"\nint8 shadow (int8 experts and dense projections) against the full built-in model, {recall['tokens']} "
           f"tokens: recall of the top-k {100 * recall['recall']:.2f}%, per layer "
