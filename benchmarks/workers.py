@@ -79,7 +79,7 @@ def rank_main(args: argparse.Namespace) -> int:
 
     def main(cfg: EngineConfig) -> int:
         row = generate(cfg, args)
-        row["workers"] = stop_workers(cfg.workers + 1, cfg.worker_timeout_s)
+        row["workers"] = stop_workers(cfg.workers + 1 + cfg.shadow, cfg.worker_timeout_s)
         Path(args.rank_out).write_text(json.dumps(row))
         return 0
 
