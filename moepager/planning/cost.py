@@ -69,6 +69,7 @@ DEVICES = {
     "a100": Device("A100 80GB SXM", 2039e9 * _EFF_MEM, 312e12 * _EFF_FLOPS, 8e-6),
     "h100": Device("H100 SXM", 3350e9 * _EFF_MEM, 989e12 * _EFF_FLOPS, 8e-6),
     "rtx4090": Device("RTX 4090", 1008e9 * _EFF_MEM, 165e12 * _EFF_FLOPS, 10e-6),
+    "rtx3090": Device("RTX 3090", 936e9 * _EFF_MEM, 71e12 * _EFF_FLOPS, 10e-6),  # OD-MoE's nodes
     # This machine, 2 threads, bf16 (FACTS.md: a Mixtral expert in 12.7 ms for 1 token, 39 ms for 64).
     "cpu": Device("2-core EPYC (this machine)", 27.7e9, 0.84e12, 50e-6),
 }
@@ -77,6 +78,9 @@ LINKS = {
     "pcie3": Link("PCIe 3.0 x16", 12.5e9, 10e-6),
     "pcie4": Link("PCIe 4.0 x16", 25e9, 10e-6),
     "pcie5": Link("PCIe 5.0 x16", 50e9, 10e-6),
+    # OD-MoE's LAN between nodes, about 90% of 1 Gbps; its latency stands for a hop's serialising too (the paper
+    # gives none).
+    "1gbe": Link("1 Gbps Ethernet", 0.9 * 125e6, 0.5e-3),
     # This machine's virtio disk, O_DIRECT reads (benchmarks/offload_cpu.py: 2.6 GB/s median raw).
     "disk": Link("virtio disk (this machine)", 2.6e9, 100e-6),
 }

@@ -1,0 +1,81 @@
+"""OD-MoE's decode pipeline on paper (OD-MoE §2.3-2.4): how fast N worker machines would decode a trace, so that a
+deployment can be sized before it is bought (`moepager simulate --workers N`).
+
+Per decode step and MoE layer, with n distinct experts routed (from the trace) shared by the G workers of the layer's
+group (each loads and computes ceil(n / G) of them, one after another) and N / G groups taking layers in turn:
+  hop      = tokens * hidden bytes / network bandwidth + latency        (hidden states to the group, outputs back)
+  t_W      = ceil(n / G) * (one expert's compute on a worker's device)
+  load     = expert bytes / a worker's link + latency                    (host memory -> its GPU, just in time)
+  maxload  = (N / G) * (t_M + 2 hop) + (N / G - 1) * t_W                 (§2.4: the time a group has to load a layer
+                                                                          predicted correctly before its turn)
+  stall    = max(0, r * ceil(n / G) * load - maxload) + (1 - r) * ceil(n / G) * load
+             (the predicted share loads ahead, what overruns maxload stalls; the mispredicted share, a fraction 1 - r
+              by the shadow's recall r, loads after the layer's routing is known)
+  layer    = t_M + 2 hop + t_W + stall
+where t_M is the main node's per-layer time (attention, gating, norms). Cacheless, as OD-MoE runs: every routed expert
+is loaded for every layer call. Against it, all in one GPU's memory: layer = t_M + n * (one expert's compute).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moepager.errors import MoepagerError
+from moepager.planning.cost import Device, Link
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A deployment: N workers in groups of G, each with its own GPU and host link, a LAN to the main node, the main
+    node's per-layer time and the shadow's recall."""
+
+    workers: int
+    group_size: int
+    worker: Device
+    worker_link: Link
+    network: Link
+    main_layer_s: float
+    """t_M: the main node's time for one layer's attention, gating and norms at one token."""
+    recall: float
+    """r: the share of a layer's routed experts the shadow predicted (0: no shadow, every load on demand)."""
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or not 1 <= self.group_size <= self.workers:
+            raise MoepagerError(f"a worker group of {self.group_size} needs 1 to {self.workers} workers")
+        if not 0 <= self.recall <= 1:
+            raise MoepagerError(f"the shadow's recall is a share between 0 and 1, got {self.recall}")
+
+
+def expert_compute_s(device: Device, expert_bytes: int, tokens: np.ndarray) -> np.ndarray:
+    """One expert on `device` for `tokens` tokens: its weights' read or its FLOPs, whichever is longer (bf16)."""
+    flops = tokens * 2 * (expert_bytes / 2)
+    return np.maximum(expert_bytes / device.mem_Bps, flops / device.flops) + device.launch_s
+
+
+def step_times(cluster: Cluster, requested_SL: np.ndarray, tokens_S: np.ndarray, expert_bytes: int,
+               hidden_bytes: int, top_k: int) -> np.ndarray:
+    """Modeled seconds of each step (module note). `requested_SL`: distinct experts each step routed per layer;
+    `hidden_bytes`: one token's hidden state on the wire."""
+    n = requested_SL.astype(np.float64)
+    tokens = tokens_S.astype(np.float64)[:, None]
+    share = np.ceil(n / cluster.group_size)
+    groups = cluster.workers // cluster.group_size
+    c = expert_compute_s(cluster.worker, expert_bytes, tokens * top_k / np.maximum(n, 1))
+    hop = tokens * hidden_bytes / cluster.network.bytes_per_s + cluster.network.latency_s
+    t_w = share * c
+    load = expert_bytes / cluster.worker_link.bytes_per_s + cluster.worker_link.latency_s
+    t_m = cluster.main_layer_s
+    maxload = groups * (t_m + 2 * hop) + (groups - 1) * t_w
+    stall = np.maximum(0.0, cluster.recall * share * load - maxload) + (1 - cluster.recall) * share * load
+    return (t_m + 2 * hop + t_w + stall).sum(1)
+
+
+def resident_step_times(device: Device, main_layer_s: float, requested_SL: np.ndarray, tokens_S: np.ndarray,
+                        expert_bytes: int, top_k: int) -> np.ndarray:
+    """The same steps with every expert in one GPU's memory (OD-MoE's all-in-GPU reference)."""
+    n = requested_SL.astype(np.float64)
+    tokens = tokens_S.astype(np.float64)[:, None]
+    c = expert_compute_s(device, expert_bytes, tokens * top_k / np.maximum(n, 1))
+    return (main_layer_s + n * c).sum(1)

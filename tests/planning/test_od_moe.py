@@ -1,0 +1,49 @@
+"""OD-MoE's pipeline on paper (planning/od_moe.py): the formulas by hand, and what more workers and a better
+shadow do."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moepager.errors import MoepagerError
+from moepager.planning.cost import DEVICES, LINKS, Device, Link
+from moepager.planning.od_moe import Cluster, expert_compute_s, resident_step_times, step_times
+
+GPU = Device("test", 1e12, 1e15, 0.0)
+MIB = 2**20
+
+
+def cluster(workers: int, recall: float, group: int = 2) -> Cluster:
+    return Cluster(workers, group, GPU, Link("host", 10e9, 0.0), Link("lan", 1e9, 0.0), 1e-3, recall)
+
+
+def test_one_layer_by_hand():
+    requested, tokens = np.array([[2]]), np.array([1])
+    c = cluster(8, recall=1.0)  # 4 groups; each worker loads one 100 MiB expert in 10.49 ms
+    load, compute = 100 * MIB / 10e9, 100 * MIB / 1e12
+    hop = 8192 / 1e9
+    maxload = 4 * (1e-3 + 2 * hop) + 3 * compute
+    expected = 1e-3 + 2 * hop + compute + max(0.0, load - maxload)
+    assert step_times(c, requested, tokens, 100 * MIB, 8192, 2)[0] == pytest.approx(expected)
+    missed = step_times(cluster(8, recall=0.0), requested, tokens, 100 * MIB, 8192, 2)[0]
+    assert missed == pytest.approx(1e-3 + 2 * hop + compute + load)  # every load after the routing is known
+
+
+def test_more_workers_and_a_better_shadow_never_slow_a_step():
+    rng = np.random.default_rng(0)
+    requested, tokens = rng.integers(1, 3, (50, 32)), np.ones(50, int)
+    times = {n: step_times(cluster(n, 0.97), requested, tokens, 336 * MIB, 8192, 2).sum() for n in (2, 4, 8, 16)}
+    assert times[2] >= times[4] >= times[8] >= times[16]
+    assert step_times(cluster(8, 0.99), requested, tokens, 336 * MIB, 8192, 2).sum() <= times[8]
+    resident = resident_step_times(GPU, 1e-3, requested, tokens, 336 * MIB, 2).sum()
+    assert resident < times[16]  # nothing beats having every expert in memory
+
+
+def test_the_papers_profiles_exist_and_bad_clusters_are_refused():
+    assert DEVICES["rtx3090"].mem_Bps < DEVICES["rtx4090"].mem_Bps and LINKS["1gbe"].bytes_per_s < 125e6
+    assert expert_compute_s(GPU, 2 * MIB, np.array([1.0]))[0] == pytest.approx(2 * MIB / 1e12)
+    with pytest.raises(MoepagerError):
+        Cluster(2, 3, GPU, LINKS["pcie4"], LINKS["1gbe"], 1e-3, 0.9)
+    with pytest.raises(MoepagerError):
+        Cluster(2, 2, GPU, LINKS["pcie4"], LINKS["1gbe"], 1e-3, 1.5)
