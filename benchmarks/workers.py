@@ -170,11 +170,7 @@ def modeled_scaling() -> list[dict]:
     trace = converted("mixtral-jsonl", SHARED / "mixtral-8x7b" / "routing_data_collected", "mixtral-8x7b")
     work = load_workload(str(trace), "decode")
     h = work.header
-    requested = np.zeros((work.num_steps, h.num_layers), np.int64)
-    for layer in range(h.num_layers):  # decode order: a step is one token, its distinct experts its top-k
-        ids = work.ids_NLK[work.step_tokens, layer]
-        requested[:, layer] = [len(set(row[row >= 0].tolist())) for row in ids]
-    tokens = np.diff(work.step_ptr)
+    requested, tokens = work.requested_SL(), np.diff(work.step_ptr)
     hidden_bytes = 4096 * 2
     gpu = DEVICES["rtx3090"]
     resident = resident_step_times(gpu, PAPER_MAIN_LAYER_S, requested, tokens, h.expert_bytes, h.top_k).mean()

@@ -14,7 +14,8 @@ from moepager.atomic_io import atomic_file, check_file
 from moepager.cli.predictor import parse_ints
 from moepager.config import BATCH_POLICIES, Budget, SchedulerConfig
 from moepager.errors import MoepagerError
-from moepager.planning.cost import PROFILES, CostModel
+from moepager.planning.cost import LINKS, PROFILES, CostModel
+from moepager.planning.od_moe import Cluster, resident_step_times, step_times
 from moepager.policies import POLICIES
 from moepager.predictors import FITTED, PredictorError, make_predictor
 from moepager.runtime.step_order import engine_steps
@@ -78,6 +79,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "threshold computes on the CPU without a transfer, the rest are loaded); hybrid+admitN: then "
                         "copies up to N of a layer's CPU experts to the device in the background (the engine's "
                         "--hybrid-admit N)")
+    g = p.add_argument_group("OD-MoE worker machines, on paper (planning/od_moe.py)")
+    g.add_argument("--workers", metavar="N[,N...]",
+                   help="also model decoding the trace on N worker machines (cacheless, OD-MoE's pipeline), each with "
+                        "the --profile's device and link; comma-separated to compare")
+    g.add_argument("--worker-group", type=int, metavar="G", help="--workers: machines per layer (default top-k)")
+    g.add_argument("--shadow-recall", type=float, default=0.0, metavar="R",
+                   help="--workers: the share of routed experts a shadow model predicts (OD-MoE's INT8 shadow: "
+                        "0.9734; default 0, no shadow)")
+    g.add_argument("--network", choices=sorted(LINKS), default="1gbe",
+                   help="--workers: the link between the main machine and the workers (default 1gbe)")
+    g.add_argument("--main-layer-ms", type=float, default=0.25, metavar="MS",
+                   help="--workers: the main machine's time for one layer's attention, gating and norms (default "
+                        "0.25, Mixtral-8x7B on an RTX 3090)")
+    g.add_argument("--hidden-bytes", type=int, default=8192,
+                   help="--workers: one token's hidden state on the wire (default 8192: 4096 fp16 values)")
     p.add_argument("--overlap", choices=["layer", "none"], default="layer", help="cost model: load/compute overlap")
     p.add_argument("--expert-bytes", type=int, help="bytes per expert, if the trace header lacks it")
     p.add_argument("--dense-bytes-per-layer", type=int, default=0, help="cost model: non-expert weights per layer")
@@ -169,6 +185,30 @@ def executions(text: str, cost: CostModel | None) -> list[tuple[Literal["gpu", "
     return out
 
 
+def workers_table(args: argparse.Namespace, work: Workload, cost: CostModel | None, expert_bytes: int) -> str:
+    """`--workers`: the trace decoded by N cacheless worker machines (OD-MoE's pipeline, planning/od_moe.py) against
+    every expert in one machine's memory, modeled."""
+    if cost is None:
+        raise TraceError("--workers models each worker with the --profile's device and link: give --profile")
+    h = work.header
+    group = args.worker_group or h.top_k
+    requested, tokens = work.requested_SL(), np.diff(work.step_ptr)
+    main_s = args.main_layer_ms / 1e3
+    alone = resident_step_times(cost.device, main_s, requested, tokens, expert_bytes, h.top_k).mean()
+    lines = [f"OD-MoE on paper: {cost.device.name} workers over {cost.link.name}, {LINKS[args.network].name} to the "
+             f"main machine, groups of {group}, shadow recall {args.shadow_recall:g}; all in one machine's memory "
+             f"{1 / alone:.2f} tok/s", "workers  tok/s  x all in memory"]
+    for n in parse_ints(args.workers, "--workers"):
+        try:
+            cluster = Cluster(n, min(group, n), cost.device, cost.link, LINKS[args.network], main_s,
+                              args.shadow_recall)
+        except MoepagerError as e:
+            raise TraceError(str(e)) from None
+        t = step_times(cluster, requested, tokens, expert_bytes, args.hidden_bytes, h.top_k).mean()
+        lines.append(f"{n:>7}  {1 / t:>5.2f}  {alone / t:>15.3f}")
+    return "\n".join(lines)
+
+
 def horizons(text: str) -> list[int]:
     try:
         return parse_ints(text, "--horizon")
@@ -238,6 +278,8 @@ def run(args: argparse.Namespace) -> int:
                 with atomic_file(json_out) as tmp:
                     tmp.write_text(json.dumps({"trace": args.trace, "header": vars(h), "profile": args.profile,
                                                "rows": with_gaps(rows)}, indent=1, default=list))
+    if args.workers:
+        print(workers_table(args, work, cost, expert_bytes))
     if plot_out is not None:
         with atomic_file(plot_out) as tmp:
             plot_hit_rates(rows, tmp, f"{h.model}: hit rate vs cache size")

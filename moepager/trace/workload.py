@@ -64,6 +64,18 @@ class Workload:
         out[valid] = following[inverse]
         return out
 
+    def requested_SL(self) -> np.ndarray:
+        """Distinct experts each step routes to in each layer (what a cacheless deployment loads: OD-MoE)."""
+        num_layers, e = self.header.num_layers, self.header.num_experts
+        step_of = np.repeat(np.arange(self.num_steps), np.diff(self.step_ptr))
+        ids = self.ids_NLK[self.step_tokens].astype(np.int64)  # [N, L, K] in step order
+        valid = ids != MISSING
+        layer = np.broadcast_to(np.arange(num_layers)[None, :, None], ids.shape)
+        step = np.broadcast_to(step_of[:, None, None], ids.shape)
+        seen = np.zeros((self.num_steps, num_layers, e), bool)
+        seen[step[valid], layer[valid], ids[valid]] = True
+        return seen.sum(2)
+
     def counts_LE(self) -> np.ndarray:
         """How often each expert was chosen (a frequency prior)."""
         num_layers, e = self.header.num_layers, self.header.num_experts

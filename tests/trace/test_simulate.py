@@ -181,3 +181,10 @@ def test_hybrid_replay_computes_light_misses_on_the_cpu_and_admits_nothing_of_th
     assert (some.demand_loads_SL + some.cpu_SL == some.requested_SL - some.hits_SL).all()
     with pytest.raises(TraceError, match="hybrid execution places"):
         simulate(work, SimSpec("smoe-fixed", 4, forecast="repeat", execution="hybrid"))
+
+
+def test_a_workloads_distinct_experts_per_step_are_the_simulators_requests(tmp_path):
+    trace = random_trace(tmp_path / "t.mpt", lengths=(12, 9), prefill=12, seed=4)
+    for order in ("decode", "recorded"):
+        work = load_workload(str(trace), order)
+        assert (work.requested_SL() == simulate(work, SimSpec("lru", 4)).requested_SL).all()

@@ -85,3 +85,15 @@ def test_simulate_compares_gpu_and_hybrid_execution(tmp_path, capsys):
     assert main(["simulate", str(trace), "--execution", "npu", "--profile", "h100-pcie3"]) == 2
     err = capsys.readouterr().err
     assert "give --profile" in err and "choose gpu, hybrid or hybrid+admitN" in err
+
+
+def test_simulate_models_od_moe_worker_machines(tmp_path, capsys):
+    trace = random_trace(tmp_path / "t.mpt")
+    assert main(["simulate", str(trace), "--capacity", "4", "--profile", "rtx4090-pcie4", "--expert-bytes",
+                 str(300 << 20), "--workers", "2,4,8", "--worker-group", "2", "--shadow-recall", "0.97"]) == 0
+    out = capsys.readouterr().out
+    assert "OD-MoE on paper: RTX 4090 workers" in out and "shadow recall 0.97" in out
+    rates = [float(line.split()[1]) for line in out.splitlines()[-3:]]
+    assert rates[0] <= rates[1] <= rates[2]  # more groups: a longer window to load in
+    assert main(["simulate", str(trace), "--workers", "2"]) == 2
+    assert "give --profile" in capsys.readouterr().err
