@@ -111,7 +111,7 @@ def built_in(args: argparse.Namespace) -> list[dict]:
 def grouping_bound(args: argparse.Namespace, trials: int = 40) -> list[dict]:
     """The module note's `bound`: mean distinct (layer, expert) pairs per pair of steps, each grouping."""
     from benchmarks.common import converted
-    from moepager.runtime.grouping import balanced_two_means, union_size
+    from moepager.runtime.grouping import balanced_two_means, path_of, union_size
     from moepager.trace.format import TraceReader
 
     trace = converted("deepseek-csv", SHARED / "deepseek-v2-lite", "deepseek-v2-lite")
@@ -121,10 +121,7 @@ def grouping_bound(args: argparse.Namespace, trials: int = 40) -> list[dict]:
                     if q.num_tokens >= 64]
 
     def path(q: Any, t: int) -> np.ndarray:
-        p = np.zeros((h.num_layers, h.num_experts), bool)
-        for layer, ids in enumerate(q.ids_TLK[t]):
-            p[layer, ids[ids >= 0]] = True
-        return p.reshape(-1)
+        return path_of(q.ids_TLK[t], h.num_experts)
 
     rng, n = np.random.default_rng(0), args.clients
     sums: dict[str, list[int]] = {"one batch": [], "fifo halves": [], "2-means, last token": [],

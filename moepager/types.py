@@ -37,9 +37,15 @@ class RoutingDecision(NamedTuple):
 
 
 def long_tensor(values: list[int], device: torch.device) -> torch.Tensor:
-    """Integers from the host as a tensor on `device` without a host sync: on CUDA through pinned memory,
-    asynchronously (a copy from pageable memory waits for the device to finish its queue first)."""
+    """Integers from the host as a tensor on `device` without a host sync (`to_device`, inline: every pass and
+    paged layer makes one, and the call is counted per token: tests/runtime/test_overhead.py)."""
     host = torch.tensor(values, dtype=torch.long)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without a host sync: on CUDA through pinned memory, asynchronously (a copy from
+    pageable memory waits for the device to finish its queue first)."""
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 

@@ -8,7 +8,7 @@ cast to the run's dtype while still empty, materialised, and filled with the non
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -57,23 +57,27 @@ class LoadedModel:
 
 def read_resident(reader: ExpertReader, moe_layers: list[int], num_experts: int, device: torch.device,
                   progress: Callable[[int], None] | None = None) -> torch.Tensor:
-    """Every routed expert read into one arena on `device`: row i * num_experts + e is expert e of MoE layer i
-    (through one CPU staging buffer when the device is not the CPU)."""
+    """Every routed expert read into one arena on `device`: row i * num_experts + e is expert e of MoE layer i."""
+    return read_experts(reader, [ExpertKey(layer, e) for layer in moe_layers for e in range(num_experts)], device,
+                        progress)
+
+
+def read_experts(reader: ExpertReader, keys: Sequence[ExpertKey], device: torch.device,
+                 progress: Callable[[int], None] | None = None) -> torch.Tensor:
+    """The experts `keys` read into one arena on `device`, row i expert keys[i] (through one CPU staging buffer when
+    the device is not the CPU)."""
     shape = reader.shape
-    rows = len(moe_layers) * num_experts
-    arena = host_empty(rows, shape.numel, dtype=shape.buffer_dtype) if device.type == "cpu" else \
-        torch.empty(rows, shape.numel, dtype=shape.buffer_dtype, device=device)
+    arena = host_empty(len(keys), shape.numel, dtype=shape.buffer_dtype) if device.type == "cpu" else \
+        torch.empty(len(keys), shape.numel, dtype=shape.buffer_dtype, device=device)
     staging = torch.empty(shape.numel, dtype=shape.buffer_dtype) if device.type != "cpu" else None
-    for i, layer in enumerate(moe_layers):
-        for e in range(num_experts):
-            row = arena[i * num_experts + e]
-            if staging is None:
-                reader.read(ExpertKey(layer, e), row)
-            else:
-                reader.read(ExpertKey(layer, e), staging)
-                row.copy_(staging)
-            if progress is not None:
-                progress(shape.nbytes)
+    for key, row in zip(keys, arena):
+        if staging is None:
+            reader.read(key, row)
+        else:
+            reader.read(key, staging)
+            row.copy_(staging)
+        if progress is not None:
+            progress(shape.nbytes)
     return arena
 
 

@@ -107,8 +107,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "prefill's heavy experts and --predictor prefetches, as SMoE's)")
     w = p.add_argument_group("worker processes (OD-MoE)")
     w.add_argument("--workers", type=int, default=0, metavar="N",
-                   help="N worker processes hold and compute the routed experts (started with torchrun on this "
-                        "machine, gloo): this process keeps the dense weights and the KV cache")
+                   help="N worker processes hold and compute the routed experts (started on this machine, gloo): "
+                        "this process keeps the dense weights and the KV cache")
     w.add_argument("--worker-group", type=int, metavar="G",
                    help="--workers: workers sharing one MoE layer's experts (default min(top-k, N)); layers go "
                         "round-robin to the N/G groups")
@@ -444,28 +444,38 @@ def run(args: argparse.Namespace) -> int:
 
 
 def launch_workers(args: argparse.Namespace) -> int:
-    """`--workers N`: this command again as N + 1 processes on this machine (`moepager.distributed`, torch.distributed's
-    environment set as torchrun sets it, but each process outliving the others, so a lost worker can be failed over);
-    the main process's exit status. Workers that do not stop within --worker-timeout after it are killed."""
+    """`--workers N`: this command again as the main, N worker (and a shadow) processes (`moepager.distributed`);
+    the main process's exit status."""
+    if args.workers < 1:
+        raise MoepagerError(f"--workers must be >= 1, got {args.workers}")
+    cmd = [sys.executable, "-m", "moepager.distributed", *args.argv]  # argv starts with the command, generate
+    return spawn_ranks(cmd, args.workers + 1 + args.shadow, args.worker_timeout)[0]
+
+
+def spawn_ranks(cmd: list[str], world: int, stop_timeout_s: float, env: dict[str, str] | None = None,
+                quiet: bool = False, main_timeout_s: float | None = None) -> list[int]:
+    """`cmd` as `world` processes on this machine, torch.distributed's environment set as torchrun sets it but each
+    process outliving the others (so a lost worker can be failed over); every exit status, rank 0's first (waited for
+    up to `main_timeout_s`). The others get `stop_timeout_s` to end after rank 0 has, then are killed."""
     import socket
     import subprocess
 
-    if args.workers < 1:
-        raise MoepagerError(f"--workers must be >= 1, got {args.workers}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    world = args.workers + 1 + args.shadow
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
-    cmd = [sys.executable, "-m", "moepager.distributed", *args.argv]  # argv starts with the command, generate
-    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
-    code = procs[0].wait()
+    environ = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+               **(env or {})}
+    sink = subprocess.DEVNULL if quiet else None
+    procs = [subprocess.Popen(cmd, env={**environ, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=sink, stderr=sink)
+             for r in range(world)]
+    codes = [procs[0].wait(timeout=main_timeout_s)]
     for p in procs[1:]:
         try:
-            p.wait(timeout=args.worker_timeout)
+            codes.append(p.wait(timeout=stop_timeout_s))
         except subprocess.TimeoutExpired:
             p.kill()
-    return code
+            codes.append(p.wait())
+    return codes
 
 
 def _replay(llm: LLM, spec: ReplaySpec, params: SamplingParams, args: argparse.Namespace) -> int:

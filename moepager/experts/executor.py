@@ -81,6 +81,10 @@ class SortedTokens:
     x_1D: torch.Tensor | None = None
     """The token itself when there is one (x_MD is then its expanded view, a slow GEMV operand: stride 0)."""
 
+    def rows_of(self, which: Sequence[int]) -> torch.Tensor:
+        """The sorted rows of experts `which` (indices into `experts`), on the host."""
+        return torch.cat([torch.arange(self.starts[i], self.starts[i + 1]) for i in which])
+
 
 def _sorted_on_device(x_ND: torch.Tensor, route: RoutingDecision) -> tuple[SortedTokens, torch.Tensor]:
     """The sorted tokens without reading anything on the host, and the sorted expert id of every row."""
@@ -341,7 +345,7 @@ class ArenaKernels:
         fused kernel into fp32 weighted rows where it takes this many tokens, else `choose`'s kernel into rows in x's
         dtype; into `y_MD` when given (another arena's batch of the same format shares it)."""
         n, fused = x_ND.shape[0], self.fused
-        if fused is not None and n <= fused.max_tokens:
+        if fused is not None and n <= fused.max_tokens:  # `fused_takes`, inline: per layer and token
             if y_MD is None:
                 y_MD = torch.empty(work.x_MD.shape, dtype=torch.float32, device=x_ND.device)
             return Batch(y_MD, partial(fused.rows, x_ND=x_ND, w_M=work.w_M1.reshape(-1).float(), arena=self.arena),
@@ -349,6 +353,12 @@ class ArenaKernels:
         kernel = self.choose(n)
         return Batch(torch.empty_like(work.x_MD) if y_MD is None else y_MD, partial(self.some, kernel=kernel), kernel,
                      None)
+
+
+def fused_takes(fused: FusedKernel | None, tokens: int) -> bool:
+    """Whether the fused kernel computes a layer call on `tokens` tokens (into fp32 weighted rows), or the executor's
+    own kernels do (into rows in x's dtype): every side that shares a layer's rows decides by this."""
+    return fused is not None and tokens <= fused.max_tokens
 
 
 @dataclass

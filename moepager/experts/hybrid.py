@@ -37,7 +37,7 @@ from moepager.experts.executor import ArenaKernels, Batch, ExpertExecutor, Paged
 from moepager.experts.protocols import FusedKernel
 from moepager.experts.weights import ExpertShape
 from moepager.store.store import ExpertStore, HostHeld
-from moepager.types import ExpertKey, RoutingDecision, to_host
+from moepager.types import ExpertKey, RoutingDecision, to_device, to_host
 
 
 @dataclass(frozen=True)
@@ -117,20 +117,9 @@ def _in_modes(inference: bool, grad: bool, fn: Callable[..., torch.Tensor], args
 def _restore_default(threads: int) -> None:
     """`torch.set_num_threads` also sets the count that threads started later begin with: put that back (the
     calling thread's own count, and this thread's, are per thread)."""
-    done = threading.Event()
-
-    def probe() -> None:
-        torch.set_num_threads(threads)
-        done.set()
-
-    t = threading.Thread(target=probe)
+    t = threading.Thread(target=torch.set_num_threads, args=(threads,))
     t.start()
     t.join()
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without waiting for the host (through pinned memory on CUDA)."""
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def combine_fp32(y_MD: torch.Tensor, work: SortedTokens, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -216,7 +205,7 @@ class HybridExecutor:
     def _merge(self, x_ND: torch.Tensor, work: SortedTokens, cpu: Sequence[int], batch: Batch,
                host_batch: Batch) -> torch.Tensor:
         """CUDA: the CPU's rows into the device's, then one sum per token in ascending expert order."""
-        index_host = torch.cat([torch.arange(work.starts[i], work.starts[i + 1]) for i in cpu])
+        index_host = work.rows_of(cpu)
         index_M = to_device(index_host, self.device)
         host_rows = to_device(host_batch.y_MD.index_select(0, index_host), self.device)
         n, k = x_ND.shape[0], work.x_MD.shape[0] // max(x_ND.shape[0], 1)

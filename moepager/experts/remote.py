@@ -26,7 +26,14 @@ import torch
 import torch.distributed as dist
 
 from moepager.errors import MoepagerError
-from moepager.experts.executor import ArenaKernels, PagedExecutor, SortedTokens, combine, sort_by_expert
+from moepager.experts.executor import (
+    ArenaKernels,
+    PagedExecutor,
+    SortedTokens,
+    combine,
+    fused_takes,
+    sort_by_expert,
+)
 from moepager.experts.protocols import FusedKernel
 from moepager.experts.weights import ExpertShape
 from moepager.policies.prefetch import PrefetchAware
@@ -34,9 +41,8 @@ from moepager.types import PassInfo, RoutingDecision
 
 RUN, STOP, PLACE, PREFETCH = 1, 0, 2, 3
 STATS = ("calls", "hits", "misses", "bytes_disk", "loads_ahead", "forecast", "routed")
-"""`forecast`: the routed experts some forecast for their pass had named (a shadow's or the main rank's predictor's),
-of `routed`, every expert the worker computed."""
-"""What a worker answers a stop with (`ExpertWorker.stats`)."""
+"""What a worker answers a stop with (`ExpertWorker.stats`). `forecast`: the routed experts some forecast for their
+pass had named (a shadow's or the main rank's predictor's), of `routed`, every expert the worker computed."""
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HEADER = 7
 """op, then up to five fields (RUN: layer position, tokens, top-k, x's dtype, the weights' dtype), then the main
@@ -93,19 +99,16 @@ class Placement:
 
 
 class _Lost(Exception):
-    def __init__(self, reasons: dict[int, str]):
+    def __init__(self, reasons: dict[int, str], silent: set[int]):
         super().__init__(reasons)
         self.reasons = reasons
+        """Each lost worker's rank -> what happened."""
+        self.silent = silent
+        """Those that timed out (alive, but not answering)."""
 
 
-def _sorted_rows(work: SortedTokens, which: Sequence[int]) -> torch.Tensor:
-    return torch.cat([torch.arange(work.starts[i], work.starts[i + 1]) for i in which])
-
-
-def _weighted(fused: FusedKernel | None, n: int) -> bool:
-    """Whether a layer call on `n` tokens computes fp32 weighted rows (the fused kernel) or rows in x's dtype: both
-    sides decide alike, as `ArenaKernels.batch` does."""
-    return fused is not None and n <= fused.max_tokens
+def _timed_out(e: RuntimeError) -> bool:
+    return "timed out" in str(e).lower()
 
 
 class RemoteExecutor:
@@ -123,8 +126,8 @@ class RemoteExecutor:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.on_loss = on_loss
         self.lost: list[int] = []
-        self.pass_id = 0
         """Workers lost and failed over, in order."""
+        self.pass_id = 0
         self.compute_note = (fused.note + ", " if fused is not None else "") + \
             f"on {placement.workers} worker processes"
         self.store = None
@@ -136,9 +139,8 @@ class RemoteExecutor:
                 return self._call(layer, x_ND, route, work)
             except _Lost as lost:
                 if self.on_loss != "failover":
-                    rank, reason = next(iter(lost.reasons.items()))
-                    raise WorkerLost(reason) from None
-                self._failover(lost.reasons)
+                    raise WorkerLost(next(iter(lost.reasons.values()))) from None
+                self._failover(lost)
 
     def _call(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision, work: SortedTokens) -> torch.Tensor:
         n, k = route.ids_TK.shape
@@ -150,47 +152,50 @@ class RemoteExecutor:
         ids, weights = route.ids_TK.contiguous(), route.weights_TK.contiguous()
         header = message(RUN, position, n, k, DTYPES.index(x.dtype), DTYPES.index(weights.dtype), pass_id=self.pass_id)
         lost: dict[int, str] = {}
+        silent: set[int] = set()
         for rank in by_rank:  # every worker starts before any answer is awaited: they compute at the same time
             try:
                 for t in (header, x, ids, weights):
                     dist.send(t, rank)
             except RuntimeError as e:
                 lost[rank] = self._reason(rank, layer, e)
-        weighted = _weighted(self.fused, n)
+        weighted = fused_takes(self.fused, n)  # the workers' batches decide alike
         y_MD = torch.empty(work.x_MD.shape, dtype=torch.float32 if weighted else x.dtype)
         for rank, which in by_rank.items():
             if rank in lost:
                 continue
-            index = _sorted_rows(work, which)
+            index = work.rows_of(which)
             rows = torch.empty(len(index), x.shape[1], dtype=y_MD.dtype)
             try:  # every answer is taken, even after a loss: the workers' streams stay in step
                 dist.irecv(rows, rank).wait(timeout=self.timeout)
             except RuntimeError as e:
                 lost[rank] = self._reason(rank, layer, e)
+                if _timed_out(e):
+                    silent.add(rank)
                 continue
             y_MD[index] = rows
         if lost:
-            raise _Lost(lost)
+            raise _Lost(lost, silent)
         if weighted:
             assert self.fused is not None
             return self.fused.combine(y_MD, work.token_M, n)
         return combine(x_ND, work, y_MD)
 
     def _reason(self, rank: int, layer: int, e: RuntimeError) -> str:
-        if "timed out" in str(e).lower():
+        if _timed_out(e):
             return (f"worker rank {rank} did not answer for MoE layer {layer} within "
                     f"{self.timeout.total_seconds():g} s (--worker-timeout)")
         where = f"while MoE layer {layer} waited for it" if layer >= 0 else "while it was given a new placement"
         return (f"worker rank {rank} is gone: its connection dropped {where} "
                 f"({str(e).splitlines()[0].split('] ')[-1][:120]})")
 
-    def _failover(self, reasons: dict[int, str]) -> None:
+    def _failover(self, lost: _Lost) -> None:
         """The lost workers' experts to the workers left: each is told the new placement (and loads what it now
         holds before it answers the next call)."""
-        silent = [r for r, reason in reasons.items() if "did not answer" in reason]
-        if silent:  # gloo closes every connection of its group when an operation times out: nothing to go on with
-            raise WorkerLost(f"{reasons[silent[0]]}; a timeout ends gloo's process group, so the run cannot fail "
-                             "over (a worker that dies can be)")
+        reasons = lost.reasons
+        if lost.silent:  # gloo closes every connection of its group when an operation times out: nothing to go on with
+            raise WorkerLost(f"{reasons[min(lost.silent)]}; a timeout ends gloo's process group, so the run cannot "
+                             "fail over (a worker that dies can be)")
         placement = self.placement.without(set(reasons))
         header = message(PLACE, len(placement.ranks), placement.group_size)
         for rank in placement.ranks:
@@ -270,15 +275,14 @@ class ExpertWorker:
         """(pass, layer position) -> experts forecast for it, until the layer call of that pass comes."""
         self.forecast_hits, self.routed = 0, 0
         self.paged: PagedExecutor | None = None
-        self._carried = torch.zeros(len(STATS), dtype=torch.float64)
-        """The counters of the stores earlier placements gave this worker."""
+        self._carried = torch.zeros(4, dtype=torch.float64)
+        """The store counters (hits, misses, bytes read, loads ahead) of the stores earlier placements gave it."""
         self._place(placement)
 
     def _place(self, placement: Placement) -> None:
         owned = placement.owned(self.rank, len(self.moe_layers), self.num_experts)
         if self.paged is not None:
-            self._carried += self.stats()
-            self._carried[[0, 5, 6]] = 0  # counted once, in `calls`, `forecast_hits` and `routed`
+            self._carried += self._store_counts()
             self.paged.store.close()
         self.kernels, self.paged = self.hold(owned)
         self.row = {key: i for i, key in enumerate(owned)}
@@ -344,15 +348,18 @@ class ExpertWorker:
             batch = self.kernels.batch(work, x_ND)
             batch.some(work, rows, which, batch.y_MD)
         self._last = position
-        return batch.y_MD.index_select(0, _sorted_rows(work, which)).contiguous()
+        return batch.y_MD.index_select(0, work.rows_of(which)).contiguous()
 
     def stats(self) -> torch.Tensor:
-        """`STATS`: calls, hits, misses, bytes read from disk, loads ahead (resident: nothing read)."""
-        forecast = [self.forecast_hits, self.routed]
+        """`STATS`: calls, the store's counters (none when resident), forecast hits, routed experts."""
+        return torch.cat([torch.tensor([float(self.calls)], dtype=torch.float64), self._carried + self._store_counts(),
+                          torch.tensor([self.forecast_hits, self.routed], dtype=torch.float64)])
+
+    def _store_counts(self) -> torch.Tensor:
+        """This placement's store: hits, misses, bytes read from disk, loads ahead (zeros when resident)."""
         if self.paged is None:
-            return self._carried + torch.tensor([self.calls, 0, 0, 0, 0, *forecast], dtype=torch.float64)
+            return torch.zeros(4, dtype=torch.float64)
         phases = self.paged.store.counters.phases.values()
-        return self._carried + torch.tensor([self.calls, sum(sum(p.hits.values()) for p in phases),
-                                             sum(sum(p.misses.values()) for p in phases),
-                                             sum(p.bytes_disk for p in phases), sum(p.loads_ahead for p in phases),
-                                             *forecast], dtype=torch.float64)
+        return torch.tensor([sum(sum(p.hits.values()) for p in phases), sum(sum(p.misses.values()) for p in phases),
+                             sum(p.bytes_disk for p in phases), sum(p.loads_ahead for p in phases)],
+                            dtype=torch.float64)

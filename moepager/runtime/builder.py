@@ -25,6 +25,7 @@ from moepager.checkpoints.build import (
     build_model,
     load_bar,
     open_checkpoint,
+    read_experts,
     resident_executor,
 )
 from moepager.config import Budget, EngineConfig, Execution, Kernel, StoreConfig
@@ -300,9 +301,7 @@ def expert_worker(config: EngineConfig, path: Path, rank: int) -> ExpertWorker:
             store_config = StoreConfig(expert_memory=str(slots * shape.nbytes + read_buffer_bytes(reader, 4)),
                                        scope="global", policy=config.store.policy, warm=False)
             return None, PagedExecutor(build_store(store_config, reader, cfg, cpu, False), shape, kernel, fused)
-        arena = host_empty(max(len(owned), 1), shape.numel, dtype=shape.buffer_dtype)
-        for row, (position, e) in enumerate(owned):
-            reader.read(ExpertKey(cfg.moe_layers[position], e), arena[row])
+        arena = read_experts(reader, [ExpertKey(cfg.moe_layers[p], e) for p, e in owned], cpu)
         return ArenaKernels(arena, shape, kernel, fused=fused), None
 
     return ExpertWorker(rank, cfg.moe_layers, cfg.num_experts, shape, placement(config, cfg), hold)

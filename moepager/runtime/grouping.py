@@ -60,6 +60,14 @@ def balanced_two_means(paths_NP: np.ndarray, iters: int = ITERATIONS) -> tuple[l
     return groups
 
 
+def path_of(ids_LK: np.ndarray, num_experts: int) -> np.ndarray:
+    """One token's path: a bit per (layer, expert) it routes to, [L * E] (negative ids: not recorded, left out)."""
+    path = np.zeros((len(ids_LK), num_experts), bool)
+    for layer, ids in enumerate(ids_LK):
+        path[layer, ids[ids >= 0]] = True
+    return path.reshape(-1)
+
+
 def _medoid(s: np.ndarray, members: list[int]) -> int:
     """The member most similar on average to the others (the first on ties)."""
     block = s[np.ix_(members, members)]
@@ -70,16 +78,11 @@ class PathTracker:
     """Each running request's latest token's routing over every MoE layer, as a path (a routing observer and a pass
     part: runtime/llm.py plugs it in when the engine's batch policy groups by paths)."""
 
-    def __init__(self, moe_layers: Sequence[int], num_experts: int, window: int = 1):
+    def __init__(self, moe_layers: Sequence[int], num_experts: int):
         self.column = {layer: i for i, layer in enumerate(moe_layers)}
         self.num_experts = num_experts
-        self.window = window
-        """Tokens a path covers: the union of the request's last `window` routed tokens (1 by default: the last 4 or
-        16 grouped the built-in model's requests no better, and on the DeepSeek-V2-Lite trace a path of the last
-        8 tokens predicts the next token's grouping worse than the last token's; benchmarks/README.md)."""
         self.paths: dict[int, np.ndarray] = {}
-        """request id -> bool [L * E]: the experts of its last `window` routed tokens."""
-        self._recent: dict[int, list[np.ndarray]] = {}
+        """request id -> bool [L * E]: the experts of its last routed token."""
         self._info: PassInfo | None = None
         self._last_rows: np.ndarray | None = None
         self._pending: dict[int, np.ndarray] = {}
@@ -103,15 +106,9 @@ class PathTracker:
         if info is None or len(pending) != len(self.column):
             self._pending = {}
             return
-        layers, e = len(self.column), self.num_experts
+        ids_RLK = np.stack([pending[column] for column in range(len(self.column))], 1)
         for row, request in enumerate(info.requests):
-            path = np.zeros((layers, e), bool)
-            for column, ids_RK in pending.items():
-                path[column, ids_RK[row]] = True
-            recent = self._recent.setdefault(request, [])
-            recent.append(path.reshape(-1))
-            del recent[: -self.window]
-            self.paths[request] = np.logical_or.reduce(recent)
+            self.paths[request] = path_of(ids_RLK[row], self.num_experts)
         self._pending, self._info = {}, None
 
     def path(self, request: int) -> np.ndarray | None:
@@ -122,4 +119,3 @@ class PathTracker:
     def forget(self, request: int) -> None:
         self._flush()  # its last pass first, so that nothing brings it back
         self.paths.pop(request, None)
-        self._recent.pop(request, None)

@@ -19,26 +19,18 @@ Cache = list[torch.Tensor]
 SCRATCH = 0
 
 
-class KVBlockPool:
-    def __init__(self, model: CausalLM, dtype: torch.dtype, device: torch.device, num_tokens: int, block_size: int):
-        self.model, self.dtype, self.device = model, dtype, device
+class KVBlocks:
+    """The pool's bookkeeping: which blocks are free, handed to requests and taken back (no cache tensors: what the
+    simulator's stand-in of the scheduler reserves against, runtime/step_order.py)."""
+
+    def __init__(self, num_tokens: int, block_size: int):
         self.block_size = block_size
         self.num_blocks = math.ceil(num_tokens / block_size) + 1
         self.free: list[int] = list(range(self.num_blocks - 1, SCRATCH, -1))
-        self.allocations = 0
-        """How many times the cache was (re)allocated."""
-        self._cache: Cache | None = None
 
     @property
     def capacity_tokens(self) -> int:
         return (self.num_blocks - 1) * self.block_size
-
-    @property
-    def cache(self) -> Cache:
-        if self._cache is None:
-            self._cache = self.model.make_cache(self.num_blocks, self.block_size, self.dtype, self.device)
-            self.allocations += 1
-        return self._cache
 
     def blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_size)
@@ -55,6 +47,22 @@ class KVBlockPool:
     def release(self, blocks: list[int]) -> None:
         self.free.extend(reversed(blocks))
         blocks.clear()
+
+
+class KVBlockPool(KVBlocks):
+    def __init__(self, model: CausalLM, dtype: torch.dtype, device: torch.device, num_tokens: int, block_size: int):
+        super().__init__(num_tokens, block_size)
+        self.model, self.dtype, self.device = model, dtype, device
+        self.allocations = 0
+        """How many times the cache was (re)allocated."""
+        self._cache: Cache | None = None
+
+    @property
+    def cache(self) -> Cache:
+        if self._cache is None:
+            self._cache = self.model.make_cache(self.num_blocks, self.block_size, self.dtype, self.device)
+            self.allocations += 1
+        return self._cache
 
     def grow(self, tokens: int) -> None:
         """Make room for one request of `tokens` positions; only while every block is free."""

@@ -30,7 +30,7 @@ import numpy as np
 
 from moepager.config import SchedulerConfig
 from moepager.runtime.grouping import PathTracker, balanced_two_means
-from moepager.runtime.kv_pool import KVBlockPool
+from moepager.runtime.kv_pool import KVBlocks
 from moepager.runtime.request import Request
 
 WAIT_BOUND = 1
@@ -53,7 +53,7 @@ class Scheduled(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: KVBlockPool, paths: PathTracker | None = None):
+    def __init__(self, config: SchedulerConfig, pool: KVBlocks, paths: PathTracker | None = None):
         self.config, self.pool = config, pool
         self.paths = paths
         """`expertflow`: each request's routing path (None for fifo)."""

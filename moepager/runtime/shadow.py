@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from moepager.config import EngineConfig
-from moepager.experts.remote import STATS, STOP, Placement, message, send_forecasts
+from moepager.experts.remote import HEADER, STATS, STOP, Placement, message, send_forecasts
 from moepager.runtime.builder import build
 from moepager.runtime.kv_pool import KVBlockPool
 from moepager.runtime.runner import ModelRunner
@@ -52,6 +52,10 @@ class _Request:
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0
     last_pass: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.ids)
 
     def tokens(self, start: int, count: int) -> list[int]:
         return self.ids[start:start + count]
@@ -88,7 +92,7 @@ class Shadow:
     # -- the loop -----------------------------------------------------------------------------------------------
     def serve(self) -> int:
         """Compute each pass the main rank announces until it says stop; returns the passes computed."""
-        header = torch.empty(len(message(STOP)), dtype=torch.long)
+        header = torch.empty(HEADER, dtype=torch.long)
         while True:
             dist.recv(header, 0)
             op, num_rows, num_tokens, *_, pass_id = header.tolist()
@@ -119,8 +123,7 @@ class Shadow:
                 scheduled.append(Scheduled(request, begin, start + count - begin,  # type: ignore[arg-type]
                                            bool(decoding) and begin == start))
         if scheduled:
-            with torch.inference_mode():
-                self.runner._forward(scheduled)
+            self.runner.run(scheduled)
 
     def _reserve(self, request: _Request, tokens: int) -> bool:
         """Cache blocks for `tokens` positions, taking back the blocks of requests least recently seen."""

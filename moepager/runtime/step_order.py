@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moepager.config import SchedulerConfig
+from moepager.runtime.grouping import path_of
+from moepager.runtime.kv_pool import KVBlocks
 from moepager.runtime.runner import pass_groups
 from moepager.runtime.scheduler import Scheduler
 from moepager.trace.format import DECODE, PREFILL, TraceError
@@ -51,26 +53,6 @@ class _Request:
         return self.num_tokens - self.num_computed
 
 
-class _Pool:
-    """The KV block pool's bookkeeping (runtime/kv_pool.py), without the cache."""
-
-    def __init__(self, tokens: int, block_size: int):
-        self.block_size = block_size
-        self.free = list(range(-(-tokens // block_size), 0, -1))
-
-    def reserve(self, blocks: list[int], tokens: int) -> bool:
-        need = -(-tokens // self.block_size) - len(blocks)
-        if need > len(self.free):
-            return False
-        for _ in range(max(need, 0)):
-            blocks.append(self.free.pop())
-        return True
-
-    def release(self, blocks: list[int]) -> None:
-        self.free.extend(reversed(blocks))
-        blocks.clear()
-
-
 class _TracePaths:
     """The path tracker's view for the scheduler, from the trace's routing of each request's last computed token."""
 
@@ -82,10 +64,7 @@ class _TracePaths:
         self.paths: dict[int, np.ndarray] = {}
 
     def saw(self, request: int, token: int) -> None:
-        path = np.zeros((len(self.column), self.num_experts), bool)
-        for column, ids in enumerate(self.work.ids_NLK[token]):
-            path[column, ids[ids >= 0]] = True
-        self.paths[request] = path.reshape(-1)
+        self.paths[request] = path_of(self.work.ids_NLK[token], self.num_experts)
 
     def path(self, request: int) -> np.ndarray | None:
         return self.paths.get(request)
@@ -108,7 +87,7 @@ def engine_steps(work: Workload, config: SchedulerConfig, concurrency: int) -> W
             raise TraceError(f"request {work.names[r]} has no prompt tokens: cut the trace with a prompt length")
         requests.append(_Request(r, [0] * prompt, int(starts[r + 1] - starts[r]) - prompt + 1, int(starts[r])))
     paths = _TracePaths(work) if config.batch_policy == "expertflow" else None
-    scheduler = Scheduler(config, _Pool(config.kv_cache_tokens, config.block_size), paths)  # type: ignore[arg-type]
+    scheduler = Scheduler(config, KVBlocks(config.kv_cache_tokens, config.block_size), paths)  # type: ignore[arg-type]
     pending = list(reversed(requests))
     inbox = [pending.pop() for _ in range(min(concurrency, len(pending)))]
     steps: list[np.ndarray] = []

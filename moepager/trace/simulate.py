@@ -384,6 +384,19 @@ def _evict_layers(state: _State, policy: Ranked, step: int, count_L: np.ndarray,
     state.cached[np.broadcast_to(state.rows_L1, order.shape)[chosen], order[chosen]] = False
 
 
+def _admit(state: _State, policy: Ranked, step: int, want: np.ndarray, protect: np.ndarray, cap_L: np.ndarray
+           ) -> np.ndarray:
+    """`want` into the per-layer caches: room made by evicting unprotected experts, then the first that fit (in
+    ascending id) cached, the rest left out (a demand miss streams through uncached). Returns what was cached."""
+    over = state.cached.sum(1) + want.sum(1) - cap_L
+    if over.max() > 0:
+        _evict_layers(state, policy, step, over, protect)
+    room = cap_L - state.cached.sum(1)
+    want = want & (np.cumsum(want, axis=1) <= room[:, None])
+    state.cached |= want
+    return want
+
+
 def _prefetch_layers(state: _State, policy: Ranked, step: int, ahead_LR: np.ndarray, cap_L: np.ndarray) -> np.ndarray:
     """PLEC's layer-order prefetch with per-layer caches: load each layer's forecast experts that are not cached,
     evicting the lowest-priority experts outside the forecast; the forecast experts are protected. Returns the
@@ -434,26 +447,11 @@ def _replay_layers(work: Workload, policy: Ranked, drive: Drive, capacity: int |
                 light = miss & (counts < hybrid)
                 state.cpu[s] = light.sum(1)
                 miss &= ~light
-            loads = miss.sum(1)
-            occupancy = state.cached.sum(1)
-            over = occupancy + loads - cap_L
-            if over.max() > 0:
-                _evict_layers(state, policy, s, over, req)
-            state.demand[s] = loads  # every miss placed on the device is loaded, cached or streamed through
-            room = cap_L - state.cached.sum(1)
-            if (room < loads).any():  # more distinct experts than slots: keep the first `room`
-                miss &= np.cumsum(miss, axis=1) <= room[:, None]
-            state.cached |= miss
+            state.demand[s] = miss.sum(1)  # every miss placed on the device is loaded, cached or streamed through
+            _admit(state, policy, s, miss, req, cap_L)
             if hybrid is not None and admit and light.any():  # then the CPU's, in the background, as room allows
                 light &= np.cumsum(light, axis=1) <= admit
-                protect = req & ~light
-                over = state.cached.sum(1) + light.sum(1) - cap_L
-                if over.max() > 0:
-                    _evict_layers(state, policy, s, over, protect)
-                room = cap_L - state.cached.sum(1)
-                light &= np.cumsum(light, axis=1) <= room[:, None]
-                state.cached |= light
-                state.prefetch[s] = light.sum(1)
+                state.prefetch[s] = _admit(state, policy, s, light, req & ~light, cap_L).sum(1)
         else:
             load = np.zeros_like(req)
             load[:, : state.e] = policy.admissions(forecast.ranked(s), state.cached[:, : state.e])

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from moepager.cli.generate import spawn_ranks
 from moepager.config import EngineConfig
 from moepager.errors import MoepagerError
 from moepager.experts.remote import Placement
@@ -31,23 +32,8 @@ def torchrun(procs: int, *args: str, env: dict[str, str] | None = None) -> subpr
 
 def spawn(procs: int, *args: str, env: dict[str, str] | None = None) -> list[int]:
     """`procs` processes of a script as `generate --workers` starts them (each outliving the others); exit codes."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    environ = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "WORLD_SIZE": str(procs), **(env or {})}
-    running = [subprocess.Popen([sys.executable, *args], env={**environ, "RANK": str(r), "LOCAL_RANK": str(r)},
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for r in range(procs)]
-    codes = [running[0].wait(timeout=TIMEOUT_S)]
-    for p in running[1:]:
-        try:
-            codes.append(p.wait(timeout=10))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            codes.append(p.wait())
-    return codes
+    return spawn_ranks([sys.executable, *args], procs, 10, {"OMP_NUM_THREADS": "1", **(env or {})}, quiet=True,
+                       main_timeout_s=TIMEOUT_S)
 
 
 def single_process(path: str) -> list[list[int]]:
