@@ -17,6 +17,8 @@ from moepager.types import Scope
 Kernel = Literal["auto", "loop", "gather", "grouped", "packed", "fused"]
 KERNELS: tuple[Kernel, ...] = ("auto", "loop", "gather", "grouped", "packed", "fused")
 """`--expert-kernel` choices (experts/executor.py says what each computes)."""
+WorkerLoss = Literal["stop", "failover"]
+"""`--on-worker-loss` choices (experts/remote.py)."""
 Execution = Literal["gpu", "hybrid", "cpu-experts", "auto"]
 EXECUTIONS: tuple[Execution, ...] = ("gpu", "hybrid", "cpu-experts", "auto")
 """`--execution` choices: where a routed expert is computed (experts/hybrid.py says what each does)."""
@@ -281,7 +283,7 @@ class EngineConfig:
     shadow: bool = False
     """--workers: one more process runs the model's int8 copy on the main process's passes and sends each layer's
     routing to the workers as forecasts to load ahead (OD-MoE's shadow model)."""
-    on_worker_loss: Literal["stop", "failover"] = "stop"
+    on_worker_loss: WorkerLoss = "stop"
     """A worker lost (dead, or silent past the timeout): stop with an error naming it, or give its experts to the
     workers left and go on (needs processes that outlive one another: `generate --workers` starts them so)."""
     worker_timeout_s: float = 60.0

@@ -93,42 +93,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "FBGEMM with activations quantized to 8 bits (lossier); not bit-equal to loop), or fused "
                         "(CPU, bf16/int8/int4: moepager's AVX512 kernel, a whole layer in one call, int8/int4 with "
                         "8-bit activations; `moepager info` says whether this machine has it)")
-    h = p.add_argument_group("where experts compute (CPU and GPU)")
-    h.add_argument("--execution", choices=EXECUTIONS, default="gpu",
-                   help="gpu: every routed expert computes on --device, a missing one copied in first; hybrid: a "
-                        "missing expert computes on the CPU in host memory, at the same time as the device computes "
-                        "its hits, unless copying it pays (SMoE: a prefill's heavy experts), needs --expert-memory; "
-                        "cpu-experts: every routed expert on the CPU, attention and dense layers on --device "
-                        "(llama.cpp's --cpu-moe; --host-memory budgets their RAM); auto: chosen from the cost model "
-                        "(--profile), and the run says why")
-    h.add_argument("--hybrid-admit", type=int, default=0, metavar="N",
-                   help="hybrid: copy up to N of each layer's experts computed on the CPU to the device in the "
-                        "background, so the cache follows the routing (default 0: it changes only through a "
-                        "prefill's heavy experts and --predictor prefetches, as SMoE's)")
-    w = p.add_argument_group("worker processes (OD-MoE)")
-    w.add_argument("--workers", type=int, default=0, metavar="N",
-                   help="N worker processes hold and compute the routed experts (started on this machine, gloo): "
-                        "this process keeps the dense weights and the KV cache")
-    w.add_argument("--worker-group", type=int, metavar="G",
-                   help="--workers: workers sharing one MoE layer's experts (default min(top-k, N)); layers go "
-                        "round-robin to the N/G groups")
-    w.add_argument("--worker-memory", metavar="SIZE",
-                   help="--workers: each worker's expert cache, a size or a share of its own experts (25%%); the rest "
-                        "read from the checkpoint on demand (default: all of its experts in RAM)")
-    w.add_argument("--shadow", action="store_true",
-                   help="--workers: one more process runs the model's int8 copy on each pass as it starts and sends "
-                        "every layer's routing to the workers to load ahead (OD-MoE's shadow model)")
-    w.add_argument("--on-worker-loss", choices=["stop", "failover"], default="stop",
-                   help="--workers: a worker that dies or stops answering stops the run with an error naming it "
-                        "(stop), or its experts go to the workers left and the run goes on (failover)")
-    w.add_argument("--worker-timeout", type=float, default=60.0, metavar="S",
-                   help="--workers: seconds to wait for a worker's answer before stopping with an error naming it")
-    h.add_argument("--cpu-threads", type=int, metavar="N",
-                   help="hybrid, cpu-experts: torch threads of the thread computing experts on the CPU (default "
-                        "--threads)")
-    h.add_argument("--profile", metavar="FILE.json",
-                   help="a profile from `moepager calibrate --out` that hybrid placement and --execution auto take "
-                        "their costs from (default: nominal figures for the device's kind)")
+    add_execution_arguments(p)
     p.add_argument("--no-packed-dense", dest="pack_dense", action="store_false",
                    help="CPU, bf16: compute the large dense projections (attention, LM head) with torch's own GEMV "
                         "instead of oneDNN on weights prepacked at load (1.4-1.6x faster on matrices of 1M+ elements "
@@ -176,6 +141,46 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "so its tokens never depend on what else runs (at the cost of batching's throughput)")
     add_store_arguments(p)
     add_prefetch_arguments(p)
+
+
+def add_execution_arguments(p: argparse.ArgumentParser) -> None:
+    """Where routed experts compute: hybrid CPU/GPU execution and worker processes (generate, serve, chat)."""
+    h = p.add_argument_group("where experts compute (CPU and GPU)")
+    h.add_argument("--execution", choices=EXECUTIONS, default="gpu",
+                   help="gpu: every routed expert computes on --device, a missing one copied in first; hybrid: a "
+                        "missing expert computes on the CPU in host memory, at the same time as the device computes "
+                        "its hits, unless copying it pays (SMoE: a prefill's heavy experts), needs --expert-memory; "
+                        "cpu-experts: every routed expert on the CPU, attention and dense layers on --device "
+                        "(llama.cpp's --cpu-moe; --host-memory budgets their RAM); auto: chosen from the cost model "
+                        "(--profile), and the run says why")
+    h.add_argument("--hybrid-admit", type=int, default=0, metavar="N",
+                   help="hybrid: copy up to N of each layer's experts computed on the CPU to the device in the "
+                        "background, so the cache follows the routing (default 0: it changes only through a "
+                        "prefill's heavy experts and --predictor prefetches, as SMoE's)")
+    w = p.add_argument_group("worker processes (OD-MoE)")
+    w.add_argument("--workers", type=int, default=0, metavar="N",
+                   help="N worker processes hold and compute the routed experts (started on this machine, gloo): "
+                        "this process keeps the dense weights and the KV cache")
+    w.add_argument("--worker-group", type=int, metavar="G",
+                   help="--workers: workers sharing one MoE layer's experts (default min(top-k, N)); layers go "
+                        "round-robin to the N/G groups")
+    w.add_argument("--worker-memory", metavar="SIZE",
+                   help="--workers: each worker's expert cache, a size or a share of its own experts (25%%); the rest "
+                        "read from the checkpoint on demand (default: all of its experts in RAM)")
+    w.add_argument("--shadow", action="store_true",
+                   help="--workers: one more process runs the model's int8 copy on each pass as it starts and sends "
+                        "every layer's routing to the workers to load ahead (OD-MoE's shadow model)")
+    w.add_argument("--on-worker-loss", choices=["stop", "failover"], default="stop",
+                   help="--workers: a worker that dies or stops answering stops the run with an error naming it "
+                        "(stop), or its experts go to the workers left and the run goes on (failover)")
+    w.add_argument("--worker-timeout", type=float, default=60.0, metavar="S",
+                   help="--workers: seconds to wait for a worker's answer before stopping with an error naming it")
+    h.add_argument("--cpu-threads", type=int, metavar="N",
+                   help="hybrid, cpu-experts: torch threads of the thread computing experts on the CPU (default "
+                        "--threads)")
+    h.add_argument("--profile", metavar="FILE.json",
+                   help="a profile from `moepager calibrate --out` that hybrid placement and --execution auto take "
+                        "their costs from (default: nominal figures for the device's kind)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -79,6 +79,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "threshold computes on the CPU without a transfer, the rest are loaded); hybrid+admitN: then "
                         "copies up to N of a layer's CPU experts to the device in the background (the engine's "
                         "--hybrid-admit N)")
+    add_worker_arguments(p)
+    p.add_argument("--overlap", choices=["layer", "none"], default="layer", help="cost model: load/compute overlap")
+    p.add_argument("--expert-bytes", type=int, help="bytes per expert, if the trace header lacks it")
+    p.add_argument("--dense-bytes-per-layer", type=int, default=0, help="cost model: non-expert weights per layer")
+    p.add_argument("--json", help="write the rows (with per-layer hit rates) to this JSON file")
+    p.add_argument("--plot", help="write hit rate vs capacity per policy to this PNG")
+
+
+def add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    """`--workers` and its options: OD-MoE worker machines on paper."""
     g = p.add_argument_group("OD-MoE worker machines, on paper (planning/od_moe.py)")
     g.add_argument("--workers", metavar="N[,N...]",
                    help="also model decoding the trace on N worker machines (cacheless, OD-MoE's pipeline), each with "
@@ -94,11 +104,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "0.25, Mixtral-8x7B on an RTX 3090)")
     g.add_argument("--hidden-bytes", type=int, default=8192,
                    help="--workers: one token's hidden state on the wire (default 8192: 4096 fp16 values)")
-    p.add_argument("--overlap", choices=["layer", "none"], default="layer", help="cost model: load/compute overlap")
-    p.add_argument("--expert-bytes", type=int, help="bytes per expert, if the trace header lacks it")
-    p.add_argument("--dense-bytes-per-layer", type=int, default=0, help="cost model: non-expert weights per layer")
-    p.add_argument("--json", help="write the rows (with per-layer hit rates) to this JSON file")
-    p.add_argument("--plot", help="write hit rate vs capacity per policy to this PNG")
 
 
 def load_prior(text: str | None, work: Workload) -> np.ndarray | None:
@@ -216,11 +221,8 @@ def horizons(text: str) -> list[int]:
         raise TraceError(f"--horizon '{text}' must be whole numbers of steps, 1 or more, e.g. 1,4,16") from None
 
 
-def run(args: argparse.Namespace) -> int:
-    json_out, plot_out = check_file(args.json, "--json"), check_file(args.plot, "--plot")
-    if plot_out is not None:
-        require_matplotlib("--plot")
-    cut = Cut(args.route_prompt, args.decode_steps, args.layers)
+def workload(args: argparse.Namespace, cut: Cut) -> Workload:
+    """The trace's steps in the order asked for (`--order engine`: the engine's scheduler's passes)."""
     chosen = parse_requests(args.requests) if args.requests else None
     if args.order == "engine":
         if args.route_prompt is None:
@@ -237,6 +239,15 @@ def run(args: argparse.Namespace) -> int:
         if given:
             raise TraceError(f"{', '.join(given)} schedule the engine's passes: add --order engine")
         work = load_workload(args.trace, args.order, args.batch, chosen, cut)
+    return work
+
+
+def run(args: argparse.Namespace) -> int:
+    json_out, plot_out = check_file(args.json, "--json"), check_file(args.plot, "--plot")
+    if plot_out is not None:
+        require_matplotlib("--plot")
+    cut = Cut(args.route_prompt, args.decode_steps, args.layers)
+    work = workload(args, cut)
     expert_bytes = args.expert_bytes or work.header.expert_bytes
     prior = load_prior(args.prior, work)
     cost = None

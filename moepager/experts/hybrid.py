@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moepager.config import Kernel
 from moepager.experts.executor import ArenaKernels, Batch, ExpertExecutor, PagedExecutor, SortedTokens, sort_by_expert
 from moepager.experts.protocols import FusedKernel
 from moepager.experts.weights import ExpertShape
@@ -134,12 +135,12 @@ class HybridExecutor:
     """`--execution hybrid`: a layer's experts placed per expert between the device (through the store) and the CPU
     (in the store's host tier), computed at the same time, summed in one fixed order (module note)."""
 
-    def __init__(self, store: ExpertStore, shape: ExpertShape, kernel: str, device_fused: FusedKernel | None,
+    def __init__(self, store: ExpertStore, shape: ExpertShape, kernel: Kernel, device_fused: FusedKernel | None,
                  host_fused: FusedKernel | None, times: ExpertTimes, pool: CpuPool, admit: int = 0):
         if store.host is None:
             raise ValueError("hybrid execution needs a store with a host tier")
-        self.paged = PagedExecutor(store, shape, kernel, device_fused)  # type: ignore[arg-type]
-        self.host = ArenaKernels(store.host.buffers, shape, kernel, fused=host_fused)  # type: ignore[arg-type]
+        self.paged = PagedExecutor(store, shape, kernel, device_fused)
+        self.host = ArenaKernels(store.host.buffers, shape, kernel, fused=host_fused)
         self.store, self.times, self.pool = store, times, pool
         self.admit = admit
         """Experts of a layer computed on the CPU (the lowest ids) then copied to the device in the background."""

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from moepager.config import WorkerLoss
 from moepager.errors import MoepagerError
 from moepager.experts.executor import (
     ArenaKernels,
@@ -119,7 +120,7 @@ class RemoteExecutor:
     operation times out."""
 
     def __init__(self, shape: ExpertShape, moe_layers: Sequence[int], num_experts: int, placement: Placement,
-                 fused: FusedKernel | None, timeout_s: float, on_loss: str = "stop"):
+                 fused: FusedKernel | None, timeout_s: float, on_loss: WorkerLoss = "stop"):
         self.shape, self.placement, self.fused = shape, placement, fused
         self.position = {layer: i for i, layer in enumerate(moe_layers)}
         self.num_experts = num_experts
