@@ -22,9 +22,11 @@ from moepager.checkpoints.expert_reader import ExpertReader, is_routed_expert
 from moepager.checkpoints.gguf_read import resolve_model_path
 from moepager.checkpoints.quantized import expert_format, stored_format
 from moepager.checkpoints.safetensors import Checkpoint, load_module_weights
+from moepager.checkpoints.split import SplitLayout, layout_of
 from moepager.config import DENSE_FORMATS, DirectIO, EngineConfig, Kernel
 from moepager.experts.executor import ExpertExecutor, PackedExecutor, ResidentExecutor
 from moepager.experts.quant import check_shape
+from moepager.experts.split import SplitExecutor
 from moepager.experts.weights import ExpertShape
 from moepager.models.base import Architecture
 from moepager.models.config import ModelConfig
@@ -162,12 +164,20 @@ class OpenCheckpoint:
     dtype: torch.dtype
     device: torch.device
     reader: ExpertReader
+    split: SplitLayout | None = None
+    """How the checkpoint stores each expert in parts (`moepager split`); None: whole."""
+
+    @property
+    def paging(self) -> ModelConfig:
+        """The configuration stores and executors size themselves by: the model's, or a split checkpoint's parts as
+        experts (checkpoints/split.py)."""
+        return self.split.paging_config(self.config) if self.split is not None else self.config
 
     def total_bytes(self) -> int:
         """Bytes a load moves: every dense weight in the run's dtype and every routed expert in its format."""
         dense = sum(loc.nbytes // loc.dtype.itemsize * self.dtype.itemsize
                     for name, loc in self.checkpoint.locations.items() if not is_routed_expert(name))
-        return dense + self.config.num_moe_layers * self.config.num_experts * self.reader.shape.nbytes
+        return dense + self.paging.num_moe_layers * self.paging.num_experts * self.reader.shape.nbytes
 
 
 def open_checkpoint(path: str | os.PathLike[str], options: LoadOptions) -> OpenCheckpoint:
@@ -176,12 +186,14 @@ def open_checkpoint(path: str | os.PathLike[str], options: LoadOptions) -> OpenC
     checkpoint = Checkpoint(path)
     arch = architecture_for(checkpoint.config)
     cfg = arch.parse_config(checkpoint.config)
+    split = layout_of(checkpoint.config, cfg)
     dtype = options.dtype or checkpoint_dtype(checkpoint)
     dev = torch.device(options.device)
-    reader = open_experts(checkpoint, arch, cfg, dtype, torch.device("cpu") if options.experts_on_cpu else dev,
-                          options.direct_io, options.expert_dtype,
-                          options.int4_group, options.int4_zero_point, options.expert_kernel)
-    return OpenCheckpoint(checkpoint, arch, cfg, dtype, dev, reader)
+    reader = open_experts(checkpoint, arch, split.paging_config(cfg) if split is not None else cfg, dtype,
+                          torch.device("cpu") if options.experts_on_cpu else dev, options.direct_io,
+                          options.expert_dtype, options.int4_group, options.int4_zero_point, options.expert_kernel)
+    reader.split = split
+    return OpenCheckpoint(checkpoint, arch, cfg, dtype, dev, reader, split)
 
 
 def build_model(opened: OpenCheckpoint, experts: ExpertExecutor, options: LoadOptions,
@@ -227,7 +239,9 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None, d
     load = LoadOptions(dtype, device, **options)  # type: ignore[arg-type]
     opened = open_checkpoint(path, load)
     with load_bar(opened, show_progress) as bar:
-        experts = (executor_factory or resident_executor(opened.device))(opened.reader, opened.config, bar.update)
+        experts = (executor_factory or resident_executor(opened.device))(opened.reader, opened.paging, bar.update)
+        if opened.split is not None:
+            experts = SplitExecutor(experts, opened.split.parts)
         return build_model(opened, experts, load, bar.update)
 
 

@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,9 @@ from moepager.experts.quant import (
 from moepager.experts.weights import ExpertShape, ExpertWeights, expert_view
 from moepager.models.base import ExpertNaming
 from moepager.types import Between, ExpertKey
+
+if TYPE_CHECKING:
+    from moepager.checkpoints.split import SplitLayout
 
 
 def is_routed_expert(name: str) -> bool:
@@ -77,6 +81,8 @@ class ExpertReader:
         self.files = DiskFiles(direct, bounce_bytes(shape.nbytes))
         self._local = threading.local()
         self._first = ExpertKey(first_moe_layer, 0)
+        self.split: SplitLayout | None = None
+        """A split checkpoint's layout (checkpoints/split.py): the experts read are its parts."""
 
     def buffer_bytes_per_thread(self) -> int:
         """Memory each reading thread allocates besides the expert slots: the O_DIRECT bounce buffer, plus a

@@ -163,18 +163,23 @@ def quantize_checkpoint(model: str | os.PathLike[str], out: str | os.PathLike[st
         write_shards(tmp, entries, produce, shard_bytes, f"quantizing ({fmt.name})", show_progress)
         config = dict(checkpoint.config) | {"quantization_config": quantization_config(fmt)}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        for src in checkpoint.path.iterdir():  # tokenizer, generation config, chat template, ...
-            if src.is_file() and src.suffix != ".safetensors" and src.name not in (
-                    "config.json", "model.safetensors.index.json", "README.md"):
-                shutil.copy2(src, tmp / src.name)
-        card = checkpoint.path / "README.md"
-        if card.is_file():  # the original's card, under a note of what this copy is
-            (tmp / "README.md").write_text(
-                f"> **A quantized copy.** `moepager quantize` wrote this checkpoint from `{checkpoint.path.name}` with "
-                f"its routed experts in {fmt.name} (lossy). The card below describes the float original: its "
-                f"measurements are not this copy's.\n\n" + card.read_text(encoding="utf-8"), encoding="utf-8")
+        copy_side_files(checkpoint, tmp, f"> **A quantized copy.** `moepager quantize` wrote this checkpoint from "
+                        f"`{checkpoint.path.name}` with its routed experts in {fmt.name} (lossy). The card below "
+                        f"describes the float original: its measurements are not this copy's.")
     checkpoint.files.close()
     return out_dir
+
+
+def copy_side_files(checkpoint: Checkpoint, out: Path, note: str) -> None:
+    """Copy what a derived checkpoint keeps of its original into `out` (tokenizer, generation config, chat
+    template, ...; not its tensors nor its config), and the original's card under `note`, what this copy is."""
+    for src in checkpoint.path.iterdir():
+        if src.is_file() and src.suffix != ".safetensors" and src.name not in (
+                "config.json", "model.safetensors.index.json", "README.md"):
+            shutil.copy2(src, out / src.name)
+    card = checkpoint.path / "README.md"
+    if card.is_file():
+        (out / "README.md").write_text(note + "\n\n" + card.read_text(encoding="utf-8"), encoding="utf-8")
 
 
 def _quantized_entries(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], cfg: ModelConfig,

@@ -21,13 +21,14 @@ from moepager.cli import (
     quantize,
     serve,
     simulate,
+    split,
     trace,
 )
 from moepager.errors import MoepagerError
 
 COMMANDS = {"generate": generate, "serve": serve, "chat": chat, "info": info, "make-model": make_model,
             "simulate": simulate, "plan": plan, "trace": trace, "predictor": predictor, "predict-eval": predict_eval,
-            "calibrate": calibrate, "quantize": quantize, "export-gguf": export_gguf}
+            "calibrate": calibrate, "quantize": quantize, "split": split, "export-gguf": export_gguf}
 
 
 class _Parser(argparse.ArgumentParser):

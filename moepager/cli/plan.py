@@ -14,6 +14,7 @@ import json
 import numpy as np
 
 from moepager.atomic_io import atomic_file, check_file
+from moepager.checkpoints.split import PARTS
 from moepager.config import Budget
 from moepager.planning.configurator import LayerCosts, Plan, expert_split, statistics, vram_allocation
 from moepager.planning.cost import PROFILES, CostModel
@@ -45,6 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--whole-experts", action="store_true",
                    help="no split (θ = 1 in every layer): per-layer budgets of whole experts, what the engine's "
                         "--layer-plan takes")
+    p.add_argument("--parts", type=int, choices=PARTS,
+                   help="split ratios in steps of 1/PARTS, what a `moepager split --parts PARTS` checkpoint runs "
+                        "(default: any ratio)")
+    p.add_argument("--theta", type=float, metavar="θ",
+                   help="every layer split at this ratio (0 < θ <= 1) instead of the configurator's choice")
     p.add_argument("--json", metavar="PATH", help="write the plan and the comparison as JSON")
 
 
@@ -72,12 +78,20 @@ def run(args: argparse.Namespace) -> int:
     ranks = forecasts(args, fitted, fit) if args.predictor else None
     hit_LC, prediction = statistics(fitted.ids_NLK[fitted.step_tokens], ranks, num_experts)
     split = not args.whole_experts
-    plan = vram_allocation(total, hit_LC, k, costs, args.zeta, prediction, split=split)
-    even = expert_split(np.full(num_layers, total / num_layers), hit_LC, k, costs, prediction, split)
+    if args.theta is not None and not (0 < args.theta <= 1 and split):
+        raise TraceError("--theta is a split ratio in (0, 1], and --whole-experts splits nothing")
+    if args.theta is not None and args.parts is not None and abs(args.theta * args.parts - round(args.theta *
+                                                                                               args.parts)) > 1e-9:
+        raise TraceError(f"--theta {args.theta} is not a multiple of 1/{args.parts}")
+    plan = vram_allocation(total, hit_LC, k, costs, args.zeta, prediction, split=split, parts=args.parts,
+                           theta=args.theta)
+    even = expert_split(np.full(num_layers, total / num_layers), hit_LC, k, costs, prediction, split, args.parts,
+                        args.theta)
     test = load_workload(args.trace, "decode", 1, judged)
     rows = [judge("even split, whole experts", np.full(num_layers, np.floor(total / num_layers)),
                   np.ones(num_layers), test, expert_bytes),
-            judge("configured (MoEpic)" + ("" if split else ", whole experts"), np.floor(plan.cached_L), plan.theta_L,
+            judge("configured (MoEpic)" + ("" if split else ", whole experts") +
+                  (f", θ = {args.theta}" if args.theta else ""), np.floor(plan.cached_L), plan.theta_L,
                   test, expert_bytes)]
     print(f"{args.trace}: {num_layers} layers x {num_experts} experts (top-{k}), budget {args.expert_memory} = "
           f"{total:.1f} experts ({format_bytes(total * expert_bytes)}); hit curves from {len(fitted.names)} "

@@ -172,7 +172,7 @@ class ArenaKernels:
             and grouped_aligned(shape) else "loop"
         """The kernel of one-token calls (`auto` resolved by device; see `choose` for more tokens)."""
         self.batched: Kernel = "grouped" if kernel == "auto" and not arena.is_cuda and not self.quantized \
-            else self.resolved
+            and grouped_aligned(shape) else self.resolved
         """The kernel of calls on more tokens (see `choose`)."""
         self.views: list[AnyExpertWeights] = [expert_view(row, shape) for row in arena]
         self.scales_R2F: torch.Tensor | None = None

@@ -119,11 +119,32 @@ def statistics(ids_SLK: np.ndarray, ranks_SLY: np.ndarray | None, num_experts: i
     return hit_LC, Prediction(activated_LY / max(steps, 1), cached_LYC)
 
 
+def candidates(v: float, num_experts: int, split: bool = True, parts: int | None = None,
+               theta: float | None = None) -> list[tuple[int, float]]:
+    """The (cache size C, split ratio θ) a layer's budget of `v` experts may take: C from floor(v) up with θ = v/C
+    (see the module note); `split` False: whole experts only (C = floor(v), θ = 1); `parts`: θ a multiple of
+    1/parts (a split checkpoint's granularity, C the most tops that fit); `theta`: that θ alone."""
+    first = max(1, math.floor(v + 1e-9))
+    if not split:
+        return [(first, 1.0)]
+    if theta is not None:
+        return [(min(num_experts, max(first, math.floor(v / theta + 1e-9))), theta)]
+    if parts is not None:
+        out = []
+        for t in range(parts, 0, -1):
+            c = min(num_experts, math.floor(v * parts / t + 1e-9))
+            if c >= 1 and (not out or c > out[-1][0]):
+                out.append((c, t / parts))
+        return out or [(first, 1.0)]
+    return [(c, min(1.0, v / c)) for c in range(first, num_experts + 1)]
+
+
 def expert_split(budgets_L: np.ndarray, hit_LC: np.ndarray, top_k: int, costs: LayerCosts,
-                 prediction: Prediction | None = None, split: bool = True) -> Plan:
+                 prediction: Prediction | None = None, split: bool = True, parts: int | None = None,
+                 theta: float | None = None) -> Plan:
     """MoEpic's ExpertSplit: each layer's best cache size C >= V_i for its budget, layer by layer (a layer's
-    window depends on the layer before). `split` False: whole experts only (C = floor(V_i), θ = 1), what a store
-    without split experts holds."""
+    window depends on the layer before), among `candidates` (`split` False: whole experts only, what a store
+    without split experts holds; `parts`, `theta`: see there)."""
     num_layers, sizes = hit_LC.shape
     num_experts = sizes - 1
     t_moe = top_k * costs.compute_s
@@ -131,18 +152,16 @@ def expert_split(budgets_L: np.ndarray, hit_LC: np.ndarray, top_k: int, costs: L
     theta_L, cached_L, resident_L, exposed_L = (np.zeros(num_layers) for _ in range(4))
     for i in range(num_layers):
         v = float(budgets_L[i])
-        best, best_c = -math.inf, num_experts
-        first = max(1, math.floor(v + 1e-9))
-        for c in range(first, num_experts + 1 if split else first + 1):  # from floor(V): see the module note
-            theta = min(1.0, v / c)
-            m = top_k * hit_LC[i, c] * theta
+        best, best_c, best_t = -math.inf, num_experts, 1.0
+        for c, t in candidates(v, num_experts, split, parts, theta):
+            m = top_k * hit_LC[i, c] * t
             if prediction is not None:
-                m += _prefetched(prediction, i, c, theta, costs.load_s, window)
+                m += _prefetched(prediction, i, c, t, costs.load_s, window)
             if m > best:
-                best, best_c = m, c
+                best, best_c, best_t = m, c, t
         m = min(max(best, 0.0), float(top_k))
         hide, miss = m * costs.compute_s, (top_k - m) * costs.load_s
-        theta_L[i], cached_L[i], resident_L[i] = min(1.0, v / best_c), best_c, m
+        theta_L[i], cached_L[i], resident_L[i] = best_t, best_c, m
         exposed_L[i] = max(0.0, miss - hide)
         window = (t_moe - min(hide, miss)) + costs.attention_s
     return Plan(np.asarray(budgets_L, np.float64).copy(), theta_L, cached_L, resident_L, exposed_L)
@@ -162,7 +181,8 @@ def _prefetched(prediction: Prediction, layer: int, c: int, theta: float, load_s
 
 
 def vram_allocation(total: float, hit_LC: np.ndarray, top_k: int, costs: LayerCosts, zeta: float = 0.01,
-                    prediction: Prediction | None = None, max_moves: int = 100_000, split: bool = True) -> Plan:
+                    prediction: Prediction | None = None, max_moves: int = 100_000, split: bool = True,
+                    parts: int | None = None, theta: float | None = None) -> Plan:
     """MoEpic's VramAllocation from the even split: each move raises the layer that gains most from ζ·total more
     and lowers the one that loses least from ζ·total less (never below the layer's top-k, what a decode step holds
     at once, nor past all of its experts), kept only while Σ 𝒯^i strictly falls. Σ V_i = total throughout."""
@@ -176,11 +196,13 @@ def vram_allocation(total: float, hit_LC: np.ndarray, top_k: int, costs: LayerCo
     budgets = np.full(num_layers, total / num_layers)
     if not split:
         budgets = np.floor(budgets)
-    plan = expert_split(budgets, hit_LC, top_k, costs, prediction, split)
+    plan = expert_split(budgets, hit_LC, top_k, costs, prediction, split, parts, theta)
     history = [plan.exposed_s]
     for _ in range(max_moves):
-        raised = expert_split(np.minimum(budgets + step, sizes - 1), hit_LC, top_k, costs, prediction, split).exposed_L
-        lowered = expert_split(np.maximum(budgets - step, top_k), hit_LC, top_k, costs, prediction, split).exposed_L
+        raised = expert_split(np.minimum(budgets + step, sizes - 1), hit_LC, top_k, costs, prediction, split, parts,
+                              theta).exposed_L
+        lowered = expert_split(np.maximum(budgets - step, top_k), hit_LC, top_k, costs, prediction, split, parts,
+                               theta).exposed_L
         gain = np.where(budgets + step <= sizes - 1, plan.exposed_L - raised, -np.inf)
         i1 = int(np.argmax(gain))
         loss = np.where((budgets - step >= top_k - 1e-9) & (np.arange(num_layers) != i1), lowered - plan.exposed_L,
@@ -191,7 +213,7 @@ def vram_allocation(total: float, hit_LC: np.ndarray, top_k: int, costs: LayerCo
         moved = budgets.copy()
         moved[i1] += step
         moved[i2] -= step
-        candidate = expert_split(moved, hit_LC, top_k, costs, prediction, split)
+        candidate = expert_split(moved, hit_LC, top_k, costs, prediction, split, parts, theta)
         if candidate.exposed_s >= plan.exposed_s:
             break  # no strict improvement: the allocation is a fixed point
         budgets, plan = moved, candidate

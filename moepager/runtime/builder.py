@@ -22,18 +22,21 @@ from moepager.checkpoints.build import (
     ExecutorFactory,
     LoadedModel,
     LoadOptions,
+    OpenCheckpoint,
     build_model,
     load_bar,
     open_checkpoint,
     read_experts,
     resident_executor,
 )
+from moepager.checkpoints.split import SplitLayout
 from moepager.config import Budget, EngineConfig, Execution, Kernel, StoreConfig
 from moepager.errors import BudgetError, ConfigError
 from moepager.experts.executor import ArenaKernels, ExpertExecutor, PagedExecutor
 from moepager.experts.hybrid import CpuExpertsExecutor, CpuPool, ExpertTimes, HybridExecutor
 from moepager.experts.protocols import FlatReader
 from moepager.experts.remote import ExpertWorker, Placement, RemoteExecutor
+from moepager.experts.split import SplitExecutor
 from moepager.models.config import ModelConfig
 from moepager.planning.cost import CostModel, nominal_profile
 from moepager.policies import UnknownPolicyError, make_policy, policy_spec
@@ -78,29 +81,60 @@ def warm_order(layers: Sequence[int], num_experts: int, quotas: dict[int, int] |
     return first + [k for k in order if k.expert >= quotas[k.layer]]
 
 
-def plan_quotas(path: str, cfg: ModelConfig, capacity: int) -> list[int]:
-    """Each MoE layer's share of `capacity` cache slots in proportion to the per-layer budgets of a `moepager plan
-    --json` file, none above a layer's experts and none below its top-k where the capacity allows (what a decode step
-    holds at once; the simulator's per-layer capacities have the same floor)."""
+def read_plan(path: str, cfg: ModelConfig) -> tuple[list[float], list[float]]:
+    """The per-layer budgets and split ratios θ of a `moepager plan --json` file (θ 1 where it has none)."""
     import json
 
     try:
-        budgets = [float(b) for b in json.loads(Path(path).read_text())["budgets"]]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        plan = json.loads(Path(path).read_text())
+        budgets = [float(b) for b in plan["budgets"]]
+        theta = [float(t) for t in plan.get("theta", [1.0] * len(budgets))]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ConfigError(f"--layer-plan {path}: not a `moepager plan --json` file ({e})") from None
-    layers, most = cfg.num_moe_layers, cfg.num_experts
-    if len(budgets) != layers or min(budgets) < 0 or sum(budgets) <= 0:
+    layers = cfg.num_moe_layers
+    if len(budgets) != layers or len(theta) != layers or min(budgets) < 0 or sum(budgets) <= 0:
         raise ConfigError(f"--layer-plan {path} has budgets for {len(budgets)} layers; this model has {layers} MoE "
                           "layers (plan on a trace of this model)")
+    if not all(0 < t <= 1 for t in theta):
+        raise ConfigError(f"--layer-plan {path}: split ratios must lie in (0, 1], got {theta}")
+    return budgets, theta
+
+
+def plan_quotas(path: str, cfg: ModelConfig, capacity: int, most: Sequence[int] | None = None) -> list[int]:
+    """Each MoE layer's share of `capacity` cache slots in proportion to the per-layer budgets of a `moepager plan
+    --json` file, none above what the layer can cache (`most`; default its experts) and none below its top-k where the
+    capacity allows (what a decode step holds at once; the simulator's per-layer capacities have the same floor)."""
+    return share_quotas(read_plan(path, cfg)[0], cfg, capacity, most)
+
+
+def share_quotas(budgets: Sequence[float], cfg: ModelConfig, capacity: int, most: Sequence[int] | None = None
+                 ) -> list[int]:
+    """`capacity` cache slots shared between the MoE layers in proportion to `budgets` (see `plan_quotas`); slots no
+    layer can use stay with the layers furthest below their share."""
+    layers = cfg.num_moe_layers
+    most = list(most) if most is not None else [cfg.num_experts] * layers
     least = cfg.top_k if capacity >= layers * cfg.top_k else capacity // layers  # what a decode step holds at once
     share = [capacity * b / sum(budgets) for b in budgets]
     want = [max(0.0, x - least) for x in share]  # what each layer's share asks beyond the least
     rest = capacity - least * layers
-    quotas = [least + min(int(rest * w / sum(want)) if sum(want) else 0, most - least) for w in want]
+    quotas = [least + max(0, min(int(rest * w / sum(want)) if sum(want) else 0, m - least)) for w, m in zip(want, most)]
     while sum(quotas) < capacity:  # the rest one at a time, to the layers furthest below their share
-        room = [i for i in range(layers) if quotas[i] < most]
+        room = [i for i in range(layers) if quotas[i] < most[i]] or list(range(layers))
         quotas[max(room, key=lambda i: (share[i] - quotas[i], -i))] += 1
     return quotas
+
+
+def cached_parts(config: StoreConfig, cfg: ModelConfig, split: SplitLayout | None) -> dict[int, int]:
+    """Each MoE layer's top parts a split checkpoint caches: θ_i of a `--layer-plan` rounded to the nearest part
+    (at least one), or all of them; a plan that splits experts needs a split checkpoint."""
+    theta = read_plan(config.layer_plan, cfg)[1] if config.layer_plan else [1.0] * cfg.num_moe_layers
+    if split is None:
+        if min(theta) < 1:
+            raise ConfigError(f"--layer-plan {config.layer_plan} splits experts (θ down to {min(theta):.2f}) and this "
+                              "checkpoint stores them whole: write a split copy with `moepager split --model MODEL "
+                              "--parts 4 --out DIR` and run that, or plan with --whole-experts")
+        return {layer: 1 for layer in cfg.moe_layers}
+    return {layer: max(1, min(split.parts, round(t * split.parts))) for layer, t in zip(cfg.moe_layers, theta)}
 
 
 def _check_fits(nbytes: int, device: torch.device, what: str) -> None:
@@ -138,9 +172,12 @@ def _tier(slots: int, cfg: ModelConfig, reader: FlatReader, device: torch.device
 
 
 def build_store(config: StoreConfig, reader: FlatReader, cfg: ModelConfig, device: torch.device,
-                host_tier: bool, progress: Callable[[int], None] | None = None) -> ExpertStore:
+                host_tier: bool, progress: Callable[[int], None] | None = None,
+                split: SplitLayout | None = None) -> ExpertStore:
     """Device slots (budget `expert_memory`, default all) over a host tier (`host_tier`; budget `host_memory`,
-    default all) or straight over disk."""
+    default all) or straight over disk. `split`: the checkpoint's experts in parts (`cfg` its paging
+    configuration), each layer caching its top parts and streaming the rest through stream rows inside the budget,
+    enough for a decode step's bottoms to load at once."""
     nbytes, buffers = reader.shape.nbytes, read_buffer_bytes(reader, config.io_threads, config.prefetch_threads)
     device_slots = budget_slots(config.device_budget, "--expert-memory", cfg, nbytes, 0 if host_tier else buffers)
     host = None
@@ -150,15 +187,36 @@ def build_store(config: StoreConfig, reader: FlatReader, cfg: ModelConfig, devic
         host = _tier(host_slots, cfg, reader, torch.device("cpu"), config, device.type == "cuda",
                      f"--host-memory {config.host_memory or 'all'} ({host_slots} experts)", scope="global")
     streams = stream_rows(device_slots, cfg.num_moe_layers * cfg.num_experts)
-    quotas = plan_quotas(config.layer_plan, cfg, device_slots - streams) if config.layer_plan else None
+    tops = cached_parts(config, cfg, split)
+    if split is not None and min(tops.values()) < split.parts:  # a decode step's bottoms, all at once
+        streams = max(streams, split.top_k * (split.parts - min(tops.values())))
+        if device_slots - streams < cfg.num_moe_layers * cfg.top_k and config.expert_memory is not None:
+            least = format_bytes((cfg.num_moe_layers * cfg.top_k + streams) * nbytes)
+            raise BudgetError(f"--expert-memory {config.expert_memory} holds {device_slots} parts: split experts need "
+                              f"each layer's top-k experts' parts ({cfg.top_k}) and {streams} parts streaming, at "
+                              f"least {least}")
+    most = [cfg.num_experts // split.parts * tops[layer] for layer in cfg.moe_layers] if split is not None else None
+    quotas = plan_quotas(config.layer_plan, cfg, device_slots - streams, most) if config.layer_plan else None
     tier = _tier(device_slots, cfg, reader, device, config, False,
                  f"--expert-memory {config.expert_memory or 'all'} ({device_slots} experts)", streams,
                  prefetch_aware=True, quotas=quotas)
     transfers = Transfers(device, config.io_threads, config.prefetch_threads, config.prefetch_yields)
     store = ExpertStore(tier, host, reader.read, transfers, buffers)
+    if split is not None:
+        store.split(split.parts, tops)
     if config.warm:
-        store.warm(warm_order(cfg.moe_layers, cfg.num_experts, store.device.table.quota if quotas else None),
-                   progress)
+        order = warm_order(cfg.moe_layers, cfg.num_experts, store.device.table.quota if quotas else None)
+        if split is not None:  # the cacheable parts only, each layer's quota first
+            order = [k for k in order if k.expert % split.parts < tops[k.layer]]
+            counts = dict.fromkeys(cfg.moe_layers, 0)
+            first = []
+            for k in order:
+                counts[k.layer] += 1
+                if counts[k.layer] <= store.device.table.quota[k.layer]:
+                    first.append(k)
+            chosen = set(first)  # in scope "global", the rest after (in scope "layer" they would evict the first)
+            order = first + ([k for k in order if k not in chosen] if config.scope == "global" else [])
+        store.warm(order, progress)
     return store
 
 
@@ -178,7 +236,8 @@ def _paged(config: StoreConfig, reader: FlatReader, cfg: ModelConfig, device: to
               "and quantizes every miss; `moepager quantize` writes a checkpoint that reads the quantized "
               "bytes", file=sys.stderr)
     fused = cpu_kernels.fused_experts(reader.shape, device, kernel)
-    return PagedExecutor(build_store(config, reader, cfg, device, host_tier, progress), reader.shape, kernel, fused)
+    return PagedExecutor(build_store(config, reader, cfg, device, host_tier, progress, getattr(reader, "split", None)),
+                         reader.shape, kernel, fused)
 
 
 def check_names(config: EngineConfig) -> None:
@@ -315,6 +374,7 @@ def build(config: EngineConfig, path: Path, show_progress: bool) -> Built:
     kernel, store_config = config.expert_kernel, config.store
     times, profile = expert_times(config, opened.device, opened.reader.shape.nbytes)
     execution, why = resolve_execution(config, opened.device, times, profile)
+    check_split(config, opened, execution)
     if why:
         print(why, file=sys.stderr)
     store: ExpertStore | None = None
@@ -333,12 +393,14 @@ def build(config: EngineConfig, path: Path, show_progress: bool) -> Built:
             executor, store = cpu_experts, cpu_experts.store
             why = why or "cpu-experts: every routed expert computes on the CPU"
         elif store_config.paged:
-            paged = _paged(store_config, opened.reader, opened.config, opened.device, kernel,
+            paged = _paged(store_config, opened.reader, opened.paging, opened.device, kernel,
                            opened.device.type == "cuda", bar.update)
             executor = paged
             store = paged.store
         else:
-            executor = resident_executor(opened.device, kernel)(opened.reader, opened.config, bar.update)
+            executor = resident_executor(opened.device, kernel)(opened.reader, opened.paging, bar.update)
+        if opened.split is not None:
+            executor = SplitExecutor(executor, opened.split.parts)
         loaded = build_model(opened, executor, options, bar.update)
     loaded.execution = why
     prefetcher = None
@@ -354,6 +416,19 @@ def build(config: EngineConfig, path: Path, show_progress: bool) -> Built:
     return Built(loaded, store, prefetcher)
 
 
+def check_split(config: EngineConfig, opened: OpenCheckpoint, execution: Execution) -> None:
+    """What a split checkpoint (checkpoints/split.py) runs with: resident or paged experts, no predictor's prefetch
+    (it forecasts whole experts), no hybrid, CPU-only or remote execution (they place whole experts)."""
+    if opened.split is None:
+        return
+    refused = [name for name, on in (("--workers", config.workers), (f"--execution {execution}", execution != "gpu"),
+                                     ("--prefetch", config.prefetch.predictor is not None)) if on]
+    if refused:
+        raise ConfigError(f"{opened.checkpoint.path} stores its experts in {opened.split.parts} parts (moepager "
+                          f"split), which run resident or paged through the store; {', '.join(refused)} place or "
+                          "forecast whole experts: run the unsplit checkpoint for that")
+
+
 def store_report(store: ExpertStore | None, config: StoreConfig, prefill_tokens: int,
                  decode_tokens: int, execution: str = "") -> StoreReport:
     """The run's expert section: how experts were held and, for the store, what it did per phase."""
@@ -365,6 +440,10 @@ def store_report(store: ExpertStore | None, config: StoreConfig, prefill_tokens:
                  "read buffers": format_bytes(store.read_buffer_bytes),
                  "host slots": store.host.table.capacity if store.host is not None else "none (disk below)",
                  "policy": config.policy, "scope": config.scope, **where}
+    if store.parts > 1:
+        described["device slots"] = f"{store.device.table.capacity} expert parts"
+        described["split"] = (f"{store.parts} parts an expert, top parts cached per layer "
+                              + " ".join(str(t) for t in store.cached_parts.values()))
     if config.layer_plan:
         described["per-layer cache"] = " ".join(str(q) for q in store.device.table.quota.values())
     phases, nbytes = store.counters.phases, store.device.expert_nbytes

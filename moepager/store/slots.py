@@ -102,6 +102,31 @@ class SlotTable:
             by_layer[key.layer].add(key)
         return slots
 
+    def resize(self, quotas: dict[int, int], step: int, keep: Callable[[ExpertKey], bool] | None = None
+               ) -> list[ExpertKey]:
+        """New per-layer quotas (scope "layer", summing to the capacity), between passes with nothing pinned or in
+        flight: experts `keep` refuses are dropped, then every layer above its new quota drops the policy's victims
+        down to it (the others keep what they hold). Returns the experts dropped, their slots free again."""
+        if self.scope != "layer":
+            raise ValueError("per-layer quotas apply to scope 'layer'")
+        if set(quotas) != set(self.quota) or sum(quotas.values()) != self.capacity or min(quotas.values()) < 0:
+            raise ValueError(f"per-layer quotas {quotas} must give each of the {len(self.quota)} layers a share of "
+                             f"the {self.capacity} slots")
+        if any(self.pins[:self.capacity]) or any(not settled(t) for t in self.ticket):
+            raise RuntimeError("the cache is resized between passes, with nothing pinned or loading")
+        dropped = [k for k in self.slot_of if keep is not None and not keep(k)]
+        for layer, quota in quotas.items():
+            held = [k for k in self.by_layer[layer] if k not in dropped]
+            if len(held) > quota:
+                dropped += self.policy.victims(held, len(held) - quota, step)
+        for key in dropped:
+            slot = self.slot_of.pop(key)
+            self.by_layer[key.layer].discard(key)
+            self.ticket[slot] = None
+            self._free.append(slot)
+        self.quota = dict(quotas)
+        return dropped
+
     def forget(self, slot: int) -> ExpertKey | None:
         """Drop whatever `slot` holds and return it to the free list (after a failed or cancelled load); returns
         the expert it held."""

@@ -113,6 +113,11 @@ class ExpertStore:
         self.counters = StoreCounters()
         self.clock = 0
         """The current pass (`begin_pass`: the engine's pass id + 1): the `step` policies are given."""
+        self.parts = 1
+        """Parts each expert is stored in (a split checkpoint's S: checkpoints/split.py); keys then name parts."""
+        self.cached_parts: dict[int, int] = {}
+        """Split experts: each layer's top parts t (θ = t/S) that its cache may hold; parts j >= t of an expert
+        (its bottom) always stream through the stream rows."""
 
     def occupancy(self) -> tuple[int, int]:
         """(device slots holding an expert, device cache slots)."""
@@ -205,7 +210,12 @@ class ExpertStore:
         (one ranking of the candidates, one submission), the rest queue for the stream rows."""
         table, slots, layer = self.device.table, held.slots, held.layer
         room = (table.quota[layer] if table.scope == "layer" else table.capacity) - (len(keys) - len(misses))
-        if len(misses) > room and not table.stream_rows:
+        bottoms: list[int] = []
+        if self.parts > 1 and self.cached_parts[layer] < self.parts:  # a split layer's bottom parts: never cached
+            top, parts = self.cached_parts[layer], self.parts
+            bottoms = [i for i in misses if keys[i].expert % parts >= top]
+            misses = [i for i in misses if keys[i].expert % parts < top]
+        if len(misses) + len(bottoms) > room and not table.stream_rows:
             raise RuntimeError(f"expert store: layer {layer} needs {len(keys)} experts at once but holds "
                                f"{room + len(keys) - len(misses)} and has no stream rows")
         cached, drained = misses[: max(room, 0)], False
@@ -223,7 +233,7 @@ class ExpertStore:
             if cached:  # only loads in flight stand in the way: wait for them, then claim the rest
                 self._drain(table)
                 drained = True
-        held.queued = list(misses[max(room, 0):])
+        held.queued = sorted(misses[max(room, 0):] + bottoms) if bottoms else list(misses[max(room, 0):])
         for row in table.stream_rows[: len(held.queued)]:
             self._stream_next(held, row)
 
@@ -334,6 +344,31 @@ class ExpertStore:
             for slot in slots:
                 if slot >= 0:
                     table.free_event[slot] = event
+
+    # -- split experts and reconfiguration (MoEpic) ----------------------------------------------------------
+    def split(self, parts: int, cached_parts: dict[int, int]) -> None:
+        """Keys name parts of experts split in `parts` (key e·parts + j); each layer caches its experts' first
+        `cached_parts[layer]` parts and streams the rest (`reconfigure` changes them)."""
+        if parts > 1 and not self.device.table.stream_rows and min(cached_parts.values()) < parts:
+            raise ValueError("split experts stream their bottom parts: the store needs stream rows")
+        self.parts, self.cached_parts = parts, dict(cached_parts)
+
+    def reconfigure(self, quotas: dict[int, int], cached_parts: dict[int, int] | None = None) -> int:
+        """New per-layer cache sizes (scope "layer"; their sum the cache's capacity) and, for split experts, top parts
+        per layer, between passes (nothing pinned): in-flight loads are awaited, every cached part now a bottom is
+        dropped and every layer above its new quota evicts by its policy down to it. Cached experts that stay are
+        kept, so the change reads nothing. Returns the experts (parts) dropped."""
+        table = self.device.table
+        self._drain(table)
+        if cached_parts is not None:
+            if self.parts == 1:
+                raise ValueError("top parts per layer apply to split experts only")
+            self.split(self.parts, cached_parts)
+        parts, top = self.parts, self.cached_parts
+        dropped = table.resize(quotas, self.clock, (lambda k: k.expert % parts < top[k.layer]) if parts > 1 else None)
+        if dropped:
+            self._evicted(dropped)
+        return len(dropped)
 
     # -- hybrid execution: misses computed where they are ---------------------------------------------------
     def on_device(self, key: ExpertKey) -> bool:
