@@ -124,6 +124,12 @@ class StoreConfig:
     """A `moepager plan --json` file: the device cache split between MoE layers in proportion to its per-layer budgets
     (MoEpic's configurator) instead of evenly (scope layer)."""
 
+    configure: Literal["off", "auto"] = "off"
+    """auto: MoEpic's configurator online (runtime/configure.py): every `configure_every` decode tokens each layer's
+    cache size (and, on a split checkpoint, split ratio) is chosen again from the routing of the recent tokens."""
+    configure_every: int = 5000
+    """Decode tokens between reconfigurations (MoEpic's τ)."""
+
     device_budget: Budget = field(init=False, repr=False, compare=False)
     """`expert_memory` parsed once (all experts when unset)."""
     host_budget: Budget = field(init=False, repr=False, compare=False)
@@ -140,7 +146,13 @@ class StoreConfig:
         if self.layer_plan is not None and (self.expert_memory is None or self.scope != "layer"):
             raise MoepagerError("--layer-plan splits the --expert-memory cache between layers: set --expert-memory "
                                 "(and keep --cache-scope layer)")
-        for flag, value in (("--io-threads", self.io_threads), ("--prefetch-threads", self.prefetch_threads)):
+        if self.configure not in ("off", "auto"):
+            raise MoepagerError(f"--configure must be off or auto, got '{self.configure}'")
+        if self.configure == "auto" and (self.expert_memory is None or self.scope != "layer"):
+            raise MoepagerError("--configure auto sizes each layer's share of the --expert-memory cache: set "
+                                "--expert-memory (and keep --cache-scope layer)")
+        for flag, value in (("--io-threads", self.io_threads), ("--prefetch-threads", self.prefetch_threads),
+                            ("--configure-every", self.configure_every)):
             if value < 1:
                 raise MoepagerError(f"{flag} must be >= 1, got {value}")
 

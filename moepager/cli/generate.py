@@ -219,7 +219,14 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cold", action="store_true", help="start with an empty expert cache")
     g.add_argument("--layer-plan", metavar="PLAN.json",
                    help="split the --expert-memory cache between MoE layers in proportion to the per-layer budgets of "
-                        "`moepager plan --whole-experts --json PLAN.json` (MoEpic's configurator) instead of evenly")
+                        "`moepager plan --json PLAN.json` (MoEpic's configurator) instead of evenly; its split ratios "
+                        "need a `moepager split` checkpoint (or plan with --whole-experts)")
+    g.add_argument("--configure", choices=["off", "auto"],
+                   help="auto: choose each MoE layer's share of the cache (and, on a split checkpoint, its split "
+                        "ratio) again every --configure-every decode tokens from their recent routing (MoEpic's "
+                        "configurator online; outputs do not change); default off")
+    g.add_argument("--configure-every", type=int, metavar="TOKENS",
+                   help="--configure auto: decode tokens between reconfigurations (default 5000, MoEpic's τ)")
 
 
 def add_prefetch_arguments(p: argparse.ArgumentParser) -> None:
@@ -296,7 +303,8 @@ def store_config(args: argparse.Namespace) -> StoreConfig:
                                              ("prefetch_threads", args.prefetch_threads),
                                              ("prefetch_yields", False if args.prefetch_no_yield else None),
                                              ("prefetch_policy", args.prefetch_policy),
-                                             ("layer_plan", args.layer_plan))
+                                             ("layer_plan", args.layer_plan), ("configure", args.configure),
+                                             ("configure_every", args.configure_every))
              if value is not None}  # the rest keep StoreConfig's defaults
     return StoreConfig(expert_memory=args.expert_memory, host_memory=args.host_memory, warm=not args.cold, **given)
 
@@ -326,8 +334,10 @@ def refuse_ignored_engine_options(args: argparse.Namespace) -> None:
           "--prefetch-threads": args.prefetch_threads, "--prefetch-min-p": args.prefetch_min_p,
           "--prefetch-no-yield": args.prefetch_no_yield, "--prefetch-policy": args.prefetch_policy,
           "--learn-maps": args.learn_maps}),
-        (args.execution == "gpu", "--execution hybrid, cpu-experts or auto",
-         {"--cpu-threads": args.cpu_threads, "--profile": args.profile}),
+        (args.execution == "gpu", "--execution hybrid, cpu-experts or auto", {"--cpu-threads": args.cpu_threads}),
+        (args.execution == "gpu" and args.configure != "auto", "--execution hybrid, cpu-experts or auto, or "
+         "--configure auto", {"--profile": args.profile}),
+        (args.configure != "auto", "--configure auto", {"--configure-every": args.configure_every}),
     ]
     for missing, what, options in needs:
         given = [flag for flag, value in options.items() if value not in (None, False)]

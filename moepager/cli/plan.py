@@ -16,13 +16,14 @@ import numpy as np
 from moepager.atomic_io import atomic_file, check_file
 from moepager.checkpoints.split import PARTS
 from moepager.config import Budget
-from moepager.planning.configurator import LayerCosts, Plan, expert_split, statistics, vram_allocation
+from moepager.planning.configurator import Plan, expert_split, layer_costs, statistics, vram_allocation
 from moepager.planning.cost import PROFILES, CostModel
 from moepager.predictors import FITTED, make_predictor
 from moepager.store.budget import format_bytes
 from moepager.trace.format import TraceError, TraceReader
 from moepager.trace.predict import forecast_ranks
 from moepager.trace.simulate import SimSpec, check_spec, simulate
+from moepager.trace.split import simulate_split
 from moepager.trace.workload import Workload, chosen_requests, load_workload, parse_requests
 
 HELP = "per-layer expert budgets and split ratios for a trace (MoEpic's configurator), judged against the even split"
@@ -92,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
                   np.ones(num_layers), test, expert_bytes),
             judge("configured (MoEpic)" + ("" if split else ", whole experts") +
                   (f", θ = {args.theta}" if args.theta else ""), np.floor(plan.cached_L), plan.theta_L,
-                  test, expert_bytes)]
+                  test, expert_bytes, args.parts, plan.budgets_L)]
     print(f"{args.trace}: {num_layers} layers x {num_experts} experts (top-{k}), budget {args.expert_memory} = "
           f"{total:.1f} experts ({format_bytes(total * expert_bytes)}); hit curves from {len(fitted.names)} "
           f"requests, judged on {len(test.names)}; profile {args.profile}"
@@ -126,18 +127,23 @@ def forecasts(args: argparse.Namespace, work: Workload, fit: slice) -> np.ndarra
     return ranks[work.step_tokens]
 
 
-def layer_costs(cost: CostModel, num_layers: int) -> LayerCosts:
-    """The configurator's T values from the cost model: an expert's load over the link, its compute for one token,
-    and (calibrated) each layer's share of the step's non-expert time, which hides loads as attention does."""
-    load = cost.link.latency_s + cost.expert_bytes / cost.link.bytes_per_s
-    attention = cost.calibration.dense_decode_s / num_layers if cost.calibration is not None else 0.0
-    return LayerCosts(load_s=load, compute_s=float(cost.compute_s(1.0)), attention_s=attention)
-
-
-def judge(label: str, cached_L: np.ndarray, theta_L: np.ndarray, work: Workload, expert_bytes: int) -> dict:
+def judge(label: str, cached_L: np.ndarray, theta_L: np.ndarray, work: Workload, expert_bytes: int,
+          parts: int | None = None, budgets_L: np.ndarray | None = None) -> dict:
     """Per-layer LRU caches of `cached_L` experts' tops (θ_L of each) replayed over `work`: hit rate and bytes a
-    token (a hit loads the bottom, a miss the whole expert)."""
+    token (a hit loads the bottom, a miss the whole expert). With `parts` (θ_L multiples of 1/parts), what a split
+    checkpoint's run does instead (trace/split.py): each layer caches floor(budget·parts) parts of its experts' tops
+    and loads every bottom part; the hit rate is then the share of parts found cached."""
     header = work.header
+    if parts is not None and budgets_L is not None:
+        tops = [max(1, round(t * parts)) for t in theta_L]
+        capacities = tuple(int(min(header.num_experts * t, max(header.top_k * t, np.floor(v * parts + 1e-9))))
+                           for v, t in zip(budgets_L, tops))
+        spec = SimSpec("lru", max(capacities), per_layer=capacities)
+        result = simulate_split(work, spec, parts, tops)
+        moved = float(result.demand_loads_SL.sum()) * expert_bytes / parts
+        tokens = int(result.step_tokens.sum())
+        return {"label": label, "hit_rate": result.hit_rate(), "bytes_per_token": moved / max(tokens, 1),
+                "capacities": list(capacities), "theta": [t / parts for t in tops]}
     capacities = tuple(int(min(max(c, header.top_k), header.num_experts)) for c in cached_L)
     spec = SimSpec("lru", max(capacities), per_layer=capacities)
     check_spec(spec, header, None)

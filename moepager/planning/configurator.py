@@ -24,10 +24,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from moepager.errors import MoepagerError
+
+if TYPE_CHECKING:
+    from moepager.planning.cost import CostModel
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,14 @@ class Plan:
     @property
     def exposed_s(self) -> float:
         return float(self.exposed_L.sum())
+
+
+def layer_costs(cost: CostModel, num_layers: int) -> LayerCosts:
+    """The configurator's T values from the cost model: an expert's load over the link, its compute for one token,
+    and (calibrated) each layer's share of the step's non-expert time, which hides loads as attention does."""
+    load = cost.link.latency_s + cost.expert_bytes / cost.link.bytes_per_s
+    attention = cost.calibration.dense_decode_s / num_layers if cost.calibration is not None else 0.0
+    return LayerCosts(load_s=load, compute_s=float(cost.compute_s(1.0)), attention_s=attention)
 
 
 def hit_curves(ids_SLK: np.ndarray, num_experts: int) -> np.ndarray:

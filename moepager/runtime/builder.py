@@ -38,12 +38,14 @@ from moepager.experts.protocols import FlatReader
 from moepager.experts.remote import ExpertWorker, Placement, RemoteExecutor
 from moepager.experts.split import SplitExecutor
 from moepager.models.config import ModelConfig
+from moepager.planning.configurator import layer_costs
 from moepager.planning.cost import CostModel, nominal_profile
 from moepager.policies import UnknownPolicyError, make_policy, policy_spec
 from moepager.policies.prefetch import PREFETCH_POLICIES, make_prefetch_policy
 from moepager.predictors import PREDICTORS
+from moepager.runtime.configure import OnlineConfigurator
 from moepager.runtime.prefetch import Prefetcher, build_prefetcher
-from moepager.store.budget import check_slots, format_bytes
+from moepager.store.budget import check_slots, format_bytes, share_quotas
 from moepager.store.slots import SlotTable
 from moepager.store.stats import StoreReport
 from moepager.store.store import ExpertStore, Tier
@@ -104,24 +106,8 @@ def plan_quotas(path: str, cfg: ModelConfig, capacity: int, most: Sequence[int] 
     """Each MoE layer's share of `capacity` cache slots in proportion to the per-layer budgets of a `moepager plan
     --json` file, none above what the layer can cache (`most`; default its experts) and none below its top-k where the
     capacity allows (what a decode step holds at once; the simulator's per-layer capacities have the same floor)."""
-    return share_quotas(read_plan(path, cfg)[0], cfg, capacity, most)
-
-
-def share_quotas(budgets: Sequence[float], cfg: ModelConfig, capacity: int, most: Sequence[int] | None = None
-                 ) -> list[int]:
-    """`capacity` cache slots shared between the MoE layers in proportion to `budgets` (see `plan_quotas`); slots no
-    layer can use stay with the layers furthest below their share."""
-    layers = cfg.num_moe_layers
-    most = list(most) if most is not None else [cfg.num_experts] * layers
-    least = cfg.top_k if capacity >= layers * cfg.top_k else capacity // layers  # what a decode step holds at once
-    share = [capacity * b / sum(budgets) for b in budgets]
-    want = [max(0.0, x - least) for x in share]  # what each layer's share asks beyond the least
-    rest = capacity - least * layers
-    quotas = [least + max(0, min(int(rest * w / sum(want)) if sum(want) else 0, m - least)) for w, m in zip(want, most)]
-    while sum(quotas) < capacity:  # the rest one at a time, to the layers furthest below their share
-        room = [i for i in range(layers) if quotas[i] < most[i]] or list(range(layers))
-        quotas[max(room, key=lambda i: (share[i] - quotas[i], -i))] += 1
-    return quotas
+    return share_quotas(read_plan(path, cfg)[0], capacity, cfg.top_k, list(most) if most is not None else
+                        [cfg.num_experts] * cfg.num_moe_layers)
 
 
 def cached_parts(config: StoreConfig, cfg: ModelConfig, split: SplitLayout | None) -> dict[int, int]:
@@ -261,6 +247,8 @@ class Built:
     loaded: LoadedModel
     store: ExpertStore | None
     prefetcher: Prefetcher | None
+    configurator: OnlineConfigurator | None = None
+    """`--configure auto`: per-layer cache sizes chosen again as the run goes (a pass part and routing observer)."""
 
 
 def expert_times(config: EngineConfig, device: torch.device, expert_bytes: int) -> tuple[ExpertTimes, str]:
@@ -413,7 +401,26 @@ def build(config: EngineConfig, path: Path, show_progress: bool) -> Built:
         prefetcher = build_prefetcher(config.prefetch, loaded.model, store, inner if inner.uses_predictions else None,
                                       inner.ranks_next_use)
         loaded.model.observe_routing(prefetcher)
-    return Built(loaded, store, prefetcher)
+    return Built(loaded, store, prefetcher, online_configurator(config, opened, store, execution, profile))
+
+
+def online_configurator(config: EngineConfig, opened: OpenCheckpoint, store: ExpertStore | None,
+                        execution: Execution, profile: str) -> OnlineConfigurator | None:
+    """`--configure auto`'s configurator over the run's store, its T values from the run's cost model (`--profile`,
+    else the nominal one of the device's kind)."""
+    if config.store.configure != "auto":
+        return None
+    if store is None or execution != "gpu" or config.workers:
+        raise ConfigError("--configure auto sizes the expert store's per-layer caches: it runs with --expert-memory "
+                          "and --execution gpu, without --workers")
+    cfg = opened.config
+    whole = opened.reader.shape.nbytes * store.parts
+    try:
+        cost = CostModel.profile(profile, whole)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return OnlineConfigurator(store, cfg.moe_layers, cfg.num_experts, cfg.top_k, layer_costs(cost, cfg.num_moe_layers),
+                              config.store.configure_every)
 
 
 def check_split(config: EngineConfig, opened: OpenCheckpoint, execution: Execution) -> None:

@@ -24,6 +24,7 @@ from moepager.experts.remote import RemoteExecutor
 from moepager.models.routing import NULL_OBSERVER, OWN_ROUTER, RoutingFanOut, RoutingObserver
 from moepager.predictors import PREDICTORS
 from moepager.runtime.builder import build, store_report
+from moepager.runtime.configure import OnlineConfigurator
 from moepager.runtime.cuda_graphs import graphable
 from moepager.runtime.engine import Engine, ignore_finish
 from moepager.runtime.grouping import PathTracker
@@ -92,6 +93,8 @@ class LLM:
         experts = self.loaded.experts
         self.store = built.store
         self.prefetcher: Prefetcher | None = built.prefetcher
+        self.configurator: OnlineConfigurator | None = built.configurator
+        """`--configure auto`: per-layer cache sizes chosen again as the engine runs."""
         """Forecasts routing and loads experts ahead (kept across calls: an online expert-map store grows)."""
         cfg = self.loaded.config
         self.paths = PathTracker(cfg.moe_layers, cfg.num_experts) \
@@ -200,12 +203,13 @@ class LLM:
     def _parts(self, replayer: RouteReplayer | None, recorder: TraceRecorder | None) -> list[PassPart]:
         """What each pass is announced to, in order: the worker processes' parts, then the store's clock (the
         prefetcher's loads use it)."""
-        parts = (self.store, replayer, recorder, self.prefetcher, self.paths)
+        parts = (self.store, self.configurator, replayer, recorder, self.prefetcher, self.paths)
         return [*self.remote, *(p for p in parts if p is not None)]
 
     def _observe(self, recorder: TraceRecorder | None = None) -> None:
         """The model's routing to the recorder (for one call), the prefetcher and the path tracker, where there are."""
-        observers: list[RoutingObserver] = [p for p in (recorder, self.prefetcher, self.paths) if p is not None]
+        observers: list[RoutingObserver] = [p for p in (recorder, self.prefetcher, self.paths, self.configurator)
+                                            if p is not None]
         self.loaded.model.observe_routing(NULL_OBSERVER if not observers else observers[0] if len(observers) == 1
                                           else RoutingFanOut(observers))
 

@@ -5,6 +5,8 @@ The budget grammar itself ("6GiB", "25%", "all") is configuration: `moepager.con
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from moepager.errors import BudgetError
 
 
@@ -21,3 +23,20 @@ def check_slots(slots: int, minimum: int, expert_nbytes: int, flag: str, text: s
         buffers = f" + {format_bytes(reserved_bytes)} of read buffers" if reserved_bytes else ""
         raise BudgetError(f"{flag} {text} holds {slots} experts, below the minimum of {minimum} (one MoE layer's "
                           f"top-k = {format_bytes(minimum * expert_nbytes)}{buffers}); raise {flag}")
+
+
+def share_quotas(budgets: Sequence[float], capacity: int, top_k: int, most: Sequence[int]) -> list[int]:
+    """`capacity` cache slots shared between layers in proportion to `budgets` (MoEpic's per-layer V_i), none above
+    what layer i can cache (`most[i]`) and none below `top_k` where the capacity allows (what a decode step holds at
+    once; the simulator's per-layer capacities have the same floor); slots no layer can use stay with the layers
+    furthest below their share."""
+    layers = len(budgets)
+    least = top_k if capacity >= layers * top_k else capacity // layers
+    share = [capacity * b / sum(budgets) for b in budgets]
+    want = [max(0.0, x - least) for x in share]  # what each layer's share asks beyond the least
+    rest = capacity - least * layers
+    quotas = [least + max(0, min(int(rest * w / sum(want)) if sum(want) else 0, m - least)) for w, m in zip(want, most)]
+    while sum(quotas) < capacity:  # the rest one at a time, to the layers furthest below their share
+        room = [i for i in range(layers) if quotas[i] < most[i]] or list(range(layers))
+        quotas[max(room, key=lambda i: (share[i] - quotas[i], -i))] += 1
+    return quotas

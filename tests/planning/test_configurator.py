@@ -157,3 +157,42 @@ def test_plan_writes_whole_expert_budgets_the_engine_takes(tmp_path, capsys):
     plan = json.loads((tmp_path / "p.json").read_text())
     assert plan["whole_experts"] and set(plan["theta"]) == {1.0}
     assert all(b == int(b) for b in plan["budgets"])
+
+
+def test_split_ratios_in_parts_and_a_forced_ratio():
+    """A layer whose hit curve rises late (hits need many experts cached) gains from caching the tops of more of
+    them: with `parts` the configurator picks θ among multiples of 1/parts, with `theta` that ratio alone; the
+    exchange's invariants hold either way."""
+    num_experts, top_k = 16, 2
+    c = np.arange(num_experts + 1)
+    late = (c / num_experts) ** 3  # convex: twice the tops at half each holds more than twice the hits
+    early = 1 - np.exp(-c / 3)
+    hit_LC = np.stack([late, early, late, early])
+    plan = vram_allocation(4 * 4.0, hit_LC, top_k, COSTS, zeta=0.05, parts=4)
+    assert np.allclose(plan.theta_L * 4, np.round(plan.theta_L * 4))
+    assert plan.theta_L[0] < 1 and plan.theta_L[1] == 1.0  # the convex layer splits, the concave one does not
+    assert np.all(plan.cached_L * plan.theta_L <= plan.budgets_L + 1e-9)  # the tops fit the budget
+    assert all(b < a for a, b in zip(plan.objectives, plan.objectives[1:]))
+    assert plan.budgets_L.sum() == pytest.approx(16.0)
+    forced = expert_split(np.full(4, 4.0), hit_LC, top_k, COSTS, theta=0.5)
+    assert np.all(forced.theta_L == 0.5) and np.all(forced.cached_L == 8)
+
+
+def test_plan_with_parts_judges_a_split_run_part_for_part(tmp_path, capsys):
+    """`--parts 4 --theta 0.5`: the judged bytes are a split run's (trace/split.py), which on these concave hit curves
+    move more than whole experts (every hit still loads its bottom half)."""
+    import json
+
+    from moepager.cli.main import main
+    from tests.trace.conftest import random_trace
+
+    trace = random_trace(tmp_path / "t.mpt", lengths=(40, 30, 50, 20, 35), experts=16)
+    args = ["plan", str(trace), "--expert-memory", "50%", "--expert-bytes", "1000000", "--parts", "4", "--theta",
+            "0.5", "--json", str(tmp_path / "p.json")]
+    assert main(args) == 0
+    assert "configured (MoEpic), θ = 0.5" in capsys.readouterr().out
+    plan = json.loads((tmp_path / "p.json").read_text())
+    assert set(plan["theta"]) == {0.5} and plan["judged"][1]["theta"] == [0.5] * len(plan["theta"])
+    assert plan["judged"][1]["bytes_per_token"] > plan["judged"][0]["bytes_per_token"]
+    assert main([*args[:-2], "--theta", "0.3"]) == 2
+    assert "not a multiple of 1/4" in capsys.readouterr().err

@@ -1,0 +1,106 @@
+"""`--configure auto`: MoEpic's cache configurator online (MoEpic §3.4: reconfigure every τ = 5000 tokens).
+
+It watches every decode token's routing (a routing observer: whole experts, as the router picks them) in a window
+of the most recent tokens. Every `every` decode tokens, at the start of a pass (nothing pinned: the store awaits
+what is in flight), it measures each layer's LRU hit curve on that window, runs the fixed-point budget exchange
+(planning/configurator.py `vram_allocation`, the run's cost model's T values) and, when the chosen per-layer cache
+sizes (and, on a split checkpoint, split ratios) differ from the store's, applies them (`ExpertStore.reconfigure`:
+what stays cached is kept, so the change reads nothing; the outputs do not change: tests/runtime/test_configure.py).
+Each change is logged with what moved and the modeled load time per token it expects against the even split.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from moepager.planning.configurator import LayerCosts, expert_split, statistics, vram_allocation
+from moepager.store.budget import share_quotas
+from moepager.store.store import ExpertStore
+from moepager.types import PassInfo, RoutingDecision
+
+
+class OnlineConfigurator:
+    def __init__(self, store: ExpertStore, moe_layers: Sequence[int], num_experts: int, top_k: int, costs: LayerCosts,
+                 every: int = 5000, window: int | None = None, zeta: float = 0.01,
+                 log: Callable[[str], None] | None = None):
+        """`num_experts`, `top_k`: the router's (whole experts); the store's keys are parts when it holds split
+        experts (`store.parts`). `window`: decode tokens the hit curves are measured on (default `every`)."""
+        self.store, self.layers, self.costs = store, list(moe_layers), costs
+        self.num_experts, self.top_k, self.every, self.zeta = num_experts, top_k, every, zeta
+        self.window = window or every
+        self.column = {layer: i for i, layer in enumerate(self.layers)}
+        self.ids_WLK = np.full((self.window, len(self.layers), top_k), -1, np.int64)
+        self.filled = self.next = self.since = self.rows = 0
+        self.decoding = False
+        self.log = log or (lambda line: print(line, file=sys.stderr))
+        self.changes: list[str] = []
+        """What each reconfiguration changed, in order (the lines logged)."""
+
+    # -- the pass clock and the routing observer --------------------------------------------------------
+    def begin_pass(self, info: PassInfo) -> None:
+        self._advance()
+        self.decoding = info.phase == "decode"
+        if self.since >= self.every:
+            self.since = 0
+            self.reconfigure()
+
+    def stage(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> Sequence[torch.Tensor]:
+        return ()
+
+    def routed(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision, staged: Sequence[torch.Tensor]) -> None:
+        if not self.decoding or route.ids_host_TK is None:
+            return
+        ids = route.ids_host_TK.numpy()
+        rows = (self.next + np.arange(len(ids))) % self.window
+        self.ids_WLK[rows, self.column[layer]] = ids
+        self.rows = len(ids)
+
+    def _advance(self) -> None:
+        """The last pass's decode tokens join the window."""
+        if self.rows:
+            self.next = (self.next + self.rows) % self.window
+            self.filled = min(self.window, self.filled + self.rows)
+            self.since += self.rows
+            self.rows = 0
+
+    # -- choosing and applying ------------------------------------------------------------------------------
+    def recent(self) -> np.ndarray:
+        """The window's routing, oldest token first ([S, L, K])."""
+        if self.filled < self.window:
+            return self.ids_WLK[: self.filled]
+        return np.roll(self.ids_WLK, -self.next, axis=0)
+
+    def reconfigure(self) -> bool:
+        """Choose each layer's cache size and split ratio on the window and apply them when they differ from the
+        store's; returns whether anything changed."""
+        store, parts, k = self.store, self.store.parts, self.top_k
+        table = store.device.table
+        total = table.capacity / parts  # whole experts' worth of cache
+        if not self.filled or not k <= total / len(self.layers) <= self.num_experts:
+            return False
+        hit_LC = statistics(self.recent(), None, self.num_experts)[0]
+        split = parts > 1
+        plan = vram_allocation(total, hit_LC, k, self.costs, self.zeta, split=split, parts=parts if split else None)
+        even = expert_split(np.full(len(self.layers), total / len(self.layers)), hit_LC, k, self.costs, None, split,
+                            parts if split else None)
+        tops = [max(1, round(t * parts)) for t in plan.theta_L] if split else [1] * len(self.layers)
+        quotas = share_quotas(plan.budgets_L.tolist(), table.capacity, k * parts,
+                              [self.num_experts * t for t in tops])
+        before = [table.quota[layer] for layer in self.layers]
+        old_tops = [store.cached_parts.get(layer, 1) for layer in self.layers]
+        if quotas == before and (not split or tops == old_tops):
+            return False
+        store.reconfigure(dict(zip(self.layers, quotas)), dict(zip(self.layers, tops)) if split else None)
+        unit = " parts" if split else ""
+        line = (f"configure: after {self.filled} decode tokens' routing, per-layer cache{unit} "
+                f"{' '.join(map(str, before))} -> {' '.join(map(str, quotas))}"
+                + (f", top parts {' '.join(map(str, old_tops))} -> {' '.join(map(str, tops))}" if split else "")
+                + f" (modeled exposed load {1e3 * plan.exposed_s:.2f} ms a token against {1e3 * even.exposed_s:.2f} "
+                  "even)")
+        self.changes.append(line)
+        self.log(line)
+        return True

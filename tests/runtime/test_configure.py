@@ -1,0 +1,76 @@
+"""`--configure auto`: MoEpic's configurator online changes per-layer cache sizes (and split ratios) as the engine
+runs, and no token changes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moepager.checkpoints.split import split_checkpoint
+from moepager.cli.main import main
+from moepager.config import StoreConfig
+from moepager.errors import MoepagerError
+from moepager.runtime.llm import LLM
+from moepager.runtime.sampling import SamplingParams
+from moepager.types import PassInfo, RoutingDecision
+from tests.conftest import expert_budget
+
+PROMPTS = [[5, 17, 42, 8, 63, 2], [7, 1, 30]]
+PARAMS = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+def tokens(llm: LLM) -> list[list[int]]:
+    return [c.token_ids for c in llm.generate(PROMPTS, PARAMS)]
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_reconfiguring_every_few_tokens_changes_the_caches_and_no_token(hf_checkpoint, tmp_path, split):
+    _, path = hf_checkpoint("olmoe")
+    if split:
+        path = split_checkpoint(path, tmp_path / "s4", 4, show_progress=False)
+    ref = tokens(LLM(path, show_progress=False))
+    nbytes = LLM(path, show_progress=False).loaded.expert_shape.nbytes
+    parts = 4 if split else 1
+    store = StoreConfig(expert_memory=expert_budget(nbytes, 12 * parts), configure="auto", configure_every=6)
+    llm = LLM(path, store=store, show_progress=False)
+    assert tokens(llm) == ref
+    configurator = llm.configurator
+    assert configurator is not None and configurator.changes  # it did move budget between layers
+    table = llm.store.device.table
+    assert sum(table.quota.values()) == table.capacity
+    assert all(len(table.by_layer[layer]) <= table.quota[layer] for layer in table.quota)
+    if split:
+        assert all(k.expert % 4 < llm.store.cached_parts[k.layer] for k in table.slot_of)
+        assert "top parts" in configurator.changes[0]
+
+
+def test_the_window_keeps_the_most_recent_decode_tokens_oldest_first():
+    from moepager.runtime.configure import OnlineConfigurator
+
+    class Store:  # what the window needs of a store: nothing until a reconfiguration
+        parts = 1
+
+    online = OnlineConfigurator(Store(), [0, 1], num_experts=4, top_k=1, costs=None, every=100, window=3)  # type: ignore[arg-type]
+    for step in range(5):  # decode passes of one token; a prefill pass in between is not recorded
+        phase = "prefill" if step == 2 else "decode"
+        online.begin_pass(PassInfo(step, phase, (0,), (step,), (1,), (phase,), torch.tensor([0])))
+        for layer in (0, 1):
+            ids = torch.tensor([[step % 4]])
+            online.routed(layer, torch.zeros(1, 2), RoutingDecision(ids, ids.float(), ids.float(), ids), ())
+    online.begin_pass(PassInfo(5, "decode", (0,), (5,), (1,), ("decode",), torch.tensor([0])))
+    assert online.recent()[:, 0, 0].tolist() == [1, 3, 0]  # steps 1, 3 and 4 (4 % 4 = 0); step 2 was a prefill
+    assert np.array_equal(online.recent()[:, 0], online.recent()[:, 1])
+
+
+def test_configure_options_are_checked(demo_checkpoint, capsys):
+    with pytest.raises(MoepagerError, match="--configure auto sizes each layer's share"):
+        StoreConfig(configure="auto")
+    with pytest.raises(MoepagerError, match="--configure-every must be >= 1"):
+        StoreConfig(expert_memory="50%", configure="auto", configure_every=0)
+    assert main(["generate", "--model", str(demo_checkpoint), "--configure-every", "10", "Hi"]) == 2
+    assert "--configure-every does nothing without --configure auto" in capsys.readouterr().err
+    args = ["generate", "--model", str(demo_checkpoint), "--expert-memory", "50%", "--configure", "auto",
+            "--execution", "hybrid", "Hi"]
+    assert main(args) == 2
+    assert "--configure auto sizes the expert store's per-layer caches" in capsys.readouterr().err
