@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from moepager.atomic_io import atomic_file, check_file
+from moepager.checkpoints.derived import split_parts
 from moepager.checkpoints.dtypes import checkpoint_dtype
 from moepager.checkpoints.expert_reader import ExpertReader, is_routed_expert
 from moepager.checkpoints.quantized import stored_format
@@ -243,6 +244,8 @@ def _exportable(checkpoint: Checkpoint) -> ModelConfig:
         raise ConfigError(f"export-gguf supports {', '.join(sorted(GGUF_ARCHS))}, not {hf_arch}")
     if stored_format(config) is not None:
         raise ConfigError(f"{checkpoint.path} is a moepager-quantized checkpoint; export its float original")
+    if split_parts(config) != 1:
+        raise ConfigError(f"{checkpoint.path} stores its experts in parts (moepager split); export its original")
     cfg = architecture_for(config).parse_config(config)
     deepseek2 = GGUF_ARCHS[hf_arch] == "deepseek2"
     first_moe = cfg.moe_layers[0] if deepseek2 else 0

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 
 from moepager.atomic_io import atomic_dir, check_dir
+from moepager.checkpoints.derived import copy_side_files, split_parts
 from moepager.checkpoints.dtypes import checkpoint_dtype
 from moepager.checkpoints.expert_reader import ExpertLayout, ExpertReader
 from moepager.checkpoints.safetensors import Checkpoint, write_shards
@@ -129,6 +129,9 @@ def quantize_checkpoint(model: str | os.PathLike[str], out: str | os.PathLike[st
     checkpoint = Checkpoint(model)
     if stored_format(checkpoint.config) is not None:
         raise ConfigError(f"{checkpoint.path} is already quantized; quantize its float original")
+    if split_parts(checkpoint.config) != 1:
+        raise ConfigError(f"{checkpoint.path} stores its experts in parts (moepager split); quantize its original, or "
+                          "run this one with --expert-dtype int8/int4 (each part quantized when read)")
     if experts not in ("int8", "int4"):
         raise ConfigError(f"--experts must be int8 or int4, not '{experts}'")
     fmt = replace(parse_expert_dtype(experts, group, zero_point), layout="plain")  # the checkpoint's layout
@@ -168,18 +171,6 @@ def quantize_checkpoint(model: str | os.PathLike[str], out: str | os.PathLike[st
                         f"describes the float original: its measurements are not this copy's.")
     checkpoint.files.close()
     return out_dir
-
-
-def copy_side_files(checkpoint: Checkpoint, out: Path, note: str) -> None:
-    """Copy what a derived checkpoint keeps of its original into `out` (tokenizer, generation config, chat
-    template, ...; not its tensors nor its config), and the original's card under `note`, what this copy is."""
-    for src in checkpoint.path.iterdir():
-        if src.is_file() and src.suffix != ".safetensors" and src.name not in (
-                "config.json", "model.safetensors.index.json", "README.md"):
-            shutil.copy2(src, out / src.name)
-    card = checkpoint.path / "README.md"
-    if card.is_file():
-        (out / "README.md").write_text(note + "\n\n" + card.read_text(encoding="utf-8"), encoding="utf-8")
 
 
 def _quantized_entries(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], cfg: ModelConfig,

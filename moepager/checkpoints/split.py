@@ -29,36 +29,16 @@ from typing import Any
 import torch
 
 from moepager.atomic_io import atomic_dir, check_dir
+from moepager.checkpoints.derived import PARTS, SPLIT_KEY, copy_side_files, split_parts
 from moepager.checkpoints.dtypes import checkpoint_dtype
 from moepager.checkpoints.expert_reader import ExpertReader
-from moepager.checkpoints.quantized import copy_side_files, expert_tensor_names, stored_format
+from moepager.checkpoints.quantized import expert_tensor_names, stored_format
 from moepager.checkpoints.safetensors import Checkpoint, write_shards
 from moepager.errors import CheckpointError, ConfigError
 from moepager.experts.weights import ExpertShape, ExpertWeights
 from moepager.models.config import ModelConfig
 from moepager.models.registry import architecture_for
 from moepager.types import ExpertKey
-
-SPLIT_KEY = "moepager_split"
-PARTS = (2, 4, 8)
-"""Parts an expert may be split into: θ moves in steps of 1/S (MoEpic's θ is continuous; 4 parts, the default,
-give θ in quarters at 4 projections more per expert computed than whole)."""
-
-
-def split_parts(config: dict[str, Any]) -> int:
-    """How many parts the checkpoint with this config.json stores each routed expert in (1: not split)."""
-    entry = config.get(SPLIT_KEY)
-    if entry is None:
-        return 1
-    try:
-        parts = int(entry["parts"])
-    except (KeyError, TypeError, ValueError):
-        raise CheckpointError(f"config.json's '{SPLIT_KEY}' is {entry!r}; `moepager split` writes "
-                              "{\"parts\": S}") from None
-    if parts not in PARTS:
-        raise CheckpointError(f"config.json says each expert is split in {parts} parts; moepager reads "
-                              f"{', '.join(map(str, PARTS))}")
-    return parts
 
 
 @dataclass(frozen=True)

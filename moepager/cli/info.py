@@ -9,6 +9,7 @@ import torch
 
 from moepager.accel import cpu_kernels
 from moepager.checkpoints.default import default_model_path
+from moepager.checkpoints.derived import split_parts
 from moepager.checkpoints.disk import bounce_bytes
 from moepager.checkpoints.dtypes import checkpoint_dtype
 from moepager.checkpoints.expert_reader import is_routed_expert
@@ -40,7 +41,7 @@ def count(n: int) -> str:
 def describe(path: str, budgets: Sequence[str] = ()) -> list[tuple[str, str]]:
     ckpt = Checkpoint(resolve_model_path(path))
     cfg = architecture_for(ckpt.config).parse_config(ckpt.config)
-    dtype, stored = checkpoint_dtype(ckpt), stored_format(ckpt.config)
+    dtype, stored, parts = checkpoint_dtype(ckpt), stored_format(ckpt.config), split_parts(ckpt.config)
     per_expert = 3 * cfg.hidden_size * cfg.expert_intermediate_size
     experts = per_expert * cfg.num_moe_layers * cfg.num_experts
     total = experts + sum(loc.nbytes // loc.dtype.itemsize for n, loc in ckpt.locations.items()
@@ -57,6 +58,8 @@ def describe(path: str, budgets: Sequence[str] = ()) -> list[tuple[str, str]]:
         ("experts per MoE layer", f"{cfg.num_experts}, top-{cfg.top_k}" + (
             f", + shared ({cfg.shared_intermediate_size} wide)" if cfg.shared_intermediate_size else "")),
         ("hidden / expert FFN", f"{cfg.hidden_size} / {cfg.expert_intermediate_size}"),
+        *([("split", f"each expert stored in {parts} parts of {cfg.expert_intermediate_size // parts} (moepager split; "
+                     "a run pages parts, the budgets below hold their bytes)")] if parts > 1 else []),
         ("vocabulary", f"{cfg.vocab_size}"),
         ("context", f"{cfg.max_position_embeddings}"),
         ("dtype on disk", str(dtype).removeprefix("torch.")),

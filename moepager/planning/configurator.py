@@ -23,6 +23,7 @@ MoEpic ranks by LCP priorities, which this approximates). Shape legend: L MoE la
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -153,10 +154,10 @@ def candidates(v: float, num_experts: int, split: bool = True, parts: int | None
 
 def expert_split(budgets_L: np.ndarray, hit_LC: np.ndarray, top_k: int, costs: LayerCosts,
                  prediction: Prediction | None = None, split: bool = True, parts: int | None = None,
-                 theta: float | None = None) -> Plan:
+                 theta: float | Sequence[float] | None = None) -> Plan:
     """MoEpic's ExpertSplit: each layer's best cache size C >= V_i for its budget, layer by layer (a layer's
     window depends on the layer before), among `candidates` (`split` False: whole experts only, what a store
-    without split experts holds; `parts`, `theta`: see there)."""
+    without split experts holds; `parts`, `theta`: see there; `theta` may give each layer its own)."""
     num_layers, sizes = hit_LC.shape
     num_experts = sizes - 1
     t_moe = top_k * costs.compute_s
@@ -165,7 +166,8 @@ def expert_split(budgets_L: np.ndarray, hit_LC: np.ndarray, top_k: int, costs: L
     for i in range(num_layers):
         v = float(budgets_L[i])
         best, best_c, best_t = -math.inf, num_experts, 1.0
-        for c, t in candidates(v, num_experts, split, parts, theta):
+        fixed = theta if theta is None or isinstance(theta, (int, float)) else float(theta[i])
+        for c, t in candidates(v, num_experts, split, parts, fixed):
             m = top_k * hit_LC[i, c] * t
             if prediction is not None:
                 m += _prefetched(prediction, i, c, t, costs.load_s, window)

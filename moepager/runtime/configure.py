@@ -4,7 +4,8 @@ It watches every decode token's routing (a routing observer: whole experts, as t
 of the most recent tokens. Every `every` decode tokens, at the start of a pass (nothing pinned: the store awaits
 what is in flight), it measures each layer's LRU hit curve on that window, runs the fixed-point budget exchange
 (planning/configurator.py `vram_allocation`, the run's cost model's T values) and, when the chosen per-layer cache
-sizes (and, on a split checkpoint, split ratios) differ from the store's, applies them (`ExpertStore.reconfigure`:
+sizes (and, on a split checkpoint, split ratios) differ from the store's and are modeled to save at least 1% of the
+load time the current ones expose on the same window, applies them (`ExpertStore.reconfigure`:
 what stays cached is kept, so the change reads nothing; the outputs do not change: tests/runtime/test_configure.py).
 Each change is logged with what moved and the modeled load time per token it expects against the even split.
 """
@@ -25,12 +26,14 @@ from moepager.types import PassInfo, RoutingDecision
 
 class OnlineConfigurator:
     def __init__(self, store: ExpertStore, moe_layers: Sequence[int], num_experts: int, top_k: int, costs: LayerCosts,
-                 every: int = 5000, window: int | None = None, zeta: float = 0.01,
+                 every: int = 5000, window: int | None = None, zeta: float = 0.01, gain: float = 0.01,
                  log: Callable[[str], None] | None = None):
         """`num_experts`, `top_k`: the router's (whole experts); the store's keys are parts when it holds split
         experts (`store.parts`). `window`: decode tokens the hit curves are measured on (default `every`)."""
         self.store, self.layers, self.costs = store, list(moe_layers), costs
         self.num_experts, self.top_k, self.every, self.zeta = num_experts, top_k, every, zeta
+        self.gain = gain
+        """The least share of the modeled exposed load time a change must save to be applied."""
         self.window = window or every
         self.column = {layer: i for i, layer in enumerate(self.layers)}
         self.ids_WLK = np.full((self.window, len(self.layers), top_k), -1, np.int64)
@@ -91,16 +94,18 @@ class OnlineConfigurator:
         quotas = share_quotas(plan.budgets_L.tolist(), table.capacity, k * parts,
                               [self.num_experts * t for t in tops])
         before = [table.quota[layer] for layer in self.layers]
-        old_tops = [store.cached_parts.get(layer, 1) for layer in self.layers]
-        if quotas == before and (not split or tops == old_tops):
-            return False
+        old_tops = [store.cached_parts.get(layer, parts) for layer in self.layers]
+        now = expert_split(np.asarray(before) / parts, hit_LC, k, self.costs, None, split, parts if split else None,
+                           [t / parts for t in old_tops])
+        if (quotas == before and tops == old_tops) or plan.exposed_s >= now.exposed_s * (1 - self.gain):
+            return False  # nothing to change, or too little to gain: no flapping between near-equal choices
         store.reconfigure(dict(zip(self.layers, quotas)), dict(zip(self.layers, tops)) if split else None)
         unit = " parts" if split else ""
         line = (f"configure: after {self.filled} decode tokens' routing, per-layer cache{unit} "
                 f"{' '.join(map(str, before))} -> {' '.join(map(str, quotas))}"
                 + (f", top parts {' '.join(map(str, old_tops))} -> {' '.join(map(str, tops))}" if split else "")
-                + f" (modeled exposed load {1e3 * plan.exposed_s:.2f} ms a token against {1e3 * even.exposed_s:.2f} "
-                  "even)")
+                + f" (modeled exposed load {1e3 * plan.exposed_s:.2f} ms a token, against {1e3 * now.exposed_s:.2f} "
+                  f"as it was and {1e3 * even.exposed_s:.2f} split evenly)")
         self.changes.append(line)
         self.log(line)
         return True

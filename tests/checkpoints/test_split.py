@@ -187,6 +187,8 @@ def test_splitting_is_checked(split_olmoe, hf_checkpoint, tmp_path):
     with pytest.raises(ConfigError, match="holds quantized experts; split its float original"):
         split_checkpoint(quantized, tmp_path / "qs", 2, show_progress=False)
     assert not (tmp_path / "qs").exists()
+    with pytest.raises(ConfigError, match="stores its experts in parts"):  # and a split copy is not quantized
+        quantize_checkpoint(split, tmp_path / "sq", "int8", show_progress=False)
 
 
 def test_split_runs_refuse_what_places_whole_experts_and_plans_need_a_split_checkpoint(split_olmoe, tmp_path):
