@@ -102,12 +102,15 @@ def read_plan(path: str, cfg: ModelConfig) -> tuple[list[float], list[float]]:
     return budgets, theta
 
 
-def plan_quotas(path: str, cfg: ModelConfig, capacity: int, most: Sequence[int] | None = None) -> list[int]:
+def plan_quotas(path: str, cfg: ModelConfig, capacity: int, least: Sequence[int] | None = None,
+                most: Sequence[int] | None = None) -> list[int]:
     """Each MoE layer's share of `capacity` cache slots in proportion to the per-layer budgets of a `moepager plan
-    --json` file, none above what the layer can cache (`most`; default its experts) and none below its top-k where the
-    capacity allows (what a decode step holds at once; the simulator's per-layer capacities have the same floor)."""
-    return share_quotas(read_plan(path, cfg)[0], capacity, cfg.top_k, list(most) if most is not None else
-                        [cfg.num_experts] * cfg.num_moe_layers)
+    --json` file, none above what the layer can cache (`most`; default its experts) and none below what a decode
+    step holds at once (`least`; default its top-k) where the capacity allows (the simulator's per-layer capacities
+    have the same floor)."""
+    layers = cfg.num_moe_layers
+    return share_quotas(read_plan(path, cfg)[0], capacity, list(least) if least is not None else [cfg.top_k] * layers,
+                        list(most) if most is not None else [cfg.num_experts] * layers)
 
 
 def cached_parts(config: StoreConfig, cfg: ModelConfig, split: SplitLayout | None) -> dict[int, int]:
@@ -174,15 +177,17 @@ def build_store(config: StoreConfig, reader: FlatReader, cfg: ModelConfig, devic
                      f"--host-memory {config.host_memory or 'all'} ({host_slots} experts)", scope="global")
     streams = stream_rows(device_slots, cfg.num_moe_layers * cfg.num_experts)
     tops = cached_parts(config, cfg, split)
-    if split is not None and min(tops.values()) < split.parts:  # a decode step's bottoms, all at once
+    least = most = None
+    if split is not None:  # each layer's top parts of a decode step's experts cached, its bottoms streaming at once
+        least = [split.top_k * tops[layer] for layer in cfg.moe_layers]
+        most = [split.experts * tops[layer] for layer in cfg.moe_layers]
         streams = max(streams, split.top_k * (split.parts - min(tops.values())))
-        if device_slots - streams < cfg.num_moe_layers * cfg.top_k and config.expert_memory is not None:
-            least = format_bytes((cfg.num_moe_layers * cfg.top_k + streams) * nbytes)
+        if device_slots - streams < sum(least) and config.expert_memory is not None:
+            need = format_bytes((sum(least) + streams) * nbytes + (0 if host_tier else buffers))
             raise BudgetError(f"--expert-memory {config.expert_memory} holds {device_slots} parts: split experts need "
-                              f"each layer's top-k experts' parts ({cfg.top_k}) and {streams} parts streaming, at "
-                              f"least {least}")
-    most = [cfg.num_experts // split.parts * tops[layer] for layer in cfg.moe_layers] if split is not None else None
-    quotas = plan_quotas(config.layer_plan, cfg, device_slots - streams, most) if config.layer_plan else None
+                              f"each layer's top parts of its top-{split.top_k} experts ({sum(least)} in all) and "
+                              f"{streams} parts streaming, at least {need}")
+    quotas = plan_quotas(config.layer_plan, cfg, device_slots - streams, least, most) if config.layer_plan else None
     tier = _tier(device_slots, cfg, reader, device, config, False,
                  f"--expert-memory {config.expert_memory or 'all'} ({device_slots} experts)", streams,
                  prefetch_aware=True, quotas=quotas)

@@ -91,7 +91,7 @@ class OnlineConfigurator:
         even = expert_split(np.full(len(self.layers), total / len(self.layers)), hit_LC, k, self.costs, None, split,
                             parts if split else None)
         tops = [max(1, round(t * parts)) for t in plan.theta_L] if split else [1] * len(self.layers)
-        quotas = share_quotas(plan.budgets_L.tolist(), table.capacity, k * parts,
+        quotas = share_quotas(plan.budgets_L.tolist(), table.capacity, [k * t for t in tops],
                               [self.num_experts * t for t in tops])
         before = [table.quota[layer] for layer in self.layers]
         old_tops = [store.cached_parts.get(layer, parts) for layer in self.layers]

@@ -25,17 +25,18 @@ def check_slots(slots: int, minimum: int, expert_nbytes: int, flag: str, text: s
                           f"top-k = {format_bytes(minimum * expert_nbytes)}{buffers}); raise {flag}")
 
 
-def share_quotas(budgets: Sequence[float], capacity: int, top_k: int, most: Sequence[int]) -> list[int]:
+def share_quotas(budgets: Sequence[float], capacity: int, least: Sequence[int], most: Sequence[int]) -> list[int]:
     """`capacity` cache slots shared between layers in proportion to `budgets` (MoEpic's per-layer V_i), none above
-    what layer i can cache (`most[i]`) and none below `top_k` where the capacity allows (what a decode step holds at
-    once; the simulator's per-layer capacities have the same floor); slots no layer can use stay with the layers
-    furthest below their share."""
+    what layer i can cache (`most[i]`) and none below `least[i]` where the capacity allows (what a decode step holds
+    at once: a layer's top-k; the simulator's per-layer capacities have the same floor); slots no layer can use stay
+    with the layers furthest below their share."""
     layers = len(budgets)
-    least = top_k if capacity >= layers * top_k else capacity // layers
+    floor = list(least) if capacity >= sum(least) else [capacity // layers] * layers
     share = [capacity * b / sum(budgets) for b in budgets]
-    want = [max(0.0, x - least) for x in share]  # what each layer's share asks beyond the least
-    rest = capacity - least * layers
-    quotas = [least + max(0, min(int(rest * w / sum(want)) if sum(want) else 0, m - least)) for w, m in zip(want, most)]
+    want = [max(0.0, x - f) for x, f in zip(share, floor)]  # what each layer's share asks beyond its least
+    rest = capacity - sum(floor)
+    quotas = [f + max(0, min(int(rest * w / sum(want)) if sum(want) else 0, m - f))
+              for w, f, m in zip(want, floor, most)]
     while sum(quotas) < capacity:  # the rest one at a time, to the layers furthest below their share
         room = [i for i in range(layers) if quotas[i] < most[i]] or list(range(layers))
         quotas[max(room, key=lambda i: (share[i] - quotas[i], -i))] += 1

@@ -24,6 +24,7 @@ from moepager.models.attention import ForwardBatch
 from moepager.runtime.builder import paged_executor
 from moepager.runtime.llm import LLM
 from moepager.runtime.replay import ReplaySpec
+from moepager.store.budget import format_bytes
 from moepager.trace.simulate import SimSpec
 from moepager.trace.split import simulate_split
 from moepager.trace.workload import Cut, load_workload
@@ -201,8 +202,10 @@ def test_split_runs_refuse_what_places_whole_experts_and_plans_need_a_split_chec
     with pytest.raises(ConfigError, match="stores its experts in 4 parts .* --prefetch"):
         LLM(config=config, show_progress=False)
     part_bytes = load_model(split, show_progress=False).expert_shape.nbytes
-    least = 3 * 2 * 4 + 2 * 2  # each layer's top-2 experts' parts, and a decode's bottoms streaming
-    with pytest.raises(BudgetError, match=r"holds 27 parts: split experts need .* at least 42.00 KiB"):
+    least = 3 * 2 * 2 + 2 * 2  # each layer's top-2 experts' top halves, and a decode step's bottom halves streaming
+    need = format_bytes(least * part_bytes + 5 * bounce_bytes(part_bytes))
+    with pytest.raises(BudgetError, match=rf"holds 15 parts: split experts need .*\(12 in all\) and 4 parts .* "
+                                          rf"at least {need}"):
         LLM(split, store=StoreConfig(expert_memory=part_budget(part_bytes, least - 1), layer_plan=halves),
             show_progress=False)
     LLM(split, store=StoreConfig(expert_memory=part_budget(part_bytes, least), layer_plan=halves), show_progress=False)
