@@ -168,7 +168,9 @@ def build_store(config: StoreConfig, reader: FlatReader, cfg: ModelConfig, devic
     configuration), each layer caching its top parts and streaming the rest through stream rows inside the budget,
     enough for a decode step's bottoms to load at once."""
     nbytes, buffers = reader.shape.nbytes, read_buffer_bytes(reader, config.io_threads, config.prefetch_threads)
-    device_slots = budget_slots(config.device_budget, "--expert-memory", cfg, nbytes, 0 if host_tier else buffers)
+    reserved = 0 if host_tier else buffers
+    device_slots = budget_slots(config.device_budget, "--expert-memory", cfg, nbytes, reserved) if split is None else \
+        config.device_budget.slots(nbytes, cfg.num_moe_layers * cfg.num_experts, reserved)  # split: checked below
     host = None
     if host_tier:
         host_slots = budget_slots(config.host_budget, "--host-memory", cfg, nbytes, buffers)
@@ -182,11 +184,11 @@ def build_store(config: StoreConfig, reader: FlatReader, cfg: ModelConfig, devic
         least = [split.top_k * tops[layer] for layer in cfg.moe_layers]
         most = [split.experts * tops[layer] for layer in cfg.moe_layers]
         streams = max(streams, split.top_k * (split.parts - min(tops.values())))
-        if device_slots - streams < sum(least) and config.expert_memory is not None:
-            need = format_bytes((sum(least) + streams) * nbytes + (0 if host_tier else buffers))
+        if device_slots - streams < max(least) and config.expert_memory is not None:  # as whole experts: one layer's
+            need = format_bytes((max(least) + streams) * nbytes + reserved)
             raise BudgetError(f"--expert-memory {config.expert_memory} holds {device_slots} parts: split experts need "
-                              f"each layer's top parts of its top-{split.top_k} experts ({sum(least)} in all) and "
-                              f"{streams} parts streaming, at least {need}")
+                              f"a layer's top parts of its top-{split.top_k} experts ({max(least)}) and {streams} "
+                              f"parts streaming, at least {need}")
     quotas = plan_quotas(config.layer_plan, cfg, device_slots - streams, least, most) if config.layer_plan else None
     tier = _tier(device_slots, cfg, reader, device, config, False,
                  f"--expert-memory {config.expert_memory or 'all'} ({device_slots} experts)", streams,
