@@ -21,6 +21,7 @@ from moepager.cli.main import main
 from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
 from moepager.errors import BudgetError, ConfigError
 from moepager.models.attention import ForwardBatch
+from moepager.policies import ENGINE_POLICIES
 from moepager.runtime.builder import paged_executor
 from moepager.runtime.llm import LLM
 from moepager.runtime.replay import ReplaySpec
@@ -113,6 +114,20 @@ def test_paged_split_experts_give_the_resident_split_logits_bit_for_bit(split_ol
                            s.device.table.by_layer[layer])  # no bottom part is ever cached
                 assert len(s.device.table.stream_rows) >= 2 * (4 - min(tops))  # a decode's bottoms load at once
                 s.close()
+
+
+@pytest.mark.parametrize("policy", ENGINE_POLICIES)
+def test_every_policy_and_the_global_scope_page_split_experts_losslessly(split_olmoe, tmp_path, policy):
+    _, split = split_olmoe
+    ref = logits_run(load_model(split, show_progress=False), steps=6)
+    part_bytes = load_model(split, show_progress=False).expert_shape.nbytes
+    for scope in ("layer", "global"):
+        plan = plan_file(tmp_path, [1.0, 2.0, 1.0], [0.5, 0.75, 0.25]) if scope == "layer" else None
+        store = StoreConfig(expert_memory=part_budget(part_bytes, 10 * 4), policy=policy, scope=scope,
+                            layer_plan=plan, warm=scope == "layer")
+        paged = load_model(split, executor_factory=paged_executor(store, CPU), show_progress=False)
+        assert all(torch.equal(a, b) for a, b in zip(logits_run(paged, steps=6), ref)), scope
+        paged.experts.inner.store.close()
 
 
 def test_the_engine_on_split_experts_agrees_with_the_simulator_part_for_part(split_olmoe, tmp_path):
