@@ -149,3 +149,18 @@ def bytes_per_decode_token(llm: Any) -> int:
         elif isinstance(m, Int8A8Linear):
             non_expert += m.in_features * m.out_features + m.out_features * 4  # int8, float scales
     return non_expert + cfg.num_moe_layers * cfg.top_k * loaded.expert_shape.nbytes
+
+
+def measured_workloads(args: Any, replayed: Any, built_in: Any) -> tuple[dict[str, Any], list[dict]]:
+    """A benchmark's measured part: its thread count set (`args.threads`), the machine's state before, then the rows
+    of `replayed(args)` (when `args.workloads` has "replay" and the DeepSeek-V2-Lite trace is there) and of
+    `built_in(args)` (when it has "built-in")."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    state = machine_state()
+    rows: list[dict] = []
+    if "replay" in args.workloads and (SHARED / "deepseek-v2-lite").exists():
+        rows += replayed(args)
+    if "built-in" in args.workloads:
+        rows += built_in(args)
+    return state, rows

@@ -36,9 +36,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from benchmarks.common import RESULTS, SHARED, demo_documents, ensure_model, machine_state, print_table, write_json
+from benchmarks.common import (
+    RESULTS,
+    SHARED,
+    demo_documents,
+    ensure_model,
+    measured_workloads,
+    print_table,
+    write_json,
+)
 from moepager.checkpoints.default import default_model_path
 from moepager.checkpoints.split import split_checkpoint
 from moepager.cli.plan import judge
@@ -270,14 +277,7 @@ def plot(measured_rows: list[dict], simulated_rows: list[dict], out: Path) -> No
 
 def main() -> None:
     args = arguments().parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    state = machine_state()
-    rows: list[dict] = []
-    if "replay" in args.workloads and (SHARED / "deepseek-v2-lite").exists():
-        rows += replayed(args)
-    if "built-in" in args.workloads:
-        rows += built_in(args)
+    state, rows = measured_workloads(args, replayed, built_in)
     if rows:
         print("\nmeasured (CPU, experts read from disk; ratios per round against the neighbouring unsplit-even run):")
         print_table(["workload", "budget", "config", "TPOT ms", "x even", "MiB/token", "x even", "exposed ms/tok",

@@ -32,9 +32,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from benchmarks.common import SHARED, demo_documents, ensure_model, machine_state, print_table, write_json
+from benchmarks.common import (
+    SHARED,
+    demo_documents,
+    ensure_model,
+    measured_workloads,
+    print_table,
+    write_json,
+)
 from moepager.config import EngineConfig, SchedulerConfig, StoreConfig
 from moepager.runtime.llm import LLM
 from moepager.runtime.replay import ReplaySpec
@@ -210,14 +216,7 @@ def close(llm: LLM) -> None:
 
 def main() -> None:
     args = arguments().parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    state = machine_state()
-    rows: list[dict] = []
-    if "replay" in args.workloads and (SHARED / "deepseek-v2-lite").exists():
-        rows += replayed(args)
-    if "built-in" in args.workloads:
-        rows += built_in(args)
+    state, rows = measured_workloads(args, replayed, built_in)
     for r in rows:
         base = next(b for b in rows if b["workload"] == r["workload"])
         r["bytes_vs_first"] = r["expert_MiB_per_token"] / base["expert_MiB_per_token"] \

@@ -3,11 +3,16 @@ and the marker of a split checkpoint (checkpoints/split.py), which the other wri
 
 from __future__ import annotations
 
+import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moepager.checkpoints.safetensors import Checkpoint
+import torch
+
+from moepager.atomic_io import atomic_dir
+from moepager.checkpoints.safetensors import Checkpoint, write_shards
 from moepager.errors import CheckpointError
 
 SPLIT_KEY = "moepager_split"
@@ -42,3 +47,17 @@ def copy_side_files(checkpoint: Checkpoint, out: Path, note: str) -> None:
     card = checkpoint.path / "README.md"
     if card.is_file():
         (out / "README.md").write_text(note + "\n\n" + card.read_text(encoding="utf-8"), encoding="utf-8")
+
+
+def write_derived(checkpoint: Checkpoint, out_dir: Path, force: bool, entries: list[tuple[str, torch.dtype,
+                  tuple[int, ...]]], produce: Callable[[str], torch.Tensor], shard_bytes: int, desc: str,
+                  show_progress: bool, config: dict[str, Any], note: str) -> Path:
+    """A checkpoint derived from `checkpoint` written to `out_dir` through a temporary sibling renamed when complete:
+    its tensors (`entries`, each made by `produce`), its original's config.json updated with `config`, and its side
+    files under `note` (`copy_side_files`). Returns `out_dir`."""
+    with atomic_dir(out_dir, force) as tmp:
+        write_shards(tmp, entries, produce, shard_bytes, desc, show_progress)
+        (tmp / "config.json").write_text(json.dumps(dict(checkpoint.config) | config, indent=2))
+        copy_side_files(checkpoint, tmp, note)
+    checkpoint.files.close()
+    return out_dir

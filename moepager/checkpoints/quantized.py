@@ -19,7 +19,6 @@ disk reads and host copies shrink with it.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -27,11 +26,11 @@ from typing import Any
 
 import torch
 
-from moepager.atomic_io import atomic_dir, check_dir
-from moepager.checkpoints.derived import copy_side_files, split_parts
+from moepager.atomic_io import check_dir
+from moepager.checkpoints.derived import split_parts, write_derived
 from moepager.checkpoints.dtypes import checkpoint_dtype
 from moepager.checkpoints.expert_reader import ExpertLayout, ExpertReader
-from moepager.checkpoints.safetensors import Checkpoint, write_shards
+from moepager.checkpoints.safetensors import Checkpoint
 from moepager.config import INT4_GROUPS, check_expert_options
 from moepager.errors import CheckpointError, ConfigError
 from moepager.experts.quant import (
@@ -162,15 +161,11 @@ def quantize_checkpoint(model: str | os.PathLike[str], out: str | os.PathLike[st
                             quantize_projection(scratch.down_DF, fmt, shape.dtype))
         return current[key][proj].tensor(suffix)[rows].contiguous()
 
-    with atomic_dir(out_dir, force) as tmp:
-        write_shards(tmp, entries, produce, shard_bytes, f"quantizing ({fmt.name})", show_progress)
-        config = dict(checkpoint.config) | {"quantization_config": quantization_config(fmt)}
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        copy_side_files(checkpoint, tmp, f"> **A quantized copy.** `moepager quantize` wrote this checkpoint from "
-                        f"`{checkpoint.path.name}` with its routed experts in {fmt.name} (lossy). The card below "
-                        f"describes the float original: its measurements are not this copy's.")
-    checkpoint.files.close()
-    return out_dir
+    return write_derived(checkpoint, out_dir, force, entries, produce, shard_bytes, f"quantizing ({fmt.name})",
+                         show_progress, {"quantization_config": quantization_config(fmt)},
+                         f"> **A quantized copy.** `moepager quantize` wrote this checkpoint from "
+                         f"`{checkpoint.path.name}` with its routed experts in {fmt.name} (lossy). The card below "
+                         "describes the float original: its measurements are not this copy's.")
 
 
 def _quantized_entries(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], cfg: ModelConfig,

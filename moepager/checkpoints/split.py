@@ -20,7 +20,6 @@ The config keeps the original's and adds `moepager_split: {"parts": S}`; the cop
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,12 +27,12 @@ from typing import Any
 
 import torch
 
-from moepager.atomic_io import atomic_dir, check_dir
-from moepager.checkpoints.derived import PARTS, SPLIT_KEY, copy_side_files, split_parts
+from moepager.atomic_io import check_dir
+from moepager.checkpoints.derived import PARTS, SPLIT_KEY, split_parts, write_derived
 from moepager.checkpoints.dtypes import checkpoint_dtype
 from moepager.checkpoints.expert_reader import ExpertReader
 from moepager.checkpoints.quantized import expert_tensor_names, stored_format
-from moepager.checkpoints.safetensors import Checkpoint, write_shards
+from moepager.checkpoints.safetensors import Checkpoint
 from moepager.errors import CheckpointError, ConfigError
 from moepager.experts.weights import ExpertShape, ExpertWeights
 from moepager.models.config import ModelConfig
@@ -121,12 +120,8 @@ def split_checkpoint(model: str | os.PathLike[str], out: str | os.PathLike[str],
             return scratch.down_DF[:, rows].contiguous()
         return scratch.gate_up_2FD[proj * f:][rows].contiguous()
 
-    with atomic_dir(out_dir, force) as tmp:
-        write_shards(tmp, entries, produce, shard_bytes, f"splitting ({parts} parts)", show_progress)
-        config = dict(checkpoint.config) | {SPLIT_KEY: {"parts": parts}}
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        copy_side_files(checkpoint, tmp, f"> **A split copy.** `moepager split` wrote this checkpoint from "
-                        f"`{checkpoint.path.name}` with each routed expert stored in {parts} parts (the same "
-                        f"function, summed in another order). The card below describes the original.")
-    checkpoint.files.close()
-    return out_dir
+    return write_derived(checkpoint, out_dir, force, entries, produce, shard_bytes, f"splitting ({parts} parts)",
+                         show_progress, {SPLIT_KEY: {"parts": parts}},
+                         f"> **A split copy.** `moepager split` wrote this checkpoint from `{checkpoint.path.name}` "
+                         f"with each routed expert stored in {parts} parts (the same function, summed in another "
+                         "order). The card below describes the original.")
