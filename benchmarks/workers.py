@@ -6,7 +6,8 @@ Part 1, measured (processes as nodes on this machine, one torch thread each, glo
 then as a main rank with 2 and 4 workers, each worker's cache `--worker-memory B` of its own experts (so the same
 total), read from the checkpoint on demand; then 2 workers loading ahead what the main rank's `--predictor`
 forecasts (OD-MoE without a shadow rank), and 2 workers with a shadow rank (`--shadow`: the int8 copy computing each
-pass as it is announced and sending each layer's routing to the workers). Per run: decode tok/s, TPOT, expert bytes
+pass as it is announced and sending each layer's routing to the workers), and the same running `--align-period` - 1
+passes ahead on its own greedy tokens. Per run: decode tok/s, TPOT, expert bytes
 read per output token, the workers' hit rate, the share of routed experts a forecast had named, and whether the
 tokens equal the single process's.
 Part 3, modeled (planning/od_moe.py, OD-MoE §2.3-2.4): 2, 4, 8 and 16 workers on the Mixtral-8x7B decode traces with
@@ -48,7 +49,11 @@ def arguments() -> argparse.ArgumentParser:
     p.add_argument("--rank-out", help=argparse.SUPPRESS)
     p.add_argument("--rank-predictor", default=None, help=argparse.SUPPRESS)
     p.add_argument("--rank-shadow", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--no-shadow", action="store_true", help="leave out the 2-worker run with a shadow rank")
+    p.add_argument("--no-shadow", action="store_true", help="leave out the 2-worker runs with a shadow rank")
+    p.add_argument("--align-period", type=int, default=3,
+                   help="the second shadow run's --align-period: it runs that many passes ahead, less one (1: no such "
+                        "run)")
+    p.add_argument("--rank-align", type=int, default=1, help=argparse.SUPPRESS)
     return p
 
 
@@ -78,7 +83,8 @@ def rank_main(args: argparse.Namespace) -> int:
     from moepager.distributed.roles import launch, stop_workers
 
     config = EngineConfig(threads=1, workers=1, worker_memory=args.budget,
-                          prefetch=PrefetchConfig(args.rank_predictor or None), shadow=args.rank_shadow)
+                          prefetch=PrefetchConfig(args.rank_predictor or None), shadow=args.rank_shadow,
+                          align_period=args.rank_align)
 
     def main(cfg: EngineConfig) -> int:
         row = generate(cfg, args)
@@ -96,15 +102,18 @@ def measured(args: argparse.Namespace) -> list[dict]:
     rows = [{"run": "1 process"} | generate(EngineConfig(threads=1, store=StoreConfig(expert_memory=args.budget)),
                                             args)]
     runs = [(w, None) for w in args.workers] + ([(2, args.predictor)] if args.predictor else []) + \
-        ([(2, "shadow")] if not args.no_shadow else [])
+        ([(2, "shadow")] if not args.no_shadow else []) + \
+        ([(2, f"shadow {args.align_period}")] if not args.no_shadow and args.align_period > 1 else [])
     for workers, predictor in runs:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "row.json"
-            shadow = predictor == "shadow"
+            shadow = predictor is not None and predictor.startswith("shadow")
+            align = int(predictor.split()[1]) if shadow and " " in predictor else 1
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                    str(workers + 1 + shadow), "-m", "benchmarks.workers", "--budget", args.budget, "--prompts",
                    str(args.prompts), "--tokens", str(args.tokens), "--rank-out", str(out)] + \
-                (["--rank-shadow"] if shadow else ["--rank-predictor", predictor] if predictor else [])
+                (["--rank-shadow", "--rank-align", str(align)] if shadow else
+                 ["--rank-predictor", predictor] if predictor else [])
             t0 = time.perf_counter()
             run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             if run.returncode != 0:
@@ -113,7 +122,8 @@ def measured(args: argparse.Namespace) -> list[dict]:
         stats = [w for rank, w in row.pop("workers").items() if not (shadow and rank == "1")]
         hits, misses = sum(w["hits"] for w in stats), sum(w["misses"] for w in stats)
         routed = sum(w["routed"] for w in stats)
-        row |= {"run": f"{workers} workers" + (", a shadow rank" if shadow else f", {predictor} prefetch"
+        ahead = f" running {align - 1} passes ahead (--align-period {align})" if align > 1 else ""
+        row |= {"run": f"{workers} workers" + (f", a shadow rank{ahead}" if shadow else f", {predictor} prefetch"
                                                 if predictor else ""),
                 "forecast_recall": sum(w["forecast"] for w in stats) / routed if routed else None,
                 "bytes_disk": sum(w["bytes_disk"] for w in stats),

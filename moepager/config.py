@@ -295,6 +295,11 @@ class EngineConfig:
     shadow: bool = False
     """--workers: one more process runs the model's int8 copy on the main process's passes and sends each layer's
     routing to the workers as forecasts to load ahead (OD-MoE's shadow model)."""
+    align_period: int = 1
+    """--shadow: the shadow runs up to `align_period - 1` passes ahead of the main process on tokens of its own (its
+    greedy guesses), forecasting those passes' routing early, and is realigned with the main process's tokens at every
+    pass it is told of (a wrong guess computed again from the first differing token); 1: it computes only the passes
+    it is told of."""
     on_worker_loss: WorkerLoss = "stop"
     """A worker lost (dead, or silent past the timeout): stop with an error naming it, or give its experts to the
     workers left and go on (needs processes that outlive one another: `generate --workers` starts them so)."""
@@ -326,6 +331,9 @@ class EngineConfig:
             raise MoepagerError(f"--on-worker-loss must be stop or failover, got '{self.on_worker_loss}'")
         if self.shadow and not self.workers:
             raise MoepagerError("--shadow forecasts routing for the worker processes: add --workers N")
+        if self.align_period < 1 or (self.align_period > 1 and not self.shadow):
+            raise MoepagerError(f"--align-period is how many passes the shadow runs ahead plus one (>= 1, with "
+                                f"--shadow), got {self.align_period}")
         if self.worker_memory is not None and not self.workers:
             raise MoepagerError("--worker-memory budgets the worker processes' experts: add --workers N")
         if self.worker_group is not None and not 1 <= self.worker_group <= max(self.workers, 1):

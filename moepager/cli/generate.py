@@ -170,6 +170,9 @@ def add_execution_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--shadow", action="store_true",
                    help="--workers: one more process runs the model's int8 copy on each pass as it starts and sends "
                         "every layer's routing to the workers to load ahead (OD-MoE's shadow model)")
+    w.add_argument("--align-period", type=int, default=1, metavar="P",
+                   help="--shadow: the shadow runs up to P-1 passes ahead on its own greedy tokens, forecasting their "
+                        "routing earlier, realigned with the real tokens at every pass (default 1: never ahead)")
     w.add_argument("--on-worker-loss", choices=["stop", "failover"], default="stop",
                    help="--workers: a worker that dies or stops answering stops the run with an error naming it "
                         "(stop), or its experts go to the workers left and the run goes on (failover)")
@@ -198,7 +201,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         execution=args.execution, cpu_threads=args.cpu_threads, profile=args.profile,
                         hybrid_admit=args.hybrid_admit, workers=args.workers, worker_group=args.worker_group,
                         worker_timeout_s=args.worker_timeout, worker_memory=args.worker_memory,
-                        on_worker_loss=args.on_worker_loss, shadow=args.shadow)
+                        on_worker_loss=args.on_worker_loss, shadow=args.shadow, align_period=args.align_period)
 
 
 def add_store_arguments(p: argparse.ArgumentParser) -> None:

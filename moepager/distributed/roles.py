@@ -43,8 +43,8 @@ def launch(config: EngineConfig, main: Callable[[EngineConfig], int]) -> int:
                 return main(config)
             finally:
                 for rank_, stats in stop_workers(world, config.worker_timeout_s).items():
-                    if not (config.shadow and rank_ == SHADOW_RANK):
-                        print(describe(rank_, stats), file=sys.stderr)
+                    shadow = config.shadow and rank_ == SHADOW_RANK
+                    print(describe_shadow(rank_, stats) if shadow else describe(rank_, stats), file=sys.stderr)
         path = resolve_model_path(config.model) if config.model else default_model_path()
         if config.shadow and rank == SHADOW_RANK:
             Shadow(config, path, placement(config, read_config(path))).serve()
@@ -86,3 +86,11 @@ def describe(rank: int, stats: dict[str, float]) -> str:
     paged = f", hit rate {100 * stats['hits'] / accesses:.1f}%, {stats['bytes_disk'] / 2**20:.1f} MiB read from " \
         f"disk{ahead}" if accesses else " (its experts resident)"
     return f"worker rank {rank}: {stats['calls']:.0f} layer calls{paged}"
+
+
+def describe_shadow(rank: int, stats: dict[str, float]) -> str:
+    """The shadow's counters (runtime/shadow.py `Shadow.stats`) for people."""
+    guessed = stats["hits"] + stats["misses"]
+    ahead = f", {stats['loads_ahead']:.0f} run ahead on its own tokens ({100 * stats['hits'] / guessed:.1f}% of " \
+        f"{guessed:.0f} guessed tokens right)" if stats["loads_ahead"] else ""
+    return f"shadow rank {rank}: {stats['calls']:.0f} passes computed as the main rank announced them{ahead}"

@@ -5,9 +5,14 @@ for, so it reaches a layer before the main rank does, whose workers are still co
 
 Alignment: the main rank sends each pass's rows (request, start, count) and token ids before its own forward
 (`ShadowFeed`, a pass part), so the shadow feeds the main rank's tokens at the main rank's positions into a KV cache of
-its own (the alignment period is one pass: the shadow never runs on tokens of its own). A request's cache blocks
-are taken back when the pool needs them for the pass at hand (the shadow is not told when requests finish), oldest
-pass first; a request whose blocks were taken is computed again from its first token the next time it appears.
+its own. With `--align-period P` > 1 it also runs ahead: after a pass it was told of, it guesses each row's next token
+(its own greedy choice) and computes the passes after it on those guesses, up to P - 1 passes ahead of the main
+rank, sending their routing as forecasts for those later passes (a worker keeps a forecast until the layer call of its
+pass comes). Each pass it is told of realigns it: the main rank's tokens are compared with its guesses, and from the
+first that differs its cache is computed again (a right guess costs nothing more: its tokens are in the cache). A
+request's cache blocks are taken back when the pool needs them for a pass it was told of (the shadow is not told
+when requests finish), oldest pass first, never those of the pass at hand; a request whose blocks were taken is
+computed again from its first token the next time it appears.
 """
 
 from __future__ import annotations
@@ -49,9 +54,14 @@ class _Request:
 
     request_id: int
     ids: list[int] = field(default_factory=list)
+    """Its tokens: those the main rank sent, then the shadow's guesses of the next ones."""
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0
     last_pass: int = 0
+    told: int = 0
+    """How many of `ids` the main rank sent (the rest are guesses)."""
+    guess: int | None = None
+    """The shadow's greedy choice of the token after `ids` (from the logits of its last computed token)."""
 
     @property
     def num_tokens(self) -> int:
@@ -62,7 +72,8 @@ class _Request:
 
 
 class Shadow:
-    """The shadow rank: the model's int8 copy computing the main rank's passes, its routing sent to the workers."""
+    """The shadow rank: the model's int8 copy computing the main rank's passes, and up to `align_period - 1` passes
+    ahead of them on its own guesses, its routing sent to the workers."""
 
     def __init__(self, config: EngineConfig, path: Path, placement: Placement):
         quantized = EngineConfig(model=config.model, dtype=config.dtype, threads=config.threads, expert_dtype="int8",
@@ -78,6 +89,12 @@ class Shadow:
         self.requests: dict[int, _Request] = {}
         self.pass_id = 0
         self.passes = 0
+        self.ahead = config.align_period - 1
+        """Passes it may run ahead of the main rank on its own guesses."""
+        self.told = 0
+        """The latest pass the main rank told of: passes run ahead never take back its requests' cache blocks."""
+        self.guessed = self.right = self.passes_ahead = 0
+        """Tokens guessed that the main rank then sent, those guessed right, and passes computed ahead."""
 
     # -- the routing observer: each layer's top-k, to the workers that hold those experts -----------------------
     def stage(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> Sequence[torch.Tensor]:
@@ -91,47 +108,100 @@ class Shadow:
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def serve(self) -> int:
-        """Compute each pass the main rank announces until it says stop; returns the passes computed."""
+        """Compute each pass the main rank announces (and the passes after it, on guesses, up to `ahead`) until it
+        says stop, then answer with its counters (`stats`); returns the passes computed."""
         header = torch.empty(HEADER, dtype=torch.long)
         while True:
             dist.recv(header, 0)
             op, num_rows, num_tokens, *_, pass_id = header.tolist()
             if op == STOP:
-                dist.send(torch.zeros(len(STATS), dtype=torch.float64), 0)  # a worker's counters: none here
+                dist.send(self.stats(), 0)
                 return self.passes
             assert op == PASS, f"the shadow rank got message {op}"
             rows = torch.empty(num_rows, 4, dtype=torch.long)
             ids = torch.empty(num_tokens, dtype=torch.long)
             dist.recv(rows, 0)
             dist.recv(ids, 0)
-            self.pass_id = pass_id
-            self._run(rows.tolist(), ids.tolist())
+            self.pass_id = self.told = pass_id
+            told = self._run(rows.tolist(), ids.tolist())
             self.passes += 1
+            for step in range(1, self.ahead + 1):
+                self._run_ahead(told, pass_id + step)
 
-    def _run(self, rows: list[list[int]], ids: list[int]) -> None:
-        """The pass's rows: each request's tokens so far updated, and what its cache lacks computed (its whole
-        prefix again when its blocks were taken back)."""
-        scheduled, offset = [], 0
+    def stats(self) -> torch.Tensor:
+        """The counters a worker answers a stop with (`STATS`), as the shadow's: calls = passes it was told of,
+        loads_ahead = passes it computed ahead, hits / misses = its guesses the main rank's tokens confirmed / not."""
+        values = dict.fromkeys(STATS, 0.0) | {"calls": self.passes, "loads_ahead": self.passes_ahead,
+                                               "hits": self.right, "misses": self.guessed - self.right}
+        return torch.tensor([values[name] for name in STATS], dtype=torch.float64)
+
+    def _run(self, rows: list[list[int]], ids: list[int]) -> list[_Request]:
+        """The pass's rows: each request's tokens so far updated against what it guessed, and what its cache lacks
+        computed (from the first wrong guess; its whole prefix again when its blocks were taken back). Returns the
+        decoding requests, whose next tokens the shadow may guess."""
+        scheduled, offset, told = [], 0, []
         for request_id, start, count, decoding in rows:
             request = self.requests.setdefault(request_id, _Request(request_id))
-            del request.ids[start:]
-            request.ids += ids[offset:offset + count]
+            assert start <= len(request.ids), "the main rank sends every position of a request in order"
+            sent = ids[offset:offset + count]
             offset += count
+            known = request.ids[start:]
+            agree = next((i for i, (a, b) in enumerate(zip(known, sent)) if a != b), min(len(known), len(sent)))
+            guessed = max(0, min(len(request.ids), start + count) - max(start, request.told))  # its guesses sent
+            self.guessed += guessed
+            self.right += max(0, min(start + agree - max(start, request.told), guessed))
+            if agree < min(len(known), len(sent)):  # a wrong guess: it and every token after it go
+                del request.ids[start + agree:]
+                request.num_computed = min(request.num_computed, start + agree)
+                request.guess = None
+            request.ids += sent[len(request.ids) - start:]
+            request.told = start + count
             request.last_pass = self.pass_id
-            begin = min(request.num_computed, start)
-            if self._reserve(request, start + count):
-                scheduled.append(Scheduled(request, begin, start + count - begin,  # type: ignore[arg-type]
-                                           bool(decoding) and begin == start))
+            begin = min(request.num_computed, start + count)
+            if begin < start + count:  # computed again or for the first time: guesses past it are not in the cache
+                del request.ids[start + count:]
+                request.guess = None
+                if self._reserve(request, start + count):
+                    scheduled.append(Scheduled(request, begin, start + count - begin,  # type: ignore[arg-type]
+                                               bool(decoding) and begin == start))
+            if decoding:
+                told.append(request)
+        self._compute(scheduled)
+        return told
+
+    def _run_ahead(self, requests: list[_Request], pass_id: int) -> None:
+        """The pass `pass_id` on guesses: each request not yet guessed that far takes its guessed token, computed
+        with its routing sent as forecasts for that pass."""
+        scheduled = []
+        for request in requests:
+            if len(request.ids) - request.told >= pass_id - self.told or request.guess is None:
+                continue  # guessed that far already, or nothing to guess from
+            request.ids.append(request.guess)
+            request.guess = None
+            if self._reserve(request, len(request.ids)):
+                scheduled.append(Scheduled(request, len(request.ids) - 1, 1, True))  # type: ignore[arg-type]
+            else:
+                request.ids.pop()
         if scheduled:
-            self.runner.run(scheduled)
+            self.pass_id = pass_id
+            self._compute(scheduled)
+            self.passes_ahead += 1
+
+    def _compute(self, scheduled: list[Scheduled]) -> None:
+        """Run the rows (their routing goes out as this pass's forecasts) and keep each finished row's guess of its
+        next token."""
+        for row, logits in self.runner.run(scheduled) if scheduled else ():
+            row.request.guess = int(logits.argmax())  # type: ignore[attr-defined]
 
     def _reserve(self, request: _Request, tokens: int) -> bool:
-        """Cache blocks for `tokens` positions, taking back the blocks of requests least recently seen."""
+        """Cache blocks for `tokens` positions, taking back the blocks of requests least recently told of (never
+        those of the pass the main rank told of last)."""
         while not self.pool.reserve(request.blocks, tokens):
-            others = [r for r in self.requests.values() if r.blocks and r.last_pass < self.pass_id]
+            others = [r for r in self.requests.values() if r.blocks and r.last_pass < self.told]
             if not others:
                 return False
             oldest = min(others, key=lambda r: r.last_pass)
             self.pool.release(oldest.blocks)
             oldest.num_computed = 0
+            oldest.guess = None
         return True

@@ -2,7 +2,7 @@
 each checkpoint with its experts on the other ranks, and writes them to OUT; the workers serve each checkpoint in turn.
 MOEPAGER_TEST_FAULT=die|hang makes rank 2 exit, or stop answering, at its third layer call; MOEPAGER_TEST_ON_LOSS is
 the run's --on-worker-loss (stop by default), MOEPAGER_TEST_PREDICTOR its --predictor, MOEPAGER_TEST_SHADOW=1 makes
-rank 1 the shadow (--shadow)."""
+rank 1 the shadow (--shadow), MOEPAGER_TEST_ALIGN its --align-period."""
 
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ def main() -> int:
                               worker_memory=os.environ.get("MOEPAGER_TEST_WORKER_MEMORY"),
                               on_worker_loss=os.environ.get("MOEPAGER_TEST_ON_LOSS", "stop"),
                               prefetch=PrefetchConfig(os.environ.get("MOEPAGER_TEST_PREDICTOR")),
-                              shadow=bool(os.environ.get("MOEPAGER_TEST_SHADOW")))
+                              shadow=bool(os.environ.get("MOEPAGER_TEST_SHADOW")),
+                              align_period=int(os.environ.get("MOEPAGER_TEST_ALIGN", "1")))
         if rank == 0:
             try:
                 llm = LLM(config=config, show_progress=False)

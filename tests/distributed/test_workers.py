@@ -144,8 +144,24 @@ def test_a_shadow_rank_forecasts_the_workers_routing_and_changes_no_token(hf_che
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(out.read_text())
     assert got[path] == single_process(path)
-    workers = got[path + " workers"][1:]  # rank 1, the shadow, answers with no counters
+    workers = got[path + " workers"][1:]  # rank 1, the shadow, answers with its own counters
     assert sum(w["loads_ahead"] for w in workers) > 0
+    assert sum(w["forecast"] for w in workers) > 0.5 * sum(w["routed"] for w in workers)
+
+
+def test_a_shadow_running_ahead_on_its_own_tokens_forecasts_later_passes_and_changes_no_token(hf_checkpoint,
+                                                                                               tmp_path):
+    """--align-period 3: the shadow computes up to two passes ahead of the main rank on its greedy guesses (which the
+    int8 copy mostly gets right on greedy decoding), realigned at every pass; the tokens are the single-process ones."""
+    path = str(hf_checkpoint("qwen3_moe")[1])
+    out = tmp_path / "tokens.json"
+    run = torchrun(4, "tests/distributed/ranks.py", str(out), "1", path,
+                   env={"MOEPAGER_TEST_WORKER_MEMORY": "60%", "MOEPAGER_TEST_SHADOW": "1", "MOEPAGER_TEST_ALIGN": "3"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got[path] == single_process(path)
+    shadow, workers = got[path + " workers"][0], got[path + " workers"][1:]
+    assert shadow["loads_ahead"] > 0 and shadow["hits"] > shadow["misses"]  # passes run ahead, guesses mostly right
     assert sum(w["forecast"] for w in workers) > 0.5 * sum(w["routed"] for w in workers)
 
 

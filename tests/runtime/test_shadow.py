@@ -1,0 +1,58 @@
+"""The shadow's alignment (runtime/shadow.py), in one process: it runs ahead on its own guesses, a right guess costs
+nothing more when the main rank's token comes, a wrong one is computed again from where it differs, and the cache it
+ends with is the one a shadow that never ran ahead has (the same next-token guess, bit for bit)."""
+
+from __future__ import annotations
+
+import torch
+
+from moepager.config import EngineConfig
+from moepager.experts.remote import Placement
+from moepager.runtime import shadow as shadow_module
+from moepager.runtime.shadow import Shadow
+
+PROMPT = [3, 11, 5, 7, 2]
+
+
+def make(path, align: int, forecasts: list[int], monkeypatch) -> Shadow:
+    monkeypatch.setattr(shadow_module, "send_forecasts", lambda placement, pairs, pass_id: forecasts.append(pass_id))
+    config = EngineConfig(model=str(path), threads=1, workers=2, shadow=True, align_period=align)
+    return Shadow(config, path, Placement((2, 3), 2))
+
+
+def tell(shadow: Shadow, pass_id: int, start: int, tokens: list[int], decoding: bool) -> None:
+    """What `serve` does with one announced pass of request 0."""
+    shadow.pass_id = shadow.told = pass_id
+    told = shadow._run([[0, start, len(tokens), int(decoding)]], tokens)
+    for step in range(1, shadow.ahead + 1):
+        shadow._run_ahead(told, pass_id + step)
+
+
+def test_the_shadow_runs_ahead_then_realigns_with_the_main_ranks_tokens(hf_checkpoint, monkeypatch):
+    path = hf_checkpoint("qwen3_moe")[1]
+    ahead_passes: list[int] = []
+    ahead = make(path, 3, ahead_passes, monkeypatch)
+    tell(ahead, 1, 0, PROMPT, False)  # the prompt: nothing guessed yet
+    first = ahead.requests[0].guess
+    assert first is not None and ahead.passes_ahead == 0
+    tell(ahead, 2, 5, [first], True)  # a decode pass: two passes guessed after it
+    request = ahead.requests[0]
+    assert len(request.ids) == 8 and request.told == 6 and ahead.passes_ahead == 2
+    assert max(ahead_passes) == 4  # forecasts for passes 3 and 4, before the main rank announces them
+    guess3, guess4 = request.ids[6], request.ids[7]
+    computed = request.num_computed
+    tell(ahead, 3, 6, [guess3], True)  # right: nothing computed again, one more pass guessed
+    assert (ahead.guessed, ahead.right) == (1, 1) and request.num_computed == computed + 1
+    wrong = (guess4 + 1) % 96
+    tell(ahead, 4, 7, [wrong], True)  # wrong: computed again from position 7, then guessed ahead again
+    assert request.ids[7] == wrong and (ahead.guessed, ahead.right) == (2, 1)
+    assert len(request.ids) == 10 and request.told == 8
+
+    aligned_passes: list[int] = []
+    aligned = make(path, 1, aligned_passes, monkeypatch)  # never ahead: told the same tokens
+    for pass_id, start, tokens, decoding in ((1, 0, PROMPT, False), (2, 5, [first], True), (3, 6, [guess3], True),
+                                             (4, 7, [wrong], True)):
+        tell(aligned, pass_id, start, tokens, decoding)
+    assert aligned.passes_ahead == 0 and max(aligned_passes) == 4
+    assert aligned.requests[0].guess == request.ids[8]  # the same cache gives the same next token
+    assert torch.equal(torch.tensor(aligned.requests[0].ids[:8]), torch.tensor(request.ids[:8]))
