@@ -4,7 +4,9 @@ Three schedules of the same requests, `--clients` of them at once (continuous ba
 - `fifo` with `--max-num-seqs` = clients: every request in every step;
 - `fifo` with `--max-num-seqs` = clients / 2: half of them at a time, the rest waiting;
 - `expertflow` with `--max-num-seqs` = clients / 2: all of them running, two groups of similar routing paths
-  decoding in turns (each step as large as the second FIFO's).
+  decoding in turns (each step as large as the second FIFO's);
+- replayed routing only: `expertflow` again, its paths the next-token forecasts of a transition predictor fitted on
+  the trace's first 200 requests (`--predictor transition --prefetch-k 0`: forecasts only, nothing prefetched).
 Per schedule: distinct experts per decode step (the store's accesses per step), expert bytes read per output token,
 decode tokens/s, and the requests whose tokens equal the first schedule's (a batched step rounds a row differently
 from a smaller batch, so an argmax can flip; `--deterministic` rows would be equal).
@@ -41,7 +43,7 @@ from benchmarks.common import (
     print_table,
     write_json,
 )
-from moepager.config import EngineConfig, SchedulerConfig, StoreConfig
+from moepager.config import EngineConfig, PrefetchConfig, SchedulerConfig, StoreConfig
 from moepager.runtime.llm import LLM
 from moepager.runtime.replay import ReplaySpec
 from moepager.runtime.sampling import SamplingParams
@@ -81,15 +83,20 @@ def figures(llm: LLM, tokens: list[list[int]], reference: list[list[int]] | None
 
 
 def replayed(args: argparse.Namespace) -> list[dict]:
-    from benchmarks.offload_replay import deepseek_trace, replayed_requests
+    from benchmarks.offload_replay import deepseek_trace, fitted_predictors, replayed_requests
 
     path = ensure_model(f"deepseek-v2-lite-L{args.layers + 1}", "deepseek-v2-lite", args.layers + 1)
     trace = deepseek_trace(args.layers)
     requests = replayed_requests(trace, 200, args.clients, args.prompt + args.decode)
     spec = ReplaySpec(trace, requests, args.prompt, "match", args.decode)
+    files = fitted_predictors(trace, list(range(200)), {("transition", "tokens")})
+    paths = PrefetchConfig("transition", file=str(files["transition", "tokens"]), per_row=0)  # paths only, no loads
+    half = schedules(args.clients)[-1][1]
     rows, reference = [], None
-    for label, scheduler in schedules(args.clients):
-        llm = LLM(config=EngineConfig(model=str(path), threads=args.threads, scheduler=scheduler,
+    for label, scheduler, prefetch in [(label, scheduler, PrefetchConfig()) for label, scheduler in
+                                       schedules(args.clients)] + [(f"expertflow, {half.max_num_seqs} a step, "
+                                                                    "transition-predicted paths", half, paths)]:
+        llm = LLM(config=EngineConfig(model=str(path), threads=args.threads, scheduler=scheduler, prefetch=prefetch,
                                       store=StoreConfig(expert_memory=args.budget)), show_progress=False)
         out = llm.replay(spec, concurrency=args.clients)
         tokens = [c.token_ids for c in out]

@@ -93,11 +93,12 @@ class LLM:
         experts = self.loaded.experts
         self.store = built.store
         self.prefetcher: Prefetcher | None = built.prefetcher
+        """Forecasts routing and loads experts ahead (kept across calls: an online expert-map store grows)."""
         self.configurator: OnlineConfigurator | None = built.configurator
         """`--configure auto`: per-layer cache sizes chosen again as the engine runs."""
-        """Forecasts routing and loads experts ahead (kept across calls: an online expert-map store grows)."""
         cfg = self.loaded.config
-        self.paths = PathTracker(cfg.moe_layers, cfg.num_experts) \
+        self.paths = PathTracker(cfg.moe_layers, cfg.num_experts, self.prefetcher.predictor.forecast
+                                 if self.prefetcher is not None else None, cfg.top_k) \
             if self.config.scheduler.batch_policy == "expertflow" else None
         """Each running request's routing path (the expertflow batch policy groups requests by them)."""
         self.remote: list[PassPart] = [experts] if isinstance(experts, RemoteExecutor) else []

@@ -122,6 +122,53 @@ def test_the_path_tracker_keeps_each_requests_last_routed_token():
     assert tracker.path(7) is None
 
 
+def test_the_path_tracker_takes_the_predictors_next_token_forecast_when_it_has_one():
+    from moepager.predictors.base import Forecast
+
+    probs = {0: torch.tensor([[0.1, 0.5, 0.3, 0.1], [0.7, 0.2, 0.05, 0.05], [0.0, 0.0, 0.2, 0.8]]),
+             1: torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.1, 0.05, 0.15, 0.7], [0.3, 0.0, 0.6, 0.1]])}
+    forecasts = {"all": lambda j, ahead: Forecast(probs[j]) if ahead == 1 else None,
+                 "one layer": lambda j, ahead: Forecast(probs[j]) if ahead == 1 and j == 0 else None}
+    for kind, forecast in forecasts.items():
+        tracker = PathTracker([1, 3], num_experts=4, forecast=forecast, top_k=2)
+        info = PassInfo(0, "prefill", (7, 9), (0, 0), (2, 1), ("prefill", "prefill"), torch.tensor([1, 2, 3]))
+        tracker.begin_pass(info)
+        for layer, ids in ((1, [[0, 1], [2, 3], [1, 2]]), (3, [[3, 0], [0, 2], [1, 3]])):
+            ids_TK = torch.tensor(ids)
+            tracker.routed(layer, torch.zeros(3, 2), RoutingDecision(ids_TK, ids_TK.float(), ids_TK.float(), ids_TK),
+                           ())
+        if kind == "all":  # request 7's next token: forecast row 1 ({0, 1} and {2, 3}), request 9's: row 2
+            assert np.flatnonzero(tracker.path(7)).tolist() == [0, 1, 6, 7]
+            assert np.flatnonzero(tracker.path(9)).tolist() == [2, 3, 4, 6]
+            assert tracker.forecast_passes == 1
+        else:  # a layer without a forecast: the routing's path, as without a predictor
+            assert np.flatnonzero(tracker.path(7)).tolist() == [2, 3, 4, 6] and tracker.forecast_passes == 0
+
+
+def test_expertflow_groups_by_a_predictors_paths_and_gives_fifos_tokens(hf_checkpoint, tmp_path):
+    from moepager.config import PrefetchConfig, StoreConfig
+    from moepager.trace.fit import fit_transition
+    from moepager.trace.format import TraceReader
+
+    _, path = hf_checkpoint("olmoe")
+    LLM(path, show_progress=False).generate([[3, 4, 5, 6], [9, 10, 11]], SamplingParams(max_tokens=20, ignore_eos=True),
+                                            record_trace=tmp_path / "t.mpt")
+    with TraceReader(tmp_path / "t.mpt") as reader:
+        fit_transition(reader, list(range(len(reader))), [1, 2, 3]).save(tmp_path / "transition.pt")
+    prompts = [[3, 11, 5], [7, 1], [2, 2, 9, 4], [5], [8, 6, 1], [4, 4]]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    out = {}
+    for policy in ("fifo", "expertflow"):
+        config = EngineConfig(model=str(path), store=StoreConfig(expert_memory="50%"),
+                              prefetch=PrefetchConfig("transition", file=str(tmp_path / "transition.pt")),
+                              scheduler=SchedulerConfig(max_num_seqs=2, batch_policy=policy, batch_invariant=True))
+        llm = LLM(config=config, show_progress=False)
+        out[policy] = [c.token_ids for c in llm.generate(prompts, params)]
+        if policy == "expertflow":
+            assert llm.paths is not None and llm.paths.forecast_passes > 0
+    assert out["fifo"] == out["expertflow"]
+
+
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_expertflow_gives_fifos_tokens(hf_checkpoint, deterministic):
     """Batch-invariant, every request's tokens are FIFO's exactly whatever its group; batched (fp32 tiny model), too."""
