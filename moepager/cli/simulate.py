@@ -15,7 +15,7 @@ from moepager.cli.predictor import parse_ints
 from moepager.config import BATCH_POLICIES, Budget, SchedulerConfig
 from moepager.errors import MoepagerError
 from moepager.planning.cost import LINKS, PROFILES, CostModel
-from moepager.planning.od_moe import Cluster, resident_step_times, step_times
+from moepager.planning.od_moe import Cluster, group_cache, resident_step_times, step_times
 from moepager.policies import POLICIES
 from moepager.predictors import FITTED, PredictorError, make_predictor
 from moepager.runtime.step_order import engine_steps
@@ -91,7 +91,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     """`--workers` and its options: OD-MoE worker machines on paper."""
     g = p.add_argument_group("OD-MoE worker machines, on paper (planning/od_moe.py)")
     g.add_argument("--workers", metavar="N[,N...]",
-                   help="also model decoding the trace on N worker machines (cacheless, OD-MoE's pipeline), each with "
+                   help="also model decoding the trace on N worker machines (OD-MoE's pipeline; cacheless unless "
+                        "--worker-cache), each with "
                         "the --profile's device and link; comma-separated to compare")
     g.add_argument("--worker-group", type=int, metavar="G", help="--workers: machines per layer (default top-k)")
     g.add_argument("--shadow-recall", type=float, default=0.0, metavar="R",
@@ -102,6 +103,9 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--main-layer-ms", type=float, default=0.25, metavar="MS",
                    help="--workers: the main machine's time for one layer's attention, gating and norms (default "
                         "0.25, Mixtral-8x7B on an RTX 3090)")
+    g.add_argument("--worker-cache", type=int, default=0, metavar="C",
+                   help="--workers: experts each worker keeps across steps (the engine's --worker-memory; replayed "
+                        "with LRFU per layer); default 0, cacheless as OD-MoE runs")
     g.add_argument("--hidden-bytes", type=int, default=8192,
                    help="--workers: one token's hidden state on the wire (default 8192: 4096 fp16 values)")
 
@@ -191,8 +195,8 @@ def executions(text: str, cost: CostModel | None) -> list[tuple[Literal["gpu", "
 
 
 def workers_table(args: argparse.Namespace, work: Workload, cost: CostModel | None, expert_bytes: int) -> str:
-    """`--workers`: the trace decoded by N cacheless worker machines (OD-MoE's pipeline, planning/od_moe.py) against
-    every expert in one machine's memory, modeled."""
+    """`--workers`: the trace decoded by N worker machines (OD-MoE's pipeline, planning/od_moe.py; cacheless, or with
+    `--worker-cache` experts each, replayed) against every expert in one machine's memory, modeled."""
     if cost is None:
         raise TraceError("--workers models each worker with the --profile's device and link: give --profile")
     h = work.header
@@ -200,17 +204,26 @@ def workers_table(args: argparse.Namespace, work: Workload, cost: CostModel | No
     requested, tokens = work.requested_SL(), np.diff(work.step_ptr)
     main_s = args.main_layer_ms / 1e3
     alone = resident_step_times(cost.device, main_s, requested, tokens, expert_bytes, h.top_k).mean()
+    if args.worker_cache < 0:
+        raise TraceError(f"--worker-cache must be >= 0, got {args.worker_cache}")
+    cache = f", {args.worker_cache} experts cached on each worker (LRFU)" if args.worker_cache else ", cacheless"
     lines = [f"OD-MoE on paper: {cost.device.name} workers over {cost.link.name}, {LINKS[args.network].name} to the "
-             f"main machine, groups of {group}, shadow recall {args.shadow_recall:g}; all in one machine's memory "
-             f"{1 / alone:.2f} tok/s", "workers  tok/s  x all in memory"]
+             f"main machine, groups of {group}, shadow recall {args.shadow_recall:g}{cache}; all in one machine's "
+             f"memory {1 / alone:.2f} tok/s", "workers  tok/s  x all in memory  loads / layer call"]
     for n in parse_ints(args.workers, "--workers"):
         try:
             cluster = Cluster(n, min(group, n), cost.device, cost.link, LINKS[args.network], main_s,
                               args.shadow_recall)
         except MoepagerError as e:
             raise TraceError(str(e)) from None
-        t = step_times(cluster, requested, tokens, expert_bytes, args.hidden_bytes, h.top_k).mean()
-        lines.append(f"{n:>7}  {1 / t:>5.2f}  {alone / t:>15.3f}")
+        loaded = requested
+        per_layer = group_cache(cluster, h.num_layers, h.num_experts, args.worker_cache)
+        if per_layer >= h.top_k:  # (a smaller share keeps no layer's experts of one token: cacheless)
+            result = simulate(work, SimSpec("lrfu", per_layer))
+            loaded = result.requested_SL - result.hits_SL
+        t = step_times(cluster, requested, tokens, expert_bytes, args.hidden_bytes, h.top_k, loaded).mean()
+        lines.append(f"{n:>7}  {1 / t:>5.2f}  {alone / t:>15.3f}  {loaded.mean():>18.2f}"
+                     + (f"  (a group caches {per_layer} of a layer's experts)" if per_layer >= h.top_k else ""))
     return "\n".join(lines)
 
 

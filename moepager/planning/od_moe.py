@@ -13,7 +13,10 @@ group (each loads and computes ceil(n / G) of them, one after another) and N / G
               by the shadow's recall r, loads after the layer's routing is known)
   layer    = t_M + 2 hop + t_W + stall
 where t_M is the main node's per-layer time (attention, gating, norms). Cacheless, as OD-MoE runs: every routed expert
-is loaded for every layer call. Against it, all in one GPU's memory: layer = t_M + n * (one expert's compute).
+is loaded for every layer call. With worker caches (`--worker-cache C`, the engine's `--worker-memory`), only the m of
+the n routed experts a group's caches miss are loaded (the loads and the stall take ceil(m / G), the compute still
+ceil(n / G)); `group_cache` sizes the cache the simulator replays for that. Against it, all in one GPU's memory:
+layer = t_M + n * (one expert's compute).
 """
 
 from __future__ import annotations
@@ -54,13 +57,25 @@ def expert_compute_s(device: Device, expert_bytes: int, tokens: np.ndarray) -> n
     return np.maximum(expert_bytes / device.mem_Bps, flops / device.flops) + device.launch_s
 
 
+def group_cache(cluster: Cluster, num_layers: int, num_experts: int, worker_cache: int) -> int:
+    """The per-layer cache a layer's group holds when each worker keeps `worker_cache` experts of its own across steps:
+    a worker holds its share of each of the layers its group serves (L / (N / G) of them, round-robin), so its cache
+    splits over those layers, and a layer's experts live on the G workers of its group (each on one), whose shares add
+    up (capped at the layer's experts)."""
+    groups = cluster.workers // cluster.group_size
+    layers_per_group = -(-num_layers // groups)
+    return min(num_experts, cluster.group_size * worker_cache // layers_per_group)
+
+
 def step_times(cluster: Cluster, requested_SL: np.ndarray, tokens_S: np.ndarray, expert_bytes: int,
-               hidden_bytes: int, top_k: int) -> np.ndarray:
+               hidden_bytes: int, top_k: int, loaded_SL: np.ndarray | None = None) -> np.ndarray:
     """Modeled seconds of each step (module note). `requested_SL`: distinct experts each step routed per layer;
-    `hidden_bytes`: one token's hidden state on the wire."""
+    `loaded_SL`: those of them the workers load (default all: cacheless); `hidden_bytes`: one token's hidden state on
+    the wire."""
     n = requested_SL.astype(np.float64)
     tokens = tokens_S.astype(np.float64)[:, None]
     share = np.ceil(n / cluster.group_size)
+    loads = share if loaded_SL is None else np.ceil(loaded_SL.astype(np.float64) / cluster.group_size)
     groups = cluster.workers // cluster.group_size
     c = expert_compute_s(cluster.worker, expert_bytes, tokens * top_k / np.maximum(n, 1))
     hop = tokens * hidden_bytes / cluster.network.bytes_per_s + cluster.network.latency_s
@@ -68,7 +83,7 @@ def step_times(cluster: Cluster, requested_SL: np.ndarray, tokens_S: np.ndarray,
     load = expert_bytes / cluster.worker_link.bytes_per_s + cluster.worker_link.latency_s
     t_m = cluster.main_layer_s
     maxload = groups * (t_m + 2 * hop) + (groups - 1) * t_w
-    stall = np.maximum(0.0, cluster.recall * share * load - maxload) + (1 - cluster.recall) * share * load
+    stall = np.maximum(0.0, cluster.recall * loads * load - maxload) + (1 - cluster.recall) * loads * load
     return (t_m + 2 * hop + t_w + stall).sum(1)
 
 

@@ -47,3 +47,36 @@ def test_the_papers_profiles_exist_and_bad_clusters_are_refused():
         Cluster(2, 3, GPU, LINKS["pcie4"], LINKS["1gbe"], 1e-3, 0.9)
     with pytest.raises(MoepagerError):
         Cluster(2, 2, GPU, LINKS["pcie4"], LINKS["1gbe"], 1e-3, 1.5)
+
+
+def test_worker_caches_load_only_what_they_miss():
+    """--worker-cache: a group's caches hold their workers' shares of its layers, and a step loads only the misses
+    (compute still covers every routed expert)."""
+    from moepager.planning.od_moe import group_cache
+
+    c = cluster(8, 0.0)  # 4 groups of 2: 32 layers give 8 to each group
+    assert group_cache(c, 32, 8, 16) == 4  # 16 experts a worker over 8 layers, 2 workers a layer
+    assert group_cache(c, 32, 8, 64) == 8  # never more than the layer's experts
+    assert group_cache(cluster(2, 0.0), 32, 8, 8) == 0
+    requested, tokens = np.full((10, 4), 2), np.ones(10, int)
+    cacheless = step_times(c, requested, tokens, 100 * MIB, 8192, 2)
+    cached = step_times(c, requested, tokens, 100 * MIB, 8192, 2, loaded_SL=np.zeros_like(requested))
+    assert np.all(cached < cacheless)
+    compute = 100 * MIB / 1e12
+    assert cached[0] == pytest.approx(4 * (1e-3 + 2 * 8192 / 1e9 + compute))  # no load left to stall on
+
+
+def test_simulate_models_worker_caches(tmp_path, capsys):
+    from moepager.cli.main import main
+    from tests.trace.conftest import random_trace
+
+    trace = random_trace(tmp_path / "t.mpt", lengths=(40, 30), experts=8)
+    args = ["simulate", str(trace), "--profile", "rtx4090-pcie4", "--expert-bytes", str(100 * MIB), "--workers", "4"]
+    assert main(args) == 0
+    cacheless = capsys.readouterr().out
+    assert main([*args, "--worker-cache", "64"]) == 0
+    cached = capsys.readouterr().out
+    assert "cacheless" in cacheless and "experts cached on each worker" in cached and "a group caches" in cached
+    rate = {name: float(out.strip().splitlines()[-1].split()[1]) for name, out in (("none", cacheless),
+                                                                                   ("cached", cached))}
+    assert rate["cached"] > rate["none"]
