@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -150,6 +151,19 @@ class ExpertReader:
         nbytes = self._read_float(key, scratch.buffer, between)
         quantize_expert(scratch.gate_up_2FD, scratch.down_DF, expert_view(out_flat, self.shape), self.shape.dtype)
         return nbytes
+
+    def read_many(self, keys: Sequence[ExpertKey], outs: Sequence[torch.Tensor], between: Between | None = None) -> int:
+        """`read` of several experts in one disk read where they lie together (a split checkpoint's consecutive parts
+        of one expert: checkpoints/split.py), when their bytes need no conversion; else one by one."""
+        if self.stored is not None or self.shape.quant is not None:
+            return sum(self.read(key, out, between) for key, out in zip(keys, outs))
+        spans = []
+        for key, out in zip(keys, outs):
+            for p in self.pieces(key):
+                if p.dtype != out.dtype:
+                    return sum(self.read(key, out, between) for key, out in zip(keys, outs))
+                spans.append(Span(p.path, p.offset, out[p.start: p.start + p.numel].view(torch.uint8)))
+        return self.files.read(spans, between)
 
     def _read_float(self, key: ExpertKey, out_flat: torch.Tensor, between: Between | None) -> int:
         spans, converts = [], []

@@ -194,7 +194,8 @@ def build_store(config: StoreConfig, reader: FlatReader, cfg: ModelConfig, devic
                  f"--expert-memory {config.expert_memory or 'all'} ({device_slots} experts)", streams,
                  prefetch_aware=True, quotas=quotas)
     transfers = Transfers(device, config.io_threads, config.prefetch_threads, config.prefetch_yields)
-    store = ExpertStore(tier, host, reader.read, transfers, buffers)
+    store = ExpertStore(tier, host, reader.read, transfers, buffers,
+                        getattr(reader, "read_many", None) if split is not None else None)
     if split is not None:
         store.split(split.parts, tops)
     if config.warm:

@@ -43,6 +43,12 @@ from moepager.store.transfer import Transfers, completed
 from moepager.types import Between, ExpertKey, PassInfo
 
 
+class ReadExperts(Protocol):
+    def __call__(self, keys: Sequence[ExpertKey], outs: Sequence[torch.Tensor], between: Between | None = None) -> int:
+        """Fill several flat CPU buffers with experts that lie together on disk, in one read; returns the bytes."""
+        ...
+
+
 class ReadExpert(Protocol):
     def __call__(self, key: ExpertKey, out_flat: torch.Tensor, between: Between | None = None) -> int:
         """Fill a flat CPU buffer with an expert from disk, calling `between` between the read's chunks; returns
@@ -98,7 +104,7 @@ class HostHeld:
 
 class ExpertStore:
     def __init__(self, device: Tier, host: Tier | None, read: ReadExpert, transfers: Transfers,
-                 read_buffer_bytes: int = 0):
+                 read_buffer_bytes: int = 0, read_many: ReadExperts | None = None):
         self.device, self.host = device, host
         if not isinstance(device.table.policy, PrefetchAware):
             raise TypeError("the device tier's policy must be a prefetch policy over its eviction policy "
@@ -109,6 +115,8 @@ class ExpertStore:
         self.read_buffer_bytes = read_buffer_bytes
         """Bytes the reading threads take for bounce/conversion buffers (inside the budget of the tier they fill)."""
         self.read = read
+        self.read_many = read_many
+        """Split experts: a miss's consecutive parts of one expert read from disk in one request (None: one each)."""
         self.transfers = transfers
         self.counters = StoreCounters()
         self.clock = 0
@@ -234,15 +242,22 @@ class ExpertStore:
                 self._drain(table)
                 drained = True
         held.queued = sorted(misses[max(room, 0):] + bottoms) if bottoms else list(misses[max(room, 0):])
-        for row in table.stream_rows[: len(held.queued)]:
-            self._stream_next(held, row)
+        rows = table.stream_rows[: len(held.queued)]
+        if rows:  # the first queued misses into the stream rows, submitted together (a split's parts: one read)
+            started = [self._stream_start(held, row) for row in rows]
+            self._load([ExpertKey(layer, held.experts[i]) for i in started], rows, self.counters.current, ahead=False)
 
     def _stream_next(self, held: Held, row: int) -> int:
         """The next queued miss of `held` starts loading into stream `row` (pinned); returns its index."""
+        i = self._stream_start(held, row)
+        self._load([ExpertKey(held.layer, held.experts[i])], [row], self.counters.current, ahead=False)
+        return i
+
+    def _stream_start(self, held: Held, row: int) -> int:
+        """The next queued miss of `held` takes stream `row` (pinned; its load not yet issued); returns its index."""
         i = held.queued.pop(0)
         held.slots[i] = row
         held.streaming += 1
-        self._load([ExpertKey(held.layer, held.experts[i])], [row], self.counters.current, ahead=False)
         self.device.table.pins[row] += 1
         return i
 
@@ -443,6 +458,13 @@ class ExpertStore:
         else:
             counters.loads_on_demand += len(keys)
         table, buffers, issued = self.device.table, self.device.buffers, time.perf_counter()
+        if self.host is None and self.parts > 1 and self.read_many is not None and len(keys) > 1:
+            runs = self._part_runs(keys, slots)
+            calls = [([keys[i] for i in run], [buffers[slots[i]] for i in run], counters, issued) for run in runs]
+            for run, ticket in zip(runs, self.transfers.submit_all(self._disk_load_run, calls, ahead)):
+                for i in run:
+                    table.ticket[slots[i]] = ticket
+            return
         if self.host is None:  # one submission for the lot; each job times its own load (on its thread)
             calls = []
             for key, slot in zip(keys, slots):
@@ -460,6 +482,28 @@ class ExpertStore:
                    between: Between | None = None) -> None:
         self._disk_job(key, dst, counters, between)
         counters.loaded(issued, time.perf_counter())
+
+    def _part_runs(self, keys: Sequence[ExpertKey], slots: Sequence[int]) -> list[list[int]]:
+        """`keys` (indices) in runs of consecutive parts of one expert, each run one read of the split checkpoint."""
+        runs: list[list[int]] = []
+        for i, key in enumerate(keys):
+            last = keys[runs[-1][-1]] if runs else None
+            if last is not None and key.layer == last.layer and key.expert == last.expert + 1 \
+                    and key.expert // self.parts == last.expert // self.parts:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        return runs
+
+    def _disk_load_run(self, keys: Sequence[ExpertKey], dsts: Sequence[torch.Tensor], counters: PhaseCounters,
+                       issued: float, between: Between | None = None) -> None:
+        assert self.read_many is not None
+        start = time.perf_counter()
+        nbytes = self.read_many(keys, dsts, between)
+        done = time.perf_counter()
+        counters.disk_read(nbytes, start, done)
+        for _ in keys:
+            counters.loaded(issued, done)
 
     def _disk_job(self, key: ExpertKey, dst: torch.Tensor, counters: PhaseCounters,
                   between: Between | None = None) -> None:
