@@ -82,25 +82,29 @@ def arguments() -> argparse.ArgumentParser:
 
 
 # -- plans ------------------------------------------------------------------------------------------------------------
-def plans(trace: Path, fit: slice, budget: str, profile: str, out: Path) -> dict[str, Path | None]:
-    """The layer plans of the configurations at `budget`, fitted on requests `fit` of `trace` (JSON files in `out`)."""
+def plans(trace: Path, fit: slice, budgets: list[str], profile: str, out: Path) -> dict[str, dict[str, Path | None]]:
+    """Per budget, the layer plans of the configurations, fitted on requests `fit` of `trace` (hit curves measured
+    once; JSON files in `out`)."""
     work = load_workload(str(trace), "decode", 1, fit)
     h = work.header
     hit_LC = hit_statistics(work.ids_NLK[work.step_tokens], None, h.num_experts)[0]
-    total = Budget.parse(budget, "--budgets").fraction * h.num_layers * h.num_experts  # type: ignore[operator]
     costs = layer_costs(CostModel.profile(profile, h.expert_bytes), h.num_layers)
-    files: dict[str, Path | None] = {"unsplit, even": None, "split 4, online": None}
     out.mkdir(parents=True, exist_ok=True)
-    for label, kwargs in (("unsplit, configured", {"split": False}), ("split 4, configured", {"parts": PARTS}),
-                          ("split 4, θ 0.5", {"parts": PARTS, "theta": 0.5})):
-        if label == "split 4, θ 0.5":
-            budgets, theta = np.full(h.num_layers, total / h.num_layers), np.full(h.num_layers, 0.5)
-        else:
-            plan = vram_allocation(total, hit_LC, h.top_k, costs, **kwargs)  # type: ignore[arg-type]
-            budgets, theta = plan.budgets_L, plan.theta_L
-        path = files[label] = out / f"{trace.stem}-{budget.rstrip('%')}-{label.replace(' ', '_').replace(',', '')}.json"
-        path.write_text(json.dumps({"budgets": budgets.tolist(), "theta": theta.tolist()}))
-    return files
+    every: dict[str, dict[str, Path | None]] = {}
+    for budget in budgets:
+        total = Budget.parse(budget, "--budgets").fraction * h.num_layers * h.num_experts  # type: ignore[operator]
+        files = every[budget] = {"unsplit, even": None, "split 4, online": None}
+        for label, kwargs in (("unsplit, configured", {"split": False}), ("split 4, configured", {"parts": PARTS}),
+                              ("split 4, θ 0.5", {"parts": PARTS, "theta": 0.5})):
+            if label == "split 4, θ 0.5":
+                budgets_L, theta = np.full(h.num_layers, total / h.num_layers), np.full(h.num_layers, 0.5)
+            else:
+                plan = vram_allocation(total, hit_LC, h.top_k, costs, **kwargs)  # type: ignore[arg-type]
+                budgets_L, theta = plan.budgets_L, plan.theta_L
+            name = f"{trace.stem}-{budget.rstrip('%')}-{label.replace(' ', '_').replace(',', '')}.json"
+            path = files[label] = out / name
+            path.write_text(json.dumps({"budgets": budgets_L.tolist(), "theta": theta.tolist()}))
+    return every
 
 
 # -- measured ---------------------------------------------------------------------------------------------------------
@@ -132,9 +136,9 @@ def close(llm: LLM) -> None:
 def measured(workload: str, path: Path, split: Path, trace: Path, fit: slice, run, args: argparse.Namespace
              ) -> list[dict]:
     """Every configuration at every budget, `args.rounds` interleaved rounds; `run(llm)` makes one measurement."""
-    rows = []
+    rows, every = [], plans(trace, fit, args.budgets, args.profile, RESULTS / "split")
     for budget in args.budgets:
-        files = plans(trace, fit, budget, args.profile, RESULTS / "split")
+        files = every[budget]
         samples: dict[str, list[dict]] = {label: [] for label in args.configs}
         for r in range(args.rounds):
             for label in args.configs:

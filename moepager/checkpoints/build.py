@@ -103,11 +103,14 @@ def read_config(path: str | os.PathLike[str]) -> ModelConfig:
 def open_experts(checkpoint: Checkpoint, arch: Architecture, cfg: ModelConfig, dtype: torch.dtype,
                  device: torch.device, direct_io: DirectIO = "auto", expert_dtype: str | None = None,
                  int4_group: int | None = None, int4_zero_point: bool | None = None,
-                 kernel: Kernel = "auto") -> ExpertReader:
+                 kernel: Kernel = "auto", split: SplitLayout | None = None) -> ExpertReader:
     """The reader of the checkpoint's routed experts in the format a run holds them (`expert_dtype`; None: as
     stored, so a `moepager quantize` checkpoint in its own format); its `shape` is that format's. int4 experts that
     the fused CPU kernel computes (`kernel` auto or fused, accel/cpu_kernels.py) are held as plain nibbles, which it
-    reads, rather than in torch's int4pack layout."""
+    reads, rather than in torch's int4pack layout. `split`: the checkpoint stores each expert in parts, which the
+    reader reads as experts (their geometry `split.paging_config(cfg)`)."""
+    if split is not None:
+        cfg = split.paging_config(cfg)
     stored = stored_format(checkpoint.config)
     quant = expert_format(expert_dtype, stored, dtype, device, int4_group, int4_zero_point)
     if quant is not None:
@@ -118,7 +121,7 @@ def open_experts(checkpoint: Checkpoint, arch: Architecture, cfg: ModelConfig, d
         if cpu_kernels.applies(rows, device, kernel):
             shape = rows
     return ExpertReader(checkpoint, arch.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0,
-                        direct_io, stored)
+                        direct_io, stored, split)
 
 
 @dataclass(frozen=True)
@@ -164,8 +167,11 @@ class OpenCheckpoint:
     dtype: torch.dtype
     device: torch.device
     reader: ExpertReader
-    split: SplitLayout | None = None
-    """How the checkpoint stores each expert in parts (`moepager split`); None: whole."""
+
+    @property
+    def split(self) -> SplitLayout | None:
+        """How the checkpoint stores each expert in parts (`moepager split`); None: whole."""
+        return self.reader.split
 
     @property
     def paging(self) -> ModelConfig:
@@ -189,11 +195,10 @@ def open_checkpoint(path: str | os.PathLike[str], options: LoadOptions) -> OpenC
     split = layout_of(checkpoint.config, cfg)
     dtype = options.dtype or checkpoint_dtype(checkpoint)
     dev = torch.device(options.device)
-    reader = open_experts(checkpoint, arch, split.paging_config(cfg) if split is not None else cfg, dtype,
-                          torch.device("cpu") if options.experts_on_cpu else dev, options.direct_io,
-                          options.expert_dtype, options.int4_group, options.int4_zero_point, options.expert_kernel)
-    reader.split = split
-    return OpenCheckpoint(checkpoint, arch, cfg, dtype, dev, reader, split)
+    reader = open_experts(checkpoint, arch, cfg, dtype, torch.device("cpu") if options.experts_on_cpu else dev,
+                          options.direct_io, options.expert_dtype, options.int4_group, options.int4_zero_point,
+                          options.expert_kernel, split)
+    return OpenCheckpoint(checkpoint, arch, cfg, dtype, dev, reader)
 
 
 def build_model(opened: OpenCheckpoint, experts: ExpertExecutor, options: LoadOptions,

@@ -69,7 +69,7 @@ class ExpertReader:
     """Reads expert (layer, e) from `checkpoint` into a preallocated flat buffer, converting dtype."""
 
     def __init__(self, checkpoint: Checkpoint, naming: ExpertNaming, shape: ExpertShape, first_moe_layer: int,
-                 direct: DirectIO = "auto", stored: QuantFormat | None = None):
+                 direct: DirectIO = "auto", stored: QuantFormat | None = None, split: SplitLayout | None = None):
         self.checkpoint = checkpoint
         self.naming = naming
         self.shape = shape
@@ -82,7 +82,7 @@ class ExpertReader:
         self.files = DiskFiles(direct, bounce_bytes(shape.nbytes))
         self._local = threading.local()
         self._first = ExpertKey(first_moe_layer, 0)
-        self.split: SplitLayout | None = None
+        self.split = split
         """A split checkpoint's layout (checkpoints/split.py): the experts read are its parts."""
 
     def buffer_bytes_per_thread(self) -> int:
@@ -155,15 +155,12 @@ class ExpertReader:
     def read_many(self, keys: Sequence[ExpertKey], outs: Sequence[torch.Tensor], between: Between | None = None) -> int:
         """`read` of several experts in one disk read where they lie together (a split checkpoint's consecutive parts
         of one expert: checkpoints/split.py), when their bytes need no conversion; else one by one."""
-        if self.stored is not None or self.shape.quant is not None:
+        pieces = [(p, out) for key, out in zip(keys, outs) for p in self.pieces(key)] \
+            if self.stored is None and self.shape.quant is None else []
+        if not pieces or any(p.dtype != out.dtype for p, out in pieces):
             return sum(self.read(key, out, between) for key, out in zip(keys, outs))
-        spans = []
-        for key, out in zip(keys, outs):
-            for p in self.pieces(key):
-                if p.dtype != out.dtype:
-                    return sum(self.read(key, out, between) for key, out in zip(keys, outs))
-                spans.append(Span(p.path, p.offset, out[p.start: p.start + p.numel].view(torch.uint8)))
-        return self.files.read(spans, between)
+        return self.files.read([Span(p.path, p.offset, out[p.start: p.start + p.numel].view(torch.uint8))
+                                for p, out in pieces], between)
 
     def _read_float(self, key: ExpertKey, out_flat: torch.Tensor, between: Between | None) -> int:
         spans, converts = [], []

@@ -50,7 +50,8 @@ from moepager.experts.quant import (
 )
 from moepager.experts.reference import expert_forward
 from moepager.experts.weights import AnyExpertWeights, ExpertShape, expert_view
-from moepager.store.store import ExpertStore, Held
+from moepager.store.store import ExpertStore
+from moepager.store.tiers import Held
 from moepager.types import RoutingDecision, long_tensor
 
 Act = Callable[[torch.Tensor], torch.Tensor]

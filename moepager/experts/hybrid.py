@@ -37,7 +37,8 @@ from moepager.config import Kernel
 from moepager.experts.executor import ArenaKernels, Batch, ExpertExecutor, PagedExecutor, SortedTokens, sort_by_expert
 from moepager.experts.protocols import FusedKernel
 from moepager.experts.weights import ExpertShape
-from moepager.store.store import ExpertStore, HostHeld
+from moepager.store.store import ExpertStore
+from moepager.store.tiers import HostHeld
 from moepager.types import ExpertKey, RoutingDecision, to_device, to_host
 
 

@@ -27,16 +27,19 @@ class SplitExecutor:
 
     def route(self, route: RoutingDecision) -> RoutingDecision:
         """Each token's K experts as its K·S parts, every part weighted as its expert."""
-        s = self.parts
-        offsets = self._offsets.get(route.ids_TK.device)
-        if offsets is None:
-            offsets = self._offsets[route.ids_TK.device] = torch.arange(s, device=route.ids_TK.device)
-        ids = (route.ids_TK.unsqueeze(-1) * s + offsets.to(route.ids_TK.dtype)).flatten(1)
-        weights = route.weights_TK.unsqueeze(-1).expand(-1, -1, s).flatten(1)
-        host = None
-        if route.ids_host_TK is not None:
-            host = (route.ids_host_TK.unsqueeze(-1) * s + torch.arange(s, dtype=route.ids_host_TK.dtype)).flatten(1)
+        ids = self._parts_of(route.ids_TK)
+        host = route.ids_host_TK
+        if host is not None:  # on the CPU the host ids are the ids themselves: expanded once
+            host = ids if host is route.ids_TK else self._parts_of(host)
+        weights = route.weights_TK.unsqueeze(-1).expand(-1, -1, self.parts).flatten(1)
         return RoutingDecision(ids, weights, route.scores_TE, host)
+
+    def _parts_of(self, ids_TK: torch.Tensor) -> torch.Tensor:
+        """Expert ids [T, K] as their parts' ids [T, K·S] (e·S + j, ascending per expert)."""
+        offsets = self._offsets.get(ids_TK.device)
+        if offsets is None:
+            offsets = self._offsets[ids_TK.device] = torch.arange(self.parts, device=ids_TK.device)
+        return (ids_TK.unsqueeze(-1) * self.parts + offsets.to(ids_TK.dtype)).flatten(1)
 
     def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
         return self.inner.run(layer, x_ND, self.route(route))

@@ -48,7 +48,8 @@ from moepager.runtime.prefetch import Prefetcher, build_prefetcher
 from moepager.store.budget import check_slots, format_bytes, share_quotas
 from moepager.store.slots import SlotTable
 from moepager.store.stats import StoreReport
-from moepager.store.store import ExpertStore, Tier
+from moepager.store.store import ExpertStore
+from moepager.store.tiers import Tier
 from moepager.store.transfer import Transfers
 from moepager.types import ExpertKey, Scope, host_empty
 
@@ -73,14 +74,22 @@ def read_buffer_bytes(reader: FlatReader, io_threads: int, prefetch_threads: int
     return (io_threads + prefetch_threads) * reader.buffer_bytes_per_thread()
 
 
-def warm_order(layers: Sequence[int], num_experts: int, quotas: dict[int, int] | None = None) -> list[ExpertKey]:
+def warm_order(layers: Sequence[int], num_experts: int, quotas: dict[int, int] | None = None,
+               cacheable: Callable[[ExpertKey], bool] | None = None, rest: bool = True) -> list[ExpertKey]:
     """Expert 0 of every layer, then expert 1 of every layer, ...: any prefix respects even per-layer quotas; with
-    `quotas` (a configured split), each layer's experts 0..quota-1 in that order, and then the rest."""
+    `quotas` (a configured split), each layer's first quota experts in that order, and then (`rest`: in scope "global";
+    in scope "layer" a layer past its quota would evict its own) the others; `cacheable`: only the experts (a split
+    checkpoint's parts) a cache may hold."""
     order = [ExpertKey(layer, e) for e in range(num_experts) for layer in layers]
+    if cacheable is not None:
+        order = [k for k in order if cacheable(k)]
     if quotas is None:
         return order
-    first = [k for k in order if k.expert < quotas[k.layer]]
-    return first + [k for k in order if k.expert >= quotas[k.layer]]
+    counts, first, others = dict.fromkeys(layers, 0), [], []
+    for k in order:
+        counts[k.layer] += 1
+        (first if counts[k.layer] <= quotas[k.layer] else others).append(k)
+    return first + others if rest else first
 
 
 def read_plan(path: str, cfg: ModelConfig) -> tuple[list[float], list[float]]:
@@ -102,26 +111,15 @@ def read_plan(path: str, cfg: ModelConfig) -> tuple[list[float], list[float]]:
     return budgets, theta
 
 
-def plan_quotas(path: str, cfg: ModelConfig, capacity: int, least: Sequence[int] | None = None,
-                most: Sequence[int] | None = None) -> list[int]:
-    """Each MoE layer's share of `capacity` cache slots in proportion to the per-layer budgets of a `moepager plan
-    --json` file, none above what the layer can cache (`most`; default its experts) and none below what a decode
-    step holds at once (`least`; default its top-k) where the capacity allows (the simulator's per-layer capacities
-    have the same floor)."""
-    layers = cfg.num_moe_layers
-    return share_quotas(read_plan(path, cfg)[0], capacity, list(least) if least is not None else [cfg.top_k] * layers,
-                        list(most) if most is not None else [cfg.num_experts] * layers)
-
-
-def cached_parts(config: StoreConfig, cfg: ModelConfig, split: SplitLayout | None) -> dict[int, int]:
-    """Each MoE layer's top parts a split checkpoint caches: θ_i of a `--layer-plan` rounded to the nearest part
-    (at least one), or all of them; a plan that splits experts needs a split checkpoint."""
-    theta = read_plan(config.layer_plan, cfg)[1] if config.layer_plan else [1.0] * cfg.num_moe_layers
+def cached_parts(plan: str | None, theta: Sequence[float], cfg: ModelConfig, split: SplitLayout | None
+                 ) -> dict[int, int]:
+    """Each MoE layer's top parts a split checkpoint caches: the θ_i of the `--layer-plan` (`plan`) rounded to the
+    nearest part (at least one), all of them without one; a plan that splits experts needs a split checkpoint."""
     if split is None:
         if min(theta) < 1:
-            raise ConfigError(f"--layer-plan {config.layer_plan} splits experts (θ down to {min(theta):.2f}) and this "
-                              "checkpoint stores them whole: write a split copy with `moepager split --model MODEL "
-                              "--parts 4 --out DIR` and run that, or plan with --whole-experts")
+            raise ConfigError(f"--layer-plan {plan} splits experts (θ down to {min(theta):.2f}) and this checkpoint "
+                              "stores them whole: write a split copy with `moepager split --model MODEL --parts 4 "
+                              "--out DIR` and run that, or plan with --whole-experts")
         return {layer: 1 for layer in cfg.moe_layers}
     return {layer: max(1, min(split.parts, round(t * split.parts))) for layer, t in zip(cfg.moe_layers, theta)}
 
@@ -178,8 +176,9 @@ def build_store(config: StoreConfig, reader: FlatReader, cfg: ModelConfig, devic
         host = _tier(host_slots, cfg, reader, torch.device("cpu"), config, device.type == "cuda",
                      f"--host-memory {config.host_memory or 'all'} ({host_slots} experts)", scope="global")
     streams = stream_rows(device_slots, cfg.num_moe_layers * cfg.num_experts)
-    tops = cached_parts(config, cfg, split)
-    least = most = None
+    budgets, theta = read_plan(config.layer_plan, cfg) if config.layer_plan else (None, [1.0] * cfg.num_moe_layers)
+    tops = cached_parts(config.layer_plan, theta, cfg, split)
+    least, most = [cfg.top_k] * cfg.num_moe_layers, [cfg.num_experts] * cfg.num_moe_layers
     if split is not None:  # each layer's top parts of a decode step's experts cached, its bottoms streaming at once
         least = [split.top_k * tops[layer] for layer in cfg.moe_layers]
         most = [split.experts * tops[layer] for layer in cfg.moe_layers]
@@ -189,7 +188,7 @@ def build_store(config: StoreConfig, reader: FlatReader, cfg: ModelConfig, devic
             raise BudgetError(f"--expert-memory {config.expert_memory} holds {device_slots} parts: split experts need "
                               f"a layer's top parts of its top-{split.top_k} experts ({max(least)}) and {streams} "
                               f"parts streaming, at least {need}")
-    quotas = plan_quotas(config.layer_plan, cfg, device_slots - streams, least, most) if config.layer_plan else None
+    quotas = share_quotas(budgets, device_slots - streams, least, most) if budgets is not None else None
     tier = _tier(device_slots, cfg, reader, device, config, False,
                  f"--expert-memory {config.expert_memory or 'all'} ({device_slots} experts)", streams,
                  prefetch_aware=True, quotas=quotas)
@@ -198,19 +197,11 @@ def build_store(config: StoreConfig, reader: FlatReader, cfg: ModelConfig, devic
                         getattr(reader, "read_many", None) if split is not None else None)
     if split is not None:
         store.split(split.parts, tops)
-    if config.warm:
-        order = warm_order(cfg.moe_layers, cfg.num_experts, store.device.table.quota if quotas else None)
-        if split is not None:  # the cacheable parts only, each layer's quota first
-            order = [k for k in order if k.expert % split.parts < tops[k.layer]]
-            counts = dict.fromkeys(cfg.moe_layers, 0)
-            first = []
-            for k in order:
-                counts[k.layer] += 1
-                if counts[k.layer] <= store.device.table.quota[k.layer]:
-                    first.append(k)
-            chosen = set(first)  # in scope "global", the rest after (in scope "layer" they would evict the first)
-            order = first + ([k for k in order if k not in chosen] if config.scope == "global" else [])
-        store.warm(order, progress)
+    if config.warm:  # a split checkpoint's cacheable parts only, each layer's quota first
+        parts = split.parts if split is not None else 1
+        store.warm(warm_order(cfg.moe_layers, cfg.num_experts, store.device.table.quota if quotas or split else None,
+                              (lambda k: k.expert % parts < tops[k.layer]) if split is not None else None,
+                              config.scope == "global"), progress)
     return store
 
 

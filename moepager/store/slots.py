@@ -58,10 +58,10 @@ class SlotTable:
         n = max(len(layers), 1)
         self.quota = {layer: capacity // n + (i < capacity % n) for i, layer in enumerate(layers)}
         if quotas is not None:
-            if len(quotas) != len(layers) or sum(quotas) != capacity or min(quotas) < 0:
+            if len(quotas) != len(layers):
                 raise ValueError(f"per-layer quotas {list(quotas)} must give each of the {len(layers)} layers a share "
                                  f"of the {capacity} slots")
-            self.quota = dict(zip(layers, quotas))
+            self.quota = self._checked(dict(zip(layers, quotas)))
         self._free = list(range(capacity - 1, -1, -1))
         self.on_evict: Callable[[list[ExpertKey]], None] | None = None
         """Called with the experts each claim evicted (the store judges prefetches with it)."""
@@ -109,14 +109,13 @@ class SlotTable:
         down to it (the others keep what they hold). Returns the experts dropped, their slots free again."""
         if self.scope != "layer":
             raise ValueError("per-layer quotas apply to scope 'layer'")
-        if set(quotas) != set(self.quota) or sum(quotas.values()) != self.capacity or min(quotas.values()) < 0:
-            raise ValueError(f"per-layer quotas {quotas} must give each of the {len(self.quota)} layers a share of "
-                             f"the {self.capacity} slots")
+        quotas = self._checked(quotas)
         if any(self.pins[:self.capacity]) or any(not settled(t) for t in self.ticket):
             raise RuntimeError("the cache is resized between passes, with nothing pinned or loading")
         dropped = [k for k in self.slot_of if keep is not None and not keep(k)]
+        gone = set(dropped)
         for layer, quota in quotas.items():
-            held = [k for k in self.by_layer[layer] if k not in dropped]
+            held = [k for k in self.by_layer[layer] if k not in gone]
             if len(held) > quota:
                 dropped += self.policy.victims(held, len(held) - quota, step)
         for key in dropped:
@@ -124,8 +123,16 @@ class SlotTable:
             self.by_layer[key.layer].discard(key)
             self.ticket[slot] = None
             self._free.append(slot)
-        self.quota = dict(quotas)
+        self.quota = quotas
         return dropped
+
+    def _checked(self, quotas: dict[int, int]) -> dict[int, int]:
+        """`quotas` when they give every layer a share of the capacity (none negative, all of them used)."""
+        if set(quotas) != set(self.by_layer) or sum(quotas.values()) != self.capacity \
+                or min(quotas.values(), default=0) < 0:
+            raise ValueError(f"per-layer quotas {list(quotas.values())} must give each of the {len(self.by_layer)} "
+                             f"layers a share of the {self.capacity} slots")
+        return dict(quotas)
 
     def forget(self, slot: int) -> ExpertKey | None:
         """Drop whatever `slot` holds and return it to the free list (after a failed or cancelled load); returns

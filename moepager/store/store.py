@@ -30,76 +30,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, as_completed, wait
-from dataclasses import dataclass
-from typing import Protocol
+from concurrent.futures import FIRST_COMPLETED, as_completed, wait
 
 import torch
 
 from moepager.policies.prefetch import PrefetchAware
 from moepager.store.slots import SlotTable, settled
 from moepager.store.stats import PhaseCounters, StoreCounters
+from moepager.store.tiers import Held, HostHeld, ReadExpert, ReadExperts, Ticket, Tier, part_runs
 from moepager.store.transfer import Transfers, completed
 from moepager.types import Between, ExpertKey, PassInfo
-
-
-class ReadExperts(Protocol):
-    def __call__(self, keys: Sequence[ExpertKey], outs: Sequence[torch.Tensor], between: Between | None = None) -> int:
-        """Fill several flat CPU buffers with experts that lie together on disk, in one read; returns the bytes."""
-        ...
-
-
-class ReadExpert(Protocol):
-    def __call__(self, key: ExpertKey, out_flat: torch.Tensor, between: Between | None = None) -> int:
-        """Fill a flat CPU buffer with an expert from disk, calling `between` between the read's chunks; returns
-        the bytes read."""
-        ...
-
-
-Ticket = Future[torch.cuda.Event | None]
-
-
-class Tier:
-    """A slot table plus its arena: `buffers[slot]` is one expert's flat buffer."""
-
-    def __init__(self, table: SlotTable, buffers: torch.Tensor):
-        self.table = table
-        self.buffers = buffers
-
-    @property
-    def expert_nbytes(self) -> int:
-        """Bytes of one expert's buffer (whatever its format: the store only moves bytes)."""
-        return self.buffers[0].numel() * self.buffers.element_size()
-
-
-@dataclass
-class Held:
-    """A layer's experts pinned by `acquire`: their device slots (or stream rows), in the order asked for."""
-
-    layer: int
-    experts: Sequence[int]
-    slots: list[int]
-    """Each expert's slot or stream row; -1 while it waits for a stream row, and once its row moved on."""
-    ready: list[int]
-    """Indices whose expert was resident or had landed when acquired (a landed load's result already claimed:
-    computing with them needs no wait)."""
-    pending: list[int]
-    """Indices still loading when acquired (stream rows included)."""
-    queued: list[int]
-    """Indices waiting for a stream row (`recycle` starts them)."""
-    streaming: int = 0
-    """Indices in stream rows now (nothing for `recycle` to do when 0)."""
-
-
-@dataclass
-class HostHeld:
-    """A layer's experts pinned in the host tier by `acquire_host`, to be computed there (hybrid execution)."""
-
-    layer: int
-    slots: list[int]
-    """Each expert's host slot, in the order asked for."""
-    reads: list[Ticket | None]
-    """Each expert's read from disk into its slot when it was not there (None: it was): wait before computing."""
 
 
 class ExpertStore:
@@ -217,7 +157,8 @@ class ExpertStore:
         """`acquire`'s misses (indices into keys): those that fit the layer's cache claim slots and load together
         (one ranking of the candidates, one submission), the rest queue for the stream rows."""
         table, slots, layer = self.device.table, held.slots, held.layer
-        room = (table.quota[layer] if table.scope == "layer" else table.capacity) - (len(keys) - len(misses))
+        hits = len(keys) - len(misses)
+        room = (table.quota[layer] if table.scope == "layer" else table.capacity) - hits
         bottoms: list[int] = []
         if self.parts > 1 and self.cached_parts[layer] < self.parts:  # a split layer's bottom parts: never cached
             top, parts = self.cached_parts[layer], self.parts
@@ -225,7 +166,7 @@ class ExpertStore:
             misses = [i for i in misses if keys[i].expert % parts < top]
         if len(misses) + len(bottoms) > room and not table.stream_rows:
             raise RuntimeError(f"expert store: layer {layer} needs {len(keys)} experts at once but holds "
-                               f"{room + len(keys) - len(misses)} and has no stream rows")
+                               f"{room + hits} and has no stream rows")
         cached, drained = misses[: max(room, 0)], False
         while cached:  # claimed, loading and pinned before any wait: a claimed slot never sits empty and unpinned
             wanted = list(map(keys.__getitem__, cached))
@@ -458,8 +399,8 @@ class ExpertStore:
         else:
             counters.loads_on_demand += len(keys)
         table, buffers, issued = self.device.table, self.device.buffers, time.perf_counter()
-        if self.host is None and self.parts > 1 and self.read_many is not None and len(keys) > 1:
-            runs = self._part_runs(keys, slots)
+        if self.read_many is not None and self.host is None and len(keys) > 1:  # split experts (read_many: builder)
+            runs = part_runs(keys, self.parts)
             calls = [([keys[i] for i in run], [buffers[slots[i]] for i in run], counters, issued) for run in runs]
             for run, ticket in zip(runs, self.transfers.submit_all(self._disk_load_run, calls, ahead)):
                 for i in run:
@@ -482,18 +423,6 @@ class ExpertStore:
                    between: Between | None = None) -> None:
         self._disk_job(key, dst, counters, between)
         counters.loaded(issued, time.perf_counter())
-
-    def _part_runs(self, keys: Sequence[ExpertKey], slots: Sequence[int]) -> list[list[int]]:
-        """`keys` (indices) in runs of consecutive parts of one expert, each run one read of the split checkpoint."""
-        runs: list[list[int]] = []
-        for i, key in enumerate(keys):
-            last = keys[runs[-1][-1]] if runs else None
-            if last is not None and key.layer == last.layer and key.expert == last.expert + 1 \
-                    and key.expert // self.parts == last.expert // self.parts:
-                runs[-1].append(i)
-            else:
-                runs.append([i])
-        return runs
 
     def _disk_load_run(self, keys: Sequence[ExpertKey], dsts: Sequence[torch.Tensor], counters: PhaseCounters,
                        issued: float, between: Between | None = None) -> None:

@@ -4,7 +4,7 @@ A layer caching the top t_l of each expert's S parts requests, for every expert 
 through the layer's cache (capacity in parts) and loads its S - t_l bottom parts always. `split_workload` renumbers
 each routed expert e of layer l into its top parts e·t_l + j (j < t_l): ascending as the engine's part keys e·S + j
 are, and in a warm start's order (the engine warms each layer's cacheable parts in ascending key order, the simulator
-ids 0..capacity-1), so the simulator's hits and misses on the tops are the engine's (tests/trace/test_agreement.py);
+ids 0..capacity-1), so the simulator's hits and misses on the tops are the engine's (tests/checkpoints/test_split.py);
 `simulate_split` adds the bottoms as demand loads. Counts are in parts (1/S of an expert's bytes each).
 """
 

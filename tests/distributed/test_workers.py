@@ -30,6 +30,18 @@ def torchrun(procs: int, *args: str, env: dict[str, str] | None = None) -> subpr
     return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=environ)
 
 
+def ranks(tmp_path, procs: int, group: int, *paths: str, env: dict[str, str] | None = None) -> dict:
+    """tests/distributed/ranks.py on `paths` under torchrun, every rank exiting cleanly; what rank 0 wrote, its tokens
+    checked against the single process's."""
+    out = tmp_path / "tokens.json"
+    run = torchrun(procs, "tests/distributed/ranks.py", str(out), str(group), *paths, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(out.read_text())
+    for path in paths:
+        assert got[path] == single_process(path), path
+    return got
+
+
 def spawn(procs: int, *args: str, env: dict[str, str] | None = None) -> list[int]:
     """`procs` processes of a script as `generate --workers` starts them (each outliving the others); exit codes."""
     return spawn_ranks([sys.executable, *args], procs, 10, {"OMP_NUM_THREADS": "1", **(env or {})}, quiet=True,
@@ -62,12 +74,8 @@ def test_every_expert_lives_on_exactly_one_worker_and_layers_go_round_robin():
 @pytest.mark.parametrize("procs, group", [(3, 1), (4, 2)], ids=["2-workers", "3-workers-groups-of-2"])
 def test_workers_give_the_single_process_tokens_on_every_architecture(hf_checkpoint, tmp_path, procs, group):
     paths = [str(hf_checkpoint(arch)[1]) for arch in ARCHS]
-    out = tmp_path / "tokens.json"
-    run = torchrun(procs, "tests/distributed/ranks.py", str(out), str(group), *paths)
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(out.read_text())
+    got = ranks(tmp_path, procs, group, *paths)
     for path in paths:
-        assert got[path] == single_process(path), path
         assert sum(w["calls"] for w in got[path + " workers"]) > 0
 
 
@@ -75,12 +83,8 @@ def test_workers_paging_their_experts_from_disk_give_the_same_tokens(hf_checkpoi
     """`--worker-memory 60%`: each worker pages its experts through a cache of 60% of them (OD-MoE's just-in-time
     loading), and the tokens stay the single-process ones."""
     paths = [str(hf_checkpoint(arch)[1]) for arch in ("olmoe", "deepseek_v2", "mixtral")]
-    out = tmp_path / "tokens.json"
-    run = torchrun(3, "tests/distributed/ranks.py", str(out), "1", *paths, env={"MOEPAGER_TEST_WORKER_MEMORY": "60%"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(out.read_text())
+    got = ranks(tmp_path, 3, 1, *paths, env={"MOEPAGER_TEST_WORKER_MEMORY": "60%"})
     for path in paths:
-        assert got[path] == single_process(path), path
         workers = got[path + " workers"]
         assert all(w["misses"] > 0 and w["bytes_disk"] > 0 for w in workers)
 
@@ -124,12 +128,8 @@ def test_a_predictor_on_the_main_rank_drives_the_workers_loads_ahead(hf_checkpoi
     """--predictor with --worker-memory: the main rank's forecasts become its workers' prefetches (OD-MoE without a
     shadow rank); they load experts ahead and the tokens stay the single-process ones."""
     path = str(hf_checkpoint("qwen3_moe")[1])
-    out = tmp_path / "tokens.json"
-    run = torchrun(3, "tests/distributed/ranks.py", str(out), "1", path,
-                   env={"MOEPAGER_TEST_WORKER_MEMORY": "60%", "MOEPAGER_TEST_PREDICTOR": "gate-lookahead"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(out.read_text())
-    assert got[path] == single_process(path)
+    got = ranks(tmp_path, 3, 1, path, env={"MOEPAGER_TEST_WORKER_MEMORY": "60%",
+                                           "MOEPAGER_TEST_PREDICTOR": "gate-lookahead"})
     assert sum(w["loads_ahead"] for w in got[path + " workers"]) > 0
 
 
@@ -138,12 +138,7 @@ def test_a_shadow_rank_forecasts_the_workers_routing_and_changes_no_token(hf_che
     routing to the workers, who load it ahead; its forecasts name most routed experts, and the tokens are the
     single-process ones."""
     path = str(hf_checkpoint("qwen3_moe")[1])
-    out = tmp_path / "tokens.json"
-    run = torchrun(4, "tests/distributed/ranks.py", str(out), "1", path,
-                   env={"MOEPAGER_TEST_WORKER_MEMORY": "60%", "MOEPAGER_TEST_SHADOW": "1"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(out.read_text())
-    assert got[path] == single_process(path)
+    got = ranks(tmp_path, 4, 1, path, env={"MOEPAGER_TEST_WORKER_MEMORY": "60%", "MOEPAGER_TEST_SHADOW": "1"})
     workers = got[path + " workers"][1:]  # rank 1, the shadow, answers with its own counters
     assert sum(w["loads_ahead"] for w in workers) > 0
     assert sum(w["forecast"] for w in workers) > 0.5 * sum(w["routed"] for w in workers)
@@ -154,12 +149,8 @@ def test_a_shadow_running_ahead_on_its_own_tokens_forecasts_later_passes_and_cha
     """--align-period 3: the shadow computes up to two passes ahead of the main rank on its greedy guesses (which the
     int8 copy mostly gets right on greedy decoding), realigned at every pass; the tokens are the single-process ones."""
     path = str(hf_checkpoint("qwen3_moe")[1])
-    out = tmp_path / "tokens.json"
-    run = torchrun(4, "tests/distributed/ranks.py", str(out), "1", path,
-                   env={"MOEPAGER_TEST_WORKER_MEMORY": "60%", "MOEPAGER_TEST_SHADOW": "1", "MOEPAGER_TEST_ALIGN": "3"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(out.read_text())
-    assert got[path] == single_process(path)
+    got = ranks(tmp_path, 4, 1, path, env={"MOEPAGER_TEST_WORKER_MEMORY": "60%", "MOEPAGER_TEST_SHADOW": "1",
+                                           "MOEPAGER_TEST_ALIGN": "3"})
     shadow, workers = got[path + " workers"][0], got[path + " workers"][1:]
     assert shadow["loads_ahead"] > 0 and shadow["hits"] > shadow["misses"]  # passes run ahead, guesses mostly right
     assert sum(w["forecast"] for w in workers) > 0.5 * sum(w["routed"] for w in workers)

@@ -161,7 +161,8 @@ def test_a_paged_prefill_computes_landed_experts_while_others_still_load():
     from moepager.policies.lru import LRU
     from moepager.policies.prefetch import PrefetchAware
     from moepager.store.slots import SlotTable
-    from moepager.store.store import ExpertStore, Tier
+    from moepager.store.store import ExpertStore
+    from moepager.store.tiers import Tier
     from moepager.store.transfer import Transfers
     from moepager.types import ExpertKey
 

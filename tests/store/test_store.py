@@ -11,7 +11,8 @@ from moepager.errors import CheckpointError
 from moepager.policies.lru import LRU
 from moepager.policies.prefetch import make_prefetch_policy
 from moepager.store.slots import SlotTable
-from moepager.store.store import ExpertStore, Tier
+from moepager.store.store import ExpertStore
+from moepager.store.tiers import Tier
 from moepager.store.transfer import Transfers
 from moepager.types import ExpertKey, PassInfo
 
