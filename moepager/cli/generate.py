@@ -182,8 +182,8 @@ def add_execution_arguments(p: argparse.ArgumentParser) -> None:
                    help="hybrid, cpu-experts: torch threads of the thread computing experts on the CPU (default "
                         "--threads)")
     h.add_argument("--profile", metavar="FILE.json",
-                   help="a profile from `moepager calibrate --out` that hybrid placement and --execution auto take "
-                        "their costs from (default: nominal figures for the device's kind)")
+                   help="a profile from `moepager calibrate --out` that hybrid placement, --execution auto and "
+                        "--configure auto take their costs from (default: nominal figures for the device's kind)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
