@@ -148,10 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--traces", type=Path, help=f"trace root (default {SHARED}; or set {TRACES_ENV})")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="every benchmark: question, needs, suites, run time")
-    run = sub.add_parser("run", help="run one benchmark (further arguments go to it) or a suite")
+    run = sub.add_parser("run", help="run one benchmark (further arguments go to it) or a suite", add_help=False)
     run.add_argument("name", nargs="?", choices=sorted(BENCHMARKS), metavar="NAME")
     run.add_argument("--suite", choices=SUITES)
+    run.add_argument("-h", "--help", action="store_true", help="this help; after NAME, that benchmark's own")
     args, rest = parser.parse_known_args(argv)
+    if args.command == "run" and args.help:
+        if args.name is None:
+            run.print_help()
+            return 0
+        rest = ["--help", *rest]
     env = dict(os.environ)
     if args.traces is not None:
         env[TRACES_ENV] = str(args.traces.resolve())

@@ -212,8 +212,8 @@ def arguments() -> argparse.Namespace:
                          "twice the engines in memory: on the qwen3 geometry ask for one row)")
     ap.add_argument("--no-hf", action="store_true", help="leave transformers out")
     ap.add_argument("--memory", type=float, metavar="GB",
-                    help=f"RAM the engines measured together may take (default {HEADROOM:.0%} of what is available at "
-                         "the start); more engines than fit are measured in turns")
+                    help=f"RAM the engines measured together may take (default {HEADROOM * 100:.0f}%% of what is "
+                         "available at the start); more engines than fit are measured in turns")
     ap.add_argument("--out", default="peers", help="results/NAME.json")
     return ap.parse_args()
 

@@ -25,6 +25,7 @@ same order, so they agree bit for bit.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import shutil
@@ -40,8 +41,11 @@ from moepager.errors import ConfigError
 from moepager.experts.executor import SortedTokens
 from moepager.experts.quant import sections
 from moepager.experts.weights import ExpertShape
+from moepager.models.attention import Attention, RMSNorm
+from moepager.models.moe import SoftmaxTopKRouter
 
-SOURCE = Path(__file__).with_name("cpu_moe.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_moe.cpp", "cpu_step.cpp")]
+HEADER = Path(__file__).with_name("cpu_simd.h")
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -79,8 +83,10 @@ def _build() -> ModuleType:
     from torch.utils.cpp_extension import load
     build = cache_dir() / "moepager_cpu_moe"
     build.mkdir(parents=True, exist_ok=True)
-    return load("moepager_cpu_moe", [str(SOURCE)], build_directory=str(build), verbose=False,
-                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    header = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]  # `load` hashes the sources only: a header edit
+    return load("moepager_cpu_moe", [str(s) for s in SOURCES], build_directory=str(build), verbose=False,  # rebuilds
+                extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DMOEPAGER_SIMD_H={header}"],
+                extra_ldflags=["-fopenmp"])
 
 
 def extension() -> ModuleType | None:
@@ -104,7 +110,8 @@ def status() -> str:
     """One line for `info` and run statistics: which CPU kernels run, or why not ours."""
     module = extension()
     if module is not None:
-        return "moepager AVX512 (bf16: AVX512-BF16, int8/int4: VNNI, 8-bit activations)"
+        return "moepager AVX512 (bf16: AVX512-BF16, int8/int4: VNNI, 8-bit activations; bf16 norms and decode " \
+            "attention too)"
     return f"torch's (ours unavailable: {_state.get('reason')})"
 
 
@@ -195,3 +202,35 @@ def fused_experts(shape: ExpertShape, device: torch.device, kernel: str) -> Fuse
     if not applies(shape, device, kernel):
         return None
     return FusedExperts(shape, FUSED_MAX_TOKENS if shape.quant is None else 1 << 62)
+
+
+# ---- the rest of a decode step ---------------------------------------------------------------------------------
+
+def use_step_kernels(model: torch.nn.Module, dtype: torch.dtype) -> str:
+    """Give a bf16 CPU model's (`dtype`: its activations') RMSNorms, softmax top-k routers and attention layers
+    moepager's step kernels (accel/cpu_step.cpp): a norm in one call, a router in one call (up to NATIVE_MAX_TOKENS
+    tokens), a decode pass's attention -- q/k norm, RoPE, cache write, GQA over the paged cache -- in one call a layer.
+    Says what it did ("" for nothing: the extension unavailable, or not a bf16 run).
+
+    The built-in model's eager decode step ran 19 torch norms (seven ops each, ~14 us), six ops a router and some 20
+    ops of attention a layer. The kernels follow the torch path's roundings; a result may differ from torch's in its
+    last bf16 bits (the order of fp32 sums), and a router's tied experts may come in another order (torch's top-k
+    leaves it unspecified). Every row's result is the same whatever the batch, so a row decodes alike alone or
+    batched. The decode step's time, eager, bf16, built-in model: benchmarks/README.md, peers."""
+    if dtype != torch.bfloat16 or not available():
+        return ""
+    module = extension()
+    norms = attentions = routers = 0
+    for m in model.modules():
+        if isinstance(m, RMSNorm) and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu":
+            m.kernel = module.rms_norm
+            norms += 1
+        elif isinstance(m, SoftmaxTopKRouter) and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu":
+            m.kernel = module.router_topk
+            routers += 1
+        elif isinstance(m, Attention) and next(m.parameters(), next(m.buffers())).device.type == "cpu":
+            m.step = module
+            attentions += 1
+    counts = {"norms": norms, "decode attentions": attentions, "routers": routers}
+    parts = [f"{n} {what}" for what, n in counts.items() if n]
+    return ", ".join(parts) + " on moepager's CPU kernels" if parts else ""

@@ -25,6 +25,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "cpu_simd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -47,13 +49,6 @@ Spec parse_spec(const std::vector<int64_t>& s) {
   if (p.fmt == INT4) TORCH_CHECK(p.group % 32 == 0 && p.D % p.group == 0 && p.F % p.group == 0,
                                  "int4 groups must be a multiple of 32 dividing D and F");
   return p;
-}
-
-inline float bf16_to_float(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
 }
 
 // ---- activations quantized for the integer formats ------------------------------------------------------------
@@ -136,36 +131,6 @@ void quantize_row(const float* src, int64_t k, int64_t fmt, QRow out) {
 }
 
 // ---- dot products of R weight rows with T inputs: out[t][r] --------------------------------------------------
-
-inline __m512i load_tail_bf16(const uint16_t* p, int64_t n) {  // n in 1..32 elements
-  return n >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1), p);
-}
-
-constexpr int64_t PREFETCH = 4096;  // bytes ahead in a row-major matrix read row after row (one linear stream)
-
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
-
-// One weight row (K inputs) against T inputs, two independent accumulators per input.
-template <int T>
-inline void dot_bf16(const uint16_t* w, const uint16_t* const* x, int64_t K, float* out) {
-  __m512 a0[T], a1[T];
-  for (int t = 0; t < T; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    prefetch(w + k + PREFETCH / 2);
-    prefetch(w + k + 32 + PREFETCH / 2);
-    const __m512i w0 = _mm512_loadu_si512(w + k), w1 = _mm512_loadu_si512(w + k + 32);
-    for (int t = 0; t < T; ++t) {
-      a0[t] = _mm512_dpbf16_ps(a0[t], (__m512bh)w0, (__m512bh)_mm512_loadu_si512(x[t] + k));
-      a1[t] = _mm512_dpbf16_ps(a1[t], (__m512bh)w1, (__m512bh)_mm512_loadu_si512(x[t] + k + 32));
-    }
-  }
-  for (; k < K; k += 32) {
-    const __m512i wv = load_tail_bf16(w + k, K - k);
-    for (int t = 0; t < T; ++t) a0[t] = _mm512_dpbf16_ps(a0[t], (__m512bh)wv, (__m512bh)load_tail_bf16(x[t] + k, K - k));
-  }
-  for (int t = 0; t < T; ++t) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], a1[t]));
-}
 
 inline __m512i load_tail_i8(const int8_t* p, int64_t n) {  // n >= 1 bytes
   return n >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(static_cast<__mmask64>((1ull << n) - 1), p);
@@ -282,22 +247,6 @@ void rows_any(int64_t fmt, const Projection& p, int64_t group, int64_t r0, int64
 
 // ---- SiLU(gate) * up, vectorized ------------------------------------------------------------------------------
 
-inline __m512 exp512(__m512 x) {  // e^x for x in [-88, 88]: 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2]
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 inline void swiglu(const float* g, const float* u, float* h, int64_t n) {
   int64_t i = 0;
   const __m512 one = _mm512_set1_ps(1.f);
@@ -311,16 +260,6 @@ inline void swiglu(const float* g, const float* u, float* h, int64_t n) {
     const __m512 gv = _mm512_maskz_loadu_ps(m, g + i);
     const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
     _mm512_mask_storeu_ps(h + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + i)));
-  }
-}
-
-inline void to_bf16(const float* src, uint16_t* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
-  if (i < n) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
-    _mm256_mask_storeu_epi16(dst + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src + i)));
   }
 }
 
@@ -355,7 +294,7 @@ void combine_tile(const float* y, const int64_t* token, int64_t M, int64_t N, in
 // Every row of bf16 x [T, K] quantized for the integer formats (once per call: each row serves many weight rows).
 void quantize_inputs(const uint16_t* x, int64_t T, int64_t K, int64_t fmt, QBuffer& xq) {
   xq.resize(T, K, fmt);
-  at::parallel_for(0, T, 1, [&](int64_t a, int64_t b) {
+  at::parallel_for(0, T, grain_for(T, T * K * 16), [&](int64_t a, int64_t b) {  // (~16 operations an input)
     std::vector<float> row(K);
     for (int64_t t = a; t < b; ++t) {
       for (int64_t i = 0; i < K; ++i) row[i] = bf16_to_float(x[t * K + i]);
@@ -380,7 +319,8 @@ void run_layer(const Spec& s, const uint16_t* x, int64_t N, const std::vector<Gr
   if (fmt != BF16) hq.resize(M, F, fmt);
   const int64_t tiles_f = (F + TILE_F - 1) / TILE_F;
   const int64_t G = static_cast<int64_t>(groups.size());
-  at::parallel_for(0, G * tiles_f, 1, [&](int64_t a, int64_t b) {
+  const int64_t macs = M * 3 * D * F;
+  at::parallel_for(0, G * tiles_f, grain_for(G * tiles_f, macs), [&](int64_t a, int64_t b) {
     std::vector<float> gate, up, h;
     std::vector<const uint16_t*> xb;
     std::vector<QRow> xr;
@@ -423,7 +363,7 @@ void run_layer(const Spec& s, const uint16_t* x, int64_t N, const std::vector<Gr
   });
   // phase 2: down rows of every group, one task per D tile; then (with `out`) each token's sum for the tile
   const int64_t tiles_d = (D + TILE_D - 1) / TILE_D;
-  at::parallel_for(0, tiles_d, 1, [&](int64_t a, int64_t b) {
+  at::parallel_for(0, tiles_d, grain_for(tiles_d, macs), [&](int64_t a, int64_t b) {
     std::vector<const uint16_t*> hbr;
     std::vector<QRow> hqr;
     std::vector<float> acc;
@@ -503,7 +443,7 @@ torch::Tensor moe_combine(const torch::Tensor& y, const torch::Tensor& token, in
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t tiles = (D + TILE_D - 1) / TILE_D;
   pybind11::gil_scoped_release release;
-  at::parallel_for(0, tiles, 1, [&](int64_t a, int64_t b) {
+  at::parallel_for(0, tiles, grain_for(tiles, M * D * 16), [&](int64_t a, int64_t b) {  // (M * D adds: as ~16 MACs)
     std::vector<float> acc;
     for (int64_t task = a; task < b; ++task)
       combine_tile(yp, tp, M, n, D, task * TILE_D, std::min(D, task * TILE_D + TILE_D), op, acc);
@@ -574,7 +514,7 @@ torch::Tensor gemv(int64_t fmt, const Projection& p, const torch::Tensor& x) {
     quantize_inputs(xp, T, K, fmt, xq);
     for (int64_t t = 0; t < T; ++t) xr[t] = xq.row(t);
   }
-  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t a, int64_t b) {
+  at::parallel_for(0, (N + 15) / 16, grain_for((N + 15) / 16, T * N * K), [&](int64_t a, int64_t b) {
     for (int64_t task = a; task < b; ++task) {
       const int64_t r0 = task * 16, r1 = std::min(N, r0 + 16);
       rows_any(fmt, p, 0, r0, r1, fmt == BF16 ? xs.data() : nullptr, fmt == BF16 ? nullptr : xr.data(), T, yp, N);
@@ -631,7 +571,10 @@ int64_t stream_read(const torch::Tensor& x) {
   return total;
 }
 
+void register_step(pybind11::module_& m);  // cpu_step.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_step(m);
   m.def("stream_read", &stream_read);
   m.def("moe_partial", &moe_partial);
   m.def("moe_combine", &moe_combine);

@@ -220,6 +220,9 @@ def build_model(opened: OpenCheckpoint, experts: ExpertExecutor, options: LoadOp
         else ""
     if dev.type == "cpu":
         weights_on_huge_pages(model)
+        steps = cpu_kernels.use_step_kernels(model, dtype) if options.pack_dense else ""
+        if options.dense_dtype is None:  # (an int8 run's dense format stays "int8": its steps run the kernels too)
+            packed = "; ".join(x for x in (packed, steps) if x)
     dense_format = DENSE_FORMATS[options.dense_dtype] if options.dense_dtype else str(dtype).removeprefix("torch.")
     if packed:
         dense_format += f" ({packed})"

@@ -9,7 +9,9 @@ its cache indices and the causal mask is `s <= p`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Literal
 
 import torch
@@ -30,11 +32,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernel: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+        """moepager's CPU norm (accel/cpu_kernels.py `use_step_kernels`: bf16 CPU runs) for bf16 inputs outside a
+        compiled graph: one call where torch's eager norm is seven ops (~14 us)."""
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """`weight` in place of the module's (one that broadcasts: Attention normalises q and k heads at once).
         torch's rms_norm is x32 * rsqrt(mean(x32^2) + eps): on the CPU the same ops as written out (bit-equal), on
         CUDA one fused kernel for five (a decode step runs three norms a layer, and one after the last)."""
+        if self.kernel is not None and x.dtype is torch.bfloat16 and not torch.compiler.is_compiling():
+            return self.kernel(x, self.weight if weight is None else weight, self.eps)
         x32 = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return (self.weight if weight is None else weight) * x32.to(x.dtype)
 
@@ -216,6 +223,10 @@ def attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, 
                                           enable_gqa=h != hkv)
 
 
+NO_WEIGHT = torch.empty(0, dtype=torch.bfloat16)
+"""No q/k norm, to the CPU decode attention kernel."""
+
+
 class Attention(nn.Module):
     """Grouped-query attention with RoPE, optional q/k RMSNorm (per head or over the whole projection) and
     optional clipping of q/k/v (OLMoE's clip_qkv)."""
@@ -235,6 +246,12 @@ class Attention(nn.Module):
         elif qk_norm == "full":
             self.q_norm, self.k_norm = RMSNorm(h * dh, cfg.rms_norm_eps), RMSNorm(hkv * dh, cfg.rms_norm_eps)
         self.clip_qkv = clip_qkv
+        self.window = cfg.sliding_window
+        self.scale = 1.0 / math.sqrt(dh)
+        """SDPA's default scale, as it computes it."""
+        self.step: ModuleType | None = None
+        """moepager's CPU kernels (accel/cpu_kernels.py `use_step_kernels`: bf16 CPU runs): a decode pass of one token
+        a row over the paged cache in one call (q/k norm, RoPE, cache write, attention) outside a compiled graph."""
         self._qk_weight: tuple[tuple[int, int, torch.device], torch.Tensor] | None = None
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.qkv: nn.Module | None = None
@@ -281,6 +298,13 @@ class Attention(nn.Module):
             qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
         if self.clip_qkv is not None:
             qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        if self.step is not None and t == 1 and batch.block_table_BN is not None and not torch.compiler.is_compiling():
+            cos, sin = rope  # (the norm's weight and eps as the per-head norm below takes them)
+            out = self.step.decode_attention(
+                qkv.view(b, -1), self._qk_norm_weight() if self.qk_norm == "head" else NO_WEIGHT,
+                self.q_norm.eps if self.qk_norm == "head" else 0.0, cos.view(b, -1), sin.view(b, -1), cache,
+                batch.block_table_BN, batch.positions_BT.view(b), self.num_heads, self.window or 0, self.scale)
+            return self.o_proj(out.view(b, 1, -1))
         # Queries and keys as one [B, T, H + Hkv, Dh] tensor: per-head norm and RoPE once for both
         h, hq, hkv = self.num_heads + self.num_kv_heads, self.num_heads, self.num_kv_heads
         heads_BTND = qkv.view(b, t, -1, self.head_dim)

@@ -6,6 +6,8 @@ Shape legend: N tokens, D hidden, E experts, K top-k.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -94,12 +96,19 @@ class SoftmaxTopKRouter(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.top_k, self.normalize, self.fp32_weights = top_k, normalize, fp32_weights
+        self.kernel: Callable[..., list[torch.Tensor]] | None = None
+        """moepager's CPU router (accel/cpu_kernels.py `use_step_kernels`: bf16 CPU runs), for up to
+        NATIVE_MAX_TOKENS bf16 tokens outside a compiled graph: one call where torch's are six."""
 
     def scores(self, x_ND: torch.Tensor) -> torch.Tensor:
         """The decision's scores_TE alone (what gate lookahead applies to an earlier layer's input)."""
         return torch.softmax(F.linear(x_ND, self.weight), dim=-1, dtype=torch.float32)
 
     def forward(self, x_ND: torch.Tensor) -> RoutingDecision:
+        if self.kernel is not None and x_ND.shape[0] <= NATIVE_MAX_TOKENS and x_ND.dtype is torch.bfloat16 \
+                and not torch.compiler.is_compiling():
+            ids_NK, weights_NK, probs_NE = self.kernel(x_ND, self.weight, self.top_k, self.normalize)
+            return RoutingDecision(ids_NK, weights_NK if self.fp32_weights else weights_NK.to(x_ND.dtype), probs_NE)
         # `scores` written out: one Python call less per layer and token
         probs_NE = torch.softmax(F.linear(x_ND, self.weight), dim=-1, dtype=torch.float32)
         weights_NK, ids_NK = torch.topk(probs_NE, self.top_k, dim=-1)

@@ -1,0 +1,286 @@
+// moepager's CPU kernels for the rest of a decode step, beside the MoE layer's (cpu_moe.cpp; one extension, built by
+// accel/cpu_kernels.py): RMSNorm in one call, and one decode token's attention -- q/k RMSNorm, RoPE, the KV cache
+// write and grouped-query attention over the paged cache -- in one call per layer, where torch's eager ops take
+// ~14 us a norm (seven ops) and some twenty ops an attention.
+//
+// Arithmetic follows the torch path's roundings (models/attention.py): a norm sums x^2 in fp32 and rounds
+// x * rsqrt(mean + eps) to bf16 before the weight's product (rounded again); RoPE rounds x * cos, rotate(x) * sin and
+// their sum to bf16 each (bit-equal to the torch path); scores, softmax and the weighted sum of values in fp32, the
+// output rounded to bf16 once. The order of the fp32 sums differs from torch's kernels, so a result may differ from
+// theirs in its last bf16 bits (tests/accel/test_cpu_step.py states the bounds); the order is fixed whatever the
+// thread count or the batch, so every row's result is the same alone or batched.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "cpu_simd.h"
+
+namespace {
+
+constexpr int64_t MAX_HEAD_DIM = 256;
+
+// out = w * bf16(x * rsqrt(mean(x^2) + eps)) for one row of n.
+inline void norm_row(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t n, float eps) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = load_bf16x16(x + i, tail_mask(n - i));
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+  }
+  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(n) + eps));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 y = round_bf16x16(_mm512_mul_ps(load_bf16x16(x + i, m), r));
+    _mm256_mask_storeu_epi16(out + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(load_bf16x16(w + i, m), y)));
+  }
+}
+
+// out = x * cos + roll(x, n/2) * signed_sin, each product and the sum rounded to bf16 (models/attention.py apply_rope).
+inline void rope_row(const uint16_t* x, const uint16_t* c, const uint16_t* s, uint16_t* out, int64_t n) {
+  const int64_t half = n / 2;
+  for (int64_t i = 0; i < half; i += 16) {
+    const __mmask16 m = tail_mask(half - i);
+    const __m512 lo = load_bf16x16(x + i, m), hi = load_bf16x16(x + half + i, m);
+    const __m512 a = _mm512_add_ps(round_bf16x16(_mm512_mul_ps(lo, load_bf16x16(c + i, m))),
+                                   round_bf16x16(_mm512_mul_ps(hi, load_bf16x16(s + i, m))));
+    const __m512 b = _mm512_add_ps(round_bf16x16(_mm512_mul_ps(hi, load_bf16x16(c + half + i, m))),
+                                   round_bf16x16(_mm512_mul_ps(lo, load_bf16x16(s + half + i, m))));
+    _mm256_mask_storeu_epi16(out + i, m, (__m256i)_mm512_cvtneps_pbh(a));
+    _mm256_mask_storeu_epi16(out + half + i, m, (__m256i)_mm512_cvtneps_pbh(b));
+  }
+}
+
+struct Cache {
+  uint16_t* data;
+  const int64_t* table;  // [B, W] blocks of each row
+  int64_t W, block, heads2, dh;  // heads2 = 2 Hkv: keys on heads 0..Hkv-1, values after
+  uint16_t* slot(int64_t b, int64_t p) const {  // position p of row b: its 2 Hkv heads
+    return data + (table[b * W + p / block] * block + p % block) * heads2 * dh;
+  }
+};
+
+// Query heads g*G .. g*G+G-1 of row b (q: G rows of Dh fp32) against KV head g over positions [lo, p]: their outputs
+// (bf16) into out. sc: scratch of G * (p - lo + 1) floats.
+void attend(const Cache& kv, int64_t b, int64_t g, int64_t lo, int64_t p, const float* q, int64_t G, float scale,
+            std::vector<float>& sc, uint16_t* out) {
+  const int64_t dh = kv.dh, L = p - lo + 1, chunks = (dh + 15) / 16, hkv = kv.heads2 / 2;
+  sc.resize(G * L);
+  __m512 kc[MAX_HEAD_DIM / 16];
+  for (int64_t s = lo; s <= p; ++s) {
+    const uint16_t* k = kv.slot(b, s) + g * dh;
+    for (int64_t c = 0; c < chunks; ++c) kc[c] = load_bf16x16(k + c * 16, tail_mask(dh - c * 16));
+    for (int64_t i = 0; i < G; ++i) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c)
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail_mask(dh - c * 16), q + i * dh + c * 16), kc[c], acc);
+      sc[i * L + (s - lo)] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+  std::vector<float> inv(G);
+  for (int64_t i = 0; i < G; ++i) {  // softmax numerators in place, 1 / their sum in inv
+    float* row = sc.data() + i * L;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < L; j += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail_mask(L - j), row + j));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < L; j += 16) {
+      const __mmask16 t = tail_mask(L - j);
+      const __m512 e = _mm512_maskz_mov_ps(t, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(t, row + j), m)));
+      _mm512_mask_storeu_ps(row + j, t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    inv[i] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+  std::vector<__m512> acc(G * chunks, _mm512_setzero_ps());
+  for (int64_t s = lo; s <= p; ++s) {
+    const uint16_t* v = kv.slot(b, s) + (hkv + g) * dh;
+    for (int64_t c = 0; c < chunks; ++c) kc[c] = load_bf16x16(v + c * 16, tail_mask(dh - c * 16));
+    for (int64_t i = 0; i < G; ++i) {
+      const __m512 w = _mm512_set1_ps(sc[i * L + (s - lo)]);
+      for (int64_t c = 0; c < chunks; ++c) acc[i * chunks + c] = _mm512_fmadd_ps(w, kc[c], acc[i * chunks + c]);
+    }
+  }
+  for (int64_t i = 0; i < G; ++i)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __mmask16 t = tail_mask(dh - c * 16);
+      const __m512 o = _mm512_mul_ps(acc[i * chunks + c], _mm512_set1_ps(inv[i]));
+      _mm256_mask_storeu_epi16(out + i * dh + c * 16, t, (__m256i)_mm512_cvtneps_pbh(o));
+    }
+}
+
+}  // namespace
+
+// RMSNorm over the last dimension of bf16 x: w * bf16(x * rsqrt(mean(x^2) + eps)), row i of x (as [M, n]) taking row
+// i % R of the bf16 weight w [R, n] ([n]: one weight; [H, n]: per-head weights of [..., H, n] heads).
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16 && x.device().is_cpu() &&
+              w.device().is_cpu(), "rms_norm: bf16 CPU tensors");
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(n > 0 && w.size(-1) == n && w.is_contiguous() && w.numel() % n == 0 && x.numel() % w.numel() == 0,
+              "rms_norm: a contiguous weight [R, n] whose rows tile x's [..., n]");
+  const auto xc = x.contiguous();
+  auto out = torch::empty_like(xc);
+  const int64_t M = xc.numel() / n, R = w.numel() / n;
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const float e = static_cast<float>(eps);
+  auto rows = [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) norm_row(xp + i * n, wp + (i % R) * n, op + i * n, n, e);
+  };
+  if (M * n * 4 < SERIAL_MACS) {  // (~4 operations an input)
+    rows(0, M);
+  } else {
+    pybind11::gil_scoped_release release;
+    at::parallel_for(0, M, std::max<int64_t>(1, SERIAL_MACS / (4 * n)), rows);
+  }
+  return out;
+}
+
+// One decode token per row b, at position p = positions[b]: the q and k heads of qkv [B, (H + 2 Hkv) Dh] normed
+// (qk_w [H + Hkv, Dh]; an empty tensor: no norm) and rotated (cos, signed sin [B, Dh]), k and v written to position
+// p of the row's blocks in the paged cache [blocks, block size, 2 Hkv, Dh] (table [B, W]), then each query head
+// attends to positions max(0, p - window + 1) (window 0: 0) to p of its KV head, scores scaled by `scale`.
+// Returns the heads' outputs [B, H Dh] (bf16).
+torch::Tensor decode_attention(const torch::Tensor& qkv, const torch::Tensor& qk_w, double eps,
+                               const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor cache,
+                               const torch::Tensor& table, const torch::Tensor& positions, int64_t H, int64_t window,
+                               double scale) {
+  const auto bf16 = torch::kBFloat16;
+  TORCH_CHECK(qkv.scalar_type() == bf16 && cos.scalar_type() == bf16 && sin.scalar_type() == bf16 &&
+              cache.scalar_type() == bf16 && table.scalar_type() == torch::kLong &&
+              positions.scalar_type() == torch::kLong, "decode_attention: bf16 tensors, int64 table and positions");
+  TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && cache.is_contiguous() &&
+              table.is_contiguous() && positions.is_contiguous() && cache.dim() == 4 && table.dim() == 2 &&
+              qkv.dim() == 2, "decode_attention: contiguous qkv [B, .], cache [blocks, bs, 2 Hkv, Dh], table [B, W]");
+  const int64_t B = qkv.size(0), block = cache.size(1), heads2 = cache.size(2), dh = cache.size(3), hkv = heads2 / 2;
+  const int64_t W = table.size(1), width = (H + heads2) * dh;
+  TORCH_CHECK(heads2 % 2 == 0 && H > 0 && H % hkv == 0 && qkv.size(1) == width && table.size(0) == B &&
+              positions.numel() == B && cos.numel() == B * dh && sin.numel() == B * dh && dh % 2 == 0 &&
+              dh <= MAX_HEAD_DIM, "decode_attention: shapes of qkv, cos/sin, table or positions do not agree");
+  const bool norm = qk_w.numel() > 0;
+  TORCH_CHECK(!norm || (qk_w.scalar_type() == bf16 && qk_w.is_contiguous() && qk_w.numel() == (H + hkv) * dh),
+              "decode_attention: qk_w [H + Hkv, Dh] bf16");
+  const auto* pos = positions.data_ptr<int64_t>();
+  const auto* tab = table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < W * block, "decode_attention: position ", pos[b], " past the block table");
+    for (int64_t j = 0; j <= pos[b] / block; ++j)
+      TORCH_CHECK(tab[b * W + j] >= 0 && tab[b * W + j] < cache.size(0), "decode_attention: block out of range");
+  }
+  const Cache kv{reinterpret_cast<uint16_t*>(cache.data_ptr()), tab, W, block, heads2, dh};
+  const auto* xp = reinterpret_cast<const uint16_t*>(qkv.data_ptr());
+  const auto* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr());
+  const auto* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr());
+  const auto* wp = norm ? reinterpret_cast<const uint16_t*>(qk_w.data_ptr()) : nullptr;
+  auto out = torch::empty({B, H * dh}, qkv.options());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const float e = static_cast<float>(eps), sc = static_cast<float>(scale);
+  std::vector<float> q(B * H * dh);  // the rotated queries (bf16 values) as fp32
+  {
+    std::vector<uint16_t> normed(dh), rotated(dh);
+    for (int64_t b = 0; b < B; ++b) {
+      uint16_t* slot = kv.slot(b, pos[b]);
+      for (int64_t j = 0; j < H + hkv; ++j) {
+        const uint16_t* src = xp + b * width + j * dh;
+        if (norm) {
+          norm_row(src, wp + j * dh, normed.data(), dh, e);
+          src = normed.data();
+        }
+        uint16_t* dst = j < H ? rotated.data() : slot + (j - H) * dh;
+        rope_row(src, cp + b * dh, sp + b * dh, dst, dh);
+        if (j < H)
+          for (int64_t i = 0; i < dh; ++i) q[(b * H + j) * dh + i] = bf16_to_float(rotated[i]);
+      }
+      std::memcpy(slot + hkv * dh, xp + b * width + (H + hkv) * dh, hkv * dh * sizeof(uint16_t));
+    }
+  }
+  const int64_t G = H / hkv;
+  int64_t work = 0;
+  for (int64_t b = 0; b < B; ++b) work += (pos[b] + 1) * H * dh * 2;
+  const int64_t tasks = B * hkv;
+  auto run = [&](int64_t a, int64_t z) {
+    std::vector<float> scratch;
+    for (int64_t t = a; t < z; ++t) {
+      const int64_t b = t / hkv, g = t % hkv, p = pos[b], lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+      attend(kv, b, g, lo, p, q.data() + (b * H + g * G) * dh, G, sc, scratch, op + (b * H + g * G) * dh);
+    }
+  };
+  if (work < SERIAL_MACS || tasks == 1) {
+    run(0, tasks);
+  } else {
+    pybind11::gil_scoped_release release;
+    at::parallel_for(0, tasks, 1, run);
+  }
+  return out;
+}
+
+// Softmax top-k routing of bf16 x [N, D] by the bf16 router W [E, D], as models/moe.py's SoftmaxTopKRouter computes
+// it: logits rounded to bf16 (a bf16 linear's output; its dot products as linear_bf16's), softmax in fp32, the k
+// largest probabilities in descending order (ties: the lower expert first), with `normalize` divided by their sum.
+// Returns ids [N, k] int64, weights [N, k] fp32 and probabilities [N, E] fp32.
+std::vector<torch::Tensor> router_topk(const torch::Tensor& x, const torch::Tensor& w, int64_t k, bool normalize) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16 && x.dim() == 2 &&
+              w.dim() == 2 && x.size(1) == w.size(1) && w.is_contiguous() && k >= 1 && k <= w.size(0),
+              "router_topk: bf16 x [N, D] and contiguous W [E, D], 1 <= k <= E");
+  const auto xc = x.contiguous();
+  const int64_t N = xc.size(0), D = xc.size(1), E = w.size(0);
+  auto probs = torch::empty({N, E}, x.options().dtype(torch::kFloat));
+  auto weights = torch::empty({N, k}, probs.options());
+  auto ids = torch::empty({N, k}, x.options().dtype(torch::kLong));
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  float* pp = probs.data_ptr<float>();
+  float* wtp = weights.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  auto rows = [&](int64_t a, int64_t b) {
+    std::vector<int64_t> order(E);
+    for (int64_t t = a; t < b; ++t) {
+      const uint16_t* xt = xp + t * D;
+      float* p = pp + t * E;
+      for (int64_t e = 0; e < E; ++e) {
+        dot_bf16<1>(wp + e * D, &xt, D, p + e);
+        p[e] = round_bf16(p[e]);
+      }
+      __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+      for (int64_t e = 0; e < E; e += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail_mask(E - e), p + e));
+      const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+      for (int64_t e = 0; e < E; e += 16) {
+        const __mmask16 tm = tail_mask(E - e);
+        const __m512 v = _mm512_maskz_mov_ps(tm, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tm, p + e), m)));
+        _mm512_mask_storeu_ps(p + e, tm, v);
+        sum = _mm512_add_ps(sum, v);
+      }
+      const __m512 s = _mm512_set1_ps(_mm512_reduce_add_ps(sum));
+      for (int64_t e = 0; e < E; e += 16) {
+        const __mmask16 tm = tail_mask(E - e);
+        _mm512_mask_storeu_ps(p + e, tm, _mm512_div_ps(_mm512_maskz_loadu_ps(tm, p + e), s));
+      }
+      for (int64_t e = 0; e < E; ++e) order[e] = e;
+      std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                        [p](int64_t i, int64_t j) { return p[i] > p[j] || (p[i] == p[j] && i < j); });
+      float total = 0.f;
+      for (int64_t i = 0; i < k; ++i) total += p[order[i]];
+      for (int64_t i = 0; i < k; ++i) {
+        ip[t * k + i] = order[i];
+        wtp[t * k + i] = normalize ? p[order[i]] / total : p[order[i]];
+      }
+    }
+  };
+  if (N * E * D < SERIAL_MACS) {
+    rows(0, N);
+  } else {
+    pybind11::gil_scoped_release release;
+    at::parallel_for(0, N, 1, rows);
+  }
+  return {ids, weights, probs};
+}
+
+void register_step(pybind11::module_& m) {
+  m.def("router_topk", &router_topk);
+  m.def("rms_norm", &rms_norm);
+  m.def("decode_attention", &decode_attention);
+}

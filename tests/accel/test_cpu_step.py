@@ -1,0 +1,176 @@
+"""moepager's CPU decode-step kernels (accel/cpu_step.cpp, accel/cpu_kernels.py `use_step_kernels`): the norm, the
+router and the decode attention against the torch path they replace, on odd shapes, every q/k norm, GQA grouping,
+sliding windows and rows at different lengths; the same result alone or batched; every architecture's engine run;
+the fallback.
+
+Tolerances: the norm and RoPE round as the torch path does, so the cache they write is bit-equal to it whenever the
+norm's fp32 sum of squares rounds alike (seen: always; allowed: 1 bf16 ulp); the attention's scores, softmax and
+value sums are fp32 in another order than SDPA's, then rounded to bf16 once: its output is within 1 bf16 ulp of the
+torch path's (2^-7 of the magnitude; 2% of the output's largest magnitude allowed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moepager.accel import cpu_kernels
+from moepager.config import EngineConfig
+from moepager.models.attention import Attention, ForwardBatch, RMSNorm, RotaryEmbedding
+from moepager.models.config import ModelConfig, RopeConfig
+from moepager.models.moe import SoftmaxTopKRouter
+from moepager.runtime.llm import LLM
+from moepager.runtime.sampling import SamplingParams
+from tests.conftest import ARCHS
+
+BF16 = torch.bfloat16
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no CPU kernels here: "
+                                   f"{cpu_kernels.unsupported_reason()}")
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 steps (of b's binade) a and b are apart."""
+    _, exponent = torch.frexp(b.float())
+    return (a.float() - b.float()).abs() / torch.ldexp(torch.ones(()), exponent - 8)
+
+
+@needs_kernels
+@pytest.mark.parametrize("n, shape, per_row", [(256, (1, 1), False), (33, (7,), False), (64, (3, 2, 12), True),
+                                               (40, (64,), False), (128, (2, 5, 36), True)])
+def test_rms_norm_equals_the_torch_norm(n, shape, per_row):
+    gen = torch.Generator().manual_seed(n)
+    x = (torch.randn(*shape, n, generator=gen) * 3).to(BF16)
+    norm = RMSNorm(n, 1e-6).to(BF16)
+    w = (torch.randn(shape[-1] if per_row else 1, n, generator=gen) * 0.5 + 1).to(BF16)
+    ref = norm(x, w if per_row else w[0])
+    got = cpu_kernels.extension().rms_norm(x, w, 1e-6)
+    assert got.shape == ref.shape and got.dtype == BF16
+    assert ulps(got, ref).max() <= 1.0
+    assert (got == ref).float().mean() >= 0.99
+    # a non-contiguous input (the q/k heads of a fused projection) normalises the same
+    wide = torch.cat((x, x), dim=-1)[..., :n]
+    assert torch.equal(cpu_kernels.extension().rms_norm(wide, w, 1e-6), got)
+
+
+@needs_kernels
+@pytest.mark.parametrize("n, d, e, k, normalize", [(1, 256, 32, 4, True), (7, 100, 60, 4, False),
+                                                   (16, 2048, 128, 8, True), (3, 33, 8, 2, True)])
+def test_router_equals_the_torch_router(n, d, e, k, normalize):
+    """The same experts with the same weights (fp32: within 1e-7) and probabilities; the order of experts whose
+    probabilities tie may differ (torch's top-k leaves it unspecified; ours puts the lower expert first)."""
+    torch.manual_seed(n)
+    router = SoftmaxTopKRouter(d, e, k, normalize=normalize, fp32_weights=True).to(BF16)
+    router.weight.data = (torch.randn(e, d) * 0.05).to(BF16)
+    x = torch.randn(n, d).to(BF16)
+    torch._C._set_mkldnn_enabled(False)  # torch's own GEMV, as MoEBlock runs a few tokens' router
+    try:
+        ref = router(x)
+    finally:
+        torch._C._set_mkldnn_enabled(True)
+    router.kernel = cpu_kernels.extension().router_topk
+    got = router(x)
+    torch.testing.assert_close(got.scores_TE, ref.scores_TE, rtol=0, atol=1e-7)
+    ids, order = got.ids_TK.sort(-1)
+    ref_ids, ref_order = ref.ids_TK.sort(-1)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(got.weights_TK.gather(-1, order), ref.weights_TK.gather(-1, ref_order), rtol=0,
+                               atol=1e-7)
+    assert (got.weights_TK[:, :-1] >= got.weights_TK[:, 1:]).all()
+
+
+def attention_module(qk_norm, window, heads=6, kv_heads=2, head_dim=40, hidden=96, clip=None, seed=0):
+    cfg = ModelConfig("Test", 64, hidden, 1, heads, kv_heads, head_dim, 1e-6, RopeConfig(10000.0, head_dim), 256,
+                      True, (0,), 4, 2, 16, 16, sliding_window=window)
+    torch.manual_seed(seed)
+    attn = Attention(cfg, qkv_bias=True, qk_norm=qk_norm, clip_qkv=clip)
+    for p in attn.parameters():
+        p.data = (torch.randn_like(p) * (0.2 if p.dim() > 1 else 1.0)).to(BF16)
+    return attn, RotaryEmbedding(cfg.rope, 256)
+
+
+def paged_decode(attn, rope, x_BD, positions, cache, table):
+    """One decode token a row, through the paged-cache forward (what the engine runs)."""
+    pos = torch.tensor(positions)[:, None]
+    b, bs = len(positions), cache.shape[1]
+    slot_block = table[torch.arange(b), (pos[:, 0] // bs).clamp_max(table.shape[1] - 1)][:, None]
+    batch = ForwardBatch.build(pos, paged=(table, slot_block, pos % bs), sliding_window=attn.window)
+    with torch.inference_mode():
+        return attn(x_BD[:, None], rope(pos, BF16), batch, cache)[:, 0]
+
+
+@needs_kernels
+@pytest.mark.parametrize("qk_norm, clip", [("head", None), (None, None), ("full", 0.5)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_attention_equals_the_torch_path(qk_norm, clip, window):
+    """Rows at positions 0, 9 and 21 (blocks of 4, scattered), GQA of 3 query heads a KV head, a head dim that is not
+    a multiple of 16: the output within the tolerance, the cache written alike."""
+    attn, rope = attention_module(qk_norm, window, clip=clip)
+    gen = torch.Generator().manual_seed(1)
+    blocks, bs, positions = 24, 4, [0, 9, 21]
+    table = torch.randperm(blocks, generator=gen)[:18].view(3, 6)
+    cache = (torch.randn(blocks, bs, 4, 40, generator=gen)).to(BF16)
+    x = torch.randn(3, 96, generator=gen).to(BF16)
+    ref_cache, got_cache = cache.clone(), cache.clone()
+    ref = paged_decode(attn, rope, x, positions, ref_cache, table)
+    attn.step = cpu_kernels.extension()
+    got = paged_decode(attn, rope, x, positions, got_cache, table)
+    assert (ulps(got_cache, ref_cache) <= 1.0).all() and (got_cache == ref_cache).float().mean() >= 0.99
+    assert (got - ref).abs().max() <= 0.02 * ref.abs().max()
+    # each row alone: bit for bit what it was batched (its own blocks, the same cache)
+    for b, p in enumerate(positions):
+        alone = paged_decode(attn, rope, x[b:b + 1], [p], cache.clone(), table[b:b + 1])
+        assert torch.equal(alone[0], got[b])
+
+
+@needs_kernels
+def test_decode_attention_rejects_a_position_past_its_blocks():
+    attn, rope = attention_module("head", None)
+    attn.step = cpu_kernels.extension()
+    cache, table = torch.zeros(8, 4, 4, 40, dtype=BF16), torch.arange(2).view(1, 2)
+    with pytest.raises(RuntimeError, match="past the block table"):
+        paged_decode(attn, rope, torch.randn(1, 96).to(BF16), [8], cache, table)
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_architecture_decodes_through_the_kernels_as_through_torch(hf_checkpoint, arch, monkeypatch):
+    """Two prompts batched through the engine (paged cache, decode passes of two rows at different lengths), greedy:
+    at every decode pass each attention layer's output through the kernel is the torch path's within the tolerance,
+    and so is the cache it writes; the run says the kernels ran. (The greedy tokens themselves are not compared: these
+    random models have near-ties, logits 1e-3 apart, that a last-bit difference flips.)"""
+    _, path = hf_checkpoint(arch)
+    llm = LLM(path, dtype="bfloat16", show_progress=False)
+    note = llm.loaded.dense_format
+    assert "norms" in note and "moepager's CPU kernels" in note
+    assert ("routers" in note) == any(isinstance(m, SoftmaxTopKRouter) for m in llm.loaded.model.modules())
+    forward, compared = Attention.forward, []
+
+    def both(self, x, rope, batch, cache):
+        if self.step is not None and x.shape[1] == 1:
+            step, ref_cache, got_cache = self.step, cache.clone(), cache.clone()
+            self.step = None
+            ref = forward(self, x, rope, batch, ref_cache)
+            self.step = step
+            got = forward(self, x, rope, batch, got_cache)
+            assert (got - ref).abs().max() <= 0.02 * ref.abs().max()
+            assert (ulps(got_cache, ref_cache) <= 1.0).all()
+            compared.append(x.shape[0])
+        return forward(self, x, rope, batch, cache)
+
+    monkeypatch.setattr(Attention, "forward", both)
+    outs = llm.generate([[3, 5, 7, 11, 13], [17, 19]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [5, 5]
+    uses_attention = any(isinstance(m, Attention) for m in llm.loaded.model.modules())
+    assert (2 in compared) == uses_attention  # (DeepSeek's MLA has an attention of its own: norms only)
+
+
+def test_without_the_extension_the_model_keeps_torch_ops(monkeypatch):
+    """No extension (no AVX-512, no compiler, MOEPAGER_CPU_KERNELS=0): nothing is replaced and the run is the torch
+    path's; an fp32 run is never given the kernels."""
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    llm = LLM(config=EngineConfig(), show_progress=False)
+    model = llm.loaded.model
+    assert all(m.kernel is None for m in model.modules() if isinstance(m, RMSNorm))
+    assert all(m.step is None for m in model.modules() if isinstance(m, Attention))
+    assert len(llm.generate(["Once"], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
+    monkeypatch.undo()
+    assert cpu_kernels.use_step_kernels(model, torch.float32) == ""
