@@ -41,10 +41,9 @@ from moepager.errors import ConfigError
 from moepager.experts.executor import SortedTokens
 from moepager.experts.quant import sections
 from moepager.experts.weights import ExpertShape
-from moepager.models.attention import Attention, RMSNorm
-from moepager.models.moe import SoftmaxTopKRouter
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_moe.cpp", "cpu_step.cpp")]
+"""The MoE layer's kernels and the dense GEMV (cpu_moe.cpp); the rest of a decode step (cpu_step.cpp, accel/step.py)."""
 HEADER = Path(__file__).with_name("cpu_simd.h")
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -203,34 +202,3 @@ def fused_experts(shape: ExpertShape, device: torch.device, kernel: str) -> Fuse
         return None
     return FusedExperts(shape, FUSED_MAX_TOKENS if shape.quant is None else 1 << 62)
 
-
-# ---- the rest of a decode step ---------------------------------------------------------------------------------
-
-def use_step_kernels(model: torch.nn.Module, dtype: torch.dtype) -> str:
-    """Give a bf16 CPU model's (`dtype`: its activations') RMSNorms, softmax top-k routers and attention layers
-    moepager's step kernels (accel/cpu_step.cpp): a norm in one call, a router in one call (up to NATIVE_MAX_TOKENS
-    tokens), a decode pass's attention -- q/k norm, RoPE, cache write, GQA over the paged cache -- in one call a layer.
-    Says what it did ("" for nothing: the extension unavailable, or not a bf16 run).
-
-    The built-in model's eager decode step ran 19 torch norms (seven ops each, ~14 us), six ops a router and some 20
-    ops of attention a layer. The kernels follow the torch path's roundings; a result may differ from torch's in its
-    last bf16 bits (the order of fp32 sums), and a router's tied experts may come in another order (torch's top-k
-    leaves it unspecified). Every row's result is the same whatever the batch, so a row decodes alike alone or
-    batched. The decode step's time, eager, bf16, built-in model: benchmarks/README.md, peers."""
-    if dtype != torch.bfloat16 or not available():
-        return ""
-    module = extension()
-    norms = attentions = routers = 0
-    for m in model.modules():
-        if isinstance(m, RMSNorm) and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu":
-            m.kernel = module.rms_norm
-            norms += 1
-        elif isinstance(m, SoftmaxTopKRouter) and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu":
-            m.kernel = module.router_topk
-            routers += 1
-        elif isinstance(m, Attention) and next(m.parameters(), next(m.buffers())).device.type == "cpu":
-            m.step = module
-            attentions += 1
-    counts = {"norms": norms, "decode attentions": attentions, "routers": routers}
-    parts = [f"{n} {what}" for what, n in counts.items() if n]
-    return ", ".join(parts) + " on moepager's CPU kernels" if parts else ""

@@ -279,7 +279,66 @@ std::vector<torch::Tensor> router_topk(const torch::Tensor& x, const torch::Tens
   return {ids, weights, probs};
 }
 
+// Defined in cpu_moe.cpp.
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w);
+torch::Tensor moe_resident(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& weights,
+                           const torch::Tensor& arena, int64_t base, int64_t num_experts,
+                           const std::vector<int64_t>& spec);
+
+namespace {
+
+// a + b for contiguous bf16 tensors, b of a's shape or one row added to each of a's, rounded as torch's bf16 add.
+torch::Tensor add_bf16(const torch::Tensor& a, const torch::Tensor& b) {
+  TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && a.scalar_type() == torch::kBFloat16 &&
+              b.scalar_type() == torch::kBFloat16 && b.numel() > 0 && a.numel() % b.numel() == 0 &&
+              (b.numel() == a.numel() || b.numel() == a.size(-1)), "add_bf16: bf16 a and b of its shape or row");
+  auto out = torch::empty_like(a);
+  const auto* ap = reinterpret_cast<const uint16_t*>(a.data_ptr());
+  const auto* bp = reinterpret_cast<const uint16_t*>(b.data_ptr());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t w = b.numel();
+  for (int64_t r = 0; r < a.numel() / w; ++r)
+    for (int64_t i = 0; i < w; i += 16) {
+      const __mmask16 m = tail_mask(w - i);
+      const __m512 v = _mm512_add_ps(load_bf16x16(ap + r * w + i, m), load_bf16x16(bp + i, m));
+      _mm256_mask_storeu_epi16(op + r * w + i, m, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  return out;
+}
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias) {
+  auto y = linear_bf16(x, w);
+  return bias.numel() > 0 ? add_bf16(y, bias) : y;
+}
+
+}  // namespace
+
+// One decoder layer of a decode pass (one token a row, bf16 x [B, D]) in one call, for the pre-norm block whose
+// attention is decode_attention's and whose MLP is a softmax top-k router over resident experts (moe_resident's):
+// h = x + o(attention(norm1(x))), out = h + experts(norm2(h)). The same kernels in the same order as the layer's
+// modules call them one by one (models/layers.py DecoderLayer with accel/step.py's kernels), so the two agree bit for
+// bit; one Python call a layer instead of some twenty. Empty tensors: no bias, no q/k norm. `bf16_weights`: the
+// routing weights rounded to bf16 (Qwen-MoE's and OLMoE's routers), else kept fp32 (Mixtral's).
+torch::Tensor decode_layer(const torch::Tensor& x, const torch::Tensor& norm1, const torch::Tensor& norm2, double eps,
+                           const torch::Tensor& qkv_w, const torch::Tensor& qkv_b, const torch::Tensor& qk_w,
+                           double qk_eps, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor cache,
+                           const torch::Tensor& table, const torch::Tensor& positions, int64_t H, int64_t window,
+                           double scale, const torch::Tensor& o_w, const torch::Tensor& o_b,
+                           const torch::Tensor& router_w, int64_t k, bool normalize, bool bf16_weights,
+                           const torch::Tensor& arena, int64_t base, int64_t num_experts,
+                           const std::vector<int64_t>& spec) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16, "decode_layer: bf16 x [B, D]");
+  const auto qkv = linear(rms_norm(x, norm1, eps), qkv_w, qkv_b);
+  const auto heads = decode_attention(qkv, qk_w, qk_eps, cos, sin, cache, table, positions, H, window, scale);
+  const auto h = add_bf16(x, linear(heads, o_w, o_b));
+  const auto h2 = rms_norm(h, norm2, eps);
+  auto route = router_topk(h2, router_w, k, normalize);
+  if (bf16_weights) route[1] = route[1].to(torch::kBFloat16);
+  return add_bf16(h, moe_resident(h2, route[0], route[1], arena, base, num_experts, spec));
+}
+
 void register_step(pybind11::module_& m) {
+  m.def("decode_layer", &decode_layer);
   m.def("router_topk", &router_topk);
   m.def("rms_norm", &rms_norm);
   m.def("decode_attention", &decode_attention);

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from moepager.accel import cpu_kernels
 from moepager.accel.dense_quant import check_dense_dtype, quantize_dense
 from moepager.accel.packed import pack_dense as pack_dense_projections
+from moepager.accel.step import use_step_kernels
 from moepager.checkpoints.dtypes import checkpoint_dtype, parse_dtype
 from moepager.checkpoints.expert_reader import ExpertReader, is_routed_expert
 from moepager.checkpoints.gguf_read import resolve_model_path
@@ -220,7 +221,7 @@ def build_model(opened: OpenCheckpoint, experts: ExpertExecutor, options: LoadOp
         else ""
     if dev.type == "cpu":
         weights_on_huge_pages(model)
-        steps = cpu_kernels.use_step_kernels(model, dtype) if options.pack_dense else ""
+        steps = use_step_kernels(model, dtype) if options.pack_dense else ""
         if options.dense_dtype is None:  # (an int8 run's dense format stays "int8": its steps run the kernels too)
             packed = "; ".join(x for x in (packed, steps) if x)
     dense_format = DENSE_FORMATS[options.dense_dtype] if options.dense_dtype else str(dtype).removeprefix("torch.")

@@ -43,9 +43,17 @@ class DecoderLayer(nn.Module):
         self.self_attn = attn
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp
+        self.step: Callable[..., torch.Tensor | None] | None = None
+        """The whole layer's decode pass in one call (accel/step.py `DecodeLayerStep`: bf16 CPU runs), outside a
+        compiled graph; None from it: the modules compute."""
 
     def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
                 cache: torch.Tensor) -> torch.Tensor:
+        if self.step is not None and x_BTD.shape[1] == 1 and batch.block_table_BN is not None \
+                and not torch.compiler.is_compiling():
+            out = self.step(x_BTD, rope, batch, cache)
+            if out is not None:
+                return out
         x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), rope, batch, cache)
         h_ND = self.post_attention_layernorm(x_BTD).reshape(-1, x_BTD.shape[-1])
         if batch.valid_N is None:

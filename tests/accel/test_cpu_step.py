@@ -1,5 +1,5 @@
-"""moepager's CPU decode-step kernels (accel/cpu_step.cpp, accel/cpu_kernels.py `use_step_kernels`): the norm, the
-router and the decode attention against the torch path they replace, on odd shapes, every q/k norm, GQA grouping,
+"""moepager's CPU decode-step kernels (accel/cpu_step.cpp, accel/step.py): the norm, the router and the decode
+attention against the torch path they replace, on odd shapes, every q/k norm, GQA grouping,
 sliding windows and rows at different lengths; the same result alone or batched; every architecture's engine run;
 the fallback.
 
@@ -13,10 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moepager.accel import cpu_kernels
+from moepager.accel import cpu_kernels, step
 from moepager.config import EngineConfig
 from moepager.models.attention import Attention, ForwardBatch, RMSNorm, RotaryEmbedding
 from moepager.models.config import ModelConfig, RopeConfig
+from moepager.models.layers import DecoderLayer
 from moepager.models.moe import SoftmaxTopKRouter
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
@@ -157,10 +158,52 @@ def test_every_architecture_decodes_through_the_kernels_as_through_torch(hf_chec
         return forward(self, x, rope, batch, cache)
 
     monkeypatch.setattr(Attention, "forward", both)
+    layers = [m for m in llm.loaded.model.modules() if isinstance(m, DecoderLayer)]
+    steps = [layer.step for layer in layers]
+    for layer in layers:  # the modules one by one (the whole-layer call: the next test)
+        layer.step = None
     outs = llm.generate([[3, 5, 7, 11, 13], [17, 19]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [5, 5]
     uses_attention = any(isinstance(m, Attention) for m in llm.loaded.model.modules())
     assert (2 in compared) == uses_attention  # (DeepSeek's MLA has an attention of its own: norms only)
+    for layer, s in zip(layers, steps):
+        layer.step = s
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_whole_layer_in_one_call_equals_its_modules_bit_for_bit(hf_checkpoint, arch, monkeypatch):
+    """Where a decoder layer's parts all have kernels (Mixtral, Qwen3-MoE: no shared experts, no clip), its decode pass
+    is one call; through the engine (two rows at different lengths, greedy) every such call's output and cache equal
+    the layer's modules' with the same kernels, bit for bit. It declines where it cannot be the modules' arithmetic:
+    an observer on the block (a trace recorder) runs the modules."""
+    _, path = hf_checkpoint(arch)
+    llm = LLM(path, dtype="bfloat16", show_progress=False)
+    layers = [m for m in llm.loaded.model.modules() if isinstance(m, DecoderLayer)]
+    fused = [layer for layer in layers if layer.step is not None]
+    assert (len(fused) > 0) == (arch in ("mixtral", "qwen3_moe"))
+    assert ("whole decoder layers" in llm.loaded.dense_format) == bool(fused)
+    forward, calls = DecoderLayer.forward, []
+
+    def both(self, x, rope, batch, cache):
+        if self.step is not None and x.shape[1] == 1:
+            one, ref_cache, got_cache = self.step, cache.clone(), cache.clone()
+            self.step = None
+            ref = forward(self, x, rope, batch, ref_cache)
+            self.step = one
+            got = one(x, rope, batch, got_cache)
+            assert got is not None and torch.equal(got, ref) and torch.equal(got_cache, ref_cache)
+            calls.append(x.shape[0])
+        return forward(self, x, rope, batch, cache)
+
+    monkeypatch.setattr(DecoderLayer, "forward", both)
+    llm.generate([[3, 5, 7, 11, 13], [17, 19]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert (2 in calls) == bool(fused)
+    if fused:
+        block = fused[0].mlp
+        monkeypatch.setattr(block, "observer", object())  # (a trace recorder's place)
+        x = torch.randn(1, 1, llm.loaded.config.hidden_size).to(BF16)
+        assert fused[0].step(x, None, None, None) is None  # declines before reading anything else
 
 
 def test_without_the_extension_the_model_keeps_torch_ops(monkeypatch):
@@ -173,4 +216,4 @@ def test_without_the_extension_the_model_keeps_torch_ops(monkeypatch):
     assert all(m.step is None for m in model.modules() if isinstance(m, Attention))
     assert len(llm.generate(["Once"], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
     monkeypatch.undo()
-    assert cpu_kernels.use_step_kernels(model, torch.float32) == ""
+    assert step.use_step_kernels(model, torch.float32) == ""

@@ -1,0 +1,106 @@
+"""moepager's CPU kernels for the rest of an eager decode step (accel/cpu_step.cpp), given to a bf16 CPU model at load:
+RMSNorm, the softmax top-k router and a decode pass's attention one call each, and where a layer's parts allow it the
+whole decoder layer in one call.
+
+Where the time went (the built-in model, bf16, eager, 1 thread, cProfile of 128 decode tokens, 2026-11-27): a torch
+RMSNorm is seven ops (~14 us; 19 a token), a router six, an attention some twenty (views, RoPE, the cache write, SDPA),
+and each module call and attribute lookup of nn.Module costs a microsecond or two: ~2.6 ms a token where llama.cpp
+takes ~1.1. With the kernels a layer is one Python call (`DecodeLayerStep`), its parts run in C++ one after another.
+
+Numerics: the kernels follow the torch path's roundings; a result may differ from torch's in its last bf16 bits (the
+order of fp32 sums), and a router's tied experts may come in another order (torch's top-k leaves it unspecified). The
+fused layer runs the same kernels in the same order as the layer's modules with the kernels, so the two agree bit for
+bit; every row's result is the same whatever the batch. `--no-packed-dense` keeps torch's ops (and its GEMV).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from moepager.accel import cpu_kernels
+from moepager.accel.packed import FUSED_DENSE_MAX_TOKENS, FusedLinear
+from moepager.experts.executor import ResidentExecutor
+from moepager.models.attention import NO_WEIGHT, Attention, ForwardBatch, RMSNorm
+from moepager.models.layers import DecoderLayer
+from moepager.models.moe import NATIVE_MAX_TOKENS, MoEBlock, SoftmaxTopKRouter
+from moepager.models.routing import NULL_OBSERVER, OWN_ROUTER
+
+
+def use_step_kernels(model: torch.nn.Module, dtype: torch.dtype) -> str:
+    """Give a bf16 CPU model (`dtype`: its activations') the step kernels: every RMSNorm, softmax top-k router (up to
+    NATIVE_MAX_TOKENS tokens) and attention layer's decode pass, and the decoder layers whose parts all have them a
+    `DecodeLayerStep`. Says what it did ("" for nothing: the extension unavailable, or not a bf16 run)."""
+    if dtype != torch.bfloat16 or not cpu_kernels.available():
+        return ""
+    module = cpu_kernels.extension()
+    counts = {"norms": 0, "routers": 0, "decode attentions": 0, "whole decoder layers": 0}
+    for m in model.modules():
+        if isinstance(m, RMSNorm) and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu":
+            m.kernel = module.rms_norm
+            counts["norms"] += 1
+        elif isinstance(m, SoftmaxTopKRouter) and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu":
+            m.kernel = module.router_topk
+            counts["routers"] += 1
+        elif isinstance(m, Attention) and next(m.parameters(), next(m.buffers())).device.type == "cpu":
+            m.step = module
+            counts["decode attentions"] += 1
+    for m in model.modules():
+        if isinstance(m, DecoderLayer) and DecodeLayerStep.fits(m):
+            m.step = DecodeLayerStep(module, m)
+            counts["whole decoder layers"] += 1
+    parts = [f"{n} {what}" for what, n in counts.items() if n]
+    return ", ".join(parts) + " on moepager's CPU kernels" if parts else ""
+
+
+class DecodeLayerStep:
+    """A decoder layer's decode pass in one call (cpu_step.cpp `decode_layer`): norm, q/k/v, attention over the paged
+    cache, o, residual, norm, router, resident experts, residual. It declines (returns None, and the layer runs its
+    modules) where the call would not be the modules' own arithmetic: more rows than the kernels take, an observer or
+    a replayed routing on the block, another executor, or forward hooks on the attention or the MLP."""
+
+    @staticmethod
+    def fits(layer: DecoderLayer) -> bool:
+        """Whether every part of `layer` has a step kernel: an Attention with a plain or per-head q/k norm and no clip
+        on moepager's GEMV, a MoE block with no shared experts whose softmax top-k router and resident experts run on
+        the fused kernels, both norms on the kernel with one eps."""
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        return (isinstance(attn, Attention) and attn.step is not None and attn.qk_norm in (None, "head")
+                and attn.clip_qkv is None and isinstance(attn.qkv, FusedLinear) and isinstance(attn.o_proj, FusedLinear)
+                and isinstance(mlp, MoEBlock) and not mlp._has_shared and isinstance(mlp.gate, SoftmaxTopKRouter)
+                and mlp.gate.kernel is not None and isinstance(mlp.executor, ResidentExecutor)
+                and mlp.executor.kernels.fused is not None and all(n.kernel is not None for n in norms)
+                and norms[0].eps == norms[1].eps)
+
+    def __init__(self, module: ModuleType, layer: DecoderLayer):
+        attn, mlp = layer.self_attn, layer.mlp
+        assert isinstance(attn, Attention) and isinstance(mlp, MoEBlock) and self.fits(layer)
+        executor = mlp.executor
+        assert isinstance(executor, ResidentExecutor) and executor.kernels.fused is not None
+        self.call, self.attn, self.mlp, self.executor = module.decode_layer, attn, mlp, executor
+        self.max_rows = min(executor.kernels.fused.max_tokens, FUSED_DENSE_MAX_TOKENS, NATIVE_MAX_TOKENS)
+        head = attn.qk_norm == "head"
+        qkv, o, gate = attn.qkv, attn.o_proj, mlp.gate
+        assert isinstance(qkv, FusedLinear) and isinstance(o, FusedLinear)
+        self.weights = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                        layer.input_layernorm.eps, qkv.weight, NO_WEIGHT if qkv.bias is None else qkv.bias,
+                        attn._qk_norm_weight() if head else NO_WEIGHT, attn.q_norm.eps if head else 0.0)
+        self.attention = (attn.num_heads, attn.window or 0, attn.scale, o.weight,
+                          NO_WEIGHT if o.bias is None else o.bias)
+        self.experts = (gate.weight, gate.top_k, gate.normalize, not gate.fp32_weights)
+        self.layer = (executor.base[mlp.layer], executor.num_experts, executor.kernels.fused.spec)
+
+    def __call__(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
+                 cache: torch.Tensor) -> torch.Tensor | None:
+        b, attn, mlp = x_BTD.shape[0], self.attn, self.mlp
+        if b > self.max_rows or mlp.observer is not NULL_OBSERVER or mlp.routing is not OWN_ROUTER \
+                or mlp.executor is not self.executor or attn.step is None or attn._forward_hooks or mlp._forward_hooks:
+            return None
+        cos, sin = rope
+        base, count, spec = self.layer
+        out = self.call(x_BTD.reshape(b, -1), *self.weights, cos.view(b, -1), sin.view(b, -1), cache,
+                        batch.block_table_BN, batch.positions_BT.view(b), *self.attention, *self.experts,
+                        self.executor.kernels.arena, base, count, spec)
+        return out.view_as(x_BTD)
