@@ -205,8 +205,8 @@ def arguments() -> argparse.Namespace:
                     help="also each moepager row with --dense-dtype D (every projection int8; int8-a8 on FBGEMM with "
                          "8-bit activations); with int8 experts their peer is llama.cpp with dense Q8_0 as well")
     ap.add_argument("--unpacked", action="store_true",
-                    help="also each bf16-dense moepager row with --no-packed-dense (torch's own GEMV for the large "
-                         "dense projections instead of oneDNN on prepacked weights)")
+                    help="also each bf16-dense moepager row with --no-packed-dense (torch's own ops for the dense "
+                         "part of the step: its GEMV, norms, routers and attention, instead of moepager's CPU kernels)")
     ap.add_argument("--compiled", action="store_true",
                     help="also each moepager row with --compile (the one-token decode step compiled by TorchInductor; "
                          "twice the engines in memory: on the qwen3 geometry ask for one row)")
@@ -293,7 +293,7 @@ def our_specs(path: Path, args: argparse.Namespace) -> list[Spec]:
             for dense in [None, *args.dense]:
                 for pack in ([True, False] if args.unpacked and not dense else [True]):
                     label = (f"moepager {k}" + ("" if fmt == "bf16" else f" {fmt}") + (f" +dense {dense}" if dense
-                             else "") + ("" if pack else " (torch GEMV)"))
+                             else "") + ("" if pack else " (torch ops)"))
                     key = fmt + ("+dense" if dense and fmt == "int8" else "")
                     options = (path, k, None if fmt == "bf16" else fmt, dense, pack)
                     specs.append(Spec(label, key, "ours", options, footprint(path, key, "ours")))

@@ -263,8 +263,8 @@ class EngineConfig:
     """int8: the dense projections (attention, dense and shared MLPs, LM head) as int8 too (lossy, opt-in);
     None: they compute in `dtype`."""
     pack_dense: bool = True
-    """CPU, bf16: large dense projections computed by oneDNN from weights prepacked at load (accel/packed.py);
-    False keeps torch's own GEMV."""
+    """CPU, bf16: dense projections on moepager's GEMV (else oneDNN's prepacked weights: accel/packed.py) and the
+    norms, routers and decode attention on moepager's step kernels (accel/step.py); False keeps torch's own ops."""
     compile: bool = False
     """CPU: decode passes (one token a row, one row or several) run a TorchInductor-compiled graph, which computes
     small resident experts itself and leaves it at each MoE layer for any other executor, paged ones included

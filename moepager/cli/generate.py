@@ -95,9 +95,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "8-bit activations; `moepager info` says whether this machine has it)")
     add_execution_arguments(p)
     p.add_argument("--no-packed-dense", dest="pack_dense", action="store_false",
-                   help="CPU, bf16: compute the large dense projections (attention, LM head) with torch's own GEMV "
-                        "instead of oneDNN on weights prepacked at load (1.4-1.6x faster on matrices of 1M+ elements "
-                        "on this project's CPU)")
+                   help="CPU, bf16: compute the dense part of the step with torch's own ops: its GEMV for the "
+                        "projections (attention, LM head) instead of moepager's (or, without its CPU kernels, oneDNN "
+                        "on weights prepacked at load), and torch's norms, routers and decode attention instead of "
+                        "moepager's one call a layer")
     p.add_argument("--compile", action="store_true",
                    help="CPU: compile the decode step with TorchInductor (when the model loads: tens of "
                         "seconds, less once cached on disk; not bit-equal to the eager step). Resident float, int8 "
