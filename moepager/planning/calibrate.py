@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from moepager.accel import cpu_kernels
 from moepager.accel.packed import pack_dense
+from moepager.accel.step import use_step_kernels
 from moepager.checkpoints.build import cast_model, open_experts
 from moepager.checkpoints.dtypes import checkpoint_dtype
 from moepager.checkpoints.expert_reader import ExpertReader
@@ -169,8 +170,9 @@ class DenseProbe:
         self.model = arch.build(cfg, _OneWideExperts(cfg.hidden_size, dtype, device))
         cast_model(self.model, dtype)
         self.model.to(device).eval()
-        if device.type == "cpu":  # the dense projections' kernel, as a run's (accel/packed.py)
-            pack_dense(self.model)
+        if device.type == "cpu":  # the dense projections' kernel and the step's norms and routers, as a run's
+            pack_dense(self.model)  # (accel/packed.py, accel/step.py; its contiguous cache: torch's attention)
+            use_step_kernels(self.model, dtype)
         self.dtype, self.device, self.steps = dtype, device, steps
         gen = torch.Generator().manual_seed(0)
         self.ids = torch.randint(0, cfg.vocab_size, (1, longest + steps), generator=gen).to(device)
