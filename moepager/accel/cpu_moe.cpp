@@ -338,14 +338,12 @@ void run_layer(const Spec& s, const uint16_t* x, int64_t N, const std::vector<Gr
       gate.assign(n * TILE_F, 0.f);
       up.assign(n * TILE_F, 0.f);
       h.assign(n * TILE_F, 0.f);
-      for (int64_t r = f0; r < f1; r += 16) {
-        const int64_t r1 = std::min(f1, r + 16);
-        // gate rows r..r1 and up rows F + r..F + r1, written at column r - f0 of the tile's rows
-        rows_any(fmt, p, s.group, r, r1, fmt == BF16 ? xb.data() : nullptr, fmt == BF16 ? nullptr : xr.data(), n,
-                 gate.data() - f0, TILE_F);
-        rows_any(fmt, p, s.group, F + r, F + r1, fmt == BF16 ? xb.data() : nullptr, fmt == BF16 ? nullptr : xr.data(),
-                 n, up.data() - F - f0, TILE_F);
-      }
+      // the tile's gate rows f0..f1, then its up rows F + f0..F + f1 (two long streams, not alternating 16-row runs:
+      // the prefetch runs on into rows the task reads next), written at column r - f0 of the tile's rows
+      rows_any(fmt, p, s.group, f0, f1, fmt == BF16 ? xb.data() : nullptr, fmt == BF16 ? nullptr : xr.data(), n,
+               gate.data() - f0, TILE_F);
+      rows_any(fmt, p, s.group, F + f0, F + f1, fmt == BF16 ? xb.data() : nullptr, fmt == BF16 ? nullptr : xr.data(),
+               n, up.data() - F - f0, TILE_F);
       for (int64_t i = 0; i < n; ++i) {
         float* hi = h.data() + i * TILE_F;
         swiglu(gate.data() + i * TILE_F, up.data() + i * TILE_F, hi, f1 - f0);
