@@ -118,6 +118,12 @@ def available() -> bool:
     return extension() is not None
 
 
+def built() -> ModuleType | None:
+    """The extension if this process has already built or loaded it, else None (never builds: for callers on every
+    step, such as the sampler, that use it only where a run already does)."""
+    return _state.get("module")  # type: ignore[return-value]
+
+
 # ---- bound to one expert format ------------------------------------------------------------------------------
 
 FUSED_MAX_TOKENS = 128

@@ -317,28 +317,85 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch
 // attention is decode_attention's and whose MLP is a softmax top-k router over resident experts (moe_resident's):
 // h = x + o(attention(norm1(x))), out = h + experts(norm2(h)). The same kernels in the same order as the layer's
 // modules call them one by one (models/layers.py DecoderLayer with accel/step.py's kernels), so the two agree bit for
-// bit; one Python call a layer instead of some twenty. Empty tensors: no bias, no q/k norm. `bf16_weights`: the
-// routing weights rounded to bf16 (Qwen-MoE's and OLMoE's routers), else kept fp32 (Mixtral's).
-torch::Tensor decode_layer(const torch::Tensor& x, const torch::Tensor& norm1, const torch::Tensor& norm2, double eps,
-                           const torch::Tensor& qkv_w, const torch::Tensor& qkv_b, const torch::Tensor& qk_w,
-                           double qk_eps, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor cache,
-                           const torch::Tensor& table, const torch::Tensor& positions, int64_t H, int64_t window,
-                           double scale, const torch::Tensor& o_w, const torch::Tensor& o_b,
-                           const torch::Tensor& router_w, int64_t k, bool normalize, bool bf16_weights,
-                           const torch::Tensor& arena, int64_t base, int64_t num_experts,
-                           const std::vector<int64_t>& spec) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16, "decode_layer: bf16 x [B, D]");
-  const auto qkv = linear(rms_norm(x, norm1, eps), qkv_w, qkv_b);
-  const auto heads = decode_attention(qkv, qk_w, qk_eps, cos, sin, cache, table, positions, H, window, scale);
-  const auto h = add_bf16(x, linear(heads, o_w, o_b));
-  const auto h2 = rms_norm(h, norm2, eps);
-  auto route = router_topk(h2, router_w, k, normalize);
-  if (bf16_weights) route[1] = route[1].to(torch::kBFloat16);
-  return add_bf16(h, moe_resident(h2, route[0], route[1], arena, base, num_experts, spec));
+// bit; one Python call a layer instead of some twenty. The layer's weights and settings are bound once (a call then
+// converts seven arguments, not twenty-six). Empty tensors: no bias, no q/k norm. `bf16_weights`: the routing weights
+// rounded to bf16 (Qwen-MoE's and OLMoE's routers), else kept fp32 (Mixtral's).
+struct DecodeLayer {
+  torch::Tensor norm1, norm2;
+  double eps;
+  torch::Tensor qkv_w, qkv_b, qk_w;
+  double qk_eps;
+  int64_t heads, window;
+  double scale;
+  torch::Tensor o_w, o_b, router_w;
+  int64_t k;
+  bool normalize, bf16_weights;
+  int64_t base, num_experts;
+  std::vector<int64_t> spec;
+
+  torch::Tensor operator()(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                           torch::Tensor cache, const torch::Tensor& table, const torch::Tensor& positions,
+                           const torch::Tensor& arena) const {
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16, "DecodeLayer: bf16 x [B, D]");
+    const auto qkv = linear(rms_norm(x, norm1, eps), qkv_w, qkv_b);
+    const auto attended = decode_attention(qkv, qk_w, qk_eps, cos, sin, cache, table, positions, heads, window, scale);
+    const auto h = add_bf16(x, linear(attended, o_w, o_b));
+    const auto h2 = rms_norm(h, norm2, eps);
+    auto route = router_topk(h2, router_w, k, normalize);
+    if (bf16_weights) route[1] = route[1].to(torch::kBFloat16);
+    return add_bf16(h, moe_resident(h2, route[0], route[1], arena, base, num_experts, spec));
+  }
+};
+
+// The sampler's greedy pick of logits [B, V] (bf16 or fp32, contiguous): each row's first largest entry and whether
+// the row is finite (no NaN or infinity), as int64 [2, B]: tokens, then 1 (finite) or 0. Two passes over a row (its
+// largest value and finiteness, then the first index holding it), where torch's path is five ops on an fp32 copy.
+torch::Tensor greedy_rows(const torch::Tensor& logits) {
+  const bool bf16 = logits.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK((bf16 || logits.scalar_type() == torch::kFloat) && logits.dim() == 2 && logits.is_contiguous() &&
+              logits.size(1) > 0 && logits.device().is_cpu(), "greedy_rows: contiguous bf16 or fp32 logits [B, V]");
+  const int64_t B = logits.size(0), V = logits.size(1);
+  auto out = torch::empty({2, B}, logits.options().dtype(torch::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  const __m512i exponent = _mm512_set1_epi32(0x7f800000);
+  for (int64_t b = 0; b < B; ++b) {
+    auto load = [&](int64_t i, __mmask16 m) {
+      return bf16 ? load_bf16x16(reinterpret_cast<const uint16_t*>(logits.data_ptr()) + b * V + i, m)
+                  : _mm512_maskz_loadu_ps(m, logits.data_ptr<float>() + b * V + i);
+    };
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    __mmask16 bad = 0;
+    for (int64_t i = 0; i < V; i += 16) {
+      const __mmask16 m = tail_mask(V - i);
+      const __m512 v = load(i, m);
+      bad |= _mm512_mask_cmpeq_epi32_mask(m, _mm512_and_si512(_mm512_castps_si512(v), exponent), exponent);
+      mx = _mm512_mask_max_ps(mx, m, mx, v);
+    }
+    const float best = _mm512_reduce_max_ps(mx);
+    int64_t at = 0;
+    if (!bad) {
+      const __m512 target = _mm512_set1_ps(best);
+      for (int64_t i = 0; i < V; i += 16) {
+        const __mmask16 hit = _mm512_mask_cmpeq_ps_mask(tail_mask(V - i), load(i, tail_mask(V - i)), target);
+        if (hit) {
+          at = i + __builtin_ctz(hit);
+          break;
+        }
+      }
+    }
+    op[b] = at;
+    op[B + b] = bad ? 0 : 1;
+  }
+  return out;
 }
 
 void register_step(pybind11::module_& m) {
-  m.def("decode_layer", &decode_layer);
+  m.def("greedy_rows", &greedy_rows);
+  pybind11::class_<DecodeLayer>(m, "DecodeLayer")
+      .def(pybind11::init<torch::Tensor, torch::Tensor, double, torch::Tensor, torch::Tensor, torch::Tensor, double,
+                          int64_t, int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, bool, bool,
+                          int64_t, int64_t, std::vector<int64_t>>())
+      .def("__call__", &DecodeLayer::operator());
   m.def("router_topk", &router_topk);
   m.def("rms_norm", &rms_norm);
   m.def("decode_attention", &decode_attention);

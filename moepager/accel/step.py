@@ -55,7 +55,7 @@ def use_step_kernels(model: torch.nn.Module, dtype: torch.dtype) -> str:
 
 
 class DecodeLayerStep:
-    """A decoder layer's decode pass in one call (cpu_step.cpp `decode_layer`): norm, q/k/v, attention over the paged
+    """A decoder layer's decode pass in one call (cpu_step.cpp `DecodeLayer`): norm, q/k/v, attention over the paged
     cache, o, residual, norm, router, resident experts, residual. It declines (returns None, and the layer runs its
     modules) where the call would not be the modules' own arithmetic: more rows than the kernels take, an observer or
     a replayed routing on the block, another executor, or forward hooks on the attention or the MLP."""
@@ -79,18 +79,17 @@ class DecodeLayerStep:
         assert isinstance(attn, Attention) and isinstance(mlp, MoEBlock) and self.fits(layer)
         executor = mlp.executor
         assert isinstance(executor, ResidentExecutor) and executor.kernels.fused is not None
-        self.call, self.attn, self.mlp, self.executor = module.decode_layer, attn, mlp, executor
+        self.attn, self.mlp, self.executor = attn, mlp, executor
         self.max_rows = min(executor.kernels.fused.max_tokens, FUSED_DENSE_MAX_TOKENS, NATIVE_MAX_TOKENS)
         head = attn.qk_norm == "head"
         qkv, o, gate = attn.qkv, attn.o_proj, mlp.gate
         assert isinstance(qkv, FusedLinear) and isinstance(o, FusedLinear)
-        self.weights = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                        layer.input_layernorm.eps, qkv.weight, NO_WEIGHT if qkv.bias is None else qkv.bias,
-                        attn._qk_norm_weight() if head else NO_WEIGHT, attn.q_norm.eps if head else 0.0)
-        self.attention = (attn.num_heads, attn.window or 0, attn.scale, o.weight,
-                          NO_WEIGHT if o.bias is None else o.bias)
-        self.experts = (gate.weight, gate.top_k, gate.normalize, not gate.fp32_weights)
-        self.layer = (executor.base[mlp.layer], executor.num_experts, executor.kernels.fused.spec)
+        self.call = module.DecodeLayer(
+            layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
+            qkv.weight, NO_WEIGHT if qkv.bias is None else qkv.bias, attn._qk_norm_weight() if head else NO_WEIGHT,
+            attn.q_norm.eps if head else 0.0, attn.num_heads, attn.window or 0, attn.scale, o.weight,
+            NO_WEIGHT if o.bias is None else o.bias, gate.weight, gate.top_k, gate.normalize, not gate.fp32_weights,
+            executor.base[mlp.layer], executor.num_experts, executor.kernels.fused.spec)
 
     def __call__(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
                  cache: torch.Tensor) -> torch.Tensor | None:
@@ -99,8 +98,6 @@ class DecodeLayerStep:
                 or mlp.executor is not self.executor or attn.step is None or attn._forward_hooks or mlp._forward_hooks:
             return None
         cos, sin = rope
-        base, count, spec = self.layer
-        out = self.call(x_BTD.reshape(b, -1), *self.weights, cos.view(b, -1), sin.view(b, -1), cache,
-                        batch.block_table_BN, batch.positions_BT.view(b), *self.attention, *self.experts,
-                        self.executor.kernels.arena, base, count, spec)
+        out = self.call(x_BTD.reshape(b, -1), cos.view(b, -1), sin.view(b, -1), cache, batch.block_table_BN,
+                        batch.positions_BT.view(b), self.executor.kernels.arena)
         return out.view_as(x_BTD)

@@ -184,8 +184,9 @@ class CausalLM(nn.Module):
         rope = self.model.rotary_emb(batch.positions_BT, x_BTD.dtype)
         for layer, layer_cache in zip(self.model.layers, cache):
             x_BTD = layer(x_BTD, rope, batch, layer_cache)
-        if logits_at_B is not None:
-            x_BTD = x_BTD[torch.arange(x_BTD.shape[0], device=x_BTD.device), logits_at_B]
+        if logits_at_B is not None:  # (one token a row: its only position, as a view)
+            x_BTD = x_BTD[:, 0] if x_BTD.shape[1] == 1 else \
+                x_BTD[torch.arange(x_BTD.shape[0], device=x_BTD.device), logits_at_B]
         return self.model.norm(x_BTD)
 
 

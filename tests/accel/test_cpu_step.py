@@ -20,7 +20,7 @@ from moepager.models.config import ModelConfig, RopeConfig
 from moepager.models.layers import DecoderLayer
 from moepager.models.moe import SoftmaxTopKRouter
 from moepager.runtime.llm import LLM
-from moepager.runtime.sampling import SamplingParams
+from moepager.runtime.sampling import SamplingParams, greedy_picks
 from tests.conftest import ARCHS
 
 BF16 = torch.bfloat16
@@ -217,3 +217,21 @@ def test_without_the_extension_the_model_keeps_torch_ops(monkeypatch):
     assert len(llm.generate(["Once"], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
     monkeypatch.undo()
     assert step.use_step_kernels(model, torch.float32) == ""
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("vocab", [1, 7, 33, 8192, 151936])
+def test_greedy_picks_equal_torch_s(dtype, vocab, monkeypatch):
+    """The sampler's one-call greedy pick: each row's first largest logit (ties included) and whether it is finite
+    (NaN, +inf and -inf each make a row non-finite), as torch's five ops say."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=gen).to(dtype)
+    logits[1, vocab // 2] = logits[1, -1] = logits[1].max()
+    if vocab > 3:
+        logits[2, 3], logits[3, 0], logits[4, vocab - 1] = float("nan"), float("inf"), float("-inf")
+    got = greedy_picks(logits)
+    monkeypatch.setattr(cpu_kernels, "built", lambda: None)
+    ref = greedy_picks(logits)
+    assert got[1] == ref[1]
+    assert [t for t, ok in zip(*got) if ok] == [t for t, ok in zip(*ref) if ok]
