@@ -131,6 +131,28 @@ def test_decode_attention_rejects_a_position_past_its_blocks():
         paged_decode(attn, rope, torch.randn(1, 96).to(BF16), [8], cache, table)
 
 
+def compare_decode_passes(monkeypatch, cls, check, direct: bool = False) -> list[int]:
+    """Patch `cls.forward`: every decode pass of a module whose `step` is set runs twice on copies of its cache, without
+    the step (the reference) and with it (the step called itself where `direct`: it must not decline), and
+    `check(got, ref, got_cache, ref_cache)` compares them; then the pass runs as usual. Returns the compared passes'
+    row counts (filled as the engine runs)."""
+    forward, rows = cls.forward, []
+
+    def both(self, x, rope, batch, cache):
+        if self.step is not None and x.shape[1] == 1:
+            step, ref_cache, got_cache = self.step, cache.clone(), cache.clone()
+            self.step = None
+            ref = forward(self, x, rope, batch, ref_cache)
+            self.step = step
+            got = step(x, rope, batch, got_cache) if direct else forward(self, x, rope, batch, got_cache)
+            check(got, ref, got_cache, ref_cache)
+            rows.append(x.shape[0])
+        return forward(self, x, rope, batch, cache)
+
+    monkeypatch.setattr(cls, "forward", both)
+    return rows
+
+
 @needs_kernels
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_architecture_decodes_through_the_kernels_as_through_torch(hf_checkpoint, arch, monkeypatch):
@@ -143,21 +165,12 @@ def test_every_architecture_decodes_through_the_kernels_as_through_torch(hf_chec
     note = llm.loaded.dense_format
     assert "norms" in note and "moepager's CPU kernels" in note
     assert ("routers" in note) == any(isinstance(m, SoftmaxTopKRouter) for m in llm.loaded.model.modules())
-    forward, compared = Attention.forward, []
 
-    def both(self, x, rope, batch, cache):
-        if self.step is not None and x.shape[1] == 1:
-            step, ref_cache, got_cache = self.step, cache.clone(), cache.clone()
-            self.step = None
-            ref = forward(self, x, rope, batch, ref_cache)
-            self.step = step
-            got = forward(self, x, rope, batch, got_cache)
-            assert (got - ref).abs().max() <= 0.02 * ref.abs().max()
-            assert (ulps(got_cache, ref_cache) <= 1.0).all()
-            compared.append(x.shape[0])
-        return forward(self, x, rope, batch, cache)
+    def close(got, ref, got_cache, ref_cache):
+        assert (got - ref).abs().max() <= 0.02 * ref.abs().max()
+        assert (ulps(got_cache, ref_cache) <= 1.0).all()
 
-    monkeypatch.setattr(Attention, "forward", both)
+    compared = compare_decode_passes(monkeypatch, Attention, close)
     layers = [m for m in llm.loaded.model.modules() if isinstance(m, DecoderLayer)]
     steps = [layer.step for layer in layers]
     for layer in layers:  # the modules one by one (the whole-layer call: the next test)
@@ -183,20 +196,11 @@ def test_a_whole_layer_in_one_call_equals_its_modules_bit_for_bit(hf_checkpoint,
     fused = [layer for layer in layers if layer.step is not None]
     assert (len(fused) > 0) == (arch in ("mixtral", "qwen3_moe"))
     assert ("whole decoder layers" in llm.loaded.dense_format) == bool(fused)
-    forward, calls = DecoderLayer.forward, []
 
-    def both(self, x, rope, batch, cache):
-        if self.step is not None and x.shape[1] == 1:
-            one, ref_cache, got_cache = self.step, cache.clone(), cache.clone()
-            self.step = None
-            ref = forward(self, x, rope, batch, ref_cache)
-            self.step = one
-            got = one(x, rope, batch, got_cache)
-            assert got is not None and torch.equal(got, ref) and torch.equal(got_cache, ref_cache)
-            calls.append(x.shape[0])
-        return forward(self, x, rope, batch, cache)
+    def equal(got, ref, got_cache, ref_cache):
+        assert got is not None and torch.equal(got, ref) and torch.equal(got_cache, ref_cache)
 
-    monkeypatch.setattr(DecoderLayer, "forward", both)
+    calls = compare_decode_passes(monkeypatch, DecoderLayer, equal, direct=True)
     llm.generate([[3, 5, 7, 11, 13], [17, 19]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     assert (2 in calls) == bool(fused)
     if fused:
