@@ -60,7 +60,7 @@ inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), 
 // One weight row (K inputs) against T inputs, two independent accumulators per input. No software prefetch: on
 // weights held on huge pages the hardware prefetcher streams rows on its own, and a prefetch 4 KiB ahead slowed the
 // 622 MB qwen3-30b-a3b LM head at 1 thread from 26.0-26.8 to 21.4-25.2 GB/s (streaming read: 25.0-26.1; ad-hoc probe,
-// 2026-11-27; the int8 and int4 rows keep theirs, not yet measured without).
+// 2026-11-27; int8 rows read without it too, int4 rows keep theirs: cpu_moe.cpp dot_int8).
 template <int T>
 inline void dot_bf16(const uint16_t* w, const uint16_t* const* x, int64_t K, float* out) {
   __m512 a0[T], a1[T];
