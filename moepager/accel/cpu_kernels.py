@@ -109,8 +109,8 @@ def status() -> str:
     """One line for `info` and run statistics: which CPU kernels run, or why not ours."""
     module = extension()
     if module is not None:
-        return "moepager AVX512 (bf16: AVX512-BF16, int8/int4: VNNI, 8-bit activations; bf16 norms and decode " \
-            "attention too)"
+        return "moepager AVX512 (bf16: AVX512-BF16, int8/int4: VNNI, 8-bit activations; and the rest of a bf16 " \
+            "decode step)"
     return f"torch's (ours unavailable: {_state.get('reason')})"
 
 
@@ -207,4 +207,3 @@ def fused_experts(shape: ExpertShape, device: torch.device, kernel: str) -> Fuse
     if not applies(shape, device, kernel):
         return None
     return FusedExperts(shape, FUSED_MAX_TOKENS if shape.quant is None else 1 << 62)
-

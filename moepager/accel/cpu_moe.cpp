@@ -166,6 +166,10 @@ inline void dot_int8(const int8_t* w, const QRow* x, int64_t K, float* out) {
   for (int t = 0; t < T; ++t) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], a1[t]));
 }
 
+constexpr int64_t PREFETCH = 4096;  // bytes ahead in a row-major matrix read row after row (one linear stream)
+
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
 // int4 ("rows" layout): w points at the row's K/2 bytes of plain nibbles, s at its K/g bf16 group scales. A chunk is
 // 128 inputs: 64 bytes of nibbles, four blocks of 32, block j in 128-bit lane j (low nibbles: its even inputs, high:
 // its odd ones), dotted against the activations' evens and odds laid out the same way (QBuffer for INT4).
@@ -340,7 +344,7 @@ void run_layer(const Spec& s, const uint16_t* x, int64_t N, const std::vector<Gr
       up.assign(n * TILE_F, 0.f);
       h.assign(n * TILE_F, 0.f);
       // the tile's gate rows f0..f1, then its up rows F + f0..F + f1 (two long streams, not alternating 16-row runs:
-      // the prefetch runs on into rows the task reads next), written at column r - f0 of the tile's rows
+      // the prefetchers run on into rows the task reads next), written at column r - f0 of the tile's rows
       rows_any(fmt, p, s.group, f0, f1, fmt == BF16 ? xb.data() : nullptr, fmt == BF16 ? nullptr : xr.data(), n,
                gate.data() - f0, TILE_F);
       rows_any(fmt, p, s.group, F + f0, F + f1, fmt == BF16 ? xb.data() : nullptr, fmt == BF16 ? nullptr : xr.data(),

@@ -53,10 +53,6 @@ inline __m512 round_bf16x16(__m512 v) {  // fp32 lanes rounded to bf16 (nearest 
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-constexpr int64_t PREFETCH = 4096;  // bytes ahead in a row-major matrix read row after row (one linear stream)
-
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
-
 // One weight row (K inputs) against T inputs, two independent accumulators per input. No software prefetch: on
 // weights held on huge pages the hardware prefetcher streams rows on its own, and a prefetch 4 KiB ahead slowed the
 // 622 MB qwen3-30b-a3b LM head at 1 thread from 26.0-26.8 to 21.4-25.2 GB/s (streaming read: 25.0-26.1; ad-hoc probe,

@@ -1,7 +1,8 @@
 // moepager's CPU kernels for the rest of a decode step, beside the MoE layer's (cpu_moe.cpp; one extension, built by
-// accel/cpu_kernels.py): RMSNorm in one call, and one decode token's attention -- q/k RMSNorm, RoPE, the KV cache
-// write and grouped-query attention over the paged cache -- in one call per layer, where torch's eager ops take
-// ~14 us a norm (seven ops) and some twenty ops an attention.
+// accel/cpu_kernels.py, given to the model by accel/step.py): RMSNorm, the softmax top-k router, one decode token's
+// attention -- q/k RMSNorm, RoPE, the KV cache write and grouped-query attention over the paged cache -- and the
+// sampler's greedy pick, one call each, and a whole decoder layer in one (DecodeLayer), where torch's eager ops take
+// ~14 us a norm (seven ops), six ops a router and some twenty an attention.
 //
 // Arithmetic follows the torch path's roundings (models/attention.py): a norm sums x^2 in fp32 and rounds
 // x * rsqrt(mean + eps) to bf16 before the weight's product (rounded again); RoPE rounds x * cos, rotate(x) * sin and
@@ -53,6 +54,21 @@ inline void rope_row(const uint16_t* x, const uint16_t* c, const uint16_t* s, ui
   }
 }
 
+// Softmax numerators e^(v - max) of row[0..n) in place, fp32; returns their sum (the attention's scores and the
+// router's logits: one order of arithmetic for both).
+inline float softmax_numerators(float* row, int64_t n) {
+  __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail_mask(n - j), row + j));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 t = tail_mask(n - j);
+    const __m512 e = _mm512_maskz_mov_ps(t, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(t, row + j), m)));
+    _mm512_mask_storeu_ps(row + j, t, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
 struct Cache {
   uint16_t* data;
   const int64_t* table;  // [B, W] blocks of each row
@@ -80,20 +96,7 @@ void attend(const Cache& kv, int64_t b, int64_t g, int64_t lo, int64_t p, const 
     }
   }
   std::vector<float> inv(G);
-  for (int64_t i = 0; i < G; ++i) {  // softmax numerators in place, 1 / their sum in inv
-    float* row = sc.data() + i * L;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < L; j += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail_mask(L - j), row + j));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < L; j += 16) {
-      const __mmask16 t = tail_mask(L - j);
-      const __m512 e = _mm512_maskz_mov_ps(t, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(t, row + j), m)));
-      _mm512_mask_storeu_ps(row + j, t, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    inv[i] = 1.f / _mm512_reduce_add_ps(sum);
-  }
+  for (int64_t i = 0; i < G; ++i) inv[i] = 1.f / softmax_numerators(sc.data() + i * L, L);
   std::vector<__m512> acc(G * chunks, _mm512_setzero_ps());
   for (int64_t s = lo; s <= p; ++s) {
     const uint16_t* v = kv.slot(b, s) + (hkv + g) * dh;
@@ -245,16 +248,7 @@ std::vector<torch::Tensor> router_topk(const torch::Tensor& x, const torch::Tens
         dot_bf16<1>(wp + e * D, &xt, D, p + e);
         p[e] = round_bf16(p[e]);
       }
-      __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-      for (int64_t e = 0; e < E; e += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail_mask(E - e), p + e));
-      const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-      for (int64_t e = 0; e < E; e += 16) {
-        const __mmask16 tm = tail_mask(E - e);
-        const __m512 v = _mm512_maskz_mov_ps(tm, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tm, p + e), m)));
-        _mm512_mask_storeu_ps(p + e, tm, v);
-        sum = _mm512_add_ps(sum, v);
-      }
-      const __m512 s = _mm512_set1_ps(_mm512_reduce_add_ps(sum));
+      const __m512 s = _mm512_set1_ps(softmax_numerators(p, E));
       for (int64_t e = 0; e < E; e += 16) {
         const __mmask16 tm = tail_mask(E - e);
         _mm512_mask_storeu_ps(p + e, tm, _mm512_div_ps(_mm512_maskz_loadu_ps(tm, p + e), s));

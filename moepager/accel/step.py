@@ -29,21 +29,21 @@ from moepager.models.routing import NULL_OBSERVER, OWN_ROUTER
 
 
 def use_step_kernels(model: torch.nn.Module, dtype: torch.dtype) -> str:
-    """Give a bf16 CPU model (`dtype`: its activations') the step kernels: every RMSNorm, softmax top-k router (up to
-    NATIVE_MAX_TOKENS tokens) and attention layer's decode pass, and the decoder layers whose parts all have them a
-    `DecodeLayerStep`. Says what it did ("" for nothing: the extension unavailable, or not a bf16 run)."""
+    """Give a bf16 model on the CPU (`dtype`: its activations') the step kernels: every RMSNorm, softmax top-k router
+    (up to NATIVE_MAX_TOKENS tokens) and attention layer's decode pass, and the decoder layers whose parts all have
+    them a `DecodeLayerStep`. Says what it did ("" for nothing: the extension unavailable, or not a bf16 run)."""
     if dtype != torch.bfloat16 or not cpu_kernels.available():
         return ""
     module = cpu_kernels.extension()
     counts = {"norms": 0, "routers": 0, "decode attentions": 0, "whole decoder layers": 0}
     for m in model.modules():
-        if isinstance(m, RMSNorm) and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu":
+        if isinstance(m, RMSNorm) and m.weight.dtype == torch.bfloat16:
             m.kernel = module.rms_norm
             counts["norms"] += 1
-        elif isinstance(m, SoftmaxTopKRouter) and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu":
+        elif isinstance(m, SoftmaxTopKRouter) and m.weight.dtype == torch.bfloat16:
             m.kernel = module.router_topk
             counts["routers"] += 1
-        elif isinstance(m, Attention) and next(m.parameters(), next(m.buffers())).device.type == "cpu":
+        elif isinstance(m, Attention):
             m.step = module
             counts["decode attentions"] += 1
     for m in model.modules():
@@ -81,13 +81,12 @@ class DecodeLayerStep:
         assert isinstance(executor, ResidentExecutor) and executor.kernels.fused is not None
         self.attn, self.mlp, self.executor = attn, mlp, executor
         self.max_rows = min(executor.kernels.fused.max_tokens, FUSED_DENSE_MAX_TOKENS, NATIVE_MAX_TOKENS)
-        head = attn.qk_norm == "head"
         qkv, o, gate = attn.qkv, attn.o_proj, mlp.gate
         assert isinstance(qkv, FusedLinear) and isinstance(o, FusedLinear)
         self.call = module.DecodeLayer(
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
-            qkv.weight, NO_WEIGHT if qkv.bias is None else qkv.bias, attn._qk_norm_weight() if head else NO_WEIGHT,
-            attn.q_norm.eps if head else 0.0, attn.num_heads, attn.window or 0, attn.scale, o.weight,
+            qkv.weight, NO_WEIGHT if qkv.bias is None else qkv.bias, *attn.kernel_qk_norm(), attn.num_heads,
+            attn.window or 0, attn.scale, o.weight,
             NO_WEIGHT if o.bias is None else o.bias, gate.weight, gate.top_k, gate.normalize, not gate.fp32_weights,
             executor.base[mlp.layer], executor.num_experts, executor.kernels.fused.spec)
 

@@ -33,7 +33,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.kernel: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
-        """moepager's CPU norm (accel/cpu_kernels.py `use_step_kernels`: bf16 CPU runs) for bf16 inputs outside a
+        """moepager's CPU norm (accel/step.py `use_step_kernels`: bf16 CPU runs) for bf16 inputs outside a
         compiled graph: one call where torch's eager norm is seven ops (~14 us)."""
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -250,7 +250,7 @@ class Attention(nn.Module):
         self.scale = 1.0 / math.sqrt(dh)
         """SDPA's default scale, as it computes it."""
         self.step: ModuleType | None = None
-        """moepager's CPU kernels (accel/cpu_kernels.py `use_step_kernels`: bf16 CPU runs): a decode pass of one token
+        """moepager's CPU kernels (accel/step.py `use_step_kernels`: bf16 CPU runs): a decode pass of one token
         a row over the paged cache in one call (q/k norm, RoPE, cache write, attention) outside a compiled graph."""
         self._qk_weight: tuple[tuple[int, int, torch.device], torch.Tensor] | None = None
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
@@ -299,11 +299,10 @@ class Attention(nn.Module):
         if self.clip_qkv is not None:
             qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         if self.step is not None and t == 1 and batch.block_table_BN is not None and not torch.compiler.is_compiling():
-            cos, sin = rope  # (the norm's weight and eps as the per-head norm below takes them)
-            out = self.step.decode_attention(
-                qkv.view(b, -1), self._qk_norm_weight() if self.qk_norm == "head" else NO_WEIGHT,
-                self.q_norm.eps if self.qk_norm == "head" else 0.0, cos.view(b, -1), sin.view(b, -1), cache,
-                batch.block_table_BN, batch.positions_BT.view(b), self.num_heads, self.window or 0, self.scale)
+            cos, sin = rope
+            out = self.step.decode_attention(qkv.view(b, -1), *self.kernel_qk_norm(), cos.view(b, -1), sin.view(b, -1),
+                                             cache, batch.block_table_BN, batch.positions_BT.view(b), self.num_heads,
+                                             self.window or 0, self.scale)
             return self.o_proj(out.view(b, 1, -1))
         # Queries and keys as one [B, T, H + Hkv, Dh] tensor: per-head norm and RoPE once for both
         h, hq, hkv = self.num_heads + self.num_kv_heads, self.num_heads, self.num_kv_heads
@@ -315,6 +314,11 @@ class Attention(nn.Module):
         kv_BNSD = cache_update(cache, torch.cat((qk_BTND[:, :, hq:], heads_BTND[:, :, h:]), dim=2), batch)
         out = attention(qk_BTND[:, :, :hq].transpose(1, 2), kv_BNSD[:, :hkv], kv_BNSD[:, hkv:], batch.mask_B1TS)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def kernel_qk_norm(self) -> tuple[torch.Tensor, float]:
+        """The q/k norm as the CPU kernels take it: the per-head weight [H + Hkv, Dh] and eps, or an empty weight (no
+        norm in the kernel: a whole-projection norm is applied before it)."""
+        return (self._qk_norm_weight(), self.q_norm.eps) if self.qk_norm == "head" else (NO_WEIGHT, 0.0)
 
     def _qk_norm_weight(self) -> torch.Tensor:
         """q_norm's weight for each query head, then k_norm's for each key head, as one [H + Hkv, Dh] tensor

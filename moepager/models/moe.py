@@ -97,7 +97,7 @@ class SoftmaxTopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.top_k, self.normalize, self.fp32_weights = top_k, normalize, fp32_weights
         self.kernel: Callable[..., list[torch.Tensor]] | None = None
-        """moepager's CPU router (accel/cpu_kernels.py `use_step_kernels`: bf16 CPU runs), for up to
+        """moepager's CPU router (accel/step.py `use_step_kernels`: bf16 CPU runs), for up to
         NATIVE_MAX_TOKENS bf16 tokens outside a compiled graph: one call where torch's are six."""
 
     def scores(self, x_ND: torch.Tensor) -> torch.Tensor:
