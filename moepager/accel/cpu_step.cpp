@@ -69,6 +69,25 @@ inline float softmax_numerators(float* row, int64_t n) {
   return _mm512_reduce_add_ps(sum);
 }
 
+// One row's q/k heads of qkv (H + Hkv heads of dh, then Hkv value heads) normed (w [H + Hkv, dh]; null: no norm) and
+// rotated: the queries into q (fp32 of their bf16 values), the keys and values into the row's cache slot.
+void rotate_and_store(const uint16_t* qkv, const uint16_t* w, float eps, const uint16_t* cos, const uint16_t* sin,
+                      int64_t H, int64_t hkv, int64_t dh, uint16_t* slot, float* q) {
+  std::vector<uint16_t> normed(dh), rotated(dh);
+  for (int64_t j = 0; j < H + hkv; ++j) {
+    const uint16_t* src = qkv + j * dh;
+    if (w != nullptr) {
+      norm_row(src, w + j * dh, normed.data(), dh, eps);
+      src = normed.data();
+    }
+    uint16_t* dst = j < H ? rotated.data() : slot + (j - H) * dh;
+    rope_row(src, cos, sin, dst, dh);
+    if (j < H)
+      for (int64_t i = 0; i < dh; ++i) q[j * dh + i] = bf16_to_float(rotated[i]);
+  }
+  std::memcpy(slot + hkv * dh, qkv + (H + hkv) * dh, hkv * dh * sizeof(uint16_t));
+}
+
 struct Cache {
   uint16_t* data;
   const int64_t* table;  // [B, W] blocks of each row
@@ -178,29 +197,14 @@ torch::Tensor decode_attention(const torch::Tensor& qkv, const torch::Tensor& qk
   const auto* xp = reinterpret_cast<const uint16_t*>(qkv.data_ptr());
   const auto* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr());
   const auto* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr());
-  const auto* wp = norm ? reinterpret_cast<const uint16_t*>(qk_w.data_ptr()) : nullptr;
+  const auto* wp = norm ? reinterpret_cast<const uint16_t*>(qk_w.data_ptr()) : nullptr;  // (null: no norm)
   auto out = torch::empty({B, H * dh}, qkv.options());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const float e = static_cast<float>(eps), sc = static_cast<float>(scale);
   std::vector<float> q(B * H * dh);  // the rotated queries (bf16 values) as fp32
-  {
-    std::vector<uint16_t> normed(dh), rotated(dh);
-    for (int64_t b = 0; b < B; ++b) {
-      uint16_t* slot = kv.slot(b, pos[b]);
-      for (int64_t j = 0; j < H + hkv; ++j) {
-        const uint16_t* src = xp + b * width + j * dh;
-        if (norm) {
-          norm_row(src, wp + j * dh, normed.data(), dh, e);
-          src = normed.data();
-        }
-        uint16_t* dst = j < H ? rotated.data() : slot + (j - H) * dh;
-        rope_row(src, cp + b * dh, sp + b * dh, dst, dh);
-        if (j < H)
-          for (int64_t i = 0; i < dh; ++i) q[(b * H + j) * dh + i] = bf16_to_float(rotated[i]);
-      }
-      std::memcpy(slot + hkv * dh, xp + b * width + (H + hkv) * dh, hkv * dh * sizeof(uint16_t));
-    }
-  }
+  for (int64_t b = 0; b < B; ++b)
+    rotate_and_store(xp + b * width, wp, e, cp + b * dh, sp + b * dh, H, hkv, dh, kv.slot(b, pos[b]),
+                     q.data() + b * H * dh);
   const int64_t G = H / hkv;
   int64_t work = 0;
   for (int64_t b = 0; b < B; ++b) work += (pos[b] + 1) * H * dh * 2;
