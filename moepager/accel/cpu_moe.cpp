@@ -46,8 +46,8 @@ Spec parse_spec(const std::vector<int64_t>& s) {
   TORCH_CHECK(s.size() == 8, "spec: fmt, D, F, group, off_gu, off_dn, off_sgu, off_sdn");
   Spec p{s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]};
   TORCH_CHECK(p.fmt >= 0 && p.fmt <= 2, "unknown expert format ", p.fmt);
-  if (p.fmt == INT4) TORCH_CHECK(p.group % 32 == 0 && p.D % p.group == 0 && p.F % p.group == 0,
-                                 "int4 groups must be a multiple of 32 dividing D and F");
+  if (p.fmt == INT4) TORCH_CHECK((p.group == 32 || p.group == 64 || p.group == 128) && p.D % p.group == 0 &&
+                                 p.F % p.group == 0, "int4 groups must be 32, 64 or 128 and divide D and F");
   return p;
 }
 
@@ -144,15 +144,13 @@ inline __m512 int8_chunk(__m512i wv, const QRow* x, int64_t c, int t, __m512 acc
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_loadu_ps(x[t].scale + c * 16), acc);
 }
 
-// No software prefetch (as dot_bf16): int8 rows of K=2048 from RAM at 1 thread read 21.9-27.1 GB/s without it,
-// 21.8-23.4 with it 4 KiB ahead (interleaved ad-hoc probe, 2026-11-28). int4 rows keep theirs: 12.0-13.0 without,
-// 14.4-17.8 with (their unpacking keeps them below the memory's rate, and the prefetch hides the latency).
 template <int T>
 inline void dot_int8(const int8_t* w, const QRow* x, int64_t K, float* out) {
   __m512 a0[T], a1[T];
   for (int t = 0; t < T; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
   int64_t c = 0;
   for (; (c + 2) * 64 <= K; c += 2) {
+    prefetch_l2(w + c * 64 + PREFETCH);
     const __m512i w0 = _mm512_loadu_si512(w + c * 64), w1 = _mm512_loadu_si512(w + c * 64 + 64);
     for (int t = 0; t < T; ++t) {
       a0[t] = int8_chunk<T>(w0, x, c, t, a0[t]);
@@ -166,36 +164,42 @@ inline void dot_int8(const int8_t* w, const QRow* x, int64_t K, float* out) {
   for (int t = 0; t < T; ++t) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], a1[t]));
 }
 
-constexpr int64_t PREFETCH = 4096;  // bytes ahead in a row-major matrix read row after row (one linear stream)
-
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
-
 // int4 ("rows" layout): w points at the row's K/2 bytes of plain nibbles, s at its K/g bf16 group scales. A chunk is
 // 128 inputs: 64 bytes of nibbles, four blocks of 32, block j in 128-bit lane j (low nibbles: its even inputs, high:
-// its odd ones), dotted against the activations' evens and odds laid out the same way (QBuffer for INT4).
+// its odd ones), dotted against the activations' evens and odds laid out the same way (QBuffer for INT4). A group
+// (32, 64 or 128: parse_spec) divides a chunk, so chunk c's scales are the 128 / g from c * 128 / g on.
+inline __m512 int4_scales(const uint16_t* s, __mmask8 m, __m512i scale_index) {  // lane i: its block's group scale
+  const __m128i sc = _mm_maskz_loadu_epi16(m, s);
+  return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, scale_index, _mm512_castsi128_si512(sc)));
+}
+
+template <int T>
+inline void int4_chunk(__m512i wv, __m512 sv, const QRow* x, int64_t c, __m512* acc) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i lo = _mm512_and_si512(wv, low4), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low4);
+  for (int t = 0; t < T; ++t) {
+    const uint8_t* xq = x[t].q + c * 128;
+    __m512i d = _mm512_dpbusd_epi32(_mm512_loadu_si512(x[t].corr + c * 16), lo, _mm512_loadu_si512(xq));
+    d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(xq + 64));
+    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(_mm512_loadu_ps(x[t].scale + c * 16), sv), acc[t]);
+  }
+}
+
 template <int T>
 inline void dot_int4(const uint8_t* w, const uint16_t* s, int64_t group, const QRow* x, int64_t K, float* out,
                      __m512i scale_index) {
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int64_t c = 0; c * 128 < K; ++c) {
-    const int64_t left = K - c * 128;
-    prefetch(w + c * 64 + PREFETCH);
-    const __m512i wv = left >= 128 ? _mm512_loadu_si512(w + c * 64)
-                                   : _mm512_maskz_loadu_epi8(static_cast<__mmask64>((1ull << (left / 2)) - 1), w + c * 64);
-    const __m512i lo = _mm512_and_si512(wv, low4), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low4);
-    // lane i (block i / 4) takes its group's scale in its high half: the bf16 bits of an fp32
-    const int64_t g0 = c * 128 / group, groups = std::min<int64_t>(4, (left + group - 1) / group);
-    const __m128i sc = _mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << groups) - 1), s + g0);
-    const __m512 sv = _mm512_castsi512_ps(
-        _mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, scale_index, _mm512_castsi128_si512(sc)));
-    for (int t = 0; t < T; ++t) {
-      const uint8_t* xq = x[t].q + c * 128;
-      __m512i d = _mm512_dpbusd_epi32(_mm512_loadu_si512(x[t].corr + c * 16), lo, _mm512_loadu_si512(xq));
-      d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(xq + 64));
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(_mm512_loadu_ps(x[t].scale + c * 16), sv), acc[t]);
-    }
+  const int64_t per = 128 / group, full = K / 128;  // scales a chunk, whole chunks
+  const __mmask8 all = static_cast<__mmask8>((1u << per) - 1);
+  for (int64_t c = 0; c < full; ++c) {
+    prefetch_l2(w + c * 64 + PREFETCH);
+    int4_chunk<T>(_mm512_loadu_si512(w + c * 64), int4_scales(s + c * per, all, scale_index), x, c, acc);
+  }
+  if (const int64_t left = K - full * 128; left > 0) {  // a multiple of the group: its groups only
+    const __mmask8 m = static_cast<__mmask8>((1u << (left / group)) - 1);
+    const __m512i wv = _mm512_maskz_loadu_epi8(static_cast<__mmask64>((1ull << (left / 2)) - 1), w + full * 64);
+    int4_chunk<T>(wv, int4_scales(s + full * per, m, scale_index), x, full, acc);
   }
   for (int t = 0; t < T; ++t) out[t] = _mm512_reduce_add_ps(acc[t]);
 }

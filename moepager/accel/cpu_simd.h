@@ -53,16 +53,24 @@ inline __m512 round_bf16x16(__m512 v) {  // fp32 lanes rounded to bf16 (nearest 
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// One weight row (K inputs) against T inputs, two independent accumulators per input. No software prefetch: on
-// weights held on huge pages the hardware prefetcher streams rows on its own, and a prefetch 4 KiB ahead slowed the
-// 622 MB qwen3-30b-a3b LM head at 1 thread from 26.0-26.8 to 21.4-25.2 GB/s (streaming read: 25.0-26.1; ad-hoc probe,
-// 2026-11-27; int8 rows read without it too, int4 rows keep theirs: cpu_moe.cpp dot_int8).
+// Every weight row is read with a software prefetch into L2 this far ahead (rows lie one after another, so this is one
+// linear stream per matrix). Ad-hoc probe, 2026-11-28, interleaved rounds, one qwen3-30b-a3b MoE layer's 8 experts from
+// RAM at 1 / 2 threads, GB/s of weights: bf16 23.7-26.0 / 27.8-30.1 with it, 18.4-22.0 / 26.0-28.2 without; int8
+// 13.1-19.7 / 20.1-27.8 and 11.8-17.5 / 20.2-27.6; int4 15.3-20.8 / 23.5-28.6 and 11.7-13.9 / 16.5-22.8. The 622 MB LM
+// head at 1 thread: 25.5-26.8 with, 24.6-26.3 without (stream 26.4-27.9). Into L1 4 KiB ahead was worse than none
+// for bf16 (17.2-17.9 on the LM head).
+constexpr int64_t PREFETCH = 8192;
+
+inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+
+// One weight row (K inputs) against T inputs, two independent accumulators per input.
 template <int T>
 inline void dot_bf16(const uint16_t* w, const uint16_t* const* x, int64_t K, float* out) {
   __m512 a0[T], a1[T];
   for (int t = 0; t < T; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 64 <= K; k += 64) {
+    prefetch_l2(reinterpret_cast<const char*>(w + k) + PREFETCH);
     const __m512i w0 = _mm512_loadu_si512(w + k), w1 = _mm512_loadu_si512(w + k + 32);
     for (int t = 0; t < T; ++t) {
       a0[t] = _mm512_dpbf16_ps(a0[t], (__m512bh)w0, (__m512bh)_mm512_loadu_si512(x[t] + k));
