@@ -44,7 +44,7 @@ from moepager.experts.weights import ExpertShape
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_moe.cpp", "cpu_step.cpp")]
 """The MoE layer's kernels and the dense GEMV (cpu_moe.cpp); the rest of a decode step (cpu_step.cpp, accel/step.py)."""
-HEADER = Path(__file__).with_name("cpu_simd.h")
+HEADERS = sorted(Path(__file__).parent.glob("cpu_*.h"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -82,9 +82,10 @@ def _build() -> ModuleType:
     from torch.utils.cpp_extension import load
     build = cache_dir() / "moepager_cpu_moe"
     build.mkdir(parents=True, exist_ok=True)
-    header = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]  # `load` hashes the sources only: a header edit
-    return load("moepager_cpu_moe", [str(s) for s in SOURCES], build_directory=str(build), verbose=False,  # rebuilds
-                extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DMOEPAGER_SIMD_H={header}"],
+    # `load` hashes the sources only: the headers' hash in a -D flag makes a header edit rebuild too
+    header = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
+    return load("moepager_cpu_moe", [str(s) for s in SOURCES], build_directory=str(build), verbose=False,
+                extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DMOEPAGER_HEADERS={header}"],
                 extra_ldflags=["-fopenmp"])
 
 

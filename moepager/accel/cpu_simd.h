@@ -84,6 +84,15 @@ inline void dot_bf16(const uint16_t* w, const uint16_t* const* x, int64_t K, flo
   for (int t = 0; t < T; ++t) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], a1[t]));
 }
 
+// out[i] = bf16(a[i] + b[i]) for i in [0, n): torch's bf16 add (the sum in fp32, rounded once). out may be a or b.
+inline void add_bf16_row(const uint16_t* a, const uint16_t* b, uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 v = _mm512_add_ps(load_bf16x16(a + i, m), load_bf16x16(b + i, m));
+    _mm256_mask_storeu_epi16(out + i, m, (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
 inline __m512 exp512(__m512 x) {  // e^x for x in [-88, 88]: 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2]
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),

@@ -13,12 +13,13 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
-#include "cpu_simd.h"
+#include "cpu_experts.h"
 
 namespace {
 
@@ -69,23 +70,27 @@ inline float softmax_numerators(float* row, int64_t n) {
   return _mm512_reduce_add_ps(sum);
 }
 
-// One row's q/k heads of qkv (H + Hkv heads of dh, then Hkv value heads) normed (w [H + Hkv, dh]; null: no norm) and
-// rotated: the queries into q (fp32 of their bf16 values), the keys and values into the row's cache slot.
-void rotate_and_store(const uint16_t* qkv, const uint16_t* w, float eps, const uint16_t* cos, const uint16_t* sin,
-                      int64_t H, int64_t hkv, int64_t dh, uint16_t* slot, float* q) {
-  std::vector<uint16_t> normed(dh), rotated(dh);
-  for (int64_t j = 0; j < H + hkv; ++j) {
+// Row b's query heads g G .. g G + G - 1 (G = H / Hkv) and key head g of its qkv (H + Hkv heads of dh, then Hkv value
+// heads) normed (w [H + Hkv, dh]; null: no norm) and rotated: the queries into q (G rows of dh, fp32 of their bf16
+// values), key and value head g into the row's cache slot (2 Hkv heads).
+void rotate_group(const uint16_t* qkv, const uint16_t* w, float eps, const uint16_t* cos, const uint16_t* sin,
+                  int64_t H, int64_t hkv, int64_t dh, int64_t g, uint16_t* slot, float* q) {
+  uint16_t normed[MAX_HEAD_DIM], rotated[MAX_HEAD_DIM];
+  auto rotate = [&](int64_t j, uint16_t* dst) {
     const uint16_t* src = qkv + j * dh;
     if (w != nullptr) {
-      norm_row(src, w + j * dh, normed.data(), dh, eps);
-      src = normed.data();
+      norm_row(src, w + j * dh, normed, dh, eps);
+      src = normed;
     }
-    uint16_t* dst = j < H ? rotated.data() : slot + (j - H) * dh;
     rope_row(src, cos, sin, dst, dh);
-    if (j < H)
-      for (int64_t i = 0; i < dh; ++i) q[j * dh + i] = bf16_to_float(rotated[i]);
+  };
+  const int64_t G = H / hkv;
+  for (int64_t i = 0; i < G; ++i) {
+    rotate(g * G + i, rotated);
+    for (int64_t d = 0; d < dh; ++d) q[i * dh + d] = bf16_to_float(rotated[d]);
   }
-  std::memcpy(slot + hkv * dh, qkv + (H + hkv) * dh, hkv * dh * sizeof(uint16_t));
+  rotate(H + g, slot + g * dh);
+  std::memcpy(slot + (hkv + g) * dh, qkv + (H + hkv + g) * dh, dh * sizeof(uint16_t));
 }
 
 struct Cache {
@@ -162,15 +167,40 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   return out;
 }
 
-// One decode token per row b, at position p = positions[b]: the q and k heads of qkv [B, (H + 2 Hkv) Dh] normed
-// (qk_w [H + Hkv, Dh]; an empty tensor: no norm) and rotated (cos, signed sin [B, Dh]), k and v written to position
-// p of the row's blocks in the paged cache [blocks, block size, 2 Hkv, Dh] (table [B, W]), then each query head
-// attends to positions max(0, p - window + 1) (window 0: 0) to p of its KV head, scores scaled by `scale`.
-// Returns the heads' outputs [B, H Dh] (bf16).
-torch::Tensor decode_attention(const torch::Tensor& qkv, const torch::Tensor& qk_w, double eps,
-                               const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor cache,
-                               const torch::Tensor& table, const torch::Tensor& positions, int64_t H, int64_t window,
-                               double scale) {
+namespace {
+
+// One decode pass's attention over the paged cache, its arguments checked (`attention_of`): task t = (row b, KV head
+// g) rotates and stores that row's heads of group g (rotate_group), then attends (attend). Tasks touch disjoint
+// memory, so any thread may take any of them, and a row's result is the same alone or batched.
+struct DecodeAttention {
+  Cache kv;
+  const uint16_t *qkv, *cos, *sin, *qk_w;  // qk_w null: no q/k norm
+  const int64_t* pos;
+  int64_t B, H, hkv, dh, width, window;
+  float eps, scale;
+
+  int64_t tasks() const { return B * hkv; }
+  int64_t work() const {  // multiply-adds of the scores and the weighted sum
+    int64_t w = 0;
+    for (int64_t b = 0; b < B; ++b) w += (pos[b] + 1) * H * dh * 2;
+    return w;
+  }
+  // q: the rotated queries (fp32 [B, H Dh]); out: the heads' outputs (bf16 [B, H Dh])
+  void run(int64_t a, int64_t z, float* q, uint16_t* out) const {
+    std::vector<float> scratch;
+    const int64_t G = H / hkv;
+    for (int64_t t = a; t < z; ++t) {
+      const int64_t b = t / hkv, g = t % hkv, p = pos[b], lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+      float* qg = q + (b * H + g * G) * dh;
+      rotate_group(qkv + b * width, qk_w, eps, cos + b * dh, sin + b * dh, H, hkv, dh, g, kv.slot(b, p), qg);
+      attend(kv, b, g, lo, p, qg, G, scale, scratch, out + (b * H + g * G) * dh);
+    }
+  }
+};
+
+DecodeAttention attention_of(const torch::Tensor& qkv, const torch::Tensor& qk_w, double eps, const torch::Tensor& cos,
+                             const torch::Tensor& sin, torch::Tensor& cache, const torch::Tensor& table,
+                             const torch::Tensor& positions, int64_t H, int64_t window, double scale) {
   const auto bf16 = torch::kBFloat16;
   TORCH_CHECK(qkv.scalar_type() == bf16 && cos.scalar_type() == bf16 && sin.scalar_type() == bf16 &&
               cache.scalar_type() == bf16 && table.scalar_type() == torch::kLong &&
@@ -193,37 +223,65 @@ torch::Tensor decode_attention(const torch::Tensor& qkv, const torch::Tensor& qk
     for (int64_t j = 0; j <= pos[b] / block; ++j)
       TORCH_CHECK(tab[b * W + j] >= 0 && tab[b * W + j] < cache.size(0), "decode_attention: block out of range");
   }
-  const Cache kv{reinterpret_cast<uint16_t*>(cache.data_ptr()), tab, W, block, heads2, dh};
-  const auto* xp = reinterpret_cast<const uint16_t*>(qkv.data_ptr());
-  const auto* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr());
-  const auto* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr());
-  const auto* wp = norm ? reinterpret_cast<const uint16_t*>(qk_w.data_ptr()) : nullptr;  // (null: no norm)
-  auto out = torch::empty({B, H * dh}, qkv.options());
+  auto ptr = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); };
+  return {{reinterpret_cast<uint16_t*>(cache.data_ptr()), tab, W, block, heads2, dh}, ptr(qkv), ptr(cos), ptr(sin),
+          norm ? ptr(qk_w) : nullptr, pos, B, H, hkv, dh, width, window, static_cast<float>(eps),
+          static_cast<float>(scale)};
+}
+
+}  // namespace
+
+// One decode token per row b, at position p = positions[b]: the q and k heads of qkv [B, (H + 2 Hkv) Dh] normed
+// (qk_w [H + Hkv, Dh]; an empty tensor: no norm) and rotated (cos, signed sin [B, Dh]), k and v written to position
+// p of the row's blocks in the paged cache [blocks, block size, 2 Hkv, Dh] (table [B, W]), then each query head
+// attends to positions max(0, p - window + 1) (window 0: 0) to p of its KV head, scores scaled by `scale`.
+// Returns the heads' outputs [B, H Dh] (bf16).
+torch::Tensor decode_attention(const torch::Tensor& qkv, const torch::Tensor& qk_w, double eps,
+                               const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor cache,
+                               const torch::Tensor& table, const torch::Tensor& positions, int64_t H, int64_t window,
+                               double scale) {
+  const DecodeAttention att = attention_of(qkv, qk_w, eps, cos, sin, cache, table, positions, H, window, scale);
+  auto out = torch::empty({att.B, H * att.dh}, qkv.options());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const float e = static_cast<float>(eps), sc = static_cast<float>(scale);
-  std::vector<float> q(B * H * dh);  // the rotated queries (bf16 values) as fp32
-  for (int64_t b = 0; b < B; ++b)
-    rotate_and_store(xp + b * width, wp, e, cp + b * dh, sp + b * dh, H, hkv, dh, kv.slot(b, pos[b]),
-                     q.data() + b * H * dh);
-  const int64_t G = H / hkv;
-  int64_t work = 0;
-  for (int64_t b = 0; b < B; ++b) work += (pos[b] + 1) * H * dh * 2;
-  const int64_t tasks = B * hkv;
-  auto run = [&](int64_t a, int64_t z) {
-    std::vector<float> scratch;
-    for (int64_t t = a; t < z; ++t) {
-      const int64_t b = t / hkv, g = t % hkv, p = pos[b], lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-      attend(kv, b, g, lo, p, q.data() + (b * H + g * G) * dh, G, sc, scratch, op + (b * H + g * G) * dh);
-    }
-  };
-  if (work < SERIAL_MACS || tasks == 1) {
-    run(0, tasks);
+  std::vector<float> q(att.B * H * att.dh);
+  if (att.work() < SERIAL_MACS || att.tasks() == 1) {
+    att.run(0, att.tasks(), q.data(), op);
   } else {
     pybind11::gil_scoped_release release;
-    at::parallel_for(0, tasks, 1, run);
+    at::parallel_for(0, att.tasks(), 1, [&](int64_t a, int64_t z) { att.run(a, z, q.data(), op); });
   }
   return out;
 }
+
+namespace {
+
+// One row x (D) routed by the bf16 router W [E, D]: probabilities p [E] (fp32 of the bf16 logits' softmax), the k
+// largest in descending order (ties: the lower expert first) into ids and weights (divided by their sum with
+// `normalize`). order: scratch of E.
+void route_row(const uint16_t* x, const uint16_t* w, int64_t D, int64_t E, int64_t k, bool normalize, float* p,
+               int64_t* ids, float* weights, std::vector<int64_t>& order) {
+  for (int64_t e = 0; e < E; ++e) {
+    dot_bf16<1>(w + e * D, &x, D, p + e);
+    p[e] = round_bf16(p[e]);
+  }
+  const __m512 s = _mm512_set1_ps(softmax_numerators(p, E));
+  for (int64_t e = 0; e < E; e += 16) {
+    const __mmask16 tm = tail_mask(E - e);
+    _mm512_mask_storeu_ps(p + e, tm, _mm512_div_ps(_mm512_maskz_loadu_ps(tm, p + e), s));
+  }
+  order.resize(E);
+  for (int64_t e = 0; e < E; ++e) order[e] = e;
+  std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                    [p](int64_t i, int64_t j) { return p[i] > p[j] || (p[i] == p[j] && i < j); });
+  float total = 0.f;
+  for (int64_t i = 0; i < k; ++i) total += p[order[i]];
+  for (int64_t i = 0; i < k; ++i) {
+    ids[i] = order[i];
+    weights[i] = normalize ? p[order[i]] / total : p[order[i]];
+  }
+}
+
+}  // namespace
 
 // Softmax top-k routing of bf16 x [N, D] by the bf16 router W [E, D], as models/moe.py's SoftmaxTopKRouter computes
 // it: logits rounded to bf16 (a bf16 linear's output; its dot products as linear_bf16's), softmax in fp32, the k
@@ -245,28 +303,8 @@ std::vector<torch::Tensor> router_topk(const torch::Tensor& x, const torch::Tens
   int64_t* ip = ids.data_ptr<int64_t>();
   auto rows = [&](int64_t a, int64_t b) {
     std::vector<int64_t> order(E);
-    for (int64_t t = a; t < b; ++t) {
-      const uint16_t* xt = xp + t * D;
-      float* p = pp + t * E;
-      for (int64_t e = 0; e < E; ++e) {
-        dot_bf16<1>(wp + e * D, &xt, D, p + e);
-        p[e] = round_bf16(p[e]);
-      }
-      const __m512 s = _mm512_set1_ps(softmax_numerators(p, E));
-      for (int64_t e = 0; e < E; e += 16) {
-        const __mmask16 tm = tail_mask(E - e);
-        _mm512_mask_storeu_ps(p + e, tm, _mm512_div_ps(_mm512_maskz_loadu_ps(tm, p + e), s));
-      }
-      for (int64_t e = 0; e < E; ++e) order[e] = e;
-      std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                        [p](int64_t i, int64_t j) { return p[i] > p[j] || (p[i] == p[j] && i < j); });
-      float total = 0.f;
-      for (int64_t i = 0; i < k; ++i) total += p[order[i]];
-      for (int64_t i = 0; i < k; ++i) {
-        ip[t * k + i] = order[i];
-        wtp[t * k + i] = normalize ? p[order[i]] / total : p[order[i]];
-      }
-    }
+    for (int64_t t = a; t < b; ++t) route_row(xp + t * D, wp, D, E, k, normalize, pp + t * E, ip + t * k, wtp + t * k,
+                                               order);
   };
   if (N * E * D < SERIAL_MACS) {
     rows(0, N);
@@ -277,47 +315,39 @@ std::vector<torch::Tensor> router_topk(const torch::Tensor& x, const torch::Tens
   return {ids, weights, probs};
 }
 
-// Defined in cpu_moe.cpp.
-torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w);
-torch::Tensor moe_resident(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& weights,
-                           const torch::Tensor& arena, int64_t base, int64_t num_experts,
-                           const std::vector<int64_t>& spec);
-
 namespace {
 
-// a + b for contiguous bf16 tensors, b of a's shape or one row added to each of a's, rounded as torch's bf16 add.
-torch::Tensor add_bf16(const torch::Tensor& a, const torch::Tensor& b) {
-  TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && a.scalar_type() == torch::kBFloat16 &&
-              b.scalar_type() == torch::kBFloat16 && b.numel() > 0 && a.numel() % b.numel() == 0 &&
-              (b.numel() == a.numel() || b.numel() == a.size(-1)), "add_bf16: bf16 a and b of its shape or row");
-  auto out = torch::empty_like(a);
-  const auto* ap = reinterpret_cast<const uint16_t*>(a.data_ptr());
-  const auto* bp = reinterpret_cast<const uint16_t*>(b.data_ptr());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t w = b.numel();
-  for (int64_t r = 0; r < a.numel() / w; ++r)
-    for (int64_t i = 0; i < w; i += 16) {
-      const __mmask16 m = tail_mask(w - i);
-      const __m512 v = _mm512_add_ps(load_bf16x16(ap + r * w + i, m), load_bf16x16(bp + i, m));
-      _mm256_mask_storeu_epi16(op + r * w + i, m, (__m256i)_mm512_cvtneps_pbh(v));
-    }
-  return out;
+// Runs f(a, b) on this thread's share of `tasks` tasks (thread t of n; none when the share is empty).
+template <class F>
+inline void share(int64_t tasks, int t, int n, F&& f) {
+  const int64_t a = tasks * t / n, b = tasks * (t + 1) / n;
+  if (a < b) f(a, b);
 }
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias) {
-  auto y = linear_bf16(x, w);
-  return bias.numel() > 0 ? add_bf16(y, bias) : y;
+// A bf16 projection's rows r0..r1 for the B rows x of one layer's pass (y: its fp32 scratch [B, N]), plus its bias.
+void project(const torch::Tensor& w, const torch::Tensor& bias, const uint16_t* const* x, int64_t B, int64_t r0,
+             int64_t r1, float* y, uint16_t* out) {
+  const Projection p{static_cast<const uint8_t*>(w.data_ptr()), nullptr, w.size(0), w.size(1)};
+  gemv_rows(BF16, p, x, nullptr, B, r0, r1, y, out);
+  if (bias.numel() == 0) return;
+  const auto* bp = reinterpret_cast<const uint16_t*>(bias.data_ptr());
+  for (int64_t b = 0; b < B; ++b) add_bf16_row(out + b * p.N + r0, bp + r0, out + b * p.N + r0, r1 - r0);
 }
 
 }  // namespace
 
 // One decoder layer of a decode pass (one token a row, bf16 x [B, D]) in one call, for the pre-norm block whose
 // attention is decode_attention's and whose MLP is a softmax top-k router over resident experts (moe_resident's):
-// h = x + o(attention(norm1(x))), out = h + experts(norm2(h)). The same kernels in the same order as the layer's
-// modules call them one by one (models/layers.py DecoderLayer with accel/step.py's kernels), so the two agree bit for
-// bit; one Python call a layer instead of some twenty. The layer's weights and settings are bound once (a call then
-// converts seven arguments, not twenty-six). Empty tensors: no bias, no q/k norm. `bf16_weights`: the routing weights
-// rounded to bf16 (Qwen-MoE's and OLMoE's routers), else kept fp32 (Mixtral's).
+// h = x + o(attention(norm1(x))), out = h + experts(norm2(h)). The same kernels as the layer's modules call one by
+// one (models/layers.py DecoderLayer with accel/step.py's kernels), each output element computed by the same
+// arithmetic, so the two agree bit for bit; one Python call a layer instead of some twenty. The layer's weights and
+// settings are bound once (a call converts seven arguments, not twenty-six). Empty tensors: no bias, no q/k norm.
+// `bf16_weights`: the routing weights rounded to bf16 (Qwen-MoE's and OLMoE's routers), else kept fp32 (Mixtral's).
+//
+// With more than one thread the whole layer is one OpenMP parallel region: every step's tasks (16-row blocks of a
+// projection, (row, KV head) attention tasks, the experts' tiles) are shared among the threads with a barrier between
+// steps, where ATen's parallel_for would open a region per step (~4 us each) and leave a small model's steps on one
+// core. The norm before q/k/v is computed by every thread for itself, the router's row by one.
 struct DecodeLayer {
   torch::Tensor norm1, norm2;
   double eps;
@@ -334,15 +364,97 @@ struct DecodeLayer {
   torch::Tensor operator()(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                            torch::Tensor cache, const torch::Tensor& table, const torch::Tensor& positions,
                            const torch::Tensor& arena) const {
-    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16, "DecodeLayer: bf16 x [B, D]");
-    const auto qkv = linear(rms_norm(x, norm1, eps), qkv_w, qkv_b);
-    const auto attended = decode_attention(qkv, qk_w, qk_eps, cos, sin, cache, table, positions, heads, window, scale);
-    const auto h = add_bf16(x, linear(attended, o_w, o_b));
-    const auto h2 = rms_norm(h, norm2, eps);
-    auto route = router_topk(h2, router_w, k, normalize);
-    if (bf16_weights) route[1] = route[1].to(torch::kBFloat16);
-    return add_bf16(h, moe_resident(h2, route[0], route[1], arena, base, num_experts, spec));
+    const int64_t B = x.size(0), D = x.size(1), E = router_w.size(0);
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16 && qkv_w.size(1) == D &&
+                o_w.size(0) == D && router_w.size(1) == D && E == num_experts && norm1.numel() == D &&
+                norm2.numel() == D, "DecodeLayer: bf16 x [B, D] of the layer's width");
+    auto qkv = torch::empty({B, qkv_w.size(0)}, x.options());
+    const DecodeAttention att = attention_of(qkv, qk_w, qk_eps, cos, sin, cache, table, positions, heads, window, scale);
+    TORCH_CHECK(o_w.size(1) == heads * att.dh, "DecodeLayer: o [D, H Dh]");
+    const Spec s = parse_spec(spec);
+    TORCH_CHECK(s.D == D, "DecodeLayer: experts of width ", s.D, " for x of ", D);
+    const auto [rows, stride] = arena_rows(arena, base, num_experts);
+    auto out = torch::empty({B, D}, x.options());
+    Pass pass{*this, att, s, rows, stride, reinterpret_cast<const uint16_t*>(x.data_ptr()),
+              reinterpret_cast<uint16_t*>(qkv.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr())};
+    const int threads = at::get_num_threads();
+    pybind11::gil_scoped_release release;
+    if (threads > 1 && !at::in_parallel_region()) {
+#pragma omp parallel num_threads(threads)
+      pass.run(omp_get_thread_num(), omp_get_num_threads());
+    } else {
+      pass.run(0, 1);
+    }
+    return out;
   }
+
+  // One call's buffers and steps. run(t, n) is thread t of n's part; its barriers and `single` bind to the enclosing
+  // parallel region (none with n = 1: then they do nothing).
+  struct Pass {
+    const DecodeLayer& L;
+    const DecodeAttention& att;
+    const Spec& s;
+    const uint8_t* rows;
+    int64_t stride;
+    const uint16_t* x;
+    uint16_t* qkv;
+    uint16_t* out;
+    int64_t B = att.B, D = s.D, Nq = L.qkv_w.size(0), HD = L.heads * att.dh;
+    std::vector<float> yq = std::vector<float>(B * Nq), yo = std::vector<float>(B * D), q = std::vector<float>(B * HD);
+    std::vector<uint16_t> attended = std::vector<uint16_t>(B * HD), o = std::vector<uint16_t>(B * D),
+                          h = std::vector<uint16_t>(B * D), h2 = std::vector<uint16_t>(B * D);
+    std::vector<float> probs = std::vector<float>(B * L.num_experts), weights = std::vector<float>(B * L.k),
+                       y = std::vector<float>(B * L.k * D);
+    std::vector<int64_t> ids = std::vector<int64_t>(B * L.k);
+    SortedPairs pairs;
+    ExpertWork experts;
+
+    void run(int t, int n) {
+      const float eps = static_cast<float>(L.eps);
+      std::vector<uint16_t> xn(B * D);  // norm1(x): each thread its own (the same bits)
+      std::vector<const uint16_t*> in(B);
+      for (int64_t b = 0; b < B; ++b) {
+        norm_row(x + b * D, reinterpret_cast<const uint16_t*>(L.norm1.data_ptr()), xn.data() + b * D, D, eps);
+        in[b] = xn.data() + b * D;
+      }
+      share((Nq + 15) / 16, t, n, [&](int64_t a, int64_t z) {
+        project(L.qkv_w, L.qkv_b, in.data(), B, a * 16, std::min(Nq, z * 16), yq.data(), qkv);
+      });
+#pragma omp barrier
+      share(att.tasks(), t, n, [&](int64_t a, int64_t z) { att.run(a, z, q.data(), attended.data()); });
+#pragma omp barrier
+      for (int64_t b = 0; b < B; ++b) in[b] = attended.data() + b * HD;
+      share((D + 15) / 16, t, n, [&](int64_t a, int64_t z) {  // o, then h = x + o for those columns
+        const int64_t r0 = a * 16, r1 = std::min(D, z * 16);
+        project(L.o_w, L.o_b, in.data(), B, r0, r1, yo.data(), o.data());
+        for (int64_t b = 0; b < B; ++b) add_bf16_row(x + b * D + r0, o.data() + b * D + r0, h.data() + b * D + r0, r1 - r0);
+      });
+#pragma omp barrier
+#pragma omp single
+      route(eps);  // (the barrier at its end: every thread waits for the sorted pairs)
+      share(experts.up_tasks(), t, n, [&](int64_t a, int64_t z) { experts.up(a, z); });
+#pragma omp barrier
+      share(experts.tiles_d, t, n, [&](int64_t a, int64_t z) { experts.down(a, z); });
+    }
+
+    // h2 = norm2(h), its routing, the pairs sorted by expert and the experts' work prepared (one thread).
+    void route(float eps) {
+      const auto* n2 = reinterpret_cast<const uint16_t*>(L.norm2.data_ptr());
+      const auto* rw = reinterpret_cast<const uint16_t*>(L.router_w.data_ptr());
+      const int64_t E = L.num_experts, K = L.k;
+      std::vector<int64_t> order;
+      for (int64_t b = 0; b < B; ++b) {
+        norm_row(h.data() + b * D, n2, h2.data() + b * D, D, eps);
+        route_row(h2.data() + b * D, rw, D, E, K, L.normalize, probs.data() + b * E, ids.data() + b * K,
+                  weights.data() + b * K, order);
+      }
+      if (L.bf16_weights)
+        for (float& w : weights) w = round_bf16(w);
+      pairs.sort(ids.data(), weights.data(), B, K, E, rows, stride, L.base);
+      experts.prepare(s, h2.data(), B, pairs.groups, pairs.token.data(), pairs.weight.data(), y.data(), out, h.data());
+      if (s.fmt != BF16) quantize_rows(h2.data(), D, s.fmt, experts.xq, 0, B);
+    }
+  };
 };
 
 // The sampler's greedy pick of logits [B, V] (bf16 or fp32, contiguous): each row's first largest entry and whether

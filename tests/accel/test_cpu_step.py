@@ -184,14 +184,27 @@ def test_every_architecture_decodes_through_the_kernels_as_through_torch(hf_chec
 
 
 @needs_kernels
-@pytest.mark.parametrize("arch", ARCHS)
-def test_a_whole_layer_in_one_call_equals_its_modules_bit_for_bit(hf_checkpoint, arch, monkeypatch):
+@pytest.mark.parametrize("arch, threads, expert_dtype", [(a, 2, None) for a in ARCHS]
+                         + [("qwen3_moe", 1, None), ("mixtral", 1, "int8"), ("qwen3_moe", 2, "int8")])
+def test_a_whole_layer_in_one_call_equals_its_modules_bit_for_bit(hf_checkpoint, arch, threads, expert_dtype,
+                                                                   monkeypatch):
     """Where a decoder layer's parts all have kernels (Mixtral, Qwen3-MoE: no shared experts, no clip), its decode pass
     is one call; through the engine (two rows at different lengths, greedy) every such call's output and cache equal
-    the layer's modules' with the same kernels, bit for bit. It declines where it cannot be the modules' arithmetic:
-    an observer on the block (a trace recorder) runs the modules."""
+    the layer's modules' with the same kernels, bit for bit, on one thread and on two (the call's own parallel region
+    shares each step's tasks among them), bf16 or int8 experts. It declines where it cannot be the modules'
+    arithmetic: an observer on the block (a trace recorder) runs the modules."""
     _, path = hf_checkpoint(arch)
-    llm = LLM(path, dtype="bfloat16", show_progress=False)
+    before = torch.get_num_threads()
+    try:
+        run_whole_layer_test(path, arch, threads, expert_dtype, monkeypatch)
+    finally:
+        torch.set_num_threads(before)
+
+
+def run_whole_layer_test(path, arch, threads, expert_dtype, monkeypatch):
+    llm = LLM(config=EngineConfig(model=str(path), dtype="bfloat16", threads=threads, expert_dtype=expert_dtype),
+              show_progress=False)
+    assert torch.get_num_threads() == threads
     layers = [m for m in llm.loaded.model.modules() if isinstance(m, DecoderLayer)]
     fused = [layer for layer in layers if layer.step is not None]
     assert (len(fused) > 0) == (arch in ("mixtral", "qwen3_moe"))
