@@ -17,7 +17,7 @@ from moepager.checkpoints.default import default_model_path
 from moepager.checkpoints.gguf_read import resolve_model_path
 from moepager.config import EngineConfig
 from moepager.errors import MoepagerError
-from moepager.experts.remote import STATS, STOP, message
+from moepager.experts.remote import STATS, STOP, link, message, open_links
 from moepager.runtime.builder import expert_worker, placement
 from moepager.runtime.shadow import SHADOW_RANK, Shadow
 
@@ -34,6 +34,7 @@ def launch(config: EngineConfig, main: Callable[[EngineConfig], int]) -> int:
     if world < 2 + config.shadow:
         dist.destroy_process_group()
         raise MoepagerError("torchrun started one process: give --nproc-per-node 2 or more (a main and workers)")
+    open_links(world, SHADOW_RANK if config.shadow else None)
     config = replace(config, workers=world - 1 - config.shadow)
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -65,13 +66,13 @@ def launch(config: EngineConfig, main: Callable[[EngineConfig], int]) -> int:
 
 def stop_workers(world: int, timeout_s: float) -> dict[int, dict[str, float]]:
     """Every worker still there is told to stop and answers with its counters (`ExpertWorker.stats`); one already
-    gone, or silent for `timeout_s`, is skipped."""
+    gone, or silent for `timeout_s`, is skipped (each on its own link: a silent one's timeout ends no other's)."""
     out = {}
     for rank in range(1, world):
         try:
-            dist.send(message(STOP), rank)
+            dist.send(message(STOP), rank, group=link(rank))
             stats = torch.empty(len(STATS), dtype=torch.float64)
-            dist.irecv(stats, rank).wait(timeout=datetime.timedelta(seconds=timeout_s))
+            dist.irecv(stats, rank, group=link(rank)).wait(timeout=datetime.timedelta(seconds=timeout_s))
             out[rank] = dict(zip(STATS, stats.tolist()))
         except RuntimeError:
             pass

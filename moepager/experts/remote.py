@@ -12,6 +12,10 @@ expert exactly as the main rank does, computes its experts' rows with the same k
 sums every token's rows in ascending expert order. So the output is the single-process run's bit for bit at the same
 thread count. Every answer is awaited with a timeout: a worker that died (its connection drops) or stopped answering
 is named in a `WorkerLost` error, and nothing hangs.
+
+Each worker talks to the main rank (and a shadow rank's forecasts) on a process group of its own (`open_links`):
+gloo ends every connection of a group in which an operation timed out, so a worker that stops answering takes its
+own link down and no other, and a failover run goes on without it.
 """
 
 from __future__ import annotations
@@ -48,6 +52,25 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HEADER = 7
 """op, then up to five fields (RUN: layer position, tokens, top-k, x's dtype, the weights' dtype), then the main
 rank's pass (forecasts and layer calls of one pass go together)."""
+
+
+_links: dict[int, dist.ProcessGroup] = {}
+
+
+def open_links(world: int, shadow_rank: int | None = None) -> None:
+    """One process group per worker rank: the main rank, the worker and the shadow rank if there is one. Every rank
+    calls it right after `init_process_group` (group creation is collective, in the same order everywhere). Probe, with
+    gloo on this machine, 2026-11-28: after a receive from one rank timed out on the default group, a send to another
+    rank failed ("Application timeout caused pair closure"); on groups of their own the other rank went on answering."""
+    _links.clear()
+    for rank in range(1, world):
+        if rank != shadow_rank:
+            _links[rank] = dist.new_group(sorted({0, rank} | ({shadow_rank} if shadow_rank is not None else set())))
+
+
+def link(rank: int) -> dist.ProcessGroup | None:
+    """The process group worker `rank` talks on (None, the default group, where `open_links` was not called)."""
+    return _links.get(rank)
 
 
 def message(op: int, *fields: int, pass_id: int = 0) -> torch.Tensor:
@@ -114,10 +137,10 @@ def _timed_out(e: RuntimeError) -> bool:
 
 class RemoteExecutor:
     """The main rank's executor: each layer's routed experts computed by the workers that hold them. A worker lost
-    (`WorkerLost`) stops the run, or with `on_loss="failover"` a worker that died has its experts go to the workers
-    left (a `PLACE` message: they load them) and the layer call is made again, so no token is lost or computed twice.
-    A worker that stops answering always stops the run: gloo closes every connection of its process group when an
-    operation times out."""
+    (`WorkerLost`) stops the run, or with `on_loss="failover"` a worker that died or stopped answering has its experts
+    go to the workers left (a `PLACE` message: they load them) and the layer call is made again, so no token is lost or
+    computed twice. (A silent worker can be left behind because it has a link of its own, `open_links`: its timeout
+    closes that group only.)"""
 
     def __init__(self, shape: ExpertShape, moe_layers: Sequence[int], num_experts: int, placement: Placement,
                  fused: FusedKernel | None, timeout_s: float, on_loss: WorkerLoss = "stop"):
@@ -157,7 +180,7 @@ class RemoteExecutor:
         for rank in by_rank:  # every worker starts before any answer is awaited: they compute at the same time
             try:
                 for t in (header, x, ids, weights):
-                    dist.send(t, rank)
+                    dist.send(t, rank, group=link(rank))
             except RuntimeError as e:
                 lost[rank] = self._reason(rank, layer, e)
         weighted = fused_takes(self.fused, n)  # the workers' batches decide alike
@@ -168,7 +191,7 @@ class RemoteExecutor:
             index = work.rows_of(which)
             rows = torch.empty(len(index), x.shape[1], dtype=y_MD.dtype)
             try:  # every answer is taken, even after a loss: the workers' streams stay in step
-                dist.irecv(rows, rank).wait(timeout=self.timeout)
+                dist.irecv(rows, rank, group=link(rank)).wait(timeout=self.timeout)
             except RuntimeError as e:
                 lost[rank] = self._reason(rank, layer, e)
                 if _timed_out(e):
@@ -194,15 +217,15 @@ class RemoteExecutor:
         """The lost workers' experts to the workers left: each is told the new placement (and loads what it now
         holds before it answers the next call)."""
         reasons = lost.reasons
-        if lost.silent:  # gloo closes every connection of its group when an operation times out: nothing to go on with
-            raise WorkerLost(f"{reasons[min(lost.silent)]}; a timeout ends gloo's process group, so the run cannot "
-                             "fail over (a worker that dies can be)")
+        if lost.silent and not _links:  # on the default group a timeout has closed every connection: no one to tell
+            raise WorkerLost(f"{reasons[min(lost.silent)]}; a timeout ends gloo's process group, and this run's workers "
+                             "have no links of their own (experts/remote.py open_links), so it cannot fail over")
         placement = self.placement.without(set(reasons))
         header = message(PLACE, len(placement.ranks), placement.group_size)
         for rank in placement.ranks:
             try:
-                dist.send(header, rank)
-                dist.send(torch.tensor(placement.ranks), rank)
+                dist.send(header, rank, group=link(rank))
+                dist.send(torch.tensor(placement.ranks), rank, group=link(rank))
             except RuntimeError as e:  # lost as well: placed again without it at the next call
                 reasons = {**reasons, rank: self._reason(rank, -1, e)}
         self.placement = placement
@@ -255,8 +278,8 @@ def send_forecasts(placement: Placement, pairs: Sequence[tuple[int, int]], pass_
         by_rank.setdefault(placement.rank(position, e), []).append((position, e))
     for rank, mine in by_rank.items():
         try:
-            dist.send(message(PREFETCH, len(mine), pass_id=pass_id), rank)
-            dist.send(torch.tensor(mine), rank)
+            dist.send(message(PREFETCH, len(mine), pass_id=pass_id), rank, group=link(rank))
+            dist.send(torch.tensor(mine), rank, group=link(rank))
         except RuntimeError:
             pass
 
@@ -291,31 +314,31 @@ class ExpertWorker:
     def serve(self) -> int:
         """Answer layer calls until told to stop, then send the counters; returns the calls answered. Forecasts
         (`PREFETCH`) may come from the main rank or a shadow rank, whichever sends first."""
-        d = self.shape.hidden
+        d, group = self.shape.hidden, link(self.rank)
         header = torch.empty(HEADER, dtype=torch.long)
         while True:
-            source = dist.recv(header)
+            source = dist.recv(header, group=group)
             op, a, n, k, x_code, w_code, pass_id = header.tolist()
             if op == STOP:
-                dist.send(self.stats(), 0)
+                dist.send(self.stats(), 0, group=group)
                 return self.calls
             if op == PREFETCH:  # a: how many (layer position, expert) pairs follow
                 pairs = torch.empty(a, 2, dtype=torch.long)
-                dist.recv(pairs, source)
+                dist.recv(pairs, source, group=group)
                 self._forecast(pairs.tolist(), pass_id)
                 continue
             if op == PLACE:  # a: how many workers are left, n: their group size
                 ranks = torch.empty(a, dtype=torch.long)
-                dist.recv(ranks, 0)
+                dist.recv(ranks, 0, group=group)
                 self._place(Placement(tuple(ranks.tolist()), n))
                 continue
             x = torch.empty(n, d, dtype=DTYPES[x_code])
             ids, weights = torch.empty(n, k, dtype=torch.long), torch.empty(n, k, dtype=DTYPES[w_code])
             for t in (x, ids, weights):
-                dist.recv(t, 0)
+                dist.recv(t, 0, group=group)
             with torch.inference_mode():
                 rows = self.compute(a, x, ids, weights, pass_id)
-            dist.send(rows, 0)
+            dist.send(rows, 0, group=group)
             self.calls += 1
 
     def _forecast(self, pairs: list[list[int]], pass_id: int) -> None:

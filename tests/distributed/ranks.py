@@ -20,7 +20,7 @@ from moepager.checkpoints.build import read_config
 from moepager.config import EngineConfig, PrefetchConfig
 from moepager.distributed.roles import stop_workers
 from moepager.errors import MoepagerError
-from moepager.experts.remote import ExpertWorker
+from moepager.experts.remote import ExpertWorker, open_links
 from moepager.runtime.builder import expert_worker, placement
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
@@ -34,6 +34,7 @@ def main() -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
     rank, world = dist.get_rank(), dist.get_world_size()
+    open_links(world, SHADOW_RANK if os.environ.get("MOEPAGER_TEST_SHADOW") else None)
     fault = os.environ.get("MOEPAGER_TEST_FAULT")
     if fault and rank == 2:
         compute, calls = ExpertWorker.compute, [0]
