@@ -218,8 +218,8 @@ class RemoteExecutor:
         holds before it answers the next call)."""
         reasons = lost.reasons
         if lost.silent and not _links:  # on the default group a timeout has closed every connection: no one to tell
-            raise WorkerLost(f"{reasons[min(lost.silent)]}; a timeout ends gloo's process group, and this run's workers "
-                             "have no links of their own (experts/remote.py open_links), so it cannot fail over")
+            raise WorkerLost(f"{reasons[min(lost.silent)]}; a timeout ends gloo's process group, and this run's "
+                             "workers have no links of their own (experts/remote.py open_links): it cannot fail over")
         placement = self.placement.without(set(reasons))
         header = message(PLACE, len(placement.ranks), placement.group_size)
         for rank in placement.ranks:
