@@ -143,8 +143,11 @@ class RemoteExecutor:
     closes that group only.)"""
 
     def __init__(self, shape: ExpertShape, moe_layers: Sequence[int], num_experts: int, placement: Placement,
-                 fused: FusedKernel | None, timeout_s: float, on_loss: WorkerLoss = "stop"):
+                 fused: FusedKernel | None, timeout_s: float, on_loss: WorkerLoss = "stop",
+                 also_placed: Sequence[int] = ()):
         self.shape, self.placement, self.fused = shape, placement, fused
+        self.also_placed = tuple(also_placed)
+        """Ranks besides the workers told of a new placement, on the default group (a shadow rank: its forecasts)."""
         self.position = {layer: i for i, layer in enumerate(moe_layers)}
         self.num_experts = num_experts
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -228,6 +231,9 @@ class RemoteExecutor:
                 dist.send(torch.tensor(placement.ranks), rank, group=link(rank))
             except RuntimeError as e:  # lost as well: placed again without it at the next call
                 reasons = {**reasons, rank: self._reason(rank, -1, e)}
+        for rank in self.also_placed:
+            dist.send(header, rank)
+            dist.send(torch.tensor(placement.ranks), rank)
         self.placement = placement
         self.lost += sorted(reasons)
         for reason in reasons.values():
@@ -270,16 +276,28 @@ Holding = tuple[ArenaKernels | None, PagedExecutor | None]
 """A worker's experts: resident (kernels over its arena) or paged (an executor over its own store)."""
 
 
+_unanswered: dict[int, list[tuple[dist.Work, tuple[torch.Tensor, torch.Tensor]]]] = {}
+"""Each worker's forecast sends not yet taken (their tensors kept alive until they are)."""
+BEHIND = 64
+"""Forecasts a worker may leave untaken before it is sent no more: it has stopped answering (and will be found so by
+the main rank's next layer call) or is lost."""
+
+
 def send_forecasts(placement: Placement, pairs: Sequence[tuple[int, int]], pass_id: int) -> None:
-    """(layer position, expert) forecasts to the workers that hold them, to load ahead (`PREFETCH`); a lost worker
-    is skipped (the next layer call finds it)."""
+    """(layer position, expert) forecasts to the workers that hold them, to load ahead (`PREFETCH`). Sent without
+    waiting (a forecast is a hint: a worker that stopped answering must not hold up the shadow rank or the main rank's
+    predictor); a worker gone, or `BEHIND` forecasts behind, is skipped (the next layer call finds it)."""
     by_rank: dict[int, list[tuple[int, int]]] = {}
     for position, e in pairs:
         by_rank.setdefault(placement.rank(position, e), []).append((position, e))
     for rank, mine in by_rank.items():
+        sent = _unanswered.setdefault(rank, [])
+        sent[:] = [s for s in sent if not s[0].is_completed()]
+        if len(sent) >= BEHIND:
+            continue
+        tensors = (message(PREFETCH, len(mine), pass_id=pass_id), torch.tensor(mine))
         try:
-            dist.send(message(PREFETCH, len(mine), pass_id=pass_id), rank, group=link(rank))
-            dist.send(torch.tensor(mine), rank, group=link(rank))
+            sent += [(dist.isend(t, rank, group=link(rank)), tensors) for t in tensors]
         except RuntimeError:
             pass
 

@@ -328,7 +328,8 @@ def remote_executor(config: EngineConfig, reader: FlatReader, cfg: ModelConfig) 
     shape = reader.shape
     return RemoteExecutor(shape, cfg.moe_layers, cfg.num_experts, placement(config, cfg),
                           cpu_kernels.fused_experts(shape, torch.device("cpu"), config.expert_kernel),
-                          config.worker_timeout_s, config.on_worker_loss)
+                          config.worker_timeout_s, config.on_worker_loss,
+                          also_placed=(1,) if config.shadow else ())  # rank 1: the shadow's (runtime/shadow.py)
 
 
 def expert_worker(config: EngineConfig, path: Path, rank: int) -> ExpertWorker:

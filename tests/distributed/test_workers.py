@@ -190,6 +190,22 @@ def test_failover_leaves_a_silent_worker_behind_and_loses_no_token(hf_checkpoint
     assert len(workers) == 2 and all(w["calls"] > 0 for w in workers)
 
 
+def test_failover_tells_the_shadow_rank_the_new_placement(hf_checkpoint, tmp_path):
+    """--shadow with failover: the first worker (rank 2) stops answering; the workers left and the shadow rank are
+    given the new placement (a shadow that did not take the message would fail the run), the shadow's forecasts to the
+    silent worker do not hold it up (they are sent without waiting), and the tokens are the single-process ones."""
+    path = str(hf_checkpoint("qwen3_moe")[1])
+    out = tmp_path / "tokens.json"
+    codes = spawn(5, "tests/distributed/ranks.py", str(out), "1", path,
+                  env={"MOEPAGER_TEST_FAULT": "hang", "MOEPAGER_TEST_ON_LOSS": "failover", "MOEPAGER_TEST_SHADOW": "1",
+                       "MOEPAGER_TEST_WORKER_MEMORY": "60%"})
+    assert codes[0] == 0
+    got = json.loads(out.read_text())
+    assert got[path + " lost"] == [2] and got[path] == single_process(path)
+    shadow, workers = got[path + " workers"][0], got[path + " workers"][1:]
+    assert shadow["calls"] > 0 and len(workers) == 2 and all(w["calls"] > 0 for w in workers)
+
+
 def test_a_silent_worker_stops_a_run_without_failover_with_the_reason(hf_checkpoint, tmp_path):
     out = tmp_path / "tokens.json"
     codes = spawn(4, "tests/distributed/ranks.py", str(out), "1", str(hf_checkpoint("olmoe")[1]),
