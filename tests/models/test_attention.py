@@ -1,0 +1,31 @@
+"""RotaryEmbedding's CPU tables (models/attention.py): rows looked up from tables computed once equal the formula's
+values bit for bit, whatever the positions' order and the dtype; the tables grow past the longest sequence seen."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moepager.models.attention import RotaryEmbedding
+from moepager.models.config import RopeConfig
+
+ROPES = [RopeConfig(10000.0, 40), RopeConfig(1e6, 128),
+         RopeConfig(10000.0, 64, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}),
+         RopeConfig(10000.0, 32, {"rope_type": "linear", "factor": 2.0})]
+
+
+@pytest.mark.parametrize("rope", ROPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_table_rows_equal_the_formula_bit_for_bit(rope, dtype):
+    r = RotaryEmbedding(rope, 2048)
+    for positions in ([[0, 5, 1023], [1024, 3000, 7]], [[4]], [[5000, 2]]):
+        pos = torch.tensor(positions)
+        got, want = r(pos, dtype), r.compute(pos, dtype)
+        assert all(g.shape == w.shape == (*pos.shape, 1, rope.dim) and torch.equal(g, w) for g, w in zip(got, want))
+    assert r._tables[dtype][0].shape[0] == 8192  # grown to the power of two past position 5000
+
+
+def test_no_positions_give_empty_tables():
+    r = RotaryEmbedding(RopeConfig(10000.0, 16), 64)
+    cos, sin = r(torch.empty(1, 0, dtype=torch.long), torch.bfloat16)
+    assert cos.shape == sin.shape == (1, 0, 1, 16)
