@@ -29,6 +29,7 @@ from moepager.experts.remote import HEADER, PLACE, STATS, STOP, Placement, messa
 from moepager.runtime.builder import build
 from moepager.runtime.kv_pool import KVBlockPool
 from moepager.runtime.runner import ModelRunner
+from moepager.runtime.sampling import greedy_picks
 from moepager.runtime.scheduler import Scheduled
 from moepager.types import PassInfo, RoutingDecision
 
@@ -195,8 +196,8 @@ class Shadow:
     def _compute(self, scheduled: list[Scheduled]) -> None:
         """Run the rows (their routing goes out as this pass's forecasts) and keep each finished row's guess of its
         next token."""
-        for row, logits in self.runner.run(scheduled) if scheduled else ():
-            row.request.guess = int(logits.argmax())  # type: ignore[attr-defined]
+        for row, logits in self.runner.run(scheduled) if scheduled else ():  # the sampler's greedy pick
+            row.request.guess = greedy_picks(logits.view(1, -1))[0][0]  # type: ignore[attr-defined]
 
     def _reserve(self, request: _Request, tokens: int) -> bool:
         """Cache blocks for `tokens` positions, taking back the blocks of requests least recently told of (never
