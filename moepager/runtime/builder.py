@@ -41,11 +41,13 @@ from moepager.models.config import ModelConfig
 from moepager.planning.configurator import layer_costs
 from moepager.planning.cost import CostModel, nominal_profile
 from moepager.policies import UnknownPolicyError, make_policy, policy_spec
+from moepager.policies.base import ForecastConsumer
 from moepager.policies.prefetch import PREFETCH_POLICIES, make_prefetch_policy
 from moepager.predictors import PREDICTORS
 from moepager.runtime.configure import OnlineConfigurator
 from moepager.runtime.prefetch import Prefetcher, build_prefetcher
 from moepager.store.budget import check_slots, format_bytes, share_quotas
+from moepager.store.parts import PartForecasts, WholeExperts
 from moepager.store.slots import SlotTable
 from moepager.store.stats import StoreReport
 from moepager.store.store import ExpertStore
@@ -398,8 +400,12 @@ def build(config: EngineConfig, path: Path, show_progress: bool) -> Built:
         loaded.model.observe_routing(prefetcher)
     elif config.prefetch.predictor is not None and store is not None:
         inner = store.order.inner  # the device tier's eviction policy, which may rank by forecasts (fMoE, PLEC)
-        prefetcher = build_prefetcher(config.prefetch, loaded.model, store, inner if inner.uses_predictions else None,
-                                      inner.ranks_next_use)
+        forecasts: ForecastConsumer | None = inner if inner.uses_predictions else None
+        target: ExpertStore | WholeExperts = store
+        if store.parts > 1:  # a split checkpoint: forecasts of whole experts load their cacheable parts
+            target = WholeExperts(store)
+            forecasts = PartForecasts(forecasts, store.parts) if forecasts is not None else None
+        prefetcher = build_prefetcher(config.prefetch, loaded.model, target, forecasts, inner.ranks_next_use)
         loaded.model.observe_routing(prefetcher)
     return Built(loaded, store, prefetcher, online_configurator(config, opened, store, execution, profile))
 
@@ -424,16 +430,17 @@ def online_configurator(config: EngineConfig, opened: OpenCheckpoint, store: Exp
 
 
 def check_split(config: EngineConfig, opened: OpenCheckpoint, execution: Execution) -> None:
-    """What a split checkpoint (checkpoints/split.py) runs with: resident or paged experts, no predictor's prefetch
-    (it forecasts whole experts), no hybrid, CPU-only or remote execution (they place whole experts)."""
+    """What a split checkpoint (checkpoints/split.py) runs with: resident or paged experts (a predictor's prefetch
+    loading forecast experts' cacheable parts: store/parts.py), no hybrid, CPU-only or remote execution (they place
+    whole experts)."""
     if opened.split is None:
         return
-    refused = [name for name, on in (("--workers", config.workers), (f"--execution {execution}", execution != "gpu"),
-                                     ("--prefetch", config.prefetch.predictor is not None)) if on]
+    refused = [name for name, on in (("--workers", config.workers), (f"--execution {execution}", execution != "gpu"))
+               if on]
     if refused:
         raise ConfigError(f"{opened.checkpoint.path} stores its experts in {opened.split.parts} parts (moepager "
-                          f"split), which run resident or paged through the store; {', '.join(refused)} place or "
-                          "forecast whole experts: run the unsplit checkpoint for that")
+                          f"split), which run resident or paged through the store; {', '.join(refused)} place whole "
+                          "experts: run the unsplit checkpoint for that")
 
 
 def store_report(store: ExpertStore | None, config: StoreConfig, prefill_tokens: int,

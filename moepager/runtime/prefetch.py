@@ -44,6 +44,7 @@ from moepager.predictors import (
     token_keys,
 )
 from moepager.predictors.expert_map import hashed_tokens
+from moepager.store.parts import WholeExperts
 from moepager.store.store import ExpertStore
 from moepager.types import PassInfo, RoutingDecision
 
@@ -84,9 +85,9 @@ Priority = Callable[[float, int], float]
 """(probability mass, MoE layers until needed) -> a queued prefetch's rank."""
 
 class Prefetcher:
-    def __init__(self, predictor: Predictor, store: ExpertStore, moe_layers: Sequence[int], plan: PrefetchPlan,
-                 embed: SemanticEmbed | None = None, forecasts: ForecastConsumer | None = None, next_use: bool = False,
-                 stateful: bool = False, priority: Priority = PrefetchAware.priority):
+    def __init__(self, predictor: Predictor, store: ExpertStore | WholeExperts, moe_layers: Sequence[int],
+                 plan: PrefetchPlan, embed: SemanticEmbed | None = None, forecasts: ForecastConsumer | None = None,
+                 next_use: bool = False, stateful: bool = False, priority: Priority = PrefetchAware.priority):
         self.predictor, self.store, self.plan = predictor, store, plan
         self.moe_layers = list(moe_layers)
         self.position = {layer: i for i, layer in enumerate(moe_layers)}
@@ -240,7 +241,7 @@ class Prefetcher:
         self.store.prefetch_ranked(list(map(itemgetter(1, 2), ranked)), room)
 
 
-def build_prefetcher(config: PrefetchConfig, model: CausalLM, store: ExpertStore,
+def build_prefetcher(config: PrefetchConfig, model: CausalLM, store: ExpertStore | WholeExperts,
                      forecasts: ForecastConsumer | None = None, next_use: bool = False) -> Prefetcher:
     """The configured predictor, wired to the model's routers and embedding layer, to the store (and its prefetch
     policy's ranking), and to `forecasts`, the eviction policy that ranks by forecasts (fMoE, PLEC) if any."""

@@ -543,16 +543,19 @@ class ExpertStore:
         """`layer` routed to `experts`: carry out the prefetch policy's verdict on each prefetch made for it, the
         first of its actions that applies (see the module note)."""
         table, counters, needed, order = self.device.table, self.counters.current, set(experts), self.order
+        gone: set[Ticket] = set()  # given up here (a split expert's parts read in one request share one ticket)
         for key, slot in list(order.ahead.items()):  # a loop over a copy: judged keys leave `ahead`
             if key.layer != layer:
                 continue
             ticket = table.ticket[slot]
-            loading = ticket is not None and not ticket.done()
+            loading = ticket is not None and not ticket.done() or ticket in gone
             for action in order.settle_actions(key.expert in needed, loading):
                 if action == "cancel" or action == "abandon":
                     assert ticket is not None
-                    if not (ticket.cancel() if action == "cancel" else self.transfers.abandon(ticket)):
+                    if ticket not in gone and not (ticket.cancel() if action == "cancel" else
+                                                   self.transfers.abandon(ticket)):
                         continue  # the read started (or its lane took it): the next action applies
+                    gone.add(ticket)
                     self._forget(slot)  # it never reads a byte
                     self._forget_cancelled_host_read(ticket)
                     counters.prefetch_cancelled += 1

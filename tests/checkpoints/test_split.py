@@ -25,6 +25,7 @@ from moepager.policies import ENGINE_POLICIES
 from moepager.runtime.builder import paged_executor
 from moepager.runtime.llm import LLM
 from moepager.runtime.replay import ReplaySpec
+from moepager.runtime.sampling import SamplingParams
 from moepager.store.budget import format_bytes
 from moepager.trace.simulate import SimSpec
 from moepager.trace.split import simulate_split
@@ -207,15 +208,38 @@ def test_splitting_is_checked(split_olmoe, hf_checkpoint, tmp_path):
         quantize_checkpoint(split, tmp_path / "sq", "int8", show_progress=False)
 
 
+@pytest.mark.parametrize("theta, policy", [([1.0] * 3, "lru"), ([0.5, 0.75, 0.25], "lru"), ([0.5] * 3, "fmoe")])
+def test_a_predictor_prefetches_split_experts_cacheable_parts_without_changing_a_token(split_olmoe, tmp_path, theta,
+                                                                                     policy):
+    """MoEpic's prefetch of the next layer's predicted experts on a split checkpoint (store/parts.py): gate lookahead
+    forecasts whole experts, their cacheable (top) parts load ahead, bottoms never do; the greedy tokens are the
+    resident split run's, and loads ahead happen and are judged. fMoE ranks evictions by the forecasts, per part."""
+    _, split = split_olmoe
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[3, 11, 5, 7, 9, 2], [7, 1, 2]]
+    reference = [c.token_ids for c in LLM(split, show_progress=False).generate(prompts, params)]
+    part_bytes = load_model(split, show_progress=False).expert_shape.nbytes
+    store = StoreConfig(expert_memory=part_budget(part_bytes, 12 * 4), policy=policy, warm=False, direct_io="off",
+                        layer_plan=plan_file(tmp_path, [1.0, 1.0, 1.0], theta))
+    llm = LLM(config=EngineConfig(model=str(split), store=store, prefetch=PrefetchConfig("gate-lookahead")),
+              show_progress=False)
+    assert [c.token_ids for c in llm.generate(prompts, params)] == reference
+    phases = llm.last_stats.sections["experts"].phases.values()
+    ahead = sum(p["loads_ahead"] for p in phases)
+    judged = sum(p["prefetch_used"] + p["prefetch_wasted"] + p["prefetch_cancelled"] for p in phases)
+    assert ahead > 0 and 0 < judged <= ahead
+    s = llm.loaded.experts.inner.store
+    tops = [round(t * 4) for t in theta]
+    assert all(k.expert % 4 < tops[i] for i, layer in enumerate(s.layers()) for k in s.device.table.by_layer[layer])
+
+
 def test_split_runs_refuse_what_places_whole_experts_and_plans_need_a_split_checkpoint(split_olmoe, tmp_path):
     path, split = split_olmoe
     halves = plan_file(tmp_path, [1.0, 1.0, 1.0], [0.5, 0.5, 0.5])
     with pytest.raises(ConfigError, match="splits experts .* `moepager split"):
         LLM(path, store=StoreConfig(expert_memory="50%", layer_plan=halves), show_progress=False)
-    config = EngineConfig(model=str(split), store=StoreConfig(expert_memory="50%"),
-                          prefetch=PrefetchConfig(predictor="transition"))
-    with pytest.raises(ConfigError, match="stores its experts in 4 parts .* --prefetch"):
-        LLM(config=config, show_progress=False)
+    with pytest.raises(ConfigError, match="stores its experts in 4 parts .* --execution cpu-experts place whole"):
+        LLM(config=EngineConfig(model=str(split), execution="cpu-experts"), show_progress=False)
     part_bytes = load_model(split, show_progress=False).expert_shape.nbytes
     least = 2 * 2 + 2 * 2  # a layer's top-2 experts' top halves, and a decode step's bottom halves streaming
     need = format_bytes(least * part_bytes + 5 * bounce_bytes(part_bytes))

@@ -262,3 +262,25 @@ def test_ranked_prefetch_claims_a_repeated_expert_once_and_fills_its_limit_acros
     wanted = [(1, 0), (1, 0), (0, 3), (1, 1), (1, 2), (0, 3), (0, 1)]
     assert store.prefetch_ranked(wanted, limit=4) == 4  # layer 1 takes two; layer 0 the next two distinct ones
     assert set(store.ahead) == {ExpertKey(1, 0), ExpertKey(1, 1), ExpertKey(0, 3), ExpertKey(0, 1)}
+
+
+def test_settle_cancels_every_part_of_a_split_expert_read_in_one_request():
+    """Split experts (two parts each, both cached): a prefetch reads an expert's parts in one request, one ticket for
+    both slots. Cancelling it forgets both parts (the second once held a cancelled ticket, which a later hit waited on
+    and raised CancelledError), and the expert then loads on demand with its own values."""
+    store, reader = make_store(8)
+    store.split(2, {0: 2, 1: 2})
+
+    def read_many(keys, dsts, between=None) -> int:
+        return sum(reader(key, dst) for key, dst in zip(keys, dsts))
+    store.read_many = read_many
+    reader.gate.clear()  # the prefetch lane's one thread blocks on expert 0's parts; expert 1's wait in its queue
+    assert store.prefetch(1, [0, 1, 2, 3]) == 4
+    tickets = store.device.table.ticket
+    slot_of = store.device.table.slot_of
+    assert tickets[slot_of[ExpertKey(1, 2)]] is tickets[slot_of[ExpertKey(1, 3)]]  # one read for expert 1's parts
+    store.settle(1, [0, 1])
+    assert ExpertKey(1, 2) not in slot_of and ExpertKey(1, 3) not in slot_of
+    assert store.counters.current.prefetch_cancelled == 2
+    reader.gate.set()
+    assert consume(store, 1, [0, 1, 2, 3]) == [value(ExpertKey(1, e)) for e in range(4)]

@@ -1,0 +1,64 @@
+"""A split checkpoint's store as a predictor's prefetcher sees it: whole experts (MoEpic, §4.2: the experts the next
+layer's gate predicts are fetched ahead while the current layer computes).
+
+The store of a split checkpoint (checkpoints/split.py) keys parts: expert e of a layer is parts e·S .. e·S + S - 1,
+of which the layer caches the first t (its θ = t/S, `ExpertStore.cached_parts`) and streams the rest. A forecast names
+experts, so here a forecast expert becomes its t cacheable parts, loaded ahead into the layer's cache like any
+prefetch: at θ = 1 the whole expert, below it its top segment, and the bottom streams in when the layer routes to it
+(bottoms are never cached, so they are never loaded ahead either). A layer's routed experts settle all their parts'
+prefetches; a layer's quota and the loads in flight are counted in experts. An eviction policy that ranks by forecasts
+(fMoE, PLEC) keys parts too: each part is given its expert's probability (`PartForecasts`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from moepager.policies.base import ForecastConsumer
+from moepager.store.slots import settled
+from moepager.store.store import ExpertStore
+
+
+class WholeExperts:
+    """`store` (split in parts) behind the prefetcher's view of a store: quota, settle, prefetches_in_flight,
+    prefetch_ranked and the prefetch policy's `order`."""
+
+    def __init__(self, store: ExpertStore):
+        assert store.parts > 1
+        self.store = store
+        self.order = store.order
+
+    def quota(self, layer: int) -> int:
+        """The experts whose cacheable parts `layer`'s cache holds."""
+        return max(1, self.store.quota(layer) // self.store.cached_parts[layer])
+
+    def settle(self, layer: int, experts: Sequence[int]) -> None:
+        parts = self.store.parts
+        self.store.settle(layer, [e * parts + j for e in experts for j in range(parts)])
+
+    def prefetches_in_flight(self) -> int:
+        """Experts with a part still loading ahead."""
+        parts, tickets = self.store.parts, self.store.device.table.ticket
+        return len({(key.layer, key.expert // parts) for key, slot in self.store.ahead.items()
+                    if tickets[slot] is not None and not settled(tickets[slot])})
+
+    def prefetch_ranked(self, wanted: Iterable[tuple[int, int]], limit: int) -> int:
+        """Start loading the cacheable parts of the (layer, expert) pairs `wanted`, best first, up to `limit`
+        experts' worth of parts. Returns the parts whose loads were issued."""
+        store, pairs = self.store, []
+        top = store.cached_parts
+        for layer, e in wanted:
+            pairs += [(layer, e * store.parts + j) for j in range(top[layer])]
+        return store.prefetch_ranked(pairs, limit * max(top.values()))
+
+
+class PartForecasts:
+    """A forecast-ranked eviction policy over parts, fed forecasts over experts: each part gets its expert's."""
+
+    def __init__(self, inner: ForecastConsumer, parts: int):
+        self.inner, self.parts = inner, parts
+
+    def predict(self, layer: int, probs_E: np.ndarray) -> None:
+        self.inner.predict(layer, np.repeat(probs_E, self.parts))
