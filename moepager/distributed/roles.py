@@ -34,7 +34,7 @@ def launch(config: EngineConfig, main: Callable[[EngineConfig], int]) -> int:
     if world < 2 + config.shadow:
         dist.destroy_process_group()
         raise MoepagerError("torchrun started one process: give --nproc-per-node 2 or more (a main and workers)")
-    open_links(world, SHADOW_RANK if config.shadow else None)
+    open_links(world, config.worker_timeout_s, SHADOW_RANK if config.shadow else None)
     config = replace(config, workers=world - 1 - config.shadow)
     if config.threads:
         torch.set_num_threads(config.threads)

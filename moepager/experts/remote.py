@@ -57,15 +57,18 @@ rank's pass (forecasts and layer calls of one pass go together)."""
 _links: dict[int, dist.ProcessGroup] = {}
 
 
-def open_links(world: int, shadow_rank: int | None = None) -> None:
-    """One process group per worker rank: the main rank, the worker and the shadow rank if there is one. Every rank
-    calls it right after `init_process_group` (group creation is collective, in the same order everywhere). Probe, with
-    gloo on this machine, 2026-11-28: after a receive from one rank timed out on the default group, a send to another
-    rank failed ("Application timeout caused pair closure"); on groups of their own the other rank went on answering."""
+def open_links(world: int, timeout_s: float, shadow_rank: int | None = None) -> None:
+    """One process group per worker rank: the main rank, the worker and the shadow rank if there is one, its
+    operations timing out after `timeout_s` (--worker-timeout). Every rank calls it right after `init_process_group`
+    (group creation is collective, in the same order everywhere). Probe, with gloo on this machine, 2026-11-28: after a
+    receive from one rank timed out on the default group, a send to another rank failed ("Application timeout caused
+    pair closure"); on groups of their own the other rank went on answering."""
     _links.clear()
+    timeout = datetime.timedelta(seconds=timeout_s)
     for rank in range(1, world):
         if rank != shadow_rank:
-            _links[rank] = dist.new_group(sorted({0, rank} | ({shadow_rank} if shadow_rank is not None else set())))
+            members = sorted({0, rank} | ({shadow_rank} if shadow_rank is not None else set()))
+            _links[rank] = dist.new_group(members, timeout=timeout)
 
 
 def link(rank: int) -> dist.ProcessGroup | None:
@@ -232,8 +235,11 @@ class RemoteExecutor:
             except RuntimeError as e:  # lost as well: placed again without it at the next call
                 reasons = {**reasons, rank: self._reason(rank, -1, e)}
         for rank in self.also_placed:
-            dist.send(header, rank)
-            dist.send(torch.tensor(placement.ranks), rank)
+            try:
+                dist.send(header, rank)
+                dist.send(torch.tensor(placement.ranks), rank)
+            except RuntimeError:
+                pass  # gone: the run goes on without its forecasts
         self.placement = placement
         self.lost += sorted(reasons)
         for reason in reasons.values():
@@ -276,28 +282,17 @@ Holding = tuple[ArenaKernels | None, PagedExecutor | None]
 """A worker's experts: resident (kernels over its arena) or paged (an executor over its own store)."""
 
 
-_unanswered: dict[int, list[tuple[dist.Work, tuple[torch.Tensor, torch.Tensor]]]] = {}
-"""Each worker's forecast sends not yet taken (their tensors kept alive until they are)."""
-BEHIND = 64
-"""Forecasts a worker may leave untaken before it is sent no more: it has stopped answering (and will be found so by
-the main rank's next layer call) or is lost."""
-
-
 def send_forecasts(placement: Placement, pairs: Sequence[tuple[int, int]], pass_id: int) -> None:
-    """(layer position, expert) forecasts to the workers that hold them, to load ahead (`PREFETCH`). Sent without
-    waiting (a forecast is a hint: a worker that stopped answering must not hold up the shadow rank or the main rank's
-    predictor); a worker gone, or `BEHIND` forecasts behind, is skipped (the next layer call finds it)."""
+    """(layer position, expert) forecasts to the workers that hold them, to load ahead (`PREFETCH`); a lost worker
+    is skipped (the next layer call finds it). A send waits until the worker takes it: one that stopped answering
+    holds the sender up for its link's timeout (`open_links`) once, and fails at once after that."""
     by_rank: dict[int, list[tuple[int, int]]] = {}
     for position, e in pairs:
         by_rank.setdefault(placement.rank(position, e), []).append((position, e))
     for rank, mine in by_rank.items():
-        sent = _unanswered.setdefault(rank, [])
-        sent[:] = [s for s in sent if not s[0].is_completed()]
-        if len(sent) >= BEHIND:
-            continue
-        tensors = (message(PREFETCH, len(mine), pass_id=pass_id), torch.tensor(mine))
         try:
-            sent += [(dist.isend(t, rank, group=link(rank)), tensors) for t in tensors]
+            dist.send(message(PREFETCH, len(mine), pass_id=pass_id), rank, group=link(rank))
+            dist.send(torch.tensor(mine), rank, group=link(rank))
         except RuntimeError:
             pass
 

@@ -34,7 +34,7 @@ def main() -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
     rank, world = dist.get_rank(), dist.get_world_size()
-    open_links(world, SHADOW_RANK if os.environ.get("MOEPAGER_TEST_SHADOW") else None)
+    open_links(world, 20.0, SHADOW_RANK if os.environ.get("MOEPAGER_TEST_SHADOW") else None)
     fault = os.environ.get("MOEPAGER_TEST_FAULT")
     if fault and rank == 2:
         compute, calls = ExpertWorker.compute, [0]

