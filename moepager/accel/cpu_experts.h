@@ -1,4 +1,4 @@
-// One MoE layer's routed experts on the CPU (cpu_moe.cpp's calls, cpu_layer.cpp's whole decoder layer): the (token,
+// One MoE layer's routed experts on the CPU (cpu_moe.cpp's calls, cpu_step.cpp's whole decoder layer): the (token,
 // k) pairs sorted by expert, then two phases of tasks that any thread may take in any grouping -- gate and up rows with
 // SiLU per (expert, 128-row tile), then down rows per 64-row tile of the output over every expert, each weighted by its
 // routing weight in fp32 and (for a whole layer) summed per token in ascending expert order, rounded to bf16 once.
@@ -187,7 +187,8 @@ struct ExpertWork {
       if (out == nullptr) continue;
       combine_tile(y, token, M, N, D, d0, d1, out, acc);
       if (residual != nullptr)
-        for (int64_t t = 0; t < N; ++t) add_bf16_row(residual + t * D + d0, out + t * D + d0, out + t * D + d0, d1 - d0);
+        for (int64_t t = 0; t < N; ++t)
+          add_bf16_row(residual + t * D + d0, out + t * D + d0, out + t * D + d0, d1 - d0);
     }
   }
 };

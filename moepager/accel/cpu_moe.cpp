@@ -4,9 +4,10 @@
 // falls back to the torch kernels and says so.
 //
 // Expert formats and the dot products: cpu_rows.h. Order of arithmetic (fixed, whatever the thread count): each output
-// element is one dot product (cpu_rows.h); a pair's (token, k) expert output is scaled by its routing weight in fp32 (y rows); a token's output sums its y rows in sorted (ascending expert id) order in
-// fp32 and is rounded to bf16 once. `moe_partial` + `moe_combine` (paged layers, computed as experts land) and
-// `moe_resident` (one call) run the same code, so they agree bit for bit.
+// element is one dot product (cpu_rows.h); a pair's (token, k) expert output is scaled by its routing weight in fp32
+// (y rows); a token's output sums its y rows in sorted (ascending expert id) order in fp32 and is rounded to bf16 once.
+// `moe_partial` + `moe_combine` (paged layers, computed as experts land) and `moe_resident` (one call) run the same
+// code, so they agree bit for bit.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -20,13 +21,14 @@
 
 namespace {
 
-// ExpertWork's phases on ATen's threads (cpu_layer.cpp runs them in a decoder layer's own parallel region).
+// ExpertWork's phases on ATen's threads (cpu_step.cpp's DecodeLayer runs them in a layer's own parallel region).
 void run_layer(const Spec& s, const uint16_t* x, int64_t N, const std::vector<Group>& groups, const int64_t* token,
                const float* weight, float* y, uint16_t* out) {
   ExpertWork w;
   w.prepare(s, x, N, groups, token, weight, y, out);
   if (s.fmt != BF16)  // (~16 operations an input)
-    at::parallel_for(0, N, grain_for(N, N * s.D * 16), [&](int64_t a, int64_t b) { quantize_rows(x, s.D, s.fmt, w.xq, a, b); });
+    at::parallel_for(0, N, grain_for(N, N * s.D * 16),
+                     [&](int64_t a, int64_t b) { quantize_rows(x, s.D, s.fmt, w.xq, a, b); });
   at::parallel_for(0, w.up_tasks(), grain_for(w.up_tasks(), w.macs()), [&](int64_t a, int64_t b) { w.up(a, b); });
   at::parallel_for(0, w.tiles_d, grain_for(w.tiles_d, w.macs()), [&](int64_t a, int64_t b) { w.down(a, b); });
 }

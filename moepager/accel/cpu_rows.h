@@ -1,4 +1,4 @@
-// Weight rows of moepager's CPU kernels (cpu_moe.cpp, cpu_layer.cpp): the expert formats, the activations quantized
+// Weight rows of moepager's CPU kernels (cpu_moe.cpp, cpu_step.cpp): the expert formats, the activations quantized
 // for the integer ones, and the dot products of a block of weight rows with a few inputs.
 //
 // Formats of one expert's flat buffer (experts/weights.py, experts/quant.py), byte offsets given by the caller:

@@ -369,7 +369,8 @@ struct DecodeLayer {
                 o_w.size(0) == D && router_w.size(1) == D && E == num_experts && norm1.numel() == D &&
                 norm2.numel() == D, "DecodeLayer: bf16 x [B, D] of the layer's width");
     auto qkv = torch::empty({B, qkv_w.size(0)}, x.options());
-    const DecodeAttention att = attention_of(qkv, qk_w, qk_eps, cos, sin, cache, table, positions, heads, window, scale);
+    const DecodeAttention att =
+        attention_of(qkv, qk_w, qk_eps, cos, sin, cache, table, positions, heads, window, scale);
     TORCH_CHECK(o_w.size(1) == heads * att.dh, "DecodeLayer: o [D, H Dh]");
     const Spec s = parse_spec(spec);
     TORCH_CHECK(s.D == D, "DecodeLayer: experts of width ", s.D, " for x of ", D);
@@ -427,7 +428,8 @@ struct DecodeLayer {
       share((D + 15) / 16, t, n, [&](int64_t a, int64_t z) {  // o, then h = x + o for those columns
         const int64_t r0 = a * 16, r1 = std::min(D, z * 16);
         project(L.o_w, L.o_b, in.data(), B, r0, r1, yo.data(), o.data());
-        for (int64_t b = 0; b < B; ++b) add_bf16_row(x + b * D + r0, o.data() + b * D + r0, h.data() + b * D + r0, r1 - r0);
+        for (int64_t b = 0; b < B; ++b)
+          add_bf16_row(x + b * D + r0, o.data() + b * D + r0, h.data() + b * D + r0, r1 - r0);
       });
 #pragma omp barrier
 #pragma omp single

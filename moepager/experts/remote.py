@@ -81,6 +81,19 @@ def message(op: int, *fields: int, pass_id: int = 0) -> torch.Tensor:
     return torch.tensor([op, *fields] + [0] * (HEADER - 2 - len(fields)) + [pass_id])
 
 
+def send_placement(placement: Placement, rank: int) -> None:
+    """`PLACE`: the workers left (their count, then the group size) and their ranks, to `rank` on its link."""
+    dist.send(message(PLACE, len(placement.ranks), placement.group_size), rank, group=link(rank))
+    dist.send(torch.tensor(placement.ranks), rank, group=link(rank))
+
+
+def recv_placement(workers: int, group_size: int, group: dist.ProcessGroup | None = None) -> Placement:
+    """The ranks after a `PLACE` header (its count and group size) from the main rank."""
+    ranks = torch.empty(workers, dtype=torch.long)
+    dist.recv(ranks, 0, group=group)
+    return Placement(tuple(ranks.tolist()), group_size)
+
+
 class WorkerLost(MoepagerError):
     """A worker rank died or did not answer in time."""
 
@@ -227,17 +240,14 @@ class RemoteExecutor:
             raise WorkerLost(f"{reasons[min(lost.silent)]}; a timeout ends gloo's process group, and this run's "
                              "workers have no links of their own (experts/remote.py open_links): it cannot fail over")
         placement = self.placement.without(set(reasons))
-        header = message(PLACE, len(placement.ranks), placement.group_size)
         for rank in placement.ranks:
             try:
-                dist.send(header, rank, group=link(rank))
-                dist.send(torch.tensor(placement.ranks), rank, group=link(rank))
+                send_placement(placement, rank)
             except RuntimeError as e:  # lost as well: placed again without it at the next call
                 reasons = {**reasons, rank: self._reason(rank, -1, e)}
         for rank in self.also_placed:
             try:
-                dist.send(header, rank)
-                dist.send(torch.tensor(placement.ranks), rank)
+                send_placement(placement, rank)
             except RuntimeError:
                 pass  # gone: the run goes on without its forecasts
         self.placement = placement
@@ -341,9 +351,7 @@ class ExpertWorker:
                 self._forecast(pairs.tolist(), pass_id)
                 continue
             if op == PLACE:  # a: how many workers are left, n: their group size
-                ranks = torch.empty(a, dtype=torch.long)
-                dist.recv(ranks, 0, group=group)
-                self._place(Placement(tuple(ranks.tolist()), n))
+                self._place(recv_placement(a, n, group))
                 continue
             x = torch.empty(n, d, dtype=DTYPES[x_code])
             ids, weights = torch.empty(n, k, dtype=torch.long), torch.empty(n, k, dtype=DTYPES[w_code])

@@ -118,11 +118,12 @@ class RotaryEmbedding(nn.Module):
         if positions_BT.device.type != "cpu" or positions_BT.numel() == 0 or torch.compiler.is_compiling():
             return self.compute(positions_BT, dtype)
         end = int(positions_BT.max()) + 1
-        cos, sin = self._tables.get(dtype, (None, None))
-        if cos is None or sin is None or cos.shape[0] < end:
+        table = self._tables.get(dtype)
+        if table is None or table[0].shape[0] < end:
             size = max(1024, 1 << (end - 1).bit_length())
-            cos, sin = (t.view(size, -1) for t in self.compute(torch.arange(size).view(1, size), dtype))
-            self._tables[dtype] = (cos, sin)
+            cos, sin = self.compute(torch.arange(size).view(1, size), dtype)
+            table = self._tables[dtype] = (cos.view(size, -1), sin.view(size, -1))
+        cos, sin = table
         flat, shape = positions_BT.reshape(-1), (*positions_BT.shape, 1, cos.shape[-1])
         return cos.index_select(0, flat).view(shape), sin.index_select(0, flat).view(shape)
 

@@ -25,7 +25,16 @@ import torch
 import torch.distributed as dist
 
 from moepager.config import EngineConfig
-from moepager.experts.remote import HEADER, PLACE, STATS, STOP, Placement, message, send_forecasts
+from moepager.experts.remote import (
+    HEADER,
+    PLACE,
+    STATS,
+    STOP,
+    Placement,
+    message,
+    recv_placement,
+    send_forecasts,
+)
 from moepager.runtime.builder import build
 from moepager.runtime.kv_pool import KVBlockPool
 from moepager.runtime.runner import ModelRunner
@@ -119,9 +128,7 @@ class Shadow:
                 dist.send(self.stats(), 0)
                 return self.passes
             if op == PLACE:  # a worker was lost: forecasts go by the placement left (num_rows: workers, then group)
-                ranks = torch.empty(num_rows, dtype=torch.long)
-                dist.recv(ranks, 0)
-                self.placement = Placement(tuple(ranks.tolist()), num_tokens)
+                self.placement = recv_placement(num_rows, num_tokens)
                 continue
             assert op == PASS, f"the shadow rank got message {op}"
             rows = torch.empty(num_rows, 4, dtype=torch.long)

@@ -17,7 +17,6 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from moepager.policies.base import ForecastConsumer
-from moepager.store.slots import settled
 from moepager.store.store import ExpertStore
 
 
@@ -40,9 +39,8 @@ class WholeExperts:
 
     def prefetches_in_flight(self) -> int:
         """Experts with a part still loading ahead."""
-        parts, tickets = self.store.parts, self.store.device.table.ticket
-        return len({(key.layer, key.expert // parts) for key, slot in self.store.ahead.items()
-                    if tickets[slot] is not None and not settled(tickets[slot])})
+        parts = self.store.parts
+        return len({(key.layer, key.expert // parts) for key in self.store.loading_ahead()})
 
     def prefetch_ranked(self, wanted: Iterable[tuple[int, int]], limit: int) -> int:
         """Start loading the cacheable parts of the (layer, expert) pairs `wanted`, best first, up to `limit`

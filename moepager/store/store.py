@@ -532,12 +532,13 @@ class ExpertStore:
         """Experts prefetched whose layer has not routed since: key -> device slot."""
         return self.order.ahead
 
+    def loading_ahead(self) -> list[ExpertKey]:
+        """Prefetched experts still loading."""
+        tickets = self.device.table.ticket
+        return [k for k, slot in self.order.ahead.items() if tickets[slot] is not None and not settled(tickets[slot])]
+
     def prefetches_in_flight(self) -> int:
-        tickets, count = self.device.table.ticket, 0
-        for slot in self.order.ahead.values():
-            t = tickets[slot]
-            count += t is not None and not settled(t)
-        return count
+        return len(self.loading_ahead())
 
     def settle(self, layer: int, experts: Sequence[int]) -> None:
         """`layer` routed to `experts`: carry out the prefetch policy's verdict on each prefetch made for it, the
@@ -562,11 +563,8 @@ class ExpertStore:
                 elif action == "promote":
                     assert ticket is not None
                     self.transfers.promote(ticket)  # it stops giving way to the layer's demand loads
-                elif action == "stale":
-                    order.unneeded(key)
-                    counters.prefetch_wasted += 1
-                else:
-                    order.release(key)
+                else:  # "stale" or "release": loaded, not needed
+                    (order.unneeded if action == "stale" else order.release)(key)
                     counters.prefetch_wasted += 1
                 break
 
@@ -582,9 +580,8 @@ class ExpertStore:
         return self.device.table.quota[layer]
 
     def _forget_cancelled_host_read(self, ticket: Ticket) -> None:
-        """A cancelled prefetch through the host tier never read its expert: the host slot claimed for it holds
-        nothing valid, so it is freed (a demand load would otherwise find it there and wait on the cancelled
-        read)."""
+        """A cancelled prefetch through the host tier never read its expert: the host slot claimed for it holds nothing
+        valid, so it is freed (a demand load would otherwise find it there and wait on the cancelled read)."""
         if self.host is None:
             return
         for slot, t in enumerate(self.host.table.ticket):
