@@ -30,11 +30,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from benchmarks.common import demo_documents, machine_state, print_table, write_json
 from moepager.config import EngineConfig, StoreConfig
+
+if TYPE_CHECKING:
+    from moepager.experts.remote import Links
 
 
 def arguments() -> argparse.ArgumentParser:
@@ -62,11 +66,11 @@ def prompts(count: int) -> list[str]:
     return [" ".join(doc.split()[:16]) for doc in validation[:count]]
 
 
-def generate(config: EngineConfig, args: argparse.Namespace) -> dict:
+def generate(config: EngineConfig, args: argparse.Namespace, links: Links | None = None) -> dict:
     from moepager.runtime.llm import LLM
     from moepager.runtime.sampling import SamplingParams
 
-    llm = LLM(config=config, show_progress=False)
+    llm = LLM(config=config, show_progress=False, **({"links": links} if links is not None else {}))  # --workers
     out = llm.generate(prompts(args.prompts), SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0))
     s = llm.last_stats
     decoded = s.generated_tokens - s.num_prompts
@@ -86,9 +90,9 @@ def rank_main(args: argparse.Namespace) -> int:
                           prefetch=PrefetchConfig(args.rank_predictor or None), shadow=args.rank_shadow,
                           align_period=args.rank_align)
 
-    def main(cfg: EngineConfig) -> int:
-        row = generate(cfg, args)
-        row["workers"] = stop_workers(cfg.workers + 1 + cfg.shadow, cfg.worker_timeout_s)
+    def main(cfg: EngineConfig, links: Links) -> int:
+        row = generate(cfg, args, links)
+        row["workers"] = stop_workers(cfg.workers + 1 + cfg.shadow, cfg.worker_timeout_s, links)
         Path(args.rank_out).write_text(json.dumps(row))
         return 0
 

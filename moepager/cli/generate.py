@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from moepager.config import (
     StoreConfig,
 )
 from moepager.errors import MoepagerError
+from moepager.experts.remote import Links
 from moepager.policies import ENGINE_POLICIES
 from moepager.policies.prefetch import PREFETCH_POLICIES
 from moepager.predictors import ONLINE, PREDICTORS
@@ -424,7 +426,8 @@ def utf8(data: bytes, where: str) -> str:
         return data.decode("utf-8", errors="replace")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, links: Links = Links()) -> int:
+    """`links`: the worker ranks' process groups, on the main rank of a --workers run (distributed/__main__.py)."""
     if args.workers and "RANK" not in os.environ:  # start the worker processes: torchrun runs this command again
         return launch_workers(args)
     args.prompts = read_prompts(args)
@@ -434,7 +437,7 @@ def run(args: argparse.Namespace) -> int:
                              ignore_eos=args.ignore_eos)
     if replay is not None:  # a trace that cannot replay on this model is refused before the model loads
         load_replay(replay, read_config(args.model or default_model_path()))
-    llm = LLM(config=engine_config(args), show_progress=not args.quiet)
+    llm = LLM(config=engine_config(args), show_progress=not args.quiet, links=links)
     announce_threads(args)
     if replay is not None:
         return _replay(llm, replay, params, args)
@@ -463,8 +466,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def launch_workers(args: argparse.Namespace) -> int:
-    """`--workers N`: this command again as the main, N worker (and a shadow) processes (`moepager.distributed`);
-    the main process's exit status."""
+    """`--workers N` (generate, serve): this command again as the main, N worker (and a shadow) processes
+    (`moepager.distributed`); the main process's exit status."""
     if args.workers < 1:
         raise MoepagerError(f"--workers must be >= 1, got {args.workers}")
     cmd = [sys.executable, "-m", "moepager.distributed", *args.argv]  # argv starts with the command, generate
@@ -477,7 +480,6 @@ def spawn_ranks(cmd: list[str], world: int, stop_timeout_s: float, env: dict[str
     process outliving the others (so a lost worker can be failed over); every exit status, rank 0's first (waited for
     up to `main_timeout_s`). The others get `stop_timeout_s` to end after rank 0 has, then are killed."""
     import socket
-    import subprocess
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -487,7 +489,7 @@ def spawn_ranks(cmd: list[str], world: int, stop_timeout_s: float, env: dict[str
     sink = subprocess.DEVNULL if quiet else None
     procs = [subprocess.Popen(cmd, env={**environ, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=sink, stderr=sink)
              for r in range(world)]
-    codes = [procs[0].wait(timeout=main_timeout_s)]
+    codes = [_wait_for_main(procs[0], main_timeout_s, stop_timeout_s)]
     for p in procs[1:]:
         try:
             codes.append(p.wait(timeout=stop_timeout_s))
@@ -495,6 +497,29 @@ def spawn_ranks(cmd: list[str], world: int, stop_timeout_s: float, env: dict[str
             p.kill()
             codes.append(p.wait())
     return codes
+
+
+def _wait_for_main(main: subprocess.Popen, timeout_s: float | None, stop_timeout_s: float) -> int:
+    """Rank 0's exit status. On Ctrl-C (which the terminal sends every process of the command: the other ranks ignore
+    it, rank 0 stops them, distributed/roles.py) or SIGTERM here (passed on to rank 0 as Ctrl-C), rank 0 gets
+    `stop_timeout_s` more to end before it is killed."""
+    import signal
+
+    def terminate(signum: int, frame: object) -> None:
+        main.send_signal(signal.SIGINT)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        return main.wait(timeout=timeout_s)
+    except KeyboardInterrupt:
+        try:
+            return main.wait(timeout=stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            main.kill()
+            return main.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _replay(llm: LLM, spec: ReplaySpec, params: SamplingParams, args: argparse.Namespace) -> int:

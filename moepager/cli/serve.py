@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import os
 import threading
 from pathlib import Path
 
-from moepager.cli.generate import add_engine_arguments, announce_threads, engine_config, refuse_ignored_engine_options
+from moepager.cli.generate import (
+    add_engine_arguments,
+    announce_threads,
+    engine_config,
+    launch_workers,
+    refuse_ignored_engine_options,
+)
 from moepager.errors import MoepagerError
+from moepager.experts.remote import Links
 from moepager.runtime.llm import LLM
 
 HELP = "serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming) with a live web page"
@@ -22,15 +30,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars and no access log")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, links: Links = Links()) -> int:
+    """`links`: the worker ranks' process groups, on the main rank of a --workers run (distributed/__main__.py)."""
     import uvicorn
 
     from moepager.server.app import create_app
 
     if not 0 < args.port < 65536:
         raise MoepagerError(f"--port must be in 1..65535, got {args.port}")
+    if args.workers and "RANK" not in os.environ:  # start the worker processes: torchrun runs this command again
+        return launch_workers(args)
     refuse_ignored_engine_options(args)
-    llm = LLM(config=engine_config(args), show_progress=not args.quiet)
+    llm = LLM(config=engine_config(args), show_progress=not args.quiet, links=links)
     announce_threads(args)
     llm.warm_batched_decode()  # --compile: concurrent requests decode through the compiled step from the first
     name = args.served_model_name or Path(args.model or llm.loaded.checkpoint.path).name  # a GGUF: its file name

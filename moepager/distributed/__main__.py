@@ -1,30 +1,34 @@
-"""`torchrun --nproc-per-node N -m moepager.distributed generate [generate's options]`: `moepager generate` on rank 0
-with its routed experts on the other N-1 ranks (`--workers`, set from the world size; distributed/roles.py)."""
+"""`torchrun --nproc-per-node N -m moepager.distributed generate|serve [its options]`: `moepager generate` (or
+`serve`) on rank 0 with its routed experts on the other N-1 ranks (`--workers`, set from the world size;
+distributed/roles.py)."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
 
-from moepager.cli import generate
+from moepager.cli import generate, serve
 from moepager.cli.main import build_parser
 from moepager.config import EngineConfig
 from moepager.distributed.roles import launch
 from moepager.errors import MoepagerError
+from moepager.experts.remote import Links
+
+COMMANDS = {"generate": generate, "serve": serve}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] != "generate":
-        print("usage: torchrun --nproc-per-node N -m moepager.distributed generate [options] PROMPT...",
-              file=sys.stderr)
+    if not argv or argv[0] not in COMMANDS:
+        print("usage: torchrun --nproc-per-node N -m moepager.distributed generate [options] PROMPT...\n"
+              "       torchrun --nproc-per-node N -m moepager.distributed serve [options]", file=sys.stderr)
         return 2
     args = build_parser().parse_args(argv)
     args.argv = argv
 
-    def on_main(config: EngineConfig) -> int:
+    def on_main(config: EngineConfig, links: Links) -> int:
         args.workers = config.workers
-        return generate.run(args)
+        return COMMANDS[argv[0]].run(args, links)
 
     try:
         return launch(generate.engine_config(args), on_main)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -17,15 +18,16 @@ from moepager.checkpoints.default import default_model_path
 from moepager.checkpoints.gguf_read import resolve_model_path
 from moepager.config import EngineConfig
 from moepager.errors import MoepagerError
-from moepager.experts.remote import STATS, STOP, link, message, open_links
+from moepager.experts.remote import STATS, STOP, Links, message
 from moepager.runtime.builder import expert_worker, placement
 from moepager.runtime.shadow import SHADOW_RANK, Shadow
 
 
-def launch(config: EngineConfig, main: Callable[[EngineConfig], int]) -> int:
-    """In each process torchrun started: rank 0 returns `main(config)` with `config.workers` set to the other ranks,
-    and tells them to stop when it is done (or fails); every other rank serves its experts. An error is one line
-    naming the rank."""
+def launch(config: EngineConfig, main: Callable[[EngineConfig, Links], int]) -> int:
+    """In each process torchrun started: rank 0 returns `main(config, links)` with `config.workers` set to the other
+    ranks and `links` their process groups (experts/remote.py `Links`), and tells them to stop when it is done (or
+    fails); every other rank serves its experts. An error is one line naming the rank. Ctrl-C reaches every process of
+    the terminal: only rank 0 takes it, and stops the others as when it is done."""
     if "RANK" not in os.environ:
         raise MoepagerError("worker processes are started by torchrun: `torchrun --nproc-per-node N -m "
                             "moepager.distributed generate ...` or `moepager generate --workers N-1 ...`")
@@ -34,23 +36,25 @@ def launch(config: EngineConfig, main: Callable[[EngineConfig], int]) -> int:
     if world < 2 + config.shadow:
         dist.destroy_process_group()
         raise MoepagerError("torchrun started one process: give --nproc-per-node 2 or more (a main and workers)")
-    open_links(world, config.worker_timeout_s, SHADOW_RANK if config.shadow else None)
+    links = Links.open(world, config.worker_timeout_s, SHADOW_RANK if config.shadow else None)
+    if rank != 0:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = replace(config, workers=world - 1 - config.shadow)
     if config.threads:
         torch.set_num_threads(config.threads)
     try:
         if rank == 0:
             try:
-                return main(config)
+                return main(config, links)
             finally:
-                for rank_, stats in stop_workers(world, config.worker_timeout_s).items():
+                for rank_, stats in stop_workers(world, config.worker_timeout_s, links).items():
                     shadow = config.shadow and rank_ == SHADOW_RANK
                     print(describe_shadow(rank_, stats) if shadow else describe(rank_, stats), file=sys.stderr)
         path = resolve_model_path(config.model) if config.model else default_model_path()
         if config.shadow and rank == SHADOW_RANK:
-            Shadow(config, path, placement(config, read_config(path))).serve()
+            Shadow(config, path, placement(config, read_config(path)), links).serve()
         else:
-            expert_worker(config, path, rank).serve()
+            expert_worker(config, path, rank, links).serve()
         return 0
     except MoepagerError as e:
         print(f"error (rank {rank}): {e}", file=sys.stderr)
@@ -64,15 +68,15 @@ def launch(config: EngineConfig, main: Callable[[EngineConfig], int]) -> int:
         dist.destroy_process_group()
 
 
-def stop_workers(world: int, timeout_s: float) -> dict[int, dict[str, float]]:
+def stop_workers(world: int, timeout_s: float, links: Links) -> dict[int, dict[str, float]]:
     """Every worker still there is told to stop and answers with its counters (`ExpertWorker.stats`); one already
     gone, or silent for `timeout_s`, is skipped (each on its own link: a silent one's timeout ends no other's)."""
     out = {}
     for rank in range(1, world):
         try:
-            dist.send(message(STOP), rank, group=link(rank))
+            dist.send(message(STOP), rank, group=links.of(rank))
             stats = torch.empty(len(STATS), dtype=torch.float64)
-            dist.irecv(stats, rank, group=link(rank)).wait(timeout=datetime.timedelta(seconds=timeout_s))
+            dist.irecv(stats, rank, group=links.of(rank)).wait(timeout=datetime.timedelta(seconds=timeout_s))
             out[rank] = dict(zip(STATS, stats.tolist()))
         except RuntimeError:
             pass

@@ -13,7 +13,7 @@ sums every token's rows in ascending expert order. So the output is the single-p
 thread count. Every answer is awaited with a timeout: a worker that died (its connection drops) or stopped answering
 is named in a `WorkerLost` error, and nothing hangs.
 
-Each worker talks to the main rank (and a shadow rank's forecasts) on a process group of its own (`open_links`):
+Each worker talks to the main rank (and a shadow rank's forecasts) on a process group of its own (`Links.open`):
 gloo ends every connection of a group in which an operation timed out, so a worker that stops answering takes its
 own link down and no other, and a failover run goes on without it.
 """
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import datetime
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
@@ -54,26 +54,39 @@ HEADER = 7
 rank's pass (forecasts and layer calls of one pass go together)."""
 
 
-_links: dict[int, dist.ProcessGroup] = {}
+WAIT_FOR_WORK = datetime.timedelta(days=365)
+"""How long a worker (or the shadow) waits for the main rank's next message: as long as the main rank is there (a
+server may sit idle for hours; --worker-timeout bounds the waits inside a layer call). A main rank that is gone ends
+the wait at once (gloo: "Connection closed by peer"), except where a worker takes messages from any rank (beside a
+shadow rank): there the launcher ends it (torchrun's agent when a rank fails, `--workers`'s launcher after the main
+rank ends)."""
 
 
-def open_links(world: int, timeout_s: float, shadow_rank: int | None = None) -> None:
-    """One process group per worker rank: the main rank, the worker and the shadow rank if there is one, its
-    operations timing out after `timeout_s` (--worker-timeout). Every rank calls it right after `init_process_group`
-    (group creation is collective, in the same order everywhere). Probe, with gloo on this machine, 2026-11-28: after a
-    receive from one rank timed out on the default group, a send to another rank failed ("Application timeout caused
-    pair closure"); on groups of their own the other rank went on answering."""
-    _links.clear()
-    timeout = datetime.timedelta(seconds=timeout_s)
-    for rank in range(1, world):
-        if rank != shadow_rank:
-            members = sorted({0, rank} | ({shadow_rank} if shadow_rank is not None else set()))
-            _links[rank] = dist.new_group(members, timeout=timeout)
+@dataclass(frozen=True)
+class Links:
+    """The process group each worker rank talks on: its own (`open`), or the default group for every worker (`Links()`,
+    where none were opened: then a worker that stops answering cannot be failed over, `RemoteExecutor._failover`)."""
 
+    groups: Mapping[int, dist.ProcessGroup] = field(default_factory=dict)
 
-def link(rank: int) -> dist.ProcessGroup | None:
-    """The process group worker `rank` talks on (None, the default group, where `open_links` was not called)."""
-    return _links.get(rank)
+    @classmethod
+    def open(cls, world: int, timeout_s: float, shadow_rank: int | None = None) -> Links:
+        """One process group per worker rank: the main rank, the worker and the shadow rank if there is one, its
+        operations timing out after `timeout_s` (--worker-timeout). Every rank calls it right after
+        `init_process_group` (group creation is collective, in the same order everywhere). Probe, with gloo on this
+        machine, 2026-11-28: after a receive from one rank timed out on the default group, a send to another rank
+        failed ("Application timeout caused pair closure"); on groups of their own the other rank went on answering."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        groups = {}
+        for rank in range(1, world):
+            if rank != shadow_rank:
+                members = sorted({0, rank} | ({shadow_rank} if shadow_rank is not None else set()))
+                groups[rank] = dist.new_group(members, timeout=timeout)
+        return cls(groups)
+
+    def of(self, rank: int) -> dist.ProcessGroup | None:
+        """The process group worker `rank` talks on (None: the default group)."""
+        return self.groups.get(rank)
 
 
 def message(op: int, *fields: int, pass_id: int = 0) -> torch.Tensor:
@@ -81,10 +94,10 @@ def message(op: int, *fields: int, pass_id: int = 0) -> torch.Tensor:
     return torch.tensor([op, *fields] + [0] * (HEADER - 2 - len(fields)) + [pass_id])
 
 
-def send_placement(placement: Placement, rank: int) -> None:
-    """`PLACE`: the workers left (their count, then the group size) and their ranks, to `rank` on its link."""
-    dist.send(message(PLACE, len(placement.ranks), placement.group_size), rank, group=link(rank))
-    dist.send(torch.tensor(placement.ranks), rank, group=link(rank))
+def send_placement(placement: Placement, rank: int, group: dist.ProcessGroup | None) -> None:
+    """`PLACE`: the workers left (their count, then the group size) and their ranks, to `rank` on `group`."""
+    dist.send(message(PLACE, len(placement.ranks), placement.group_size), rank, group=group)
+    dist.send(torch.tensor(placement.ranks), rank, group=group)
 
 
 def recv_placement(workers: int, group_size: int, group: dist.ProcessGroup | None = None) -> Placement:
@@ -155,13 +168,13 @@ class RemoteExecutor:
     """The main rank's executor: each layer's routed experts computed by the workers that hold them. A worker lost
     (`WorkerLost`) stops the run, or with `on_loss="failover"` a worker that died or stopped answering has its experts
     go to the workers left (a `PLACE` message: they load them) and the layer call is made again, so no token is lost or
-    computed twice. (A silent worker can be left behind because it has a link of its own, `open_links`: its timeout
+    computed twice. (A silent worker can be left behind because it has a link of its own, `Links.open`: its timeout
     closes that group only.)"""
 
     def __init__(self, shape: ExpertShape, moe_layers: Sequence[int], num_experts: int, placement: Placement,
                  fused: FusedKernel | None, timeout_s: float, on_loss: WorkerLoss = "stop",
-                 also_placed: Sequence[int] = ()):
-        self.shape, self.placement, self.fused = shape, placement, fused
+                 also_placed: Sequence[int] = (), links: Links = Links()):
+        self.shape, self.placement, self.fused, self.links = shape, placement, fused, links
         self.also_placed = tuple(also_placed)
         """Ranks besides the workers told of a new placement, on the default group (a shadow rank: its forecasts)."""
         self.position = {layer: i for i, layer in enumerate(moe_layers)}
@@ -199,7 +212,7 @@ class RemoteExecutor:
         for rank in by_rank:  # every worker starts before any answer is awaited: they compute at the same time
             try:
                 for t in (header, x, ids, weights):
-                    dist.send(t, rank, group=link(rank))
+                    dist.send(t, rank, group=self.links.of(rank))
             except RuntimeError as e:
                 lost[rank] = self._reason(rank, layer, e)
         weighted = fused_takes(self.fused, n)  # the workers' batches decide alike
@@ -210,7 +223,7 @@ class RemoteExecutor:
             index = work.rows_of(which)
             rows = torch.empty(len(index), x.shape[1], dtype=y_MD.dtype)
             try:  # every answer is taken, even after a loss: the workers' streams stay in step
-                dist.irecv(rows, rank, group=link(rank)).wait(timeout=self.timeout)
+                dist.irecv(rows, rank, group=self.links.of(rank)).wait(timeout=self.timeout)
             except RuntimeError as e:
                 lost[rank] = self._reason(rank, layer, e)
                 if _timed_out(e):
@@ -236,18 +249,18 @@ class RemoteExecutor:
         """The lost workers' experts to the workers left: each is told the new placement (and loads what it now
         holds before it answers the next call)."""
         reasons = lost.reasons
-        if lost.silent and not _links:  # on the default group a timeout has closed every connection: no one to tell
+        if lost.silent and not self.links.groups:  # on the default group a timeout closed every connection
             raise WorkerLost(f"{reasons[min(lost.silent)]}; a timeout ends gloo's process group, and this run's "
-                             "workers have no links of their own (experts/remote.py open_links): it cannot fail over")
+                             "workers have no links of their own (experts/remote.py Links.open): it cannot fail over")
         placement = self.placement.without(set(reasons))
         for rank in placement.ranks:
             try:
-                send_placement(placement, rank)
+                send_placement(placement, rank, self.links.of(rank))
             except RuntimeError as e:  # lost as well: placed again without it at the next call
                 reasons = {**reasons, rank: self._reason(rank, -1, e)}
         for rank in self.also_placed:
             try:
-                send_placement(placement, rank)
+                send_placement(placement, rank, None)
             except RuntimeError:
                 pass  # gone: the run goes on without its forecasts
         self.placement = placement
@@ -274,7 +287,7 @@ class RemoteExecutor:
         """Send each worker its share of the first `limit` (layer, expert) forecasts, best first, to load ahead
         (workers that page: `--worker-memory`); returns the loads asked for."""
         pairs = [(self.position[layer], e) for layer, e in list(wanted)[:limit]]
-        send_forecasts(self.placement, pairs, self.pass_id)  # matched to this pass's layer calls, or later ones
+        send_forecasts(self.placement, pairs, self.pass_id, self.links)  # matched to this pass's calls, or later
         return len(pairs)
 
     def begin_pass(self, info: PassInfo) -> None:
@@ -292,17 +305,17 @@ Holding = tuple[ArenaKernels | None, PagedExecutor | None]
 """A worker's experts: resident (kernels over its arena) or paged (an executor over its own store)."""
 
 
-def send_forecasts(placement: Placement, pairs: Sequence[tuple[int, int]], pass_id: int) -> None:
+def send_forecasts(placement: Placement, pairs: Sequence[tuple[int, int]], pass_id: int, links: Links) -> None:
     """(layer position, expert) forecasts to the workers that hold them, to load ahead (`PREFETCH`); a lost worker
     is skipped (the next layer call finds it). A send waits until the worker takes it: one that stopped answering
-    holds the sender up for its link's timeout (`open_links`) once, and fails at once after that."""
+    holds the sender up for its link's timeout (`Links.open`) once, and fails at once after that."""
     by_rank: dict[int, list[tuple[int, int]]] = {}
     for position, e in pairs:
         by_rank.setdefault(placement.rank(position, e), []).append((position, e))
     for rank, mine in by_rank.items():
         try:
-            dist.send(message(PREFETCH, len(mine), pass_id=pass_id), rank, group=link(rank))
-            dist.send(torch.tensor(mine), rank, group=link(rank))
+            dist.send(message(PREFETCH, len(mine), pass_id=pass_id), rank, group=links.of(rank))
+            dist.send(torch.tensor(mine), rank, group=links.of(rank))
         except RuntimeError:
             pass
 
@@ -314,8 +327,13 @@ class ExpertWorker:
     (`PLACE`, after another worker was lost) makes it hold what the placement now gives it (`hold`)."""
 
     def __init__(self, rank: int, moe_layers: Sequence[int], num_experts: int, shape: ExpertShape,
-                 placement: Placement, hold: Callable[[Sequence[tuple[int, int]]], Holding]):
+                 placement: Placement, hold: Callable[[Sequence[tuple[int, int]]], Holding],
+                 group: dist.ProcessGroup | None = None, from_any: bool = False):
         self.rank, self.moe_layers, self.num_experts, self.shape = rank, list(moe_layers), num_experts, shape
+        self.group = group
+        """Its link (`Links.of`), or None: the default group."""
+        self.from_any = from_any
+        """Messages come from the main rank or a shadow rank (forecasts), not from the main rank only."""
         self.hold = hold
         self.calls, self._last = 0, -1
         self.forecasts: dict[tuple[int, int], set[int]] = {}
@@ -337,10 +355,10 @@ class ExpertWorker:
     def serve(self) -> int:
         """Answer layer calls until told to stop, then send the counters; returns the calls answered. Forecasts
         (`PREFETCH`) may come from the main rank or a shadow rank, whichever sends first."""
-        d, group = self.shape.hidden, link(self.rank)
+        d, group = self.shape.hidden, self.group
         header = torch.empty(HEADER, dtype=torch.long)
         while True:
-            source = dist.recv(header, group=group)
+            source = self._next(header)
             op, a, n, k, x_code, w_code, pass_id = header.tolist()
             if op == STOP:
                 dist.send(self.stats(), 0, group=group)
@@ -361,6 +379,14 @@ class ExpertWorker:
                 rows = self.compute(a, x, ids, weights, pass_id)
             dist.send(rows, 0, group=group)
             self.calls += 1
+
+    def _next(self, header: torch.Tensor) -> int:
+        """The next message's header, waited for as long as the main rank is there (`WAIT_FOR_WORK`); its sender."""
+        work = dist.irecv(header, None if self.from_any else 0, group=self.group)
+        work.wait(timeout=WAIT_FOR_WORK)
+        if not self.from_any:
+            return 0
+        return dist.get_global_rank(self.group or dist.group.WORLD, work._source_rank())  # as dist.recv finds it
 
     def _forecast(self, pairs: list[list[int]], pass_id: int) -> None:
         """Experts forecast for a pass: remembered (to count how many it got right) and, paged, loaded ahead."""

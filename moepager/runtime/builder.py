@@ -35,7 +35,7 @@ from moepager.errors import BudgetError, ConfigError
 from moepager.experts.executor import ArenaKernels, ExpertExecutor, PagedExecutor
 from moepager.experts.hybrid import CpuExpertsExecutor, CpuPool, ExpertTimes, HybridExecutor
 from moepager.experts.protocols import FlatReader
-from moepager.experts.remote import ExpertWorker, Placement, RemoteExecutor
+from moepager.experts.remote import ExpertWorker, Links, Placement, RemoteExecutor
 from moepager.experts.split import SplitExecutor
 from moepager.models.config import ModelConfig
 from moepager.planning.configurator import layer_costs
@@ -325,16 +325,17 @@ def placement(config: EngineConfig, cfg: ModelConfig) -> Placement:
                      config.worker_group or min(cfg.top_k, config.workers))
 
 
-def remote_executor(config: EngineConfig, reader: FlatReader, cfg: ModelConfig) -> RemoteExecutor:
-    """The main rank's executor: routed experts computed by the worker ranks."""
+def remote_executor(config: EngineConfig, reader: FlatReader, cfg: ModelConfig, links: Links) -> RemoteExecutor:
+    """The main rank's executor: routed experts computed by the worker ranks, each on its link."""
     shape = reader.shape
     return RemoteExecutor(shape, cfg.moe_layers, cfg.num_experts, placement(config, cfg),
                           cpu_kernels.fused_experts(shape, torch.device("cpu"), config.expert_kernel),
                           config.worker_timeout_s, config.on_worker_loss,
-                          also_placed=(1,) if config.shadow else ())  # rank 1: the shadow's (runtime/shadow.py)
+                          also_placed=(1,) if config.shadow else (),  # rank 1: the shadow's (runtime/shadow.py)
+                          links=links)
 
 
-def expert_worker(config: EngineConfig, path: Path, rank: int) -> ExpertWorker:
+def expert_worker(config: EngineConfig, path: Path, rank: int, links: Links) -> ExpertWorker:
     """A worker rank's experts (its share of every layer's, `Placement`): read into RAM, or with `--worker-memory`
     paged from the checkpoint through a store of that many of them (one cache for all its layers); held again the same
     way when a failover changes its share."""
@@ -353,11 +354,13 @@ def expert_worker(config: EngineConfig, path: Path, rank: int) -> ExpertWorker:
         arena = read_experts(reader, [ExpertKey(cfg.moe_layers[p], e) for p, e in owned], cpu)
         return ArenaKernels(arena, shape, kernel, fused=fused), None
 
-    return ExpertWorker(rank, cfg.moe_layers, cfg.num_experts, shape, placement(config, cfg), hold)
+    return ExpertWorker(rank, cfg.moe_layers, cfg.num_experts, shape, placement(config, cfg), hold,
+                        group=links.of(rank), from_any=config.shadow)
 
 
-def build(config: EngineConfig, path: Path, show_progress: bool) -> Built:
-    """Checkpoint reader -> expert store -> executor -> model -> prefetcher, from one configuration."""
+def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = Links()) -> Built:
+    """Checkpoint reader -> expert store -> executor -> model -> prefetcher, from one configuration (`links`: the
+    worker ranks' process groups, with --workers)."""
     check_names(config)
     options = LoadOptions.of(config)
     opened = open_checkpoint(path, options)
@@ -370,7 +373,7 @@ def build(config: EngineConfig, path: Path, show_progress: bool) -> Built:
     store: ExpertStore | None = None
     with load_bar(opened, show_progress) as bar:
         if config.workers:
-            executor: ExpertExecutor = remote_executor(config, opened.reader, opened.config)
+            executor: ExpertExecutor = remote_executor(config, opened.reader, opened.config, links)
             why = f"{config.workers} worker processes"
         elif execution == "hybrid":
             hybrid = _hybrid(config, opened.reader, opened.config, opened.device, times, bar.update)

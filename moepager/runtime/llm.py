@@ -20,7 +20,7 @@ from moepager.checkpoints.gguf_read import resolve_model_path
 from moepager.checkpoints.safetensors import Checkpoint
 from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
 from moepager.errors import ConfigError, InvalidRequestError
-from moepager.experts.remote import RemoteExecutor
+from moepager.experts.remote import Links, RemoteExecutor
 from moepager.models.routing import NULL_OBSERVER, OWN_ROUTER, RoutingFanOut, RoutingObserver
 from moepager.predictors import PREDICTORS
 from moepager.runtime.builder import build, store_report
@@ -76,14 +76,14 @@ class LLM:
     def __init__(self, model: str | os.PathLike[str] | None = None, *, dtype: str | None = None,
                  device: str = "cpu", threads: int | None = None, store: StoreConfig | None = None,
                  prefetch: PrefetchConfig | None = None, show_progress: bool = True,
-                 config: EngineConfig | None = None):
+                 config: EngineConfig | None = None, links: Links = Links()):
         self.config = config or EngineConfig(model=str(model) if model else None, dtype=dtype, device=device,
                                              threads=threads, store=store or StoreConfig(),
                                              prefetch=prefetch or PrefetchConfig())
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
         path = resolve_model_path(self.config.model) if self.config.model else default_model_path()
-        built = build(self.config, path, show_progress)
+        built = build(self.config, path, show_progress, links)  # links: --workers' (distributed/roles.py)
         self.loaded: LoadedModel = built.loaded
         if self.config.compile:
             compile_decode(self.loaded.model, self.loaded.experts, self.loaded.expert_shape, self.loaded.device)

@@ -30,6 +30,8 @@ from moepager.experts.remote import (
     PLACE,
     STATS,
     STOP,
+    WAIT_FOR_WORK,
+    Links,
     Placement,
     message,
     recv_placement,
@@ -85,11 +87,11 @@ class Shadow:
     """The shadow rank: the model's int8 copy computing the main rank's passes, and up to `align_period - 1` passes
     ahead of them on its own guesses, its routing sent to the workers."""
 
-    def __init__(self, config: EngineConfig, path: Path, placement: Placement):
+    def __init__(self, config: EngineConfig, path: Path, placement: Placement, links: Links = Links()):
         quantized = EngineConfig(model=config.model, dtype=config.dtype, threads=config.threads, expert_dtype="int8",
                                  dense_dtype="int8", scheduler=config.scheduler)
         loaded = build(quantized, path, False).loaded
-        self.model, self.placement = loaded.model, placement
+        self.model, self.placement, self.links = loaded.model, placement, links
         scheduler = config.scheduler
         self.pool = KVBlockPool(self.model, loaded.dtype, loaded.device, scheduler.kv_cache_tokens,
                                 scheduler.block_size)
@@ -114,7 +116,7 @@ class Shadow:
         assert route.ids_host_TK is not None
         position = self.position[layer]
         experts = sorted(set(route.ids_host_TK.flatten().tolist()))
-        send_forecasts(self.placement, [(position, e) for e in experts], self.pass_id)
+        send_forecasts(self.placement, [(position, e) for e in experts], self.pass_id, self.links)
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def serve(self) -> int:
@@ -122,7 +124,7 @@ class Shadow:
         says stop, then answer with its counters (`stats`); returns the passes computed."""
         header = torch.empty(HEADER, dtype=torch.long)
         while True:
-            dist.recv(header, 0)
+            dist.irecv(header, 0).wait(timeout=WAIT_FOR_WORK)  # a server may sit idle for hours
             op, num_rows, num_tokens, *_, pass_id = header.tolist()
             if op == STOP:
                 dist.send(self.stats(), 0)

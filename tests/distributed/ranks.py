@@ -20,7 +20,7 @@ from moepager.checkpoints.build import read_config
 from moepager.config import EngineConfig, PrefetchConfig
 from moepager.distributed.roles import stop_workers
 from moepager.errors import MoepagerError
-from moepager.experts.remote import ExpertWorker, open_links
+from moepager.experts.remote import ExpertWorker, Links
 from moepager.runtime.builder import expert_worker, placement
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
@@ -34,7 +34,7 @@ def main() -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
     rank, world = dist.get_rank(), dist.get_world_size()
-    open_links(world, 20.0, SHADOW_RANK if os.environ.get("MOEPAGER_TEST_SHADOW") else None)
+    links = Links.open(world, 20.0, SHADOW_RANK if os.environ.get("MOEPAGER_TEST_SHADOW") else None)
     fault = os.environ.get("MOEPAGER_TEST_FAULT")
     if fault and rank == 2:
         compute, calls = ExpertWorker.compute, [0]
@@ -59,20 +59,20 @@ def main() -> int:
                               align_period=int(os.environ.get("MOEPAGER_TEST_ALIGN", "1")))
         if rank == 0:
             try:
-                llm = LLM(config=config, show_progress=False)
+                llm = LLM(config=config, show_progress=False, links=links)
                 params = SamplingParams(max_tokens=6, ignore_eos=True)
                 results[path] = [c.token_ids for c in llm.generate(PROMPTS, params)]
                 results[path + " lost"] = llm.loaded.experts.lost
             except MoepagerError as e:
                 with open(out, "w") as f:
                     json.dump({"error": str(e)}, f)
-                stop_workers(world, 3.0)
+                stop_workers(world, 3.0, links)
                 return 1
-            results[path + " workers"] = list(stop_workers(world, 3.0).values())
+            results[path + " workers"] = list(stop_workers(world, 3.0, links).values())
         elif shadow and rank == SHADOW_RANK:
-            Shadow(config, Path(path), placement(config, read_config(path))).serve()
+            Shadow(config, Path(path), placement(config, read_config(path)), links).serve()
         else:
-            expert_worker(config, Path(path), rank).serve()
+            expert_worker(config, Path(path), rank, links).serve()
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)

@@ -214,3 +214,55 @@ def test_a_silent_worker_stops_a_run_without_failover_with_the_reason(hf_checkpo
     assert codes[0] == 1
     error = json.loads(out.read_text())["error"]
     assert "worker rank 2 did not answer" in error
+
+
+@pytest.mark.parametrize("shadow", [False, True], ids=["workers", "workers-and-shadow"])
+def test_serve_with_workers_answers_after_idling_past_the_worker_timeout_and_stops_them_on_sigterm(shadow):
+    """`moepager serve --workers 2`: the OpenAI client's greedy completion is `generate`'s single-process text, also
+    after the server sat idle longer than --worker-timeout (the workers and the shadow wait for work as long as the
+    main rank is there); SIGTERM to the launcher stops the main rank, which stops every worker (their counters)."""
+    import signal
+    import time
+
+    import httpx
+    import openai
+
+    from tests.server.conftest import free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    prompt, engine = "The history of", ["--threads", "1", "--worker-timeout", "3"]
+    alone = subprocess.run([sys.executable, "-m", "moepager.cli.main", "generate", "--threads", "1", "--max-tokens",
+                            "8", "--temperature", "0", "--ignore-eos", "--quiet", prompt],
+                           capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    port = free_port()
+    cmd = [sys.executable, "-m", "moepager.cli.main", "serve", "--port", str(port), "--quiet", *engine,
+           "--workers", "2", *(["--shadow"] if shadow else [])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=60, max_retries=0)
+        texts = []
+        for idle_s in (0, 5):  # 5 s idle: past the 3 s --worker-timeout
+            time.sleep(idle_s)
+            done = client.completions.create(model="demo-moe", prompt=prompt, max_tokens=8, temperature=0,
+                                             extra_body={"ignore_eos": True})
+            assert done.usage.completion_tokens == 8
+            texts.append(prompt + done.choices[0].text)
+        assert texts[0] == texts[1] and alone.stdout.startswith(texts[0] + "\n\n"), (texts, alone.stdout)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        err = proc.stderr.read()
+        first = 2 if shadow else 1
+        for rank in (first, first + 1):
+            assert f"worker rank {rank}: " in err, err[-3000:]
+        assert ("shadow rank 1: " in err) == shadow
+    finally:
+        proc.kill()

@@ -15,7 +15,7 @@ PROMPT = [3, 11, 5, 7, 2]
 
 
 def make(path, align: int, forecasts: list[int], monkeypatch) -> Shadow:
-    monkeypatch.setattr(shadow_module, "send_forecasts", lambda placement, pairs, pass_id: forecasts.append(pass_id))
+    monkeypatch.setattr(shadow_module, "send_forecasts", lambda *args: forecasts.append(args[2]))  # its pass_id
     config = EngineConfig(model=str(path), threads=1, workers=2, shadow=True, align_period=align)
     return Shadow(config, path, Placement((2, 3), 2))
 
