@@ -487,8 +487,8 @@ def spawn_ranks(cmd: list[str], world: int, stop_timeout_s: float, env: dict[str
     environ = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
                **(env or {})}
     sink = subprocess.DEVNULL if quiet else None
-    procs = [subprocess.Popen(cmd, env={**environ, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=sink, stderr=sink)
-             for r in range(world)]
+    procs = [subprocess.Popen(cmd, env={**environ, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=sink, stderr=sink,
+                              preexec_fn=_end_with_parent) for r in range(world)]
     codes = [_wait_for_main(procs[0], main_timeout_s, stop_timeout_s)]
     for p in procs[1:]:
         try:
@@ -497,6 +497,15 @@ def spawn_ranks(cmd: list[str], world: int, stop_timeout_s: float, env: dict[str
             p.kill()
             codes.append(p.wait())
     return codes
+
+
+def _end_with_parent() -> None:
+    """In a rank process (Linux): SIGTERM when the launcher dies, even by SIGKILL, so no server keeps its port."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _wait_for_main(main: subprocess.Popen, timeout_s: float | None, stop_timeout_s: float) -> int:
