@@ -79,14 +79,26 @@ def unsupported_reason() -> str | None:
 
 
 def _build() -> ModuleType:
+    """Build (or load the cached build of) the extension. Processes building at once take turns on an flock of ours,
+    which the system releases when its holder dies; torch's own lock file (`lock`, created and deleted by `load`) is
+    left behind by a build that was killed, and every later `load` would wait for it forever. Holding our flock, a
+    `lock` file is such a leftover and is deleted."""
+    import fcntl
+
     from torch.utils.cpp_extension import load
     build = cache_dir() / "moepager_cpu_moe"
     build.mkdir(parents=True, exist_ok=True)
     # `load` hashes the sources only: the headers' hash in a -D flag makes a header edit rebuild too
     header = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
-    return load("moepager_cpu_moe", [str(s) for s in SOURCES], build_directory=str(build), verbose=False,
-                extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DMOEPAGER_HEADERS={header}"],
-                extra_ldflags=["-fopenmp"])
+    with open(build / "moepager.flock", "w") as turn:
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        stale = build / "lock"
+        if stale.exists():
+            print(f"moepager: removing {stale}, left by a build of the CPU kernels that was stopped", file=sys.stderr)
+            stale.unlink(missing_ok=True)
+        return load("moepager_cpu_moe", [str(s) for s in SOURCES], build_directory=str(build), verbose=False,
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DMOEPAGER_HEADERS={header}"],
+                    extra_ldflags=["-fopenmp"])
 
 
 def extension() -> ModuleType | None:

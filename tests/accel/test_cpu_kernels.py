@@ -211,6 +211,35 @@ def test_a_failed_build_falls_back_with_its_reason(fresh_state, monkeypatch, cap
     assert "the build failed (c++: fatal error: no input files)" in capsys.readouterr().err
 
 
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_builds_take_turns(monkeypatch, tmp_path, capsys):
+    """torch's `lock` file, left by a build that was killed, would make every later build wait forever: the build,
+    holding moepager's flock (which a dead holder releases), removes it; a second build waits for the flock."""
+    import fcntl
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    monkeypatch.setenv("MOEPAGER_CACHE", str(tmp_path))
+    build = cpu_kernels.cache_dir() / "moepager_cpu_moe"
+    build.mkdir(parents=True)
+    (build / "lock").touch()
+    seen = {}
+
+    def load(name, sources, build_directory, **kwargs):  # noqa: ANN001, ANN202, ARG001
+        with open(build / "moepager.flock") as other:
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                seen["turn held"] = False
+            except BlockingIOError:
+                seen["turn held"] = True
+        seen["stale lock"] = (build / "lock").exists()
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    assert cpu_kernels._build() == "module"
+    assert seen == {"turn held": True, "stale lock": False}
+    assert f"removing {build / 'lock'}" in capsys.readouterr().err
+
+
 def test_formats_the_fused_kernel_cannot_compute_are_refused_by_name():
     assert "computes in bf16" in cpu_kernels.unsupported_format(ExpertShape(64, 64, torch.float32))
     assert "zero points" in cpu_kernels.unsupported_format(ExpertShape(64, 64, BF16, QuantFormat(4, 32, True,
