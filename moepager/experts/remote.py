@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -57,36 +58,46 @@ rank's pass (forecasts and layer calls of one pass go together)."""
 WAIT_FOR_WORK = datetime.timedelta(days=365)
 """How long a worker (or the shadow) waits for the main rank's next message: as long as the main rank is there (a
 server may sit idle for hours; --worker-timeout bounds the waits inside a layer call). A main rank that is gone ends
-the wait at once (gloo: "Connection closed by peer"), except where a worker takes messages from any rank (beside a
-shadow rank): there the launcher ends it (torchrun's agent when a rank fails, `--workers`'s launcher after the main
-rank ends)."""
+the wait at once (gloo: "Connection closed by peer")."""
 
 
 @dataclass(frozen=True)
 class Links:
-    """The process group each worker rank talks on: its own (`open`), or the default group for every worker (`Links()`,
-    where none were opened: then a worker that stops answering cannot be failed over, `RemoteExecutor._failover`)."""
+    """The process groups each worker rank talks on: its link with the main rank, and its forecast link with a shadow
+    rank if there is one (`open`); or the default group for all (`Links()`, where none were opened: then a worker that
+    stops answering cannot be failed over, `RemoteExecutor._failover`)."""
 
     groups: Mapping[int, dist.ProcessGroup] = field(default_factory=dict)
+    forecast_groups: Mapping[int, dist.ProcessGroup] = field(default_factory=dict)
 
     @classmethod
     def open(cls, world: int, timeout_s: float, shadow_rank: int | None = None) -> Links:
-        """One process group per worker rank: the main rank, the worker and the shadow rank if there is one, its
-        operations timing out after `timeout_s` (--worker-timeout). Every rank calls it right after
-        `init_process_group` (group creation is collective, in the same order everywhere). Probe, with gloo on this
-        machine, 2026-11-28: after a receive from one rank timed out on the default group, a send to another rank
-        failed ("Application timeout caused pair closure"); on groups of their own the other rank went on answering."""
+        """Two ranks to a group, operations timing out after `timeout_s` (--worker-timeout): each worker with the main
+        rank, and with the shadow rank if there is one. Every rank calls it right after `init_process_group` (group
+        creation is collective, in the same order everywhere).
+        - Why a group per worker: probe, with gloo on this machine, 2026-11-28: after a receive from one rank timed out
+          on the default group, a send to another rank failed ("Application timeout caused pair closure"); on groups
+          of their own the other rank went on answering.
+        - Why the shadow's forecasts have groups of their own (taken on a thread of the worker's): so that a worker
+          receives from one rank on each group. A receive from any source (the main rank's calls or the shadow's
+          forecasts) does not end when one of them is gone (probe, gloo, 2026-11-28: a receive from rank 0 failed
+          at once when rank 0 exited, "Connection closed by peer"; a receive from any source waited on)."""
         timeout = datetime.timedelta(seconds=timeout_s)
-        groups = {}
+        groups, forecast_groups = {}, {}
         for rank in range(1, world):
             if rank != shadow_rank:
-                members = sorted({0, rank} | ({shadow_rank} if shadow_rank is not None else set()))
-                groups[rank] = dist.new_group(members, timeout=timeout)
-        return cls(groups)
+                groups[rank] = dist.new_group([0, rank], timeout=timeout)
+                if shadow_rank is not None:
+                    forecast_groups[rank] = dist.new_group(sorted([shadow_rank, rank]), timeout=timeout)
+        return cls(groups, forecast_groups)
 
     def of(self, rank: int) -> dist.ProcessGroup | None:
-        """The process group worker `rank` talks on (None: the default group)."""
+        """The process group worker `rank` and the main rank talk on (None: the default group)."""
         return self.groups.get(rank)
+
+    def forecasts_of(self, rank: int) -> dist.ProcessGroup | None:
+        """The process group a shadow rank sends worker `rank` its forecasts on (None: the default group)."""
+        return self.forecast_groups.get(rank)
 
 
 def message(op: int, *fields: int, pass_id: int = 0) -> torch.Tensor:
@@ -94,10 +105,12 @@ def message(op: int, *fields: int, pass_id: int = 0) -> torch.Tensor:
     return torch.tensor([op, *fields] + [0] * (HEADER - 2 - len(fields)) + [pass_id])
 
 
-def send_placement(placement: Placement, rank: int, group: dist.ProcessGroup | None) -> None:
-    """`PLACE`: the workers left (their count, then the group size) and their ranks, to `rank` on `group`."""
-    dist.send(message(PLACE, len(placement.ranks), placement.group_size), rank, group=group)
-    dist.send(torch.tensor(placement.ranks), rank, group=group)
+def send_placement(placement: Placement, rank: int, group: dist.ProcessGroup | None,
+                   timeout: datetime.timedelta) -> None:
+    """`PLACE`: the workers left (their count, then the group size) and their ranks, to `rank` on `group`, each send
+    taken within `timeout`."""
+    for t in (message(PLACE, len(placement.ranks), placement.group_size), torch.tensor(placement.ranks)):
+        dist.isend(t, rank, group=group).wait(timeout=timeout)
 
 
 def recv_placement(workers: int, group_size: int, group: dist.ProcessGroup | None = None) -> Placement:
@@ -255,12 +268,12 @@ class RemoteExecutor:
         placement = self.placement.without(set(reasons))
         for rank in placement.ranks:
             try:
-                send_placement(placement, rank, self.links.of(rank))
+                send_placement(placement, rank, self.links.of(rank), self.timeout)
             except RuntimeError as e:  # lost as well: placed again without it at the next call
                 reasons = {**reasons, rank: self._reason(rank, -1, e)}
-        for rank in self.also_placed:
+        for rank in self.also_placed:  # (a shadow: its forecast to a silent worker may hold it up for one timeout)
             try:
-                send_placement(placement, rank, None)
+                send_placement(placement, rank, None, 2 * self.timeout)
             except RuntimeError:
                 pass  # gone: the run goes on without its forecasts
         self.placement = placement
@@ -287,7 +300,7 @@ class RemoteExecutor:
         """Send each worker its share of the first `limit` (layer, expert) forecasts, best first, to load ahead
         (workers that page: `--worker-memory`); returns the loads asked for."""
         pairs = [(self.position[layer], e) for layer, e in list(wanted)[:limit]]
-        send_forecasts(self.placement, pairs, self.pass_id, self.links)  # matched to this pass's calls, or later
+        send_forecasts(self.placement, pairs, self.pass_id, self.links.of)  # matched to this pass's calls, or later
         return len(pairs)
 
     def begin_pass(self, info: PassInfo) -> None:
@@ -305,17 +318,19 @@ Holding = tuple[ArenaKernels | None, PagedExecutor | None]
 """A worker's experts: resident (kernels over its arena) or paged (an executor over its own store)."""
 
 
-def send_forecasts(placement: Placement, pairs: Sequence[tuple[int, int]], pass_id: int, links: Links) -> None:
-    """(layer position, expert) forecasts to the workers that hold them, to load ahead (`PREFETCH`); a lost worker
-    is skipped (the next layer call finds it). A send waits until the worker takes it: one that stopped answering
-    holds the sender up for its link's timeout (`Links.open`) once, and fails at once after that."""
+def send_forecasts(placement: Placement, pairs: Sequence[tuple[int, int]], pass_id: int,
+                   group_of: Callable[[int], dist.ProcessGroup | None]) -> None:
+    """(layer position, expert) forecasts to the workers that hold them, to load ahead (`PREFETCH`), each on its group
+    (`Links.of` from the main rank, `Links.forecasts_of` from a shadow); a lost worker is skipped (the next layer call
+    finds it). A send waits until the worker takes it: one that stopped answering holds the sender up for its group's
+    timeout (`Links.open`) once, and fails at once after that."""
     by_rank: dict[int, list[tuple[int, int]]] = {}
     for position, e in pairs:
         by_rank.setdefault(placement.rank(position, e), []).append((position, e))
     for rank, mine in by_rank.items():
         try:
-            dist.send(message(PREFETCH, len(mine), pass_id=pass_id), rank, group=links.of(rank))
-            dist.send(torch.tensor(mine), rank, group=links.of(rank))
+            dist.send(message(PREFETCH, len(mine), pass_id=pass_id), rank, group=group_of(rank))
+            dist.send(torch.tensor(mine), rank, group=group_of(rank))
         except RuntimeError:
             pass
 
@@ -328,12 +343,14 @@ class ExpertWorker:
 
     def __init__(self, rank: int, moe_layers: Sequence[int], num_experts: int, shape: ExpertShape,
                  placement: Placement, hold: Callable[[Sequence[tuple[int, int]]], Holding],
-                 group: dist.ProcessGroup | None = None, from_any: bool = False):
+                 links: Links = Links(), shadow_rank: int | None = None):
         self.rank, self.moe_layers, self.num_experts, self.shape = rank, list(moe_layers), num_experts, shape
-        self.group = group
-        """Its link (`Links.of`), or None: the default group."""
-        self.from_any = from_any
-        """Messages come from the main rank or a shadow rank (forecasts), not from the main rank only."""
+        self.group = links.of(rank)
+        """Its link with the main rank (None: the default group)."""
+        self.shadow = (shadow_rank, links.forecasts_of(rank)) if shadow_rank is not None else None
+        """The shadow rank and the group its forecasts come on, if there is one."""
+        self._lock = threading.Lock()
+        """Held while the store or the forecasts change: the shadow's forecasts are taken on a thread of their own."""
         self.hold = hold
         self.calls, self._last = 0, -1
         self.forecasts: dict[tuple[int, int], set[int]] = {}
@@ -354,39 +371,60 @@ class ExpertWorker:
 
     def serve(self) -> int:
         """Answer layer calls until told to stop, then send the counters; returns the calls answered. Forecasts
-        (`PREFETCH`) may come from the main rank or a shadow rank, whichever sends first."""
+        (`PREFETCH`) come from the main rank between its calls, and from a shadow rank on a thread of their own
+        (`_take_forecasts`)."""
         d, group = self.shape.hidden, self.group
         header = torch.empty(HEADER, dtype=torch.long)
+        forecasts = None
+        if self.shadow is not None:
+            forecasts = threading.Thread(target=self._take_forecasts, name="shadow-forecasts", daemon=True)
+            forecasts.start()
         while True:
-            source = self._next(header)
+            dist.irecv(header, 0, group=group).wait(timeout=WAIT_FOR_WORK)
             op, a, n, k, x_code, w_code, pass_id = header.tolist()
             if op == STOP:
-                dist.send(self.stats(), 0, group=group)
+                with self._lock:
+                    dist.send(self.stats(), 0, group=group)
+                if forecasts is not None:  # a shadow told to stop first has stopped them (a lost one: never mind)
+                    forecasts.join(timeout=1)
                 return self.calls
             if op == PREFETCH:  # a: how many (layer position, expert) pairs follow
                 pairs = torch.empty(a, 2, dtype=torch.long)
-                dist.recv(pairs, source, group=group)
-                self._forecast(pairs.tolist(), pass_id)
+                dist.recv(pairs, 0, group=group)
+                with self._lock:
+                    self._forecast(pairs.tolist(), pass_id)
                 continue
             if op == PLACE:  # a: how many workers are left, n: their group size
-                self._place(recv_placement(a, n, group))
+                placement = recv_placement(a, n, group)
+                with self._lock:
+                    self._place(placement)
                 continue
             x = torch.empty(n, d, dtype=DTYPES[x_code])
             ids, weights = torch.empty(n, k, dtype=torch.long), torch.empty(n, k, dtype=DTYPES[w_code])
             for t in (x, ids, weights):
                 dist.recv(t, 0, group=group)
-            with torch.inference_mode():
+            with self._lock, torch.inference_mode():
                 rows = self.compute(a, x, ids, weights, pass_id)
             dist.send(rows, 0, group=group)
             self.calls += 1
 
-    def _next(self, header: torch.Tensor) -> int:
-        """The next message's header, waited for as long as the main rank is there (`WAIT_FOR_WORK`); its sender."""
-        work = dist.irecv(header, None if self.from_any else 0, group=self.group)
-        work.wait(timeout=WAIT_FOR_WORK)
-        if not self.from_any:
-            return 0
-        return dist.get_global_rank(self.group or dist.group.WORLD, work._source_rank())  # as dist.recv finds it
+    def _take_forecasts(self) -> None:
+        """The shadow's forecasts, until it says stop or is gone."""
+        assert self.shadow is not None
+        shadow, group = self.shadow
+        header = torch.empty(HEADER, dtype=torch.long)
+        try:
+            while True:
+                dist.irecv(header, shadow, group=group).wait(timeout=WAIT_FOR_WORK)
+                op, count, *_, pass_id = header.tolist()
+                if op != PREFETCH:
+                    return
+                pairs = torch.empty(count, 2, dtype=torch.long)
+                dist.recv(pairs, shadow, group=group)
+                with self._lock:
+                    self._forecast(pairs.tolist(), pass_id)
+        except RuntimeError:  # the shadow is gone: layer calls go on without its forecasts
+            return
 
     def _forecast(self, pairs: list[list[int]], pass_id: int) -> None:
         """Experts forecast for a pass: remembered (to count how many it got right) and, paged, loaded ahead."""

@@ -354,8 +354,8 @@ def expert_worker(config: EngineConfig, path: Path, rank: int, links: Links) -> 
         arena = read_experts(reader, [ExpertKey(cfg.moe_layers[p], e) for p, e in owned], cpu)
         return ArenaKernels(arena, shape, kernel, fused=fused), None
 
-    return ExpertWorker(rank, cfg.moe_layers, cfg.num_experts, shape, placement(config, cfg), hold,
-                        group=links.of(rank), from_any=config.shadow)
+    return ExpertWorker(rank, cfg.moe_layers, cfg.num_experts, shape, placement(config, cfg), hold, links,
+                        shadow_rank=1 if config.shadow else None)  # rank 1: the shadow's (runtime/shadow.py)
 
 
 def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = Links()) -> Built:

@@ -17,6 +17,8 @@ computed again from its first token the next time it appears.
 
 from __future__ import annotations
 
+import datetime
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,14 +52,28 @@ PASS = 4
 
 
 class ShadowFeed:
-    """On the main rank: each pass's rows and tokens to the shadow rank before the pass runs (a pass part)."""
+    """On the main rank: each pass's rows and tokens to the shadow rank before the pass runs (a pass part). A shadow
+    that does not take a pass within twice `timeout_s` (--worker-timeout; its own forecast to a worker that stopped
+    answering may hold it up for one timeout), or is gone, is left behind with one line: the run goes on without its
+    forecasts, which only load ahead."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout = datetime.timedelta(seconds=2 * timeout_s)
+        self.lost = False
 
     def begin_pass(self, info: PassInfo) -> None:
+        if self.lost:
+            return
         rows = torch.tensor([[r, s, c, phase == "decode"] for r, s, c, phase in
                              zip(info.requests, info.starts, info.counts, info.row_phases)])
-        dist.send(message(PASS, len(info.requests), len(info.token_ids_N), pass_id=info.pass_id), SHADOW_RANK)
-        dist.send(rows, SHADOW_RANK)
-        dist.send(info.token_ids_N.to(torch.long).contiguous(), SHADOW_RANK)
+        header = message(PASS, len(info.requests), len(info.token_ids_N), pass_id=info.pass_id)
+        try:
+            for t in (header, rows, info.token_ids_N.to(torch.long).contiguous()):
+                dist.isend(t, SHADOW_RANK).wait(timeout=self.timeout)
+        except RuntimeError as e:
+            self.lost = True
+            print(f"shadow rank {SHADOW_RANK} did not take pass {info.pass_id} "
+                  f"({str(e).splitlines()[0].split('] ')[-1][:120]}): going on without its forecasts", file=sys.stderr)
 
 
 @dataclass
@@ -92,6 +108,7 @@ class Shadow:
                                  dense_dtype="int8", scheduler=config.scheduler)
         loaded = build(quantized, path, False).loaded
         self.model, self.placement, self.links = loaded.model, placement, links
+        self.timeout = datetime.timedelta(seconds=config.worker_timeout_s)
         scheduler = config.scheduler
         self.pool = KVBlockPool(self.model, loaded.dtype, loaded.device, scheduler.kv_cache_tokens,
                                 scheduler.block_size)
@@ -116,7 +133,7 @@ class Shadow:
         assert route.ids_host_TK is not None
         position = self.position[layer]
         experts = sorted(set(route.ids_host_TK.flatten().tolist()))
-        send_forecasts(self.placement, [(position, e) for e in experts], self.pass_id, self.links)
+        send_forecasts(self.placement, [(position, e) for e in experts], self.pass_id, self.links.forecasts_of)
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def serve(self) -> int:
@@ -127,6 +144,7 @@ class Shadow:
             dist.irecv(header, 0).wait(timeout=WAIT_FOR_WORK)  # a server may sit idle for hours
             op, num_rows, num_tokens, *_, pass_id = header.tolist()
             if op == STOP:
+                self._stop_forecasts()
                 dist.send(self.stats(), 0)
                 return self.passes
             if op == PLACE:  # a worker was lost: forecasts go by the placement left (num_rows: workers, then group)
@@ -142,6 +160,15 @@ class Shadow:
             self.passes += 1
             for step in range(1, self.ahead + 1):
                 self._run_ahead(told, pass_id + step)
+
+    def _stop_forecasts(self) -> None:
+        """Each worker's thread that takes the forecasts (experts/remote.py `ExpertWorker._take_forecasts`) is told to
+        stop; a worker lost is skipped."""
+        for rank in self.placement.ranks:
+            try:
+                dist.isend(message(STOP), rank, group=self.links.forecasts_of(rank)).wait(timeout=self.timeout)
+            except RuntimeError:
+                pass
 
     def stats(self) -> torch.Tensor:
         """The counters a worker answers a stop with (`STATS`), as the shadow's: calls = passes it was told of,

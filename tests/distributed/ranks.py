@@ -1,8 +1,10 @@
 """Run under torchrun by tests/distributed/test_workers.py: rank 0 generates greedy tokens from token-id prompts on
 each checkpoint with its experts on the other ranks, and writes them to OUT; the workers serve each checkpoint in turn.
-MOEPAGER_TEST_FAULT=die|hang makes rank 2 exit, or stop answering, at its third layer call; MOEPAGER_TEST_ON_LOSS is
+MOEPAGER_TEST_FAULT=die|hang makes rank 2 exit, or stop answering, at its third layer call (hang-shadow: the shadow
+rank, at its third pass); MOEPAGER_TEST_ON_LOSS is
 the run's --on-worker-loss (stop by default), MOEPAGER_TEST_PREDICTOR its --predictor, MOEPAGER_TEST_SHADOW=1 makes
-rank 1 the shadow (--shadow), MOEPAGER_TEST_ALIGN its --align-period."""
+rank 1 the shadow (--shadow), MOEPAGER_TEST_ALIGN its --align-period, MOEPAGER_TEST_LINK_TIMEOUT the links' timeout
+(20 s by default; the layer calls' is 3 s)."""
 
 from __future__ import annotations
 
@@ -34,9 +36,19 @@ def main() -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
     rank, world = dist.get_rank(), dist.get_world_size()
-    links = Links.open(world, 20.0, SHADOW_RANK if os.environ.get("MOEPAGER_TEST_SHADOW") else None)
+    links = Links.open(world, float(os.environ.get("MOEPAGER_TEST_LINK_TIMEOUT", "20")),
+                       SHADOW_RANK if os.environ.get("MOEPAGER_TEST_SHADOW") else None)
     fault = os.environ.get("MOEPAGER_TEST_FAULT")
-    if fault and rank == 2:
+    if fault == "hang-shadow" and rank == SHADOW_RANK:
+        run, passes = Shadow._run, [0]
+
+        def stuck(self, *args):  # noqa: ANN001, ANN202
+            passes[0] += 1
+            if passes[0] == 3:
+                time.sleep(60)
+            return run(self, *args)
+        Shadow._run = stuck
+    elif fault in ("die", "hang") and rank == 2:
         compute, calls = ExpertWorker.compute, [0]
 
         def faulty(self, *args):  # noqa: ANN001, ANN202
@@ -63,6 +75,8 @@ def main() -> int:
                 params = SamplingParams(max_tokens=6, ignore_eos=True)
                 results[path] = [c.token_ids for c in llm.generate(PROMPTS, params)]
                 results[path + " lost"] = llm.loaded.experts.lost
+                results[path + " shadow lost"] = any(getattr(part, "lost", False) is True for part in llm.remote
+                                                     if part is not llm.loaded.experts)
             except MoepagerError as e:
                 with open(out, "w") as f:
                     json.dump({"error": str(e)}, f)

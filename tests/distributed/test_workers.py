@@ -266,3 +266,36 @@ def test_serve_with_workers_answers_after_idling_past_the_worker_timeout_and_sto
         assert ("shadow rank 1: " in err) == shadow
     finally:
         proc.kill()
+
+
+def test_failover_leaves_a_silent_worker_beside_a_shadow_behind(hf_checkpoint, tmp_path):
+    """--shadow with failover, links and layer calls timing out after 3 s: the first worker (rank 2) stops answering.
+    The shadow's forecast to it waits for the link's timeout once, and the main rank waits up to twice that for the
+    shadow; the worker is failed over, the tokens are the single-process ones, and the shadow is still there at the
+    stop."""
+    path = str(hf_checkpoint("qwen3_moe")[1])
+    out = tmp_path / "tokens.json"
+    codes = spawn(5, "tests/distributed/ranks.py", str(out), "1", path,
+                  env={"MOEPAGER_TEST_FAULT": "hang", "MOEPAGER_TEST_ON_LOSS": "failover", "MOEPAGER_TEST_SHADOW": "1",
+                       "MOEPAGER_TEST_WORKER_MEMORY": "60%", "MOEPAGER_TEST_LINK_TIMEOUT": "3"})
+    assert codes[0] == 0, out.read_text() if out.exists() else ""
+    got = json.loads(out.read_text())
+    assert got[path + " lost"] == [2] and got[path] == single_process(path)
+    shadow, workers = got[path + " workers"][0], got[path + " workers"][1:]
+    assert shadow["calls"] > 0 and len(workers) == 2
+
+
+def test_a_shadow_that_stops_answering_is_left_behind_and_changes_no_token(hf_checkpoint, tmp_path):
+    """The shadow rank stops at its third pass: the main rank waits twice the 3 s timeout for it, goes on without its
+    forecasts, and every token is the single-process one; the workers answer the stop, the shadow does not."""
+    path = str(hf_checkpoint("qwen3_moe")[1])
+    out = tmp_path / "tokens.json"
+    codes = spawn(4, "tests/distributed/ranks.py", str(out), "1", path,
+                  env={"MOEPAGER_TEST_FAULT": "hang-shadow", "MOEPAGER_TEST_SHADOW": "1",
+                       "MOEPAGER_TEST_WORKER_MEMORY": "60%", "MOEPAGER_TEST_LINK_TIMEOUT": "3"})
+    assert codes[0] == 0, out.read_text() if out.exists() else ""
+    got = json.loads(out.read_text())
+    assert got[path + " shadow lost"] is True and got[path + " lost"] == []
+    assert got[path] == single_process(path)
+    workers = got[path + " workers"]
+    assert len(workers) == 2 and all(w["routed"] > 0 for w in workers)
