@@ -324,9 +324,9 @@ class EngineConfig:
             raise MoepagerError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         if self.workers < 0 or self.worker_timeout_s <= 0:
             raise MoepagerError("--workers must be >= 0 and --worker-timeout positive")
-        if self.workers and (self.store.paged or self.execution != "gpu" or self.compile or self.device != "cpu"):
+        if self.workers and (self.store.paged or self.execution != "gpu" or self.compile):
             raise MoepagerError("--workers holds every routed expert on the worker processes (CPU, gloo): drop "
-                                "--expert-memory/--host-memory, --execution, --compile and --device")
+                                "--expert-memory/--host-memory, --execution and --compile")
         if self.on_worker_loss not in ("stop", "failover"):
             raise MoepagerError(f"--on-worker-loss must be stop or failover, got '{self.on_worker_loss}'")
         if self.shadow and not self.workers:

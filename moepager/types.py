@@ -62,6 +62,16 @@ def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+def run_on_host(run: Callable[[torch.Tensor, RoutingDecision], torch.Tensor], x_ND: torch.Tensor,
+                route: RoutingDecision) -> torch.Tensor:
+    """`run` (a layer's experts computed on the host: `--execution cpu-experts`, worker processes) over the layer's
+    input and routing copied to the host at once, its output copied back to their device; on the CPU, as they are."""
+    if x_ND.device.type == "cpu":
+        return run(x_ND, route)
+    x_host, ids_host, weights_host = to_host(x_ND, route.ids_TK, route.weights_TK)
+    return to_device(run(x_host, RoutingDecision(ids_host, weights_host, route.scores_TE, ids_host)), x_ND.device)
+
+
 Between = Callable[[], None]
 """Called by an expert read between its chunks (a prefetch gives way to demand loads there: store/transfer.py)."""
 

@@ -40,6 +40,8 @@ def launch(config: EngineConfig, main: Callable[[EngineConfig, Links], int]) -> 
     if rank != 0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = replace(config, workers=world - 1 - config.shadow)
+    if rank != 0:  # the workers and the shadow compute on the CPU (a main rank on CUDA: its layer calls go by host)
+        config = replace(config, device="cpu")
     if config.threads:
         torch.set_num_threads(config.threads)
     try:

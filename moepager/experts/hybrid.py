@@ -39,7 +39,7 @@ from moepager.experts.protocols import FusedKernel
 from moepager.experts.weights import ExpertShape
 from moepager.store.store import ExpertStore
 from moepager.store.tiers import HostHeld
-from moepager.types import ExpertKey, RoutingDecision, to_device, to_host
+from moepager.types import ExpertKey, RoutingDecision, run_on_host, to_device, to_host
 
 
 @dataclass(frozen=True)
@@ -247,12 +247,7 @@ class CpuExpertsExecutor:
         self.pool.close()
 
     def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return self.pool.submit(self.inner.run, layer, x_ND, route).result()
-        x_host, ids_host, weights_host = to_host(x_ND, route.ids_TK, route.weights_TK)
-        host_route = RoutingDecision(ids_host, weights_host, route.scores_TE, ids_host)
-        out = self.pool.submit(self.inner.run, layer, x_host, host_route).result()
-        return to_device(out, self.device)
+        return run_on_host(lambda x, r: self.pool.submit(self.inner.run, layer, x, r).result(), x_ND, route)
 
     def stream(self, layer: int, experts: Sequence[int]):  # noqa: ANN201 - the reference's ExpertSource seam
         return self.inner.stream(layer, experts)  # type: ignore[attr-defined]

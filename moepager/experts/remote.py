@@ -43,7 +43,7 @@ from moepager.experts.executor import (
 from moepager.experts.protocols import FusedKernel
 from moepager.experts.weights import ExpertShape
 from moepager.policies.prefetch import PrefetchAware
-from moepager.types import PassInfo, RoutingDecision
+from moepager.types import PassInfo, RoutingDecision, run_on_host
 
 RUN, STOP, PLACE, PREFETCH = 1, 0, 2, 3
 STATS = ("calls", "hits", "misses", "bytes_disk", "loads_ahead", "forecast", "routed")
@@ -202,6 +202,10 @@ class RemoteExecutor:
         self.store = None
 
     def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
+        """The layer's routed experts computed by the workers (a main rank on CUDA: over host copies, gloo's)."""
+        return run_on_host(lambda x, r: self._run(layer, x, r), x_ND, route)
+
+    def _run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
         work = sort_by_expert(x_ND, route)
         while True:
             try:

@@ -68,7 +68,7 @@ class ShadowFeed:
                              zip(info.requests, info.starts, info.counts, info.row_phases)])
         header = message(PASS, len(info.requests), len(info.token_ids_N), pass_id=info.pass_id)
         try:
-            for t in (header, rows, info.token_ids_N.to(torch.long).contiguous()):
+            for t in (header, rows, info.token_ids_N.to("cpu", torch.long).contiguous()):  # gloo's: host tensors
                 dist.isend(t, SHADOW_RANK).wait(timeout=self.timeout)
         except RuntimeError as e:
             self.lost = True
