@@ -71,12 +71,16 @@ def test_every_expert_lives_on_exactly_one_worker_and_layers_go_round_robin():
     assert {left.rank(layer, e) for layer in range(6) for e in range(8)} <= {1, 3, 4}
 
 
-@pytest.mark.parametrize("procs, group", [(3, 1), (4, 2)], ids=["2-workers", "3-workers-groups-of-2"])
-def test_workers_give_the_single_process_tokens_on_every_architecture(hf_checkpoint, tmp_path, procs, group):
+@pytest.mark.parametrize("procs, group, shadow", [(3, 1, False), (4, 2, False), (4, 1, True)],
+                         ids=["2-workers", "3-workers-groups-of-2", "shadow-and-2-workers"])
+def test_workers_give_the_single_process_tokens_on_every_architecture(hf_checkpoint, tmp_path, procs, group, shadow):
     paths = [str(hf_checkpoint(arch)[1]) for arch in ARCHS]
-    got = ranks(tmp_path, procs, group, *paths)
+    got = ranks(tmp_path, procs, group, *paths, env={"MOEPAGER_TEST_SHADOW": "1"} if shadow else None)
     for path in paths:
-        assert sum(w["calls"] for w in got[path + " workers"]) > 0
+        workers = got[path + " workers"][shadow:]  # (the shadow, rank 1, answers first with its own counters)
+        assert len(workers) == procs - 1 - shadow and sum(w["calls"] for w in workers) > 0
+        if shadow:
+            assert got[path + " workers"][0]["calls"] > 0 and sum(w["forecast"] for w in workers) > 0
 
 
 def test_workers_paging_their_experts_from_disk_give_the_same_tokens(hf_checkpoint, tmp_path):
