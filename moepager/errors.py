@@ -27,3 +27,7 @@ class NumericalError(MoepagerError):
 
 class ConfigError(MoepagerError):
     """An option, or a combination of options, that this model or machine cannot run."""
+
+
+class Unavailable(MoepagerError):
+    """The engine can no longer run requests (a worker process it needs was lost): a server answers 503 from then on."""

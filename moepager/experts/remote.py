@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from moepager.config import WorkerLoss
-from moepager.errors import MoepagerError
+from moepager.errors import MoepagerError, Unavailable
 from moepager.experts.executor import (
     ArenaKernels,
     PagedExecutor,
@@ -120,8 +120,8 @@ def recv_placement(workers: int, group_size: int, group: dist.ProcessGroup | Non
     return Placement(tuple(ranks.tolist()), group_size)
 
 
-class WorkerLost(MoepagerError):
-    """A worker rank died or did not answer in time."""
+class WorkerLost(Unavailable):
+    """A worker rank died or did not answer in time (and the run cannot go on without it)."""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moepager.errors import InvalidRequestError, MoepagerError
+from moepager.errors import InvalidRequestError, MoepagerError, Unavailable
 from moepager.runtime.llm import LLM
 from moepager.runtime.request import Request as EngineRequest
 from moepager.runtime.request import RequestOutput
@@ -54,7 +54,8 @@ def error_response(status: int, message: str, code: str | None = None, param: st
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Every refusal in OpenAI's error shape: invalid bodies 400, our own errors 400 (a bad request) or 500."""
+    """Every refusal in OpenAI's error shape: invalid bodies 400, our own errors 400 (a bad request), 503 (the engine
+    can no longer run: a lost worker process) or 500."""
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -80,7 +81,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(MoepagerError)
     async def refused(request: Request, exc: MoepagerError) -> JSONResponse:
-        return error_response(400 if isinstance(exc, InvalidRequestError) else 500, str(exc))
+        status = 400 if isinstance(exc, InvalidRequestError) else 503 if isinstance(exc, Unavailable) else 500
+        return error_response(status, str(exc))
 
 
 class BodyLimit:
@@ -166,7 +168,9 @@ def create_app(llm: LLM, model_name: str, engine_thread: bool = True) -> FastAPI
                            "model")
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
+    async def health() -> Any:
+        if engine.unavailable is not None:  # 503: for a supervisor or load balancer to take it out and restart it
+            return JSONResponse({"status": "unavailable", "reason": engine.unavailable}, status_code=503)
         return {"status": "ok"}
 
     card = {"id": model_name, "object": "model", "created": int(metrics.started_s), "owned_by": "moepager",
@@ -247,7 +251,7 @@ async def respond(engine: AsyncEngine, http: Request, ids: list[int], params: Sa
                 if await http.is_disconnected():
                     return None
             if isinstance(item, BaseException):
-                raise ApiError(500, f"generation failed: {item}")
+                raise ApiError(503 if isinstance(item, Unavailable) else 500, f"generation failed: {item}")
             if item is not None and item.finished:
                 return shape.final(request)
     finally:

@@ -2,7 +2,9 @@
 
 Requests from any number of HTTP clients join the running batch at the next step (continuous batching). A
 request whose client goes away is aborted and frees its KV blocks at the next step. An exception inside a step
-fails the requests then running (each client gets the error) and the thread goes on serving new ones.
+fails the requests then running (each client gets the error) and the thread goes on serving new ones, unless the
+engine can no longer run any (`Unavailable`: a worker process lost with --on-worker-loss stop): then every later
+request is refused with the reason, and /health says so, for a supervisor to restart the server.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import threading
 from collections.abc import Callable
 
+from moepager.errors import Unavailable
 from moepager.runtime.engine import Engine
 from moepager.runtime.request import Request, RequestOutput
 from moepager.runtime.sampling import SamplingParams
@@ -30,6 +33,8 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self.unavailable: str | None = None
+        """Why the engine can no longer run requests (None while it can)."""
 
     def attach(self) -> None:
         """Deliver outputs to the running event loop (called from it, before any request)."""
@@ -51,7 +56,10 @@ class AsyncEngine:
             self._thread.join(timeout=30)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Request, asyncio.Queue[Delivery]]:
-        """Queue a request (InvalidRequestError when it cannot run: too long for the context or KV cache)."""
+        """Queue a request (InvalidRequestError when it cannot run: too long for the context or KV cache;
+        Unavailable when no request can run any more)."""
+        if self.unavailable is not None:
+            raise Unavailable(f"this server can no longer generate: {self.unavailable}")
         request = self.engine.new_request(prompt_ids, params, stream=True)
         queue: asyncio.Queue[Delivery] = asyncio.Queue()
         self._queues[request.request_id] = queue
@@ -75,6 +83,11 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
+            except Unavailable as e:  # nothing can run any more: refuse from now on, with the reason
+                log.error("engine step failed, and no request can run any more: %s", e)
+                self.unavailable = str(e)
+                self._fail_running(e)
+                continue
             except Exception as e:  # a bad request must not take the server down: fail what ran, go on
                 log.exception("engine step failed; failing the requests it ran")
                 self._fail_running(e)

@@ -262,3 +262,28 @@ def test_a_client_giving_up_on_a_non_streamed_request_frees_it(server):
     while running(server) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert running(server) == 0
+
+
+def test_a_lost_worker_makes_the_server_unavailable_with_the_reason(monkeypatch):
+    """A step that raises `Unavailable` (a worker process lost under --on-worker-loss stop): the request then running
+    fails with the reason (503), /health answers 503 with it, and every later request is refused 503 at once."""
+    from moepager.experts.remote import WorkerLost
+
+    llm = LLM(show_progress=False)
+
+    def lost(*args: object, **kwargs: object) -> None:  # the forward pass, inside a step that took the request
+        raise WorkerLost("worker rank 2 is gone: its connection dropped while MoE layer 1 waited for it")
+
+    monkeypatch.setattr(llm.engine.runner, "run", lost)
+    with live_server(llm) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=30)
+        with pytest.raises(openai.APIStatusError) as running:
+            client.completions.create(model="demo-moe", prompt="The history of", max_tokens=4)
+        assert running.value.status_code == 503 and "worker rank 2 is gone" in str(running.value)
+        health = httpx.get(f"{url}/health", timeout=5)
+        assert health.status_code == 503 and health.json() == {
+            "status": "unavailable", "reason": "worker rank 2 is gone: its connection dropped while MoE layer 1 "
+                                               "waited for it"}
+        with pytest.raises(openai.APIStatusError) as later:
+            client.chat.completions.create(model="demo-moe", messages=[{"role": "user", "content": "hi"}])
+        assert later.value.status_code == 503 and "can no longer generate: worker rank 2 is gone" in str(later.value)
