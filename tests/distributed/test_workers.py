@@ -303,3 +303,75 @@ def test_a_shadow_that_stops_answering_is_left_behind_and_changes_no_token(hf_ch
     assert got[path] == single_process(path)
     workers = got[path + " workers"]
     assert len(workers) == 2 and all(w["routed"] > 0 for w in workers)
+
+
+@pytest.mark.parametrize("loss", ["stop", "failover"])
+def test_serve_with_workers_after_a_worker_is_killed(loss):
+    """`moepager serve --workers 2`, and worker rank 2's process killed between two requests. Under
+    `--on-worker-loss stop` the server stays up to say so: the next request is refused with 503 naming the rank, and
+    /health answers 503 with the reason. Under `failover` the next request completes with the single-process text."""
+    import signal
+    import time
+
+    import httpx
+    import openai
+    import psutil
+
+    from tests.server.conftest import free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    prompt = "The history of"
+    alone = subprocess.run([sys.executable, "-m", "moepager.cli.main", "generate", "--threads", "1", "--max-tokens",
+                            "8", "--temperature", "0", "--ignore-eos", "--quiet", prompt],
+                           capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    port = free_port()
+    cmd = [sys.executable, "-m", "moepager.cli.main", "serve", "--port", str(port), "--quiet", "--threads", "1",
+           "--worker-timeout", "5", "--workers", "2", "--on-worker-loss", loss]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=60, max_retries=0)
+
+        def complete() -> str:
+            done = client.completions.create(model="demo-moe", prompt=prompt, max_tokens=8, temperature=0,
+                                             extra_body={"ignore_eos": True})
+            return prompt + done.choices[0].text
+
+        expected = alone.stdout.split("\n\nprompts ")[0]
+        assert complete() == expected
+        ranks = {int(p.environ().get("RANK", -1)): p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "RANK" in p.environ()}
+        assert set(ranks) == {0, 1, 2}, ranks
+        ranks[2].send_signal(signal.SIGKILL)
+        while time.monotonic() < deadline:  # dead (a zombie until the launcher reaps it at the end)
+            try:
+                if ranks[2].status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.05)
+        if loss == "failover":
+            assert complete() == expected
+            assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        else:
+            with pytest.raises(openai.APIStatusError) as refused:
+                complete()
+            assert refused.value.status_code == 503 and "worker rank 2" in str(refused.value), str(refused.value)
+            health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+            assert health.status_code == 503 and "worker rank 2" in health.json()["reason"], health.text
+            with pytest.raises(openai.APIStatusError) as later:
+                complete()
+            assert later.value.status_code == 503 and "can no longer generate" in str(later.value)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert "worker rank 1: " in proc.stderr.read()  # the worker left answers the stop with its counters
+    finally:
+        proc.kill()
