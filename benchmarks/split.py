@@ -7,7 +7,12 @@ Configurations, each at every `--budgets` share of the experts, LRFU (the engine
   configurator (`moepager plan --parts 4`; on these traces it keeps θ = 1 wherever a split would move more bytes);
 - `split 4, θ 0.5`: the same checkpoint, every layer caching the top halves of twice the experts (MoEpic's split
   forced: hits still read their bottom half);
-- `split 4, online`: the split checkpoint under `--configure auto` (the configurator online, every `--every` tokens).
+- `split 4, online`: the split checkpoint under `--configure auto` (the configurator online, every `--every` tokens);
+- `unsplit, even, prefetch` and `split 4, θ 0.5, prefetch`: the baseline and the forced split with prefetch (MoEpic's
+  speculative prefetch: the next layer's forecast experts, on the split checkpoint the tops into the cache and the
+  bottoms into the free stream rows), forecasts by the workload's predictor: on the replay the co-occurrence table
+  (`transition`) fitted on the trace's first `--fit` requests, on the built-in model its next layer's gate
+  (`gate-lookahead`). Bytes moved count the loads ahead: a prefetch hides a load, it does not save it.
 Plans are fitted on the trace's first requests (hit curves), never on the measured ones; costs: `--profile`.
 
 Workloads:
@@ -49,7 +54,7 @@ from benchmarks.common import (
 from moepager.checkpoints.default import default_model_path
 from moepager.checkpoints.split import split_checkpoint
 from moepager.cli.plan import judge
-from moepager.config import Budget, EngineConfig, StoreConfig
+from moepager.config import Budget, EngineConfig, PrefetchConfig, StoreConfig
 from moepager.planning.configurator import layer_costs, vram_allocation
 from moepager.planning.configurator import statistics as hit_statistics
 from moepager.planning.cost import CostModel
@@ -60,7 +65,9 @@ from moepager.trace.format import TraceReader
 from moepager.trace.workload import load_workload
 
 PARTS = 4
-CONFIGS = ("unsplit, even", "unsplit, configured", "split 4, configured", "split 4, θ 0.5", "split 4, online")
+CONFIGS = ("unsplit, even", "unsplit, configured", "split 4, configured", "split 4, θ 0.5", "split 4, online",
+           "unsplit, even, prefetch", "split 4, θ 0.5, prefetch")
+PREFETCH = ", prefetch"
 
 
 def arguments() -> argparse.ArgumentParser:
@@ -104,16 +111,19 @@ def plans(trace: Path, fit: slice, budgets: list[str], profile: str, out: Path) 
             name = f"{trace.stem}-{budget.rstrip('%')}-{label.replace(' ', '_').replace(',', '')}.json"
             path = files[label] = out / name
             path.write_text(json.dumps({"budgets": budgets_L.tolist(), "theta": theta.tolist()}))
+        files["unsplit, even" + PREFETCH], files["split 4, θ 0.5" + PREFETCH] = None, files["split 4, θ 0.5"]
     return every
 
 
 # -- measured ---------------------------------------------------------------------------------------------------------
-def engine(path: Path, split: Path, label: str, budget: str, plan: Path | None, args: argparse.Namespace) -> LLM:
+def engine(path: Path, split: Path, label: str, budget: str, plan: Path | None, prefetch: PrefetchConfig,
+           args: argparse.Namespace) -> LLM:
     online = label == "split 4, online"
     store = StoreConfig(expert_memory=budget, layer_plan=str(plan) if plan else None,
                         configure="auto" if online else "off", configure_every=args.every)
     return LLM(config=EngineConfig(model=str(split if label.startswith("split") else path), threads=args.threads,
-                                   store=store), show_progress=False)
+                                   store=store, prefetch=prefetch if label.endswith(PREFETCH) else PrefetchConfig()),
+               show_progress=False)
 
 
 def figures(llm: LLM) -> dict[str, Any]:
@@ -123,7 +133,8 @@ def figures(llm: LLM) -> dict[str, Any]:
     return {"tpot_ms": 1e3 * s.decode_s / max(decoded, 1), "decoded": decoded,
             "MiB_per_token": decode.get("bytes_disk_per_token", 0) / 2**20,
             "exposed_ms_per_token": 1e3 * decode.get("exposed_s", 0.0) / max(decoded, 1),
-            "hit_rate": decode.get("hit_rate")}
+            "hit_rate": decode.get("hit_rate"), "loads_ahead_per_token": decode.get("loads_ahead", 0) / max(decoded, 1),
+            "prefetch_used_per_token": decode.get("prefetch_used", 0) / max(decoded, 1)}
 
 
 def close(llm: LLM) -> None:
@@ -133,16 +144,17 @@ def close(llm: LLM) -> None:
     gc.collect()
 
 
-def measured(workload: str, path: Path, split: Path, trace: Path, fit: slice, run, args: argparse.Namespace
-             ) -> list[dict]:
-    """Every configuration at every budget, `args.rounds` interleaved rounds; `run(llm)` makes one measurement."""
+def measured(workload: str, path: Path, split: Path, trace: Path, fit: slice, run, prefetch: PrefetchConfig,
+             args: argparse.Namespace) -> list[dict]:
+    """Every configuration at every budget, `args.rounds` interleaved rounds; `run(llm)` makes one measurement;
+    `prefetch`: the configurations with prefetch."""
     rows, every = [], plans(trace, fit, args.budgets, args.profile, RESULTS / "split")
     for budget in args.budgets:
         files = every[budget]
         samples: dict[str, list[dict]] = {label: [] for label in args.configs}
         for r in range(args.rounds):
             for label in args.configs:
-                llm = engine(path, split, label, budget, files[label], args)
+                llm = engine(path, split, label, budget, files[label], prefetch, args)
                 tokens = run(llm)
                 sample = figures(llm) | {"tokens": tokens}
                 if llm.configurator is not None:
@@ -157,7 +169,8 @@ def measured(workload: str, path: Path, split: Path, trace: Path, fit: slice, ru
             plan = files[label]
             rows.append({"workload": workload, "budget": budget, "config": label,
                          **{k: statistics.median(run[k] for run in runs)
-                            for k in ("tpot_ms", "MiB_per_token", "exposed_ms_per_token", "hit_rate")},
+                            for k in ("tpot_ms", "MiB_per_token", "exposed_ms_per_token", "hit_rate",
+                                      "loads_ahead_per_token", "prefetch_used_per_token")},
                          "tpot_ratio": statistics.median(a["tpot_ms"] / b["tpot_ms"] for a, b in zip(runs, base)),
                          "bytes_ratio": statistics.median(a["MiB_per_token"] / max(b["MiB_per_token"], 1e-9)
                                                           for a, b in zip(runs, base)),
@@ -168,7 +181,7 @@ def measured(workload: str, path: Path, split: Path, trace: Path, fit: slice, ru
 
 
 def replayed(args: argparse.Namespace) -> list[dict]:
-    from benchmarks.offload_replay import deepseek_trace, replayed_requests
+    from benchmarks.offload_replay import deepseek_trace, fitted_predictors, replayed_requests
 
     path = ensure_model(f"deepseek-v2-lite-L{args.layers + 1}", "deepseek-v2-lite", args.layers + 1)
     split = split_copy(path)
@@ -179,7 +192,11 @@ def replayed(args: argparse.Namespace) -> list[dict]:
     def run(llm: LLM) -> list[list[int]]:
         return [c.token_ids for c in llm.replay(spec)]
 
-    return measured("replay", path, split, trace, slice(0, args.fit), run, args)
+    prefetch = PrefetchConfig()
+    if any(label.endswith(PREFETCH) for label in args.configs):
+        table = fitted_predictors(trace, list(range(args.fit)), {("transition", "plain")})[("transition", "plain")]
+        prefetch = PrefetchConfig("transition", file=str(table))
+    return measured("replay", path, split, trace, slice(0, args.fit), run, prefetch, args)
 
 
 def built_in(args: argparse.Namespace) -> list[dict]:
@@ -197,7 +214,7 @@ def built_in(args: argparse.Namespace) -> list[dict]:
 
     with TraceReader(trace) as reader:
         fit = slice(0, len(reader))
-    return measured("built-in", Path(path), split, trace, fit, run, args)
+    return measured("built-in", Path(path), split, trace, fit, run, PrefetchConfig("gate-lookahead"), args)
 
 
 def split_copy(path: Path, out: Path | None = None) -> Path:
@@ -285,9 +302,10 @@ def main() -> None:
     if rows:
         print("\nmeasured (CPU, experts read from disk; ratios per round against the neighbouring unsplit-even run):")
         print_table(["workload", "budget", "config", "TPOT ms", "x even", "MiB/token", "x even", "exposed ms/tok",
-                     "hit %", "tokens"],
+                     "hit %", "ahead/tok", "used/tok", "tokens"],
                     [[r["workload"], r["budget"], r["config"], r["tpot_ms"], r["tpot_ratio"], r["MiB_per_token"],
                       r["bytes_ratio"], r["exposed_ms_per_token"], 100 * (r["hit_rate"] or 0),
+                      r["loads_ahead_per_token"], r["prefetch_used_per_token"],
                       "same" if r["same_tokens"] else "DIFFER"] for r in rows])
     sim = simulated(args) if "simulated" in args.workloads else []
     if sim:

@@ -4,10 +4,11 @@ layer's gate predicts are fetched ahead while the current layer computes).
 The store of a split checkpoint (checkpoints/split.py) keys parts: expert e of a layer is parts e·S .. e·S + S - 1,
 of which the layer caches the first t (its θ = t/S, `ExpertStore.cached_parts`) and streams the rest. A forecast names
 experts, so here a forecast expert becomes its t cacheable parts, loaded ahead into the layer's cache like any
-prefetch: at θ = 1 the whole expert, below it its top segment, and the bottom streams in when the layer routes to it
-(bottoms are never cached, so they are never loaded ahead either). A layer's routed experts settle all their parts'
-prefetches; a layer's quota and the loads in flight are counted in experts. An eviction policy that ranks by forecasts
-(fMoE, PLEC) keys parts too: each part is given its expert's probability (`PartForecasts`).
+prefetch (at θ = 1 the whole expert, below it its top segment), and its bottom parts, loaded ahead into the stream
+rows that no layer is using, where they wait for their layer (`ExpertStore.prefetch_bottoms`; bottoms are never
+cached). A layer's routed experts settle all their parts' prefetches; a layer's quota and the loads in flight are
+counted in experts. An eviction policy that ranks by forecasts (fMoE, PLEC) keys parts too: each part is given its
+expert's probability (`PartForecasts`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 
 from moepager.policies.base import ForecastConsumer
 from moepager.store.store import ExpertStore
+from moepager.types import ExpertKey
 
 
 class WholeExperts:
@@ -43,13 +45,17 @@ class WholeExperts:
         return len({(key.layer, key.expert // parts) for key in self.store.loading_ahead()})
 
     def prefetch_ranked(self, wanted: Iterable[tuple[int, int]], limit: int) -> int:
-        """Start loading the cacheable parts of the (layer, expert) pairs `wanted`, best first, up to `limit`
-        experts' worth of parts. Returns the parts whose loads were issued."""
-        store, pairs = self.store, []
-        top = store.cached_parts
+        """Start loading the (layer, expert) pairs `wanted`, best first: their cacheable parts into the layer's cache,
+        up to `limit` experts' worth of parts, and the bottoms of those experts into the stream rows no layer is
+        using (MoEpic's prefetch buffer: the bottom when the top is cached, else with its top the whole expert).
+        Returns the parts whose loads were issued."""
+        store, pairs, bottoms = self.store, [], []
+        top, parts = store.cached_parts, store.parts
         for layer, e in wanted:
-            pairs += [(layer, e * store.parts + j) for j in range(top[layer])]
-        return store.prefetch_ranked(pairs, limit * max(top.values()))
+            pairs += [(layer, e * parts + j) for j in range(top[layer])]
+            bottoms += [ExpertKey(layer, e * parts + j) for j in range(top[layer], parts)]
+        issued = store.prefetch_ranked(pairs, limit * max(top.values()))
+        return issued + store.prefetch_bottoms(bottoms) if bottoms else issued
 
 
 class PartForecasts:

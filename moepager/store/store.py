@@ -35,6 +35,7 @@ from concurrent.futures import FIRST_COMPLETED, as_completed, wait
 import torch
 
 from moepager.policies.prefetch import PrefetchAware
+from moepager.store.buffer import PrefetchBuffer
 from moepager.store.slots import SlotTable, settled
 from moepager.store.stats import PhaseCounters, StoreCounters
 from moepager.store.tiers import Held, HostHeld, ReadExpert, ReadExperts, Ticket, Tier, part_runs
@@ -66,6 +67,9 @@ class ExpertStore:
         self.cached_parts: dict[int, int] = {}
         """Split experts: each layer's top parts t (θ = t/S) that its cache may hold; parts j >= t of an expert
         (its bottom) always stream through the stream rows."""
+        self.buffer = PrefetchBuffer(self)
+        """Split experts: bottom parts loaded ahead into the stream rows no layer is using (MoEpic's prefetch
+        buffer; `prefetch_bottoms`)."""
 
     def occupancy(self) -> tuple[int, int]:
         """(device slots holding an expert, device cache slots)."""
@@ -134,6 +138,8 @@ class ExpertStore:
             if misses:
                 counters.misses[layer] += len(misses)
                 self._fill(held, keys, misses)
+            if self.parts > 1:  # rows the layer leaves free take forecast bottoms (MoEpic: after the demand loads)
+                self.buffer.after_demand()
             if self.order.ahead or self.order.stale:
                 hit = [k for i, k in enumerate(keys) if i not in misses] if misses else keys
                 counters.prefetch_used += self.order.used(hit)
@@ -164,6 +170,8 @@ class ExpertStore:
             top, parts = self.cached_parts[layer], self.parts
             bottoms = [i for i in misses if keys[i].expert % parts >= top]
             misses = [i for i in misses if keys[i].expert % parts < top]
+            if self.buffer.rows:
+                bottoms = self.buffer.take(held, keys, bottoms)
         if len(misses) + len(bottoms) > room and not table.stream_rows:
             raise RuntimeError(f"expert store: layer {layer} needs {len(keys)} experts at once but holds "
                                f"{room + hits} and has no stream rows")
@@ -183,7 +191,10 @@ class ExpertStore:
                 self._drain(table)
                 drained = True
         held.queued = sorted(misses[max(room, 0):] + bottoms) if bottoms else list(misses[max(room, 0):])
-        rows = table.stream_rows[: len(held.queued)]
+        buffer = self.buffer
+        if held.queued and (buffer.rows or buffer.dropping):
+            buffer.reclaim(layer, len(held.queued))
+        rows = buffer.free_rows()[: len(held.queued)]
         if rows:  # the first queued misses into the stream rows, submitted together (a split's parts: one read)
             started = [self._stream_start(held, row) for row in rows]
             self._load([ExpertKey(layer, held.experts[i]) for i in started], rows, self.counters.current, ahead=False)
@@ -215,6 +226,8 @@ class ExpertStore:
             held.streaming -= 1
             if held.queued:
                 started.append(self._stream_next(held, row))
+        if self.buffer.wanted and not held.queued:
+            self.buffer.issue()
         return started
 
     def wait(self, held: Held, which: Iterable[int]) -> None:
@@ -246,6 +259,8 @@ class ExpertStore:
     def release(self, held: Held) -> None:
         self._unpin(held.slots)
         held.slots, held.queued = [], []
+        if self.buffer.wanted:
+            self.buffer.issue()
 
     def stream(self, layer: int, experts: Sequence[int]) -> Iterator[int]:
         """Device slots (or stream rows) holding `experts` of `layer`, one by one in order (`acquire`'s pins
@@ -316,6 +331,7 @@ class ExpertStore:
         kept, so the change reads nothing. Returns the experts (parts) dropped."""
         table = self.device.table
         self._drain(table)
+        self.buffer.clear()  # a bottom may be a top now: loads ahead start again from the next forecast
         if cached_parts is not None:
             if self.parts == 1:
                 raise ValueError("top parts per layer apply to split experts only")
@@ -483,6 +499,12 @@ class ExpertStore:
         previous.result()  # the host slot's own read (a copy out of it needs no wait: reads may overlap)
         return self._copy(dst, src, after, counters, ahead)
 
+    def prefetch_bottoms(self, keys: Sequence[ExpertKey]) -> int:
+        """MoEpic's prefetch of bottom segments (store/buffer.py): the bottom parts `keys`, best first, load ahead into
+        the stream rows no layer is using and wait there for their layer; those that find no row wait for one. The
+        list replaces the last one. Returns the loads issued now."""
+        return self.buffer.want(keys)
+
     def prefetch(self, layer: int, experts: Sequence[int]) -> int:
         """Start loading `experts` of `layer` ahead of time (`prefetch_ranked`). Returns loads issued."""
         return self.prefetch_ranked([(layer, e) for e in experts], len(experts))
@@ -535,7 +557,8 @@ class ExpertStore:
     def loading_ahead(self) -> list[ExpertKey]:
         """Prefetched experts still loading."""
         tickets = self.device.table.ticket
-        return [k for k, slot in self.order.ahead.items() if tickets[slot] is not None and not settled(tickets[slot])]
+        return [k for k, slot in self.order.ahead.items() if tickets[slot] is not None and not settled(tickets[slot])
+                ] + self.buffer.loading()
 
     def prefetches_in_flight(self) -> int:
         return len(self.loading_ahead())
@@ -544,6 +567,8 @@ class ExpertStore:
         """`layer` routed to `experts`: carry out the prefetch policy's verdict on each prefetch made for it, the
         first of its actions that applies (see the module note)."""
         table, counters, needed, order = self.device.table, self.counters.current, set(experts), self.order
+        if self.parts > 1:  # bottoms loaded ahead: the unneeded ones give their rows up
+            self.buffer.settle(layer, needed)
         gone: set[Ticket] = set()  # given up here (a split expert's parts read in one request share one ticket)
         for key, slot in list(order.ahead.items()):  # a loop over a copy: judged keys leave `ahead`
             if key.layer != layer:

@@ -209,11 +209,12 @@ def test_splitting_is_checked(split_olmoe, hf_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("theta, policy", [([1.0] * 3, "lru"), ([0.5, 0.75, 0.25], "lru"), ([0.5] * 3, "fmoe")])
-def test_a_predictor_prefetches_split_experts_cacheable_parts_without_changing_a_token(split_olmoe, tmp_path, theta,
-                                                                                     policy):
+def test_a_predictor_prefetches_split_experts_tops_and_bottoms_without_changing_a_token(split_olmoe, tmp_path, theta,
+                                                                                      policy):
     """MoEpic's prefetch of the next layer's predicted experts on a split checkpoint (store/parts.py): gate lookahead
-    forecasts whole experts, their cacheable (top) parts load ahead, bottoms never do; the greedy tokens are the
-    resident split run's, and loads ahead happen and are judged. fMoE ranks evictions by the forecasts, per part."""
+    forecasts whole experts, their cacheable (top) parts load ahead into the cache and their bottoms into the free
+    stream rows, from which a routed layer computes them (never cached); the greedy tokens are the resident split
+    run's, and loads ahead happen and are judged. fMoE ranks evictions by the forecasts, per part."""
     _, split = split_olmoe
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = [[3, 11, 5, 7, 9, 2], [7, 1, 2]]
@@ -223,12 +224,21 @@ def test_a_predictor_prefetches_split_experts_cacheable_parts_without_changing_a
                         layer_plan=plan_file(tmp_path, [1.0, 1.0, 1.0], theta))
     llm = LLM(config=EngineConfig(model=str(split), store=store, prefetch=PrefetchConfig("gate-lookahead")),
               show_progress=False)
+    s = llm.loaded.experts.inner.store
+    from_rows = []
+    computed_from_rows = s.buffer.take
+
+    def counted(held, keys, wanted):  # the bottoms a layer found loaded ahead in stream rows
+        rest = computed_from_rows(held, keys, wanted)
+        from_rows.append(len(wanted) - len(rest))
+        return rest
+    s.buffer.take = counted
     assert [c.token_ids for c in llm.generate(prompts, params)] == reference
     phases = llm.last_stats.sections["experts"].phases.values()
     ahead = sum(p["loads_ahead"] for p in phases)
     judged = sum(p["prefetch_used"] + p["prefetch_wasted"] + p["prefetch_cancelled"] for p in phases)
     assert ahead > 0 and 0 < judged <= ahead
-    s = llm.loaded.experts.inner.store
+    assert (sum(from_rows) > 0) == (min(theta) < 1)  # bottoms loaded ahead were computed from their rows
     tops = [round(t * 4) for t in theta]
     assert all(k.expert % 4 < tops[i] for i, layer in enumerate(s.layers()) for k in s.device.table.by_layer[layer])
 

@@ -284,3 +284,4 @@ def test_settle_cancels_every_part_of_a_split_expert_read_in_one_request():
     assert store.counters.current.prefetch_cancelled == 2
     reader.gate.set()
     assert consume(store, 1, [0, 1, 2, 3]) == [value(ExpertKey(1, e)) for e in range(4)]
+
