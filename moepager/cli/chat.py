@@ -1,14 +1,19 @@
 """`moepager chat [--model PATH]`: an interactive chat in the terminal with the model's chat template.
 
 Answers stream as they are generated; the history is kept across turns (`/reset` forgets it, `/stats` prints
-the last answer's statistics, `/exit` or Ctrl-D quits). Ctrl-C stops the answer being written, not the program.
+the last answer's statistics, `/exit` or Ctrl-D quits). Ctrl-C stops the answer being written, not the program: the
+answer ends after the step then running (a step is never cut in the middle, so worker processes of `--workers` are
+never left mid-call).
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 
 from moepager.cli.generate import (
@@ -16,11 +21,13 @@ from moepager.cli.generate import (
     add_sampling_arguments,
     announce_threads,
     engine_config,
+    launch_workers,
     refuse_ignored_engine_options,
     sampling_params,
     utf8,
 )
 from moepager.errors import InvalidRequestError, MoepagerError
+from moepager.experts.remote import Links
 from moepager.runtime.llm import LLM
 from moepager.runtime.request import Request
 
@@ -50,7 +57,8 @@ class Chat:
         self.messages = list(self.system)
 
     def answer(self, text: str, write: Callable[[str], object] = sys.stdout.write) -> str:
-        """Stream the model's answer to `text`; Ctrl-C ends it early (what was written is kept)."""
+        """Stream the model's answer to `text`; Ctrl-C ends it early, after the step then running (what was written
+        is kept)."""
         self.messages.append({"role": "user", "content": text})
         ids = self.llm.encode_chat(self.messages)
         context = self.llm.loaded.config.max_position_embeddings
@@ -62,16 +70,24 @@ class Chat:
         engine = self.llm.engine
         request = engine.new_request(ids, params, stream=True, grow_kv=True)
         engine.add(request)
+        stop = threading.Event()
+        on_main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, lambda *_: stop.set()) if on_main else None
         try:
             for outputs in engine.drain():
                 for out in outputs:
                     if out.new_text:
                         write(out.new_text)
                         sys.stdout.flush()
+                if stop.is_set():
+                    raise KeyboardInterrupt
         except KeyboardInterrupt:
             engine.abort(request.request_id)
             list(engine.drain())
             write(" [stopped]")
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
         self.messages.append({"role": "assistant", "content": request.text.text})
         self.last = request
         return request.text.text
@@ -96,11 +112,14 @@ def read_line() -> str:
     line = input("> ")
     return utf8(line.encode("utf-8", "surrogateescape"), "this message")
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, links: Links = Links()) -> int:
+    """`links`: the worker ranks' process groups, on the main rank of a --workers run (distributed/__main__.py)."""
     if args.max_tokens < 1:
         raise MoepagerError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.workers and "RANK" not in os.environ:  # start the worker processes; this command runs again as rank 0
+        return launch_workers(args, interactive=True)
     refuse_ignored_engine_options(args)
-    llm = LLM(config=engine_config(args), show_progress=not args.quiet)
+    llm = LLM(config=engine_config(args), show_progress=not args.quiet, links=links)
     announce_threads(args)
     if llm.tokenizer is None or not llm.tokenizer.chat_template:
         raise MoepagerError("this checkpoint has no chat template (tokenizer_config.json chat_template); use generate")

@@ -1,5 +1,5 @@
-"""`torchrun --nproc-per-node N -m moepager.distributed generate|serve [its options]`: `moepager generate` (or
-`serve`) on rank 0 with its routed experts on the other N-1 ranks (`--workers`, set from the world size;
+"""`torchrun --nproc-per-node N -m moepager.distributed generate|serve|chat [its options]`: `moepager generate` (or
+`serve`, `chat`) on rank 0 with its routed experts on the other N-1 ranks (`--workers`, set from the world size;
 distributed/roles.py)."""
 
 from __future__ import annotations
@@ -7,21 +7,22 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from moepager.cli import generate, serve
+from moepager.cli import chat, generate, serve
 from moepager.cli.main import build_parser
 from moepager.config import EngineConfig
 from moepager.distributed.roles import launch
 from moepager.errors import MoepagerError
 from moepager.experts.remote import Links
 
-COMMANDS = {"generate": generate, "serve": serve}
+COMMANDS = {"generate": generate, "serve": serve, "chat": chat}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
         print("usage: torchrun --nproc-per-node N -m moepager.distributed generate [options] PROMPT...\n"
-              "       torchrun --nproc-per-node N -m moepager.distributed serve [options]", file=sys.stderr)
+              "       torchrun --nproc-per-node N -m moepager.distributed serve [options]\n"
+              "       torchrun --nproc-per-node N -m moepager.distributed chat [options]", file=sys.stderr)
         return 2
     args = build_parser().parse_args(argv)
     args.argv = argv

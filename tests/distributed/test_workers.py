@@ -375,3 +375,52 @@ def test_serve_with_workers_after_a_worker_is_killed(loss):
         assert "worker rank 1: " in proc.stderr.read()  # the worker left answers the stop with its counters
     finally:
         proc.kill()
+
+
+def test_chat_with_workers_answers_as_one_process_and_ctrl_c_stops_only_the_answer():
+    """`moepager chat --workers 2` answers a turn with the single-process chat's greedy text. Ctrl-C (SIGINT to the
+    whole process group, as a terminal sends it) during a long answer ends that answer after the step then running
+    (" [stopped]"), the chat goes on (/stats reports the stopped answer), and /exit stops the workers (their
+    counters) with status 0."""
+    import signal
+    import threading
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    chat = [sys.executable, "-m", "moepager.cli.main", "chat", "--temperature", "0", "--quiet", "--threads", "1"]
+    alone = subprocess.run([*chat, "--max-tokens", "8"], input="Hello there\n/exit\n", capture_output=True, text=True,
+                           timeout=TIMEOUT_S, env=env)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    both = subprocess.run([*chat, "--max-tokens", "8", "--workers", "2"], input="Hello there\n/exit\n",
+                          capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    assert both.returncode == 0, both.stderr[-3000:]
+    assert both.stdout == alone.stdout and "> " in both.stdout
+    assert "worker rank 1: " in both.stderr and "worker rank 2: " in both.stderr
+
+    proc = subprocess.Popen([*chat, "--max-tokens", "100000", "--workers", "2"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
+    reader.start()
+    try:
+        proc.stdin.write("Hello there\n")  # the built-in model answers it at length (no end of text for 300 tokens)
+        proc.stdin.flush()
+        deadline = time.monotonic() + TIMEOUT_S
+        while "".join(out).count("> ") < 1 or len("".join(out).split("> ", 1)[1]) < 40:  # the answer is streaming
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(out)
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        while " [stopped]" not in "".join(out):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(out)
+            time.sleep(0.05)
+        proc.stdin.write("/stats\n/exit\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=TIMEOUT_S) == 0
+        reader.join(timeout=10)
+        stopped = "".join(out).split(" [stopped]")[1]
+        assert stopped.lstrip().startswith("> prompt ") and "answer" in stopped and "history 2 messages" in stopped
+        err = proc.stderr.read()
+        assert "worker rank 1: " in err and "worker rank 2: " in err, err[-3000:]
+    finally:
+        proc.kill()
