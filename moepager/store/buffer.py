@@ -149,8 +149,9 @@ class PrefetchBuffer:
         self.free_rows()
 
     def loading(self) -> list[ExpertKey]:
+        """Bottoms loaded ahead whose read is still in flight (one that failed is over: its layer hears of it)."""
         tickets = self.store.device.table.ticket
-        return [k for k, row in self.rows.items() if tickets[row] is not None and not settled(tickets[row])]
+        return [k for k, row in self.rows.items() if tickets[row] is not None and not _ended(tickets[row])]
 
 
 def _ended(ticket: Ticket) -> bool:
