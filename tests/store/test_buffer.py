@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import random
 import threading
+from concurrent.futures import wait
 
 import pytest
 
+from moepager.errors import CheckpointError
 from moepager.types import ExpertKey
 from tests.store.test_prefetch_store import JitteryReader
 from tests.store.test_store import consume, make_store, value
@@ -98,4 +100,22 @@ def test_bottoms_forecast_between_a_layers_routing_and_its_demand_loads_wait_for
     store.release(held)  # its row: expert 5's bottom
     assert set(store.buffer.rows) == set(bottoms(0, [4, 5]))
     assert store.counters.current.prefetch_cancelled + store.counters.current.prefetch_wasted == 0
+    store.close()
+
+
+def test_a_bottom_whose_read_ahead_failed_troubles_no_one_unless_its_layer_routes_to_it():
+    """A read ahead that fails (a corrupt file, say) is over, not in flight; a layer that does not route to it never
+    hears of it, and one that does gets the read's error, as from a demand load."""
+    store, reader = make_store(8, streams=2)
+    store.split(2, {0: 1, 1: 1})
+    reader.fail.add(ExpertKey(1, 7))
+    assert store.prefetch_bottoms(bottoms(1, [3])) == 1
+    wait([store.device.table.ticket[store.buffer.rows[ExpertKey(1, 7)]]])
+    assert store.loading_ahead() == []
+    store.settle(1, [0, 1])  # not expert 3
+    assert consume(store, 1, [0, 1]) == [value(ExpertKey(1, 0)), value(ExpertKey(1, 1))]
+    assert store.prefetch_bottoms(bottoms(1, [3])) == 1
+    store.settle(1, [6, 7])
+    with pytest.raises(CheckpointError):
+        consume(store, 1, [6, 7])
     store.close()
