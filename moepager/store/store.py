@@ -191,10 +191,12 @@ class ExpertStore:
                 self._drain(table)
                 drained = True
         held.queued = sorted(misses[max(room, 0):] + bottoms) if bottoms else list(misses[max(room, 0):])
-        buffer = self.buffer
-        if held.queued and (buffer.rows or buffer.dropping):
-            buffer.reclaim(layer, len(held.queued))
-        rows = buffer.free_rows()[: len(held.queued)]
+        rows = table.stream_rows  # all free, unless split experts' bottoms loaded ahead hold some (store/buffer.py)
+        if self.parts > 1 and held.queued:
+            if self.buffer.rows or self.buffer.dropping:
+                self.buffer.reclaim(layer, len(held.queued))
+            rows = self.buffer.free_rows()
+        rows = rows[: len(held.queued)]
         if rows:  # the first queued misses into the stream rows, submitted together (a split's parts: one read)
             started = [self._stream_start(held, row) for row in rows]
             self._load([ExpertKey(layer, held.experts[i]) for i in started], rows, self.counters.current, ahead=False)
@@ -557,8 +559,8 @@ class ExpertStore:
     def loading_ahead(self) -> list[ExpertKey]:
         """Prefetched experts still loading."""
         tickets = self.device.table.ticket
-        return [k for k, slot in self.order.ahead.items() if tickets[slot] is not None and not settled(tickets[slot])
-                ] + self.buffer.loading()
+        ahead = [k for k, slot in self.order.ahead.items() if tickets[slot] is not None and not settled(tickets[slot])]
+        return ahead + self.buffer.loading() if self.buffer.rows else ahead
 
     def prefetches_in_flight(self) -> int:
         return len(self.loading_ahead())
