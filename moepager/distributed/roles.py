@@ -18,9 +18,9 @@ from moepager.checkpoints.default import default_model_path
 from moepager.checkpoints.gguf_read import resolve_model_path
 from moepager.config import EngineConfig
 from moepager.errors import MoepagerError
-from moepager.experts.remote import STATS, STOP, Links, message
+from moepager.experts.remote import SHADOW_RANK, STATS, STOP, Links, message
 from moepager.runtime.builder import expert_worker, placement
-from moepager.runtime.shadow import SHADOW_RANK, Shadow
+from moepager.runtime.shadow import Shadow
 
 
 def launch(config: EngineConfig, main: Callable[[EngineConfig, Links], int]) -> int:

@@ -37,6 +37,7 @@ from moepager.config import Kernel
 from moepager.experts.executor import ArenaKernels, Batch, ExpertExecutor, PagedExecutor, SortedTokens, sort_by_expert
 from moepager.experts.protocols import FusedKernel
 from moepager.experts.weights import ExpertShape
+from moepager.store.host_compute import HostCompute
 from moepager.store.store import ExpertStore
 from moepager.store.tiers import HostHeld
 from moepager.types import ExpertKey, RoutingDecision, run_on_host, to_device, to_host
@@ -143,6 +144,7 @@ class HybridExecutor:
         self.paged = PagedExecutor(store, shape, kernel, device_fused)
         self.host = ArenaKernels(store.host.buffers, shape, kernel, fused=host_fused)
         self.store, self.times, self.pool = store, times, pool
+        self.host_tier = HostCompute(store)
         self.admit = admit
         """Experts of a layer computed on the CPU (the lowest ids) then copied to the device in the background."""
         self.device = store.device.buffers.device
@@ -158,7 +160,7 @@ class HybridExecutor:
 
     def placement(self, layer: int, work: SortedTokens) -> tuple[list[int], list[int]]:
         """Indices into work.experts computed on the device and on the CPU."""
-        device, cpu, on_device, times, starts = [], [], self.store.on_device, self.times, work.starts
+        device, cpu, on_device, times, starts = [], [], self.host_tier.on_device, self.times, work.starts
         for i, e in enumerate(work.experts):
             if on_device(ExpertKey(layer, e)) or times.on_device(starts[i + 1] - starts[i]):
                 device.append(i)
@@ -177,7 +179,7 @@ class HybridExecutor:
         host_batch = self.host.batch(host_work, host_x, batch.y_MD if same else None)
         if same and (host_batch.fused is None) != (batch.fused is None):
             raise RuntimeError("hybrid execution on the CPU: both sides must compute rows of one format")
-        held = self.store.acquire_host(layer, [work.experts[i] for i in cpu])
+        held = self.host_tier.acquire(layer, [work.experts[i] for i in cpu])
         try:
             future = self.pool.submit(self._cpu_part, held, host_work, cpu, host_batch)
             try:
@@ -186,9 +188,10 @@ class HybridExecutor:
             finally:
                 future.result()  # the host slots stay pinned until the CPU is done with them
         finally:
-            self.store.release_host(held)
+            self.host_tier.release(held)
         if self.admit:
-            self.store.admit(layer, [work.experts[i] for i in cpu[: self.admit]], [work.experts[i] for i in device])
+            self.host_tier.admit(layer, [work.experts[i] for i in cpu[: self.admit]],
+                                 [work.experts[i] for i in device])
         if same:
             return batch.combine(x_ND, work)
         return self._merge(x_ND, work, cpu, batch, host_batch)

@@ -55,6 +55,9 @@ HEADER = 7
 rank's pass (forecasts and layer calls of one pass go together)."""
 
 
+SHADOW_RANK = 1
+"""The shadow rank's place in a --shadow run (runtime/shadow.py): rank 0 is the main rank, the workers follow it."""
+
 WAIT_FOR_WORK = datetime.timedelta(days=365)
 """How long a worker (or the shadow) waits for the main rank's next message: as long as the main rank is there (a
 server may sit idle for hours; --worker-timeout bounds the waits inside a layer call). A main rank that is gone ends
@@ -393,10 +396,7 @@ class ExpertWorker:
                     forecasts.join(timeout=1)
                 return self.calls
             if op == PREFETCH:  # a: how many (layer position, expert) pairs follow
-                pairs = torch.empty(a, 2, dtype=torch.long)
-                dist.recv(pairs, 0, group=group)
-                with self._lock:
-                    self._forecast(pairs.tolist(), pass_id)
+                self._take_forecast(a, 0, group, pass_id)
                 continue
             if op == PLACE:  # a: how many workers are left, n: their group size
                 placement = recv_placement(a, n, group)
@@ -423,12 +423,16 @@ class ExpertWorker:
                 op, count, *_, pass_id = header.tolist()
                 if op != PREFETCH:
                     return
-                pairs = torch.empty(count, 2, dtype=torch.long)
-                dist.recv(pairs, shadow, group=group)
-                with self._lock:
-                    self._forecast(pairs.tolist(), pass_id)
+                self._take_forecast(count, shadow, group, pass_id)
         except RuntimeError:  # the shadow is gone: layer calls go on without its forecasts
             return
+
+    def _take_forecast(self, count: int, source: int, group: dist.ProcessGroup | None, pass_id: int) -> None:
+        """The `count` (layer position, expert) pairs after a `PREFETCH` header from `source`, taken as a forecast."""
+        pairs = torch.empty(count, 2, dtype=torch.long)
+        dist.recv(pairs, source, group=group)
+        with self._lock:
+            self._forecast(pairs.tolist(), pass_id)
 
     def _forecast(self, pairs: list[list[int]], pass_id: int) -> None:
         """Experts forecast for a pass: remembered (to count how many it got right) and, paged, loaded ahead."""

@@ -35,7 +35,7 @@ from moepager.errors import BudgetError, ConfigError
 from moepager.experts.executor import ArenaKernels, ExpertExecutor, PagedExecutor
 from moepager.experts.hybrid import CpuExpertsExecutor, CpuPool, ExpertTimes, HybridExecutor
 from moepager.experts.protocols import FlatReader
-from moepager.experts.remote import ExpertWorker, Links, Placement, RemoteExecutor
+from moepager.experts.remote import SHADOW_RANK, ExpertWorker, Links, Placement, RemoteExecutor
 from moepager.experts.split import SplitExecutor
 from moepager.models.config import ModelConfig
 from moepager.planning.configurator import layer_costs
@@ -331,7 +331,7 @@ def remote_executor(config: EngineConfig, reader: FlatReader, cfg: ModelConfig, 
     return RemoteExecutor(shape, cfg.moe_layers, cfg.num_experts, placement(config, cfg),
                           cpu_kernels.fused_experts(shape, torch.device("cpu"), config.expert_kernel),
                           config.worker_timeout_s, config.on_worker_loss,
-                          also_placed=(1,) if config.shadow else (),  # rank 1: the shadow's (runtime/shadow.py)
+                          also_placed=(SHADOW_RANK,) if config.shadow else (),
                           links=links)
 
 
@@ -355,7 +355,7 @@ def expert_worker(config: EngineConfig, path: Path, rank: int, links: Links) -> 
         return ArenaKernels(arena, shape, kernel, fused=fused), None
 
     return ExpertWorker(rank, cfg.moe_layers, cfg.num_experts, shape, placement(config, cfg), hold, links,
-                        shadow_rank=1 if config.shadow else None)  # rank 1: the shadow's (runtime/shadow.py)
+                        shadow_rank=SHADOW_RANK if config.shadow else None)
 
 
 def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = Links()) -> Built:

@@ -30,6 +30,7 @@ from moepager.config import EngineConfig
 from moepager.experts.remote import (
     HEADER,
     PLACE,
+    SHADOW_RANK,
     STATS,
     STOP,
     WAIT_FOR_WORK,
@@ -46,7 +47,6 @@ from moepager.runtime.sampling import greedy_picks
 from moepager.runtime.scheduler import Scheduled
 from moepager.types import PassInfo, RoutingDecision
 
-SHADOW_RANK = 1
 PASS = 4
 """The main rank's pass announcement to the shadow: rows, then token ids."""
 

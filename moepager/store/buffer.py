@@ -46,18 +46,22 @@ class PrefetchBuffer:
 
     def free_rows(self) -> list[int]:
         """Stream rows no layer and no load ahead is using (a dropped bottom's row once its read has ended)."""
-        table = self.store.device.table
         if self.dropping:
             still = []
             for row, ticket in self.dropping:
                 if _ended(ticket):
-                    table.ticket[row] = None
-                    self.store._unpin([row])
+                    self._free(row)
                 else:
                     still.append((row, ticket))
             self.dropping = still
+        table = self.store.device.table
         pins = table.pins
         return [row for row in table.stream_rows if pins[row] == 0]
+
+    def _free(self, row: int) -> None:
+        """`row` holds nothing loaded ahead any more: no transfer, no pin."""
+        self.store.device.table.ticket[row] = None
+        self.store._unpin([row])
 
     def want(self, keys: Sequence[ExpertKey]) -> int:
         """Step 1; returns the loads issued now."""
@@ -119,7 +123,7 @@ class PrefetchBuffer:
         for key in [k for k in self.rows if k.layer != layer]:
             self.drop(key)
         for _, ticket in self.dropping:
-            with suppress(BaseException):  # a read for nothing that failed: its row is free all the same
+            with suppress(Exception):  # a read for nothing that failed or was cancelled: its row is free all the same
                 if (event := ticket.result()) is not None:
                     event.synchronize()
         self.free_rows()
@@ -138,8 +142,7 @@ class PrefetchBuffer:
             if ticket is not None and not _ended(ticket):
                 self.dropping.append((row, ticket))
                 return
-        store.device.table.ticket[row] = None
-        store._unpin([row])
+        self._free(row)
 
     def clear(self) -> None:
         """Drop everything (between passes, every transfer awaited: a reconfiguration may make a bottom a top)."""

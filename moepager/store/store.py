@@ -38,7 +38,7 @@ from moepager.policies.prefetch import PrefetchAware
 from moepager.store.buffer import PrefetchBuffer
 from moepager.store.slots import SlotTable, settled
 from moepager.store.stats import PhaseCounters, StoreCounters
-from moepager.store.tiers import Held, HostHeld, ReadExpert, ReadExperts, Ticket, Tier, part_runs
+from moepager.store.tiers import Held, ReadExpert, ReadExperts, Ticket, Tier, part_runs
 from moepager.store.transfer import Transfers, completed
 from moepager.types import Between, ExpertKey, PassInfo
 
@@ -343,71 +343,6 @@ class ExpertStore:
         if dropped:
             self._evicted(dropped)
         return len(dropped)
-
-    # -- hybrid execution: misses computed where they are ---------------------------------------------------
-    def on_device(self, key: ExpertKey) -> bool:
-        """Whether `key` is in a device slot (landed, or loading: a layer then waits for it, SMoE's wait_cache)."""
-        return key in self.device.table.slot_of
-
-    def acquire_host(self, layer: int, experts: Sequence[int]) -> HostHeld:
-        """Pin host-tier slots holding `experts` of `layer`, which hybrid execution computes there on the CPU
-        instead of copying them to the device: each one not in the host tier is read from disk into a slot the host
-        tier's policy frees (the demand lane). They count as device misses computed on the CPU, and the device
-        tier's policy sees their access (SMoE's LFU counts every activated expert). Wait for `reads` before
-        computing (any thread); `release_host` when done (this thread)."""
-        host = self.host
-        if host is None:
-            raise RuntimeError("expert store: hybrid execution computes misses in the host tier, and this store "
-                               "has none")
-        table, counters = host.table, self.counters.current
-        keys = [ExpertKey(layer, e) for e in experts]
-        self.device.table.policy.on_access(keys, self.clock)
-        table.policy.on_access(keys, self.clock)
-        counters.misses[layer] += len(keys)
-        counters.on_cpu += len(keys)
-        held = HostHeld(layer, [], [])
-        try:
-            for key in keys:
-                slot = table.slot_of.get(key)
-                read: Ticket | None = None
-                if slot is None:
-                    slot = self._claim(table, key)
-                    if slot is None:
-                        raise RuntimeError(f"expert store: no host slot can be freed for {key} (capacity "
-                                           f"{table.capacity}, all in use)")
-                    read = self.transfers.submit(self._disk_job, key, host.buffers[slot], counters)
-                    table.ticket[slot] = read
-                elif not settled(table.ticket[slot]):
-                    read = table.ticket[slot]  # a read (or a copy out of it) in flight: its expert lands first
-                    self.transfers.promote(read)  # a prefetch's read must not give way to demand loads now
-                table.pins[slot] += 1
-                held.slots.append(slot)
-                held.reads.append(read)
-        except BaseException:
-            self.release_host(held)
-            raise
-        return held
-
-    def admit(self, layer: int, experts: Sequence[int], protect: Sequence[int] = ()) -> int:
-        """Copy `experts` of `layer`, just computed in the host tier, into device slots in the background (hybrid
-        execution's `--hybrid-admit`): loads on the prefetch lane, each evicting by the policy among the layer's
-        settled, unpinned experts other than `protect` (the layer's device experts, which it just used, as the
-        simulator protects a step's requests); those that find no slot are skipped. Returns loads issued."""
-        table = self.device.table
-        keys = [ExpertKey(layer, e) for e in experts if ExpertKey(layer, e) not in table.slot_of]
-        if not keys:
-            return 0
-        slots = table.claim_many(keys, self.clock, {ExpertKey(layer, e) for e in protect})
-        if slots:
-            self._load(keys[: len(slots)], slots, self.counters.current, ahead=True)
-        return len(slots)
-
-    def release_host(self, held: HostHeld) -> None:
-        assert self.host is not None
-        pins = self.host.table.pins
-        for slot in held.slots:
-            pins[slot] -= 1
-        held.slots = []
 
     # -- loading ----------------------------------------------------------------------------------------
     def _load(self, keys: Sequence[ExpertKey], slots: Sequence[int], counters: PhaseCounters, ahead: bool) -> None:

@@ -64,7 +64,7 @@ class Held:
 
 @dataclass
 class HostHeld:
-    """A layer's experts pinned in the host tier by `acquire_host`, to be computed there (hybrid execution)."""
+    """A layer's experts pinned in the host tier by `HostCompute.acquire`, to be computed there (hybrid execution)."""
 
     layer: int
     slots: list[int]
