@@ -40,6 +40,28 @@ TINY_CONFIGS = {
 ARCHS = sorted(TINY_CONFIGS)
 
 
+def _our_tiers() -> list[str]:
+    from moepager.accel import cpu_tiers
+
+    return [] if cpu_tiers.platform_reason() else [t for t in cpu_tiers.runnable() if t != cpu_tiers.TORCH]
+
+
+OUR_TIERS = _our_tiers()
+"""moepager's CPU tiers this CPU runs, best first (accel/cpu_tiers.py): the native tier, then every lower one it can
+force (on an AVX-512 host: avx512-bf16, avx2, portable)."""
+
+
+@pytest.fixture(params=OUR_TIERS)
+def tier(request, monkeypatch) -> str:
+    """The test runs once on each of OUR_TIERS: this process's CPU kernels are that tier's module (built here if need
+    be). A tier this CPU runs that cannot be built or fails its self-test fails the test; it is never skipped."""
+    from moepager.accel import cpu_kernels
+
+    module = cpu_kernels.module_for(request.param)
+    monkeypatch.setattr(cpu_kernels, "_state", cpu_kernels.Selected(request.param, module))
+    return request.param
+
+
 def _has_fbgemm() -> bool:
     from moepager.experts.quant import int8_packing_available
 
@@ -92,10 +114,14 @@ def demo_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture
 def onednn(monkeypatch):
     """Dense projections on oneDNN's prepacked kernel, as on a machine without moepager's own CPU kernels (which take
-    precedence where they run: tests/accel/test_cpu_kernels.py)."""
+    precedence where they run: tests/accel/test_cpu_kernels.py). Skipped where oneDNN's bf16 kernel cannot run (a CPU
+    without AVX-512: experts/onednn.py probes it)."""
     from moepager.accel import cpu_kernels
+    from moepager.experts.onednn import unavailable_reason
 
-    monkeypatch.setattr(cpu_kernels, "_state", {"module": None, "reason": "this test runs oneDNN's"})
+    if (reason := unavailable_reason()) is not None:
+        pytest.skip(f"oneDNN's prepacked bf16 kernel does not run here: {reason}")
+    monkeypatch.setattr(cpu_kernels, "_state", cpu_kernels.Selected("torch", None, "this test runs oneDNN's"))
 
 
 def expert_budget(nbytes: int, experts: int, io_threads: int = 4) -> str:

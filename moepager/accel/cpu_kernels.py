@@ -1,54 +1,81 @@
-"""moepager's own CPU expert kernels (accel/cpu_moe.cpp): one call per MoE layer for a few tokens, bf16 / int8 /
-int4 experts read at the memory-bandwidth limit, and a bf16 GEMV for the dense projections.
+"""moepager's own CPU kernels (accel/csrc/): one call per MoE layer for a few tokens, bf16 / int8 / int4 experts read
+at the memory-bandwidth limit, a bf16 GEMV for the dense projections and the rest of a decode step, built for the CPU
+tier this machine runs (accel/cpu_tiers.py: avx512-bf16, avx2, neon-dotprod, neon, portable).
 
 Why our own C++ and not a library (measured on this project's 2-core Zen 5, 2026-11-27, `python -m benchmarks run
 expert_kernels`): torch's bf16 GEMV and oneDNN read a layer's 3-6 MB expert matrices at 12-18 GB/s one call at a
 time, `_weight_int8pack_mm` converts every weight to float (6-10 GB/s), `_weight_int4pack_mm_for_cpu` is
 compute-bound, and every one of them is a call (and a Python dispatch) per expert and projection. ggml's kernels
 have no maintained Python binding that takes our buffers (llama-cpp-python runs whole GGUF models only). The
-extension here computes a whole layer in one call with AVX512-BF16 and AVX512-VNNI, threads split across experts
-and rows (ATen's own thread pool: `torch.set_num_threads` governs it), nothing in Python per expert.
+extension here computes a whole layer in one call, threads split across experts and rows (ATen's own thread pool:
+`torch.set_num_threads` governs it), nothing in Python per expert.
 
-It is compiled at first use with `torch.utils.cpp_extension` (g++, `-O3 -march=native`, ~30 s on 2 cores) and cached
-under MOEPAGER_CACHE (default ~/.cache/moepager); a later process loads the cached build in milliseconds. A CPU
-without AVX512-BF16 and AVX512-VNNI, a missing compiler or ninja, or a failed build falls back to the torch kernels
-with one line on stderr saying why; MOEPAGER_CPU_KERNELS=0 turns it off. `moepager info` and a run's statistics say
-which kernels ran.
+Each tier is compiled at first use with `torch.utils.cpp_extension` (g++, -O3 and the tier's target flags, ~40 s on 2
+cores) into a module of its own and cached under MOEPAGER_CACHE (default ~/.cache/moepager), in a folder named by
+the tier, the compiler and torch's version, so a cache shared between hosts never hands a build to a CPU that cannot
+run it; a later process loads it in milliseconds. A build is used only once its self-test has run in a forked child
+and computed the bits every tier computes. A tier that cannot be built or fails its self-test falls back to the next
+one, and a missing compiler or ninja to torch's kernels, with one line on stderr saying which runs and why.
+`MOEPAGER_CPU_TIER` forces a tier, `MOEPAGER_CPU_KERNELS=0` means torch's. `moepager info` and a run's statistics
+name the tier.
 
 Numerics (not bit-equal to torch's kernels, so a kernel choice like `packed`; tested against the reference in
-tests/accel/test_cpu_kernels.py): bf16 experts accumulate each dot product in fp32 (AVX512-BF16 pairs), SiLU(gate) *
-up in fp32 rounded once to bf16, the routing-weighted sum in fp32 rounded once. int8 / int4 experts also quantize
-the activations to 8 bits in blocks of 32 (one fp32 scale per block, as llama.cpp's Q8_0 activations): lossier than
-the weight-only torch kernels, and said so in a run's report. Paged and resident layers run the same code in the
-same order, so they agree bit for bit.
+tests/accel/test_cpu_kernels.py, and tier against tier in tests/accel/test_cpu_tiers.py): bf16 experts accumulate
+each dot product in fp32 (pairs of bf16 products), SiLU(gate) * up in fp32 rounded once to bf16, the routing-weighted
+sum in fp32 rounded once. int8 / int4 experts also quantize the activations to 8 bits in blocks of 32 (one fp32 scale
+per block, as llama.cpp's Q8_0 activations): lossier than the weight-only torch kernels, and said so in a run's
+report. Paged and resident layers run the same code in the same order, so they agree bit for bit; so do the tiers.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import platform
 import shutil
+import signal
+import subprocess
 import sys
 import threading
+import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from moepager.accel import cpu_tiers
+from moepager.accel.cpu_tiers import TORCH, Tier
 from moepager.errors import ConfigError
 from moepager.experts.executor import SortedTokens
 from moepager.experts.quant import sections
 from moepager.experts.weights import ExpertShape
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_moe.cpp", "cpu_step.cpp")]
-"""The MoE layer's kernels and the dense GEMV (cpu_moe.cpp); the rest of a decode step (cpu_step.cpp, accel/step.py)."""
-HEADERS = sorted(Path(__file__).parent.glob("cpu_*.h"))
-_lock = threading.Lock()
-_state: dict[str, object] = {}
-
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / "moe.cpp", CSRC / "step.cpp"]
+"""The torch bindings (the MoE layer and the GEMV; the rest of a decode step), each including the torch-free core."""
+HEADERS = sorted(CSRC.glob("*.h"))
+BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-std=c++17", "-fvisibility=hidden")
+"""Every tier's flags besides its target: no contraction of a * b + c into one fused operation but where the code
+says so, which keeps the tiers' arithmetic one and the same."""
+SELFTEST = 4821114524833950398
+"""What every tier's `selftest()` returns (csrc/moe.cpp)."""
 FORMAT_CODES = {"bf16": 0, "int8": 1, "int4": 2}
+
+_lock = threading.Lock()
+
+
+@dataclass
+class Selected:
+    """The kernels this process runs: a tier's module, or None for torch's, and why when not the one asked for."""
+
+    tier: str
+    module: ModuleType | None
+    reason: str | None = None
+
+
+_state: Selected | None = None
+_modules: dict[str, ModuleType] = {}
 
 
 def cache_dir() -> Path:
@@ -58,13 +85,9 @@ def cache_dir() -> Path:
 
 
 def unsupported_reason() -> str | None:
-    """Why the extension cannot be used on this machine (None: it can be built here)."""
-    if os.environ.get("MOEPAGER_CPU_KERNELS", "1") == "0":
-        return "MOEPAGER_CPU_KERNELS=0"
-    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return f"built for x86-64 Linux only (this is {sys.platform} {platform.machine()})"
-    if not (torch.cpu._is_avx512_bf16_supported() and torch.cpu._is_vnni_supported()):
-        return "this CPU lacks AVX512-BF16 or AVX512-VNNI"
+    """Why no tier of ours can be built on this machine (None: they can)."""
+    if (reason := cpu_tiers.platform_reason()) is not None:
+        return reason
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler (c++) on PATH"
     beside = Path(sys.executable).parent  # the `ninja` dependency's script, in a virtual environment not activated
@@ -78,53 +101,145 @@ def unsupported_reason() -> str | None:
     return None
 
 
-def _build() -> ModuleType:
-    """Build (or load the cached build of) the extension. Processes building at once take turns on an flock of ours,
-    which the system releases when its holder dies; torch's own lock file (`lock`, created and deleted by `load`) is
-    left behind by a build that was killed, and every later `load` would wait for it forever. Holding our flock, a
-    `lock` file is such a leftover and is deleted."""
+def _compiler() -> str:
+    """The C++ compiler's version line (part of a build's key)."""
+    try:
+        out = subprocess.run([os.environ.get("CXX", "c++"), "--version"], capture_output=True, text=True, timeout=30)
+        return out.stdout.splitlines()[0] if out.stdout else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def build_dir(tier: Tier) -> Path:
+    """The tier's build folder: named by the tier and a hash of its flags and the compiler (torch's version names
+    the folder above)."""
+    flags = BASE_FLAGS + cpu_tiers.flags_for(tier)
+    key = hashlib.sha256("\n".join((_compiler(), *flags)).encode()).hexdigest()[:12]
+    return cache_dir() / f"{tier.module_name}-{key}"
+
+
+def _build(tier: Tier) -> ModuleType:
+    """Build (or load the cached build of) one tier's module. Processes building at once take turns on an flock of
+    ours, which the system releases when its holder dies; torch's own lock file (`lock`, created and deleted by
+    `load`) is left behind by a build that was killed, and every later `load` would wait for it forever. Holding our
+    flock, a `lock` file is such a leftover and is deleted."""
     import fcntl
 
     from torch.utils.cpp_extension import load
-    build = cache_dir() / "moepager_cpu_moe"
+    build = build_dir(tier)
     build.mkdir(parents=True, exist_ok=True)
     # `load` hashes the sources only: the headers' hash in a -D flag makes a header edit rebuild too
     header = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
+    flags = [*BASE_FLAGS, *cpu_tiers.flags_for(tier), f"-DMOEPAGER_TIER_{tier.macro}", "-DMOEPAGER_WITH_TORCH",
+             f"-DMOEPAGER_HEADERS={header}"]
     with open(build / "moepager.flock", "w") as turn:
         fcntl.flock(turn, fcntl.LOCK_EX)
         stale = build / "lock"
         if stale.exists():
             print(f"moepager: removing {stale}, left by a build of the CPU kernels that was stopped", file=sys.stderr)
             stale.unlink(missing_ok=True)
-        return load("moepager_cpu_moe", [str(s) for s in SOURCES], build_directory=str(build), verbose=False,
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DMOEPAGER_HEADERS={header}"],
-                    extra_ldflags=["-fopenmp"])
+        return load(tier.module_name, [str(s) for s in SOURCES], build_directory=str(build), verbose=False,
+                    extra_cflags=flags, extra_ldflags=["-fopenmp"])
+
+
+def self_test(module: ModuleType) -> str | None:
+    """Run the module's self-test in a forked child (an instruction this CPU lacks kills the child, not us): None if
+    it computed SELFTEST, else what went wrong."""
+    with warnings.catch_warnings():  # Python 3.12 warns of fork() in a threaded process; the child only computes
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            code = 0 if module.selftest() == SELFTEST else 3
+        except BaseException:  # noqa: BLE001 - any failure is the answer
+            code = 4
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return f"its self-test died of {signal.Signals(os.WTERMSIG(status)).name}"
+    code = os.WEXITSTATUS(status)
+    return None if code == 0 else "its self-test computed the wrong bits" if code == 3 else "its self-test failed"
+
+
+def module_for(tier_name: str) -> ModuleType:
+    """One tier's module, built (or loaded) and self-tested, whatever this process runs (tests compare tiers with
+    it); an error saying why it cannot be used."""
+    if tier_name in _modules:
+        return _modules[tier_name]
+    tier = cpu_tiers.BY_NAME[tier_name]
+    if lacks := cpu_tiers.missing(tier):
+        raise ConfigError(f"this CPU cannot run the {tier_name} kernels (it lacks {', '.join(lacks)})")
+    if (reason := unsupported_reason()) is not None:
+        raise ConfigError(reason)
+    try:
+        module = _build(tier)
+    except Exception as e:  # noqa: BLE001 - any build failure is reported with its last line
+        text = str(e).strip()
+        raise ConfigError(f"the {tier_name} build failed ({text.splitlines()[-1][:200] if text else e})") from e
+    if (reason := self_test(module)) is not None:
+        raise ConfigError(f"the {tier_name} build cannot run here: {reason}")
+    _modules[tier_name] = module
+    return module
+
+
+def _select() -> Selected:
+    """The best tier this CPU runs (or the one MOEPAGER_CPU_TIER names), falling back tier by tier to torch's."""
+    wanted = cpu_tiers.requested()
+    if wanted == TORCH:
+        return Selected(TORCH, None, f"{cpu_tiers.ENV_TIER}=torch" if os.environ.get(cpu_tiers.ENV_TIER) else
+                        "MOEPAGER_CPU_KERNELS=0")
+    runnable = [t for t in cpu_tiers.runnable() if t != TORCH]
+    tried: list[str] = []
+    if (reason := unsupported_reason()) is not None:
+        tried.append(reason)
+    else:
+        for name in runnable[runnable.index(wanted):] if wanted else runnable:
+            try:
+                module = module_for(name)
+            except ConfigError as e:
+                tried.append(str(e))
+                continue
+            first = wanted or runnable[0]
+            if name != first:
+                print(f"moepager: CPU kernels: {name} ({'; '.join(tried)})", file=sys.stderr)
+            return Selected(name, module, "; ".join(tried) or None)
+    reason = "; ".join(tried)
+    print(f"moepager: CPU expert kernels unavailable, using torch's: {reason}", file=sys.stderr)
+    return Selected(TORCH, None, reason)
+
+
+def selected() -> Selected:
+    """The kernels this process runs, chosen at first use (once per process)."""
+    global _state
+    with _lock:
+        if _state is None:
+            _state = _select()
+        return _state
 
 
 def extension() -> ModuleType | None:
-    """The compiled extension, built on first use (None when it cannot be used here: `status()` says why)."""
-    with _lock:
-        if "module" not in _state:
-            reason = unsupported_reason()
-            module = None
-            if reason is None:
-                try:
-                    module = _build()
-                except Exception as e:  # noqa: BLE001 - any build failure falls back, with its reason
-                    reason = f"the build failed ({str(e).strip().splitlines()[-1][:200] if str(e).strip() else e})"
-            if module is None and reason != "MOEPAGER_CPU_KERNELS=0":
-                print(f"moepager: CPU expert kernels unavailable, using torch's: {reason}", file=sys.stderr)
-            _state["module"], _state["reason"] = module, reason
-        return _state["module"]  # type: ignore[return-value]
+    """The compiled extension of this process's tier, built on first use (None when torch's kernels run: `status()`
+    says why)."""
+    return selected().module
+
+
+def tier() -> str:
+    """The tier this process's CPU kernels run (`avx512-bf16`, `avx2`, ..., `portable`, or `torch`)."""
+    return selected().tier
+
+
+def chosen_tier() -> str | None:
+    """The tier this process chose, if it has chosen one yet (never builds: for a run's statistics)."""
+    return None if _state is None else _state.tier
 
 
 def status() -> str:
     """One line for `info` and run statistics: which CPU kernels run, or why not ours."""
-    module = extension()
-    if module is not None:
-        return "moepager AVX512 (bf16: AVX512-BF16, int8/int4: VNNI, 8-bit activations; and the rest of a bf16 " \
-            "decode step)"
-    return f"torch's (ours unavailable: {_state.get('reason')})"
+    chosen = selected()
+    if chosen.module is None:
+        return f"torch's (ours unavailable: {chosen.reason})"
+    line = f"moepager {chosen.tier} ({cpu_tiers.BY_NAME[chosen.tier].note}; and the rest of a bf16 decode step)"
+    return line if chosen.reason is None else f"{line}; not a higher tier: {chosen.reason}"
 
 
 def available() -> bool:
@@ -132,9 +247,9 @@ def available() -> bool:
 
 
 def built() -> ModuleType | None:
-    """The extension if this process has already built or loaded it, else None (never builds: for callers on every
-    step, such as the sampler, that use it only where a run already does)."""
-    return _state.get("module")  # type: ignore[return-value]
+    """The extension if this process has already chosen it, else None (never builds: for callers on every step, such
+    as the sampler, that use it only where a run already does)."""
+    return None if _state is None else _state.module
 
 
 # ---- bound to one expert format ------------------------------------------------------------------------------
@@ -182,8 +297,9 @@ class FusedExperts:
     """The extension bound to one expert format: a layer's experts in one call (experts/protocols.py's
     `FusedKernel`, which the executors take from the composition root)."""
 
-    def __init__(self, shape: ExpertShape, max_tokens: int):
-        module = extension()
+    def __init__(self, shape: ExpertShape, max_tokens: int, module: ModuleType | None = None):
+        """`module`: a tier's module (`module_for`; default: this process's tier)."""
+        module = module or extension()
         assert module is not None
         self.module, self.spec, self.max_tokens = module, _spec(shape), max_tokens
         calls = "" if max_tokens >= 1 << 62 else f" on up to {max_tokens} tokens a layer"
@@ -212,7 +328,7 @@ def fused_experts(shape: ExpertShape, device: torch.device, kernel: str) -> Fuse
     where it applies, FUSED_MAX_TOKENS tokens for float experts), else None."""
     if kernel == "fused":
         reason = "it runs on the CPU" if device.type != "cpu" else unsupported_format(shape) or (
-            None if available() else str(_state.get("reason")))
+            None if available() else str(selected().reason))
         if reason is not None:
             raise ConfigError(f"the 'fused' expert kernel cannot compute these {shape.format_name} experts: "
                               f"{reason}; choose another --expert-kernel")

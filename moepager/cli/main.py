@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from importlib import metadata
 
+from moepager.accel import cpu_tiers
 from moepager.cli import (
     calibrate,
     chat,
@@ -57,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     """The command line as given (`generate --workers` runs it again under torchrun)."""
     try:
+        cpu_tiers.requested()  # a MOEPAGER_CPU_TIER this CPU cannot run is refused before any work
         return COMMANDS[args.command].run(args)
     except MoepagerError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from moepager.config import KERNELS, Kernel
 from moepager.errors import ConfigError
-from moepager.experts.onednn import packed_linear, packing_available, prepack
+from moepager.experts.onednn import packed_linear, packing_available, prepack, unavailable_reason
 from moepager.experts.protocols import FusedKernel
 from moepager.experts.quant import (
     dequantize_buffer_int4,
@@ -452,9 +452,12 @@ class PackedExecutor:
         layer's arena need exist at a time)."""
         int8 = shape.quant is not None and shape.quant.bits == 8
         bf16 = shape.quant is None and shape.dtype == torch.bfloat16
-        if device.type != "cpu" or not (bf16 and packing_available() or int8 and int8_packing_available()):
+        if device.type != "cpu" or not (bf16 or int8):
             raise ConfigError(f"the 'packed' expert kernel computes bf16 (oneDNN) or int8 (FBGEMM) experts on the "
                               f"CPU; these are {shape.format_name} on {device.type}")
+        if bf16 and not packing_available() or int8 and not int8_packing_available():
+            why = unavailable_reason() if bf16 else "this torch build has no FBGEMM engine"
+            raise ConfigError(f"the 'packed' expert kernel cannot run here ({why}); choose another --expert-kernel")
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] = []
         for arena in layer_arenas:
             for w in (expert_view(row, shape) for row in arena):  # type: ignore[union-attr] - the views' format

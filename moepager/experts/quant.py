@@ -29,6 +29,7 @@ Kernels (one projection, `python benchmarks/expert_kernels.py --formats`; 1 thre
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Literal
@@ -184,21 +185,59 @@ def unpack_nibbles(p_NH: torch.Tensor) -> torch.Tensor:
     return torch.stack((p_NH & 15, p_NH >> 4), -1).flatten(-2)
 
 
-def pack_int4_cpu(p_NH: torch.Tensor) -> torch.Tensor:
-    """Plain nibbles [N, K/2] -> the layout of torch's CPU int4 kernel (`_convert_weight_to_int4pack_for_cpu`):
-    blocks of 64 output rows, each stored [K, 32] bytes, byte j holding row j (low nibble) and row j + 32 (high)
-    of the block. Written with tensor ops, ~12x faster than that op (1.6 against 19.6 ms for a 2816x2048
-    projection at 1 thread, which every int4 expert read pays: `benchmarks/expert_kernels.py --formats`); rows
-    that do not fill blocks of 64 use the op."""
+@dataclass(frozen=True)
+class Int4PackLayout:
+    """A layout of torch's CPU int4 kernel: blocks of `block` output rows, each stored [K, block / 2] bytes, byte j
+    holding two of the block's rows (low nibble, high nibble): rows j and j + block / 2 (`halves`), or 2j and 2j + 1."""
+
+    block: int
+    halves: bool
+
+
+INT4PACK_LAYOUTS = (Int4PackLayout(64, True), Int4PackLayout(32, True), Int4PackLayout(32, False))
+"""The layouts torch 2.x's `_convert_weight_to_int4pack_for_cpu` writes, by the kernel tier torch dispatches to on
+this CPU (`torch.backends.cpu.get_cpu_capability()`): AVX512, AVX2 and DEFAULT, in that order (seen by probing torch
+2.13 under ATEN_CPU_CAPABILITY=avx512 / avx2 / default)."""
+
+
+def _pack_layout(p_NH: torch.Tensor, layout: Int4PackLayout) -> torch.Tensor:
     n, h = p_NH.shape
-    if n % 64:
-        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_nibbles(p_NH).to(torch.int32), 1)
-    block = p_NH.view(n // 64, 2, 32, h)
-    a, b = block[:, 0], block[:, 1]  # [blocks, 32, K/2]: rows j and j + 32; even input index in the low nibble
-    out = torch.empty(n // 64, h, 2, 32, dtype=torch.uint8)
-    out[:, :, 0] = ((a & 15) | (b << 4)).transpose(1, 2)  # input 2i: row j low, row j + 32 high
+    half = layout.block // 2
+    if layout.halves:
+        block = p_NH.view(n // layout.block, 2, half, h)
+        a, b = block[:, 0], block[:, 1]  # [blocks, half, K/2]: rows j and j + half
+    else:
+        block = p_NH.view(n // layout.block, half, 2, h)
+        a, b = block[:, :, 0], block[:, :, 1]  # rows 2j and 2j + 1
+    out = torch.empty(n // layout.block, h, 2, half, dtype=torch.uint8)
+    out[:, :, 0] = ((a & 15) | (b << 4)).transpose(1, 2)  # input 2i: the first row low, the second high
     out[:, :, 1] = ((a >> 4) | (b & 0xF0)).transpose(1, 2)  # input 2i + 1
     return out.view(n, h)
+
+
+@functools.lru_cache(maxsize=1)
+def int4pack_layout() -> Int4PackLayout | None:
+    """Which of INT4PACK_LAYOUTS torch's op writes in this process, found by packing a 64x64 probe both ways (None:
+    none of them, and every int4 expert read calls the op). torch picks its kernel, and with it the layout, by the
+    CPU it runs on: an AVX2 host's layout differs from an AVX-512 host's, and a layout assumed for the wrong one
+    computes garbage."""
+    q = torch.randint(0, 16, (64, 64), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    want = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    plain = pack_nibbles(q)
+    return next((layout for layout in INT4PACK_LAYOUTS
+                 if want.shape == plain.shape and torch.equal(_pack_layout(plain, layout), want)), None)
+
+
+def pack_int4_cpu(p_NH: torch.Tensor) -> torch.Tensor:
+    """Plain nibbles [N, K/2] -> the layout of torch's CPU int4 kernel (`_convert_weight_to_int4pack_for_cpu`, probed:
+    `int4pack_layout`). Written with tensor ops, ~12x faster than that op (1.6 against 19.6 ms for a 2816x2048
+    projection at 1 thread, which every int4 expert read pays: `benchmarks/expert_kernels.py --formats`); rows that do
+    not fill whole blocks, and a layout the probe does not know, use the op."""
+    n, _ = p_NH.shape
+    layout = int4pack_layout()
+    if layout is None or n % layout.block:
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_nibbles(p_NH).to(torch.int32), 1)
+    return _pack_layout(p_NH, layout)
 
 
 def dequantize_int4(q_NK: torch.Tensor, scale_NG: torch.Tensor, zero_NG: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from moepager.accel import cpu_kernels
 from moepager.accel.compiled import compile_decode
 from moepager.atomic_io import check_file
 from moepager.checkpoints.build import LoadedModel
@@ -336,6 +337,7 @@ class LLM:
         stats.finish(self.loaded.device)
         stats.experts = self.loaded.expert_format or self.loaded.expert_shape.format_name
         stats.dense = self.loaded.dense_format
+        stats.cpu_kernels = cpu_kernels.chosen_tier() or ""
         stats.sections["experts"] = store_report(self.store, self.config.store, stats.prompt_tokens,
                                                  stats.generated_tokens - stats.num_prompts, self.loaded.execution)
         self.last_stats = stats

@@ -60,6 +60,9 @@ class RunStats:
     """The format routed experts ran in (bfloat16, int8, int4 ...; quantized formats are lossy)."""
     dense: str = ""
     """The format the dense projections ran in (the run's dtype, or int8: lossy)."""
+    cpu_kernels: str = ""
+    """The tier of moepager's CPU kernels the process ran (accel/cpu_tiers.py: avx512-bf16, avx2, ..., torch); "" when
+    none was chosen (a run that never needed them)."""
     peak_rss_bytes: int = 0
     peak_cuda_bytes: int | None = None
     graph_replays: int | None = None
@@ -128,6 +131,7 @@ class RunStats:
             ("threads", f"{self.threads}"),
             ("expert format", self.experts + (" (lossy)" if self.experts.startswith("int") else "")),
             ("dense format", self.dense + (" (lossy)" if self.dense.startswith("int") else "")),
+            *([("CPU kernels", self.cpu_kernels)] if self.cpu_kernels else []),
             ("peak RSS", f"{self.peak_rss_bytes / 2**20:.0f} MiB"),
         ]
         if self.peak_cuda_bytes is not None:

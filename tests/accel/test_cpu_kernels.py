@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moepager.accel import cpu_kernels
+from moepager.accel import cpu_kernels, cpu_tiers
 from moepager.accel.packed import FusedLinear
 from moepager.checkpoints.build import LoadOptions, load_model, open_checkpoint, resident_executor
 from moepager.checkpoints.quantized import quantize_checkpoint
@@ -24,7 +24,7 @@ from moepager.experts.weights import ExpertShape
 from moepager.models.attention import Attention
 from moepager.runtime.builder import STREAM_ROWS, paged_executor, read_buffer_bytes
 from moepager.types import RoutingDecision
-from tests.conftest import ARCHS, VOCAB
+from tests.conftest import ARCHS, OUR_TIERS, VOCAB
 from tests.runtime.test_offload import logits_run
 
 BF16, CPU = torch.bfloat16, torch.device("cpu")
@@ -71,12 +71,11 @@ def random_route(n: int, e: int, k: int, seed: int = 1) -> RoutingDecision:
     return RoutingDecision(ids, torch.softmax(torch.randn(n, k, generator=g), -1).to(BF16), None)
 
 
-@needs_kernels
 @pytest.mark.parametrize("fmt, d, f", [("bf16", 100, 72), ("bf16", 256, 128), ("int8", 100, 72), ("int8", 192, 200),
                                        ("int4", 96, 64), ("int4", 256, 160)])
 @pytest.mark.parametrize("tokens", [1, 7, 64])
-def test_a_fused_layer_computes_the_reference_on_odd_shapes(fmt, d, f, tokens):
-    """Rows and inputs that are not multiples of 16, 32, 64 or 128; one token, a few, a prefill's worth."""
+def test_a_fused_layer_computes_the_reference_on_odd_shapes(fmt, d, f, tokens, tier):
+    """Rows and inputs that are not multiples of 16, 32, 64 or 128; one token, a few, a prefill's worth; every tier."""
     e, k = 8, 3
     arena, shape, weights = make_layer(fmt, d, f, e)
     route = random_route(tokens, e, k)
@@ -88,9 +87,8 @@ def test_a_fused_layer_computes_the_reference_on_odd_shapes(fmt, d, f, tokens):
     assert (got.float() - ref).abs().max() <= TOLERANCE[fmt] * ref.abs().max()
 
 
-@needs_kernels
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-def test_computing_a_layer_in_pieces_as_experts_land_gives_the_one_call_bits(fmt):
+def test_computing_a_layer_in_pieces_as_experts_land_gives_the_one_call_bits(fmt, tier):
     e, k, n = 8, 3, 5
     arena, shape, _ = make_layer(fmt, 128, 96, e)
     fused = cpu_kernels.FusedExperts(shape, 1 << 62)
@@ -176,18 +174,20 @@ def test_paged_fused_layers_give_the_resident_runs_bits(bf16_checkpoint, tmp_pat
 
 @pytest.fixture
 def fresh_state(monkeypatch):
-    """The extension looked up anew (and the real state restored after the test)."""
-    monkeypatch.setattr(cpu_kernels, "_state", {})
+    """The kernels chosen anew (and the real choice restored after the test)."""
+    monkeypatch.setattr(cpu_kernels, "_state", None)
+    monkeypatch.delenv("MOEPAGER_CPU_TIER", raising=False)
+    monkeypatch.delenv("MOEPAGER_CPU_KERNELS", raising=False)
 
 
-def test_without_the_extension_runs_fall_back_to_torch_and_say_why(fresh_state, monkeypatch, capsys, bf16_checkpoint):
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
-    assert cpu_kernels.extension() is None
+def test_without_a_compiler_runs_fall_back_to_torch_and_say_why(fresh_state, monkeypatch, capsys, bf16_checkpoint):
+    monkeypatch.setattr(cpu_kernels, "unsupported_reason", lambda: "no C++ compiler (c++) on PATH")
+    assert cpu_kernels.extension() is None and cpu_kernels.tier() == "torch"
     assert capsys.readouterr().err.count("\n") == 1  # one line
-    assert cpu_kernels.status() == "torch's (ours unavailable: this CPU lacks AVX512-BF16 or AVX512-VNNI)"
+    assert cpu_kernels.status() == "torch's (ours unavailable: no C++ compiler (c++) on PATH)"
     shape = ExpertShape(64, 64, BF16)
     assert cpu_kernels.fused_experts(shape, CPU, "auto") is None
-    with pytest.raises(ConfigError, match="cannot compute these bfloat16 experts: this CPU lacks"):
+    with pytest.raises(ConfigError, match="cannot compute these bfloat16 experts: no C\\+\\+ compiler"):
         cpu_kernels.fused_experts(shape, CPU, "fused")
     loaded = load_model(bf16_checkpoint, expert_dtype="int4", show_progress=False)
     assert loaded.experts.kernels.fused is None and loaded.expert_shape.quant.layout == "cpu"  # torch's int4 layout
@@ -200,15 +200,44 @@ def test_moepager_cpu_kernels_0_turns_the_extension_off_silently(fresh_state, mo
     assert cpu_kernels.status() == "torch's (ours unavailable: MOEPAGER_CPU_KERNELS=0)"
 
 
-def test_a_failed_build_falls_back_with_its_reason(fresh_state, monkeypatch, capsys):
-    monkeypatch.setattr(cpu_kernels, "unsupported_reason", lambda: None)
+def test_a_failed_build_falls_back_to_the_next_tier_with_its_reason(fresh_state, monkeypatch, capsys):
+    if len(OUR_TIERS) < 2:
+        pytest.skip("this CPU runs one tier of ours: nothing to fall back to but torch (the next test)")
+    native, build = OUR_TIERS[0], cpu_kernels._build
 
-    def broken() -> None:
-        raise RuntimeError("Error building extension 'moepager_cpu_moe'\nc++: fatal error: no input files")
+    def broken(tier):
+        if tier.name == native:
+            raise RuntimeError("Error building extension 'moepager_cpu'\nc++: fatal error: no input files")
+        return build(tier)
 
     monkeypatch.setattr(cpu_kernels, "_build", broken)
+    monkeypatch.setattr(cpu_kernels, "_modules", {})
+    assert cpu_kernels.tier() == OUR_TIERS[1] and cpu_kernels.extension().tier == OUR_TIERS[1]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"moepager: CPU kernels: {OUR_TIERS[1]} (the {native} build failed (c++: fatal " \
+        "error: no input files))" in err
+    assert f"not a higher tier: the {native} build failed" in cpu_kernels.status()
+
+
+def test_when_every_build_fails_torchs_kernels_run_with_the_reasons(fresh_state, monkeypatch, capsys):
+    def broken(tier):
+        raise RuntimeError(f"c++: no {tier.name} today")
+
+    monkeypatch.setattr(cpu_kernels, "_build", broken)
+    monkeypatch.setattr(cpu_kernels, "_modules", {})
+    assert cpu_kernels.extension() is None and cpu_kernels.tier() == "torch"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("moepager: CPU expert kernels unavailable, using torch's: the ")
+    assert all(f"c++: no {t} today" in err for t in OUR_TIERS)
+
+
+def test_a_build_whose_self_test_computes_other_bits_is_not_used(fresh_state, monkeypatch, capsys):
+    """A build that runs but computes wrong bits (a stale cache, a compiler bug, a CPU that lies about a feature) is
+    found by the self-test in a forked child, and the next tier runs."""
+    monkeypatch.setattr(cpu_kernels, "SELFTEST", cpu_kernels.SELFTEST + 1)
+    monkeypatch.setattr(cpu_kernels, "_modules", {})
     assert cpu_kernels.extension() is None
-    assert "the build failed (c++: fatal error: no input files)" in capsys.readouterr().err
+    assert f"the {OUR_TIERS[0]} build cannot run here: its self-test computed the wrong bits" in capsys.readouterr().err
 
 
 def test_a_build_lock_left_by_a_killed_build_is_removed_and_builds_take_turns(monkeypatch, tmp_path, capsys):
@@ -219,7 +248,8 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_and_builds_take_turns(mo
     import torch.utils.cpp_extension as cpp_extension
 
     monkeypatch.setenv("MOEPAGER_CACHE", str(tmp_path))
-    build = cpu_kernels.cache_dir() / "moepager_cpu_moe"
+    tier = cpu_tiers.BY_NAME["portable"]
+    build = cpu_kernels.build_dir(tier)
     build.mkdir(parents=True)
     (build / "lock").touch()
     seen = {}
@@ -235,7 +265,7 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_and_builds_take_turns(mo
         return "module"
 
     monkeypatch.setattr(cpp_extension, "load", load)
-    assert cpu_kernels._build() == "module"
+    assert cpu_kernels._build(tier) == "module"
     assert seen == {"turn held": True, "stale lock": False}
     assert f"removing {build / 'lock'}" in capsys.readouterr().err
 
@@ -265,16 +295,14 @@ def test_the_rows_int4_layout_round_trips_through_an_experts_buffer(group):
     assert all(torch.equal(a, b) for a, b in zip(*out))
 
 
-@needs_kernels
-def test_the_stream_read_helper_reads_every_byte():
+def test_the_stream_read_helper_reads_every_byte(tier):
     x = torch.arange(1 << 16, dtype=torch.int64)
     assert cpu_kernels.extension().stream_read(x) == int(x.sum())
 
 
-@needs_kernels
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_fused_dense_projection_computes_the_linear_map(rows, bias):
+def test_a_fused_dense_projection_computes_the_linear_map(rows, bias, tier):
     """Up to FUSED_DENSE_MAX_TOKENS rows on moepager's GEMV, more on torch's GEMM; odd sizes, leading dimensions."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(203, 100, generator=g).to(BF16)

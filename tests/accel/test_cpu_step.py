@@ -34,10 +34,9 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.float() - b.float()).abs() / torch.ldexp(torch.ones(()), exponent - 8)
 
 
-@needs_kernels
 @pytest.mark.parametrize("n, shape, per_row", [(256, (1, 1), False), (33, (7,), False), (64, (3, 2, 12), True),
                                                (40, (64,), False), (128, (2, 5, 36), True)])
-def test_rms_norm_equals_the_torch_norm(n, shape, per_row):
+def test_rms_norm_equals_the_torch_norm(n, shape, per_row, tier):
     gen = torch.Generator().manual_seed(n)
     x = (torch.randn(*shape, n, generator=gen) * 3).to(BF16)
     norm = RMSNorm(n, 1e-6).to(BF16)
@@ -52,10 +51,9 @@ def test_rms_norm_equals_the_torch_norm(n, shape, per_row):
     assert torch.equal(cpu_kernels.extension().rms_norm(wide, w, 1e-6), got)
 
 
-@needs_kernels
 @pytest.mark.parametrize("n, d, e, k, normalize", [(1, 256, 32, 4, True), (7, 100, 60, 4, False),
                                                    (16, 2048, 128, 8, True), (3, 33, 8, 2, True)])
-def test_router_equals_the_torch_router(n, d, e, k, normalize):
+def test_router_equals_the_torch_router(n, d, e, k, normalize, tier):
     """The same experts with the same weights (fp32: within 1e-7) and probabilities; the order of experts whose
     probabilities tie may differ (torch's top-k leaves it unspecified; ours puts the lower expert first)."""
     torch.manual_seed(n)
@@ -98,10 +96,9 @@ def paged_decode(attn, rope, x_BD, positions, cache, table):
         return attn(x_BD[:, None], rope(pos, BF16), batch, cache)[:, 0]
 
 
-@needs_kernels
 @pytest.mark.parametrize("qk_norm, clip", [("head", None), (None, None), ("full", 0.5)])
 @pytest.mark.parametrize("window", [None, 5])
-def test_decode_attention_equals_the_torch_path(qk_norm, clip, window):
+def test_decode_attention_equals_the_torch_path(qk_norm, clip, window, tier):
     """Rows at positions 0, 9 and 21 (blocks of 4, scattered), GQA of 3 query heads a KV head, a head dim that is not
     a multiple of 16: the output within the tolerance, the cache written alike."""
     attn, rope = attention_module(qk_norm, window, clip=clip)
@@ -236,10 +233,9 @@ def test_without_the_extension_the_model_keeps_torch_ops(monkeypatch):
     assert step.use_step_kernels(model, torch.float32) == ""
 
 
-@needs_kernels
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
 @pytest.mark.parametrize("vocab", [1, 7, 33, 8192, 151936])
-def test_greedy_picks_equal_torch_s(dtype, vocab, monkeypatch):
+def test_greedy_picks_equal_torch_s(dtype, vocab, monkeypatch, tier):
     """The sampler's one-call greedy pick: each row's first largest logit (ties included) and whether it is finite
     (NaN, +inf and -inf each make a row non-finite), as torch's five ops say."""
     gen = torch.Generator().manual_seed(vocab)

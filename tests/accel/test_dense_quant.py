@@ -93,7 +93,7 @@ def a8_kernel(request, monkeypatch):
     if request.param == "fbgemm":
         if not int8_packing_available():
             pytest.skip("this torch build has no FBGEMM engine")
-        monkeypatch.setattr(cpu_kernels, "_state", {"module": None, "reason": "this test runs FBGEMM"})
+        monkeypatch.setattr(cpu_kernels, "_state", cpu_kernels.Selected("torch", None, "this test runs FBGEMM"))
     return request.param
 
 

@@ -1,41 +1,44 @@
-// moepager's CPU expert kernels: one call per MoE layer (gate+up, SiLU, down, routing-weighted sum) for a few
-// tokens, reading the weights at the memory-bandwidth limit. Built at first use by accel/cpu_kernels.py
-// (torch.utils.cpp_extension, -march=native) on CPUs with AVX512-BF16 and AVX512-VNNI; elsewhere that module
-// falls back to the torch kernels and says so.
+// moepager's CPU expert kernels bound to torch: one call per MoE layer (gate+up, SiLU, down, routing-weighted sum) for
+// a few tokens, reading the weights at the memory-bandwidth limit, and the dense GEMV. The arithmetic is torch-free
+// (experts.h, rows.h over simd.h); this file checks the tensors and hands their data to it. Built once per CPU tier by
+// accel/cpu_kernels.py (one module per tier, compiled with that tier's target flags).
 //
-// Expert formats and the dot products: cpu_rows.h. Order of arithmetic (fixed, whatever the thread count): each output
-// element is one dot product (cpu_rows.h); a pair's (token, k) expert output is scaled by its routing weight in fp32
-// (y rows); a token's output sums its y rows in sorted (ascending expert id) order in fp32 and is rounded to bf16 once.
-// `moe_partial` + `moe_combine` (paged layers, computed as experts land) and `moe_resident` (one call) run the same
-// code, so they agree bit for bit.
+// Order of arithmetic (fixed, whatever the thread count or tier): each output element is one dot product (rows.h); a
+// pair's (token, k) expert output is scaled by its routing weight in fp32 (y rows); a token's output sums its y rows
+// in sorted (ascending expert id) order in fp32 and is rounded to bf16 once. `moe_partial` + `moe_combine` (paged
+// layers, computed as experts land) and `moe_resident` (one call) run the same code, so they agree bit for bit.
 
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <immintrin.h>
-
-#include "cpu_experts.h"
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
+
+#include "experts.h"
 
 namespace {
 
-// ExpertWork's phases on ATen's threads (cpu_step.cpp's DecodeLayer runs them in a layer's own parallel region).
-void run_layer(const Spec& s, const uint16_t* x, int64_t N, const std::vector<Group>& groups, const int64_t* token,
-               const float* weight, float* y, uint16_t* out) {
-  ExpertWork w;
-  w.prepare(s, x, N, groups, token, weight, y, out);
-  if (s.fmt != BF16)  // (~16 operations an input)
-    at::parallel_for(0, N, grain_for(N, N * s.D * 16),
-                     [&](int64_t a, int64_t b) { quantize_rows(x, s.D, s.fmt, w.xq, a, b); });
-  at::parallel_for(0, w.up_tasks(), grain_for(w.up_tasks(), w.macs()), [&](int64_t a, int64_t b) { w.up(a, b); });
-  at::parallel_for(0, w.tiles_d, grain_for(w.tiles_d, w.macs()), [&](int64_t a, int64_t b) { w.down(a, b); });
+// Core errors (bad arguments) reach Python as RuntimeError, as TORCH_CHECK's do.
+template <class F>
+auto checked(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, e.what());
+  }
 }
 
 void check_x(const torch::Tensor& x, const Spec& s) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous() && x.size(1) == s.D,
               "x must be contiguous bf16 [N, ", s.D, "]");
+}
+
+// The arena's rows as bytes: its base and row stride, rows base..base + count checked to exist.
+std::pair<const uint8_t*, int64_t> arena_rows(const torch::Tensor& arena, int64_t base, int64_t count) {
+  TORCH_CHECK(arena.dim() == 2 && arena.stride(1) == 1 && base >= 0 && base + count <= arena.size(0),
+              "the arena must be [rows, numel] with contiguous rows, rows base..base + num_experts in range");
+  return {static_cast<const uint8_t*>(arena.data_ptr()), arena.stride(0) * arena.element_size()};
 }
 
 std::vector<Group> groups_of(const torch::Tensor& arena, const torch::Tensor& rows, const torch::Tensor& spans) {
@@ -54,13 +57,15 @@ std::vector<Group> groups_of(const torch::Tensor& arena, const torch::Tensor& ro
   return groups;
 }
 
+const uint16_t* bf16_data(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
+
 }  // namespace
 
 // The y rows of the given groups of sorted pairs (paged layers compute the experts that have landed).
 void moe_partial(const torch::Tensor& x, const torch::Tensor& arena, const torch::Tensor& token,
                  const torch::Tensor& weight, const torch::Tensor& rows, const torch::Tensor& spans, torch::Tensor& y,
                  const std::vector<int64_t>& spec) {
-  const Spec s = parse_spec(spec);
+  const Spec s = checked([&] { return parse_spec(spec); });
   check_x(x, s);
   TORCH_CHECK(token.scalar_type() == torch::kLong && token.is_contiguous() && weight.scalar_type() == torch::kFloat &&
               weight.is_contiguous() && token.numel() == weight.numel(), "token [M] int64 and weight [M] fp32");
@@ -71,8 +76,7 @@ void moe_partial(const torch::Tensor& x, const torch::Tensor& arena, const torch
   const int64_t* tp = token.data_ptr<int64_t>();
   for (int64_t m = 0; m < token.numel(); ++m) TORCH_CHECK(tp[m] >= 0 && tp[m] < x.size(0), "token index out of range");
   pybind11::gil_scoped_release release;  // the store's loader threads run meanwhile
-  run_layer(s, reinterpret_cast<const uint16_t*>(x.data_ptr()), x.size(0), groups, tp, weight.data_ptr<float>(),
-            y.data_ptr<float>(), nullptr);
+  run_layer(s, bf16_data(x), x.size(0), groups, tp, weight.data_ptr<float>(), y.data_ptr<float>(), nullptr);
 }
 
 // Each token's output: the sum of its y rows in sorted order, rounded to bf16 once (what moe_resident computes).
@@ -80,13 +84,14 @@ torch::Tensor moe_combine(const torch::Tensor& y, const torch::Tensor& token, in
   TORCH_CHECK(y.scalar_type() == torch::kFloat && y.is_contiguous() && y.dim() == 2 && token.is_contiguous() &&
               token.scalar_type() == torch::kLong && token.numel() == y.size(0), "y [M, D] fp32 and token [M] int64");
   const int64_t D = y.size(1), M = y.size(0);
+  const int64_t* tp = token.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) TORCH_CHECK(tp[m] >= 0 && tp[m] < n, "token index out of range");
   auto out = torch::empty({n, D}, y.options().dtype(torch::kBFloat16));
   const float* yp = y.data_ptr<float>();
-  const int64_t* tp = token.data_ptr<int64_t>();
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t tiles = (D + TILE_D - 1) / TILE_D;
   pybind11::gil_scoped_release release;
-  at::parallel_for(0, tiles, grain_for(tiles, M * D * 16), [&](int64_t a, int64_t b) {  // (M * D adds: as ~16 MACs)
+  parallel_for(0, tiles, grain_for(tiles, M * D * 16), [&](int64_t a, int64_t b) {  // (M * D adds: as ~16 MACs)
     std::vector<float> acc;
     for (int64_t task = a; task < b; ++task)
       combine_tile(yp, tp, M, n, D, task * TILE_D, std::min(D, task * TILE_D + TILE_D), op, acc);
@@ -99,7 +104,7 @@ torch::Tensor moe_combine(const torch::Tensor& y, const torch::Tensor& token, in
 torch::Tensor moe_resident(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& weights,
                            const torch::Tensor& arena, int64_t base, int64_t num_experts,
                            const std::vector<int64_t>& spec) {
-  const Spec s = parse_spec(spec);
+  const Spec s = checked([&] { return parse_spec(spec); });
   check_x(x, s);
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && weights.sizes() == ids.sizes(), "ids and weights [N, K]");
   auto id = ids.to(torch::kLong).contiguous();
@@ -113,8 +118,8 @@ torch::Tensor moe_resident(const torch::Tensor& x, const torch::Tensor& ids, con
   auto out = torch::empty({N, s.D}, x.options());
   std::vector<float> y(M * s.D);
   pybind11::gil_scoped_release release;
-  run_layer(s, reinterpret_cast<const uint16_t*>(x.data_ptr()), N, pairs.groups, pairs.token.data(),
-            pairs.weight.data(), y.data(), reinterpret_cast<uint16_t*>(out.data_ptr()));
+  run_layer(s, bf16_data(x), N, pairs.groups, pairs.token.data(), pairs.weight.data(), y.data(),
+            reinterpret_cast<uint16_t*>(out.data_ptr()));
   return out;
 }
 
@@ -127,7 +132,7 @@ torch::Tensor gemv(int64_t fmt, const Projection& p, const torch::Tensor& x) {
   const int64_t T = xc.size(0), K = xc.size(1), N = p.N;
   auto yf = torch::empty({T, N}, x.options().dtype(torch::kFloat));
   auto out = torch::empty({T, N}, x.options());
-  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  const auto* xp = bf16_data(xc);
   float* yp = yf.data_ptr<float>();
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   pybind11::gil_scoped_release release;
@@ -141,7 +146,7 @@ torch::Tensor gemv(int64_t fmt, const Projection& p, const torch::Tensor& x) {
     quantize_rows(xp, K, fmt, xq, 0, T);
     for (int64_t t = 0; t < T; ++t) xr[t] = xq.row(t);
   }
-  at::parallel_for(0, (N + 15) / 16, grain_for((N + 15) / 16, T * N * K), [&](int64_t a, int64_t b) {
+  parallel_for(0, (N + 15) / 16, grain_for((N + 15) / 16, T * N * K), [&](int64_t a, int64_t b) {
     for (int64_t task = a; task < b; ++task) {
       const int64_t r0 = task * 16, r1 = std::min(N, r0 + 16);
       gemv_rows(fmt, p, fmt == BF16 ? xs.data() : nullptr, fmt == BF16 ? nullptr : xr.data(), T, r0, r1, yp, op);
@@ -165,31 +170,26 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const 
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && q.scalar_type() == torch::kChar && q.is_contiguous() &&
               scale.scalar_type() == torch::kBFloat16 && scale.is_contiguous() && x.dim() == 2 && q.dim() == 2 &&
               x.size(1) == q.size(1) && scale.numel() == q.size(0), "bf16 x [T, K], int8 q [N, K], bf16 scale [N]");
-  return gemv(INT8, {static_cast<const uint8_t*>(q.data_ptr()), reinterpret_cast<const uint16_t*>(scale.data_ptr()),
-                     q.size(0), q.size(1)}, x);
+  return gemv(INT8, {static_cast<const uint8_t*>(q.data_ptr()), bf16_data(scale), q.size(0), q.size(1)}, x);
 }
 
-// Reads every byte of `x` once with 512-bit loads, threads splitting it: the machine's streaming read bandwidth, the
-// limit the kernels above are measured against (benchmarks/cpu_kernels.py).
+// Reads every byte of `x` once, threads splitting it (the compiler vectorizes the sum at the tier's width): the
+// machine's streaming read bandwidth, the limit the kernels above are measured against (benchmarks/cpu_kernels.py).
 int64_t stream_read(const torch::Tensor& x) {
   TORCH_CHECK(x.is_contiguous() && x.nbytes() % 64 == 0, "a contiguous tensor of a multiple of 64 bytes");
-  const auto* p = static_cast<const uint8_t*>(x.data_ptr());
-  const int64_t chunks = x.nbytes() / 64, per = 1 << 14;
-  std::vector<int64_t> part((chunks + per - 1) / per, 0);
+  const auto* p = static_cast<const uint64_t*>(x.data_ptr());
+  const int64_t words = x.nbytes() / 8, per = 1 << 17;
+  std::vector<int64_t> part((words + per - 1) / per, 0);
   pybind11::gil_scoped_release release;
-  at::parallel_for(0, static_cast<int64_t>(part.size()), 1, [&](int64_t a, int64_t b) {
+  parallel_for(0, static_cast<int64_t>(part.size()), 1, [&](int64_t a, int64_t b) {
     for (int64_t i = a; i < b; ++i) {
-      __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
-      const int64_t c0 = i * per, c1 = std::min(chunks, c0 + per);
-      int64_t c = c0;
-      for (; c + 4 <= c1; c += 4) {
-        s0 = _mm512_add_epi64(s0, _mm512_loadu_si512(p + c * 64));
-        s1 = _mm512_add_epi64(s1, _mm512_loadu_si512(p + c * 64 + 64));
-        s2 = _mm512_add_epi64(s2, _mm512_loadu_si512(p + c * 64 + 128));
-        s3 = _mm512_add_epi64(s3, _mm512_loadu_si512(p + c * 64 + 192));
-      }
-      for (; c < c1; ++c) s0 = _mm512_add_epi64(s0, _mm512_loadu_si512(p + c * 64));
-      part[i] = _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_add_epi64(s0, s1), _mm512_add_epi64(s2, s3)));
+      uint64_t s[8] = {0};
+      const int64_t w0 = i * per, w1 = std::min(words, w0 + per);
+      for (int64_t w = w0; w < w1; w += 8)
+        for (int j = 0; j < 8; ++j) s[j] += p[w + j];
+      uint64_t total = 0;
+      for (uint64_t v : s) total += v;
+      part[i] = static_cast<int64_t>(total);
     }
   });
   int64_t total = 0;
@@ -197,10 +197,41 @@ int64_t stream_read(const torch::Tensor& x) {
   return total;
 }
 
-void register_step(pybind11::module_& m);  // cpu_step.cpp
+// One of every kind of arithmetic on fixed inputs, on the stack: accel/cpu_kernels.py runs it in a forked child before
+// it trusts a build on this CPU (an instruction the CPU lacks kills the child, not the process). Every tier returns
+// the same value (SELFTEST there).
+int64_t selftest() {
+  alignas(64) uint16_t w[128], x[128];
+  alignas(64) int8_t q[128], xq[128];
+  alignas(64) float scale[32];
+  alignas(64) int32_t corr[16] = {0};
+  for (int i = 0; i < 128; ++i) {
+    w[i] = float_to_bf16(static_cast<float>(i % 17 - 8) * 0.0625f);
+    x[i] = float_to_bf16(static_cast<float>(i % 11 - 5) * 0.1f);
+    q[i] = static_cast<int8_t>(i * 37 % 255 - 127);
+    xq[i] = static_cast<int8_t>(i * 53 % 255 - 127);
+  }
+  for (int i = 0; i < 32; ++i) scale[i] = 0.5f + static_cast<float>(i) / 64.f;
+  float d[1];
+  const uint16_t* xs[1] = {x};
+  dot_bf16<1>(w, xs, 100, d);  // a whole chunk and a tail
+  const F16 e = fexp(fload(scale) * fset1(-3.f));
+  const F16 a = i8dot(fzero(), i8load(q), xq, scale);
+  const F16 b = i4dot(fzero(), i4load(reinterpret_cast<const uint8_t*>(q)), fload(scale + 16),
+                      reinterpret_cast<const uint8_t*>(xq), corr, scale);
+  uint16_t out[16];
+  fstore_bf16(out, a + b + e + fset1(d[0]));
+  uint64_t h = 1469598103934665603ull;
+  for (uint16_t v : out) h = (h ^ v) * 1099511628211ull;
+  return static_cast<int64_t>(h >> 1);
+}
+
+void register_step(pybind11::module_& m);  // step.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_step(m);
+  m.attr("tier") = TIER;
+  m.def("selftest", &selftest);
   m.def("stream_read", &stream_read);
   m.def("moe_partial", &moe_partial);
   m.def("moe_combine", &moe_combine);

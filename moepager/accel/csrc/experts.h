@@ -1,19 +1,16 @@
-// One MoE layer's routed experts on the CPU (cpu_moe.cpp's calls, cpu_step.cpp's whole decoder layer): the (token,
+// One MoE layer's routed experts on the CPU (moe.cpp's calls, step.h's whole decoder layer): the (token,
 // k) pairs sorted by expert, then two phases of tasks that any thread may take in any grouping -- gate and up rows with
 // SiLU per (expert, 128-row tile), then down rows per 64-row tile of the output over every expert, each weighted by its
 // routing weight in fp32 and (for a whole layer) summed per token in ascending expert order, rounded to bf16 once.
 // A task's arithmetic does not depend on which thread runs it, so every split of the tasks gives the same bits.
 #pragma once
 
-#include <torch/extension.h>
-
-#include <utility>
-
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
-#include "cpu_rows.h"
+#include "parallel.h"
+#include "rows.h"
 
 namespace {
 
@@ -50,13 +47,6 @@ void quantize_rows(const uint16_t* x, int64_t K, int64_t fmt, QBuffer& xq, int64
     for (int64_t i = 0; i < K; ++i) row[i] = bf16_to_float(x[t * K + i]);
     quantize_row(row.data(), K, fmt, xq.row(t));
   }
-}
-
-// The arena's rows as bytes: its base and row stride, rows base..base + count checked to exist.
-std::pair<const uint8_t*, int64_t> arena_rows(const torch::Tensor& arena, int64_t base, int64_t count) {
-  TORCH_CHECK(arena.dim() == 2 && arena.stride(1) == 1 && base >= 0 && base + count <= arena.size(0),
-              "the arena must be [rows, numel] with contiguous rows, rows base..base + num_experts in range");
-  return {static_cast<const uint8_t*>(arena.data_ptr()), arena.stride(0) * arena.element_size()};
 }
 
 // A layer's (token, k) pairs sorted by expert (a stable counting sort of ids [N, K], all in [0, E)): `token` and
@@ -192,5 +182,16 @@ struct ExpertWork {
     }
   }
 };
+
+// ExpertWork's phases on the kernels' threads (step.h's DecodeLayer runs them in a layer's own parallel region).
+inline void run_layer(const Spec& s, const uint16_t* x, int64_t N, const std::vector<Group>& groups,
+                      const int64_t* token, const float* weight, float* y, uint16_t* out) {
+  ExpertWork w;
+  w.prepare(s, x, N, groups, token, weight, y, out);
+  if (s.fmt != BF16)  // (~16 operations an input)
+    parallel_for(0, N, grain_for(N, N * s.D * 16), [&](int64_t a, int64_t b) { quantize_rows(x, s.D, s.fmt, w.xq, a, b); });
+  parallel_for(0, w.up_tasks(), grain_for(w.up_tasks(), w.macs()), [&](int64_t a, int64_t b) { w.up(a, b); });
+  parallel_for(0, w.tiles_d, grain_for(w.tiles_d, w.macs()), [&](int64_t a, int64_t b) { w.down(a, b); });
+}
 
 }  // namespace
