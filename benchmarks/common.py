@@ -15,6 +15,8 @@ from typing import Any
 import psutil
 import torch
 
+from moepager.accel import cpu_tiers
+
 RESULTS = Path(__file__).resolve().parent / "results"
 SCHEMA = 1
 """Version of the JSON every benchmark writes (`write_json`): {schema, benchmark, git, machine, args, results}."""
@@ -30,7 +32,25 @@ def machine_state() -> dict[str, Any]:
     if busy > 20:
         print(f"warning: machine is {busy:.0f}% busy before the benchmark; timings will be noisy")
     return {"cpu_busy_percent_before": busy, "cpus": psutil.cpu_count(), "platform": platform.platform(),
-            "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "cpu": cpu_model(), "cpu_tiers": cpu_tiers.runnable(), "torch": torch.__version__,
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def cpu_model() -> str:
+    """This CPU's model name as /proc/cpuinfo gives it (x86's `model name`, with family and model; ARM's `CPU part`)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+                if not line.strip():
+                    break
+    except OSError:
+        return platform.processor() or "unknown"
+    if "model name" in fields:
+        return f"{fields['model name']} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')})"
+    return f"{platform.machine()} CPU part {fields.get('CPU part', '?')}"
 
 
 def ensure_model(name: str, preset: str, layers: int | None, dtype: str = "bfloat16") -> Path:

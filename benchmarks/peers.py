@@ -14,9 +14,15 @@ tensor what llama.cpp's own convert_hf_to_gguf.py writes. Models: the built-in d
 qwen3-30b-a3b --layers 4` (~1.08 GB of weights read per token in bf16). Reports tok/s, the ratios to HF and to
 llama.cpp in the same format, and the weight bytes per token divided by the time per token (achieved GB/s).
 
+With --tiers, the moepager rows run on each CPU tier named (accel/cpu_tiers.py: MOEPAGER_CPU_TIER in the engine's
+process; a tier below this CPU's best also caps torch's own kernels at it, ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA,
+so an AVX-512 host measures what an AVX2 host runs), each beside llama.cpp built for that tier: --llama-cpp
+TIER=DIR names a folder llama-cpp-python was installed into (`pip install --target DIR`, built with the CMAKE_ARGS of
+FACTS.md for that instruction set); a tier without one is compared with the installed llama-cpp-python.
+
     python -m benchmarks run peers [--models demo qwen3-30b-a3b] [--threads 1 2] [--rounds 3] [--decode 64]
         [--kernels auto loop gather grouped packed] [--formats bf16 int8 int4] [--dense int8 int8-a8]
-        [--unpacked] [--compiled] [--no-hf]
+        [--unpacked] [--compiled] [--no-hf] [--tiers avx512-bf16 avx2] [--llama-cpp avx2=DIR ...]
         [--out peers]
 """
 
@@ -26,7 +32,9 @@ import argparse
 import importlib.util
 import json
 import multiprocessing
+import os
 import statistics
+import sys
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -36,6 +44,7 @@ import psutil
 import torch
 
 from benchmarks.common import RESULTS, bytes_per_decode_token, ensure_model, machine_state, print_table, write_json
+from moepager.accel import cpu_tiers
 from moepager.checkpoints.default import default_model_path
 from moepager.checkpoints.expert_reader import is_routed_expert
 from moepager.checkpoints.safetensors import Checkpoint
@@ -83,7 +92,10 @@ class HF:
 
 
 class LlamaCpp:
-    def __init__(self, path: Path, gguf_types: tuple[str, str | None], threads: int):
+    def __init__(self, path: Path, gguf_types: tuple[str, str | None], threads: int, site: str | None = None):
+        """`site`: a folder holding another build of llama-cpp-python (`pip install --target`), searched first."""
+        if site is not None:
+            sys.path.insert(0, site)
         import llama_cpp
 
         from moepager.checkpoints.gguf_write import export_gguf
@@ -152,11 +164,22 @@ class Remote:
     slowed each other: llama.cpp BF16 at 2 threads on the qwen3 geometry decoded 36-42 tok/s beside a moepager engine
     and 54.7 in its own process (ad-hoc, 2026-11-25), which had flattered moepager's two-thread ratios."""
 
-    def __init__(self, kind: str, *args: object):
+    def __init__(self, kind: str, *args: object, env: dict[str, str] | None = None):
+        """`env`: variables the engine's process starts with (a spawned child copies the parent's environment at its
+        start: set here around it, before the child imports torch)."""
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_serve, args=(kind, args, child), daemon=True)
-        self.process.start()
+        before = {k: os.environ.get(k) for k in env or {}}
+        os.environ.update(env or {})
+        try:
+            self.process.start()
+        finally:
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         reply = self.conn.recv()
         if isinstance(reply, Exception):
             self.process.join()
@@ -211,6 +234,11 @@ def arguments() -> argparse.Namespace:
                     help="also each moepager row with --compile (the one-token decode step compiled by TorchInductor; "
                          "twice the engines in memory: on the qwen3 geometry ask for one row)")
     ap.add_argument("--no-hf", action="store_true", help="leave transformers out")
+    ap.add_argument("--tiers", nargs="+", default=[None], choices=[*cpu_tiers.NAMES, None], metavar="TIER",
+                    help="run the moepager rows on each of these CPU tiers (default: the best this CPU runs), each "
+                         "beside llama.cpp built for it (--llama-cpp)")
+    ap.add_argument("--llama-cpp", nargs="+", default=[], metavar="TIER=DIR",
+                    help="llama-cpp-python installed into DIR (pip install --target) is the peer of TIER's rows")
     ap.add_argument("--memory", type=float, metavar="GB",
                     help=f"RAM the engines measured together may take (default {HEADROOM * 100:.0f}%% of what is "
                          "available at the start); more engines than fit are measured in turns")
@@ -223,13 +251,35 @@ Engines = dict[str, tuple[str, Remote]]
 
 
 class Spec(NamedTuple):
-    """An engine to start: its row label, peer format, kind and constructor arguments, and the RAM it will take."""
+    """An engine to start: its row label, peer format, kind and constructor arguments, and the RAM it will take; the
+    CPU tier it runs on (None: the process's own) and the environment that sets it."""
 
     label: str
     fmt: str
     kind: str
     args: tuple[object, ...]
     nbytes: int
+    tier: str | None = None
+    env: dict[str, str] | None = None
+
+
+TORCH_CAP = {"avx2": ("avx2", "AVX2")}
+"""A tier below this CPU's best -> the caps on torch's own kernels (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA) that make
+this CPU look to torch as that tier's CPUs do."""
+
+
+def tier_env(tier: str | None) -> dict[str, str] | None:
+    """The environment of an engine on `tier` (None: the process's own tier, nothing set)."""
+    if tier is None:
+        return None
+    env = {"MOEPAGER_CPU_TIER": tier}
+    if tier in TORCH_CAP and cpu_tiers.runnable()[0] != tier:
+        env["ATEN_CPU_CAPABILITY"], env["ONEDNN_MAX_CPU_ISA"] = TORCH_CAP[tier]
+    return env
+
+
+def tagged(label: str, tier: str | None, build: bool = False) -> str:
+    return label if tier is None else f"{label} [{tier}{' build' if build else ''}]"
 
 
 EXPERT_SHARE = {"bf16": 1.0, "int8": 0.5 + 1 / 64, "int4": 0.3125, "int8+dense": 0.5 + 1 / 64}
@@ -273,7 +323,7 @@ def start(specs: list[Spec], threads: int) -> Engines:
     engines: Engines = {}
     for spec in specs:
         try:
-            engines[spec.label] = (spec.fmt, Remote(spec.kind, *spec.args))
+            engines[spec.label] = (spec.fmt, Remote(spec.kind, *spec.args, env=spec.env))
         except Exception as e:  # noqa: BLE001 - an engine that cannot run is reported, not fatal
             print(f"{spec.label}: not measured ({e})")
             continue
@@ -286,20 +336,22 @@ def our_specs(path: Path, args: argparse.Namespace) -> list[Spec]:
     twin of each (`--compile`: resident experts up to 1 MiB inside the graph, any other ones and prepacked
     projections through its exits, models/graph_exit.py)."""
     specs = []
-    for fmt in args.formats:
-        for k in args.kernels:
-            if not runs(k, fmt):
-                continue
-            for dense in [None, *args.dense]:
-                for pack in ([True, False] if args.unpacked and not dense else [True]):
-                    label = (f"moepager {k}" + ("" if fmt == "bf16" else f" {fmt}") + (f" +dense {dense}" if dense
-                             else "") + ("" if pack else " (torch ops)"))
-                    key = fmt + ("+dense" if dense and fmt == "int8" else "")
-                    options = (path, k, None if fmt == "bf16" else fmt, dense, pack)
-                    specs.append(Spec(label, key, "ours", options, footprint(path, key, "ours")))
-                    if args.compiled:
-                        specs.append(Spec(f"{label} compiled", key, "ours", (*options, True),
-                                          footprint(path, key, "ours")))
+    for tier in args.tiers:
+        for fmt in args.formats:
+            for k in args.kernels:
+                if not runs(k, fmt):
+                    continue
+                for dense in [None, *args.dense]:
+                    for pack in ([True, False] if args.unpacked and not dense else [True]):
+                        label = tagged(f"moepager {k}" + ("" if fmt == "bf16" else f" {fmt}")
+                                       + (f" +dense {dense}" if dense else "") + ("" if pack else " (torch ops)"), tier)
+                        key = fmt + ("+dense" if dense and fmt == "int8" else "")
+                        options = (path, k, None if fmt == "bf16" else fmt, dense, pack)
+                        nbytes = footprint(path, key, "ours")
+                        specs.append(Spec(label, key, "ours", options, nbytes, tier, tier_env(tier)))
+                        if args.compiled:
+                            specs.append(Spec(f"{label} compiled", key, "ours", (*options, True), nbytes, tier,
+                                              tier_env(tier)))
     return specs
 
 
@@ -329,18 +381,21 @@ def main() -> None:
     if not have_llama:
         print("llama.cpp: not measured (llama-cpp-python is not installed: pip install -e \".[peers]\")")
     budget = int(args.memory * 1e9) if args.memory else int(HEADROOM * psutil.virtual_memory().available)
+    sites = dict(entry.split("=", 1) for entry in args.llama_cpp)
     results, rows = [], []
     for name in args.models:
         path = model_path(name)
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
         ids = torch.randint(0, vocab, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
         ours = our_specs(path, args)
-        peer_formats = list(dict.fromkeys(spec.fmt for spec in ours))
+        peer_formats = list(dict.fromkeys((spec.fmt, spec.tier) for spec in ours))
         for threads in args.threads:
             specs = ours + ([] if args.no_hf else [Spec("HF", "bf16", "hf", (path,), footprint(path, "bf16", "hf"))])
             if have_llama:
-                specs += [Spec(PEER_LABELS[fmt], fmt, "llama.cpp", (path, GGUF_TYPES[fmt], threads),
-                               footprint(path, fmt, "llama.cpp")) for fmt in peer_formats]
+                specs += [Spec(tagged(PEER_LABELS[fmt], tier, True), fmt, "llama.cpp",
+                               (path, GGUF_TYPES[fmt], threads, sites.get(tier or "")),
+                               footprint(path, fmt, "llama.cpp"), tier) for fmt, tier in peer_formats]
+            tiers = {s.label: s.tier for s in specs}
             groups = in_turns(specs, budget)
             if len(groups) > 1:
                 need = sum(s.nbytes for s in specs) / 1e9
@@ -361,11 +416,12 @@ def main() -> None:
                     engine.close()
             nbytes = weight_bytes(facts)
             r = {"model": name, "threads": threads, "bytes_per_token": nbytes, "tok_s": tok_s, "turns": len(groups),
+                 "tiers": tiers, "llama_cpp_sites": sites,
                  "GBps": {label: v * nbytes.get(label, nbytes.get(fmts[label], 0)) / 1e9
                           for label, v in tok_s.items()}}
             results.append(r)
             for label, v in tok_s.items():
-                peer = PEER_LABELS[fmts[label]]
+                peer = tagged(PEER_LABELS[fmts[label]], tiers[label], True)
                 rows.append([name, threads, label, v, v / tok_s["HF"] if "HF" in tok_s else "-",
                              v / tok_s[peer] if peer in tok_s else "-", r["GBps"][label]])
     print_table(["model", "threads", "engine", "decode tok/s", "x HF", "x llama.cpp (same format)",

@@ -12,7 +12,7 @@ Bytes and speed on this CPU (`python benchmarks/gemv.py`: `aten._weight_int8pack
 one token, one thread): the built-in model's matrices run 1.0-2.2x faster (its 8192x256 LM head 131 against
 289 us), matrices with K >= 2048 gain nothing (9.6-12.1 GB/s of int8 against bf16's 22-23.5: about the same time
 for half the bytes). Memory halves either way. `--dense-dtype int8-a8` quantizes the activations too and runs
-moepager's VNNI GEMV (accel/cpu_kernels.py, activations in blocks of 32 with a scale each) for bf16 runs where it is
+moepager's int8 GEMV (accel/cpu_kernels.py, activations in blocks of 32 with a scale each) for bf16 runs where it is
 built, else FBGEMM (activations with one scale per row) (Int8A8Linear): faster on large matrices, lossier.
 """
 
@@ -86,7 +86,7 @@ class Int8A8Linear(_RowsLinear):
         self.out_features, self.in_features = q.shape
         module = cpu_kernels.extension() if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" else None
         self._ours = None if module is None else module.linear_int8
-        """moepager's VNNI GEMV (accel/cpu_kernels.py; activations in blocks of 32) where it runs, else FBGEMM."""
+        """moepager's int8 GEMV (accel/cpu_kernels.py; activations in blocks of 32) where it runs, else FBGEMM."""
         if self._ours is not None:
             self.register_buffer("q", q)
             self.register_buffer("scale", scale)

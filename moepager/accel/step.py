@@ -1,6 +1,6 @@
-"""moepager's CPU kernels for the rest of an eager decode step (accel/cpu_step.cpp), given to a bf16 CPU model at load:
-RMSNorm, the softmax top-k router and a decode pass's attention one call each, and where a layer's parts allow it the
-whole decoder layer in one call.
+"""moepager's CPU kernels for the rest of an eager decode step (accel/csrc/step.h, bound by step.cpp), given to a bf16
+CPU model at load: RMSNorm, the softmax top-k router and a decode pass's attention one call each, and where a layer's
+parts allow it the whole decoder layer in one call.
 
 Where the time went (the built-in model, bf16, eager, 1 thread, cProfile of 128 decode tokens, 2026-11-27): a torch
 RMSNorm is seven ops (~14 us; 19 a token), a router six, an attention some twenty (views, RoPE, the cache write, SDPA),
@@ -55,7 +55,7 @@ def use_step_kernels(model: torch.nn.Module, dtype: torch.dtype) -> str:
 
 
 class DecodeLayerStep:
-    """A decoder layer's decode pass in one call (cpu_step.cpp `DecodeLayer`): norm, q/k/v, attention over the paged
+    """A decoder layer's decode pass in one call (csrc/step.cpp `DecodeLayer`): norm, q/k/v, attention over the paged
     cache, o, residual, norm, router, resident experts, residual. It declines (returns None, and the layer runs its
     modules) where the call would not be the modules' own arithmetic: more rows than the kernels take, an observer or
     a replayed routing on the block, another executor, or forward hooks on the attention or the MLP."""

@@ -1,4 +1,4 @@
-"""moepager's fused CPU expert kernels (accel/cpu_kernels.py, accel/cpu_moe.cpp): each format against an fp32
+"""moepager's fused CPU expert kernels (accel/cpu_kernels.py, accel/csrc/): each format against an fp32
 reference on odd shapes and token counts, paged equal to resident bit for bit, every architecture's logits against
 torch's kernels, and the fallback when the extension cannot be used.
 

@@ -1,4 +1,4 @@
-"""moepager's CPU decode-step kernels (accel/cpu_step.cpp, accel/step.py): the norm, the router and the decode
+"""moepager's CPU decode-step kernels (accel/csrc/step.h, accel/step.py): the norm, the router and the decode
 attention against the torch path they replace, on odd shapes, every q/k norm, GQA grouping,
 sliding windows and rows at different lengths; the same result alone or batched; every architecture's engine run;
 the fallback.

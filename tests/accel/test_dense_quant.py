@@ -87,7 +87,7 @@ def test_an_unknown_dense_dtype_is_refused_with_the_choices():
 
 @pytest.fixture(params=["moepager", "fbgemm"])
 def a8_kernel(request, monkeypatch):
-    """int8-a8 on moepager's VNNI GEMV (where it is built here) and on FBGEMM (moepager's kernels turned off)."""
+    """int8-a8 on moepager's int8 GEMV (where it is built here) and on FBGEMM (moepager's kernels turned off)."""
     if request.param == "moepager" and not cpu_kernels.available():
         pytest.skip(f"no moepager CPU kernels here: {cpu_kernels.unsupported_reason()}")
     if request.param == "fbgemm":
