@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from moepager.config import SchedulerConfig
-from moepager.errors import InvalidRequestError
+from moepager.errors import InvalidRequestError, NumericalError
 from moepager.models.layers import CausalLM
 from moepager.runtime.cuda_graphs import DecodeGraphs
 from moepager.runtime.grouping import PathTracker
@@ -131,15 +131,26 @@ class Engine:
         for row, row_logits in done:
             requests.append(row.request)
             logits.append(row_logits)
-        try:
-            picked = sample_rows(torch.stack(logits), requests)
-        except NonFiniteLogits:
+        picked = sample_rows(torch.stack(logits), requests)
+        failed = [r for r, p in zip(requests, picked) if isinstance(p, NonFiniteLogits)]
+        if failed and len(failed) == len(requests):  # the whole pass: the step fails, naming where NaN began
             decoding = [r for r in requests if r.out_ids]
-            raise self.runner.non_finite(len(decoding[0].out_ids) - 1 if decoding else None) from None
+            raise self.runner.non_finite(len(decoding[0].out_ids) - 1 if decoding else None)
         outputs = []
-        for request, (token, logprobs) in zip(requests, picked):
-            outputs.append(request.append(token, logprobs, now))
+        for request, sample in zip(requests, picked):
+            if isinstance(sample, Exception):  # this row alone: it ends with its error, the others go on
+                outputs.append(RequestOutput(request.request_id, [], "", [], "abort", self._row_error(request, sample)))
+            else:
+                outputs.append(request.append(sample[0], sample[1], now))
         return outputs
+
+    @staticmethod
+    def _row_error(request: Request, error: Exception) -> Exception:
+        if isinstance(error, NonFiniteLogits):
+            when = f"at decode step {len(request.out_ids)}" if request.out_ids else "in its prefill"
+            return NumericalError(f"the model produced NaN or infinite logits for this request {when} (the requests "
+                                  "beside it did not)")
+        return NumericalError(f"sampling this request failed: {error}")
 
     def _retire(self, request: Request, reason: FinishReason | None) -> None:
         request.finish_reason = request.finish_reason or reason

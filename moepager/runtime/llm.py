@@ -256,7 +256,7 @@ class LLM:
         ids = [self.encode(p, chat) for p in prompts]  # type: ignore[union-attr]
         requests = [self.engine.new_request(i, params, k, stream=on_text is not None, grow_kv=True)
                     for k, i in enumerate(ids)]
-        check_file(record_trace, "record_trace")
+        check_file(record_trace, "record_trace", replace=True)
         recorder = self._recorder(record_hidden) if record_trace is not None else None
         with self._wired(recorder, None):
             stats = self._run(requests, on_text)
@@ -275,7 +275,7 @@ class LLM:
             raise InvalidRequestError(f"concurrency must be >= 1, got {concurrency}")
         params = params or SamplingParams()
         check_record_path(spec, record_trace)
-        check_file(record_trace, "record_trace")
+        check_file(record_trace, "record_trace", replace=True)
         recorded = load_replay(spec, self.loaded.config)
         requests = [self.engine.new_request(r.prompt_ids, replace(params, max_tokens=r.max_tokens, ignore_eos=True,
                                                                   stop=()), k, grow_kv=True)
@@ -314,6 +314,8 @@ class LLM:
             elif step is not None:
                 stats.tpot_s.append(step.duration_s)
             for out in outputs:
+                if out.error is not None:  # one request's failure: a run of its own ends with it
+                    raise out.error
                 if on_text is not None and out.new_text:
                     on_text(index[out.request_id], out.new_text)
                 if out.finished and pending:

@@ -49,6 +49,9 @@ class RequestOutput:
     new_text: str
     new_logprobs: list[TokenLogprobs]
     finish_reason: FinishReason | None
+    error: Exception | None = None
+    """Why this request alone failed (its logits were not finite, or its sampling raised); it finishes as
+    "abort", and the rows beside it go on."""
 
     @property
     def finished(self) -> bool:

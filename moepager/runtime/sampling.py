@@ -8,7 +8,6 @@ model's (after penalties, before temperature and filters), as the OpenAI API rep
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 from collections.abc import Sequence
@@ -78,12 +77,19 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Argmax: temperature 0, or one below GREEDY_BELOW (where fp32 cannot divide by it; sampling at it would
+        pick the argmax anyway, up to exact ties)."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalised(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
+
+GREEDY_BELOW = float(torch.finfo(torch.float32).tiny)
+"""Temperatures below the smallest normal fp32 (1.2e-38) act as greedy: fp32 holds them only as subnormals, or not
+at all (under 1.4e-45 they round to 0, and a logit divided by one is infinite or NaN)."""
+FP32_MAX = float(torch.finfo(torch.float32).max)
 
 SEED_RANGE = 2**63 - 2**16
 """Seeds are 64-bit signed integers (OpenAI's), less room for the + i of a batch's request i."""
@@ -131,8 +137,8 @@ class RequestSampler:
 
 def greedy_picks(logits_BV: torch.Tensor) -> list[list[int]]:
     """[tokens, finite]: each row's first largest logit and whether the row is finite (1) or holds NaN or infinity
-    (0). On the CPU with moepager's kernels loaded, one call (cpu_step.cpp `greedy_rows`: the same picks), else five
-    torch ops on fp32 logits."""
+    (0). On the CPU with moepager's kernels loaded, one call (accel/csrc/step.cpp `greedy_rows`: the same picks),
+    else five torch ops on fp32 logits."""
     kernels = cpu_kernels.built()
     if kernels is not None and logits_BV.device.type == "cpu" and logits_BV.dtype in (torch.bfloat16, torch.float32) \
             and logits_BV.is_contiguous():
@@ -145,23 +151,28 @@ def greedy_picks(logits_BV: torch.Tensor) -> list[list[int]]:
     return torch.stack((tokens_B, finite_B.long())).tolist()
 
 
-def sample_rows(logits_BV: torch.Tensor, requests: Sequence[Sampled]) -> list[tuple[int, TokenLogprobs | None]]:
+Sample = tuple[int, "TokenLogprobs | None"]
+
+
+def sample_rows(logits_BV: torch.Tensor, requests: Sequence[Sampled]) -> list[Sample | Exception]:
     """Next token of each row (row b for `requests[b]`). Plain greedy rows are decided in one argmax (the host
     sync that also checks every row is finite). The others are penalised row by row on the host, then rows that
     sample with the same filters get their candidates together (`candidates` is row-independent, so a request
     draws the same token alone or in any batch), each drawing from its own generator.
 
-    Raises NonFiniteLogits when a row's logits hold NaN or infinity."""
+    A row that cannot be sampled gets an exception in its place, and the others their tokens: NonFiniteLogits when
+    its logits hold NaN or infinity, or what its sampling raised."""
     picked = greedy_picks(logits_BV)
-    if 0 in picked[1]:
-        raise NonFiniteLogits([b for b, ok in enumerate(picked[1]) if not ok])
     tokens: list[int] = picked[0]
+    out: list[Sample | Exception] = [(t, None) for t in tokens]
     slow = []
     for b, r in enumerate(requests):  # loops, not comprehensions, on the one-token path: each is a call
-        if not r.sampler.plain:
+        if not picked[1][b]:
+            out[b] = NonFiniteLogits([b])
+        elif not r.sampler.plain:
             slow.append(b)
     if not slow:
-        return list(zip(tokens, itertools.repeat(None)))
+        return out
     host_BV = logits_BV[slow].float().cpu()
     groups: dict[tuple[float, int, float, float], list[int]] = {}
     for i, b in enumerate(slow):
@@ -175,13 +186,17 @@ def sample_rows(logits_BV: torch.Tensor, requests: Sequence[Sampled]) -> list[tu
     for rows in groups.values():
         probs_GC, ids_GC = candidates(host_BV[rows], requests[slow[rows[0]]].sampler.params)
         for g, i in enumerate(rows):
-            choice = torch.multinomial(probs_GC[g], 1, generator=requests[slow[i]].sampler.generator)
+            try:
+                choice = torch.multinomial(probs_GC[g], 1, generator=requests[slow[i]].sampler.generator)
+            except RuntimeError as e:  # (none known: the property tests find none) this row alone fails
+                out[slow[i]] = e
+                continue
             tokens[slow[i]] = int(ids_GC[g, choice])
-    out: list[tuple[int, TokenLogprobs | None]] = [(t, None) for t in tokens]
     for i, b in enumerate(slow):
+        if isinstance(out[b], Exception):
+            continue
         top = requests[b].sampler.params.logprobs
-        if top is not None:
-            out[b] = (tokens[b], token_logprobs(host_BV[i], tokens[b], top))
+        out[b] = (tokens[b], None if top is None else token_logprobs(host_BV[i], tokens[b], top))
     return out
 
 
@@ -194,7 +209,7 @@ class Sampled(Protocol):
 
 
 class NonFiniteLogits(Exception):
-    """Raised by the sampler; the engine turns it into a NumericalError naming where it began."""
+    """A row the sampler could not sample; the engine turns it into a NumericalError naming where it began."""
 
     def __init__(self, rows: list[int]):
         super().__init__(f"non-finite logits in rows {rows}")
@@ -203,16 +218,18 @@ class NonFiniteLogits(Exception):
 
 def penalised(logits_V: torch.Tensor, prompt: Sequence[int], generated: Sequence[int], p: SamplingParams
               ) -> torch.Tensor:
-    """Repetition penalty over the prompt and output; presence and frequency penalties over the output."""
-    logits_V = logits_V.clone()
+    """Repetition penalty over the prompt and output; presence and frequency penalties over the output. Computed in
+    float64 (a penalty of 1e-300 or 1e300 is exact there; in fp32 it is 0 or infinity, and 0 * infinity is NaN),
+    the result clamped to fp32's finite range: a logit a penalty pushed past it stays the largest (or smallest)."""
+    out_V = logits_V.double()
     if p.repetition_penalty != 1:
         seen = torch.tensor(sorted(set(prompt) | set(generated)), dtype=torch.long)
-        values = logits_V[seen]
-        logits_V[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        values = out_V[seen]
+        out_V[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
     if (p.presence_penalty or p.frequency_penalty) and generated:
-        counts_V = torch.bincount(torch.tensor(list(generated), dtype=torch.long), minlength=logits_V.shape[0])
-        logits_V -= p.frequency_penalty * counts_V + p.presence_penalty * (counts_V > 0)
-    return logits_V
+        counts_V = torch.bincount(torch.tensor(list(generated), dtype=torch.long), minlength=out_V.shape[0])
+        out_V -= p.frequency_penalty * counts_V + p.presence_penalty * (counts_V > 0)
+    return out_V.clamp(-FP32_MAX, FP32_MAX).to(logits_V.dtype)
 
 
 def token_logprobs(logits_V: torch.Tensor, token: int, top: int) -> TokenLogprobs:
@@ -232,12 +249,15 @@ def candidates(logits_BV: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor
         values_BC, ids_BC = torch.topk(logits_BV, p.top_k, dim=-1)
     else:
         values_BC, ids_BC = torch.sort(logits_BV, dim=-1, descending=True)
-    probs_BC = torch.softmax(values_BC / p.temperature, dim=-1)
+    # the largest logit subtracted first: every scaled logit is <= 0 (or -inf), so no temperature >= GREEDY_BELOW
+    # overflows the softmax (dividing the logits themselves by 1e-40 gave inf and then NaN probabilities)
+    probs_BC = torch.softmax((values_BC - values_BC[:, :1]) / p.temperature, dim=-1)
     keep_BC = torch.ones_like(probs_BC, dtype=torch.bool)
     if p.top_p < 1.0:
         keep_BC &= probs_BC.cumsum(-1) - probs_BC < p.top_p  # the mass before this token is still short of p
     if p.min_p > 0:
         keep_BC &= probs_BC >= p.min_p * probs_BC[:, :1]
+    keep_BC[:, 0] = True  # the most likely token always: a top_p fp32 rounds to 0 (1e-187) would keep none
     probs_BC = probs_BC * keep_BC
     return probs_BC / probs_BC.sum(-1, keepdim=True), ids_BC
 

@@ -265,9 +265,10 @@ async def stream_events(engine: AsyncEngine, request: EngineRequest, queue: asyn
     try:
         while True:
             item = await queue.get()
-            if isinstance(item, BaseException):
+            if isinstance(item, BaseException):  # the error, then the end: the client stops reading at once
                 failed = {"error": {"message": f"generation failed: {item}", "type": "server_error"}}
                 yield f"data: {json.dumps(failed)}\n\n"
+                yield "data: [DONE]\n\n"
                 return
             if item.new_text or item.finished or item.new_logprobs:
                 yield f"data: {json.dumps(shape.chunk(item))}\n\n"

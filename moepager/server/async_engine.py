@@ -1,8 +1,10 @@
 """The engine stepping on its own thread, its outputs delivered to asyncio queues, one per request.
 
 Requests from any number of HTTP clients join the running batch at the next step (continuous batching). A
-request whose client goes away is aborted and frees its KV blocks at the next step. An exception inside a step
-fails the requests then running (each client gets the error) and the thread goes on serving new ones, unless the
+request whose client goes away is aborted and frees its KV blocks at the next step. A request whose own row cannot
+be sampled (non-finite logits, a sampler error) fails alone, with its error, and the rows beside it go on. An
+exception inside a step fails the requests then running (each client gets the error) and the thread goes on
+serving new ones, unless the
 engine can no longer run any (`Unavailable`: a worker process lost with --on-worker-loss stop): then every later
 request is refused with the reason, and /health says so, for a supervisor to restart the server.
 """
@@ -96,8 +98,8 @@ class AsyncEngine:
             deliveries = []
             for out in outputs:
                 queue = self._queues.pop(out.request_id, None) if out.finished else self._queues.get(out.request_id)
-                if queue is not None:
-                    deliveries.append((queue, out))
+                if queue is not None:  # a request that failed alone gets its error, the others their tokens
+                    deliveries.append((queue, out if out.error is None else out.error))
                 request = self._requests.pop(out.request_id, None) if out.finished else None
                 if request is not None:
                     self.metrics.finish(request)
@@ -109,6 +111,13 @@ class AsyncEngine:
         queue = self._queues.get(request_id)
         if queue is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def shut_down(self, reason: str) -> None:
+        """The server is stopping (Ctrl-C, SIGTERM): every request still running gets `reason` as its error at once
+        (a stream's last events are an error and [DONE], so its client is not left waiting), later ones are refused
+        with it; called from the stepping thread once it stopped stepping."""
+        self.unavailable = reason
+        self._fail_running(Unavailable(reason))
 
     def _fail_running(self, error: Exception) -> None:
         for request_id in list(self.engine.requests):

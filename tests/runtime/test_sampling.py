@@ -63,12 +63,13 @@ def test_greedy_is_argmax():
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_a_row_with_nan_or_either_infinity_is_reported(bad):
+def test_a_row_with_nan_or_either_infinity_is_reported_in_its_place_and_the_others_sampled(bad):
     logits = torch.zeros(3, 8)
     logits[1, 5] = bad
-    with pytest.raises(NonFiniteLogits) as e:
-        sample_rows(logits, [Row(RequestSampler(SamplingParams())) for _ in range(3)])
-    assert e.value.rows == [1]
+    logits[2, 3] = 1.0
+    got = sample_rows(logits, [Row(RequestSampler(SamplingParams(temperature=t, seed=0))) for t in (0.0, 0.0, 0.7)])
+    assert isinstance(got[1], NonFiniteLogits) and got[1].rows == [1]
+    assert got[0] == (0, None) and isinstance(got[2], tuple) and 0 <= got[2][0] < 8
 
 
 @pytest.mark.parametrize("kwargs", [dict(min_p=1.5), dict(repetition_penalty=0.0), dict(presence_penalty=2.5),
@@ -99,3 +100,63 @@ def test_a_repetition_penalty_changes_a_greedy_choice_and_logprobs_report_the_ch
     assert token == 1 and logprobs is not None and logprobs.token == 1
     assert set(logprobs) == {0, 1} and logprobs[1] > logprobs[0]
     assert sum(torch.tensor(list(logprobs.values())).exp()) < 1
+
+
+EDGES = [0.0, 1e-300, 1e-45, 1e-40, 1e-38, 1e-8, 0.5, 1.0, 2.0, 1e8, 1e38, 1e300, float("inf"), float("-inf"),
+         float("nan"), -1e-300, -1.0, -2.0, -3.0]
+"""Values at every edge a float parameter has: zero, tiny (subnormal in fp32, or 0 there), huge (infinite in fp32),
+the infinities, NaN, negatives."""
+
+
+def _settings():
+    from hypothesis import strategies as st
+
+    value = st.one_of(st.sampled_from(EDGES), st.floats(allow_nan=True, allow_infinity=True))
+    return st.fixed_dictionaries({
+        "temperature": value, "top_p": value, "min_p": value, "repetition_penalty": value,
+        "presence_penalty": value, "frequency_penalty": value,
+        "top_k": st.one_of(st.sampled_from([0, 1, 2, 49, 50, 51, 10**12, -1]), st.integers()),
+        "logprobs": st.one_of(st.none(), st.integers(-1, 21)),
+    }), st.lists(st.sampled_from([-1e30, -3.0, 0.0, 0.0, 1e-30, 2.5, 3.0, 88.0, 1e30]), min_size=50, max_size=50)
+
+
+def test_every_sampling_setting_gives_a_valid_token_or_a_clear_refusal():
+    """10,000 generated settings of temperature, top-p, top-k, min-p and the three penalties at their edges, on
+    logits with ties and huge values, a prompt and an output to penalise: each either is refused up front
+    (InvalidRequestError) or samples a token of the vocabulary, with finite log-probabilities; never NaN, never
+    another exception."""
+    from hypothesis import HealthCheck, given, settings
+
+    params_st, logits_st = _settings()
+
+    @settings(max_examples=10_000, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(params_st, logits_st)
+    def check(kwargs, values):
+        try:
+            params = SamplingParams(seed=0, **kwargs)
+        except InvalidRequestError:
+            return
+        logits = torch.tensor([values], dtype=torch.float32)
+        [(token, logprobs)] = sample_rows(logits, [Row(RequestSampler(params), [3, 7, 7], [7, 9])])
+        assert 0 <= token < 50
+        if logprobs is not None:
+            assert all(v == v and v <= 0 for v in logprobs.values())  # no NaN
+
+    check()
+
+
+def test_a_temperature_fp32_cannot_divide_by_acts_as_greedy_and_a_tiny_one_samples_the_best():
+    logits = torch.tensor([[1.0, 5.0, 4.999]])
+    for t in (1e-300, 1e-45, 1e-40, 1e-20):
+        [(token, _)] = sample_rows(logits, [Row(RequestSampler(SamplingParams(temperature=t, seed=1)))])
+        assert token == 1, t
+    assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=1e-20).greedy
+
+
+def test_extreme_repetition_penalties_keep_the_logits_finite():
+    logits = torch.tensor([2.0, 0.0, -1.0, 1.0])
+    for penalty in (1e-300, 1e300):
+        out = penalised(logits, [0, 1, 2], [], SamplingParams(repetition_penalty=penalty))
+        assert torch.isfinite(out).all() and out[1] == 0 and out[3] == 1.0
+        assert (out[0] > out[3]) == (penalty < 1) and out[2] < -1.0 if penalty > 1 else out[2] > -1.0

@@ -8,6 +8,7 @@ import json
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -252,6 +253,41 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on(alone):
         stats = httpx.get(f"{url}/v1/stats").json()
         assert stats["requests_running"] == 0 and stats["kv_cache"]["blocks_used"] == 0
         assert stats["experts"]["paged"] is False and stats["generation_tokens"] == TOKENS
+
+
+def test_a_request_whose_row_fails_fails_alone_and_the_rows_beside_it_finish(alone):
+    """One request's logits turn NaN in the middle of a batch of four (a fault injected into its row): it alone fails
+    (500, saying so), the three greedy requests beside it finish with their lone texts; then a tiny temperature and a
+    tiny repetition penalty, which once overflowed the sampler and failed every running request, answer 200."""
+    llm = LLM(show_progress=False)
+    run, poisoned = llm.engine.runner.run, []
+
+    def nan_in_one_row(rows):  # noqa: ANN001, ANN202 - ModelRunner.run's signature
+        done = run(rows)
+        for row, logits in done:
+            if row.request.params.max_tokens == 7 and row.request.out_ids:
+                logits.fill_(float("nan"))
+                poisoned.append(row.request.request_id)
+        return done
+    llm.engine.runner.run = nan_in_one_row  # type: ignore[method-assign]
+    with live_server(llm) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
+
+        def healthy(prompt: str) -> str:
+            return client.completions.create(prompt=prompt, **GREEDY).choices[0].text
+
+        def victim() -> str:
+            with pytest.raises(openai.InternalServerError, match="NaN or infinite logits for this request"):
+                client.completions.create(prompt="Attack", model="demo-moe", max_tokens=7, temperature=0)
+            return "failed alone"
+
+        with ThreadPoolExecutor(4) as pool:
+            texts = [pool.submit(healthy, p) for p in PROMPTS[:3]] + [pool.submit(victim)]
+            assert [t.result() for t in texts] == [alone[p] for p in PROMPTS[:3]] + ["failed alone"]
+        assert poisoned
+        for extreme in ({"temperature": 1e-40}, {"repetition_penalty": 1e-300}, {"temperature": 1e-45}):
+            body = {"model": "demo-moe", "prompt": "Attack", "max_tokens": 4, **extreme}
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200, extreme
 
 
 def test_a_client_giving_up_on_a_non_streamed_request_frees_it(server):
