@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import threading
+import time
 from pathlib import Path
 
 from moepager.cli.generate import (
@@ -45,19 +47,33 @@ def run(args: argparse.Namespace, links: Links = Links()) -> int:
     announce_threads(args)
     llm.warm_batched_decode()  # --compile: concurrent requests decode through the compiled step from the first
     name = args.served_model_name or Path(args.model or llm.loaded.checkpoint.path).name  # a GGUF: its file name
-    print(f"serving {name} on http://{args.host}:{args.port} (web page at /, OpenAI API at /v1)", flush=True)
     app = create_app(llm, name, engine_thread=False)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                           access_log=not args.quiet))
+                                           access_log=not args.quiet, timeout_graceful_shutdown=STOP_GRACE_S))
     http = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     http.start()
+    while not server.started and http.is_alive():  # announce only once it listens
+        time.sleep(0.02)
+    if server.started:
+        print(f"serving {name} on http://{args.host}:{args.port} (web page at /, OpenAI API at /v1)", flush=True)
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops as Ctrl-C does
     try:  # the engine steps on the main thread (see AsyncEngine.start); Ctrl-C lands here and stops both
         app.state.engine.run(until=lambda: not http.is_alive())
     except KeyboardInterrupt:
         pass
     finally:
+        signal.signal(signal.SIGTERM, previous)
+        app.state.engine.shut_down("the server is shutting down")  # running streams end with an error and [DONE]
         server.should_exit = True
-        http.join(timeout=30)
+        http.join(timeout=STOP_GRACE_S + 5)
     if not server.started:
         raise MoepagerError(f"the server could not listen on {args.host}:{args.port} (in use, or not an address here?)")
     return 0
+
+
+STOP_GRACE_S = 2
+"""Seconds uvicorn waits for open connections once told to stop (the streams have been ended by then)."""
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

@@ -8,6 +8,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from tests.server.conftest import free_port
 
@@ -42,6 +43,36 @@ def test_serve_answers_and_stops_on_ctrl_c():
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
         assert "serving demo-moe" in proc.stdout.read()
+    finally:
+        proc.kill()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_stopping_mid_stream_ends_the_stream_with_an_error_and_done_and_exits_promptly(sig):
+    """Ctrl-C (or SIGTERM) while a long answer streams: within a couple of seconds the client reads the tokens so
+    far, an error event saying the server is shutting down, and [DONE]; the process exits 0 soon after (it once
+    kept the client waiting 32 s, then cut the stream with neither)."""
+    port = free_port()
+    proc = start(port)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc)
+        body = {"model": "demo-moe", "prompt": "The history of", "max_tokens": 3000, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            while len(events) < 3:
+                line = next(lines)
+                if line.startswith("data: "):
+                    events.append(line[6:])
+            proc.send_signal(sig)
+            stopped = time.monotonic()
+            events += [line[6:] for line in lines if line.startswith("data: ")]
+            ended = time.monotonic() - stopped
+        assert ended < 5, ended
+        assert events[-1] == "[DONE]" and "the server is shutting down" in events[-2], events[-3:]
+        assert proc.wait(timeout=10) == 0 and time.monotonic() - stopped < 10
     finally:
         proc.kill()
 
