@@ -1,22 +1,29 @@
 """One output discipline for every command: check output paths before any work, write under a temporary name
-in the same directory and rename when complete, and never clobber a directory that holds something.
+in the same directory and rename when complete, and never clobber what the user owns without `--force`.
 
-- `check_file(path, flag, replace)`: the directory must exist and take a new file (checked by creating and
-  removing a probe file in it: permission bits say nothing to root, nor about read-only or special file systems
-  such as /proc), the path must not be a directory, and an existing file is replaced only when `replace` says so;
-  missing parent directories are refused, not created (a typo must not build a tree at /).
-- `check_dir(path, flag, force)`: a directory output must not exist yet, or be empty, or `force` is given.
+- `check_file(path, flag, replace, inputs)`: an existing regular file is replaced only when `replace` says so (every
+  command's `--force`); the path must not be a directory or another kind of file, unless it is a character device
+  or a pipe (`/dev/null`, `/dev/stdout`, `/dev/fd/N`), which is written in place and never replaced; it must not be
+  one of the command's `inputs` nor lie inside an input directory (a checkpoint, a trace), `--force` or not; the
+  directory must exist and take a new file (checked by creating and removing a probe file in it: permission bits say
+  nothing to root, nor about read-only or special file systems such as /proc); missing parent directories are
+  refused, not created (a typo must not build a tree at /).
+- `check_dir(path, flag, force, inputs)`: a directory output must not exist yet, or be empty, or `force` is given;
+  and it must not be an input, lie inside one, or hold one (`quantize --out` the folder above `--model`), `--force`
+  or not.
 - `atomic_file(path)` / `atomic_dir(path, force)`: yield a temporary sibling to write into; on success it
   replaces `path` (with `force`, the old directory is removed only after the new one is complete), on any
-  error or interrupt it is deleted, so nothing half-written is ever left under the final name.
+  error or interrupt it is deleted, so nothing half-written is ever left under the final name. A device or a pipe
+  gets the finished bytes appended in place.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -39,14 +46,62 @@ def _writable_dir(directory: Path, flag: str, path: Path) -> None:
     os.unlink(probe)
 
 
-def check_file(path: str | os.PathLike[str] | None, flag: str, replace: bool = True) -> Path | None:
+Inputs = Mapping[str, "str | os.PathLike[str] | None"]
+"""A command's inputs by the option (or argument) that names each: `{"--model": path, "TRACE": trace}`."""
+
+
+def writes_in_place(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is written in place: a character device or a pipe (or a name for one under /dev, such as
+    /dev/stdout, whatever it points at), never replaced by a renamed file."""
+    p = Path(path).expanduser()
+    if str(p).startswith(("/dev/std", "/dev/fd/", "/proc/self/fd/")):
+        return True
+    try:
+        mode = p.stat().st_mode
+    except OSError:
+        return False
+    return stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)
+
+
+def _kind(path: Path) -> str:
+    mode = path.stat().st_mode
+    return ("a directory" if stat.S_ISDIR(mode) else "a block device" if stat.S_ISBLK(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+
+
+def _not_an_input(out: Path, flag: str, inputs: Inputs, holds: bool = False) -> None:
+    """Refuse an output that is one of the inputs or lies inside an input directory (and with `holds`, an output
+    directory that holds an input)."""
+    target = out.resolve()
+    for name, given in inputs.items():
+        if given is None:
+            continue
+        source = Path(given).expanduser().resolve()
+        if target == source:
+            raise OutputError(f"{flag} {out} is this command's input ({name}); write elsewhere")
+        if source.is_dir() and target.is_relative_to(source):
+            raise OutputError(f"{flag} {out} lies inside {source}, this command's input ({name}); write elsewhere")
+        if holds and source.is_relative_to(target):
+            raise OutputError(f"{flag} {out} holds {source}, this command's input ({name}), which writing it would "
+                              "replace; write elsewhere")
+
+
+def check_file(path: str | os.PathLike[str] | None, flag: str, replace: bool = False,
+               inputs: Inputs | None = None) -> Path | None:
     """`path` can be written as a file (None passes: the output was not asked for); an existing file is refused
-    unless `replace`."""
+    unless `replace` (`--force`), an input always."""
     if path is None:
         return None
     out = Path(path).expanduser()
-    if out.is_dir():
-        raise OutputError(f"{flag} {out} is a directory; give a file name")
+    if writes_in_place(out):
+        if not os.access(out, os.W_OK):
+            raise OutputError(f"{flag} {out} is not writable")
+        return out
+    if out.exists() and not out.is_file():
+        if out.is_dir():
+            raise OutputError(f"{flag} {out} is a directory; give a file name")
+        raise OutputError(f"{flag} {out} is {_kind(out)}; give the name of a file to write")
+    _not_an_input(out, flag, inputs or {})
     if out.exists() and not replace:
         raise OutputError(f"{flag} {out} already exists; choose another name or pass --force to replace it")
     if out.exists() and not os.access(out, os.W_OK):
@@ -55,11 +110,13 @@ def check_file(path: str | os.PathLike[str] | None, flag: str, replace: bool = T
     return out
 
 
-def check_dir(path: str | os.PathLike[str], flag: str, force: bool) -> Path:
-    """`path` can become an output directory: absent, empty, or replaced because `force` says so."""
+def check_dir(path: str | os.PathLike[str], flag: str, force: bool, inputs: Inputs | None = None) -> Path:
+    """`path` can become an output directory: absent, empty, or replaced because `force` says so; never an input's
+    folder, nor one inside or around an input."""
     out = Path(path).expanduser()
     if out.exists() and not out.is_dir():
         raise OutputError(f"{flag} {out} exists and is not a directory")
+    _not_an_input(out, flag, inputs or {}, holds=True)
     if out.is_dir() and any(out.iterdir()) and not force:
         raise OutputError(f"{flag} {out} already holds files; choose another directory or pass --force to "
                           f"replace it")
@@ -69,8 +126,17 @@ def check_dir(path: str | os.PathLike[str], flag: str, force: bool) -> Path:
 
 @contextmanager
 def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """A temporary path beside `path`; renamed to `path` when the block completes, deleted if it fails."""
+    """A temporary path beside `path`; renamed to `path` when the block completes, deleted if it fails. A device or
+    a pipe (`writes_in_place`) gets the finished bytes appended instead (appended: `/dev/stdout` may be a file the
+    shell opened, holding what the command printed before)."""
     out = Path(path)
+    if writes_in_place(out):
+        with tempfile.TemporaryDirectory(prefix="moepager-out-") as folder:
+            tmp = Path(folder) / f"out{out.suffix}"
+            yield tmp
+            with open(tmp, "rb") as src, open(out, "ab") as dst:
+                shutil.copyfileobj(src, dst)
+        return
     tmp = out.with_name(f".{out.stem}.partial-{os.getpid()}{out.suffix}")  # the suffix stays: it names the format
     try:
         yield tmp

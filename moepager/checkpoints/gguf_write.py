@@ -214,7 +214,7 @@ def export_gguf(model: str | os.PathLike[str], out: str | os.PathLike[str], type
         raise ConfigError(f"unknown --type '{type_}'; choose from {', '.join(EXPORT_TYPES)}")
     if dense_type is not None and dense_type not in DENSE_EXPORT_TYPES:
         raise ConfigError(f"unknown --dense-type '{dense_type}'; choose from {', '.join(DENSE_EXPORT_TYPES)}")
-    out_path = check_file(out, "--out", replace=force)
+    out_path = check_file(out, "--out", replace=force, inputs={"--model": model})
     assert out_path is not None
     checkpoint = Checkpoint(model)
     cfg = _exportable(checkpoint)

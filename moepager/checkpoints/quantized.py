@@ -137,9 +137,7 @@ def quantize_checkpoint(model: str | os.PathLike[str], out: str | os.PathLike[st
     arch = architecture_for(checkpoint.config)
     cfg = arch.parse_config(checkpoint.config)
     check_shape(cfg.hidden_size, cfg.expert_intermediate_size, fmt)
-    out_dir = check_dir(out, "--out", force)
-    if out_dir.resolve() == checkpoint.path.resolve():
-        raise ConfigError("--out must differ from --model")
+    out_dir = check_dir(out, "--out", force, {"--model": checkpoint.path})
     shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, checkpoint_dtype(checkpoint))
     reader = ExpertReader(checkpoint, arch.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0, "off")
     replaced = expert_tensor_names(reader, cfg.moe_layers, cfg.num_experts)

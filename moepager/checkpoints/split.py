@@ -86,9 +86,7 @@ def split_checkpoint(model: str | os.PathLike[str], out: str | os.PathLike[str],
     if f % parts:
         raise ConfigError(f"{parts} parts do not divide the experts' intermediate size {f}; choose from "
                           f"{', '.join(str(p) for p in PARTS if f % p == 0) or 'none'}")
-    out_dir = check_dir(out, "--out", force)
-    if out_dir.resolve() == checkpoint.path.resolve():
-        raise ConfigError("--out must differ from --model")
+    out_dir = check_dir(out, "--out", force, {"--model": checkpoint.path})
     shape = ExpertShape(d, f, checkpoint_dtype(checkpoint))
     reader = ExpertReader(checkpoint, arch.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0, "off")
     replaced = expert_tensor_names(reader, cfg.moe_layers, cfg.num_experts)

@@ -27,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt length at which to measure the non-expert prefill time (default 64; use the length "
                         "you will model: attention grows faster than linearly)")
     p.add_argument("--out", metavar="PROFILE.json", help="write the profile here (for simulate --profile)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out file")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         raise MoepagerError(f"--io-threads must be >= 1, got {args.io_threads}")
     if args.prefill_tokens < 2:
         raise MoepagerError(f"--prefill-tokens must be >= 2, got {args.prefill_tokens}")
-    out = check_file(args.out, "--out")
+    out = check_file(args.out, "--out", args.force, {"--model": args.model or str(default_model_path())})
     path = args.model or default_model_path()
     steps = STEPS + (1 if args.device.startswith("cuda") else 0)
     with tqdm(total=steps, desc="calibrating", unit="step", disable=args.quiet) as bar:

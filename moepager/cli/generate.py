@@ -58,6 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--record-hidden", action="store_true",
                    help="with --record-trace: also record every router input (float16; token-wise predictor training)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--force", action="store_true", help="replace an existing --stats-json or --record-trace file")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -322,8 +323,17 @@ def refuse_ignored_options(args: argparse.Namespace) -> None:
     refuse_ignored_engine_options(args)
     if args.record_trace and args.stats_json and Path(args.record_trace).resolve() == Path(args.stats_json).resolve():
         raise MoepagerError("--record-trace and --stats-json name the same file")
-    check_file(args.record_trace, "--record-trace")
-    check_file(args.stats_json, "--stats-json")
+    inputs = generate_inputs(args)
+    check_file(args.record_trace, "--record-trace", args.force, inputs)
+    check_file(args.stats_json, "--stats-json", args.force, inputs)
+
+
+def generate_inputs(args: argparse.Namespace) -> dict[str, str | None]:
+    """What a generate run reads, by the option naming it (an output may be none of them)."""
+    model = args.model or str(default_model_path())
+    files = {f"--prompt-file {p}": p for p in args.prompt_file if p != "-"}
+    return {"--model": model, **files, "--predictor-file": args.predictor_file, "--route-from": args.route_from,
+            "--layer-plan": args.layer_plan, "--profile": args.profile}
 
 
 def refuse_ignored_engine_options(args: argparse.Namespace) -> None:

@@ -53,10 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--theta", type=float, metavar="θ",
                    help="every layer split at this ratio (0 < θ <= 1) instead of the configurator's choice")
     p.add_argument("--json", metavar="PATH", help="write the plan and the comparison as JSON")
+    p.add_argument("--force", action="store_true", help="replace an existing --json file")
 
 
 def run(args: argparse.Namespace) -> int:
-    json_out = check_file(args.json, "--json")
+    json_out = check_file(args.json, "--json", args.force, {"TRACE": args.trace, "--profile": args.profile})
     with TraceReader(args.trace) as reader:
         count, header = len(reader), reader.header
     split = max(1, min(count - 1, round(0.7 * count))) if count > 1 else count

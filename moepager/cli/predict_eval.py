@@ -38,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="gate-lookahead: the checkpoint whose routers to apply (the trace's model)")
     p.add_argument("--per-layer", action="store_true", help="also print recall@top-k per layer")
     p.add_argument("--json", metavar="PATH", help="write every result (with per-layer figures) as JSON")
+    p.add_argument("--force", action="store_true", help="replace an existing --json file")
     p.add_argument("--head-hidden", type=int, metavar="H",
                    help=f"head: fit it with an MLP of H hidden units per layer beside the linear head (0: linear; "
                         f"default: linear or {DEFAULT_HIDDEN}, chosen on held-out training requests)")
@@ -90,7 +91,7 @@ def check_needs(names: list[str], reader: TraceReader, model: str | None) -> Non
 def run(args: argparse.Namespace) -> int:
     names = [n.strip() for n in args.predictor.split(",") if n.strip()]
     distances = parse_ints(args.distance, "--distance", {"pass": PASS})
-    json_out = check_file(args.json, "--json")
+    json_out = check_file(args.json, "--json", args.force, {"--trace": args.trace, "--model": args.model})
     results: list[PredictEval] = []
     with TraceReader(args.trace) as reader:
         h = reader.header

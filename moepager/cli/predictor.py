@@ -42,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--kind", required=True, choices=FITTED)
     f.add_argument("--trace", required=True, help="trace file (moepager format)")
     f.add_argument("--out", required=True, help="predictor file to write")
+    f.add_argument("--force", action="store_true", help="replace an existing --out file")
     f.add_argument("--distances", help="transition, head: prefetch distances to fit (default 1,2,3; the head also L, "
                                         "the trace's MoE layers: the next token's forecast PLEC evicts by)")
     f.add_argument("--capacity", type=int, help="expert-map: maps kept (default 1000)")
@@ -115,7 +116,7 @@ def fit_config(kind: str, args: argparse.Namespace, distances: tuple[int, ...]) 
 
 
 def run(args: argparse.Namespace) -> int:
-    out = check_file(args.out, "--out")
+    out = check_file(args.out, "--out", args.force, {"--trace": args.trace})
     with TraceReader(args.trace) as reader:
         if args.kind == "token-wise" and (not len(reader) or reader.request(0).hidden_TLD is None):
             raise PredictorError(f"token-wise learns from router inputs, which {args.trace} does not hold; record a "

@@ -26,6 +26,8 @@ from moepager.trace.report import format_table, plot_hit_rates, summary, with_ga
 from moepager.trace.simulate import FORECASTS, Forecasts, SimSpec, check_spec, simulate
 from moepager.trace.workload import Cut, Workload, chosen_requests, load_workload, parse_requests
 
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+"""The picture formats `--plot` writes (matplotlib's, by the file's suffix)."""
 HELP = "replay a routing trace through cache policies: hit rates, traffic and modeled TPOT/TTFT"
 
 
@@ -85,6 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dense-bytes-per-layer", type=int, default=0, help="cost model: non-expert weights per layer")
     p.add_argument("--json", help="write the rows (with per-layer hit rates) to this JSON file")
     p.add_argument("--plot", help="write hit rate vs capacity per policy to this PNG")
+    p.add_argument("--force", action="store_true", help="replace an existing --json or --plot file")
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
@@ -256,7 +259,12 @@ def workload(args: argparse.Namespace, cut: Cut) -> Workload:
 
 
 def run(args: argparse.Namespace) -> int:
-    json_out, plot_out = check_file(args.json, "--json"), check_file(args.plot, "--plot")
+    inputs = {"TRACE": args.trace, "--profile": args.profile, "--prior": args.prior}
+    json_out = check_file(args.json, "--json", args.force, inputs)
+    plot_out = check_file(args.plot, "--plot", args.force, inputs)
+    if plot_out is not None and plot_out.suffix.lower() not in PLOT_SUFFIXES:
+        raise MoepagerError(f"--plot {plot_out}: name a picture file ({', '.join(PLOT_SUFFIXES)}); matplotlib "
+                            "writes the format its suffix names")
     if plot_out is not None:
         require_matplotlib("--plot")
     cut = Cut(args.route_prompt, args.decode_steps, args.layers)

@@ -26,6 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--format", required=True, choices=sorted(CONVERTERS), help="the source format")
     c.add_argument("src", help="source file or folder (searched recursively)")
     c.add_argument("dst", help="trace file to write (e.g. traces/deepseek.mpt)")
+    c.add_argument("--force", action="store_true", help="replace an existing DST file")
     c.add_argument("--model", help="model name for the header (default: the published set's model)")
     c.add_argument("--num-experts", type=int, help="experts per layer (default: known or largest id + 1)")
     c.add_argument("--top-k", type=int, help="top-k (olmoe-counts: inferred from a sibling *_top1 folder)")
@@ -37,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        description="how skewed and how local a trace's routing is, per MoE layer")
     s.add_argument("path", help="trace file")
     s.add_argument("--json", metavar="PATH", help="also write the statistics as JSON")
+    s.add_argument("--force", action="store_true", help="replace an existing --json file")
 
 
 def _progress(items: Iterable[Any], total: int) -> Iterable[Any]:
@@ -47,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     if args.trace_command == "info":
         return _info(args.path)
     if args.trace_command == "stats":
-        json_out = check_file(args.json, "--json")
+        json_out = check_file(args.json, "--json", args.force, {"PATH": args.path})
         with TraceReader(args.path) as reader:
             total = len(reader)
         with tqdm(total=total, unit="request", desc="reading", leave=False) as bar:
@@ -60,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
     opts = ConvertOptions(model=args.model, num_experts=args.num_experts, top_k=args.top_k,
                           expert_bytes=args.expert_bytes, layers=layers)
-    summary = convert(args.format, args.src, args.dst, opts, _progress)
+    summary = convert(args.format, args.src, args.dst, opts, _progress, replace=args.force)
     dropped = f", {summary.missing_entries} expert entries missing in the source" if summary.missing_entries else ""
     priors = f", {summary.priors} priors" if summary.priors else ""
     print(f"wrote {args.dst}: {summary.requests} requests, {summary.tokens} tokens{dropped}{priors}")

@@ -39,6 +39,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from moepager.atomic_io import atomic_file
 from moepager.errors import MoepagerError
 from moepager.experts.hybrid import ExpertTimes
 
@@ -165,11 +166,11 @@ class CalibratedProfile:
     """Every raw measurement, for the record."""
 
     def write(self, path: str | os.PathLike[str]) -> None:
-        """Written to a temporary name beside `path`, then renamed: a reader never sees half a profile."""
-        out = Path(path)
-        tmp = out.with_name(out.name + ".partial")
-        tmp.write_text(json.dumps({"kind": PROFILE_KIND, "version": PROFILE_VERSION, **asdict(self)}, indent=1) + "\n")
-        os.replace(tmp, out)
+        """Written to a temporary name beside `path`, then renamed (atomic_io.py): a reader never sees half a
+        profile."""
+        with atomic_file(path) as tmp:
+            tmp.write_text(json.dumps({"kind": PROFILE_KIND, "version": PROFILE_VERSION, **asdict(self)}, indent=1)
+                           + "\n")
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> CalibratedProfile:

@@ -348,12 +348,13 @@ CONVERTERS: dict[str, Converter] = {
 
 
 def convert(fmt: str, src: str | Path, dst: str | Path, opts: ConvertOptions = ConvertOptions(),
-            progress: Progress = no_progress) -> ConvertSummary:
+            progress: Progress = no_progress, replace: bool = False) -> ConvertSummary:
+    """Convert `src` into a moepager trace at `dst` (an existing `dst` only with `replace`)."""
     if fmt not in CONVERTERS:
         raise TraceError(f"unknown trace format '{fmt}'; choose from {sorted(CONVERTERS)}")
     src, dst = Path(src), Path(dst)
     if dst.exists() and dst.resolve() == src.resolve():
         raise TraceError("the destination is the source; choose another file")
-    check_file(dst, "destination")
+    check_file(dst, "destination", replace, {"SRC": src})
     with atomic_file(dst) as partial:
         return CONVERTERS[fmt](src, partial, opts, progress)
