@@ -8,6 +8,7 @@ cast to the run's dtype while still empty, materialised, and filled with the non
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -25,6 +26,7 @@ from moepager.checkpoints.quantized import expert_format, stored_format
 from moepager.checkpoints.safetensors import Checkpoint, load_module_weights
 from moepager.checkpoints.split import SplitLayout, layout_of
 from moepager.config import DENSE_FORMATS, DirectIO, EngineConfig, Kernel
+from moepager.errors import CheckpointError
 from moepager.experts.executor import ExpertExecutor, PackedExecutor, ResidentExecutor
 from moepager.experts.quant import check_shape
 from moepager.experts.split import SplitExecutor
@@ -187,12 +189,29 @@ class OpenCheckpoint:
         return dense + self.paging.num_moe_layers * self.paging.num_experts * self.reader.shape.nbytes
 
 
+LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def check_layers_stored(checkpoint: Checkpoint, cfg: ModelConfig) -> None:
+    """The checkpoint's decoder-layer tensors are those of config.json's layers: weights of layers past them (a
+    num_hidden_layers edited down) would be ignored in silence. DeepSeek-V3's multi-token-prediction layers
+    (`num_nextn_predict_layers`) follow the last decoder layer and are allowed."""
+    extra = int(cfg.raw.get("num_nextn_predict_layers") or 0)
+    stored = {int(m.group(1)) for name in checkpoint.locations if (m := LAYER_NAME.search(name))}
+    beyond = sorted(i for i in stored if i >= cfg.num_layers + extra)
+    if beyond:
+        raise CheckpointError(f"{checkpoint.path} holds weights of decoder layers up to {max(stored)}, but its "
+                              f"config.json says num_hidden_layers {cfg.num_layers}: layers {beyond[0]}.."
+                              f"{beyond[-1]} would be ignored; fix config.json")
+
+
 def open_checkpoint(path: str | os.PathLike[str], options: LoadOptions) -> OpenCheckpoint:
     """The checkpoint at `path` opened for a run with `options` (clear errors for options it cannot take)."""
     check_dense_dtype(options.dense_dtype, options.device)
     checkpoint = Checkpoint(path)
     arch = architecture_for(checkpoint.config)
     cfg = arch.parse_config(checkpoint.config)
+    check_layers_stored(checkpoint, cfg)
     split = layout_of(checkpoint.config, cfg)
     dtype = options.dtype or checkpoint_dtype(checkpoint)
     dev = torch.device(options.device)

@@ -1,10 +1,12 @@
-"""Entry point: parse the command line, run one command, turn user errors into one line and exit code 2."""
+"""Entry point: parse the command line, run one command, turn user errors into one line and exit code 2 (and, as the
+last resort, any other error too: its traceback only with MOEPAGER_DEBUG=1)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from importlib import metadata
 
@@ -53,6 +55,22 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+DEBUG_ENV = "MOEPAGER_DEBUG"
+"""Set to 1 to see the traceback of an unexpected error beside its one line."""
+
+
+def unexpected(command: str, error: BaseException) -> str:
+    """The one line for an error no check foresaw: the command, what the error says (and the file it names)."""
+    if isinstance(error, OSError) and error.strerror:
+        where = f" ({error.filename})" if error.filename else ""
+        what = f"{error.strerror}{where}"
+    else:
+        what = " ".join(str(error).split()) or type(error).__name__
+    what = what if len(what) <= 300 else what[:297] + "..."
+    return (f"error: {command} failed unexpectedly: {type(error).__name__}: {what} (set {DEBUG_ENV}=1 for the "
+            "traceback)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -70,6 +88,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+    except Exception as e:  # the last resort: what no check caught is still one line and exit code 2
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            traceback.print_exc()
+        print(unexpected(args.command, e), file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

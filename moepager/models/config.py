@@ -58,6 +58,32 @@ class ModelConfig:
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
     """The whole config.json, for architecture-specific settings."""
 
+    def __post_init__(self) -> None:
+        """The architecture's invariants, checked when config.json is read (a bad value otherwise surfaces as a
+        traceback at the first forward, or as a model that silently computes something else)."""
+        positive = {"vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+                    "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+                    "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                    "max_position_embeddings": self.max_position_embeddings}
+        for key, value in positive.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise CheckpointError(f"config.json: {key} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError(f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "
+                                  f"num_key_value_heads ({self.num_kv_heads})")
+        if any(not 0 <= layer < self.num_layers for layer in self.moe_layers):
+            raise CheckpointError(f"config.json: MoE layers {list(self.moe_layers)} lie outside the model's "
+                                  f"{self.num_layers} layers")
+        if self.moe_layers:
+            if self.num_experts < 1 or self.expert_intermediate_size < 1:
+                raise CheckpointError(f"config.json: a MoE model needs experts (num_experts {self.num_experts}, "
+                                      f"expert intermediate size {self.expert_intermediate_size})")
+            if not 1 <= self.top_k <= self.num_experts:
+                raise CheckpointError(f"config.json: num_experts_per_tok ({self.top_k}) must be between 1 and the "
+                                      f"number of experts ({self.num_experts})")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise CheckpointError(f"config.json: sliding_window must be positive, got {self.sliding_window}")
+
     @property
     def num_moe_layers(self) -> int:
         return len(self.moe_layers)
