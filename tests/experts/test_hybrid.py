@@ -189,7 +189,7 @@ def test_generate_runs_each_execution_and_reports_it(demo_checkpoint, tmp_path, 
     for args in (["--execution", "hybrid", "--expert-memory", "25%", "--cpu-threads", "1"],
                  ["--execution", "cpu-experts"], ["--execution", "auto", "--expert-memory", "25%"], []):
         assert main(["generate", "--model", str(demo_checkpoint), "--max-tokens", "8", "--temperature", "0",
-                     "--ignore-eos", "--stats-json", str(tmp_path / "s.json"), "The history of", *args]) == 0
+                     "--ignore-eos", "--stats-json", str(tmp_path / "s.json"), "--force", "The history of", *args]) == 0
         printed = capsys.readouterr()
         out[args[1] if args else "default"] = (printed.out.split("\n\n")[0], printed.out + printed.err)
     assert len({text for text, _ in out.values()}) == 1  # the same greedy text every way

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from moepager.runtime.llm import LLM
@@ -264,9 +265,9 @@ def test_a_request_whose_row_fails_fails_alone_and_the_rows_beside_it_finish(alo
 
     def nan_in_one_row(rows):  # noqa: ANN001, ANN202 - ModelRunner.run's signature
         done = run(rows)
-        for row, logits in done:
+        for i, (row, logits) in enumerate(done):
             if row.request.params.max_tokens == 7 and row.request.out_ids:
-                logits.fill_(float("nan"))
+                done[i] = (row, torch.full_like(logits, float("nan")))
                 poisoned.append(row.request.request_id)
         return done
     llm.engine.runner.run = nan_in_one_row  # type: ignore[method-assign]

@@ -110,7 +110,7 @@ def test_the_head_is_fitted_as_the_clis_say(tmp_path, capsys):
     for layers, want in ((5, {1, 2, 3, 5}), (2, {1, 2})):
         deep = random_trace(tmp_path / f"t{layers}.mpt", layers=layers)
         assert main(["predictor", "fit", "--kind", "head", "--trace", str(deep), "--out", str(tmp_path / "d.pt"),
-                     "--head-epochs", "1"]) == 0
+                     "--head-epochs", "1", "--force"]) == 0
         assert {int(d) for d in torch.load(tmp_path / "d.pt")["models"]} == want  # (no tokens: no pass head)
 
 
