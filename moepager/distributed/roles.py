@@ -58,9 +58,9 @@ def launch(config: EngineConfig, main: Callable[[EngineConfig, Links], int]) -> 
         else:
             expert_worker(config, path, rank, links).serve()
         return 0
-    except MoepagerError as e:
+    except MoepagerError as e:  # a user's error, as a single process reports it: exit code 2
         print(f"error (rank {rank}): {e}", file=sys.stderr)
-        return 1
+        return 2
     except RuntimeError as e:  # a worker whose main rank went away: nothing left to answer
         if rank == 0:
             raise

@@ -237,13 +237,22 @@ class RemoteExecutor:
                 lost[rank] = self._reason(rank, layer, e)
         weighted = fused_takes(self.fused, n)  # the workers' batches decide alike
         y_MD = torch.empty(work.x_MD.shape, dtype=torch.float32 if weighted else x.dtype)
+        # every answer's receive is posted before any is awaited: a worker's send completes once its receive is
+        # posted, so awaiting a silent worker first would leave the healthy ones' sends to time out too (and with
+        # failover the run then lost them all)
+        answers = []
         for rank, which in by_rank.items():
             if rank in lost:
                 continue
             index = work.rows_of(which)
             rows = torch.empty(len(index), x.shape[1], dtype=y_MD.dtype)
+            try:
+                answers.append((rank, index, rows, dist.irecv(rows, rank, group=self.links.of(rank))))
+            except RuntimeError as e:
+                lost[rank] = self._reason(rank, layer, e)
+        for rank, index, rows, received in answers:
             try:  # every answer is taken, even after a loss: the workers' streams stay in step
-                dist.irecv(rows, rank, group=self.links.of(rank)).wait(timeout=self.timeout)
+                received.wait(timeout=self.timeout)
             except RuntimeError as e:
                 lost[rank] = self._reason(rank, layer, e)
                 if _timed_out(e):

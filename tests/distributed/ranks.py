@@ -1,7 +1,7 @@
 """Run under torchrun by tests/distributed/test_workers.py: rank 0 generates greedy tokens from token-id prompts on
 each checkpoint with its experts on the other ranks, and writes them to OUT; the workers serve each checkpoint in turn.
-MOEPAGER_TEST_FAULT=die|hang makes rank 2 exit, or stop answering, at its third layer call (hang-shadow: the shadow
-rank, at its third pass); MOEPAGER_TEST_ON_LOSS is
+MOEPAGER_TEST_FAULT=die|hang|stop makes rank 2 (MOEPAGER_TEST_FAULT_RANK) exit, stop answering, or stop (SIGSTOP, as
+`kill -STOP` does) at its third layer call (hang-shadow: the shadow rank, at its third pass); MOEPAGER_TEST_ON_LOSS is
 the run's --on-worker-loss (stop by default), MOEPAGER_TEST_PREDICTOR its --predictor, MOEPAGER_TEST_SHADOW=1 makes
 rank 1 the shadow (--shadow), MOEPAGER_TEST_ALIGN its --align-period, MOEPAGER_TEST_LINK_TIMEOUT the links' timeout
 (20 s by default; the layer calls' is 3 s)."""
@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -48,7 +49,7 @@ def main() -> int:
                 time.sleep(60)
             return run(self, *args)
         Shadow._run = stuck
-    elif fault in ("die", "hang") and rank == 2:
+    elif fault in ("die", "hang", "stop") and rank == int(os.environ.get("MOEPAGER_TEST_FAULT_RANK", "2")):
         compute, calls = ExpertWorker.compute, [0]
 
         def faulty(self, *args):  # noqa: ANN001, ANN202
@@ -56,6 +57,8 @@ def main() -> int:
             if calls[0] == 3:
                 if fault == "die":
                     os._exit(1)
+                if fault == "stop":  # as `kill -STOP`: the process answers nothing, takes nothing
+                    os.kill(os.getpid(), signal.SIGSTOP)
                 time.sleep(60)
             return compute(self, *args)
         ExpertWorker.compute = faulty

@@ -195,6 +195,22 @@ def test_failover_leaves_a_silent_worker_behind_and_loses_no_token(hf_checkpoint
     assert len(workers) == 2 and all(w["calls"] > 0 for w in workers)
 
 
+def test_failover_leaves_a_stopped_first_worker_behind_and_the_others_answer(hf_checkpoint, tmp_path):
+    """`kill -STOP` on the first of 3 workers (rank 1, whose answer the main rank would await first) at its third
+    layer call, with failover: the healthy workers' answers are taken while rank 1 stays silent (every receive is
+    posted before any is awaited), so only rank 1 is lost, and every token is the single-process one. (Awaiting rank 1
+    first once left the others' sends to time out too: "every worker is lost".)"""
+    path = str(hf_checkpoint("olmoe")[1])
+    out = tmp_path / "tokens.json"
+    codes = spawn(4, "tests/distributed/ranks.py", str(out), "3", path,  # one group of 3: every call asks all
+                  env={"MOEPAGER_TEST_FAULT": "stop", "MOEPAGER_TEST_FAULT_RANK": "1",
+                       "MOEPAGER_TEST_ON_LOSS": "failover"})
+    assert codes[0] == 0
+    got = json.loads(out.read_text())
+    assert got[path + " lost"] == [1] and got[path] == single_process(path)
+    assert len(got[path + " workers"]) == 2
+
+
 def test_failover_tells_the_shadow_rank_the_new_placement(hf_checkpoint, tmp_path):
     """--shadow with failover: the first worker (rank 2) dies; the workers left and the shadow rank are given the new
     placement (a shadow that did not take the message would fail the run), and the tokens are the single-process
