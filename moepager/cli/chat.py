@@ -88,6 +88,8 @@ class Chat:
         finally:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
+        if not request.text.text and not stop.is_set():  # (the model ended its answer at once: say so)
+            write("(empty answer)")
         self.messages.append({"role": "assistant", "content": request.text.text})
         self.last = request
         return request.text.text
