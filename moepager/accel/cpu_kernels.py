@@ -29,6 +29,7 @@ report. Paged and resident layers run the same code in the same order, so they a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -101,8 +102,9 @@ def unsupported_reason() -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def _compiler() -> str:
-    """The C++ compiler's version line (part of a build's key)."""
+    """The C++ compiler's version line (part of a build's key; asked once per process)."""
     try:
         out = subprocess.run([os.environ.get("CXX", "c++"), "--version"], capture_output=True, text=True, timeout=30)
         return out.stdout.splitlines()[0] if out.stdout else "unknown"

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from moepager.accel import cpu_kernels
 from moepager.runtime.engine import Engine, StepStats
 from moepager.runtime.request import Request
 
@@ -111,7 +112,7 @@ class Metrics:
                 "tokens_per_s": self.tokens_per_s(),
                 "kv_cache": {"blocks_used": pool.num_blocks - 1 - len(pool.free), "blocks": pool.num_blocks - 1,
                              "block_size": pool.block_size},
-                "experts": self.experts()}
+                "experts": self.experts(), "cpu_kernels": cpu_kernels.chosen_tier()}
 
     def prometheus(self) -> bytes:
         """The exposition of every metric (one snapshot of the engine and store)."""

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -310,3 +311,29 @@ def test_the_avx2_tier_runs_on_a_cpu_without_avx512(tmp_path, portable_lines):
     assert harness_lines([qemu, "-cpu", "Haswell", str(exe)]) == portable_lines
     wide = build_harness(cpu_tiers.BY_NAME["avx512-bf16"], tmp_path)
     assert subprocess.run([qemu, "-cpu", "Haswell", str(wide)], capture_output=True).returncode == -signal.SIGILL
+
+
+def test_the_server_answers_the_same_text_on_every_tier():
+    """`moepager serve` on each tier (MOEPAGER_CPU_TIER in its environment): a greedy completion from the official
+    client is the native tier's text, and /v1/stats names the tier."""
+    openai = pytest.importorskip("openai")
+    from tests.cli.test_serve import wait_healthy
+    from tests.server.conftest import free_port
+
+    texts = {}
+    for name in OUR_TIERS:
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "moepager.cli.main", "serve", "--port", str(port), "--quiet"],
+                                env={**os.environ, "MOEPAGER_CPU_TIER": name}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_healthy(url, proc)
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
+            texts[name] = client.completions.create(model="demo-moe", prompt="The history of", max_tokens=16,
+                                                    temperature=0).choices[0].text
+            assert httpx.get(f"{url}/v1/stats").json()["cpu_kernels"] == name
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=30)
+    assert len(set(texts.values())) == 1 and texts[OUR_TIERS[0]].strip(), texts
