@@ -19,9 +19,11 @@ in the same directory and rename when complete, and never clobber what the user 
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -125,6 +127,64 @@ def check_dir(path: str | os.PathLike[str], flag: str, force: bool, inputs: Inpu
 
 
 @contextmanager
+def _full_disk_named(out: Path) -> Iterator[None]:
+    """An OSError while writing `out` on a file system that is now full is said as the full disk it is (errno
+    ENOSPC, naming `out`), whatever the writer made of it (the gguf package: "2097152 requested and 1088256
+    written")."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        try:
+            full = shutil.disk_usage(out.parent).free < (1 << 20)
+        except OSError:
+            full = False
+        if not full:
+            raise
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out)) from e
+
+
+SPACE_MARGIN = 64 << 20
+"""Free space kept beyond what an output needs (a file system that fills up slows and fails for everyone)."""
+
+
+def check_space(directory: Path, needed: int, what: str) -> None:
+    """Refuse, before any work, an output of `needed` bytes that the file system of `directory` cannot take."""
+    free = shutil.disk_usage(directory).free
+    if needed + SPACE_MARGIN > free:
+        raise OutputError(f"{what}: needs {needed / 1e9:.2f} GB, and {free / 1e9:.2f} GB are free on {directory}'s "
+                          "file system; free space or write elsewhere")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def clear_stale(out: Path) -> None:
+    """Remove the temporary siblings of `out` that a run killed mid-write left (`.NAME.partial-PID`, `.NAME.old-PID`
+    of a process no longer alive), saying so: a SIGKILLed split once left 1.6 GB behind that no run cleaned."""
+    if not out.parent.is_dir():
+        return
+    for pattern in (f".{out.name}.partial-*", f".{out.name}.old-*", f".{out.stem}.partial-*{out.suffix}"):
+        for stale in out.parent.glob(pattern):
+            pid = stale.name.rsplit("-", 1)[-1].split(".", 1)[0]
+            if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+                continue
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
+            print(f"moepager: removed {stale}, left by a run that was stopped while writing {out}", file=sys.stderr)
+
+
+@contextmanager
 def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
     """A temporary path beside `path`; renamed to `path` when the block completes, deleted if it fails. A device or
     a pipe (`writes_in_place`) gets the finished bytes appended instead (appended: `/dev/stdout` may be a file the
@@ -137,9 +197,11 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
             with open(tmp, "rb") as src, open(out, "ab") as dst:
                 shutil.copyfileobj(src, dst)
         return
+    clear_stale(out)
     tmp = out.with_name(f".{out.stem}.partial-{os.getpid()}{out.suffix}")  # the suffix stays: it names the format
     try:
-        yield tmp
+        with _full_disk_named(out):
+            yield tmp
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
@@ -150,11 +212,13 @@ def atomic_dir(path: str | os.PathLike[str], force: bool = False) -> Iterator[Pa
     """A temporary directory beside `path`; it becomes `path` when the block completes (an existing `path`
     is removed then, only with `force`), and is deleted if the block fails or is interrupted."""
     out = Path(path)
+    clear_stale(out)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        yield tmp
+        with _full_disk_named(out):
+            yield tmp
         if out.exists():
             if any(out.iterdir()) and not force:
                 raise OutputError(f"{out} was filled by something else while writing; the new output is not moved "

@@ -7,6 +7,7 @@ model's experts) is checked where the engine is built (runtime/builder.py).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -29,6 +30,11 @@ INT4_GROUPS = (32, 64, 128)
 DENSE_FORMATS = {"int8": "int8", "int8-a8": "int8 (activations quantized to 8 bits)"}
 """`--dense-dtype` choices and how a run reports each (accel/dense_quant.py)."""
 DENSE_DTYPES = tuple(DENSE_FORMATS)
+MAX_COUNT = 2**40
+"""The largest count an option takes (tokens, threads, steps): beyond, nothing this machine holds is that big, and
+Python's integers would reach torch and C as overflows."""
+MAX_WORKER_TIMEOUT_S = 86400.0
+"""The longest --worker-timeout (a day; gloo's timeouts are integral milliseconds, and beyond they overflow)."""
 DirectIO = Literal["auto", "on", "off"]
 """O_DIRECT disk reads (checkpoints/disk.py): where the file system allows, required, or never."""
 
@@ -51,6 +57,8 @@ class Budget:
     def parse(cls, text: str, flag: str = "budget") -> Budget:
         if text.strip().lower() == "all":
             return cls(fraction=1.0, text=text)
+        if text.strip().startswith("-"):
+            raise BudgetError(f"{flag} '{text}' is negative: give a positive size, e.g. 6GiB, 800MB, 25% or all")
         m = _BUDGET.match(text.lower())
         if m is None or (m.group(2) not in UNITS and m.group(2) != "%"):
             raise BudgetError(f"{flag} '{text}' is not a size: use e.g. 6GiB, 800MB, 25% or all")
@@ -153,8 +161,8 @@ class StoreConfig:
                                 "--expert-memory (and keep --cache-scope layer)")
         for flag, value in (("--io-threads", self.io_threads), ("--prefetch-threads", self.prefetch_threads),
                             ("--configure-every", self.configure_every)):
-            if value < 1:
-                raise MoepagerError(f"{flag} must be >= 1, got {value}")
+            if not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
+                raise MoepagerError(f"{flag} must be an integer in [1, {MAX_COUNT}], got {value}")
 
     @property
     def paged(self) -> bool:
@@ -228,8 +236,8 @@ class SchedulerConfig:
                                 f"{', '.join(BATCH_POLICIES)}")
         for flag, value in (("--max-num-seqs", self.max_num_seqs), ("--max-batched-tokens", self.max_batched_tokens),
                             ("--kv-cache-tokens", self.kv_cache_tokens), ("--kv-block-size", self.block_size)):
-            if not isinstance(value, int) or value < 1:
-                raise MoepagerError(f"{flag} must be a positive integer, got {value!r}")
+            if not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
+                raise MoepagerError(f"{flag} must be an integer in [1, {MAX_COUNT}], got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -322,8 +330,11 @@ class EngineConfig:
             raise MoepagerError(f"--threads must be >= 1, got {self.threads}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise MoepagerError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
-        if self.workers < 0 or self.worker_timeout_s <= 0:
-            raise MoepagerError("--workers must be >= 0 and --worker-timeout positive")
+        if self.workers < 0:
+            raise MoepagerError(f"--workers must be >= 0, got {self.workers}")
+        if not math.isfinite(self.worker_timeout_s) or not 0 < self.worker_timeout_s <= MAX_WORKER_TIMEOUT_S:
+            raise MoepagerError(f"--worker-timeout must be a number of seconds in (0, {MAX_WORKER_TIMEOUT_S:.0f}], "
+                                f"got {self.worker_timeout_s}")
         if self.workers and (self.store.paged or self.execution != "gpu" or self.compile):
             raise MoepagerError("--workers holds every routed expert on the worker processes (CPU, gloo): drop "
                                 "--expert-memory/--host-memory, --execution and --compile")

@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 import torch
 
-from moepager.atomic_io import atomic_dir
+from moepager.atomic_io import atomic_dir, check_dir
 from moepager.checkpoints.expert_reader import is_routed_expert
 from moepager.checkpoints.gguf_write import (
     BLOCK,
@@ -78,7 +78,12 @@ def gguf_checkpoint(path: Path, show_progress: bool = True) -> Path:
     out = gguf_cache_dir() / f"{path.stem}-{key}"
     if (out / "config.json").exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot make the GGUF conversion cache {out.parent}: {e.strerror or e}; point "
+                              "MOEPAGER_CACHE at a writable directory") from None
+    check_dir(out, "the GGUF conversion cache", force=True)  # (writable: a probe file made and removed)
     freed = prune_gguf_cache()
     with atomic_dir(out, force=True) as tmp:
         _convert_gguf(path, tmp, show_progress)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from moepager.atomic_io import atomic_dir, check_dir
+from moepager.atomic_io import atomic_dir, check_dir, check_space
 from moepager.checkpoints.dtypes import DTYPES
 from moepager.checkpoints.safetensors import write_shards
 from moepager.checkpoints.synth_presets import PRESETS, preset_config
@@ -33,11 +33,27 @@ OWN_GENERATOR_NUMEL = 1 << 20
 checkpoint made with seed s from one seeded s * TENSOR_SEEDS + i + 1); smaller ones from the seed's one generator,
 in order (so small checkpoints, the tests' included, are what they always were)."""
 TENSOR_SEEDS = 1_000_003
+MAX_SEED = 2**44
+"""Seeds below this keep every tensor's seed (seed * TENSOR_SEEDS + i + 1) within torch's 64-bit generator seeds."""
 GENERATORS = 8
 """Most threads drawing tensors ahead of the writer (each holds at most one tensor); fewer on fewer CPUs."""
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def checkpoint_bytes(config: dict[str, Any], dtype: torch.dtype) -> int:
+    """Bytes of the tensors a checkpoint of this config holds in `dtype` (what make-model will write). Past 64 layers
+    the last layer's bytes are counted once per further layer (listing a 100,000-layer model's tensors would take
+    longer than refusing it should)."""
+    def of(layers: int) -> int:
+        return sum(math.prod(shape) for _, shape in tensor_specs({**config, "num_hidden_layers": layers}))
+
+    layers = int(config["num_hidden_layers"])
+    if layers <= 64:
+        return of(layers) * dtype.itemsize
+    last = of(64) - of(63)
+    return (of(64) + (layers - 64) * last) * dtype.itemsize
 
 
 def tensor_specs(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
@@ -111,7 +127,10 @@ def make_model(out: str | os.PathLike[str], preset: str, arch: str | None = None
     config = preset_config(preset, arch, layers)
     if dtype not in DTYPES:
         raise MoepagerError(f"unknown dtype '{dtype}'; choose from {', '.join(DTYPES)}")
+    if not 0 <= seed < MAX_SEED:
+        raise MoepagerError(f"--seed must be an integer in [0, {MAX_SEED}), got {seed}")
     out_dir = check_dir(out, "--out", force)
+    check_space(out_dir.parent, checkpoint_bytes(config, DTYPES[dtype]), "make-model --out")
     with atomic_dir(out_dir, force) as tmp:
         _write_checkpoint(tmp, config, DTYPES[dtype], seed, shard_bytes, f"writing {preset}", show_progress)
     return out_dir

@@ -21,6 +21,7 @@ from moepager.config import (
     EXPERT_DTYPES,
     INT4_GROUPS,
     KERNELS,
+    Budget,
     EngineConfig,
     PrefetchConfig,
     SchedulerConfig,
@@ -416,15 +417,20 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     with a warning."""
     prompts = [utf8(p.encode("utf-8", "surrogateescape"), "a PROMPT argument") for p in args.prompts]
     for name in args.prompt_file:
-        if name == "-":
-            data = sys.stdin.buffer.read()
-        else:
-            try:
-                data = Path(name).read_bytes()
-            except OSError as e:
-                raise MoepagerError(f"--prompt-file {name}: {e.strerror or e}") from None
+        try:
+            with (open(0, "rb", closefd=False) if name == "-" else open(name, "rb")) as f:
+                data = f.read(MAX_PROMPT_BYTES + 1)  # (/dev/zero never ends)
+        except OSError as e:
+            raise MoepagerError(f"--prompt-file {name}: {e.strerror or e}") from None
+        if len(data) > MAX_PROMPT_BYTES:
+            raise MoepagerError(f"--prompt-file {name} holds more than {MAX_PROMPT_BYTES >> 20} MiB: no model's "
+                                "context takes a prompt that long")
         prompts.append(utf8(data, f"--prompt-file {name}"))
     return prompts
+
+
+MAX_PROMPT_BYTES = 64 << 20
+"""The largest prompt file read (64 MiB: some 16M tokens, past every supported model's context)."""
 
 
 def utf8(data: bytes, where: str) -> str:
@@ -479,10 +485,37 @@ def launch_workers(args: argparse.Namespace, interactive: bool = False) -> int:
     """`--workers N` (generate, serve, chat): this command again as the main, N worker (and a shadow) processes
     (`moepager.distributed`); the main process's exit status. `interactive` (chat): Ctrl-C is the main process's
     (it stops an answer, not the program)."""
-    if args.workers < 1:
-        raise MoepagerError(f"--workers must be >= 1, got {args.workers}")
+    check_workers(args)
     cmd = [sys.executable, "-m", "moepager.distributed", *args.argv]  # argv starts with the command, generate
     return spawn_ranks(cmd, args.workers + 1 + args.shadow, args.worker_timeout, interactive=interactive)[0]
+
+
+RANKS_PER_CORE = 4
+"""--workers: at most this many rank processes per CPU core (beyond, each waits on the others' time slices)."""
+
+
+def check_workers(args: argparse.Namespace) -> None:
+    """What every rank would check, checked once here before any rank starts (a rank's error would otherwise reach
+    the user as another rank's lost connection): the command's own options, the engine's configuration, the model,
+    each worker's budget, and the rank count against what the machine and the model allow."""
+    if args.workers < 1:
+        raise MoepagerError(f"--workers must be >= 1, got {args.workers}")
+    if args.command == "generate":
+        replay_spec(args)
+        refuse_ignored_options(args)
+    else:
+        refuse_ignored_engine_options(args)
+    config = engine_config(args)
+    cfg = read_config(args.model or default_model_path())  # (read_config resolves a GGUF file's path)
+    if args.workers > cfg.num_experts:
+        raise MoepagerError(f"--workers {args.workers}: the model has {cfg.num_experts} experts a layer, so at most "
+                            f"{cfg.num_experts} workers hold any")
+    world, cores = args.workers + 1 + args.shadow, os.cpu_count() or 1
+    if world > RANKS_PER_CORE * cores:
+        raise MoepagerError(f"--workers {args.workers} starts {world} processes on {cores} cores; at most "
+                            f"{RANKS_PER_CORE * cores} ({RANKS_PER_CORE} a core) run usefully here")
+    if config.worker_memory is not None:
+        Budget.parse(config.worker_memory, "--worker-memory")
 
 
 def spawn_ranks(cmd: list[str], world: int, stop_timeout_s: float, env: dict[str, str] | None = None,

@@ -4,8 +4,11 @@ last resort, any other error too: its traceback only with MOEPAGER_DEBUG=1)."""
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
 from importlib import metadata
@@ -55,12 +58,20 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 DEBUG_ENV = "MOEPAGER_DEBUG"
 """Set to 1 to see the traceback of an unexpected error beside its one line."""
 
 
 def unexpected(command: str, error: BaseException) -> str:
     """The one line for an error no check foresaw: the command, what the error says (and the file it names)."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = f" writing {error.filename}" if error.filename else ""
+        return (f"error: {command}: the disk is full{where} ({error.strerror}); what was being written was removed "
+                "and what was there before is kept: free space, or write elsewhere")
     if isinstance(error, OSError) and error.strerror:
         where = f" ({error.filename})" if error.filename else ""
         what = f"{error.strerror}{where}"
@@ -71,10 +82,29 @@ def unexpected(command: str, error: BaseException) -> str:
             "traceback)")
 
 
+SIZE_OPTIONS = ("--expert-memory", "--host-memory", "--worker-memory")
+"""Options whose value may be written with a sign (a negative size), which argparse would take for an option."""
+
+
+def _joined(argv: list[str]) -> list[str]:
+    """`--expert-memory -5GB` as `--expert-memory=-5GB`: argparse then hands the value to the budget's own check
+    ("is negative") instead of saying "expected one argument"."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in SIZE_OPTIONS and arg[:1] == "-" and arg[1:2].isdigit():
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    given = _joined(list(sys.argv[1:] if argv is None else argv))
+    args = build_parser().parse_args(given)
+    args.argv = given
     """The command line as given (`generate --workers` runs it again under torchrun)."""
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupted)  # SIGTERM stops as Ctrl-C does: partial outputs are removed
     try:
         cpu_tiers.requested()  # a MOEPAGER_CPU_TIER this CPU cannot run is refused before any work
         return COMMANDS[args.command].run(args)

@@ -63,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
     split = max(1, min(count - 1, round(0.7 * count))) if count > 1 else count
     fit = parse_requests(args.fit) if args.fit else slice(0, split)
     judged = parse_requests(args.requests) if args.requests else slice(split if count > 1 else 0, None)
+    if args.expert_bytes is not None and args.expert_bytes < 1:
+        raise TraceError(f"--expert-bytes must be >= 1, got {args.expert_bytes}")
     expert_bytes = args.expert_bytes or header.expert_bytes
     if not expert_bytes:
         raise TraceError(f"{args.trace} does not say how large an expert is: give --expert-bytes")
@@ -80,8 +82,10 @@ def run(args: argparse.Namespace) -> int:
     ranks = forecasts(args, fitted, fit) if args.predictor else None
     hit_LC, prediction = statistics(fitted.ids_NLK[fitted.step_tokens], ranks, num_experts)
     split = not args.whole_experts
-    if args.theta is not None and not (0 < args.theta <= 1 and split):
-        raise TraceError("--theta is a split ratio in (0, 1], and --whole-experts splits nothing")
+    if args.theta is not None and not split:
+        raise TraceError("--theta is a split ratio, and --whole-experts splits nothing: drop one of them")
+    if args.theta is not None and not 0 < args.theta <= 1:
+        raise TraceError(f"--theta is a split ratio in (0, 1], got {args.theta}")
     if args.theta is not None and args.parts is not None and abs(args.theta * args.parts - round(args.theta *
                                                                                                args.parts)) > 1e-9:
         raise TraceError(f"--theta {args.theta} is not a multiple of 1/{args.parts}")

@@ -14,7 +14,7 @@ from tqdm import tqdm
 from moepager.atomic_io import atomic_file, check_file
 from moepager.store.budget import format_bytes
 from moepager.trace.convert import CONVERTERS, ConvertOptions, convert
-from moepager.trace.format import DECODE, MISSING, TraceReader
+from moepager.trace.format import DECODE, MISSING, TraceError, TraceReader
 from moepager.trace.stats import format_stats, routing_stats
 
 HELP = "convert public routing traces to moepager's trace format, or describe a trace file"
@@ -59,7 +59,10 @@ def run(args: argparse.Namespace) -> int:
             with atomic_file(json_out) as tmp:
                 tmp.write_text(json.dumps(stats.to_json(), indent=2))
         return 0
-    layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
+    try:
+        layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
+    except ValueError:
+        raise TraceError(f"--layers takes comma-separated layer indices (e.g. 0,7,15), got '{args.layers}'") from None
     opts = ConvertOptions(model=args.model, num_experts=args.num_experts, top_k=args.top_k,
                           expert_bytes=args.expert_bytes, layers=layers)
     summary = convert(args.format, args.src, args.dst, opts, _progress, replace=args.force)

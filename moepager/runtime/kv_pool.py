@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from moepager.errors import BudgetError
 from moepager.models.layers import CausalLM
 
 Cache = list[torch.Tensor]
@@ -49,8 +50,26 @@ class KVBlocks:
         blocks.clear()
 
 
+def check_fits(model: CausalLM, dtype: torch.dtype, device: torch.device, num_tokens: int, block_size: int) -> None:
+    """Refuse, before any allocation, a KV cache of `num_tokens` larger than the memory its device has free (a
+    --kv-cache-tokens of 10^12 once ended in a MemoryError traceback). A block's bytes: the layers' cache shapes,
+    made on the meta device."""
+    block = sum(t.nbytes for t in model.make_cache(1, block_size, dtype, torch.device("meta")))
+    need = (math.ceil(num_tokens / block_size) + 1) * block
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    if need > free:
+        raise BudgetError(f"--kv-cache-tokens {num_tokens}: the KV cache would take {need / 2**30:.2f} GiB, and "
+                          f"{free / 2**30:.2f} GiB are free on the {device.type}; lower it")
+
+
 class KVBlockPool(KVBlocks):
     def __init__(self, model: CausalLM, dtype: torch.dtype, device: torch.device, num_tokens: int, block_size: int):
+        check_fits(model, dtype, device, num_tokens, block_size)
         super().__init__(num_tokens, block_size)
         self.model, self.dtype, self.device = model, dtype, device
         self.allocations = 0

@@ -52,6 +52,16 @@ class ConvertOptions:
     layers: tuple[int, ...] | None = None
     """olmoe-counts: decoder-layer index of each counter in a file (default 0, 7, 15)."""
 
+    def __post_init__(self) -> None:
+        if self.num_experts is not None and self.num_experts < 1:
+            raise TraceError(f"--num-experts must be >= 1, got {self.num_experts}")
+        if self.top_k is not None and not 1 <= self.top_k <= (self.num_experts or self.top_k):
+            raise TraceError(f"--top-k must be between 1 and the experts per layer, got {self.top_k}")
+        if self.expert_bytes is not None and self.expert_bytes < 1:
+            raise TraceError(f"--expert-bytes must be >= 1, got {self.expert_bytes}")
+        if self.layers is not None and any(layer < 0 for layer in self.layers):
+            raise TraceError(f"--layers are decoder-layer indices (>= 0), got {list(self.layers)}")
+
 
 @dataclass(frozen=True)
 class ConvertSummary:
@@ -357,4 +367,8 @@ def convert(fmt: str, src: str | Path, dst: str | Path, opts: ConvertOptions = C
         raise TraceError("the destination is the source; choose another file")
     check_file(dst, "destination", replace, {"SRC": src})
     with atomic_file(dst) as partial:
-        return CONVERTERS[fmt](src, partial, opts, progress)
+        try:
+            return CONVERTERS[fmt](src, partial, opts, progress)
+        except UnicodeDecodeError as e:
+            raise TraceError(f"{src} is not a {fmt} trace: its bytes are not UTF-8 text ({e.reason} at byte "
+                             f"{e.start})") from None

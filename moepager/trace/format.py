@@ -173,7 +173,9 @@ class TraceReader:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not self.path.is_file():
-            raise TraceError(f"trace file {self.path} does not exist")
+            what = "is a directory, not a trace file" if self.path.is_dir() else \
+                "is not a regular file" if self.path.exists() else "does not exist"
+            raise TraceError(f"trace file {self.path} {what}")
         try:
             self._zip = zipfile.ZipFile(self.path)
             self.header = TraceHeader.from_json(json.loads(self._zip.read("header.json")))

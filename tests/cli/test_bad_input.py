@@ -271,9 +271,39 @@ def test_export_gguf_never_replaces_a_file_without_force(tiny, tmp_path, capsys)
      "apply to --experts int4"),
     (["predictor", "fit", "--kind", "transition", "--trace", "{trace}", "--out", "{out}", "--epochs", "3"],
      "--epochs does nothing for --kind transition"),
+    # the newcomer's tracebacks (2026-12-01), each now one line before any work
+    (["generate", "--model", "{tiny}", "--prompt-file", "/dev/zero"], "holds more than 64 MiB"),
+    (["generate", "--model", "{tiny}", "hi", "--kv-cache-tokens", "1000000000000"], "the KV cache would take"),
+    (["generate", "--model", "{tiny}", "hi", "--workers", "1", "--worker-timeout", "nan"],
+     "--worker-timeout must be a number of seconds"),
+    (["generate", "--model", "{tiny}", "hi", "--workers", "1", "--worker-timeout", "1e309"],
+     "--worker-timeout must be a number of seconds"),
+    (["generate", "--model", "{tiny}", "hi", "--expert-memory", "25%", "--configure", "auto", "--configure-every",
+      "100000000000000000000"], "--configure-every must be an integer in"),
+    (["generate", "--model", "{tiny}", "hi", "--expert-memory", "-5GB"], "is negative"),
+    (["generate", "--model", "{tiny}", "hi", "--workers", "100"], "experts a layer, so at most"),
+    (["generate", "--model", "{tiny}", "hi", "--workers", "2", "--worker-memory", "abc"],
+     "--worker-memory 'abc' is not a size"),
+    (["generate", "--model", "{tiny}", "--workers", "2"], "give at least one PROMPT"),
+    (["make-model", "--preset", "tiny", "--arch", "olmoe", "--seed", str(10**23), "--out", "{out}"],
+     "--seed must be an integer in"),
+    (["trace", "convert", "--format", "olmoe-counts", "--layers", "a,b", "{trace}", "{out}"],
+     "--layers takes comma-separated layer indices"),
+    (["trace", "convert", "--format", "mixtral-raw", "--num-experts", "0", "{trace}", "{out}"],
+     "--num-experts must be >= 1"),
+    (["trace", "convert", "--format", "mixtral-raw", "--num-experts", "8", "--top-k", "1000", "{trace}", "{out}"],
+     "--top-k must be between 1"),
+    (["trace", "convert", "--format", "mixtral-raw", "--expert-bytes", "-1", "{trace}", "{out}"],
+     "--expert-bytes must be >= 1"),
+    (["trace", "convert", "--format", "deepseek-csv", "{binary}", "{out}"], "its bytes are not UTF-8 text"),
+    (["simulate", "{dir}"], "is a directory, not a trace file"),
+    (["plan", "{trace}", "--expert-memory", "1MB", "--expert-bytes", "-5"], "--expert-bytes must be >= 1"),
 ])
 def test_options_that_make_no_sense_are_refused_in_one_line(tiny, trace, tmp_path, capsys, argv, message):
-    fill = {"{tiny}": str(tiny), "{trace}": str(trace), "{out}": str(tmp_path / "out")}
+    binary = tmp_path / "routing.csv"
+    binary.write_bytes(bytes(range(256)) * 64)
+    fill = {"{tiny}": str(tiny), "{trace}": str(trace), "{out}": str(tmp_path / "out"), "{binary}": str(binary),
+            "{dir}": str(tmp_path)}
     refused(capsys, [fill.get(a, a) for a in argv], message)
     assert not (tmp_path / "out").exists()
 
@@ -285,3 +315,24 @@ def test_chat_replaces_bytes_that_are_not_utf8_and_goes_on(tiny):
     assert run.returncode == 0, run.stderr
     assert b"not valid UTF-8" in run.stderr and b"Traceback" not in run.stderr
     assert b"prompt" in run.stdout  # /stats after the answer: the conversation went on
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"num_experts_per_tok": 64}, "num_experts_per_tok (64) must be between 1 and the number of experts"),
+    ({"num_hidden_layers": -3}, "num_hidden_layers must be a positive integer, got -3"),
+    ({"num_hidden_layers": 1}, "holds weights of decoder layers up to"),
+    ({"num_attention_heads": 3}, "must be a multiple of num_key_value_heads"),
+])
+def test_a_config_json_the_architecture_cannot_run_is_refused_by_info_and_generate(tiny, tmp_path, capsys, edit,
+                                                                                  message):
+    """A config.json edited to values its architecture cannot run (or that would leave the checkpoint's weights
+    unused) is refused when read, by every command, in one line; once a run without layers printed text and exit 0."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for p in tiny.iterdir():
+        (bad / p.name).write_bytes(p.read_bytes())
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, **edit}))
+    refused(capsys, ["generate", "--model", str(bad), "--max-tokens", "2", "hi"], message)
+    if "holds weights" not in message:  # (info reads the geometry only, not the weights' names)
+        refused(capsys, ["info", "--model", str(bad)], message)
