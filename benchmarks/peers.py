@@ -377,11 +377,14 @@ def tok_per_s(engines: Engines, ids: list[int], args: argparse.Namespace) -> dic
 def main() -> None:
     args = arguments()
     state = machine_state()
-    have_llama = importlib.util.find_spec("llama_cpp") is not None
-    if not have_llama:
-        print("llama.cpp: not measured (llama-cpp-python is not installed: pip install -e \".[peers]\")")
     budget = int(args.memory * 1e9) if args.memory else int(HEADROOM * psutil.virtual_memory().available)
     sites = dict(entry.split("=", 1) for entry in args.llama_cpp)
+    installed = importlib.util.find_spec("llama_cpp") is not None
+
+    def has_llama(tier: str | None) -> bool:  # a build given for the tier, or the installed one
+        return (tier or "") in sites or installed
+    if not installed and not sites:
+        print("llama.cpp: not measured (llama-cpp-python is not installed: pip install -e \".[peers]\")")
     results, rows = [], []
     for name in args.models:
         path = model_path(name)
@@ -391,10 +394,9 @@ def main() -> None:
         peer_formats = list(dict.fromkeys((spec.fmt, spec.tier) for spec in ours))
         for threads in args.threads:
             specs = ours + ([] if args.no_hf else [Spec("HF", "bf16", "hf", (path,), footprint(path, "bf16", "hf"))])
-            if have_llama:
-                specs += [Spec(tagged(PEER_LABELS[fmt], tier, True), fmt, "llama.cpp",
-                               (path, GGUF_TYPES[fmt], threads, sites.get(tier or "")),
-                               footprint(path, fmt, "llama.cpp"), tier) for fmt, tier in peer_formats]
+            specs += [Spec(tagged(PEER_LABELS[fmt], tier, True), fmt, "llama.cpp",
+                           (path, GGUF_TYPES[fmt], threads, sites.get(tier or "")),
+                           footprint(path, fmt, "llama.cpp"), tier) for fmt, tier in peer_formats if has_llama(tier)]
             tiers = {s.label: s.tier for s in specs}
             groups = in_turns(specs, budget)
             if len(groups) > 1:

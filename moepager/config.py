@@ -340,6 +340,8 @@ class EngineConfig:
                                 "--expert-memory/--host-memory, --execution and --compile")
         if self.on_worker_loss not in ("stop", "failover"):
             raise MoepagerError(f"--on-worker-loss must be stop or failover, got '{self.on_worker_loss}'")
+        if self.on_worker_loss != "stop" and not self.workers:
+            raise MoepagerError("--on-worker-loss says what to do when a worker process is lost: add --workers N")
         if self.shadow and not self.workers:
             raise MoepagerError("--shadow forecasts routing for the worker processes: add --workers N")
         if self.align_period < 1 or (self.align_period > 1 and not self.shadow):

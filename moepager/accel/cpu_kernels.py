@@ -134,6 +134,9 @@ def _build(tier: Tier) -> ModuleType:
     header = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
     flags = [*BASE_FLAGS, *cpu_tiers.flags_for(tier), f"-DMOEPAGER_TIER_{tier.macro}", "-DMOEPAGER_WITH_TORCH",
              f"-DMOEPAGER_HEADERS={header}"]
+    if not list(build.glob(f"{tier.module_name}*.so")):  # a first build takes a minute: say so, not silence
+        print(f"moepager: building the CPU kernels for {tier.name} (once on this machine, about a minute) ...",
+              file=sys.stderr, flush=True)
     with open(build / "moepager.flock", "w") as turn:
         fcntl.flock(turn, fcntl.LOCK_EX)
         stale = build / "lock"

@@ -167,6 +167,12 @@ class Placement:
         return Placement(ranks, min(self.group_size, len(ranks)))
 
 
+def _words(error: str, limit: int) -> str:
+    """gloo's message, its first line without the source location, cut at a word within `limit` characters."""
+    text = error.splitlines()[0].split("] ")[-1] if error else ""
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
 class _Lost(Exception):
     def __init__(self, reasons: dict[int, str], silent: set[int]):
         super().__init__(reasons)
@@ -271,8 +277,7 @@ class RemoteExecutor:
             return (f"worker rank {rank} did not answer for MoE layer {layer} within "
                     f"{self.timeout.total_seconds():g} s (--worker-timeout)")
         where = f"while MoE layer {layer} waited for it" if layer >= 0 else "while it was given a new placement"
-        return (f"worker rank {rank} is gone: its connection dropped {where} "
-                f"({str(e).splitlines()[0].split('] ')[-1][:120]})")
+        return f"worker rank {rank} is gone: its connection dropped {where} ({_words(str(e), 120)})"
 
     def _failover(self, lost: _Lost) -> None:
         """The lost workers' experts to the workers left: each is told the new placement (and loads what it now
@@ -281,7 +286,11 @@ class RemoteExecutor:
         if lost.silent and not self.links.groups:  # on the default group a timeout closed every connection
             raise WorkerLost(f"{reasons[min(lost.silent)]}; a timeout ends gloo's process group, and this run's "
                              "workers have no links of their own (experts/remote.py Links.open): it cannot fail over")
-        placement = self.placement.without(set(reasons))
+        try:
+            placement = self.placement.without(set(reasons))
+        except WorkerLost:  # name every worker lost in the run, not only this call's
+            ranks = ", ".join(map(str, sorted({*self.lost, *reasons})))
+            raise WorkerLost(f"every worker is lost (ranks {ranks}): {next(iter(reasons.values()))}") from None
         for rank in placement.ranks:
             try:
                 send_placement(placement, rank, self.links.of(rank), self.timeout)

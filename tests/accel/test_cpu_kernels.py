@@ -213,7 +213,7 @@ def test_a_failed_build_falls_back_to_the_next_tier_with_its_reason(fresh_state,
     monkeypatch.setattr(cpu_kernels, "_build", broken)
     monkeypatch.setattr(cpu_kernels, "_modules", {})
     assert cpu_kernels.tier() == OUR_TIERS[1] and cpu_kernels.extension().tier == OUR_TIERS[1]
-    err = capsys.readouterr().err
+    err = "".join(line for line in capsys.readouterr().err.splitlines(True) if "building the CPU kernels" not in line)
     assert err.count("\n") == 1 and f"moepager: CPU kernels: {OUR_TIERS[1]} (the {native} build failed (c++: fatal " \
         "error: no input files))" in err
     assert f"not a higher tier: the {native} build failed" in cpu_kernels.status()
