@@ -87,9 +87,18 @@ def flags_for(tier: Tier, machine: str | None = None) -> tuple[str, ...]:
     return tier.flags if tier.name != "portable" else portable_flags(machine or platform.machine())
 
 
+ENV_FEATURES = "MOEPAGER_CPU_FEATURES"
+"""Space-separated features to take instead of /proc/cpuinfo's: a host emulated as another (with ATEN_CPU_CAPABILITY
+and ONEDNN_MAX_CPU_ISA for torch's kernels, the suite on an AVX-512 host runs as on AMD Zen 3). Naming a feature this
+CPU lacks makes a tier's self-test fail, and the run falls back: it can only lower the tiers."""
+
+
 @lru_cache(maxsize=1)
 def cpu_features() -> frozenset[str]:
-    """This CPU's features as the kernel reports them (/proc/cpuinfo `flags` on x86, `Features` on ARM)."""
+    """This CPU's features as the kernel reports them (/proc/cpuinfo `flags` on x86, `Features` on ARM), or those
+    MOEPAGER_CPU_FEATURES names."""
+    if os.environ.get(ENV_FEATURES):
+        return frozenset(os.environ[ENV_FEATURES].split())
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
