@@ -92,7 +92,8 @@ def main() -> None:
     if module is None:
         print(f"skipped: {cpu_kernels.status()}")
         raise SystemExit(3)
-    state = machine_state()
+    state = {**machine_state(), "tier": cpu_kernels.tier()}
+    print(f"CPU kernels: {cpu_kernels.status()}")
     rows, results, stream = [], [], {}
     for threads in args.threads:
         torch.set_num_threads(threads)

@@ -161,8 +161,10 @@ class StoreConfig:
                                 "--expert-memory (and keep --cache-scope layer)")
         for flag, value in (("--io-threads", self.io_threads), ("--prefetch-threads", self.prefetch_threads),
                             ("--configure-every", self.configure_every)):
-            if not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
-                raise MoepagerError(f"{flag} must be an integer in [1, {MAX_COUNT}], got {value}")
+            if not isinstance(value, int) or value < 1:
+                raise MoepagerError(f"{flag} must be >= 1, got {value}")
+            if value > MAX_COUNT:
+                raise MoepagerError(f"{flag} must be at most {MAX_COUNT}, got {value}")
 
     @property
     def paged(self) -> bool:
@@ -236,8 +238,10 @@ class SchedulerConfig:
                                 f"{', '.join(BATCH_POLICIES)}")
         for flag, value in (("--max-num-seqs", self.max_num_seqs), ("--max-batched-tokens", self.max_batched_tokens),
                             ("--kv-cache-tokens", self.kv_cache_tokens), ("--kv-block-size", self.block_size)):
-            if not isinstance(value, int) or not 1 <= value <= MAX_COUNT:
-                raise MoepagerError(f"{flag} must be an integer in [1, {MAX_COUNT}], got {value!r}")
+            if not isinstance(value, int) or value < 1:
+                raise MoepagerError(f"{flag} must be a positive integer, got {value!r}")
+            if value > MAX_COUNT:
+                raise MoepagerError(f"{flag} must be at most {MAX_COUNT}, got {value!r}")
 
 
 @dataclass(frozen=True)
