@@ -429,8 +429,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-MAX_PROMPT_BYTES = 64 << 20
-"""The largest prompt file read (64 MiB: some 16M tokens, past every supported model's context)."""
+MAX_PROMPT_BYTES = 64 << 20  # the largest prompt file read: some 16M tokens, past every supported model's context
 
 
 def utf8(data: bytes, where: str) -> str:

@@ -24,7 +24,7 @@ from moepager.experts.weights import ExpertShape
 from moepager.models.attention import Attention
 from moepager.runtime.builder import STREAM_ROWS, paged_executor, read_buffer_bytes
 from moepager.types import RoutingDecision
-from tests.conftest import ARCHS, OUR_TIERS, VOCAB
+from tests.conftest import ARCHS, OUR_TIERS
 from tests.runtime.test_offload import logits_run
 
 BF16, CPU = torch.bfloat16, torch.device("cpu")
@@ -116,21 +116,6 @@ def test_every_architecture_computes_torchs_logits_with_the_fused_kernel(hf_chec
     assert ref.experts.kernels.fused is None
     for a, b in zip(logits_run(got, rows=2), logits_run(ref, rows=2)):  # prefill of two rows, then decodes
         torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)
-
-
-@pytest.fixture(scope="module")
-def bf16_checkpoint(tmp_path_factory):
-    """A tiny bf16 Qwen3-MoE whose expert width (32) takes int4 groups of 32 (the shared tiny configs' are 16)."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                         head_dim=16, intermediate_size=64, moe_intermediate_size=32,
-                                         num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
-                                         norm_topk_prob=True, max_position_embeddings=256, eos_token_id=None,
-                                         bos_token_id=None, pad_token_id=None)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("qwen3_bf16")
-    transformers.AutoModelForCausalLM.from_config(config).to(BF16).save_pretrained(path)
-    return path
 
 
 @needs_kernels

@@ -131,21 +131,6 @@ def test_each_tier_builds_in_a_folder_of_its_own_keyed_by_flags_and_compiler(mon
 # ---- the same bits on every tier, end to end -------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def int4_checkpoint(tmp_path_factory):
-    """A tiny bf16 Qwen3-MoE whose expert width (32) takes int4 groups of 32 (the shared tiny configs' are 16)."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                         head_dim=16, intermediate_size=64, moe_intermediate_size=32,
-                                         num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
-                                         norm_topk_prob=True, max_position_embeddings=256, eos_token_id=None,
-                                         bos_token_id=None, pad_token_id=None)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("qwen3_int4able")
-    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
-    return path
-
-
 def run_on(name: str, monkeypatch, path: Path, expert_dtype: str | None) -> list[torch.Tensor]:
     monkeypatch.setattr(cpu_kernels, "_state", cpu_kernels.Selected(name, cpu_kernels.module_for(name)))
     loaded = load_model(path, dtype=torch.bfloat16, expert_dtype=expert_dtype, show_progress=False)
@@ -165,10 +150,10 @@ def test_every_tier_gives_the_native_tiers_logits_on_every_architecture(hf_check
         assert all(torch.equal(a, b) for a, b in zip(run_on(name, monkeypatch, path, expert_dtype), native)), name
 
 
-def test_every_tier_gives_the_native_tiers_int4_logits(int4_checkpoint, monkeypatch):
-    native = run_on(OUR_TIERS[0], monkeypatch, int4_checkpoint, "int4")
+def test_every_tier_gives_the_native_tiers_int4_logits(bf16_checkpoint, monkeypatch):
+    native = run_on(OUR_TIERS[0], monkeypatch, bf16_checkpoint, "int4")
     for name in OUR_TIERS[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(run_on(name, monkeypatch, int4_checkpoint, "int4"), native)), name
+        assert all(torch.equal(a, b) for a, b in zip(run_on(name, monkeypatch, bf16_checkpoint, "int4"), native)), name
 
 
 def generate(tier: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -19,19 +19,6 @@ from moepager.errors import MoepagerError, NumericalError
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from tests.conftest import expert_budget
-from tests.trace.conftest import random_trace
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bad") / "tiny"
-    assert main(["make-model", "--arch", "qwen3_moe", "--preset", "tiny", "--out", str(out)]) == 0
-    return out
-
-
-@pytest.fixture(scope="module")
-def trace(tmp_path_factory):
-    return random_trace(tmp_path_factory.mktemp("tr") / "t.mpt")
 
 
 def refused(capsys, argv, message):

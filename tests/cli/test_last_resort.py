@@ -10,21 +10,8 @@ from pathlib import Path
 import pytest
 
 from moepager.cli.main import main
-from tests.trace.conftest import random_trace
 
 SURFACE = Path(__file__).with_name("cli_surface.txt")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fault") / "tiny"
-    assert main(["make-model", "--arch", "qwen3_moe", "--preset", "tiny", "--out", str(out)]) == 0
-    return out
-
-
-@pytest.fixture(scope="module")
-def trace(tmp_path_factory):
-    return random_trace(tmp_path_factory.mktemp("fault_trace") / "t.mpt")
 
 
 def cases(tiny: Path, trace: Path, tmp: Path) -> dict[str, tuple[str, list[str]]]:

@@ -14,19 +14,6 @@ from pathlib import Path
 import pytest
 
 from moepager.cli.main import main
-from tests.trace.conftest import random_trace
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    out = tmp_path_factory.mktemp("outputs") / "tiny"
-    assert main(["make-model", "--arch", "qwen3_moe", "--preset", "tiny", "--out", str(out)]) == 0
-    return out
-
-
-@pytest.fixture(scope="module")
-def trace(tmp_path_factory):
-    return random_trace(tmp_path_factory.mktemp("outputs_trace") / "t.mpt")
 
 
 @pytest.fixture
