@@ -85,8 +85,10 @@ def cache_dir() -> Path:
     return root / f"torch_extensions-{torch.__version__}"
 
 
+@functools.lru_cache(maxsize=1)
 def unsupported_reason() -> str | None:
-    """Why no tier of ours can be built on this machine (None: they can)."""
+    """Why no tier of ours can be built on this machine (None: they can); looked at once per process (it runs
+    `ninja --version`)."""
     if (reason := cpu_tiers.platform_reason()) is not None:
         return reason
     if shutil.which(os.environ.get("CXX", "c++")) is None:

@@ -132,25 +132,22 @@ class Engine:
             requests.append(row.request)
             logits.append(row_logits)
         picked = sample_rows(torch.stack(logits), requests)
-        failed = [r for r, p in zip(requests, picked) if isinstance(p, NonFiniteLogits)]
-        if failed and len(failed) == len(requests):  # the whole pass: the step fails, naming where NaN began
-            decoding = [r for r in requests if r.out_ids]
+        if list(map(type, picked)).count(NonFiniteLogits) == len(picked):  # the whole pass: the step fails, naming
+            decoding = [r for r in requests if r.out_ids]                 # where NaN began
             raise self.runner.non_finite(len(decoding[0].out_ids) - 1 if decoding else None)
         outputs = []
         for request, sample in zip(requests, picked):
-            if isinstance(sample, Exception):  # this row alone: it ends with its error, the others go on
-                outputs.append(RequestOutput(request.request_id, [], "", [], "abort", self._row_error(request, sample)))
+            if isinstance(sample, NonFiniteLogits):  # this row alone: it ends with its error, the others go on
+                outputs.append(RequestOutput(request.request_id, [], "", [], "abort", self._row_error(request)))
             else:
                 outputs.append(request.append(sample[0], sample[1], now))
         return outputs
 
     @staticmethod
-    def _row_error(request: Request, error: Exception) -> Exception:
-        if isinstance(error, NonFiniteLogits):
-            when = f"at decode step {len(request.out_ids)}" if request.out_ids else "in its prefill"
-            return NumericalError(f"the model produced NaN or infinite logits for this request {when} (the requests "
-                                  "beside it did not)")
-        return NumericalError(f"sampling this request failed: {error}")
+    def _row_error(request: Request) -> NumericalError:
+        when = f"at decode step {len(request.out_ids)}" if request.out_ids else "in its prefill"
+        return NumericalError(f"the model produced NaN or infinite logits for this request {when} (the requests beside "
+                              "it did not)")
 
     def _retire(self, request: Request, reason: FinishReason | None) -> None:
         request.finish_reason = request.finish_reason or reason

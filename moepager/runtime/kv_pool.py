@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import psutil
 import torch
 
 from moepager.errors import BudgetError
@@ -59,8 +60,6 @@ def check_fits(model: CausalLM, dtype: torch.dtype, device: torch.device, num_to
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
-        import psutil
-
         free = psutil.virtual_memory().available
     if need > free:
         raise BudgetError(f"--kv-cache-tokens {num_tokens}: the KV cache would take {need / 2**30:.2f} GiB, and "

@@ -50,8 +50,8 @@ class RequestOutput:
     new_logprobs: list[TokenLogprobs]
     finish_reason: FinishReason | None
     error: Exception | None = None
-    """Why this request alone failed (its logits were not finite, or its sampling raised); it finishes as
-    "abort", and the rows beside it go on."""
+    """Why this request alone failed (its logits were not finite); it finishes as "abort", and the rows beside it
+    go on."""
 
     @property
     def finished(self) -> bool:

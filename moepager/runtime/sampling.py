@@ -8,6 +8,7 @@ model's (after penalties, before temperature and filters), as the OpenAI API rep
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Sequence
@@ -154,20 +155,18 @@ def greedy_picks(logits_BV: torch.Tensor) -> list[list[int]]:
 Sample = tuple[int, "TokenLogprobs | None"]
 
 
-def sample_rows(logits_BV: torch.Tensor, requests: Sequence[Sampled]) -> list[Sample | Exception]:
+def sample_rows(logits_BV: torch.Tensor, requests: Sequence[Sampled]) -> list[Sample | NonFiniteLogits]:
     """Next token of each row (row b for `requests[b]`). Plain greedy rows are decided in one argmax (the host
     sync that also checks every row is finite). The others are penalised row by row on the host, then rows that
     sample with the same filters get their candidates together (`candidates` is row-independent, so a request
     draws the same token alone or in any batch), each drawing from its own generator.
 
-    A row that cannot be sampled gets an exception in its place, and the others their tokens: NonFiniteLogits when
-    its logits hold NaN or infinity, or what its sampling raised."""
-    picked = greedy_picks(logits_BV)
-    tokens: list[int] = picked[0]
-    out: list[Sample | Exception] = [(t, None) for t in tokens]
+    A row whose logits hold NaN or infinity gets NonFiniteLogits in its place, and the others their tokens."""
+    tokens, finite = greedy_picks(logits_BV)
+    out: list[Sample | NonFiniteLogits] = list(zip(tokens, itertools.repeat(None)))
     slow = []
     for b, r in enumerate(requests):  # loops, not comprehensions, on the one-token path: each is a call
-        if not picked[1][b]:
+        if not finite[b]:
             out[b] = NonFiniteLogits([b])
         elif not r.sampler.plain:
             slow.append(b)
@@ -186,15 +185,9 @@ def sample_rows(logits_BV: torch.Tensor, requests: Sequence[Sampled]) -> list[Sa
     for rows in groups.values():
         probs_GC, ids_GC = candidates(host_BV[rows], requests[slow[rows[0]]].sampler.params)
         for g, i in enumerate(rows):
-            try:
-                choice = torch.multinomial(probs_GC[g], 1, generator=requests[slow[i]].sampler.generator)
-            except RuntimeError as e:  # (none known: the property tests find none) this row alone fails
-                out[slow[i]] = e
-                continue
+            choice = torch.multinomial(probs_GC[g], 1, generator=requests[slow[i]].sampler.generator)
             tokens[slow[i]] = int(ids_GC[g, choice])
     for i, b in enumerate(slow):
-        if isinstance(out[b], Exception):
-            continue
         top = requests[b].sampler.params.logprobs
         out[b] = (tokens[b], None if top is None else token_logprobs(host_BV[i], tokens[b], top))
     return out
@@ -209,7 +202,8 @@ class Sampled(Protocol):
 
 
 class NonFiniteLogits(Exception):
-    """A row the sampler could not sample; the engine turns it into a NumericalError naming where it began."""
+    """A row whose logits hold NaN or infinity; the engine fails its request (or, when every row of the pass has them,
+    the step, with a NumericalError naming where they began)."""
 
     def __init__(self, rows: list[int]):
         super().__init__(f"non-finite logits in rows {rows}")

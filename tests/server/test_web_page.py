@@ -56,14 +56,22 @@ def test_the_page_streams_a_chat_answer_and_shows_the_engine_live(browser, tmp_p
         page.close()
 
 
-def requests_sent(page) -> list[dict]:
-    """The bodies of the chat requests the page sends (recorded as it sends them)."""
+def opened(browser, url: str):
+    """A new page on the server, loaded (the model's name shown), and the bodies of the chat requests it sends
+    (recorded as it sends them)."""
     import json
 
-    sent: list[dict] = []
+    page, sent = browser.new_page(), []
     page.on("request", lambda r: sent.append(json.loads(r.post_data)) if r.url.endswith("/v1/chat/completions")
             else None)
-    return sent
+    page.goto(url)
+    page.wait_for_function("document.getElementById('model').textContent === 'demo-moe'", timeout=15_000)
+    return page, sent
+
+
+def say(page, text: str) -> None:
+    page.fill("#prompt", text)
+    page.click("#send")
 
 
 def wait_answers(page, n: int) -> None:
@@ -74,21 +82,16 @@ def test_a_failed_turn_leaves_the_conversation_and_an_empty_field_means_the_defa
     """A turn the server refuses (temperature -1) shows its error, scrolled into view, and is not sent again with the
     next turn; an emptied max-tokens field sends no max_tokens (it once sent 0, refused)."""
     with live_server(LLM(show_progress=False)) as url:
-        page = browser.new_page()
-        sent = requests_sent(page)
-        page.goto(url)
-        page.wait_for_function("document.getElementById('model').textContent === 'demo-moe'", timeout=15_000)
+        page, sent = opened(browser, url)
         page.fill("#temperature", "-1")
-        page.fill("#prompt", "hello")
-        page.click("#send")
+        say(page, "hello")
         wait_answers(page, 1)
         assert page.inner_text(".msg.error").startswith("error: temperature must be >= 0")
         assert page.evaluate("(() => { const log = document.getElementById('log'); "
                              "return log.scrollTop + log.clientHeight >= log.scrollHeight - 1; })()")
         page.fill("#temperature", "0")
         page.fill("#max_tokens", "")
-        page.fill("#prompt", "The history of")
-        page.click("#send")
+        say(page, "The history of")
         wait_answers(page, 2)
         assert not page.inner_text(".msg.assistant:last-child").startswith("error")
         assert sent[-1]["messages"] == [{"role": "user", "content": "The history of"}]
@@ -98,27 +101,21 @@ def test_a_failed_turn_leaves_the_conversation_and_an_empty_field_means_the_defa
 
 def test_new_chat_mid_answer_drops_that_answer_and_a_stopped_answer_is_marked(browser):
     with live_server(LLM(show_progress=False)) as url:
-        page = browser.new_page()
-        sent = requests_sent(page)
-        page.goto(url)
-        page.wait_for_function("document.getElementById('model').textContent === 'demo-moe'", timeout=15_000)
+        page, sent = opened(browser, url)
         page.fill("#max_tokens", "2000")
-        page.fill("#prompt", "Tell me a long story.")
-        page.click("#send")
+        say(page, "Tell me a long story.")
         page.wait_for_function("document.querySelector('.msg.assistant').textContent.length > 5", timeout=60_000)
         page.click("#stop")
         wait_answers(page, 1)
         assert "[stopped]" in page.inner_text(".msg.assistant")
-        page.fill("#prompt", "Go on.")
-        page.click("#send")
+        say(page, "Go on.")
         page.wait_for_function("document.querySelectorAll('.msg.assistant').length === 2 && "
                                "document.querySelectorAll('.msg.assistant')[1].textContent.length > 5",
                                timeout=60_000)
         assert [m["role"] for m in sent[-1]["messages"]] == ["user", "assistant", "user"]
         page.click("#reset")  # mid-answer: the answer is dropped, and belongs to no chat
         page.fill("#max_tokens", "8")
-        page.fill("#prompt", "Hello again.")
-        page.click("#send")
+        say(page, "Hello again.")
         wait_answers(page, 1)
         assert sent[-1]["messages"] == [{"role": "user", "content": "Hello again."}]
         page.wait_for_timeout(500)

@@ -15,19 +15,10 @@
 #include <utility>
 #include <vector>
 
+#include "bind.h"
 #include "experts.h"
 
 namespace {
-
-// Core errors (bad arguments) reach Python as RuntimeError, as TORCH_CHECK's do.
-template <class F>
-auto checked(F&& f) -> decltype(f()) {
-  try {
-    return f();
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK(false, e.what());
-  }
-}
 
 void check_x(const torch::Tensor& x, const Spec& s) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous() && x.size(1) == s.D,
@@ -57,15 +48,13 @@ std::vector<Group> groups_of(const torch::Tensor& arena, const torch::Tensor& ro
   return groups;
 }
 
-const uint16_t* bf16_data(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
-
 }  // namespace
 
 // The y rows of the given groups of sorted pairs (paged layers compute the experts that have landed).
 void moe_partial(const torch::Tensor& x, const torch::Tensor& arena, const torch::Tensor& token,
                  const torch::Tensor& weight, const torch::Tensor& rows, const torch::Tensor& spans, torch::Tensor& y,
                  const std::vector<int64_t>& spec) {
-  const Spec s = checked([&] { return parse_spec(spec); });
+  const Spec s = checked_spec(spec);
   check_x(x, s);
   TORCH_CHECK(token.scalar_type() == torch::kLong && token.is_contiguous() && weight.scalar_type() == torch::kFloat &&
               weight.is_contiguous() && token.numel() == weight.numel(), "token [M] int64 and weight [M] fp32");
@@ -104,7 +93,7 @@ torch::Tensor moe_combine(const torch::Tensor& y, const torch::Tensor& token, in
 torch::Tensor moe_resident(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& weights,
                            const torch::Tensor& arena, int64_t base, int64_t num_experts,
                            const std::vector<int64_t>& spec) {
-  const Spec s = checked([&] { return parse_spec(spec); });
+  const Spec s = checked_spec(spec);
   check_x(x, s);
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && weights.sizes() == ids.sizes(), "ids and weights [N, K]");
   auto id = ids.to(torch::kLong).contiguous();

@@ -8,11 +8,11 @@
 #include <cmath>
 #include <vector>
 
+#include "bind.h"
 #include "step.h"
 
 namespace {
 
-const uint16_t* bf16_data(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
 const uint16_t* bf16_or_null(const torch::Tensor& t) { return t.numel() == 0 ? nullptr : bf16_data(t); }
 
 DecodeAttention attention_of(const torch::Tensor& qkv, const torch::Tensor& qk_w, double eps, const torch::Tensor& cos,
@@ -145,14 +145,6 @@ struct DecodeLayer {
          bf16_or_null(qk_w), qkv_w.size(0), static_cast<float>(qk_eps), heads, window, static_cast<float>(scale),
          bf16_data(o_w), bf16_or_null(o_b), bf16_data(router_w), k, normalize, bf16_weights, base, num_experts,
          checked_spec(spec)};
-  }
-
-  static Spec checked_spec(const std::vector<int64_t>& spec) {
-    try {
-      return parse_spec(spec);
-    } catch (const std::invalid_argument& e) {
-      TORCH_CHECK(false, e.what());
-    }
   }
 
   torch::Tensor operator()(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
