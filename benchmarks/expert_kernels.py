@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import machine_state, median_time, print_table, write_json
-from moepager.experts.executor import ArenaKernels, combine, sort_by_expert
+from moepager.experts.executor import ArenaKernels, combine
 from moepager.experts.quant import (
     QuantExpertWeights,
     QuantFormat,
@@ -35,6 +35,7 @@ from moepager.experts.quant import (
     quantize_expert,
     unpack_nibbles,
 )
+from moepager.experts.sorting import sort_by_expert
 from moepager.experts.weights import ExpertShape
 from moepager.types import RoutingDecision
 

@@ -1,5 +1,6 @@
 """The import rules of docs/architecture.md, checked on the source: which package may import which, no import cycle
-between modules, and no moepager import hidden inside a function below the command line."""
+between modules (annotations' imports under `if TYPE_CHECKING:` count: a cycle in types is a cycle in design), no
+moepager import hidden inside a function below the command line, and no module calling another's private methods."""
 
 from __future__ import annotations
 
@@ -40,8 +41,12 @@ def module(path: pathlib.Path) -> str:
     return ".".join(("moepager",) + path.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
 
 
-def imports(path: pathlib.Path) -> list[tuple[str, bool]]:
-    """(imported moepager module, at module level outside TYPE_CHECKING) for every import in the file."""
+TOP, TYPING, LOCAL = "top", "typing", "local"
+"""Where an import sits: at module level, under `if TYPE_CHECKING:` (anywhere), or inside a function or block."""
+
+
+def imports(path: pathlib.Path) -> list[tuple[str, str]]:
+    """(imported moepager module, where it sits: TOP, TYPING or LOCAL) for every import in the file."""
     tree = ast.parse(path.read_text())
     typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
                    and getattr(block.test, "id", getattr(block.test, "attr", "")) == "TYPE_CHECKING"
@@ -55,7 +60,8 @@ def imports(path: pathlib.Path) -> list[tuple[str, bool]]:
             names = [a.name for a in n.names if a.name.startswith("moepager.")]
         else:
             continue
-        found += [(name, id(n) in top and id(n) not in typing_only) for name in names]
+        where = TYPING if id(n) in typing_only else TOP if id(n) in top else LOCAL
+        found += [(name, where) for name in names]
     return found
 
 
@@ -84,21 +90,36 @@ def test_config_is_a_leaf():
 
 def test_no_moepager_import_inside_a_function_below_the_cli():
     hidden = [f"{module(p)} -> {name}" for p in sources() if node(p) not in LOCAL_IMPORTS_ALLOWED
-              for name, top in imports(p) if not top and not _typing_only(p, name)]
+              for name, where in imports(p) if where == LOCAL]
     assert hidden == []
 
 
-def _typing_only(path: pathlib.Path, name: str) -> bool:
-    """Whether every import of `name` in the file sits under `if TYPE_CHECKING:` (annotations, not a dependency)."""
-    return "TYPE_CHECKING" in path.read_text() and all(
-        name not in line for line in path.read_text().splitlines() if line.startswith(("from ", "import ")))
+def test_a_local_import_in_a_file_with_type_checking_is_still_found(tmp_path):
+    """The hole the 2026-12-01 review found: a function-local import passed in any file that mentions TYPE_CHECKING."""
+    source = tmp_path / "buffer.py"
+    source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from moepager.store.store import X\n"
+                      "def want():\n    from moepager.policies.prefetch import PrefetchAware\n")
+    assert imports(source) == [("moepager.store.store", TYPING), ("moepager.policies.prefetch", LOCAL)]
+
+
+def test_no_module_calls_another_modules_private_methods():
+    """A method whose name starts with one underscore is called (or passed) only through `self` or `cls`: what another
+    module needs is a declared hook, not a private part."""
+    trees = {p: ast.parse(p.read_text()) for p in sources()}
+    private = {f.name for tree in trees.values() for c in ast.walk(tree) if isinstance(c, ast.ClassDef)
+               for f in c.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+               and f.name.startswith("_") and not f.name.startswith("__")}
+    reached = [f"{module(p)}:{n.lineno} {ast.unparse(n)}" for p, tree in trees.items() for n in ast.walk(tree)
+               if isinstance(n, ast.Attribute) and n.attr in private
+               and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))]
+    assert reached == []
 
 
 def test_no_import_cycle_between_modules():
     graph: dict[str, set[str]] = defaultdict(set)
     for path in sources():
-        for name, top in imports(path):
-            if top:
+        for name, where in imports(path):
+            if where != LOCAL:
                 graph[module(path)].add(name)
     state: dict[str, int] = {}
     cycles: list[list[str]] = []

@@ -105,7 +105,7 @@ def compile_decode(model: CausalLM, experts: ExpertExecutor, shape: ExpertShape,
             if module.qkv is None:
                 module.fused_qkv()
             if module.qk_norm == "head":
-                module._qk_norm_weight()
+                module.qk_norm_weight()
         elif isinstance(module, MoEBlock) and exits:
             module.graph_exit = register(module)
         elif isinstance(module, LeavesGraph) and module.opaque_weights:  # prepacked projections leave it too
@@ -114,7 +114,7 @@ def compile_decode(model: CausalLM, experts: ExpertExecutor, shape: ExpertShape,
     dynamo = torch._dynamo.config  # process-wide: only ever raised, and only by --compile
     dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
     model.compiled_rows = exits or shape.quant is None or shape.quant.bits != 4  # int4 in the graph: unrolled
-    model.compiled_decode = torch.compile(_own_code(model._hidden), fullgraph=True, options={"cpp_wrapper": True})
+    model.compiled_decode = torch.compile(_own_code(model.hidden_states), fullgraph=True, options={"cpp_wrapper": True})
 
 
 def _own_code(method: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -48,8 +48,8 @@ import torch
 from moepager.accel import cpu_tiers
 from moepager.accel.cpu_tiers import TORCH, Tier
 from moepager.errors import ConfigError
-from moepager.experts.executor import SortedTokens
 from moepager.experts.quant import sections
+from moepager.experts.sorting import SortedTokens
 from moepager.experts.weights import ExpertShape
 
 CSRC = Path(__file__).with_name("csrc")

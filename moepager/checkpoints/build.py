@@ -19,12 +19,13 @@ from moepager.accel import cpu_kernels
 from moepager.accel.dense_quant import check_dense_dtype, quantize_dense
 from moepager.accel.packed import pack_dense as pack_dense_projections
 from moepager.accel.step import use_step_kernels
+from moepager.checkpoints.derived import SplitLayout
 from moepager.checkpoints.dtypes import checkpoint_dtype, parse_dtype
 from moepager.checkpoints.expert_reader import ExpertReader, is_routed_expert
 from moepager.checkpoints.gguf_read import resolve_model_path
 from moepager.checkpoints.quantized import expert_format, stored_format
 from moepager.checkpoints.safetensors import Checkpoint, load_module_weights
-from moepager.checkpoints.split import SplitLayout, layout_of
+from moepager.checkpoints.split import layout_of
 from moepager.config import DENSE_FORMATS, DirectIO, EngineConfig, Kernel
 from moepager.errors import CheckpointError
 from moepager.experts.executor import ExpertExecutor, PackedExecutor, ResidentExecutor

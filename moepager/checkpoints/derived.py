@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 from moepager.atomic_io import atomic_dir
 from moepager.checkpoints.safetensors import Checkpoint, write_shards
 from moepager.errors import CheckpointError
+from moepager.models.config import ModelConfig
 
 SPLIT_KEY = "moepager_split"
 PARTS = (2, 4, 8)
@@ -61,3 +63,20 @@ def write_derived(checkpoint: Checkpoint, out_dir: Path, force: bool, entries: l
         copy_side_files(checkpoint, tmp, note)
     checkpoint.files.close()
     return out_dir
+
+
+@dataclass(frozen=True)
+class SplitLayout:
+    """A run's view of a split checkpoint: the model routes `experts` whole experts of width `intermediate`; the
+    store and executors hold `parts` parts of each, numbered e·parts + j."""
+
+    parts: int
+    experts: int
+    top_k: int
+    intermediate: int
+
+    def paging_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The configuration stores and executors size themselves by: parts as experts (E·S of F/S each, a token's
+        top-k·S of them), the rest the model's."""
+        return replace(cfg, num_experts=self.experts * self.parts, top_k=self.top_k * self.parts,
+                       expert_intermediate_size=self.intermediate // self.parts)

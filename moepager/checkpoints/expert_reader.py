@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from moepager.checkpoints.derived import SplitLayout
 from moepager.checkpoints.disk import DiskFiles, Span, bounce_bytes
 from moepager.checkpoints.safetensors import Checkpoint, TensorLocation
 from moepager.config import DirectIO
@@ -38,9 +38,6 @@ from moepager.experts.quant import (
 from moepager.experts.weights import ExpertShape, ExpertWeights, expert_view
 from moepager.models.base import ExpertNaming
 from moepager.types import Between, ExpertKey
-
-if TYPE_CHECKING:
-    from moepager.checkpoints.split import SplitLayout
 
 
 def is_routed_expert(name: str) -> bool:

@@ -21,14 +21,13 @@ The config keeps the original's and adds `moepager_split: {"parts": S}`; the cop
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from moepager.atomic_io import check_dir
-from moepager.checkpoints.derived import PARTS, SPLIT_KEY, split_parts, write_derived
+from moepager.checkpoints.derived import PARTS, SPLIT_KEY, SplitLayout, split_parts, write_derived
 from moepager.checkpoints.dtypes import checkpoint_dtype
 from moepager.checkpoints.expert_reader import ExpertReader
 from moepager.checkpoints.quantized import expert_tensor_names, stored_format
@@ -38,23 +37,6 @@ from moepager.experts.weights import ExpertShape, ExpertWeights
 from moepager.models.config import ModelConfig
 from moepager.models.registry import architecture_for
 from moepager.types import ExpertKey
-
-
-@dataclass(frozen=True)
-class SplitLayout:
-    """A run's view of a split checkpoint: the model routes `experts` whole experts of width `intermediate`; the
-    store and executors hold `parts` parts of each, numbered e·parts + j."""
-
-    parts: int
-    experts: int
-    top_k: int
-    intermediate: int
-
-    def paging_config(self, cfg: ModelConfig) -> ModelConfig:
-        """The configuration stores and executors size themselves by: parts as experts (E·S of F/S each, a token's
-        top-k·S of them), the rest the model's."""
-        return replace(cfg, num_experts=self.experts * self.parts, top_k=self.top_k * self.parts,
-                       expert_intermediate_size=self.intermediate // self.parts)
 
 
 def layout_of(config: dict[str, Any], cfg: ModelConfig) -> SplitLayout | None:

@@ -34,8 +34,9 @@ from dataclasses import dataclass
 import torch
 
 from moepager.config import Kernel
-from moepager.experts.executor import ArenaKernels, Batch, ExpertExecutor, PagedExecutor, SortedTokens, sort_by_expert
+from moepager.experts.executor import ArenaKernels, Batch, ExpertExecutor, PagedExecutor
 from moepager.experts.protocols import FusedKernel
+from moepager.experts.sorting import SortedTokens, sort_by_expert
 from moepager.experts.weights import ExpertShape
 from moepager.store.host_compute import HostCompute
 from moepager.store.store import ExpertStore

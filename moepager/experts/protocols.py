@@ -9,15 +9,13 @@ fast path with the reference on the same weights.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
+from moepager.experts.sorting import SortedTokens
 from moepager.experts.weights import ExpertShape, ExpertWeights
 from moepager.types import Between, ExpertKey
-
-if TYPE_CHECKING:
-    from moepager.experts.executor import SortedTokens
 
 
 class FlatReader(Protocol):

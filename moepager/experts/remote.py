@@ -32,15 +32,9 @@ import torch.distributed as dist
 
 from moepager.config import WorkerLoss
 from moepager.errors import MoepagerError, Unavailable
-from moepager.experts.executor import (
-    ArenaKernels,
-    PagedExecutor,
-    SortedTokens,
-    combine,
-    fused_takes,
-    sort_by_expert,
-)
+from moepager.experts.executor import ArenaKernels, PagedExecutor, combine, fused_takes
 from moepager.experts.protocols import FusedKernel
+from moepager.experts.sorting import SortedTokens, sort_by_expert
 from moepager.experts.weights import ExpertShape
 from moepager.policies.prefetch import PrefetchAware
 from moepager.types import PassInfo, RoutingDecision, run_on_host

@@ -329,7 +329,7 @@ class Attention(nn.Module):
         heads_BTND = qkv.view(b, t, -1, self.head_dim)
         qk_BTND = heads_BTND[:, :, :h]
         if self.qk_norm == "head":
-            qk_BTND = self.q_norm(qk_BTND, self._qk_norm_weight())
+            qk_BTND = self.q_norm(qk_BTND, self.qk_norm_weight())
         qk_BTND = apply_rope(qk_BTND, *rope)
         kv_BNSD = cache_update(cache, torch.cat((qk_BTND[:, :, hq:], heads_BTND[:, :, h:]), dim=2), batch)
         out = attention(qk_BTND[:, :, :hq].transpose(1, 2), kv_BNSD[:, :hkv], kv_BNSD[:, hkv:], batch.mask_B1TS)
@@ -338,9 +338,9 @@ class Attention(nn.Module):
     def kernel_qk_norm(self) -> tuple[torch.Tensor, float]:
         """The q/k norm as the CPU kernels take it: the per-head weight [H + Hkv, Dh] and eps, or an empty weight (no
         norm in the kernel: a whole-projection norm is applied before it)."""
-        return (self._qk_norm_weight(), self.q_norm.eps) if self.qk_norm == "head" else (NO_WEIGHT, 0.0)
+        return (self.qk_norm_weight(), self.q_norm.eps) if self.qk_norm == "head" else (NO_WEIGHT, 0.0)
 
-    def _qk_norm_weight(self) -> torch.Tensor:
+    def qk_norm_weight(self) -> torch.Tensor:
         """q_norm's weight for each query head, then k_norm's for each key head, as one [H + Hkv, Dh] tensor
         (remade when either weight is replaced or moves, as `fused_qkv` is; version counters are not read: weights
         loaded under inference mode have none)."""

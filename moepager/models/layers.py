@@ -93,7 +93,8 @@ class CausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.disk_renames = dict(disk_renames or {})
         self.compiled_decode: Callable[..., torch.Tensor] | None = None
-        """`_hidden` compiled for decode passes (`--compile`, accel/compiled.py; the LM head after it); None: eager."""
+        """`hidden_states` compiled for decode passes (`--compile`, accel/compiled.py; the LM head after it); None:
+        eager."""
         self.compiled_rows = False
         """The compiled step also runs decode passes of several rows (one graph for every row count >= 2)."""
         self.traceable = True
@@ -173,11 +174,11 @@ class CausalLM(nn.Module):
 
     def _forward(self, ids_BT: torch.Tensor, batch: ForwardBatch, cache: Sequence[torch.Tensor],
                  logits_at_B: torch.Tensor | None, hidden: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
-        """`hidden` (default `_hidden`; the compiled step's graph), then the LM head."""
-        x_BTD = (hidden or self._hidden)(ids_BT, batch, cache, logits_at_B)
+        """`hidden` (default `hidden_states`; the compiled step's graph), then the LM head."""
+        x_BTD = (hidden or self.hidden_states)(ids_BT, batch, cache, logits_at_B)
         return F.linear(x_BTD, self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head(x_BTD)
 
-    def _hidden(self, ids_BT: torch.Tensor, batch: ForwardBatch, cache: Sequence[torch.Tensor],
+    def hidden_states(self, ids_BT: torch.Tensor, batch: ForwardBatch, cache: Sequence[torch.Tensor],
                 logits_at_B: torch.Tensor | None) -> torch.Tensor:
         """The final norm's output at the positions whose logits are asked for (every position without them)."""
         x_BTD = self.model.embed_tokens(ids_BT)

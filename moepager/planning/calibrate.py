@@ -35,9 +35,10 @@ from moepager.checkpoints.build import cast_model, open_experts
 from moepager.checkpoints.dtypes import checkpoint_dtype
 from moepager.checkpoints.expert_reader import ExpertReader
 from moepager.checkpoints.safetensors import Checkpoint
-from moepager.experts.executor import ArenaKernels, combine, sort_by_expert
+from moepager.experts.executor import ArenaKernels, combine
 from moepager.experts.quant import QuantExpertWeights, quantize_expert
 from moepager.experts.reference import expert_forward
+from moepager.experts.sorting import sort_by_expert
 from moepager.experts.weights import ExpertShape, expert_view
 from moepager.models.attention import ForwardBatch
 from moepager.models.base import Architecture

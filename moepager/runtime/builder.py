@@ -29,7 +29,7 @@ from moepager.checkpoints.build import (
     read_experts,
     resident_executor,
 )
-from moepager.checkpoints.split import SplitLayout
+from moepager.checkpoints.derived import SplitLayout
 from moepager.config import Budget, EngineConfig, Execution, Kernel, StoreConfig
 from moepager.errors import BudgetError, ConfigError
 from moepager.experts.executor import ArenaKernels, ExpertExecutor, PagedExecutor

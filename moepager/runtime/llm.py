@@ -54,13 +54,12 @@ class Completion:
     finish_reason: FinishReason
 
 
-
-
 def model_name(checkpoint: Checkpoint) -> str:
     """What a trace records as its model: the checkpoint's own name (config.json `_name_or_path`, as transformers
     writes it) or its directory's name; never a path on this machine."""
     named = checkpoint.config.get("_name_or_path")
     return named if isinstance(named, str) and named and not Path(named).is_absolute() else checkpoint.path.name
+
 
 def valid_text(text: str, what: str) -> str:
     """`text` as it is when it is valid Unicode; a clear error for a lone UTF-16 surrogate (what JSON's "\\ud800"
@@ -71,6 +70,7 @@ def valid_text(text: str, what: str) -> str:
         raise InvalidRequestError(f"{what} is not valid Unicode: a lone surrogate (U+{ord(text[e.start]):04X}) at "
                                   f"character {e.start}") from None
     return text
+
 
 class LLM:
     """A loaded model plus its tokenizer. `generate` runs one static batch and records `last_stats`."""

@@ -22,18 +22,36 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import suppress
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from moepager.store.slots import settled
-from moepager.store.tiers import Held, Ticket
+from moepager.store.stats import PhaseCounters, StoreCounters
+from moepager.store.tiers import Held, Ticket, Tier
+from moepager.store.transfer import Transfers
 from moepager.types import ExpertKey
 
-if TYPE_CHECKING:
-    from moepager.store.store import ExpertStore
+
+class BufferedStore(Protocol):
+    """What the buffer uses of its store (store/store.py `ExpertStore`): the device tier's stream rows, pins and
+    tickets, the counters, the transfers, and three hooks."""
+
+    device: Tier
+    counters: StoreCounters
+    transfers: Transfers
+
+    def unpin(self, slots: Sequence[int]) -> None:
+        """The compute stream is done with `slots`."""
+
+    def load_into(self, keys: Sequence[ExpertKey], slots: Sequence[int], counters: PhaseCounters,
+                  ahead: bool) -> None:
+        """Start loading `keys` into the device `slots`."""
+
+    def forget_cancelled_host_read(self, ticket: Ticket) -> None:
+        """A cancelled prefetch's host slot is freed."""
 
 
 class PrefetchBuffer:
-    def __init__(self, store: ExpertStore):
+    def __init__(self, store: BufferedStore):
         self.store = store
         self.rows: dict[ExpertKey, int] = {}
         """Bottoms loaded ahead (or loading): key -> its stream row, pinned until its layer routes."""
@@ -61,7 +79,7 @@ class PrefetchBuffer:
     def _free(self, row: int) -> None:
         """`row` holds nothing loaded ahead any more: no transfer, no pin."""
         self.store.device.table.ticket[row] = None
-        self.store._unpin([row])
+        self.store.unpin([row])
 
     def want(self, keys: Sequence[ExpertKey]) -> int:
         """Step 1; returns the loads issued now."""
@@ -85,7 +103,7 @@ class PrefetchBuffer:
         for key, row in zip(take, rows):
             pins[row] += 1
             self.rows[key] = row
-        self.store._load(take, rows, self.store.counters.current, ahead=True)
+        self.store.load_into(take, rows, self.store.counters.current, ahead=True)
         return len(take)
 
     def settle(self, layer: int, needed: set[int]) -> None:
@@ -136,7 +154,7 @@ class PrefetchBuffer:
         ticket, counters = store.device.table.ticket[row], store.counters.current
         if ticket is not None and not ticket.done() and (ticket.cancel() or store.transfers.abandon(ticket)):
             counters.prefetch_cancelled += 1  # it never reads a byte
-            store._forget_cancelled_host_read(ticket)
+            store.forget_cancelled_host_read(ticket)
         else:
             counters.prefetch_wasted += 1
             if ticket is not None and not _ended(ticket):

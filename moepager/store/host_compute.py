@@ -47,11 +47,11 @@ class HostCompute:
                 slot = table.slot_of.get(key)
                 read: Ticket | None = None
                 if slot is None:
-                    slot = store._claim(table, key)
+                    slot = store.claim(table, key)
                     if slot is None:
                         raise RuntimeError(f"expert store: no host slot can be freed for {key} (capacity "
                                            f"{table.capacity}, all in use)")
-                    read = store.transfers.submit(store._disk_job, key, host.buffers[slot], counters)
+                    read = store.transfers.submit(store.disk_job, key, host.buffers[slot], counters)
                     table.ticket[slot] = read
                 elif not settled(table.ticket[slot]):
                     read = table.ticket[slot]  # a read (or a copy out of it) in flight: its expert lands first
@@ -76,7 +76,7 @@ class HostCompute:
             return 0
         slots = table.claim_many(keys, store.clock, {ExpertKey(layer, e) for e in protect})
         if slots:
-            store._load(keys[: len(slots)], slots, store.counters.current, ahead=True)
+            store.load_into(keys[: len(slots)], slots, store.counters.current, ahead=True)
         return len(slots)
 
     def release(self, held: HostHeld) -> None:

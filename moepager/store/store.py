@@ -179,7 +179,7 @@ class ExpertStore:
         while cached:  # claimed, loading and pinned before any wait: a claimed slot never sits empty and unpinned
             wanted = list(map(keys.__getitem__, cached))
             got = table.claim_many(wanted, self.clock)
-            self._load(wanted[: len(got)], got, self.counters.current, ahead=False)
+            self.load_into(wanted[: len(got)], got, self.counters.current, ahead=False)
             for i, slot in zip(cached, got):
                 slots[i] = slot
                 table.pins[slot] += 1
@@ -199,12 +199,13 @@ class ExpertStore:
         rows = rows[: len(held.queued)]
         if rows:  # the first queued misses into the stream rows, submitted together (a split's parts: one read)
             started = [self._stream_start(held, row) for row in rows]
-            self._load([ExpertKey(layer, held.experts[i]) for i in started], rows, self.counters.current, ahead=False)
+            keys = [ExpertKey(layer, held.experts[i]) for i in started]
+            self.load_into(keys, rows, self.counters.current, ahead=False)
 
     def _stream_next(self, held: Held, row: int) -> int:
         """The next queued miss of `held` starts loading into stream `row` (pinned); returns its index."""
         i = self._stream_start(held, row)
-        self._load([ExpertKey(held.layer, held.experts[i])], [row], self.counters.current, ahead=False)
+        self.load_into([ExpertKey(held.layer, held.experts[i])], [row], self.counters.current, ahead=False)
         return i
 
     def _stream_start(self, held: Held, row: int) -> int:
@@ -223,7 +224,7 @@ class ExpertStore:
             row = held.slots[i]
             if row < self.device.table.capacity:
                 continue
-            self._unpin([row])
+            self.unpin([row])
             held.slots[i] = -1
             held.streaming -= 1
             if held.queued:
@@ -259,7 +260,7 @@ class ExpertStore:
         return landed
 
     def release(self, held: Held) -> None:
-        self._unpin(held.slots)
+        self.unpin(held.slots)
         held.slots, held.queued = [], []
         if self.buffer.wanted:
             self.buffer.issue()
@@ -276,7 +277,7 @@ class ExpertStore:
         finally:
             self.release(held)
 
-    def _claim(self, table: SlotTable, key: ExpertKey) -> int | None:
+    def claim(self, table: SlotTable, key: ExpertKey) -> int | None:
         """A slot for `key`, awaiting the loads in flight when only they stand in the way."""
         slot = table.claim(key, self.clock)
         if slot is None:
@@ -305,7 +306,7 @@ class ExpertStore:
             torch.cuda.current_stream(self.device.buffers.device).wait_event(event)
         table.ticket[slot] = None
 
-    def _unpin(self, slots: Sequence[int]) -> None:
+    def unpin(self, slots: Sequence[int]) -> None:
         """The compute stream is done with `slots` (those >= 0; on CUDA one event, recorded now, guards them
         all)."""
         table = self.device.table
@@ -345,7 +346,7 @@ class ExpertStore:
         return len(dropped)
 
     # -- loading ----------------------------------------------------------------------------------------
-    def _load(self, keys: Sequence[ExpertKey], slots: Sequence[int], counters: PhaseCounters, ahead: bool) -> None:
+    def load_into(self, keys: Sequence[ExpertKey], slots: Sequence[int], counters: PhaseCounters, ahead: bool) -> None:
         """Start loading `keys` into the device `slots` (each slot's ticket marks its load)."""
         if ahead:
             counters.loads_ahead += len(keys)
@@ -374,7 +375,7 @@ class ExpertStore:
 
     def _disk_load(self, key: ExpertKey, dst: torch.Tensor, counters: PhaseCounters, issued: float,
                    between: Between | None = None) -> None:
-        self._disk_job(key, dst, counters, between)
+        self.disk_job(key, dst, counters, between)
         counters.loaded(issued, time.perf_counter())
 
     def _disk_load_run(self, keys: Sequence[ExpertKey], dsts: Sequence[torch.Tensor], counters: PhaseCounters,
@@ -387,7 +388,7 @@ class ExpertStore:
         for _ in keys:
             counters.loaded(issued, done)
 
-    def _disk_job(self, key: ExpertKey, dst: torch.Tensor, counters: PhaseCounters,
+    def disk_job(self, key: ExpertKey, dst: torch.Tensor, counters: PhaseCounters,
                   between: Between | None = None) -> None:
         start = time.perf_counter()
         nbytes = self.read(key, dst, between)
@@ -402,7 +403,7 @@ class ExpertStore:
         table.policy.on_access((key,), self.clock)
         slot = table.slot_of.get(key)
         if slot is None:
-            slot = self._claim(table, key)
+            slot = self.claim(table, key)
             if slot is None:
                 raise RuntimeError("host tier has no evictable slot although nothing is pinned there")
             src = host.buffers[slot]
@@ -428,7 +429,7 @@ class ExpertStore:
     def _disk_then_copy(self, key: ExpertKey, src: torch.Tensor, dst: torch.Tensor, after: torch.cuda.Event | None,
                         counters: PhaseCounters, ahead: bool, between: Between | None = None
                         ) -> torch.cuda.Event | None:
-        self._disk_job(key, src, counters, between)
+        self.disk_job(key, src, counters, between)
         return self._copy(dst, src, after, counters, ahead)
 
     def _after_then_copy(self, previous: Ticket, src: torch.Tensor, dst: torch.Tensor, after: torch.cuda.Event | None,
@@ -483,7 +484,7 @@ class ExpertStore:
                     keys.append(key)
                     slots.append(slot)
         if keys:
-            self._load(keys, slots, self.counters.current, ahead=True)
+            self.load_into(keys, slots, self.counters.current, ahead=True)
         return len(keys)
 
     @property
@@ -520,7 +521,7 @@ class ExpertStore:
                         continue  # the read started (or its lane took it): the next action applies
                     gone.add(ticket)
                     self._forget(slot)  # it never reads a byte
-                    self._forget_cancelled_host_read(ticket)
+                    self.forget_cancelled_host_read(ticket)
                     counters.prefetch_cancelled += 1
                 elif action == "promote":
                     assert ticket is not None
@@ -541,7 +542,7 @@ class ExpertStore:
         """`layer`'s even share of the device slots (a layer's cache in layer scope)."""
         return self.device.table.quota[layer]
 
-    def _forget_cancelled_host_read(self, ticket: Ticket) -> None:
+    def forget_cancelled_host_read(self, ticket: Ticket) -> None:
         """A cancelled prefetch through the host tier never read its expert: the host slot claimed for it holds nothing
         valid, so it is freed (a demand load would otherwise find it there and wait on the cancelled read)."""
         if self.host is None:

@@ -7,9 +7,10 @@ import torch
 
 from moepager.checkpoints.build import load_model, resident_executor
 from moepager.config import StoreConfig
-from moepager.experts.executor import ArenaKernels, ResidentExecutor, group_ends, grouped_aligned, sort_by_expert
+from moepager.experts.executor import ArenaKernels, ResidentExecutor, group_ends, grouped_aligned
 from moepager.experts.quant import QuantFormat, quantize_expert
 from moepager.experts.reference import combine_experts
+from moepager.experts.sorting import sort_by_expert
 from moepager.experts.weights import ExpertShape, expert_view
 from moepager.runtime.builder import paged_executor
 from moepager.types import RoutingDecision
