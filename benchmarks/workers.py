@@ -38,7 +38,7 @@ from benchmarks.common import demo_documents, machine_state, print_table, write_
 from moepager.config import EngineConfig, StoreConfig
 
 if TYPE_CHECKING:
-    from moepager.experts.remote import Links
+    from moepager.experts.remote.placement import Links
 
 
 def arguments() -> argparse.ArgumentParser:

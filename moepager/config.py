@@ -19,7 +19,7 @@ Kernel = Literal["auto", "loop", "gather", "grouped", "packed", "fused"]
 KERNELS: tuple[Kernel, ...] = ("auto", "loop", "gather", "grouped", "packed", "fused")
 """`--expert-kernel` choices (experts/executor.py says what each computes)."""
 WorkerLoss = Literal["stop", "failover"]
-"""`--on-worker-loss` choices (experts/remote.py)."""
+"""`--on-worker-loss` choices (experts/remote/executor.py)."""
 Execution = Literal["gpu", "hybrid", "cpu-experts", "auto"]
 EXECUTIONS: tuple[Execution, ...] = ("gpu", "hybrid", "cpu-experts", "auto")
 """`--execution` choices: where a routed expert is computed (experts/hybrid.py says what each does)."""

@@ -27,7 +27,7 @@ from moepager.cli.generate import (
     utf8,
 )
 from moepager.errors import InvalidRequestError, MoepagerError
-from moepager.experts.remote import Links
+from moepager.experts.remote.placement import Links
 from moepager.runtime.llm import LLM
 from moepager.runtime.request import Request
 

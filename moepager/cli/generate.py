@@ -28,7 +28,7 @@ from moepager.config import (
     StoreConfig,
 )
 from moepager.errors import MoepagerError
-from moepager.experts.remote import Links
+from moepager.experts.remote.placement import Links
 from moepager.policies import ENGINE_POLICIES
 from moepager.policies.prefetch import PREFETCH_POLICIES
 from moepager.predictors import ONLINE, PREDICTORS

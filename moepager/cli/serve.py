@@ -17,7 +17,7 @@ from moepager.cli.generate import (
     refuse_ignored_engine_options,
 )
 from moepager.errors import MoepagerError
-from moepager.experts.remote import Links
+from moepager.experts.remote.placement import Links
 from moepager.runtime.llm import LLM
 
 HELP = "serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming) with a live web page"

@@ -12,7 +12,7 @@ from moepager.cli.main import build_parser
 from moepager.config import EngineConfig
 from moepager.distributed.roles import launch
 from moepager.errors import MoepagerError
-from moepager.experts.remote import Links
+from moepager.experts.remote.placement import Links
 
 COMMANDS = {"generate": generate, "serve": serve, "chat": chat}
 

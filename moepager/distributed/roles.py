@@ -1,5 +1,6 @@
-"""The ranks' roles under torchrun (gloo): rank 0 runs the model with its routed experts on the other ranks, which
-hold their share of the experts (experts/remote.py `Placement`) and compute what rank 0 sends until it says stop."""
+"""The ranks' roles under torchrun (gloo): rank 0 runs the model with its routed experts on the other ranks,
+which hold their share of the experts (experts/remote/placement.py `Placement`) and compute what rank 0 sends until it
+says stop."""
 
 from __future__ import annotations
 
@@ -18,16 +19,17 @@ from moepager.checkpoints.default import default_model_path
 from moepager.checkpoints.gguf_read import resolve_model_path
 from moepager.config import EngineConfig
 from moepager.errors import MoepagerError
-from moepager.experts.remote import SHADOW_RANK, STATS, STOP, Links, message
+from moepager.experts.remote.placement import Links
+from moepager.experts.remote.protocol import SHADOW_RANK, STATS, Stop, send
 from moepager.runtime.builder import expert_worker, placement
 from moepager.runtime.shadow import Shadow
 
 
 def launch(config: EngineConfig, main: Callable[[EngineConfig, Links], int]) -> int:
     """In each process torchrun started: rank 0 returns `main(config, links)` with `config.workers` set to the other
-    ranks and `links` their process groups (experts/remote.py `Links`), and tells them to stop when it is done (or
-    fails); every other rank serves its experts. An error is one line naming the rank. Ctrl-C reaches every process of
-    the terminal: only rank 0 takes it, and stops the others as when it is done."""
+    ranks and `links` their process groups (experts/remote/placement.py `Links`), and tells them to stop when it is
+    done (or fails); every other rank serves its experts. An error is one line naming the rank. Ctrl-C reaches every
+    process of the terminal: only rank 0 takes it, and stops the others as when it is done."""
     if "RANK" not in os.environ:
         raise MoepagerError("worker processes are started by torchrun: `torchrun --nproc-per-node N -m "
                             "moepager.distributed generate ...` or `moepager generate --workers N-1 ...`")
@@ -76,7 +78,7 @@ def stop_workers(world: int, timeout_s: float, links: Links) -> dict[int, dict[s
     out = {}
     for rank in range(1, world):
         try:
-            dist.send(message(STOP), rank, group=links.of(rank))
+            send(Stop(), [], rank, links.of(rank))
             stats = torch.empty(len(STATS), dtype=torch.float64)
             dist.irecv(stats, rank, group=links.of(rank)).wait(timeout=datetime.timedelta(seconds=timeout_s))
             out[rank] = dict(zip(STATS, stats.tolist()))

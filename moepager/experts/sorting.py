@@ -1,6 +1,6 @@
 """A layer's (token, k) pairs sorted by expert: the first step of every executor (experts/executor.py) and of the
-workers' share of a layer (experts/remote.py). Stable by expert id, so each expert's rows keep token order; the used
-experts and their row counts are read on the host once (the layer's one host sync)."""
+workers' share of a layer (experts/remote/worker.py). Stable by expert id, so each expert's rows keep token order; the
+used experts and their row counts are read on the host once (the layer's one host sync)."""
 
 from __future__ import annotations
 

@@ -35,14 +35,17 @@ from moepager.errors import BudgetError, ConfigError
 from moepager.experts.executor import ArenaKernels, ExpertExecutor, PagedExecutor
 from moepager.experts.hybrid import CpuExpertsExecutor, CpuPool, ExpertTimes, HybridExecutor
 from moepager.experts.protocols import FlatReader
-from moepager.experts.remote import SHADOW_RANK, ExpertWorker, Links, Placement, RemoteExecutor
+from moepager.experts.remote.executor import RemoteExecutor
+from moepager.experts.remote.placement import Links, Placement
+from moepager.experts.remote.protocol import SHADOW_RANK
+from moepager.experts.remote.worker import ExpertWorker
 from moepager.experts.split import SplitExecutor
 from moepager.models.config import ModelConfig
 from moepager.planning.configurator import layer_costs
 from moepager.planning.cost import CostModel, nominal_profile
 from moepager.policies import UnknownPolicyError, make_policy, policy_spec
 from moepager.policies.base import ForecastConsumer
-from moepager.policies.prefetch import PREFETCH_POLICIES, make_prefetch_policy
+from moepager.policies.prefetch import PREFETCH_POLICIES, PrefetchAware, make_prefetch_policy
 from moepager.predictors import PREDICTORS
 from moepager.runtime.configure import OnlineConfigurator
 from moepager.runtime.prefetch import Prefetcher, build_prefetcher
@@ -53,6 +56,7 @@ from moepager.store.stats import StoreReport
 from moepager.store.store import ExpertStore
 from moepager.store.tiers import Tier
 from moepager.store.transfer import Transfers
+from moepager.store.view import StoreView
 from moepager.types import ExpertKey, Scope, host_empty
 
 STREAM_ROWS = 2
@@ -312,7 +316,7 @@ def cpu_experts_executor(config: EngineConfig, device: torch.device) -> Executor
 
 
 def placement(config: EngineConfig, cfg: ModelConfig) -> Placement:
-    """Which worker holds each expert (experts/remote.py), checked against the processes that were started."""
+    """Which worker holds each expert (experts/remote/placement.py), checked against the processes that were started."""
     import torch.distributed as dist
 
     processes = config.workers + 1 + config.shadow
@@ -332,13 +336,14 @@ def remote_executor(config: EngineConfig, reader: FlatReader, cfg: ModelConfig, 
                           cpu_kernels.fused_experts(shape, torch.device("cpu"), config.expert_kernel),
                           config.worker_timeout_s, config.on_worker_loss,
                           also_placed=(SHADOW_RANK,) if config.shadow else (),
-                          links=links)
+                          links=links, priority=PrefetchAware.priority)
 
 
-def expert_worker(config: EngineConfig, path: Path, rank: int, links: Links) -> ExpertWorker:
-    """A worker rank's experts (its share of every layer's, `Placement`): read into RAM, or with `--worker-memory`
-    paged from the checkpoint through a store of that many of them (one cache for all its layers); held again the same
-    way when a failover changes its share."""
+def expert_worker(config: EngineConfig, path: Path, rank: int, links: Links,
+                  placed: Placement | None = None) -> ExpertWorker:
+    """A worker rank's experts (its share of every layer's, `Placement`: `placed`, or the started processes'):
+    read into RAM, or with `--worker-memory` paged from the checkpoint through a store of that many of them (one
+    cache for all its layers); held again the same way when a failover changes its share."""
     opened = open_checkpoint(path, LoadOptions.of(config))
     cfg, reader = opened.config, opened.reader
     shape, kernel, cpu = reader.shape, config.expert_kernel, torch.device("cpu")
@@ -354,7 +359,7 @@ def expert_worker(config: EngineConfig, path: Path, rank: int, links: Links) -> 
         arena = read_experts(reader, [ExpertKey(cfg.moe_layers[p], e) for p, e in owned], cpu)
         return ArenaKernels(arena, shape, kernel, fused=fused), None
 
-    return ExpertWorker(rank, cfg.moe_layers, cfg.num_experts, shape, placement(config, cfg), hold, links,
+    return ExpertWorker(rank, cfg.moe_layers, cfg.num_experts, shape, placed or placement(config, cfg), hold, links,
                         shadow_rank=SHADOW_RANK if config.shadow else None)
 
 
@@ -399,12 +404,12 @@ def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = 
     prefetcher = None
     if config.prefetch.predictor is not None and config.workers:  # forecasts become the workers' loads ahead
         assert isinstance(executor, RemoteExecutor)
-        prefetcher = build_prefetcher(config.prefetch, loaded.model, executor)  # type: ignore[arg-type]
+        prefetcher = build_prefetcher(config.prefetch, loaded.model, executor)
         loaded.model.observe_routing(prefetcher)
     elif config.prefetch.predictor is not None and store is not None:
         inner = store.order.inner  # the device tier's eviction policy, which may rank by forecasts (fMoE, PLEC)
         forecasts: ForecastConsumer | None = inner if inner.uses_predictions else None
-        target: ExpertStore | WholeExperts = store
+        target: StoreView = store
         if store.parts > 1:  # a split checkpoint: forecasts of whole experts load their cacheable parts
             target = WholeExperts(store)
             forecasts = PartForecasts(forecasts, store.parts) if forecasts is not None else None

@@ -19,8 +19,8 @@ import torch
 from moepager.config import SchedulerConfig
 from moepager.errors import InvalidRequestError, NumericalError
 from moepager.models.layers import CausalLM
+from moepager.runtime.batch_policy import RoutingPaths, batch_policy
 from moepager.runtime.cuda_graphs import DecodeGraphs
-from moepager.runtime.grouping import PathTracker
 from moepager.runtime.kv_pool import KVBlockPool
 from moepager.runtime.request import Detokenize, FinishReason, Request, RequestOutput, TextTracker
 from moepager.runtime.runner import ModelRunner, OnPass, ignore_pass
@@ -46,13 +46,13 @@ class Engine:
     def __init__(self, model: CausalLM, dtype: torch.dtype, device: torch.device, config: SchedulerConfig,
                  eos_ids: Sequence[int], detokenize: Detokenize | None, on_pass: OnPass = ignore_pass,
                  on_finish: Callable[[int], None] = ignore_finish, graphs: bool = False,
-                 paths: PathTracker | None = None):
+                 paths: RoutingPaths | None = None):
         """`graphs`: one-row decode passes replay CUDA graphs (the caller checked the model can be captured);
-        `paths`: the requests' routing paths, for the expertflow batch policy (the caller feeds it passes and
-        routing)."""
+        `paths`: the requests' routing paths, for a batch policy that reads them (runtime/batch_policy/
+        `NEEDS_PATHS`; the caller feeds it passes and routing)."""
         self.model, self.config = model, config
         self.pool = KVBlockPool(model, dtype, device, config.kv_cache_tokens, config.block_size)
-        self.scheduler = Scheduler(config, self.pool, paths)
+        self.scheduler = Scheduler(config, self.pool, batch_policy(config, paths))
         self.runner = ModelRunner(model, self.pool, device, on_pass, DecodeGraphs(model, self.pool) if graphs else None,
                                   config.batch_invariant)
         self.eos_ids, self.detokenize = frozenset(eos_ids), detokenize
@@ -88,6 +88,10 @@ class Engine:
     def abort(self, request_id: int) -> None:
         """Stop a request at the next step (a client went away); its blocks are freed."""
         self._inbox.put(request_id)
+
+    def close(self) -> None:
+        """Stop the batch policy's thread, if it has one (a later step starts it again)."""
+        self.scheduler.close()
 
     # -- the stepping thread ------------------------------------------------------------------------------------
     def has_work(self) -> bool:

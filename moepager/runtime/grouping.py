@@ -2,9 +2,7 @@
 decode step activates fewer distinct experts.
 
 A sequence's path is the set of experts its next token is expected to use at every MoE layer, a bit per (layer,
-expert). `PathTracker` takes it from the run's `--predictor` where that forecasts every MoE layer at the next token
-(ExpertFlow's own path predictor, `--predictor path`, forecasts it from the tokens; any fitted predictor does), else
-keeps each running request's last token's routing as that forecast (routing has token-to-token locality).
+expert) (the engine's: runtime/batch_policy/expertflow.py `PathTracker`; the simulator's: from the trace).
 `balanced_two_means` splits paths into two groups of sizes ceil(n/2) and floor(n/2) by balanced 2-means on Hamming
 similarity (eq. 6, S[i, j] = 1 - Hamming(r_i, r_j) / (L E)):
 1. medoids: the oldest sequence, and the one least similar to it (ties: the older);
@@ -17,13 +15,9 @@ Deterministic: the same paths give the same groups. The objective is the sum ove
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
-import torch
-
-from moepager.predictors.base import Forecast
-from moepager.types import PassInfo, RoutingDecision
 
 ITERATIONS = 10
 """Most rounds of 2-means (the paper leaves it open; a handful settle on every trace tried)."""
@@ -74,67 +68,3 @@ def _medoid(s: np.ndarray, members: list[int]) -> int:
     """The member most similar on average to the others (the first on ties)."""
     block = s[np.ix_(members, members)]
     return members[int(np.argmax(block.sum(1)))]
-
-
-class PathTracker:
-    """Each running request's latest token's routing over every MoE layer, as a path (a routing observer and a pass
-    part: runtime/llm.py plugs it in when the engine's batch policy groups by paths)."""
-
-    def __init__(self, moe_layers: Sequence[int], num_experts: int,
-                 forecast: Callable[[int, int], Forecast | None] | None = None, top_k: int = 0):
-        """`forecast(position, 1)`: a predictor's forecast of each MoE position at the rows' next tokens (the run's
-        `--predictor`, which observes each layer before this tracker does); when it has one for every position, a
-        request's path is its `top_k` experts there, else its last routed token's."""
-        self.column = {layer: i for i, layer in enumerate(moe_layers)}
-        self.num_experts = num_experts
-        self.forecast, self.top_k = forecast, top_k
-        self.paths: dict[int, np.ndarray] = {}
-        """request id -> bool [L * E]: the experts its next token is expected to use."""
-        self.forecast_passes = 0
-        """Passes whose paths came from the predictor's forecasts (the rest: from the routing)."""
-        self._info: PassInfo | None = None
-        self._last_rows: np.ndarray | None = None
-        self._pending: dict[int, np.ndarray] = {}
-        self._forecast: np.ndarray | None = None
-
-    def begin_pass(self, info: PassInfo) -> None:
-        self._flush()
-        self._info = info
-        ends = np.cumsum(info.counts)
-        self._last_rows = ends - 1  # MoE blocks see the valid tokens row-major: a row's last token ends its span
-
-    def stage(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> Sequence[torch.Tensor]:
-        return ()
-
-    def routed(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision, staged: Sequence[torch.Tensor]) -> None:
-        if self._last_rows is None or route.ids_host_TK is None:
-            return
-        column = self.column[layer]
-        self._pending[column] = route.ids_host_TK.numpy()[self._last_rows]
-        if self.forecast is not None and column == len(self.column) - 1:  # every layer observed: the next token's
-            rows = self._last_rows.tolist()
-            forecasts = [self.forecast(j, 1) for j in range(len(self.column))]
-            self._forecast = np.stack([f.rows(rows).top(self.top_k).cpu().numpy() for f in forecasts], 1) \
-                if all(f is not None for f in forecasts) else None  # type: ignore[union-attr]
-
-    def _flush(self) -> None:
-        info, pending = self._info, self._pending
-        if info is None or len(pending) != len(self.column):
-            self._pending = {}
-            return
-        ids_RLK = np.stack([pending[column] for column in range(len(self.column))], 1)
-        if self._forecast is not None:
-            ids_RLK = self._forecast
-            self.forecast_passes += 1
-        for row, request in enumerate(info.requests):
-            self.paths[request] = path_of(ids_RLK[row], self.num_experts)
-        self._pending, self._info, self._forecast = {}, None, None
-
-    def path(self, request: int) -> np.ndarray | None:
-        """The request's latest path (its last pass's routing), or None before it has routed."""
-        self._flush()
-        return self.paths.get(request)
-
-    def forget(self, request: int) -> None:
-        self._flush()  # its last pass first, so that nothing brings it back
-        self.paths.pop(request, None)

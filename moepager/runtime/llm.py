@@ -22,14 +22,16 @@ from moepager.checkpoints.gguf_read import resolve_model_path
 from moepager.checkpoints.safetensors import Checkpoint
 from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
 from moepager.errors import ConfigError, InvalidRequestError
-from moepager.experts.remote import Links, RemoteExecutor
+from moepager.experts.remote.executor import RemoteExecutor
+from moepager.experts.remote.placement import Links
 from moepager.models.routing import NULL_OBSERVER, OWN_ROUTER, RoutingFanOut, RoutingObserver
 from moepager.predictors import PREDICTORS
+from moepager.runtime.batch_policy import NEEDS_PATHS
+from moepager.runtime.batch_policy.expertflow import PathTracker
 from moepager.runtime.builder import build, store_report
 from moepager.runtime.configure import OnlineConfigurator
 from moepager.runtime.cuda_graphs import graphable
 from moepager.runtime.engine import Engine, ignore_finish
-from moepager.runtime.grouping import PathTracker
 from moepager.runtime.prefetch import Prefetcher
 from moepager.runtime.replay import ReplayReport, ReplaySpec, RouteReplayer, check_record_path, load_replay
 from moepager.runtime.request import Detokenize, FinishReason, Request
@@ -101,8 +103,8 @@ class LLM:
         cfg = self.loaded.config
         self.paths = PathTracker(cfg.moe_layers, cfg.num_experts, self.prefetcher.predictor.forecast
                                  if self.prefetcher is not None else None, cfg.top_k) \
-            if self.config.scheduler.batch_policy == "expertflow" else None
-        """Each running request's routing path (the expertflow batch policy groups requests by them)."""
+            if self.config.scheduler.batch_policy in NEEDS_PATHS else None
+        """Each running request's routing path (for a batch policy that groups requests by them)."""
         self.remote: list[PassPart] = [experts] if isinstance(experts, RemoteExecutor) else []
         """Worker processes' executor (its layer calls carry the pass), and the shadow's feed when there is one."""
         if self.config.shadow:
@@ -131,6 +133,10 @@ class LLM:
         store, a per-request path cache) learns from requests, and this one is none (the graph does not trace it)."""
         scheduler = self.config.scheduler
         self._throwaway(1, min(2 * scheduler.block_size + 4, scheduler.kv_cache_tokens - 2))
+
+    def close(self) -> None:
+        """Stop the engine's threads of its own (the batch policy's; a later call starts them again)."""
+        self.engine.close()
 
     def warm_batched_decode(self) -> None:
         """Compile `--compile`'s graph for batched decode passes now, not in the first one (accel/compiled.py):

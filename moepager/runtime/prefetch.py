@@ -44,8 +44,7 @@ from moepager.predictors import (
     token_keys,
 )
 from moepager.predictors.expert_map import hashed_tokens
-from moepager.store.parts import WholeExperts
-from moepager.store.store import ExpertStore
+from moepager.store.view import Priority, StoreView
 from moepager.types import PassInfo, RoutingDecision
 
 NO_SCORES = torch.empty(0, 0)
@@ -81,11 +80,8 @@ class PrefetchPlan:
     """A selected expert is prefetched only when its forecast probability is at least this."""
 
 
-Priority = Callable[[float, int], float]
-"""(probability mass, MoE layers until needed) -> a queued prefetch's rank."""
-
 class Prefetcher:
-    def __init__(self, predictor: Predictor, store: ExpertStore | WholeExperts, moe_layers: Sequence[int],
+    def __init__(self, predictor: Predictor, store: StoreView, moe_layers: Sequence[int],
                  plan: PrefetchPlan, embed: SemanticEmbed | None = None, forecasts: ForecastConsumer | None = None,
                  next_use: bool = False, stateful: bool = False, priority: Priority = PrefetchAware.priority):
         self.predictor, self.store, self.plan = predictor, store, plan
@@ -241,7 +237,7 @@ class Prefetcher:
         self.store.prefetch_ranked(list(map(itemgetter(1, 2), ranked)), room)
 
 
-def build_prefetcher(config: PrefetchConfig, model: CausalLM, store: ExpertStore | WholeExperts,
+def build_prefetcher(config: PrefetchConfig, model: CausalLM, store: StoreView,
                      forecasts: ForecastConsumer | None = None, next_use: bool = False) -> Prefetcher:
     """The configured predictor, wired to the model's routers and embedding layer, to the store (and its prefetch
     policy's ranking), and to `forecasts`, the eviction policy that ranks by forecasts (fMoE, PLEC) if any."""
@@ -263,7 +259,7 @@ def build_prefetcher(config: PrefetchConfig, model: CausalLM, store: ExpertStore
     min_p = config.min_p if config.min_p is not None else spec.default_min_p
     plan = PrefetchPlan(distance, per_row, config.max_inflight or 2 * cfg.top_k, min_p)
     return Prefetcher(predictor, store, [b.layer for b in blocks], plan, embed, forecasts, next_use, spec.stateful,
-                      store.order.priority)
+                      store.priority)
 
 
 def router_scores(model: CausalLM) -> list[Callable[[torch.Tensor], torch.Tensor]]:

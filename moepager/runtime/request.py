@@ -10,12 +10,46 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from moepager.runtime.sampling import RequestSampler, SamplingParams, TokenLogprobs
 
 FinishReason = Literal["stop", "length", "abort"]
 Detokenize = Callable[[Sequence[int]], str]
+
+
+class Preempted(Protocol):
+    preemptions: int
+    """Times the request lost its cache to another and computed its tokens again."""
+
+
+class SchedulableRequest(Protocol):
+    """What a scheduled row's request is to the runner (runtime/runner.py): its id, cache blocks, tokens. The
+    engine's `Request`, the simulator's stand-in (runtime/step_order.py) and the shadow's (runtime/shadow.py)."""
+
+    request_id: int
+    blocks: list[int]
+    """KV cache blocks holding its positions, in order."""
+    num_computed: int
+    """Tokens whose keys and values are in the cache."""
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    def tokens(self, start: int, count: int) -> list[int]: ...
+
+
+class QueuedRequest(SchedulableRequest, Protocol):
+    """What the scheduler (runtime/scheduler.py) and its batch policy read of a request besides: its output so far,
+    what is left to compute, its preemptions. The engine's `Request` and the simulator's stand-in."""
+
+    out_ids: list[int]
+
+    @property
+    def remaining(self) -> int: ...
+
+    @property
+    def stats(self) -> Preempted: ...
 
 
 @dataclass

@@ -27,28 +27,15 @@ import torch
 import torch.distributed as dist
 
 from moepager.config import EngineConfig
-from moepager.experts.remote import (
-    HEADER,
-    PLACE,
-    SHADOW_RANK,
-    STATS,
-    STOP,
-    WAIT_FOR_WORK,
-    Links,
-    Placement,
-    message,
-    recv_placement,
-    send_forecasts,
-)
+from moepager.errors import MoepagerError
+from moepager.experts.remote.placement import Links, Placement, recv_placement
+from moepager.experts.remote.protocol import SHADOW_RANK, STATS, Pass, Place, Stop, receive, send, send_forecasts
 from moepager.runtime.builder import build
 from moepager.runtime.kv_pool import KVBlockPool
 from moepager.runtime.runner import ModelRunner
 from moepager.runtime.sampling import greedy_picks
 from moepager.runtime.scheduler import Scheduled
 from moepager.types import PassInfo, RoutingDecision
-
-PASS = 4
-"""The main rank's pass announcement to the shadow: rows, then token ids."""
 
 
 class ShadowFeed:
@@ -66,10 +53,10 @@ class ShadowFeed:
             return
         rows = torch.tensor([[r, s, c, phase == "decode"] for r, s, c, phase in
                              zip(info.requests, info.starts, info.counts, info.row_phases)])
-        header = message(PASS, len(info.requests), len(info.token_ids_N), pass_id=info.pass_id)
-        try:
-            for t in (header, rows, info.token_ids_N.to("cpu", torch.long).contiguous()):  # gloo's: host tensors
-                dist.isend(t, SHADOW_RANK).wait(timeout=self.timeout)
+        announced = Pass(len(info.requests), len(info.token_ids_N), info.pass_id)
+        try:  # gloo's: host tensors
+            send(announced, [rows, info.token_ids_N.to("cpu", torch.long).contiguous()], SHADOW_RANK, None,
+                 self.timeout)
         except RuntimeError as e:
             self.lost = True
             print(f"shadow rank {SHADOW_RANK} did not take pass {info.pass_id} "
@@ -133,28 +120,28 @@ class Shadow:
         assert route.ids_host_TK is not None
         position = self.position[layer]
         experts = sorted(set(route.ids_host_TK.flatten().tolist()))
-        send_forecasts(self.placement, [(position, e) for e in experts], self.pass_id, self.links.forecasts_of)
+        send_forecasts(self.placement.rank, [(position, e) for e in experts], self.pass_id, self.links.forecasts_of)
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def serve(self) -> int:
         """Compute each pass the main rank announces (and the passes after it, on guesses, up to `ahead`) until it
         says stop, then answer with its counters (`stats`); returns the passes computed."""
-        header = torch.empty(HEADER, dtype=torch.long)
         while True:
-            dist.irecv(header, 0).wait(timeout=WAIT_FOR_WORK)  # a server may sit idle for hours
-            op, num_rows, num_tokens, *_, pass_id = header.tolist()
-            if op == STOP:
+            message = receive(0)  # a server may sit idle for hours
+            if isinstance(message, Stop):
                 self._stop_forecasts()
                 dist.send(self.stats(), 0)
                 return self.passes
-            if op == PLACE:  # a worker was lost: forecasts go by the placement left (num_rows: workers, then group)
-                self.placement = recv_placement(num_rows, num_tokens)
+            if isinstance(message, Place):  # a worker was lost: forecasts go by the placement left
+                self.placement = recv_placement(message)
                 continue
-            assert op == PASS, f"the shadow rank got message {op}"
-            rows = torch.empty(num_rows, 4, dtype=torch.long)
-            ids = torch.empty(num_tokens, dtype=torch.long)
+            if not isinstance(message, Pass):
+                raise MoepagerError(f"the shadow rank got a {type(message).__name__} message, which workers take")
+            rows = torch.empty(message.rows, 4, dtype=torch.long)
+            ids = torch.empty(message.tokens, dtype=torch.long)
             dist.recv(rows, 0)
             dist.recv(ids, 0)
+            pass_id = message.pass_id
             self.pass_id = self.told = pass_id
             told = self._run(rows.tolist(), ids.tolist())
             self.passes += 1
@@ -162,11 +149,11 @@ class Shadow:
                 self._run_ahead(told, pass_id + step)
 
     def _stop_forecasts(self) -> None:
-        """Each worker's thread that takes the forecasts (experts/remote.py `ExpertWorker._take_forecasts`) is told to
+        """Each worker's thread that takes the forecasts (experts/remote/worker.py `ExpertWorker`) is told to
         stop; a worker lost is skipped."""
         for rank in self.placement.ranks:
             try:
-                dist.isend(message(STOP), rank, group=self.links.forecasts_of(rank)).wait(timeout=self.timeout)
+                send(Stop(), [], rank, self.links.forecasts_of(rank), self.timeout)
             except RuntimeError:
                 pass
 
@@ -204,7 +191,7 @@ class Shadow:
                 del request.ids[start + count:]
                 request.guess = None
                 if self._reserve(request, start + count):
-                    scheduled.append(Scheduled(request, begin, start + count - begin,  # type: ignore[arg-type]
+                    scheduled.append(Scheduled(request, begin, start + count - begin,
                                                bool(decoding) and begin == start))
             if decoding:
                 told.append(request)
@@ -221,7 +208,7 @@ class Shadow:
             request.ids.append(request.guess)
             request.guess = None
             if self._reserve(request, len(request.ids)):
-                scheduled.append(Scheduled(request, len(request.ids) - 1, 1, True))  # type: ignore[arg-type]
+                scheduled.append(Scheduled(request, len(request.ids) - 1, 1, True))
             else:
                 request.ids.pop()
         if scheduled:
@@ -233,7 +220,7 @@ class Shadow:
         """Run the rows (their routing goes out as this pass's forecasts) and keep each finished row's guess of its
         next token."""
         for row, logits in self.runner.run(scheduled) if scheduled else ():  # the sampler's greedy pick
-            row.request.guess = greedy_picks(logits.view(1, -1))[0][0]  # type: ignore[attr-defined]
+            self.requests[row.request.request_id].guess = greedy_picks(logits.view(1, -1))[0][0]
 
     def _reserve(self, request: _Request, tokens: int) -> bool:
         """Cache blocks for `tokens` positions, taking back the blocks of requests least recently told of (never

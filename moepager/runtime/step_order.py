@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moepager.config import SchedulerConfig
+from moepager.runtime.batch_policy import NEEDS_PATHS, batch_policy
 from moepager.runtime.grouping import path_of
 from moepager.runtime.kv_pool import KVBlocks
 from moepager.runtime.runner import pass_groups
@@ -52,6 +53,10 @@ class _Request:
     def remaining(self) -> int:
         return self.num_tokens - self.num_computed
 
+    def tokens(self, start: int, count: int) -> list[int]:
+        """(Placeholders: the simulator computes no tokens, it lays out the trace's.)"""
+        return [0] * max(0, min(count, self.num_tokens - start))
+
 
 class _TracePaths:
     """The path tracker's view for the scheduler, from the trace's routing of each request's last computed token."""
@@ -86,15 +91,15 @@ def engine_steps(work: Workload, config: SchedulerConfig, concurrency: int) -> W
         if prompt == 0:
             raise TraceError(f"request {work.names[r]} has no prompt tokens: cut the trace with a prompt length")
         requests.append(_Request(r, [0] * prompt, int(starts[r + 1] - starts[r]) - prompt + 1, int(starts[r])))
-    paths = _TracePaths(work) if config.batch_policy == "expertflow" else None
-    scheduler = Scheduler(config, KVBlocks(config.kv_cache_tokens, config.block_size), paths)  # type: ignore[arg-type]
+    paths = _TracePaths(work) if config.batch_policy in NEEDS_PATHS else None
+    scheduler = Scheduler(config, KVBlocks(config.kv_cache_tokens, config.block_size), batch_policy(config, paths))
     pending = list(reversed(requests))
     inbox = [pending.pop() for _ in range(min(concurrency, len(pending)))]
     steps: list[np.ndarray] = []
     phases: list[int] = []
     while inbox or scheduler.running or scheduler.waiting:
         for request in inbox:
-            scheduler.add(request)  # type: ignore[arg-type]
+            scheduler.add(request)
         inbox = []
         rows = scheduler.schedule()
         if not rows:
@@ -104,8 +109,8 @@ def engine_steps(work: Workload, config: SchedulerConfig, concurrency: int) -> W
         for group in pass_groups(rows, config.batch_invariant):
             tokens = []
             for row in group:
-                request = row.request
-                tokens.append(np.arange(row.start, row.start + row.count) + request.first)  # type: ignore[attr-defined]
+                request = requests[row.request.request_id]
+                tokens.append(np.arange(row.start, row.start + row.count) + request.first)
                 request.num_computed = row.start + row.count
                 if paths is not None:
                     paths.saw(request.request_id, int(tokens[-1][-1]))
@@ -113,9 +118,10 @@ def engine_steps(work: Workload, config: SchedulerConfig, concurrency: int) -> W
             phases.append(PREFILL if any(not row.decoding for row in group) else DECODE)
             for row in group:
                 if row.completes:
-                    row.request.out_ids.append(0)
-                    if len(row.request.out_ids) >= row.request.max_tokens:  # type: ignore[attr-defined]
-                        finished.append(row.request)
+                    request = requests[row.request.request_id]
+                    request.out_ids.append(0)
+                    if len(request.out_ids) >= request.max_tokens:
+                        finished.append(request)
         for request in finished:
             scheduler.finish(request)
             if pending:

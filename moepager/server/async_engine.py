@@ -56,6 +56,8 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self._thread is None or not self._thread.is_alive():  # (a step still running keeps its policy's thread)
+            self.engine.close()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Request, asyncio.Queue[Delivery]]:
         """Queue a request (InvalidRequestError when it cannot run: too long for the context or KV cache;

@@ -23,13 +23,13 @@ from moepager.types import ExpertKey
 
 
 class WholeExperts:
-    """`store` (split in parts) behind the prefetcher's view of a store: quota, settle, prefetches_in_flight,
-    prefetch_ranked and the prefetch policy's `order`."""
+    """`store` (split in parts) behind the prefetcher's view of a store (store/view.py `StoreView`), in whole
+    experts."""
 
     def __init__(self, store: ExpertStore):
         assert store.parts > 1
         self.store = store
-        self.order = store.order
+        self.priority = store.order.priority
 
     def quota(self, layer: int) -> int:
         """The experts whose cacheable parts `layer`'s cache holds."""

@@ -52,6 +52,8 @@ class ExpertStore:
                             "(policies/prefetch.py make_prefetch_policy)")
         self.order: PrefetchAware = device.table.policy
         """The device tier's prefetch policy: its eviction order with prefetched experts, and their verdicts."""
+        self.priority = self.order.priority
+        """How the prefetcher ranks queued prefetches (the prefetch policy's rule; store/view.py `StoreView`)."""
         device.table.on_evict = self._evicted
         self.read_buffer_bytes = read_buffer_bytes
         """Bytes the reading threads take for bounce/conversion buffers (inside the budget of the tier they fill)."""

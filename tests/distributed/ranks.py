@@ -23,11 +23,13 @@ from moepager.checkpoints.build import read_config
 from moepager.config import EngineConfig, PrefetchConfig
 from moepager.distributed.roles import stop_workers
 from moepager.errors import MoepagerError
-from moepager.experts.remote import ExpertWorker, Links
+from moepager.experts.remote.placement import Links
+from moepager.experts.remote.protocol import SHADOW_RANK
+from moepager.experts.remote.worker import ExpertWorker
 from moepager.runtime.builder import expert_worker, placement
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
-from moepager.runtime.shadow import SHADOW_RANK, Shadow
+from moepager.runtime.shadow import Shadow
 
 PROMPTS = [[3, 11, 5, 7], [7, 1, 2], [2, 2, 9, 4, 6]]
 

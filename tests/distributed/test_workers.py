@@ -1,4 +1,4 @@
-"""OD-MoE's worker processes (experts/remote.py, distributed/): a main rank and 2-3 workers started by torchrun on
+"""OD-MoE's worker processes (experts/remote/, distributed/): a main rank and 2-3 workers started by torchrun on
 this machine (gloo, one thread each) give the single-process greedy tokens on every architecture; a worker that dies
 or stops answering is named in an error within the timeout, and nothing hangs."""
 
@@ -15,7 +15,7 @@ import torch
 from moepager.cli.generate import spawn_ranks
 from moepager.config import EngineConfig
 from moepager.errors import MoepagerError
-from moepager.experts.remote import Placement
+from moepager.experts.remote.placement import Placement
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from tests.conftest import ARCHS

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from moepager.config import EngineConfig, SchedulerConfig
-from moepager.runtime.grouping import PathTracker, balanced_two_means, union_size
+from moepager.runtime.batch_policy import batch_policy
+from moepager.runtime.batch_policy.expertflow import WAIT_BOUND, ExpertFlowPolicy, PathTracker
+from moepager.runtime.grouping import balanced_two_means, union_size
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
-from moepager.runtime.scheduler import WAIT_BOUND, Scheduler
+from moepager.runtime.scheduler import Scheduler
 from moepager.types import PassInfo, RoutingDecision
 from tests.runtime.test_scheduler import FakePool, FakeRequest, step
 
@@ -66,7 +68,7 @@ class FakePaths:
 
 def expertflow(max_seqs: int, paths: np.ndarray) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=max_seqs, max_batched_tokens=64, batch_policy="expertflow")
-    return Scheduler(config, FakePool(64), FakePaths(paths))  # type: ignore[arg-type]
+    return Scheduler(config, FakePool(64), batch_policy(config, FakePaths(paths)))
 
 
 def test_expertflow_runs_twice_the_requests_as_two_similar_groups_in_turns():
@@ -199,12 +201,16 @@ def test_the_dual_batch_pipeline_forms_the_next_pair_during_the_second_step():
         s.add(Tracked(str(i), [1] * 2, request_id=i))
     step(s)  # prompts
     step(s)  # a pair's first step: groups formed now
-    assert s._next is None
-    step(s)  # its second step: the next pair's groups are formed on the scheduler's thread meanwhile
-    assert s._next is not None
-    ahead = s._next.result()
+    policy = s.policy
+    assert isinstance(policy, ExpertFlowPolicy)
+    assert policy._next is None
+    step(s)  # its second step: the next pair's groups are formed on the policy's thread meanwhile
+    assert policy._next is not None
+    ahead = policy._next.result()
     third = {int(name) for name, *_ in step(s)}
     assert third == set(range(8)) - ahead[1]  # the next pair ran the groups formed ahead
     # formed-ahead groups fitted to who decodes now: finished ones dropped, new ones to the smaller group
-    assert Scheduler._fitted(({0, 1, 2}, {3, 4, 5}), [0, 1, 3, 4, 5, 6]) == {3, 4, 5}
-    assert Scheduler._fitted(({0, 1, 2}, {3, 4, 5}), [0, 3, 4, 5]) is None  # too far apart: formed again
+    assert ExpertFlowPolicy._fitted(({0, 1, 2}, {3, 4, 5}), [0, 1, 3, 4, 5, 6]) == {3, 4, 5}
+    assert ExpertFlowPolicy._fitted(({0, 1, 2}, {3, 4, 5}), [0, 3, 4, 5]) is None  # too far apart: formed again
+    s.close()  # the policy's thread stops with the engine
+    assert policy._pool is None

@@ -32,6 +32,11 @@ class FakeRequest:
     def remaining(self) -> int:
         return self.num_tokens - self.num_computed
 
+    @property
+    def request_id(self) -> int:
+        """(What a batch policy keys requests by: their names are unique here.)"""
+        return hash(self.name)
+
 
 class FakePool:
     """KVBlockPool's reserve/release over a plain free list."""

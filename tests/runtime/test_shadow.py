@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from moepager.config import EngineConfig
-from moepager.experts.remote import Placement
+from moepager.experts.remote.placement import Placement
 from moepager.runtime import shadow as shadow_module
 from moepager.runtime.shadow import Shadow
 

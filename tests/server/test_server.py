@@ -304,7 +304,7 @@ def test_a_client_giving_up_on_a_non_streamed_request_frees_it(server):
 def test_a_lost_worker_makes_the_server_unavailable_with_the_reason(monkeypatch):
     """A step that raises `Unavailable` (a worker process lost under --on-worker-loss stop): the request then running
     fails with the reason (503), /health answers 503 with it, and every later request is refused 503 at once."""
-    from moepager.experts.remote import WorkerLost
+    from moepager.experts.remote.placement import WorkerLost
 
     llm = LLM(show_progress=False)
 

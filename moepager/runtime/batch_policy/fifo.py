@@ -1,0 +1,26 @@
+"""The batch policy `fifo`: every running request steps; at most max_num_seqs run."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from moepager.config import SchedulerConfig
+from moepager.runtime.request import QueuedRequest
+
+
+class FifoPolicy:
+    running_factor = 1
+    rests = False
+
+    def __init__(self, config: SchedulerConfig, paths: Any = None):
+        """(`paths` unread: FIFO knows no routing.)"""
+
+    def resting(self, running: Sequence[QueuedRequest]) -> set[int]:
+        return set()
+
+    def forget(self, request_id: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
