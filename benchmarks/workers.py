@@ -83,16 +83,16 @@ def generate(config: EngineConfig, args: argparse.Namespace, links: Links | None
 
 def rank_main(args: argparse.Namespace) -> int:
     """One process of a torchrun run: the main rank generates and writes its figures and the workers' counters."""
-    from moepager.config import PrefetchConfig
+    from moepager.config import PrefetchConfig, RemoteConfig
     from moepager.distributed.roles import launch, stop_workers
 
-    config = EngineConfig(threads=1, workers=1, worker_memory=args.budget,
-                          prefetch=PrefetchConfig(args.rank_predictor or None), shadow=args.rank_shadow,
-                          align_period=args.rank_align)
+    config = EngineConfig(threads=1, prefetch=PrefetchConfig(args.rank_predictor or None),
+                          remote=RemoteConfig(workers=1, worker_memory=args.budget, shadow=args.rank_shadow,
+                                              align_period=args.rank_align))
 
     def main(cfg: EngineConfig, links: Links) -> int:
         row = generate(cfg, args, links)
-        row["workers"] = stop_workers(cfg.workers + 1 + cfg.shadow, cfg.worker_timeout_s, links)
+        row["workers"] = stop_workers(cfg.remote.workers + 1 + cfg.remote.shadow, cfg.remote.worker_timeout_s, links)
         Path(args.rank_out).write_text(json.dumps(row))
         return 0
 

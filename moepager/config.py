@@ -245,6 +245,85 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class PlacementConfig:
+    """Where routed experts compute when this process holds them (moepager/placements/: hybrid, cpu-experts; gpu:
+    on --device, resident or paged), and the costs that decide it."""
+
+    execution: Execution = "gpu"
+    """Where routed experts compute (experts/hybrid.py): gpu (on the device, a miss copied in), hybrid (a miss
+    computed on the CPU in host memory unless copying it pays), cpu-experts (every routed expert on the CPU: llama.cpp's
+    --cpu-moe), auto (chosen from the cost model when the run is built, and said why)."""
+    hybrid_admit: int = 0
+    """Hybrid: up to this many of a layer's experts computed on the CPU are then copied to the device in the
+    background (loads ahead, evicting by the policy); 0: the cache changes only through the experts placed on the
+    device and prefetches (SMoE's)."""
+    cpu_threads: int | None = None
+    """Torch threads of the thread computing experts on the CPU (hybrid, cpu-experts); None: `threads`."""
+    profile: str | None = None
+    """A calibrated profile (`moepager calibrate --out`) that hybrid placement and `auto` read their costs from;
+    None: the nominal figures of planning/cost.py."""
+
+    def __post_init__(self) -> None:
+        if self.execution not in EXECUTIONS:
+            raise MoepagerError(f"unknown --execution '{self.execution}'; choose from {', '.join(EXECUTIONS)}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise MoepagerError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
+        if self.hybrid_admit < 0:
+            raise MoepagerError(f"--hybrid-admit must be >= 0, got {self.hybrid_admit}")
+        if self.hybrid_admit and self.execution not in ("hybrid", "auto"):
+            raise MoepagerError("--hybrid-admit copies the experts hybrid execution computed on the CPU: add "
+                                "--execution hybrid")
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """OD-MoE's worker processes (moepager/placements/remote.py): how many, how their experts are placed and budgeted,
+    the shadow, and what a lost one does to the run."""
+
+    workers: int = 0
+    """Worker processes that hold and compute the routed experts (OD-MoE; `torchrun ... -m moepager.distributed` or
+    `generate --workers N` starts them); 0: none, every expert in this process."""
+    worker_group: int | None = None
+    """Workers that share one MoE layer's experts (each expert on one of them); None: min(top-k, workers)."""
+    worker_memory: str | None = None
+    """Each worker's expert cache: a size or a share of its own experts ("25%"); the rest read from the checkpoint
+    on demand (OD-MoE's just-in-time loading). None: each holds all of its experts in RAM."""
+    shadow: bool = False
+    """--workers: one more process runs the model's int8 copy on the main process's passes and sends each layer's
+    routing to the workers as forecasts to load ahead (OD-MoE's shadow model)."""
+    align_period: int = 1
+    """--shadow: the shadow runs up to `align_period - 1` passes ahead of the main process on tokens of its own (its
+    greedy guesses), forecasting those passes' routing early, and is realigned with the main process's tokens at every
+    pass it is told of (a wrong guess computed again from the first differing token); 1: it computes only the passes
+    it is told of."""
+    on_worker_loss: WorkerLoss = "stop"
+    """A worker lost (dead, or silent past the timeout): stop with an error naming it, or give its experts to the
+    workers left and go on (needs processes that outlive one another: `generate --workers` starts them so)."""
+    worker_timeout_s: float = 60.0
+    """How long the main process waits for a worker's answer before it stops with an error naming the worker."""
+
+    def __post_init__(self) -> None:
+        if self.workers < 0:
+            raise MoepagerError(f"--workers must be >= 0, got {self.workers}")
+        if not math.isfinite(self.worker_timeout_s) or not 0 < self.worker_timeout_s <= MAX_WORKER_TIMEOUT_S:
+            raise MoepagerError(f"--worker-timeout must be a number of seconds in (0, {MAX_WORKER_TIMEOUT_S:.0f}], "
+                                f"got {self.worker_timeout_s}")
+        if self.on_worker_loss not in ("stop", "failover"):
+            raise MoepagerError(f"--on-worker-loss must be stop or failover, got '{self.on_worker_loss}'")
+        if self.on_worker_loss != "stop" and not self.workers:
+            raise MoepagerError("--on-worker-loss says what to do when a worker process is lost: add --workers N")
+        if self.shadow and not self.workers:
+            raise MoepagerError("--shadow forecasts routing for the worker processes: add --workers N")
+        if self.align_period < 1 or (self.align_period > 1 and not self.shadow):
+            raise MoepagerError(f"--align-period is how many passes the shadow runs ahead plus one (>= 1, with "
+                                f"--shadow), got {self.align_period}")
+        if self.worker_memory is not None and not self.workers:
+            raise MoepagerError("--worker-memory budgets the worker processes' experts: add --workers N")
+        if self.worker_group is not None and not 1 <= self.worker_group <= max(self.workers, 1):
+            raise MoepagerError(f"--worker-group must be between 1 and --workers {self.workers}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """What to run and where."""
 
@@ -282,48 +361,17 @@ class EngineConfig:
     small resident experts itself and leaves it at each MoE layer for any other executor, paged ones included
     (accel/compiled.py; opt-in: not bit-equal to the eager forward)."""
 
-    execution: Execution = "gpu"
-    """Where routed experts compute (experts/hybrid.py): gpu (on the device, a miss copied in), hybrid (a miss
-    computed on the CPU in host memory unless copying it pays), cpu-experts (every routed expert on the CPU: llama.cpp's
-    --cpu-moe), auto (chosen from the cost model when the run is built, and said why)."""
-    hybrid_admit: int = 0
-    """Hybrid: up to this many of a layer's experts computed on the CPU are then copied to the device in the
-    background (loads ahead, evicting by the policy); 0: the cache changes only through the experts placed on the
-    device and prefetches (SMoE's)."""
-    cpu_threads: int | None = None
-    """Torch threads of the thread computing experts on the CPU (hybrid, cpu-experts); None: `threads`."""
-    profile: str | None = None
-    """A calibrated profile (`moepager calibrate --out`) that hybrid placement and `auto` read their costs from;
-    None: the nominal figures of planning/cost.py."""
-
-    workers: int = 0
-    """Worker processes that hold and compute the routed experts (OD-MoE; `torchrun ... -m moepager.distributed` or
-    `generate --workers N` starts them); 0: none, every expert in this process."""
-    worker_group: int | None = None
-    """Workers that share one MoE layer's experts (each expert on one of them); None: min(top-k, workers)."""
-    worker_memory: str | None = None
-    """Each worker's expert cache: a size or a share of its own experts ("25%"); the rest read from the checkpoint
-    on demand (OD-MoE's just-in-time loading). None: each holds all of its experts in RAM."""
-    shadow: bool = False
-    """--workers: one more process runs the model's int8 copy on the main process's passes and sends each layer's
-    routing to the workers as forecasts to load ahead (OD-MoE's shadow model)."""
-    align_period: int = 1
-    """--shadow: the shadow runs up to `align_period - 1` passes ahead of the main process on tokens of its own (its
-    greedy guesses), forecasting those passes' routing early, and is realigned with the main process's tokens at every
-    pass it is told of (a wrong guess computed again from the first differing token); 1: it computes only the passes
-    it is told of."""
-    on_worker_loss: WorkerLoss = "stop"
-    """A worker lost (dead, or silent past the timeout): stop with an error naming it, or give its experts to the
-    workers left and go on (needs processes that outlive one another: `generate --workers` starts them so)."""
-    worker_timeout_s: float = 60.0
-    """How long the main process waits for a worker's answer before it stops with an error naming the worker."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Where routed experts compute in this process (--execution and its options)."""
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
+    """Worker processes holding the routed experts (--workers and its options; none by default)."""
 
     cuda_graphs: bool = True
     """CUDA: one-request decode steps replay a CUDA graph where they can be captured (every expert resident in
     bf16, nothing observing routing: runtime/cuda_graphs.py); the same tokens as launching each kernel."""
 
     def __post_init__(self) -> None:
-        if self.prefetch.predictor is not None and not self.store.paged and self.worker_memory is None:
+        if self.prefetch.predictor is not None and not self.store.paged and self.remote.worker_memory is None:
             raise MoepagerError("prefetching needs a paged store: set --expert-memory (with every expert resident "
                                 "there is nothing to prefetch), or --workers with --worker-memory")
         check_expert_options(self.expert_dtype, self.int4_group, self.int4_zero_point)
@@ -332,53 +380,36 @@ class EngineConfig:
             raise MoepagerError(f"unknown expert kernel '{self.expert_kernel}'; choose from {', '.join(KERNELS)}")
         if self.threads is not None and self.threads < 1:
             raise MoepagerError(f"--threads must be >= 1, got {self.threads}")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise MoepagerError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
-        if self.workers < 0:
-            raise MoepagerError(f"--workers must be >= 0, got {self.workers}")
-        if not math.isfinite(self.worker_timeout_s) or not 0 < self.worker_timeout_s <= MAX_WORKER_TIMEOUT_S:
-            raise MoepagerError(f"--worker-timeout must be a number of seconds in (0, {MAX_WORKER_TIMEOUT_S:.0f}], "
-                                f"got {self.worker_timeout_s}")
-        if self.workers and (self.store.paged or self.execution != "gpu" or self.compile):
-            raise MoepagerError("--workers holds every routed expert on the worker processes (CPU, gloo): drop "
-                                "--expert-memory/--host-memory, --execution and --compile")
-        if self.on_worker_loss not in ("stop", "failover"):
-            raise MoepagerError(f"--on-worker-loss must be stop or failover, got '{self.on_worker_loss}'")
-        if self.on_worker_loss != "stop" and not self.workers:
-            raise MoepagerError("--on-worker-loss says what to do when a worker process is lost: add --workers N")
-        if self.shadow and not self.workers:
-            raise MoepagerError("--shadow forecasts routing for the worker processes: add --workers N")
-        if self.align_period < 1 or (self.align_period > 1 and not self.shadow):
-            raise MoepagerError(f"--align-period is how many passes the shadow runs ahead plus one (>= 1, with "
-                                f"--shadow), got {self.align_period}")
-        if self.worker_memory is not None and not self.workers:
-            raise MoepagerError("--worker-memory budgets the worker processes' experts: add --workers N")
-        if self.worker_group is not None and not 1 <= self.worker_group <= max(self.workers, 1):
-            raise MoepagerError(f"--worker-group must be between 1 and --workers {self.workers}")
-        if self.hybrid_admit < 0:
-            raise MoepagerError(f"--hybrid-admit must be >= 0, got {self.hybrid_admit}")
-        if self.hybrid_admit and self.execution not in ("hybrid", "auto"):
-            raise MoepagerError("--hybrid-admit copies the experts hybrid execution computed on the CPU: add "
-                                "--execution hybrid")
-        if self.execution not in EXECUTIONS:
-            raise MoepagerError(f"unknown --execution '{self.execution}'; choose from {', '.join(EXECUTIONS)}")
-        if self.execution == "hybrid" and self.store.expert_memory is None:
-            raise MoepagerError("--execution hybrid computes the experts missing from the device on the CPU: set "
-                                "--expert-memory (the device's share of the experts; with every expert there, "
-                                "nothing is missing)")
-        if self.execution == "cpu-experts" and self.store.expert_memory is not None:
-            raise MoepagerError("--execution cpu-experts keeps every routed expert in host memory, none on the device: "
-                                "drop --expert-memory (--host-memory budgets host RAM, the rest read from disk)")
-        if self.execution in ("hybrid", "cpu-experts") and self.compile:
-            raise MoepagerError(f"--compile traces the CPU's decode step; --execution {self.execution} places "
-                                "experts between devices: use one or the other")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise MoepagerError(f"device '{self.device}' is not supported; use cpu or cuda[:N]")
-        if self.device.startswith("cuda"):
-            import torch
+        check_placement(self.placement.execution, self.store, self.remote.workers, self.compile)
+        check_device(self.device, self.store, self.placement.execution)
 
-            if not torch.cuda.is_available():
-                raise MoepagerError(f"device '{self.device}' requested but CUDA is not available")
-        elif self.store.host_memory is not None and self.execution not in ("hybrid", "cpu-experts"):
-            raise MoepagerError("--host-memory applies to --device cuda; on the CPU experts are computed in RAM, "
-                                "so --expert-memory is the RAM budget")
+
+def check_placement(execution: Execution, store: StoreConfig, workers: int, compile: bool) -> None:
+    """What --execution, --workers and --compile each say of the others and of the store's budgets."""
+    if workers and (store.paged or execution != "gpu" or compile):
+        raise MoepagerError("--workers holds every routed expert on the worker processes (CPU, gloo): drop "
+                            "--expert-memory/--host-memory, --execution and --compile")
+    if execution == "hybrid" and store.expert_memory is None:
+        raise MoepagerError("--execution hybrid computes the experts missing from the device on the CPU: set "
+                            "--expert-memory (the device's share of the experts; with every expert there, "
+                            "nothing is missing)")
+    if execution == "cpu-experts" and store.expert_memory is not None:
+        raise MoepagerError("--execution cpu-experts keeps every routed expert in host memory, none on the device: "
+                            "drop --expert-memory (--host-memory budgets host RAM, the rest read from disk)")
+    if execution in ("hybrid", "cpu-experts") and compile:
+        raise MoepagerError(f"--compile traces the CPU's decode step; --execution {execution} places "
+                            "experts between devices: use one or the other")
+
+
+def check_device(device: str, store: StoreConfig, execution: Execution) -> None:
+    """The device exists here, and a host budget is given only where there is a host tier."""
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise MoepagerError(f"device '{device}' is not supported; use cpu or cuda[:N]")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise MoepagerError(f"device '{device}' requested but CUDA is not available")
+    elif store.host_memory is not None and execution not in ("hybrid", "cpu-experts"):
+        raise MoepagerError("--host-memory applies to --device cuda; on the CPU experts are computed in RAM, "
+                            "so --expert-memory is the RAM budget")

@@ -129,6 +129,6 @@ def expert_budget(nbytes: int, experts: int, io_threads: int = 4) -> str:
     rows and O_DIRECT read buffers (which every budget below all includes: one bounce buffer per I/O thread and
     for the prefetch lane)."""
     from moepager.checkpoints.disk import bounce_bytes
-    from moepager.runtime.builder import STREAM_ROWS
+    from moepager.placements.stores import STREAM_ROWS
 
     return str((experts + STREAM_ROWS) * nbytes + (io_threads + 1) * bounce_bytes(nbytes))

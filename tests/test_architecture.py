@@ -22,10 +22,11 @@ FLOORS = {
     "checkpoints": 7,
     "planning": 8,
     "trace": 9,
-    "runtime": 10,
-    "server": 11,
-    "cli": 12,
-    "distributed": 13,
+    "placements": 10,
+    "runtime": 11,
+    "server": 12,
+    "cli": 13,
+    "distributed": 14,
 }
 """Each node imports only nodes on lower floors (docs/architecture.md, "Layers")."""
 LOCAL_IMPORTS_ALLOWED = {"cli"}
@@ -137,3 +138,18 @@ def test_no_import_cycle_between_modules():
         if m not in state:
             visit(m, [m])
     assert cycles == []
+
+
+PLACEMENT_PLUGINS = {"resident", "paged", "hybrid", "cpu_experts", "remote"}
+"""moepager/placements/'s plug-in modules (registered in `PLACEMENTS`)."""
+NAMES_A_PLACEMENT = {"moepager.distributed.roles": {"moepager.placements.remote"}}
+"""Modules outside placements/ allowed to import a plug-in: OD-MoE's worker ranks build what `remote` places on them."""
+
+
+def test_nothing_outside_the_placements_folder_names_a_placement():
+    """The composition root finds a placement in the registry (`moepager.placements.resolve`); adding one is a file in
+    placements/ and a registry line, and no other module changes."""
+    named = [f"{module(p)} -> {name}" for p in sources() if node(p) != "placements" for name, _ in imports(p)
+             if name.split(".")[:2] == ["moepager", "placements"] and name.split(".")[-1] in PLACEMENT_PLUGINS
+             and name not in NAMES_A_PLACEMENT.get(module(p), ())]
+    assert named == []

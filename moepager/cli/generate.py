@@ -23,7 +23,9 @@ from moepager.config import (
     KERNELS,
     Budget,
     EngineConfig,
+    PlacementConfig,
     PrefetchConfig,
+    RemoteConfig,
     SchedulerConfig,
     StoreConfig,
 )
@@ -203,10 +205,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         scheduler=scheduler, expert_dtype=args.expert_dtype, int4_group=args.int4_group,
                         int4_zero_point=args.int4_zero_points, dense_dtype=args.dense_dtype,
                         pack_dense=args.pack_dense, compile=args.compile, cuda_graphs=args.cuda_graphs,
-                        execution=args.execution, cpu_threads=args.cpu_threads, profile=args.profile,
-                        hybrid_admit=args.hybrid_admit, workers=args.workers, worker_group=args.worker_group,
-                        worker_timeout_s=args.worker_timeout, worker_memory=args.worker_memory,
-                        on_worker_loss=args.on_worker_loss, shadow=args.shadow, align_period=args.align_period)
+                        placement=PlacementConfig(execution=args.execution, cpu_threads=args.cpu_threads,
+                                                  profile=args.profile, hybrid_admit=args.hybrid_admit),
+                        remote=RemoteConfig(workers=args.workers, worker_group=args.worker_group,
+                                            worker_timeout_s=args.worker_timeout, worker_memory=args.worker_memory,
+                                            on_worker_loss=args.on_worker_loss, shadow=args.shadow,
+                                            align_period=args.align_period))
 
 
 def add_store_arguments(p: argparse.ArgumentParser) -> None:
@@ -513,8 +517,8 @@ def check_workers(args: argparse.Namespace) -> None:
     if world > RANKS_PER_CORE * cores:
         raise MoepagerError(f"--workers {args.workers} starts {world} processes on {cores} cores; at most "
                             f"{RANKS_PER_CORE * cores} ({RANKS_PER_CORE} a core) run usefully here")
-    if config.worker_memory is not None:
-        Budget.parse(config.worker_memory, "--worker-memory")
+    if config.remote.worker_memory is not None:
+        Budget.parse(config.remote.worker_memory, "--worker-memory")
 
 
 def spawn_ranks(cmd: list[str], world: int, stop_timeout_s: float, env: dict[str, str] | None = None,

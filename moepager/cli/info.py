@@ -19,7 +19,7 @@ from moepager.checkpoints.safetensors import Checkpoint
 from moepager.config import Budget, StoreConfig
 from moepager.experts.weights import ExpertShape
 from moepager.models.registry import architecture_for
-from moepager.runtime.builder import stream_rows
+from moepager.placements.stores import stream_rows
 from moepager.store.budget import format_bytes as size
 
 HELP = "describe a checkpoint: architecture, layers, experts, parameter counts and bytes per expert"

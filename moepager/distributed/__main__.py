@@ -28,7 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = argv
 
     def on_main(config: EngineConfig, links: Links) -> int:
-        args.workers = config.workers
+        args.workers = config.remote.workers
         return COMMANDS[argv[0]].run(args, links)
 
     try:

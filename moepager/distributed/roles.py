@@ -21,27 +21,27 @@ from moepager.config import EngineConfig
 from moepager.errors import MoepagerError
 from moepager.experts.remote.placement import Links
 from moepager.experts.remote.protocol import SHADOW_RANK, STATS, Stop, send
-from moepager.runtime.builder import expert_worker, placement
+from moepager.placements.remote import expert_worker, placement
 from moepager.runtime.shadow import Shadow
 
 
 def launch(config: EngineConfig, main: Callable[[EngineConfig, Links], int]) -> int:
-    """In each process torchrun started: rank 0 returns `main(config, links)` with `config.workers` set to the other
-    ranks and `links` their process groups (experts/remote/placement.py `Links`), and tells them to stop when it is
-    done (or fails); every other rank serves its experts. An error is one line naming the rank. Ctrl-C reaches every
+    """In each process torchrun started: rank 0 returns `main(config, links)` with `config.remote.workers` set to the
+    other ranks and `links` their process groups (experts/remote/placement.py `Links`), and tells them to stop when it
+    is done (or fails); every other rank serves its experts. An error is one line naming the rank. Ctrl-C reaches every
     process of the terminal: only rank 0 takes it, and stops the others as when it is done."""
     if "RANK" not in os.environ:
         raise MoepagerError("worker processes are started by torchrun: `torchrun --nproc-per-node N -m "
                             "moepager.distributed generate ...` or `moepager generate --workers N-1 ...`")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=config.worker_timeout_s))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=config.remote.worker_timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world < 2 + config.shadow:
+    if world < 2 + config.remote.shadow:
         dist.destroy_process_group()
         raise MoepagerError("torchrun started one process: give --nproc-per-node 2 or more (a main and workers)")
-    links = Links.open(world, config.worker_timeout_s, SHADOW_RANK if config.shadow else None)
+    links = Links.open(world, config.remote.worker_timeout_s, SHADOW_RANK if config.remote.shadow else None)
     if rank != 0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    config = replace(config, workers=world - 1 - config.shadow)
+    config = replace(config, remote=replace(config.remote, workers=world - 1 - config.remote.shadow))
     if rank != 0:  # the workers and the shadow compute on the CPU (a main rank on CUDA: its layer calls go by host)
         config = replace(config, device="cpu")
     if config.threads:
@@ -51,11 +51,11 @@ def launch(config: EngineConfig, main: Callable[[EngineConfig, Links], int]) -> 
             try:
                 return main(config, links)
             finally:
-                for rank_, stats in stop_workers(world, config.worker_timeout_s, links).items():
-                    shadow = config.shadow and rank_ == SHADOW_RANK
+                for rank_, stats in stop_workers(world, config.remote.worker_timeout_s, links).items():
+                    shadow = config.remote.shadow and rank_ == SHADOW_RANK
                     print(describe_shadow(rank_, stats) if shadow else describe(rank_, stats), file=sys.stderr)
         path = resolve_model_path(config.model) if config.model else default_model_path()
-        if config.shadow and rank == SHADOW_RANK:
+        if config.remote.shadow and rank == SHADOW_RANK:
             Shadow(config, path, placement(config, read_config(path)), links).serve()
         else:
             expert_worker(config, path, rank, links).serve()

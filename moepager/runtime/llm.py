@@ -107,8 +107,8 @@ class LLM:
         """Each running request's routing path (for a batch policy that groups requests by them)."""
         self.remote: list[PassPart] = [experts] if isinstance(experts, RemoteExecutor) else []
         """Worker processes' executor (its layer calls carry the pass), and the shadow's feed when there is one."""
-        if self.config.shadow:
-            self.remote.insert(0, ShadowFeed(self.config.worker_timeout_s))
+        if self.config.remote.shadow:
+            self.remote.insert(0, ShadowFeed(self.config.remote.worker_timeout_s))
         self._pass_parts: list[PassPart] = self._parts(None, None)
         self._observe()
         self.engine = Engine(self.loaded.model, self.loaded.dtype, self.loaded.device, self.config.scheduler,

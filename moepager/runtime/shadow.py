@@ -95,7 +95,7 @@ class Shadow:
                                  dense_dtype="int8", scheduler=config.scheduler)
         loaded = build(quantized, path, False).loaded
         self.model, self.placement, self.links = loaded.model, placement, links
-        self.timeout = datetime.timedelta(seconds=config.worker_timeout_s)
+        self.timeout = datetime.timedelta(seconds=config.remote.worker_timeout_s)
         scheduler = config.scheduler
         self.pool = KVBlockPool(self.model, loaded.dtype, loaded.device, scheduler.kv_cache_tokens,
                                 scheduler.block_size)
@@ -105,7 +105,7 @@ class Shadow:
         self.requests: dict[int, _Request] = {}
         self.pass_id = 0
         self.passes = 0
-        self.ahead = config.align_period - 1
+        self.ahead = config.remote.align_period - 1
         """Passes it may run ahead of the main rank on its own guesses."""
         self.told = 0
         """The latest pass the main rank told of: passes run ahead never take back its requests' cache blocks."""

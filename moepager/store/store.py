@@ -18,7 +18,7 @@ is never reused, so no load is issued twice.
 
 Prefetch (`prefetch`, fed by runtime/prefetch.py): loads issued ahead go to the transfer engine's prefetch
 lane and are tracked as `ahead` by the device tier's prefetch policy (policies/prefetch.py, composed around its
-eviction policy by runtime/builder.py) until their layer routes. Prefetches never evict each other, nor (when the
+eviction policy by placements/stores.py) until their layer routes. Prefetches never evict each other, nor (when the
 policy protects the forecast) a resident expert the forecast that asked for them names. When a layer's real routing
 arrives, `settle` carries out the policy's verdict on each of that layer's prefetches: cancel one still queued,
 abandon one waiting on the lane to start, promote one loading (it stops giving way to demand loads:

@@ -21,7 +21,7 @@ from moepager.experts.executor import ResidentExecutor
 from moepager.experts.quant import int8_packing_available
 from moepager.experts.weights import ExpertShape
 from moepager.models import graph_exit
-from moepager.runtime.builder import paged_executor
+from moepager.placements.paged import paged_executor
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from moepager.trace.format import TraceReader

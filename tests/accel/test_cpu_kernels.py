@@ -22,7 +22,8 @@ from moepager.experts.executor import PagedExecutor, ResidentExecutor
 from moepager.experts.quant import QuantExpertWeights, QuantFormat, quantize_expert, sections
 from moepager.experts.weights import ExpertShape
 from moepager.models.attention import Attention
-from moepager.runtime.builder import STREAM_ROWS, paged_executor, read_buffer_bytes
+from moepager.placements.paged import paged_executor
+from moepager.placements.stores import STREAM_ROWS, read_buffer_bytes
 from moepager.types import RoutingDecision
 from tests.conftest import ARCHS, OUR_TIERS
 from tests.runtime.test_offload import logits_run

@@ -19,7 +19,7 @@ from moepager.experts.quant import QuantFormat
 from moepager.experts.weights import ExpertShape
 from moepager.models.attention import Attention
 from moepager.models.moe import SoftmaxTopKRouter
-from moepager.runtime.builder import paged_executor
+from moepager.placements.paged import paged_executor
 from tests.conftest import ARCHS, expert_budget
 from tests.runtime.test_offload import logits_run
 

@@ -17,7 +17,8 @@ from moepager.cli.main import main
 from moepager.config import EngineConfig, StoreConfig
 from moepager.errors import CheckpointError, ConfigError
 from moepager.experts.quant import QuantFormat
-from moepager.runtime.builder import paged_executor, read_buffer_bytes
+from moepager.placements.paged import paged_executor
+from moepager.placements.stores import read_buffer_bytes
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from tests.conftest import transformers

@@ -18,11 +18,11 @@ from moepager.checkpoints.disk import bounce_bytes
 from moepager.checkpoints.quantized import quantize_checkpoint
 from moepager.checkpoints.split import split_checkpoint
 from moepager.cli.main import main
-from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
+from moepager.config import EngineConfig, PlacementConfig, PrefetchConfig, StoreConfig
 from moepager.errors import BudgetError, ConfigError
 from moepager.models.attention import ForwardBatch
+from moepager.placements.paged import paged_executor
 from moepager.policies import ENGINE_POLICIES
-from moepager.runtime.builder import paged_executor
 from moepager.runtime.llm import LLM
 from moepager.runtime.replay import ReplaySpec
 from moepager.runtime.sampling import SamplingParams
@@ -249,7 +249,8 @@ def test_split_runs_refuse_what_places_whole_experts_and_plans_need_a_split_chec
     with pytest.raises(ConfigError, match="splits experts .* `moepager split"):
         LLM(path, store=StoreConfig(expert_memory="50%", layer_plan=halves), show_progress=False)
     with pytest.raises(ConfigError, match="stores its experts in 4 parts .* --execution cpu-experts place whole"):
-        LLM(config=EngineConfig(model=str(split), execution="cpu-experts"), show_progress=False)
+        LLM(config=EngineConfig(model=str(split), placement=PlacementConfig(execution="cpu-experts")),
+            show_progress=False)
     part_bytes = load_model(split, show_progress=False).expert_shape.nbytes
     least = 2 * 2 + 2 * 2  # a layer's top-2 experts' top halves, and a decode step's bottom halves streaming
     need = format_bytes(least * part_bytes + 5 * bounce_bytes(part_bytes))

@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 
 from moepager.checkpoints.build import read_config
-from moepager.config import EngineConfig, PrefetchConfig
+from moepager.config import EngineConfig, PrefetchConfig, RemoteConfig
 from moepager.distributed.roles import stop_workers
 from moepager.errors import MoepagerError
 from moepager.experts.remote.placement import Links
 from moepager.experts.remote.protocol import SHADOW_RANK
 from moepager.experts.remote.worker import ExpertWorker
-from moepager.runtime.builder import expert_worker, placement
+from moepager.placements.remote import expert_worker, placement
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from moepager.runtime.shadow import Shadow
@@ -67,13 +67,13 @@ def main() -> int:
     results = {}
     for path in paths:
         shadow = bool(os.environ.get("MOEPAGER_TEST_SHADOW"))
-        config = EngineConfig(model=path, threads=1, workers=world - 1 - shadow, worker_group=group,
-                              worker_timeout_s=3.0,
+        remote = RemoteConfig(workers=world - 1 - shadow, worker_group=group, worker_timeout_s=3.0,
                               worker_memory=os.environ.get("MOEPAGER_TEST_WORKER_MEMORY"),
                               on_worker_loss=os.environ.get("MOEPAGER_TEST_ON_LOSS", "stop"),
-                              prefetch=PrefetchConfig(os.environ.get("MOEPAGER_TEST_PREDICTOR")),
                               shadow=bool(os.environ.get("MOEPAGER_TEST_SHADOW")),
                               align_period=int(os.environ.get("MOEPAGER_TEST_ALIGN", "1")))
+        config = EngineConfig(model=path, threads=1, prefetch=PrefetchConfig(os.environ.get("MOEPAGER_TEST_PREDICTOR")),
+                              remote=remote)
         if rank == 0:
             try:
                 llm = LLM(config=config, show_progress=False, links=links)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moepager.cli.generate import spawn_ranks
-from moepager.config import EngineConfig
+from moepager.config import EngineConfig, RemoteConfig
 from moepager.errors import MoepagerError
 from moepager.experts.remote.placement import Placement
 from moepager.runtime.llm import LLM
@@ -108,11 +108,11 @@ def test_a_lost_worker_is_named_and_nothing_hangs(hf_checkpoint, tmp_path, fault
 def test_workers_without_their_processes_are_refused(hf_checkpoint):
     path = str(hf_checkpoint("olmoe")[1])
     with pytest.raises(MoepagerError, match="needs 3 processes started together"):
-        LLM(config=EngineConfig(model=path, workers=2), show_progress=False)
+        LLM(config=EngineConfig(model=path, remote=RemoteConfig(workers=2)), show_progress=False)
     with pytest.raises(MoepagerError, match="drop --expert-memory"):
         from moepager.config import StoreConfig
 
-        EngineConfig(workers=2, store=StoreConfig(expert_memory="25%"))
+        EngineConfig(store=StoreConfig(expert_memory="25%"), remote=RemoteConfig(workers=2))
 
 
 def test_generate_with_workers_starts_them_and_prints_the_single_process_text(tmp_path):

@@ -9,13 +9,16 @@ import torch
 
 from moepager.accel import cpu_kernels
 from moepager.checkpoints.build import load_model, resident_executor
-from moepager.config import EngineConfig, StoreConfig
+from moepager.config import EngineConfig, PlacementConfig, StoreConfig
 from moepager.errors import MoepagerError
 from moepager.experts.hybrid import CpuExpertsExecutor, ExpertTimes, HybridExecutor
+from moepager.placements.cpu_experts import cpu_experts_executor
+from moepager.placements.hybrid import hybrid_executor
 from moepager.planning.cost import CostModel
-from moepager.runtime.builder import cpu_experts_executor, hybrid_executor
 from tests.conftest import ARCHS, expert_budget
 from tests.runtime.test_offload import logits_run
+
+HYBRID, CPU_EXPERTS = PlacementConfig(execution="hybrid"), PlacementConfig(execution="cpu-experts")
 
 CPU = torch.device("cpu")
 PREFILL_ON_DEVICE = ExpertTimes(cpu_s_1=1e-3, cpu_s_token=1e-3, device_s_1=1e-4, device_s_token=1e-5, copy_s=2.5e-3)
@@ -65,7 +68,7 @@ def test_hybrid_gives_the_resident_logits_bit_for_bit(hf_checkpoint, arch):
     ref = logits_run(resident)
     cfg, nbytes = resident.config, resident.expert_shape.nbytes
     for slots in (cfg.top_k, cfg.num_moe_layers * cfg.num_experts // 2):
-        config = EngineConfig(store=StoreConfig(expert_memory=str(slots * nbytes)), execution="hybrid")
+        config = EngineConfig(store=StoreConfig(expert_memory=str(slots * nbytes)), placement=HYBRID)
         got, experts = _run(path, hybrid_executor(config, CPU, PREFILL_ON_DEVICE))
         assert isinstance(experts, HybridExecutor)
         assert _equal(got, ref), slots
@@ -81,7 +84,7 @@ def test_hybrid_admitting_cpu_experts_in_the_background_is_lossless(hf_checkpoin
     cfg = resident.config
     slots = cfg.num_moe_layers * cfg.num_experts // 3
     config = EngineConfig(store=StoreConfig(expert_memory=str(slots * resident.expert_shape.nbytes), warm=False),
-                          execution="hybrid", hybrid_admit=1)
+                          placement=PlacementConfig(execution="hybrid", hybrid_admit=1))
     loaded = load_model(path, executor_factory=hybrid_executor(config, CPU, PREFILL_ON_DEVICE), show_progress=False)
     assert _equal(logits_run(loaded, steps=8), ref)
     assert _total(loaded.experts, "loads_ahead") > 0 and _total(loaded.experts, "on_cpu") > 0
@@ -92,7 +95,7 @@ def test_hybrid_admitting_cpu_experts_in_the_background_is_lossless(hf_checkpoin
 def test_cpu_experts_gives_the_resident_logits_bit_for_bit(hf_checkpoint, arch):
     _, path = hf_checkpoint(arch)
     ref = logits_run(load_model(path, show_progress=False))
-    got, experts = _run(path, cpu_experts_executor(EngineConfig(execution="cpu-experts"), CPU))
+    got, experts = _run(path, cpu_experts_executor(EngineConfig(placement=CPU_EXPERTS), CPU))
     assert isinstance(experts, CpuExpertsExecutor) and experts.store is None
     assert _equal(got, ref)
     experts.close()
@@ -103,7 +106,7 @@ def test_cpu_experts_paged_from_disk_is_lossless(hf_checkpoint):
     resident = load_model(path, show_progress=False)
     ref = logits_run(resident)
     budget = expert_budget(resident.expert_shape.nbytes, resident.config.top_k + 1)
-    config = EngineConfig(store=StoreConfig(host_memory=budget), execution="cpu-experts")
+    config = EngineConfig(store=StoreConfig(host_memory=budget), placement=CPU_EXPERTS)
     got, experts = _run(path, cpu_experts_executor(config, CPU))
     assert _equal(got, ref)
     assert experts.store is not None and _total(experts, "disk_reads") > 0
@@ -116,7 +119,7 @@ def test_hybrid_over_a_host_tier_smaller_than_the_model_reads_misses_from_disk(h
     ref = logits_run(resident)
     nbytes, cfg = resident.expert_shape.nbytes, resident.config
     store = StoreConfig(expert_memory=str(cfg.top_k * nbytes), host_memory=expert_budget(nbytes, cfg.num_experts))
-    config = EngineConfig(store=store, execution="hybrid")
+    config = EngineConfig(store=store, placement=HYBRID)
     got, experts = _run(path, hybrid_executor(config, CPU, PREFILL_ON_DEVICE))
     assert _equal(got, ref)
     assert _total(experts, "on_cpu") > 0 and _total(experts, "disk_reads") > 0
@@ -131,8 +134,7 @@ def test_hybrid_on_the_fused_kernels_formats_is_bit_exact(demo_checkpoint, fmt):
     resident = load_model(path, show_progress=False, **options)
     ref = logits_run(resident)
     slots = resident.config.top_k + 2
-    config = EngineConfig(store=StoreConfig(expert_memory=str(slots * resident.expert_shape.nbytes)),
-                          execution="hybrid")
+    config = EngineConfig(store=StoreConfig(expert_memory=str(slots * resident.expert_shape.nbytes)), placement=HYBRID)
     got, experts = _run(path, hybrid_executor(config, CPU, PREFILL_ON_DEVICE), **options)
     assert _equal(got, ref)
     assert _total(experts, "on_cpu") > 0
@@ -149,7 +151,7 @@ def test_the_cuda_runs_copies_and_merge_on_the_cpu(hf_checkpoint, device_kernel)
                           show_progress=False, expert_kernel=device_kernel)
     ref = logits_run(resident)
     config = EngineConfig(store=StoreConfig(expert_memory=str(4 * resident.expert_shape.nbytes)),
-                          execution="hybrid", expert_kernel=device_kernel)
+                          expert_kernel=device_kernel, placement=HYBRID)
     loaded = load_model(path, dtype=torch.bfloat16, executor_factory=hybrid_executor(config, CPU, PREFILL_ON_DEVICE),
                         show_progress=False, expert_kernel=device_kernel)
     experts = loaded.experts
@@ -169,17 +171,17 @@ def test_the_cuda_runs_copies_and_merge_on_the_cpu(hf_checkpoint, device_kernel)
 
 def test_execution_options_are_checked():
     with pytest.raises(MoepagerError, match="set --expert-memory"):
-        EngineConfig(execution="hybrid")
+        EngineConfig(placement=HYBRID)
     with pytest.raises(MoepagerError, match="drop --expert-memory"):
-        EngineConfig(execution="cpu-experts", store=StoreConfig(expert_memory="25%"))
+        EngineConfig(store=StoreConfig(expert_memory="25%"), placement=CPU_EXPERTS)
     with pytest.raises(MoepagerError, match="unknown --execution"):
-        EngineConfig(execution="npu")  # type: ignore[arg-type]
+        EngineConfig(placement=PlacementConfig(execution="npu"))  # type: ignore[arg-type]
     with pytest.raises(MoepagerError, match="--cpu-threads must be"):
-        EngineConfig(execution="cpu-experts", cpu_threads=0)
+        EngineConfig(placement=PlacementConfig(execution="cpu-experts", cpu_threads=0))
     with pytest.raises(MoepagerError, match="add --execution hybrid"):
-        EngineConfig(hybrid_admit=1)
+        EngineConfig(placement=PlacementConfig(hybrid_admit=1))
     with pytest.raises(MoepagerError, match="use one or the other"):
-        EngineConfig(execution="hybrid", store=StoreConfig(expert_memory="25%"), compile=True)
+        EngineConfig(store=StoreConfig(expert_memory="25%"), compile=True, placement=HYBRID)
 
 
 def test_generate_runs_each_execution_and_reports_it(demo_checkpoint, tmp_path, capsys):

@@ -8,7 +8,7 @@ import torch
 
 from moepager.checkpoints.build import load_model
 from moepager.config import StoreConfig
-from moepager.runtime.builder import paged_executor
+from moepager.placements.paged import paged_executor
 from tests.runtime.test_offload import logits_run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -12,8 +12,8 @@ from moepager.checkpoints.build import load_model
 from moepager.config import EngineConfig, StoreConfig
 from moepager.errors import BudgetError, CheckpointError, MoepagerError
 from moepager.models.attention import ForwardBatch
+from moepager.placements.paged import paged_executor
 from moepager.policies import ENGINE_POLICIES
-from moepager.runtime.builder import paged_executor
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from tests.conftest import ARCHS, VOCAB, expert_budget

@@ -11,7 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-import moepager.runtime.builder as builder
+import moepager.placements.stores as stores
 from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
 from moepager.runtime.llm import LLM
 from moepager.runtime.profiling import calls_per_decode_token
@@ -41,7 +41,7 @@ class LandedTransfers(Transfers):
 @pytest.fixture
 def landed(monkeypatch):
     """Paged runs whose every transfer has landed when submitted: the call counts below are exact."""
-    monkeypatch.setattr(builder, "Transfers", LandedTransfers)
+    monkeypatch.setattr(stores, "Transfers", LandedTransfers)
 
 
 @pytest.mark.parametrize("config, bound", [

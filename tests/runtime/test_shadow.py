@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from moepager.config import EngineConfig
+from moepager.config import EngineConfig, RemoteConfig
 from moepager.experts.remote.placement import Placement
 from moepager.runtime import shadow as shadow_module
 from moepager.runtime.shadow import Shadow
@@ -16,7 +16,7 @@ PROMPT = [3, 11, 5, 7, 2]
 
 def make(path, align: int, forecasts: list[int], monkeypatch) -> Shadow:
     monkeypatch.setattr(shadow_module, "send_forecasts", lambda *args: forecasts.append(args[2]))  # its pass_id
-    config = EngineConfig(model=str(path), threads=1, workers=2, shadow=True, align_period=align)
+    config = EngineConfig(model=str(path), threads=1, remote=RemoteConfig(workers=2, shadow=True, align_period=align))
     return Shadow(config, path, Placement((2, 3), 2))
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moepager.cli.main import main
-from moepager.config import StoreConfig
+from moepager.config import PlacementConfig, StoreConfig
 from moepager.runtime.llm import LLM
 from moepager.runtime.replay import ReplaySpec
 from moepager.runtime.sampling import SamplingParams
@@ -128,7 +128,8 @@ def test_simulator_agrees_with_a_hybrid_run(hf_checkpoint, tmp_path, monkeypatch
     trace = random_trace(tmp_path / "t.mpt", lengths=(12, 9, 15), prefill=15, seed=5, skew=0.5)
     per_layer, nbytes = 3, LLM(path, show_progress=False).loaded.expert_shape.nbytes
     store = StoreConfig(expert_memory=str(nbytes * (per_layer * 3 + 2)), policy="lru", warm=warm)
-    llm = LLM(config=EngineConfig(model=str(path), store=store, execution="hybrid", hybrid_admit=admit),
+    llm = LLM(config=EngineConfig(model=str(path), store=store,
+                                  placement=PlacementConfig(execution="hybrid", hybrid_admit=admit)),
               show_progress=False)
     llm.replay(ReplaySpec(trace, prompt_tokens=8))
     phases = llm.loaded.experts.store.counters.phases
@@ -194,7 +195,7 @@ def test_a_layer_plan_splits_the_cache_unevenly_as_the_simulators_per_layer_capa
         assert_same_hits_and_misses(llm.loaded.experts.store.counters.phases, sim, llm.loaded.config.moe_layers)
         assert "per-layer cache 2 5 2" in llm.last_stats.table()
     from moepager.checkpoints.build import load_model
-    from moepager.runtime.builder import paged_executor
+    from moepager.placements.paged import paged_executor
 
     ref = logits_run(load_model(path, show_progress=False))
     paged = load_model(path, executor_factory=paged_executor(store, torch.device("cpu")), show_progress=False)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moepager.config import EngineConfig
+from moepager.config import EngineConfig, RemoteConfig
 from moepager.errors import MoepagerError
 from moepager.experts.remote.placement import Links, Placement
 from moepager.experts.remote.protocol import HEADER, MESSAGES, Op, Pass, Place, Prefetch, Run, Stop, decode
-from moepager.runtime.builder import expert_worker
+from moepager.placements.remote import expert_worker
 
 
 @pytest.mark.parametrize("message", [Run(3, 2, 4, 1, 0, 7, 1), Place(3, 2), Prefetch(5, 9), Pass(2, 17, 4), Stop()])
@@ -38,7 +38,7 @@ def test_a_paged_worker_counts_a_batched_decode_pass_as_decode_and_ticks_its_clo
     """The 2026-12-01 review's F4: the worker guessed the phase from the row count (a 2-row decode pass was counted
     as prefill) and the pass from layer positions; both come from the header now."""
     _, path = hf_checkpoint("qwen2_moe")
-    config = EngineConfig(model=str(path), threads=1, workers=1, worker_memory="50%")
+    config = EngineConfig(model=str(path), threads=1, remote=RemoteConfig(workers=1, worker_memory="50%"))
     worker = expert_worker(config, path, 1, Links(), Placement.of(1, 1))
     assert worker.paged is not None
     store, cfg = worker.paged.store, worker.moe_layers

@@ -1,0 +1,67 @@
+"""What a placement is to the composition root (runtime/builder.py): a plug-in that builds the run's expert executor
+(and its store, if it pages) from one `BuildContext`, and what it built (`Placed`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+
+from moepager.checkpoints.build import OpenCheckpoint
+from moepager.config import EngineConfig
+from moepager.errors import ConfigError
+from moepager.experts.executor import ExpertExecutor
+from moepager.experts.hybrid import ExpertTimes
+from moepager.experts.remote.placement import Links
+from moepager.planning.cost import CostModel, nominal_profile
+from moepager.store.store import ExpertStore
+from moepager.store.view import StoreView
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """Everything a placement builds from: the run's configuration, the opened checkpoint, the cost model's expert
+    times (and the profile they came from), the worker ranks' links, and the load bar's progress callback."""
+
+    config: EngineConfig
+    opened: OpenCheckpoint
+    times: ExpertTimes
+    profile: str
+    links: Links
+    progress: Callable[[int], None]
+
+
+@dataclass
+class Placed:
+    """What a placement built."""
+
+    executor: ExpertExecutor
+    store: ExpertStore | None
+    """The expert store the executor pages through (None: nothing paged in this process)."""
+    why: str = ""
+    """One line for the run's statistics saying how experts are placed ("" when there is nothing to say)."""
+    prefetch_view: StoreView | None = None
+    """Where a predictor's forecasts go when not to `store` (the workers: `RemoteExecutor`)."""
+
+
+class PlacementPlugin(Protocol):
+    name: ClassVar[str]
+    """Its name in `PLACEMENTS` and in a run's statistics."""
+    splits: ClassVar[bool]
+    """Whether it runs a split checkpoint (experts stored in parts: store/parts.py); the others place whole
+    experts."""
+
+    def build(self, ctx: BuildContext) -> Placed: ...
+
+
+def expert_times(config: EngineConfig, device: torch.device, expert_bytes: int) -> tuple[ExpertTimes, str]:
+    """What an expert costs on the CPU, on the device and to copy over (`--profile`, else the nominal figures of
+    the device's kind), and the profile's name."""
+    kind = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    name = config.placement.profile or nominal_profile(kind)
+    try:
+        return CostModel.profile(name, expert_bytes).expert_times(on_cpu=device.type == "cpu"), name
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
