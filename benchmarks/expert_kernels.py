@@ -157,12 +157,12 @@ def decode_step_tok_s(rounds: int = 3, model: str | None = None, expert_dtype: s
     kernels, interleaved."""
     import statistics
 
-    from moepager.config import EngineConfig
+    from moepager.config import EngineConfig, ExpertFormat
     from moepager.models import layers
     from moepager.runtime.llm import LLM
     from moepager.runtime.sampling import SamplingParams
 
-    llm = LLM(config=EngineConfig(model=model, expert_dtype=expert_dtype), show_progress=False)
+    llm = LLM(config=EngineConfig(model=model, experts=ExpertFormat(expert_dtype)), show_progress=False)
     params = SamplingParams(max_tokens=tokens + 1, ignore_eos=True)
     prompt = "The history of" if model is None else [list(range(100, 116))]  # other models: any 16 token ids
     default, runs = layers.NATIVE_GEMV_MAX_HIDDEN, {"onednn": [], "native": []}

@@ -48,7 +48,7 @@ from moepager.accel import cpu_tiers
 from moepager.checkpoints.default import default_model_path
 from moepager.checkpoints.expert_reader import is_routed_expert
 from moepager.checkpoints.safetensors import Checkpoint
-from moepager.config import DENSE_DTYPES, EngineConfig
+from moepager.config import DENSE_DTYPES, EngineConfig, ExpertFormat
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 
@@ -61,7 +61,7 @@ step before they sleep, and on two cores they would take the next engine's."""
 class Ours:
     def __init__(self, path: Path, kernel: str, expert_dtype: str | None = None, dense_dtype: str | None = None,
                  pack_dense: bool = True, compile: bool = False):
-        self.llm = LLM(config=EngineConfig(model=str(path), expert_kernel=kernel, expert_dtype=expert_dtype,
+        self.llm = LLM(config=EngineConfig(model=str(path), expert_kernel=kernel, experts=ExpertFormat(expert_dtype),
                                            dense_dtype=dense_dtype, pack_dense=pack_dense, compile=compile),
                        show_progress=False)
 

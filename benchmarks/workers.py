@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from benchmarks.common import demo_documents, machine_state, print_table, write_json
-from moepager.config import EngineConfig, StoreConfig
+from moepager.config import EngineConfig, ExpertFormat, StoreConfig
 
 if TYPE_CHECKING:
     from moepager.experts.remote.placement import Links
@@ -151,7 +151,7 @@ def shadow_recall(args: argparse.Namespace) -> dict:
     token_ids = [ids[:128] for ids in (full.encode(d) for d in validation[: args.shadow_docs]) if len(ids) >= 16]
     ids = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, config in (("full", EngineConfig()), ("shadow", EngineConfig(expert_dtype="int8",
+        for name, config in (("full", EngineConfig()), ("shadow", EngineConfig(experts=ExpertFormat("int8"),
                                                                                 dense_dtype="int8"))):
             llm = full if name == "full" else LLM(config=config, show_progress=False)
             path = Path(tmp) / f"{name}.mpt"

@@ -245,6 +245,22 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ExpertFormat:
+    """The format routed experts are held and computed in (experts/quant.py)."""
+
+    dtype: str | None = None
+    """Format of routed experts: bf16, fp16, fp32 (= the run's dtype), int8 or int4 (lossy, opt-in); None: as
+    the checkpoint stores them."""
+    int4_group: int | None = None
+    """int4: input elements per scale (32, 64, 128; default 32, or a quantized checkpoint's)."""
+    int4_zero_point: bool | None = None
+    """int4: a zero point per group (default symmetric, or a quantized checkpoint's)."""
+
+    def __post_init__(self) -> None:
+        check_expert_options(self.dtype, self.int4_group, self.int4_zero_point)
+
+
+@dataclass(frozen=True)
 class PlacementConfig:
     """Where routed experts compute when this process holds them (moepager/placements/: hybrid, cpu-experts; gpu:
     on --device, resident or paged), and the costs that decide it."""
@@ -343,13 +359,8 @@ class EngineConfig:
     """How a layer's routed experts are computed (experts/executor.py): one of KERNELS."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     """Continuous batching and the KV cache."""
-    expert_dtype: str | None = None
-    """Format of routed experts: bf16, fp16, fp32 (= the run's dtype), int8 or int4 (lossy, opt-in); None: as
-    the checkpoint stores them."""
-    int4_group: int | None = None
-    """int4: input elements per scale (32, 64, 128; default 32, or a quantized checkpoint's)."""
-    int4_zero_point: bool | None = None
-    """int4: a zero point per group (default symmetric, or a quantized checkpoint's)."""
+    experts: ExpertFormat = field(default_factory=ExpertFormat)
+    """The routed experts' format (as the checkpoint stores them by default)."""
     dense_dtype: str | None = None
     """int8: the dense projections (attention, dense and shared MLPs, LM head) as int8 too (lossy, opt-in);
     None: they compute in `dtype`."""
@@ -374,7 +385,6 @@ class EngineConfig:
         if self.prefetch.predictor is not None and not self.store.paged and self.remote.worker_memory is None:
             raise MoepagerError("prefetching needs a paged store: set --expert-memory (with every expert resident "
                                 "there is nothing to prefetch), or --workers with --worker-memory")
-        check_expert_options(self.expert_dtype, self.int4_group, self.int4_zero_point)
         check_dense_name(self.dense_dtype)
         if self.expert_kernel not in KERNELS:
             raise MoepagerError(f"unknown expert kernel '{self.expert_kernel}'; choose from {', '.join(KERNELS)}")

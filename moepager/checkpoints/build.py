@@ -156,7 +156,7 @@ class LoadOptions:
     @classmethod
     def of(cls, config: EngineConfig) -> LoadOptions:
         return cls(parse_dtype(config.dtype) if config.dtype else None, config.device, config.store.direct_io,
-                   config.expert_dtype, config.int4_group, config.int4_zero_point, config.dense_dtype,
+                   config.experts.dtype, config.experts.int4_group, config.experts.int4_zero_point, config.dense_dtype,
                    config.pack_dense, config.expert_kernel, config.placement.execution == "cpu-experts")
 
 

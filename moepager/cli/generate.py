@@ -23,6 +23,7 @@ from moepager.config import (
     KERNELS,
     Budget,
     EngineConfig,
+    ExpertFormat,
     PlacementConfig,
     PrefetchConfig,
     RemoteConfig,
@@ -202,8 +203,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         threads, args.threads_note = idle_cores()
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, threads=threads,
                         store=store_config(args), prefetch=prefetch_config(args), expert_kernel=args.expert_kernel,
-                        scheduler=scheduler, expert_dtype=args.expert_dtype, int4_group=args.int4_group,
-                        int4_zero_point=args.int4_zero_points, dense_dtype=args.dense_dtype,
+                        scheduler=scheduler, dense_dtype=args.dense_dtype,
+                        experts=ExpertFormat(args.expert_dtype, args.int4_group, args.int4_zero_points),
                         pack_dense=args.pack_dense, compile=args.compile, cuda_graphs=args.cuda_graphs,
                         placement=PlacementConfig(execution=args.execution, cpu_threads=args.cpu_threads,
                                                   profile=args.profile, hybrid_admit=args.hybrid_admit),

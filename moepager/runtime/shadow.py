@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moepager.config import EngineConfig
+from moepager.config import EngineConfig, ExpertFormat
 from moepager.errors import MoepagerError
 from moepager.experts.remote.placement import Links, Placement, recv_placement
 from moepager.experts.remote.protocol import SHADOW_RANK, STATS, Pass, Place, Stop, receive, send, send_forecasts
@@ -91,8 +91,8 @@ class Shadow:
     ahead of them on its own guesses, its routing sent to the workers."""
 
     def __init__(self, config: EngineConfig, path: Path, placement: Placement, links: Links = Links()):
-        quantized = EngineConfig(model=config.model, dtype=config.dtype, threads=config.threads, expert_dtype="int8",
-                                 dense_dtype="int8", scheduler=config.scheduler)
+        quantized = EngineConfig(model=config.model, dtype=config.dtype, threads=config.threads,
+                                 experts=ExpertFormat("int8"), dense_dtype="int8", scheduler=config.scheduler)
         loaded = build(quantized, path, False).loaded
         self.model, self.placement, self.links = loaded.model, placement, links
         self.timeout = datetime.timedelta(seconds=config.remote.worker_timeout_s)

@@ -15,7 +15,7 @@ from moepager.accel.compiled import check_compilable, compile_decode
 from moepager.accel.dense_quant import Int8A8Linear
 from moepager.accel.packed import FusedLinear, PackedLinear, packing_available
 from moepager.checkpoints.build import load_model
-from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
+from moepager.config import EngineConfig, ExpertFormat, PrefetchConfig, StoreConfig
 from moepager.errors import ConfigError
 from moepager.experts.executor import ResidentExecutor
 from moepager.experts.quant import int8_packing_available
@@ -141,7 +141,7 @@ def test_int8_experts_decode_through_the_compiled_graph(demo_checkpoint, monkeyp
     """int8 experts are copied out of the arena and converted inside the graph (ArenaKernels._gathered_swiglu):
     the eager int8 run's greedy tokens, and no eager MoE call while decoding."""
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    config = EngineConfig(model=str(demo_checkpoint), expert_dtype="int8")
+    config = EngineConfig(model=str(demo_checkpoint), experts=ExpertFormat("int8"))
     want = LLM(config=config, show_progress=False).generate("a b c", params)[0].token_ids
     llm = LLM(config=replace(config, compile=True), show_progress=False)
     calls = []
@@ -278,7 +278,7 @@ def test_int4_experts_decode_through_the_compiled_step(demo_checkpoint, monkeypa
     expert), or, over COMPILE_MAX_EXPERT_BYTES, leave it at each MoE layer for the eager int4 kernels: either way the
     eager int4 run's greedy tokens."""
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    config = EngineConfig(model=str(demo_checkpoint), expert_dtype="int4")
+    config = EngineConfig(model=str(demo_checkpoint), experts=ExpertFormat("int4"))
     want = LLM(config=config, show_progress=False).generate("a b c", params)[0].token_ids
     if not in_graph:
         monkeypatch.setattr(compiled, "COMPILE_MAX_EXPERT_BYTES", 0)

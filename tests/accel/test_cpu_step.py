@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moepager.accel import cpu_kernels, step
-from moepager.config import EngineConfig
+from moepager.config import EngineConfig, ExpertFormat
 from moepager.models.attention import Attention, ForwardBatch, RMSNorm, RotaryEmbedding
 from moepager.models.config import ModelConfig, RopeConfig
 from moepager.models.layers import DecoderLayer
@@ -199,7 +199,8 @@ def test_a_whole_layer_in_one_call_equals_its_modules_bit_for_bit(hf_checkpoint,
 
 
 def run_whole_layer_test(path, arch, threads, expert_dtype, monkeypatch):
-    llm = LLM(config=EngineConfig(model=str(path), dtype="bfloat16", threads=threads, expert_dtype=expert_dtype),
+    llm = LLM(config=EngineConfig(model=str(path), dtype="bfloat16", threads=threads,
+                                  experts=ExpertFormat(expert_dtype)),
               show_progress=False)
     assert torch.get_num_threads() == threads
     layers = [m for m in llm.loaded.model.modules() if isinstance(m, DecoderLayer)]

@@ -14,7 +14,7 @@ from moepager.checkpoints.default import default_model_path
 from moepager.checkpoints.quantized import quantize_checkpoint, stored_format
 from moepager.checkpoints.safetensors import Checkpoint, write_safetensors
 from moepager.cli.main import main
-from moepager.config import EngineConfig, StoreConfig
+from moepager.config import EngineConfig, ExpertFormat, StoreConfig
 from moepager.errors import CheckpointError, ConfigError
 from moepager.experts.quant import QuantFormat
 from moepager.placements.paged import paged_executor
@@ -151,9 +151,9 @@ def test_quantize_cli_and_a_run_that_says_its_format(demo_checkpoint, tmp_path, 
 def test_bad_options_and_checkpoints_get_one_clear_error(checkpoints, demo_checkpoint, tmp_path):
     path = checkpoints["qwen3_moe"]
     with pytest.raises(ConfigError, match="unknown --expert-dtype 'int2'"):
-        EngineConfig(expert_dtype="int2")
+        EngineConfig(experts=ExpertFormat("int2"))
     with pytest.raises(ConfigError, match="need --expert-dtype int4"):
-        EngineConfig(expert_dtype="int8", int4_group=64)
+        EngineConfig(experts=ExpertFormat("int8", int4_group=64))
     with pytest.raises(ConfigError, match="group size 128 does not divide the hidden size 64"):
         load_model(path, show_progress=False, expert_dtype="int4", int4_group=128)
     with pytest.raises(ConfigError, match="differs from the run's dtype float32"):
@@ -203,7 +203,7 @@ def test_in_bf16_a_quantized_checkpoint_and_load_time_quantization_agree_bit_for
     from moepager.checkpoints.synth import make_model
 
     path = make_model(tmp_path / "bf16", "tiny", "qwen3_moe", dtype="bfloat16", show_progress=False)
-    at_load = LLM(path, show_progress=False, config=EngineConfig(model=str(path), expert_dtype=name))
+    at_load = LLM(path, show_progress=False, config=EngineConfig(model=str(path), experts=ExpertFormat(name)))
     stored = LLM(_quantize(path, tmp_path / "q", name), show_progress=False)
     assert stored.loaded.expert_shape == at_load.loaded.expert_shape
     assert torch.equal(stored.loaded.experts.kernels.arena, at_load.loaded.experts.kernels.arena)

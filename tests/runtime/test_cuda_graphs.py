@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moepager.config import SchedulerConfig
+from moepager.config import ExpertFormat, SchedulerConfig
 from moepager.runtime.cuda_graphs import DecodeGraphs, bucket, graphable
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
@@ -69,7 +69,7 @@ def test_quantized_experts_are_gathered_on_the_device_inside_a_graph_and_decode_
     from moepager.config import EngineConfig
     from moepager.experts.executor import ArenaKernels
 
-    config = EngineConfig(model=str(demo_checkpoint), expert_dtype=expert_dtype)
+    config = EngineConfig(model=str(demo_checkpoint), experts=ExpertFormat(expert_dtype))
     want = greedy(LLM(show_progress=False, config=config), 16)
     llm = LLM(show_progress=False, config=config)
     assert llm.loaded.experts.graph_safe
