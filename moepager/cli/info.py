@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from moepager.accel import cpu_kernels
+from moepager.checkpoints.build import LoadOptions, open_checkpoint
 from moepager.checkpoints.default import default_model_path
 from moepager.checkpoints.derived import split_parts
 from moepager.checkpoints.disk import bounce_bytes
@@ -16,10 +18,12 @@ from moepager.checkpoints.expert_reader import is_routed_expert
 from moepager.checkpoints.gguf_read import resolve_model_path
 from moepager.checkpoints.quantized import expert_format, stored_format
 from moepager.checkpoints.safetensors import Checkpoint
-from moepager.config import Budget, StoreConfig
+from moepager.config import Budget, EngineConfig, StoreConfig
 from moepager.experts.weights import ExpertShape
 from moepager.models.registry import architecture_for
+from moepager.placements.fit import fit_of
 from moepager.placements.stores import stream_rows
+from moepager.store.budget import format_bytes
 from moepager.store.budget import format_bytes as size
 
 HELP = "describe a checkpoint: architecture, layers, experts, parameter counts and bytes per expert"
@@ -76,7 +80,19 @@ def describe(path: str, budgets: Sequence[str] = ()) -> list[tuple[str, str]]:
         ("CPU expert kernels", cpu_kernels.status()),
         ("minimum expert memory", f"{size(cfg.top_k * expert_nbytes + buffers)} (one MoE layer's top-{cfg.top_k} "
                                   f"+ read buffers)"),
+        ("fit on this machine", fit_row(ckpt.path)),
     ] + [budget_row(text, expert_nbytes, num_routed, cfg.top_k, buffers) for text in budgets]
+
+
+def fit_row(path: Path) -> str:
+    """What a CPU run of this checkpoint with no --expert-memory chooses here (placements/fit.py), at the default
+    options."""
+    config = EngineConfig()
+    opened = open_checkpoint(path, LoadOptions.of(config))
+    fit = fit_of(config, opened)
+    if fit.left < fit.least:
+        return f"does not fit: {format_bytes(max(fit.left, 0))} left for experts, below {format_bytes(fit.least)}"
+    return fit.describe().removeprefix("fit: ")
 
 
 def budget_row(text: str, expert_nbytes: int, num_routed: int, minimum: int, buffers: int) -> tuple[str, str]:

@@ -23,6 +23,7 @@ from moepager.experts.remote.placement import Links
 from moepager.experts.split import SplitExecutor
 from moepager.placements import resolve
 from moepager.placements.base import BuildContext, expert_times
+from moepager.placements.fit import fitted
 from moepager.planning.configurator import layer_costs
 from moepager.planning.cost import CostModel
 from moepager.policies import UnknownPolicyError, policy_spec
@@ -82,9 +83,12 @@ def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = 
     check_names(config)
     options = LoadOptions.of(config)
     opened = open_checkpoint(path, options)
+    config, fit = fitted(config, opened)  # no budget given: the expert cache sized to the memory this run may use
     times, profile = expert_times(config, opened.device, opened.reader.shape.nbytes)
     execution, why = resolve_execution(config, opened.device, times, profile)
     check_split(config, opened, execution)
+    if config.store.expert_memory is not None and fit:  # the fit pages experts: said, as a run's statistics say it
+        why = "; ".join(x for x in (fit, why) if x)
     if why:
         print(why, file=sys.stderr)
     chosen = resolve(config, execution)

@@ -1,0 +1,195 @@
+"""The automatic fit: a run given no expert budget (no --expert-memory, no --host-memory) sizes its expert cache from
+the memory it may use, so a model bigger than the machine pages its experts from disk instead of being killed.
+
+Algorithm (CPU; on CUDA the device's free memory takes RAM's place for the device tier):
+1. The memory this run may use: what the machine reports available now (`psutil`: RAM not taken by anyone, page
+   cache that can be dropped), within the cgroup's limit less its usage when the process runs under one (a
+   container; cgroup v2 `memory.max` or v1 `memory.limit_in_bytes`), or `MOEPAGER_MEMORY_AVAILABLE` when set.
+2. What the run needs besides routed experts, first: the dense weights in the run's dtype, the KV cache at
+   --kv-cache-tokens, and a headroom for activations, the allocator and the OS (`HEADROOM`).
+3. Every routed expert fits in what is left (with no read buffers: nothing is read later): they stay resident, as
+   without a fit. Otherwise what is left is the expert budget: the store's cache, stream rows and read buffers come
+   out of it, the rest is read from disk on demand. A budget below one MoE layer's top-k experts (the least a
+   decode step holds) is refused before anything loads, with the numbers.
+`--expert-memory all` keeps its own meaning (every expert through the store); a budget a user gives is never fitted.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import psutil
+import torch
+
+from moepager.checkpoints.build import OpenCheckpoint
+from moepager.config import Budget, EngineConfig
+from moepager.errors import BudgetError
+from moepager.placements.stores import STREAM_ROWS, read_buffer_bytes
+from moepager.store.budget import format_bytes
+
+ENV_AVAILABLE = "MOEPAGER_MEMORY_AVAILABLE"
+"""A size ("6GiB", "800MB"): the memory a run may use, in place of what the machine reports (to leave room for other
+programs, or to try a fit as a smaller machine would make it)."""
+HEADROOM_SHARE, HEADROOM_MIN = 0.10, 256 << 20
+"""Of the memory a run may use, what a fit leaves free: a tenth, and at least 256 MiB (activations of a prefill
+chunk, the allocator's slack, the OS)."""
+_UNLIMITED = 1 << 60
+"""A cgroup `memory.max` of "max" (or v1's page-rounded 2^63): no limit."""
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What the fit found and chose (bytes)."""
+
+    where: str
+    """The memory fitted: "RAM" or "GPU memory"."""
+    available: int
+    """What this run may use."""
+    source: str
+    """Where `available` came from."""
+    dense: int
+    """The dense weights in the run's dtype (on the device fitted)."""
+    kv: int
+    """The KV cache at --kv-cache-tokens."""
+    headroom: int
+    experts: int
+    """Every routed expert in the run's format."""
+    least: int
+    """The least expert budget a run takes: one MoE layer's top-k experts, the stream rows and the read buffers."""
+
+    @property
+    def left(self) -> int:
+        """What the experts may take."""
+        return self.available - self.dense - self.kv - self.headroom
+
+    @property
+    def resident(self) -> bool:
+        return self.experts <= self.left
+
+    @property
+    def budget(self) -> int | None:
+        """The expert budget a fit gives (None: every expert resident)."""
+        return None if self.resident else self.left
+
+    def describe(self) -> str:
+        """One line: what was chosen and why."""
+        needs = (f"{format_bytes(self.available)} {self.where} {self.source}, less {format_bytes(self.dense)} of "
+                 f"dense weights, {format_bytes(self.kv)} of KV cache and {format_bytes(self.headroom)} of headroom")
+        if self.resident:
+            return f"fit: every routed expert resident ({format_bytes(self.experts)}; {needs})"
+        return (f"fit: --expert-memory {format_bytes(self.left)} of the experts' {format_bytes(self.experts)}, the "
+                f"rest read from disk on demand ({needs}; --expert-memory sets it)")
+
+    def check(self) -> None:
+        if self.left < self.least:
+            raise BudgetError(
+                f"this model does not fit here: {format_bytes(self.available)} {self.where} {self.source}, less "
+                f"{format_bytes(self.dense)} of dense weights, {format_bytes(self.kv)} of KV cache and "
+                f"{format_bytes(self.headroom)} of headroom, leaves {format_bytes(max(self.left, 0))} for experts, "
+                f"below the least a decode step needs ({format_bytes(self.least)}: one MoE layer's top-k, stream rows "
+                "and read buffers); free memory, lower --kv-cache-tokens, or use a smaller --dtype or --expert-dtype")
+
+
+def cgroup_room(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc/self/cgroup")) -> int | None:
+    """What this process's cgroup still allows (its memory limit less its usage), or None without a limit."""
+    try:
+        lines = proc.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        rel = path.lstrip("/")
+        if hierarchy == "0" and controllers == "":  # v2: one unified hierarchy
+            limit, usage = root / rel / "memory.max", root / rel / "memory.current"
+        elif "memory" in controllers.split(","):  # v1
+            folder = root / "memory" / rel
+            limit, usage = folder / "memory.limit_in_bytes", folder / "memory.usage_in_bytes"
+        else:
+            continue
+        try:
+            text = limit.read_text().strip()
+            if text == "max" or int(text) >= _UNLIMITED:
+                return None
+            return max(0, int(text) - int(usage.read_text().strip()))
+        except (OSError, ValueError):
+            return None
+    return None
+
+
+def ram_available() -> tuple[int, str]:
+    """The RAM this run may use, and where the figure came from."""
+    if os.environ.get(ENV_AVAILABLE):
+        budget = Budget.parse(os.environ[ENV_AVAILABLE], ENV_AVAILABLE)
+        if budget.nbytes is None:
+            raise BudgetError(f"{ENV_AVAILABLE} '{budget.text}' must be a size (e.g. 6GiB), not a share")
+        return budget.nbytes, f"({ENV_AVAILABLE})"
+    available = psutil.virtual_memory().available
+    room = cgroup_room()
+    if room is not None and room < available:
+        return room, "(the cgroup's memory limit less its usage)"
+    return available, "available"
+
+
+def kv_cache_bytes(opened: OpenCheckpoint, tokens: int, block_size: int) -> int:
+    """The KV cache's bytes at `tokens` positions: its blocks' shapes from the model built on the meta device."""
+    with torch.device("meta"):
+        model = opened.arch.build(opened.config, _NoExperts())
+    block = sum(t.nbytes for t in model.make_cache(1, block_size, opened.dtype, torch.device("meta")))
+    return (math.ceil(tokens / block_size) + 1) * block
+
+
+class _NoExperts:
+    """The executor of a model built on the meta device to size its KV cache (never run)."""
+
+    compute_note = ""
+
+    def run(self, layer: int, x_ND: torch.Tensor, route: object) -> torch.Tensor:
+        raise AssertionError("a meta model sizes its cache; it never runs")
+
+
+def fit_of(config: EngineConfig, opened: OpenCheckpoint, device_free: int | None = None) -> Fit:
+    """The fit of this run on this machine (`device_free`: a CUDA device's free bytes, which the device tier fits)."""
+    paging, reader = opened.paging, opened.reader
+    experts = paging.num_moe_layers * paging.num_experts * reader.shape.nbytes
+    dense = opened.total_bytes() - experts
+    kv = kv_cache_bytes(opened, config.scheduler.kv_cache_tokens, config.scheduler.block_size)
+    store = config.store
+    least = (paging.top_k + STREAM_ROWS) * reader.shape.nbytes + \
+        read_buffer_bytes(reader, store.io_threads, store.prefetch_threads)
+    if device_free is not None:
+        available, source, where = device_free, "free", "GPU memory"
+    else:
+        (available, source), where = ram_available(), "RAM"
+    headroom = max(int(HEADROOM_SHARE * available), HEADROOM_MIN)
+    return Fit(where, available, source, dense, kv, headroom, experts, least)
+
+
+def fits(config: EngineConfig) -> bool:
+    """Whether a run is fitted: no budget given, experts computed in this process where it holds them."""
+    return (config.store.expert_memory is None and config.store.host_memory is None and not config.remote.workers
+            and config.placement.execution in ("gpu", "auto"))
+
+
+def fitted(config: EngineConfig, opened: OpenCheckpoint) -> tuple[EngineConfig, str]:
+    """The run's configuration with the expert budget the fit gives (unchanged when every expert fits, or when it is
+    not fitted: `fits`), and the fit's line ("" when not fitted). On CUDA the device tier is fitted to the device's
+    free memory, and a host tier that cannot hold every expert to RAM."""
+    if not fits(config):
+        return config, ""
+    if opened.device.type != "cuda":
+        fit = fit_of(config, opened)
+        fit.check()
+        if fit.budget is None:
+            return config, fit.describe()
+        return replace(config, store=replace(config.store, expert_memory=str(fit.budget))), fit.describe()
+    fit = fit_of(config, opened, torch.cuda.mem_get_info(opened.device)[0])
+    fit.check()
+    if fit.budget is None:
+        return config, fit.describe()
+    host = replace(fit_of(config, opened), dense=0)  # the host tier: every expert, the dense weights on the device
+    store = replace(config.store, expert_memory=str(fit.budget),
+                    host_memory=None if host.resident else str(max(host.left, fit.least)))
+    return replace(config, store=store), fit.describe() + ("" if host.resident else f"; host tier {host.describe()}")

@@ -1,0 +1,91 @@
+"""The automatic fit (placements/fit.py): with no expert budget a run sizes its expert cache to the memory it may use,
+pages the rest from disk with the same tokens, refuses with the numbers what cannot fit, and reads a container's
+cgroup limit."""
+
+from __future__ import annotations
+
+import pytest
+
+from moepager.checkpoints.build import LoadOptions, open_checkpoint
+from moepager.checkpoints.default import default_model_path
+from moepager.cli.info import describe
+from moepager.config import EngineConfig, StoreConfig
+from moepager.errors import BudgetError
+from moepager.placements.fit import ENV_AVAILABLE, HEADROOM_MIN, cgroup_room, fit_of, fits, fitted
+from moepager.runtime.llm import LLM
+from moepager.runtime.sampling import SamplingParams
+
+MiB = 1 << 20
+"""The built-in model: 6.35 MiB of dense weights, 48.05 MiB of KV cache at the default 16,384 positions, 18 MiB of
+experts (192 of 96 KiB)."""
+
+
+def opened():
+    return open_checkpoint(default_model_path(), LoadOptions.of(EngineConfig()))
+
+
+def test_plenty_of_memory_keeps_every_expert_resident(monkeypatch):
+    monkeypatch.setenv(ENV_AVAILABLE, "64GiB")
+    config = EngineConfig()
+    fit = fit_of(config, opened())
+    assert fit.resident and fit.budget is None and fit.headroom == int(0.1 * (64 << 30))
+    assert fitted(config, opened()) == (config, fit.describe())
+    assert fit.describe().startswith("fit: every routed expert resident")
+
+
+def test_a_tight_machine_pages_the_experts_and_gives_the_resident_tokens(monkeypatch):
+    config = EngineConfig()
+    params = SamplingParams(max_tokens=12, temperature=0)
+    resident = LLM(config=config, show_progress=False)
+    assert resident.store is None
+    want = resident.generate(["The history of"], params)[0].token_ids
+    monkeypatch.setenv(ENV_AVAILABLE, "320MiB")
+    fit = fit_of(config, opened())
+    assert not fit.resident
+    assert fit.budget == 320 * MiB - fit.dense - fit.kv - HEADROOM_MIN  # a tenth of 320 MiB is below the least
+    assert fit.least < fit.budget < fit.experts
+    tight = fitted(config, opened())[0]
+    assert tight.store.expert_memory == str(fit.budget) and tight.store.paged
+    llm = LLM(config=config, show_progress=False)
+    assert llm.store is not None and "fit: --expert-memory" in llm.loaded.execution
+    assert llm.store.device.table.capacity + len(llm.store.device.table.stream_rows) < 192  # not every expert
+    assert llm.generate(["The history of"], params)[0].token_ids == want  # lossless
+    assert "fit on this machine" in dict(describe(str(default_model_path())))
+    assert "--expert-memory 9.60 MiB" in dict(describe(str(default_model_path())))["fit on this machine"]
+
+
+def test_a_machine_too_small_is_refused_before_loading_with_the_numbers(monkeypatch):
+    monkeypatch.setenv(ENV_AVAILABLE, "300MiB")
+    with pytest.raises(BudgetError, match=r"does not fit here: 300.00 MiB RAM .* 48.05 MiB of KV cache .* lower "
+                                          r"--kv-cache-tokens"):
+        LLM(config=EngineConfig(), show_progress=False)
+    monkeypatch.setenv(ENV_AVAILABLE, "25%")
+    with pytest.raises(BudgetError, match="must be a size"):
+        fit_of(EngineConfig(), opened())
+
+
+def test_a_given_budget_or_workers_are_never_fitted():
+    assert fits(EngineConfig())
+    assert not fits(EngineConfig(store=StoreConfig(expert_memory="all")))
+    assert not fits(EngineConfig(store=StoreConfig(expert_memory="25%")))
+
+
+def test_the_cgroup_limit_less_its_usage_bounds_the_fit(tmp_path):
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/user.slice/run\n")
+    group = tmp_path / "fs" / "user.slice" / "run"
+    group.mkdir(parents=True)
+    (group / "memory.max").write_text("4294967296\n")
+    (group / "memory.current").write_text("1073741824\n")
+    assert cgroup_room(tmp_path / "fs", proc) == 3 << 30
+    (group / "memory.max").write_text("max\n")
+    assert cgroup_room(tmp_path / "fs", proc) is None
+    proc.write_text("12:cpu,cpuacct:/x\n9:memory:/docker/abc\n")  # cgroup v1
+    v1 = tmp_path / "fs" / "memory" / "docker" / "abc"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(str(2 << 30))
+    (v1 / "memory.usage_in_bytes").write_text(str(512 << 20))
+    assert cgroup_room(tmp_path / "fs", proc) == (2 << 30) - (512 << 20)
+    (v1 / "memory.limit_in_bytes").write_text(str(9223372036854771712))  # v1's "no limit"
+    assert cgroup_room(tmp_path / "fs", proc) is None
+    assert cgroup_room(tmp_path / "fs", tmp_path / "absent") is None
