@@ -17,29 +17,19 @@ Algorithm (CPU; on CUDA the device's free memory takes RAM's place for the devic
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, replace
-from pathlib import Path
 
-import psutil
 import torch
 
 from moepager.checkpoints.build import OpenCheckpoint
-from moepager.config import Budget, EngineConfig
+from moepager.config import EngineConfig
 from moepager.errors import BudgetError
 from moepager.placements.stores import STREAM_ROWS, read_buffer_bytes
-from moepager.store.budget import format_bytes
+from moepager.store.budget import format_bytes, ram_available
 
-ENV_AVAILABLE = "MOEPAGER_MEMORY_AVAILABLE"
-"""A size ("6GiB", "800MB"): the memory a run may use, in place of what the machine reports (to leave room for other
-programs, or to try a fit as a smaller machine would make it)."""
 HEADROOM_SHARE, HEADROOM_MIN = 0.10, 256 << 20
 """Of the memory a run may use, what a fit leaves free: a tenth, and at least 256 MiB (activations of a prefill
 chunk, the allocator's slack, the OS)."""
-_UNLIMITED = 1 << 60
-"""A cgroup `memory.max` of "max" (or v1's page-rounded 2^63): no limit."""
-
-
 @dataclass(frozen=True)
 class Fit:
     """What the fit found and chose (bytes)."""
@@ -93,46 +83,6 @@ class Fit:
                 "and read buffers); free memory, lower --kv-cache-tokens, or use a smaller --dtype or --expert-dtype")
 
 
-def cgroup_room(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc/self/cgroup")) -> int | None:
-    """What this process's cgroup still allows (its memory limit less its usage), or None without a limit."""
-    try:
-        lines = proc.read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
-        rel = path.lstrip("/")
-        if hierarchy == "0" and controllers == "":  # v2: one unified hierarchy
-            limit, usage = root / rel / "memory.max", root / rel / "memory.current"
-        elif "memory" in controllers.split(","):  # v1
-            folder = root / "memory" / rel
-            limit, usage = folder / "memory.limit_in_bytes", folder / "memory.usage_in_bytes"
-        else:
-            continue
-        try:
-            text = limit.read_text().strip()
-            if text == "max" or int(text) >= _UNLIMITED:
-                return None
-            return max(0, int(text) - int(usage.read_text().strip()))
-        except (OSError, ValueError):
-            return None
-    return None
-
-
-def ram_available() -> tuple[int, str]:
-    """The RAM this run may use, and where the figure came from."""
-    if os.environ.get(ENV_AVAILABLE):
-        budget = Budget.parse(os.environ[ENV_AVAILABLE], ENV_AVAILABLE)
-        if budget.nbytes is None:
-            raise BudgetError(f"{ENV_AVAILABLE} '{budget.text}' must be a size (e.g. 6GiB), not a share")
-        return budget.nbytes, f"({ENV_AVAILABLE})"
-    available = psutil.virtual_memory().available
-    room = cgroup_room()
-    if room is not None and room < available:
-        return room, "(the cgroup's memory limit less its usage)"
-    return available, "available"
-
-
 def kv_cache_bytes(opened: OpenCheckpoint, tokens: int, block_size: int) -> int:
     """The KV cache's bytes at `tokens` positions: its blocks' shapes from the model built on the meta device."""
     with torch.device("meta"):
@@ -181,11 +131,15 @@ def fitted(config: EngineConfig, opened: OpenCheckpoint) -> tuple[EngineConfig, 
         return config, ""
     if opened.device.type != "cuda":
         fit = fit_of(config, opened)
+        if fit.kv > fit.available - fit.dense:  # the KV cache alone does not fit: its own check refuses it
+            return config, ""                   # with --kv-cache-tokens' message (runtime/kv_pool.py)
         fit.check()
         if fit.budget is None:
             return config, fit.describe()
         return replace(config, store=replace(config.store, expert_memory=str(fit.budget))), fit.describe()
     fit = fit_of(config, opened, torch.cuda.mem_get_info(opened.device)[0])
+    if fit.kv > fit.available - fit.dense:
+        return config, ""
     fit.check()
     if fit.budget is None:
         return config, fit.describe()

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import psutil
 import torch
 
 from moepager.checkpoints.derived import SplitLayout
@@ -18,7 +17,7 @@ from moepager.experts.protocols import FlatReader
 from moepager.models.config import ModelConfig
 from moepager.policies import make_policy
 from moepager.policies.prefetch import make_prefetch_policy
-from moepager.store.budget import check_slots, format_bytes, share_quotas
+from moepager.store.budget import check_slots, format_bytes, ram_available, share_quotas
 from moepager.store.slots import SlotTable
 from moepager.store.store import ExpertStore
 from moepager.store.tiers import Tier
@@ -103,7 +102,7 @@ def _check_fits(nbytes: int, device: torch.device, what: str) -> None:
             raise BudgetError(f"{what} needs {format_bytes(nbytes)} of GPU memory but {format_bytes(free)} is free; "
                               f"lower --expert-memory")
         return
-    available = psutil.virtual_memory().available * RAM_HEADROOM
+    available = ram_available()[0] * RAM_HEADROOM
     if nbytes > available:
         raise BudgetError(f"{what} needs {format_bytes(nbytes)} of RAM for its buffers but only "
                           f"{format_bytes(available)} is available; lower the budget")

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import math
 
-import psutil
 import torch
 
 from moepager.errors import BudgetError
 from moepager.models.layers import CausalLM
+from moepager.store.budget import ram_available
 
 Cache = list[torch.Tensor]
 SCRATCH = 0
@@ -60,7 +60,7 @@ def check_fits(model: CausalLM, dtype: torch.dtype, device: torch.device, num_to
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
-        free = psutil.virtual_memory().available
+        free = ram_available()[0]
     if need > free:
         raise BudgetError(f"--kv-cache-tokens {num_tokens}: the KV cache would take {need / 2**30:.2f} GiB, and "
                           f"{free / 2**30:.2f} GiB are free on the {device.type}; lower it")

@@ -1,13 +1,25 @@
-"""What a budget holds, checked against the least a decode step needs; byte counts for people.
+"""What a budget holds, checked against the least a decode step needs; the memory a run may use (within a
+container's limit); byte counts for people.
 
 The budget grammar itself ("6GiB", "25%", "all") is configuration: `moepager.config.Budget`.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
+import psutil
+
+from moepager.config import Budget
 from moepager.errors import BudgetError
+
+ENV_AVAILABLE = "MOEPAGER_MEMORY_AVAILABLE"
+"""A size ("6GiB", "800MB"): the memory a run may use, in place of what the machine reports (to leave room for other
+programs, or to try a fit as a smaller machine would make it)."""
+_UNLIMITED = 1 << 60
+"""A cgroup `memory.max` of "max" (or v1's page-rounded 2^63): no limit."""
 
 
 def format_bytes(nbytes: float) -> str:
@@ -41,3 +53,43 @@ def share_quotas(budgets: Sequence[float], capacity: int, least: Sequence[int], 
         room = [i for i in range(layers) if quotas[i] < most[i]] or list(range(layers))
         quotas[max(room, key=lambda i: (share[i] - quotas[i], -i))] += 1
     return quotas
+
+
+def cgroup_room(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc/self/cgroup")) -> int | None:
+    """What this process's cgroup still allows (its memory limit less its usage), or None without a limit."""
+    try:
+        lines = proc.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        rel = path.lstrip("/")
+        if hierarchy == "0" and controllers == "":  # v2: one unified hierarchy
+            limit, usage = root / rel / "memory.max", root / rel / "memory.current"
+        elif "memory" in controllers.split(","):  # v1
+            folder = root / "memory" / rel
+            limit, usage = folder / "memory.limit_in_bytes", folder / "memory.usage_in_bytes"
+        else:
+            continue
+        try:
+            text = limit.read_text().strip()
+            if text == "max" or int(text) >= _UNLIMITED:
+                return None
+            return max(0, int(text) - int(usage.read_text().strip()))
+        except (OSError, ValueError):
+            return None
+    return None
+
+
+def ram_available() -> tuple[int, str]:
+    """The RAM this run may use, and where the figure came from."""
+    if os.environ.get(ENV_AVAILABLE):
+        budget = Budget.parse(os.environ[ENV_AVAILABLE], ENV_AVAILABLE)
+        if budget.nbytes is None:
+            raise BudgetError(f"{ENV_AVAILABLE} '{budget.text}' must be a size (e.g. 6GiB), not a share")
+        return budget.nbytes, f"({ENV_AVAILABLE})"
+    available = psutil.virtual_memory().available
+    room = cgroup_room()
+    if room is not None and room < available:
+        return room, "(the cgroup's memory limit less its usage)"
+    return available, "available"

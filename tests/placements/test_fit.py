@@ -9,11 +9,12 @@ import pytest
 from moepager.checkpoints.build import LoadOptions, open_checkpoint
 from moepager.checkpoints.default import default_model_path
 from moepager.cli.info import describe
-from moepager.config import EngineConfig, StoreConfig
+from moepager.config import EngineConfig, SchedulerConfig, StoreConfig
 from moepager.errors import BudgetError
-from moepager.placements.fit import ENV_AVAILABLE, HEADROOM_MIN, cgroup_room, fit_of, fits, fitted
+from moepager.placements.fit import HEADROOM_MIN, fit_of, fits, fitted
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
+from moepager.store.budget import ENV_AVAILABLE, cgroup_room
 
 MiB = 1 << 20
 """The built-in model: 6.35 MiB of dense weights, 48.05 MiB of KV cache at the default 16,384 positions, 18 MiB of
@@ -59,6 +60,9 @@ def test_a_machine_too_small_is_refused_before_loading_with_the_numbers(monkeypa
     with pytest.raises(BudgetError, match=r"does not fit here: 300.00 MiB RAM .* 48.05 MiB of KV cache .* lower "
                                           r"--kv-cache-tokens"):
         LLM(config=EngineConfig(), show_progress=False)
+    monkeypatch.setenv(ENV_AVAILABLE, "320MiB")  # a KV cache larger than the machine: its own check says so
+    with pytest.raises(BudgetError, match="--kv-cache-tokens 1000000: the KV cache would take"):
+        LLM(config=EngineConfig(scheduler=SchedulerConfig(kv_cache_tokens=10**6)), show_progress=False)
     monkeypatch.setenv(ENV_AVAILABLE, "25%")
     with pytest.raises(BudgetError, match="must be a size"):
         fit_of(EngineConfig(), opened())
