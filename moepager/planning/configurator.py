@@ -89,7 +89,10 @@ def layer_costs(cost: CostModel, num_layers: int) -> LayerCosts:
 
 def hit_curves(ids_SLK: np.ndarray, num_experts: int) -> np.ndarray:
     """H[L, C] for C = 0..E: the share of each layer's activations that an LRU cache of C experts would hold,
-    from LRU stack distances over the steps of `ids_SLK` (negative ids: not recorded, skipped)."""
+    from LRU stack distances over the steps of `ids_SLK` (negative ids: not recorded, skipped). Exact for the
+    engine's and the simulator's LRU (policies/lru.py: ties between experts last used in the same step evicted lower
+    id first), so a step's K experts are ranked among themselves too: an expert last used with others in one step is
+    below those of them with a higher id (a cache of C >= K keeps the top C by (last step, id) after every step)."""
     return statistics(ids_SLK, None, num_experts)[0]
 
 
@@ -106,9 +109,13 @@ def statistics(ids_SLK: np.ndarray, ranks_SLY: np.ndarray | None, num_experts: i
     cached_depth = np.zeros((num_layers, width, num_experts + 1), np.int64)
     rows = np.arange(num_layers)[:, None]
 
+    experts_E = np.arange(num_experts)
+
     def depths(ids: np.ndarray) -> np.ndarray:
         seen = last[rows, np.where(ids >= 0, ids, 0)]
-        depth = (last[:, None, :] > seen[:, :, None]).sum(-1)  # distinct experts used since this one
+        later = last[:, None, :] > seen[:, :, None]  # distinct experts used since this one
+        tied = (last[:, None, :] == seen[:, :, None]) & (experts_E > ids[:, :, None])  # same step, kept before it
+        depth = (later | tied).sum(-1)
         return np.where((seen < 0) | (ids < 0), num_experts, depth)
 
     for s in range(steps):
