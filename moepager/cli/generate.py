@@ -402,9 +402,11 @@ def others_busy_cores(cores: int) -> float:
 
 
 def announce_threads(args: argparse.Namespace) -> None:
-    """The threads note of `idle_cores`, once the model has loaded (an error before it stays one line)."""
+    """The threads note of `idle_cores`, once the model has loaded and (generate) the prompts were accepted: an error
+    before it stays one line. Said once."""
     if args.threads_note:
         print(args.threads_note, file=sys.stderr)
+        args.threads_note = ""
 
 
 def check_threads(threads: int | None, flag: str = "--threads") -> None:
@@ -458,8 +460,8 @@ def run(args: argparse.Namespace, links: Links = Links()) -> int:
     if replay is not None:  # a trace that cannot replay on this model is refused before the model loads
         load_replay(replay, read_config(args.model or default_model_path()))
     llm = LLM(config=engine_config(args), show_progress=not args.quiet, links=links)
-    announce_threads(args)
     if replay is not None:
+        announce_threads(args)
         return _replay(llm, replay, params, args)
     if llm.tokenizer is None:
         raise MoepagerError("this checkpoint has no tokenizer.json, so text prompts cannot be encoded")
@@ -469,7 +471,8 @@ def run(args: argparse.Namespace, links: Links = Links()) -> int:
     echoed = [False]
 
     def stream(_row: int, text: str) -> None:
-        if not echoed[0]:  # the prompt is echoed once it has been accepted, not before
+        if not echoed[0]:  # the prompt is echoed (and the threads note said) once it has been accepted, not before
+            announce_threads(args)
             sys.stdout.write(args.prompts[0])
             echoed[0] = True
         sys.stdout.write(text)
@@ -478,8 +481,11 @@ def run(args: argparse.Namespace, links: Links = Links()) -> int:
     completions = llm.generate(args.prompts, params, chat=args.chat, on_text=stream if single else None,
                                record_trace=args.record_trace, record_hidden=args.record_hidden)
     if single:
+        if not echoed[0]:
+            announce_threads(args)
         sys.stdout.write(("" if echoed[0] else args.prompts[0]) + "\n")
     else:
+        announce_threads(args)
         for i, (prompt, c) in enumerate(zip(args.prompts, completions)):
             print(f"[{i}] {prompt}{c.text}")
     return _report(llm, args)
