@@ -9,7 +9,7 @@ import ctypes
 import math
 import sys
 from collections.abc import Callable
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, Protocol
 
 import torch
 
@@ -96,6 +96,12 @@ class PassInfo(NamedTuple):
     counts: tuple[int, ...]
     row_phases: tuple[Phase, ...]
     token_ids_N: torch.Tensor
+
+
+class PassPart(Protocol):
+    """Anything told of each forward pass before it runs (the store, the prefetcher, the recorder, the workers)."""
+
+    def begin_pass(self, info: PassInfo) -> None: ...
 
 
 HUGE_PAGE = 2 << 20

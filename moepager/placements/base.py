@@ -18,6 +18,7 @@ from moepager.experts.remote.placement import Links
 from moepager.planning.cost import CostModel, nominal_profile
 from moepager.store.store import ExpertStore
 from moepager.store.view import StoreView
+from moepager.types import PassPart
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class Placed:
     """One line for the run's statistics saying how experts are placed ("" when there is nothing to say)."""
     prefetch_view: StoreView | None = None
     """Where a predictor's forecasts go when not to `store` (the workers: `RemoteExecutor`)."""
+    pass_parts: tuple[PassPart, ...] = ()
+    """What must hear of each pass before the store does (the workers' executor, the shadow's feed), in order."""
 
 
 class PlacementPlugin(Protocol):

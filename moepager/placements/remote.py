@@ -16,6 +16,7 @@ from moepager.errors import ConfigError
 from moepager.experts.executor import ArenaKernels, PagedExecutor
 from moepager.experts.protocols import FlatReader
 from moepager.experts.remote.executor import RemoteExecutor
+from moepager.experts.remote.feed import ShadowFeed
 from moepager.experts.remote.placement import Links, Placement
 from moepager.experts.remote.protocol import SHADOW_RANK
 from moepager.experts.remote.worker import ExpertWorker
@@ -33,7 +34,10 @@ class Remote:
 
     def build(self, ctx: BuildContext) -> Placed:
         executor = remote_executor(ctx.config, ctx.opened.reader, ctx.opened.config, ctx.links)
-        return Placed(executor, None, f"{ctx.config.remote.workers} worker processes", prefetch_view=executor)
+        remote = ctx.config.remote
+        feed = (ShadowFeed(remote.worker_timeout_s),) if remote.shadow else ()
+        return Placed(executor, None, f"{remote.workers} worker processes", prefetch_view=executor,
+                      pass_parts=(*feed, executor))
 
 
 def placement(config: EngineConfig, cfg: ModelConfig) -> Placement:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from moepager.accel.compiled import compile_decode
 from moepager.checkpoints.build import LoadedModel, LoadOptions, OpenCheckpoint, build_model, load_bar, open_checkpoint
 from moepager.config import EngineConfig, Execution, StoreConfig
 from moepager.errors import ConfigError
@@ -29,12 +30,15 @@ from moepager.planning.cost import CostModel
 from moepager.policies import UnknownPolicyError, policy_spec
 from moepager.policies.prefetch import PREFETCH_POLICIES
 from moepager.predictors import PREDICTORS
+from moepager.runtime.batch_policy import NEEDS_PATHS
+from moepager.runtime.batch_policy.expertflow import PathTracker
 from moepager.runtime.configure import OnlineConfigurator
 from moepager.runtime.prefetch import Prefetcher, build_prefetcher
 from moepager.store.budget import format_bytes
 from moepager.store.parts import PartForecasts, WholeExperts
 from moepager.store.stats import StoreReport
 from moepager.store.store import ExpertStore
+from moepager.types import PassPart
 
 
 def check_names(config: EngineConfig) -> None:
@@ -60,6 +64,10 @@ class Built:
     prefetcher: Prefetcher | None
     configurator: OnlineConfigurator | None = None
     """`--configure auto`: per-layer cache sizes chosen again as the run goes (a pass part and routing observer)."""
+    paths: PathTracker | None = None
+    """Each running request's routing path, for a batch policy that reads them (a pass part and routing observer)."""
+    pass_parts: tuple[PassPart, ...] = ()
+    """The placement's parts told of each pass before the store (the workers' executor, the shadow's feed)."""
 
 
 def resolve_execution(config: EngineConfig, device: torch.device, times: ExpertTimes, profile: str
@@ -112,7 +120,13 @@ def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = 
     if config.prefetch.predictor is not None and view is not None:
         prefetcher = build_prefetcher(config.prefetch, loaded.model, view, forecasts, next_use)
         loaded.model.observe_routing(prefetcher)
-    return Built(loaded, store, prefetcher, online_configurator(config, opened, store, execution, profile))
+    if config.compile:
+        compile_decode(loaded.model, loaded.experts, loaded.expert_shape, loaded.device)
+    cfg = opened.config
+    paths = PathTracker(cfg.moe_layers, cfg.num_experts, prefetcher.predictor.forecast if prefetcher else None,
+                        cfg.top_k) if config.scheduler.batch_policy in NEEDS_PATHS else None
+    return Built(loaded, store, prefetcher, online_configurator(config, opened, store, execution, profile), paths,
+                 placed.pass_parts)
 
 
 def online_configurator(config: EngineConfig, opened: OpenCheckpoint, store: ExpertStore | None,

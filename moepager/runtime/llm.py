@@ -9,12 +9,10 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
 from moepager.accel import cpu_kernels
-from moepager.accel.compiled import compile_decode
 from moepager.atomic_io import check_file
 from moepager.checkpoints.build import LoadedModel
 from moepager.checkpoints.default import default_model_path
@@ -22,12 +20,9 @@ from moepager.checkpoints.gguf_read import resolve_model_path
 from moepager.checkpoints.safetensors import Checkpoint
 from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
 from moepager.errors import ConfigError, InvalidRequestError
-from moepager.experts.remote.executor import RemoteExecutor
 from moepager.experts.remote.placement import Links
 from moepager.models.routing import NULL_OBSERVER, OWN_ROUTER, RoutingFanOut, RoutingObserver
 from moepager.predictors import PREDICTORS
-from moepager.runtime.batch_policy import NEEDS_PATHS
-from moepager.runtime.batch_policy.expertflow import PathTracker
 from moepager.runtime.builder import build, store_report
 from moepager.runtime.configure import OnlineConfigurator
 from moepager.runtime.cuda_graphs import graphable
@@ -36,12 +31,11 @@ from moepager.runtime.prefetch import Prefetcher
 from moepager.runtime.replay import ReplayReport, ReplaySpec, RouteReplayer, check_record_path, load_replay
 from moepager.runtime.request import Detokenize, FinishReason, Request
 from moepager.runtime.sampling import SamplingParams
-from moepager.runtime.shadow import ShadowFeed
 from moepager.runtime.stats import RunStats
 from moepager.runtime.tokenizer import Tokenizer
 from moepager.trace.format import TraceHeader
 from moepager.trace.recorder import RecordedRequest, TraceRecorder
-from moepager.types import PassInfo
+from moepager.types import PassInfo, PassPart
 
 Prompt = str | list[int]
 OnText = Callable[[int, str], None]
@@ -89,8 +83,6 @@ class LLM:
         path = resolve_model_path(self.config.model) if self.config.model else default_model_path()
         built = build(self.config, path, show_progress, links)  # links: --workers' (distributed/roles.py)
         self.loaded: LoadedModel = built.loaded
-        if self.config.compile:
-            compile_decode(self.loaded.model, self.loaded.experts, self.loaded.expert_shape, self.loaded.device)
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
         self.eos_token_ids = self._eos_token_ids()
         self.last_stats = RunStats()
@@ -100,15 +92,10 @@ class LLM:
         """Forecasts routing and loads experts ahead (kept across calls: an online expert-map store grows)."""
         self.configurator: OnlineConfigurator | None = built.configurator
         """`--configure auto`: per-layer cache sizes chosen again as the engine runs."""
-        cfg = self.loaded.config
-        self.paths = PathTracker(cfg.moe_layers, cfg.num_experts, self.prefetcher.predictor.forecast
-                                 if self.prefetcher is not None else None, cfg.top_k) \
-            if self.config.scheduler.batch_policy in NEEDS_PATHS else None
+        self.paths = built.paths
         """Each running request's routing path (for a batch policy that groups requests by them)."""
-        self.remote: list[PassPart] = [experts] if isinstance(experts, RemoteExecutor) else []
-        """Worker processes' executor (its layer calls carry the pass), and the shadow's feed when there is one."""
-        if self.config.remote.shadow:
-            self.remote.insert(0, ShadowFeed(self.config.remote.worker_timeout_s))
+        self.remote: list[PassPart] = list(built.pass_parts)
+        """The placement's pass parts: the workers' executor (its layer calls carry the pass), the shadow's feed."""
         self._pass_parts: list[PassPart] = self._parts(None, None)
         self._observe()
         self.engine = Engine(self.loaded.model, self.loaded.dtype, self.loaded.device, self.config.scheduler,
@@ -362,7 +349,3 @@ class LLM:
 
 def _completion(r: Request) -> Completion:
     return Completion(r.prompt_ids, r.out_ids, r.text.text, r.finish_reason or "length")
-
-
-class PassPart(Protocol):
-    def begin_pass(self, info: PassInfo) -> None: ...

@@ -4,21 +4,20 @@ those experts as forecasts to load ahead. Its int8 copy (int8 experts and dense 
 for, so it reaches a layer before the main rank does, whose workers are still computing earlier layers.
 
 Alignment: the main rank sends each pass's rows (request, start, count) and token ids before its own forward
-(`ShadowFeed`, a pass part), so the shadow feeds the main rank's tokens at the main rank's positions into a KV cache of
-its own. With `--align-period P` > 1 it also runs ahead: after a pass it was told of, it guesses each row's next token
-(its own greedy choice) and computes the passes after it on those guesses, up to P - 1 passes ahead of the main
-rank, sending their routing as forecasts for those later passes (a worker keeps a forecast until the layer call of its
-pass comes). Each pass it is told of realigns it: the main rank's tokens are compared with its guesses, and from the
-first that differs its cache is computed again (a right guess costs nothing more: its tokens are in the cache). A
-request's cache blocks are taken back when the pool needs them for a pass it was told of (the shadow is not told
-when requests finish), oldest pass first, never those of the pass at hand; a request whose blocks were taken is
-computed again from its first token the next time it appears.
+(experts/remote/feed.py `ShadowFeed`, a pass part), so the shadow feeds the main rank's tokens at the main rank's
+positions into a KV cache of its own. With `--align-period P` > 1 it also runs ahead: after a pass it was told of, it
+guesses each row's next token (its own greedy choice) and computes the passes after it on those guesses, up to P - 1
+passes ahead of the main rank, sending their routing as forecasts for those later passes (a worker keeps a forecast
+until the layer call of its pass comes). Each pass it is told of realigns it: the main rank's tokens are compared with
+its guesses, and from the first that differs its cache is computed again (a right guess costs nothing more: its tokens
+are in the cache). A request's cache blocks are taken back when the pool needs them for a pass it was told of (the
+shadow is not told when requests finish), oldest pass first, never those of the pass at hand; a request whose blocks
+were taken is computed again from its first token the next time it appears.
 """
 
 from __future__ import annotations
 
 import datetime
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,38 +28,13 @@ import torch.distributed as dist
 from moepager.config import EngineConfig, ExpertFormat
 from moepager.errors import MoepagerError
 from moepager.experts.remote.placement import Links, Placement, recv_placement
-from moepager.experts.remote.protocol import SHADOW_RANK, STATS, Pass, Place, Stop, receive, send, send_forecasts
+from moepager.experts.remote.protocol import STATS, Pass, Place, Stop, receive, send, send_forecasts
 from moepager.runtime.builder import build
 from moepager.runtime.kv_pool import KVBlockPool
 from moepager.runtime.runner import ModelRunner
 from moepager.runtime.sampling import greedy_picks
 from moepager.runtime.scheduler import Scheduled
-from moepager.types import PassInfo, RoutingDecision
-
-
-class ShadowFeed:
-    """On the main rank: each pass's rows and tokens to the shadow rank before the pass runs (a pass part). A shadow
-    that does not take a pass within twice `timeout_s` (--worker-timeout; its own forecast to a worker that stopped
-    answering may hold it up for one timeout), or is gone, is left behind with one line: the run goes on without its
-    forecasts, which only load ahead."""
-
-    def __init__(self, timeout_s: float):
-        self.timeout = datetime.timedelta(seconds=2 * timeout_s)
-        self.lost = False
-
-    def begin_pass(self, info: PassInfo) -> None:
-        if self.lost:
-            return
-        rows = torch.tensor([[r, s, c, phase == "decode"] for r, s, c, phase in
-                             zip(info.requests, info.starts, info.counts, info.row_phases)])
-        announced = Pass(len(info.requests), len(info.token_ids_N), info.pass_id)
-        try:  # gloo's: host tensors
-            send(announced, [rows, info.token_ids_N.to("cpu", torch.long).contiguous()], SHADOW_RANK, None,
-                 self.timeout)
-        except RuntimeError as e:
-            self.lost = True
-            print(f"shadow rank {SHADOW_RANK} did not take pass {info.pass_id} "
-                  f"({str(e).splitlines()[0].split('] ')[-1][:120]}): going on without its forecasts", file=sys.stderr)
+from moepager.types import RoutingDecision
 
 
 @dataclass
