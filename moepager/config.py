@@ -394,9 +394,9 @@ class EngineConfig:
         check_device(self.device, self.store, self.placement.execution)
 
 
-def check_placement(execution: Execution, store: StoreConfig, workers: int, compile: bool) -> None:
+def check_placement(execution: Execution, store: StoreConfig, workers: int, compiled: bool) -> None:
     """What --execution, --workers and --compile each say of the others and of the store's budgets."""
-    if workers and (store.paged or execution != "gpu" or compile):
+    if workers and (store.paged or execution != "gpu" or compiled):
         raise MoepagerError("--workers holds every routed expert on the worker processes (CPU, gloo): drop "
                             "--expert-memory/--host-memory, --execution and --compile")
     if execution == "hybrid" and store.expert_memory is None:
@@ -406,7 +406,7 @@ def check_placement(execution: Execution, store: StoreConfig, workers: int, comp
     if execution == "cpu-experts" and store.expert_memory is not None:
         raise MoepagerError("--execution cpu-experts keeps every routed expert in host memory, none on the device: "
                             "drop --expert-memory (--host-memory budgets host RAM, the rest read from disk)")
-    if execution in ("hybrid", "cpu-experts") and compile:
+    if execution in ("hybrid", "cpu-experts") and compiled:
         raise MoepagerError(f"--compile traces the CPU's decode step; --execution {execution} places "
                             "experts between devices: use one or the other")
 

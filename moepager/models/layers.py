@@ -8,6 +8,7 @@ position ids are also its cache indices and the causal mask is `s <= p`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -154,6 +155,12 @@ class CausalLM(nn.Module):
 
     def make_cache(self, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
         return [layer.self_attn.make_cache(rows, max_len, dtype, device) for layer in self.model.layers]
+
+    def cache_bytes(self, num_tokens: int, block_size: int, dtype: torch.dtype) -> int:
+        """What a block KV cache of `num_tokens` positions takes (its blocks, one spare: runtime/kv_pool.py), from
+        the layers' cache shapes made on the meta device."""
+        block = sum(t.nbytes for t in self.make_cache(1, block_size, dtype, torch.device("meta")))
+        return (math.ceil(num_tokens / block_size) + 1) * block
 
     def forward(self, ids_BT: torch.Tensor, batch: ForwardBatch, cache: Sequence[torch.Tensor],
                 logits_at_B: torch.Tensor | None = None) -> torch.Tensor:

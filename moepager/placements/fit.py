@@ -16,7 +16,6 @@ Algorithm (CPU; on CUDA the device's free memory takes RAM's place for the devic
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -26,10 +25,17 @@ from moepager.config import EngineConfig
 from moepager.errors import BudgetError
 from moepager.placements.stores import STREAM_ROWS, read_buffer_bytes
 from moepager.store.budget import format_bytes, ram_available
+from moepager.types import RoutingDecision
 
 HEADROOM_SHARE, HEADROOM_MIN = 0.10, 256 << 20
 """Of the memory a run may use, what a fit leaves free: a tenth, and at least 256 MiB (activations of a prefill
 chunk, the allocator's slack, the OS)."""
+
+
+def headroom(available: int) -> int:
+    return max(int(HEADROOM_SHARE * available), HEADROOM_MIN)
+
+
 @dataclass(frozen=True)
 class Fit:
     """What the fit found and chose (bytes)."""
@@ -64,21 +70,22 @@ class Fit:
         """The expert budget a fit gives (None: every expert resident)."""
         return None if self.resident else self.left
 
+    def needs(self) -> str:
+        """The memory and what comes out of it before the experts, for people."""
+        return (f"{format_bytes(self.available)} {self.where} {self.source}, less {format_bytes(self.dense)} of dense "
+                f"weights, {format_bytes(self.kv)} of KV cache and {format_bytes(self.headroom)} of headroom")
+
     def describe(self) -> str:
         """One line: what was chosen and why."""
-        needs = (f"{format_bytes(self.available)} {self.where} {self.source}, less {format_bytes(self.dense)} of "
-                 f"dense weights, {format_bytes(self.kv)} of KV cache and {format_bytes(self.headroom)} of headroom")
         if self.resident:
-            return f"fit: every routed expert resident ({format_bytes(self.experts)}; {needs})"
+            return f"fit: every routed expert resident ({format_bytes(self.experts)}; {self.needs()})"
         return (f"fit: --expert-memory {format_bytes(self.left)} of the experts' {format_bytes(self.experts)}, the "
-                f"rest read from disk on demand ({needs}; --expert-memory sets it)")
+                f"rest read from disk on demand ({self.needs()}; --expert-memory sets it)")
 
     def check(self) -> None:
         if self.left < self.least:
             raise BudgetError(
-                f"this model does not fit here: {format_bytes(self.available)} {self.where} {self.source}, less "
-                f"{format_bytes(self.dense)} of dense weights, {format_bytes(self.kv)} of KV cache and "
-                f"{format_bytes(self.headroom)} of headroom, leaves {format_bytes(max(self.left, 0))} for experts, "
+                f"this model does not fit here: {self.needs()}, leaves {format_bytes(max(self.left, 0))} for experts, "
                 f"below the least a decode step needs ({format_bytes(self.least)}: one MoE layer's top-k, stream rows "
                 "and read buffers); free memory, lower --kv-cache-tokens, or use a smaller --dtype or --expert-dtype")
 
@@ -87,8 +94,7 @@ def kv_cache_bytes(opened: OpenCheckpoint, tokens: int, block_size: int) -> int:
     """The KV cache's bytes at `tokens` positions: its blocks' shapes from the model built on the meta device."""
     with torch.device("meta"):
         model = opened.arch.build(opened.config, _NoExperts())
-    block = sum(t.nbytes for t in model.make_cache(1, block_size, opened.dtype, torch.device("meta")))
-    return (math.ceil(tokens / block_size) + 1) * block
+    return model.cache_bytes(tokens, block_size, opened.dtype)
 
 
 class _NoExperts:
@@ -96,7 +102,7 @@ class _NoExperts:
 
     compute_note = ""
 
-    def run(self, layer: int, x_ND: torch.Tensor, route: object) -> torch.Tensor:
+    def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
         raise AssertionError("a meta model sizes its cache; it never runs")
 
 
@@ -113,8 +119,7 @@ def fit_of(config: EngineConfig, opened: OpenCheckpoint, device_free: int | None
         available, source, where = device_free, "free", "GPU memory"
     else:
         (available, source), where = ram_available(), "RAM"
-    headroom = max(int(HEADROOM_SHARE * available), HEADROOM_MIN)
-    return Fit(where, available, source, dense, kv, headroom, experts, least)
+    return Fit(where, available, source, dense, kv, headroom(available), experts, least)
 
 
 def fits(config: EngineConfig) -> bool:
@@ -129,21 +134,18 @@ def fitted(config: EngineConfig, opened: OpenCheckpoint) -> tuple[EngineConfig, 
     free memory, and a host tier that cannot hold every expert to RAM."""
     if not fits(config):
         return config, ""
-    if opened.device.type != "cuda":
-        fit = fit_of(config, opened)
-        if fit.kv > fit.available - fit.dense:  # the KV cache alone does not fit: its own check refuses it
-            return config, ""                   # with --kv-cache-tokens' message (runtime/kv_pool.py)
-        fit.check()
-        if fit.budget is None:
-            return config, fit.describe()
-        return replace(config, store=replace(config.store, expert_memory=str(fit.budget))), fit.describe()
-    fit = fit_of(config, opened, torch.cuda.mem_get_info(opened.device)[0])
-    if fit.kv > fit.available - fit.dense:
-        return config, ""
+    cuda = opened.device.type == "cuda"
+    fit = fit_of(config, opened, torch.cuda.mem_get_info(opened.device)[0] if cuda else None)
+    if fit.kv > fit.available - fit.dense:  # the KV cache alone does not fit: its own check refuses it with
+        return config, ""                   # --kv-cache-tokens' message (runtime/kv_pool.py)
     fit.check()
     if fit.budget is None:
         return config, fit.describe()
-    host = replace(fit_of(config, opened), dense=0)  # the host tier: every expert, the dense weights on the device
-    store = replace(config.store, expert_memory=str(fit.budget),
-                    host_memory=None if host.resident else str(max(host.left, fit.least)))
-    return replace(config, store=store), fit.describe() + ("" if host.resident else f"; host tier {host.describe()}")
+    store, line = replace(config.store, expert_memory=str(fit.budget)), fit.describe()
+    if cuda:  # the host tier below: every expert in RAM, the dense weights and KV cache on the device
+        ram, source = ram_available()
+        host = replace(fit, where="RAM", available=ram, source=source, dense=0, kv=0, headroom=headroom(ram))
+        if not host.resident:
+            store = replace(store, host_memory=str(max(host.left, fit.least)))
+            line += f"; host tier {host.describe()}"
+    return replace(config, store=store), line

@@ -23,14 +23,14 @@ from moepager.experts.hybrid import ExpertTimes
 from moepager.experts.remote.placement import Links
 from moepager.experts.split import SplitExecutor
 from moepager.placements import resolve
-from moepager.placements.base import BuildContext, expert_times
+from moepager.placements.base import BuildContext, PlacementPlugin, expert_times
 from moepager.placements.fit import fitted
 from moepager.planning.configurator import layer_costs
 from moepager.planning.cost import CostModel
 from moepager.policies import UnknownPolicyError, policy_spec
 from moepager.policies.prefetch import PREFETCH_POLICIES
 from moepager.predictors import PREDICTORS
-from moepager.runtime.batch_policy import NEEDS_PATHS
+from moepager.runtime.batch_policy import needs_paths
 from moepager.runtime.batch_policy.expertflow import PathTracker
 from moepager.runtime.configure import OnlineConfigurator
 from moepager.runtime.prefetch import Prefetcher, build_prefetcher
@@ -94,12 +94,12 @@ def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = 
     config, fit = fitted(config, opened)  # no budget given: the expert cache sized to the memory this run may use
     times, profile = expert_times(config, opened.device, opened.reader.shape.nbytes)
     execution, why = resolve_execution(config, opened.device, times, profile)
-    check_split(config, opened, execution)
+    chosen = resolve(config, execution)
+    check_split(config, opened, execution, chosen)
     if config.store.expert_memory is not None and fit:  # the fit pages experts: said, as a run's statistics say it
         why = "; ".join(x for x in (fit, why) if x)
     if why:
         print(why, file=sys.stderr)
-    chosen = resolve(config, execution)
     with load_bar(opened, show_progress) as bar:
         placed = chosen.build(BuildContext(config, opened, times, profile, links, bar.update))
         executor, store = placed.executor, placed.store
@@ -124,7 +124,7 @@ def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = 
         compile_decode(loaded.model, loaded.experts, loaded.expert_shape, loaded.device)
     cfg = opened.config
     paths = PathTracker(cfg.moe_layers, cfg.num_experts, prefetcher.predictor.forecast if prefetcher else None,
-                        cfg.top_k) if config.scheduler.batch_policy in NEEDS_PATHS else None
+                        cfg.top_k) if needs_paths(config.scheduler) else None
     return Built(loaded, store, prefetcher, online_configurator(config, opened, store, execution, profile), paths,
                  placed.pass_parts)
 
@@ -148,12 +148,12 @@ def online_configurator(config: EngineConfig, opened: OpenCheckpoint, store: Exp
                               config.store.configure_every)
 
 
-def check_split(config: EngineConfig, opened: OpenCheckpoint, execution: Execution) -> None:
+def check_split(config: EngineConfig, opened: OpenCheckpoint, execution: Execution, chosen: PlacementPlugin) -> None:
     """What a split checkpoint (checkpoints/split.py) runs with: a placement that `splits` (resident or paged, a
     predictor's prefetch loading forecast experts' cacheable parts: store/parts.py); the others place whole experts."""
     if opened.split is None:
         return
-    if not resolve(config, execution).splits:
+    if not chosen.splits:
         refused = [name for name, on in (("--workers", config.remote.workers), (f"--execution {execution}",
                                                                           execution != "gpu")) if on]
         raise ConfigError(f"{opened.checkpoint.path} stores its experts in {opened.split.parts} parts (moepager "

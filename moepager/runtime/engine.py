@@ -49,7 +49,7 @@ class Engine:
                  paths: RoutingPaths | None = None):
         """`graphs`: one-row decode passes replay CUDA graphs (the caller checked the model can be captured);
         `paths`: the requests' routing paths, for a batch policy that reads them (runtime/batch_policy/
-        `NEEDS_PATHS`; the caller feeds it passes and routing)."""
+        `needs_paths`; the caller feeds it passes and routing)."""
         self.model, self.config = model, config
         self.pool = KVBlockPool(model, dtype, device, config.kv_cache_tokens, config.block_size)
         self.scheduler = Scheduler(config, self.pool, batch_policy(config, paths))

@@ -55,8 +55,7 @@ def check_fits(model: CausalLM, dtype: torch.dtype, device: torch.device, num_to
     """Refuse, before any allocation, a KV cache of `num_tokens` larger than the memory its device has free (a
     --kv-cache-tokens of 10^12 once ended in a MemoryError traceback). A block's bytes: the layers' cache shapes,
     made on the meta device."""
-    block = sum(t.nbytes for t in model.make_cache(1, block_size, dtype, torch.device("meta")))
-    need = (math.ceil(num_tokens / block_size) + 1) * block
+    need = model.cache_bytes(num_tokens, block_size, dtype)
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:

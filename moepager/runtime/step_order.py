@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moepager.config import SchedulerConfig
-from moepager.runtime.batch_policy import NEEDS_PATHS, batch_policy
+from moepager.runtime.batch_policy import batch_policy, needs_paths
 from moepager.runtime.grouping import path_of
 from moepager.runtime.kv_pool import KVBlocks
 from moepager.runtime.runner import pass_groups
@@ -91,7 +91,7 @@ def engine_steps(work: Workload, config: SchedulerConfig, concurrency: int) -> W
         if prompt == 0:
             raise TraceError(f"request {work.names[r]} has no prompt tokens: cut the trace with a prompt length")
         requests.append(_Request(r, [0] * prompt, int(starts[r + 1] - starts[r]) - prompt + 1, int(starts[r])))
-    paths = _TracePaths(work) if config.batch_policy in NEEDS_PATHS else None
+    paths = _TracePaths(work) if needs_paths(config) else None
     scheduler = Scheduler(config, KVBlocks(config.kv_cache_tokens, config.block_size), batch_policy(config, paths))
     pending = list(reversed(requests))
     inbox = [pending.pop() for _ in range(min(concurrency, len(pending)))]

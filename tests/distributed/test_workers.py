@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from moepager.cli.generate import spawn_ranks
+from moepager.cli.launch import spawn_ranks
 from moepager.config import EngineConfig, RemoteConfig
 from moepager.errors import MoepagerError
 from moepager.experts.remote.placement import Placement

@@ -6,5 +6,5 @@ that hold routed experts and compute them on demand; with --shadow, rank 1 is th
 - placement.py: which worker holds each expert (`Placement`), the ranks' process groups (`Links`);
 - executor.py: the main rank's executor (`RemoteExecutor`), failover;
 - worker.py: a worker rank (`ExpertWorker`).
-The ranks' launch and roles: distributed/roles.py and cli/generate.py `spawn_ranks`.
+The ranks' launch and roles: distributed/roles.py and cli/launch.py `spawn_ranks`.
 """

@@ -6,21 +6,23 @@ FIFO admission and preemption, is the same under every policy). One file each, o
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from moepager.config import BatchPolicy as BatchPolicyName
 from moepager.config import SchedulerConfig
 from moepager.runtime.batch_policy.base import BatchPolicy, RoutingPaths
 from moepager.runtime.batch_policy.expertflow import ExpertFlowPolicy
 from moepager.runtime.batch_policy.fifo import FifoPolicy
 
-BATCH_POLICY_TYPES: dict[BatchPolicyName, Callable[[SchedulerConfig, RoutingPaths | None], BatchPolicy]] = {
+BATCH_POLICY_TYPES: dict[BatchPolicyName, type[FifoPolicy | ExpertFlowPolicy]] = {
     "fifo": FifoPolicy,
     "expertflow": ExpertFlowPolicy,
 }
 """--batch-policy NAME -> its policy, built from the scheduler's configuration and the requests' routing paths."""
-NEEDS_PATHS: frozenset[BatchPolicyName] = frozenset({"expertflow"})
-"""Policies that read the requests' routing paths (the composition root feeds a `PathTracker` to those alone)."""
+
+
+def needs_paths(config: SchedulerConfig) -> bool:
+    """Whether the policy reads the requests' routing paths (the composition root feeds a `PathTracker` to those
+    alone)."""
+    return BATCH_POLICY_TYPES[config.batch_policy].needs_paths
 
 
 def batch_policy(config: SchedulerConfig, paths: RoutingPaths | None = None) -> BatchPolicy:

@@ -28,6 +28,8 @@ class BatchPolicy(Protocol):
     """How many times max_num_seqs requests may run at once (resident in the KV cache)."""
     rests: bool
     """Whether it may rest anyone (False: the scheduler never asks, no call per step)."""
+    needs_paths: bool
+    """Whether it reads the requests' routing paths (`RoutingPaths`)."""
 
     def resting(self, running: Sequence[QueuedRequest]) -> set[int]:
         """The ids of the decoding requests among `running` that sit this step out."""

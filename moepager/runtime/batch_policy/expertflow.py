@@ -36,6 +36,7 @@ WAIT_BOUND = 1
 class ExpertFlowPolicy:
     running_factor = 2
     rests = True
+    needs_paths = True
 
     def __init__(self, config: SchedulerConfig, paths: RoutingPaths | None):
         if paths is None:
@@ -109,7 +110,7 @@ class ExpertFlowPolicy:
 
 class PathTracker:
     """Each running request's latest token's routing over every MoE layer, as a path (a routing observer and a pass
-    part: runtime/llm.py plugs it in when the engine's batch policy reads paths, `NEEDS_PATHS`)."""
+    part: runtime/llm.py plugs it in when the engine's batch policy reads paths, `needs_paths`)."""
 
     def __init__(self, moe_layers: Sequence[int], num_experts: int,
                  forecast: Callable[[int, int], Forecast | None] | None = None, top_k: int = 0):

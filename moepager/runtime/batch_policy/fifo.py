@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from moepager.config import SchedulerConfig
+from moepager.runtime.batch_policy.base import RoutingPaths
 from moepager.runtime.request import QueuedRequest
 
 
 class FifoPolicy:
     running_factor = 1
     rests = False
+    needs_paths = False
 
-    def __init__(self, config: SchedulerConfig, paths: Any = None):
+    def __init__(self, config: SchedulerConfig, paths: RoutingPaths | None = None):
         """(`paths` unread: FIFO knows no routing.)"""
 
     def resting(self, running: Sequence[QueuedRequest]) -> set[int]:
