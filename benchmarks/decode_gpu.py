@@ -30,7 +30,7 @@ import torch
 
 from benchmarks.common import RESULTS, bytes_per_decode_token, ensure_model, machine_state, print_table, write_json
 from benchmarks.decode_cpu import hf_decode, ours_decode
-from moepager.config import EngineConfig
+from moepager.config import EngineConfig, ExpertFormat
 from moepager.planning.calibrate import copy_rate
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
@@ -76,7 +76,7 @@ def moepager_row(path: Path, fmt: str, args: argparse.Namespace, texts: list[lis
     t0 = time.perf_counter()
     experts = fmt.removesuffix("-eager")
     llm = LLM(show_progress=False, config=EngineConfig(
-        model=str(path), device=args.device, expert_dtype=None if experts == "bf16" else experts,
+        model=str(path), device=args.device, experts=ExpertFormat(dtype=None if experts == "bf16" else experts),
         cuda_graphs=not fmt.endswith("-eager")))
     active = bytes_per_decode_token(llm)
     row = {"engine": "moepager", "experts": fmt, "active_MB": active / 1e6, "load_s": time.perf_counter() - t0,

@@ -37,7 +37,7 @@ from benchmarks.common import (
     record_demo_trace,
     write_json,
 )
-from moepager.config import EngineConfig, StoreConfig
+from moepager.config import EngineConfig, PlacementConfig, StoreConfig
 from moepager.planning.cost import CostModel
 from moepager.runtime.llm import LLM
 from moepager.runtime.replay import ReplaySpec
@@ -97,7 +97,7 @@ def measured_cuda(args: argparse.Namespace) -> list[dict]:
 def engine(path: Path | None, args: argparse.Namespace, mode: str) -> EngineConfig:
     store = StoreConfig() if mode == "cpu-experts" else StoreConfig(expert_memory=args.budget)
     return EngineConfig(model=None if path is None else str(path), device=args.device, threads=args.threads,
-                        store=store, **MODES[mode])
+                        store=store, placement=PlacementConfig(**MODES[mode]))
 
 
 def measured_cpu(args: argparse.Namespace) -> list[dict]:

@@ -88,17 +88,18 @@ def test_quantized_experts_replay_a_cuda_graph_and_decode_the_eager_step_s_first
                                                                                         expert_dtype):
     """Quantized layers gather their rows on the device inside a graph (`indexed_rows`; int4 as plain nibbles,
     dequantised at once), so int8 and int4 runs are graphed too."""
-    from moepager.config import EngineConfig
+    from moepager.config import EngineConfig, ExpertFormat
 
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     graphed = LLM(show_progress=False, config=EngineConfig(model=str(bf16_checkpoint), device="cuda",
-                                                          expert_dtype=expert_dtype))
+                                                          experts=ExpertFormat(dtype=expert_dtype)))
     graphs = graphed.engine.runner.graphs
     assert graphs is not None and graphs.enabled
     got = graphed.generate(["The history of"], params)[0].token_ids
     assert graphs.replays == 23 and graphed.last_stats.graph_replays == 23
     eager = LLM(show_progress=False, config=EngineConfig(model=str(bf16_checkpoint), device="cuda",
-                                                        expert_dtype=expert_dtype, cuda_graphs=False))
+                                                        experts=ExpertFormat(dtype=expert_dtype),
+                                                        cuda_graphs=False))
     assert eager.generate(["The history of"], params)[0].token_ids[:8] == got[:8]
 
 
