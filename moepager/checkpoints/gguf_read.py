@@ -1,5 +1,8 @@
 """GGUF in: `--model FILE.gguf` loads a GGUF file of the architectures export-gguf writes (checkpoints/gguf_write.py),
-converted once into a cached checkpoint directory, then loaded and paged like any other.
+converted once into a cached checkpoint directory, then loaded and paged like any other. Float experts
+(BF16/F16/F32 stacks) are not copied: the conversion holds the dense tensors and the tokenizer, and points at each
+expert's row of the GGUF stacks (checkpoints/safetensors.py EXTERNAL), which the expert store reads in place (O_DIRECT,
+no page cache) as it reads a safetensors shard. A model too large for the disk twice runs from its one GGUF file.
 
 Reading: BF16/F16/F32 tensors are taken as they are; Q4_0 experts become moepager int4 experts (groups of 32,
 symmetric) without any rounding; Q8_0 experts become moepager int8 experts (one scale per output channel,
@@ -42,7 +45,7 @@ from moepager.checkpoints.gguf_write import (
     unpermute,
 )
 from moepager.checkpoints.quantized import quantization_config
-from moepager.checkpoints.safetensors import write_shards
+from moepager.checkpoints.safetensors import EXTERNAL, write_external, write_shards
 from moepager.checkpoints.synth import tensor_specs
 from moepager.errors import CheckpointError
 from moepager.experts.quant import QuantFormat, QuantizedProjection, projection_tensors, quantize_int8
@@ -90,8 +93,9 @@ def gguf_checkpoint(path: Path, show_progress: bool = True) -> Path:
         (tmp / SOURCE).write_text(json.dumps(source))
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     note = f"; removed {freed[0]} stale conversion(s), {freed[1] / 2**30:.2f} GiB" if freed[0] else ""
-    print(f"converted {path.name} once into {out} ({size / 2**30:.2f} GiB; MOEPAGER_CACHE moves the cache{note})",
-          file=sys.stderr)
+    in_place = " (its float experts are read from the GGUF file in place)" if (out / EXTERNAL).exists() else ""
+    print(f"converted {path.name} once into {out} ({size / 2**30:.2f} GiB{in_place}; MOEPAGER_CACHE moves the cache"
+          f"{note})", file=sys.stderr)
     return out
 
 
@@ -254,9 +258,12 @@ def _convert_gguf(path: Path, out: Path, show_progress: bool) -> None:
     entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     produce: dict[str, Callable[[], torch.Tensor]] = {}
     _dense_entries(tensors, arch, config, cfg, entries, produce)
-    fmt = _expert_entries(tensors, cfg, entries, produce)
+    in_place: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
+    fmt = _expert_entries(tensors, cfg, entries, produce, in_place)
     write_shards(out, entries, lambda name: produce[name](), desc=f"converting {path.name}",
                  show_progress=show_progress, leave=False)
+    if in_place:
+        write_external(out, path, in_place)
     _tokenizer_from_gguf(reader, out)
     config["dtype"] = str(tensors.float_dtype).removeprefix("torch.")
     if fmt is not None:
@@ -343,9 +350,11 @@ def _kv_b_entry(tensors: GGUFTensors, kv_b_name: str, config: dict[str, Any],
 
 
 def _expert_entries(tensors: GGUFTensors, cfg: ModelConfig, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                    produce: dict[str, Callable[[], torch.Tensor]]) -> QuantFormat | None:
+                    produce: dict[str, Callable[[], torch.Tensor]],
+                    in_place: dict[str, tuple[int, torch.dtype, tuple[int, ...]]]) -> QuantFormat | None:
     """Every routed expert's tensors under the architecture's per-expert names; returns the quantized format
-    they take (all Q4_0: int4; all Q8_0: int8; otherwise float)."""
+    they take (all Q4_0: int4; all Q8_0: int8; otherwise float). A float stack's experts go to `in_place` (name ->
+    offset in the GGUF file, dtype, shape) instead of `entries`: its row e is expert e's matrix, as stored."""
     kinds = {tensors.kind(n) for layer in cfg.moe_layers for n in expert_names(layer)}
     fmt = QuantFormat(4, BLOCK) if kinds == {"Q4_0"} else QuantFormat(8) if kinds == {"Q8_0"} else None
     d, f, count = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts
@@ -366,8 +375,16 @@ def _expert_entries(tensors: GGUFTensors, cfg: ModelConfig, entries: list[tuple[
                                            ((f, d), (f, d), (d, f))):
             for e in range(count):
                 name = template.format(layer=layer, expert=e)
+                kind = tensors.kind(gname)
+                if kind in FLOAT_TYPES:
+                    meta, dtype = tensors.meta[gname], FLOAT_TYPES[kind]
+                    if int(meta.n_elements) != count * n * k:
+                        raise CheckpointError(f"{tensors.path}: tensor '{gname}' has {int(meta.n_elements)} elements, "
+                                              f"the config implies {[count, n, k]}")
+                    in_place[name] = (int(meta.data_offset) + e * n * k * dtype.itemsize, dtype, (n, k))
+                    continue
                 if fmt is None:
-                    entries.append((name, FLOAT_TYPES.get(tensors.kind(gname), tensors.float_dtype), (n, k)))
+                    entries.append((name, tensors.float_dtype, (n, k)))
                     produce[name] = (lambda gname=gname, e=e, n=n, k=k:
                                      tensors.floats(gname, (count, n, k))[e].contiguous())
                     continue

@@ -33,14 +33,17 @@ Reading GGUF files back: checkpoints/gguf_read.py.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from moepager.atomic_io import atomic_file, check_file
 from moepager.checkpoints.derived import split_parts
@@ -206,46 +209,154 @@ def _pre_type(pre: dict[str, Any]) -> str:
                       f"pre-tokenizer is {json.dumps(pre)[:200]}")
 
 
+@dataclass(frozen=True)
+class ExportSource:
+    """What an export reads a model from: its config, the folder of its tokenizer files, its tensors other than the
+    routed experts (HF name -> dtype and shape, in the order they are written) with a reader for one, a reader for one
+    routed expert ((gate rows then up rows [2F, D], down [D, F])) and the experts' dtype. A checkpoint directory is one
+    (`checkpoint_source`); make-model's seeded generator is another (checkpoints/synth.py), so a random model of a
+    real geometry is written as GGUF without a checkpoint of its size on disk first."""
+
+    name: str
+    config: dict[str, Any]
+    directory: Path
+    dense: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    tensor: Callable[[str], torch.Tensor]
+    expert: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+    expert_dtype: torch.dtype
+
+
+def checkpoint_source(checkpoint: Checkpoint) -> ExportSource:
+    """A checkpoint directory as an export's source (its config checked exportable first)."""
+    cfg = _exportable(checkpoint.config, checkpoint.path)
+    dtype = checkpoint_dtype(checkpoint)
+    shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, dtype)
+    reader = ExpertReader(checkpoint, architecture_for(checkpoint.config).expert_naming, shape, cfg.moe_layers[0],
+                          "off")
+    scratch = ExpertWeights.empty(shape)
+
+    def tensor(name: str) -> torch.Tensor:
+        loc = checkpoint.location(name)
+        t = torch.empty(loc.shape, dtype=loc.dtype)
+        checkpoint.read_exact_into(name, t)
+        return t
+
+    def expert(layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        reader.read((layer, e), scratch.buffer)
+        return scratch.gate_up_2FD, scratch.down_DF
+
+    dense = {n: (loc.dtype, loc.shape) for n, loc in checkpoint.locations.items() if not is_routed_expert(n)}
+    return ExportSource(checkpoint.path.name, checkpoint.config, checkpoint.path, dense, tensor, expert, dtype)
+
+
 def export_gguf(model: str | os.PathLike[str], out: str | os.PathLike[str], type_: str = "bf16",
                 show_progress: bool = True, dense_type: str | None = None, force: bool = False) -> Path:
     """Write checkpoint `model` as a GGUF file of `type_` (bf16, f16, q8_0, q4_0) to `out` (atomically; an existing
     file only with `force`); `dense_type` q8_0 quantizes the dense projections too."""
+    check_types(type_, dense_type)
+    out_path = check_file(out, "--out", replace=force, inputs={"--model": model})
+    assert out_path is not None
+    checkpoint = Checkpoint(model)
+    try:
+        write_gguf(checkpoint_source(checkpoint), out_path, type_, dense_type, show_progress)
+    finally:
+        checkpoint.files.close()
+    return out_path
+
+
+def check_types(type_: str, dense_type: str | None) -> None:
     if type_ not in EXPORT_TYPES:
         raise ConfigError(f"unknown --type '{type_}'; choose from {', '.join(EXPORT_TYPES)}")
     if dense_type is not None and dense_type not in DENSE_EXPORT_TYPES:
         raise ConfigError(f"unknown --dense-type '{dense_type}'; choose from {', '.join(DENSE_EXPORT_TYPES)}")
-    out_path = check_file(out, "--out", replace=force, inputs={"--model": model})
-    assert out_path is not None
-    checkpoint = Checkpoint(model)
-    cfg = _exportable(checkpoint)
-    dtype = checkpoint_dtype(checkpoint)
-    float_type = {"f16": torch.float16, "bf16": torch.bfloat16}.get(type_, dtype)
-    float_type = torch.bfloat16 if float_type == torch.float32 else float_type
+
+
+def gguf_bytes(source: ExportSource, type_: str = "bf16", dense_type: str | None = None) -> int:
+    """The tensor bytes a GGUF file of `source` takes (what `write_gguf` will write, less metadata and padding)."""
+    return sum(t.nbytes for t in _plan(source, type_, dense_type))
+
+
+def write_gguf(source: ExportSource, out_path: Path, type_: str = "bf16", dense_type: str | None = None,
+               show_progress: bool = True) -> None:
+    """Write `source` to `out_path` (atomically), one tensor at a time: the tensors are planned from their shapes
+    first, so the file's header is written before any tensor is read and no more than one MoE layer's experts are
+    ever held in memory (a model larger than RAM exports; writing all tensors at the end, as before 2026-12-02,
+    held the whole model)."""
+    check_types(type_, dense_type)
+    cfg = _exportable(source.config, source.directory)
     name = GGUF_ARCHS[cfg.architecture]
+    plan = _plan(source, type_, dense_type)
     with atomic_file(out_path) as tmp:
         writer = gguf.GGUFWriter(tmp, name)
-        _write_metadata(writer, name, cfg, checkpoint, type_)
-        _add_dense(writer, name, cfg, checkpoint, float_type, dense_type == "q8_0")
-        _add_experts(writer, cfg, checkpoint, ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, dtype),
-                     type_, float_type)
+        _write_metadata(writer, name, cfg, source, type_)
+        for t in plan:
+            writer.add_tensor_info(t.gname, t.shape, t.np_dtype, t.nbytes, raw_dtype=t.raw_dtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file(progress=show_progress)
+        writer.write_ti_data_to_file()
+        with tqdm(total=sum(t.nbytes for t in plan), unit="B", unit_scale=True, desc=f"writing {out_path.name}",
+                  disable=not show_progress, leave=False) as bar:
+            for t in plan:
+                data = t.make()
+                if data.nbytes != t.nbytes:
+                    raise ConfigError(f"export-gguf: tensor '{t.gname}' has {data.nbytes} bytes, planned {t.nbytes}")
+                writer.write_tensor_data(data)
+                bar.update(t.nbytes)
         writer.close()
-    checkpoint.files.close()
-    return out_path
 
 
-def _exportable(checkpoint: Checkpoint) -> ModelConfig:
-    """The checkpoint's parsed config, or the reason llama.cpp's architectures cannot take it."""
-    config = checkpoint.config
+@dataclass(frozen=True)
+class _Planned:
+    """One GGUF tensor before it is read: its name, numpy shape and dtype, bytes, ggml type, and how to make it."""
+
+    gname: str
+    shape: tuple[int, ...]
+    np_dtype: np.dtype
+    nbytes: int
+    raw_dtype: Any
+    make: Callable[[], np.ndarray]
+
+
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
+"""Bytes of one ggml block of BLOCK elements."""
+
+
+def _planned(gname: str, shape: tuple[int, ...], kind: torch.dtype | str, make: Callable[[], torch.Tensor]
+             ) -> _Planned:
+    """A tensor of `shape` written as `kind`: a float dtype (bf16 as ggml BF16) or q8_0 / q4_0 blocks."""
+    if isinstance(kind, str):
+        byte_shape = (*shape[:-1], shape[-1] // BLOCK * BLOCK_BYTES[kind])
+        blocks = q8_0_blocks if kind == "q8_0" else q4_0_blocks
+        qtype = gguf.GGMLQuantizationType.Q8_0 if kind == "q8_0" else gguf.GGMLQuantizationType.Q4_0
+        return _Planned(gname, byte_shape, np.dtype(np.uint8), math.prod(byte_shape), qtype,
+                        lambda: blocks(make().reshape(-1, shape[-1])).reshape(byte_shape).numpy())
+    numel = math.prod(shape)
+    if kind == torch.bfloat16:
+        return _Planned(gname, shape, np.dtype(np.uint16), 2 * numel, gguf.GGMLQuantizationType.BF16,
+                        lambda: make().to(kind).contiguous().view(torch.int16).numpy().view(np.uint16))
+    np_dtype = np.dtype(np.float16 if kind == torch.float16 else np.float32)
+    return _Planned(gname, shape, np_dtype, np_dtype.itemsize * numel, None,
+                    lambda: make().to(kind).contiguous().numpy())
+
+
+def _plan(source: ExportSource, type_: str, dense_type: str | None) -> list[_Planned]:
+    cfg = architecture_for(source.config).parse_config(source.config)
+    float_type = {"f16": torch.float16, "bf16": torch.bfloat16}.get(type_, source.expert_dtype)
+    float_type = torch.bfloat16 if float_type == torch.float32 else float_type
+    name = GGUF_ARCHS[cfg.architecture]
+    return _plan_dense(source, name, cfg, float_type, dense_type == "q8_0") + _plan_experts(source, cfg, type_,
+                                                                                              float_type)
+
+
+def _exportable(config: dict[str, Any], path: Path) -> ModelConfig:
+    """The model's parsed config, or the reason llama.cpp's architectures cannot take it."""
     hf_arch = config.get("architectures", ["?"])[0]
     if hf_arch not in GGUF_ARCHS:
         raise ConfigError(f"export-gguf supports {', '.join(sorted(GGUF_ARCHS))}, not {hf_arch}")
     if stored_format(config) is not None:
-        raise ConfigError(f"{checkpoint.path} is a moepager-quantized checkpoint; export its float original")
+        raise ConfigError(f"{path} is a moepager-quantized checkpoint; export its float original")
     if split_parts(config) != 1:
-        raise ConfigError(f"{checkpoint.path} stores its experts in parts (moepager split); export its original")
+        raise ConfigError(f"{path} stores its experts in parts (moepager split); export its original")
     cfg = architecture_for(config).parse_config(config)
     deepseek2 = GGUF_ARCHS[hf_arch] == "deepseek2"
     first_moe = cfg.moe_layers[0] if deepseek2 else 0
@@ -282,9 +393,9 @@ def _deepseek2_exportable(config: dict[str, Any], cfg: ModelConfig) -> None:
                           f"scaling; this model's rotary scaling is {s}")
 
 
-def _write_metadata(writer: Any, name: str, cfg: ModelConfig, checkpoint: Checkpoint, type_: str) -> None:
-    config = checkpoint.config
-    writer.add_name(checkpoint.path.name)
+def _write_metadata(writer: Any, name: str, cfg: ModelConfig, source: ExportSource, type_: str) -> None:
+    config = source.config
+    writer.add_name(source.name)
     writer.add_block_count(cfg.num_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -311,7 +422,7 @@ def _write_metadata(writer: Any, name: str, cfg: ModelConfig, checkpoint: Checkp
     writer.add_file_type({"bf16": gguf.LlamaFileType.MOSTLY_BF16, "f16": gguf.LlamaFileType.MOSTLY_F16,
                           "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[type_])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    _tokenizer_metadata(writer, checkpoint.path, config)
+    _tokenizer_metadata(writer, source.directory, config)
 
 
 def _deepseek2_metadata(writer: Any, cfg: ModelConfig, config: dict[str, Any]) -> None:
@@ -347,34 +458,46 @@ def _deepseek2_metadata(writer: Any, cfg: ModelConfig, config: dict[str, Any]) -
         writer.add_rope_scaling_yarn_log_mul(0.1 * float(s["mscale_all_dim"]))  # llama.cpp divides by 0.1 again
 
 
-def _add_dense(writer: Any, name: str, cfg: ModelConfig, checkpoint: Checkpoint, float_type: torch.dtype,
-               q8_0: bool = False) -> None:
+def _plan_dense(source: ExportSource, name: str, cfg: ModelConfig, float_type: torch.dtype, q8_0: bool = False
+                ) -> list[_Planned]:
     """Every tensor but the routed experts, under its GGUF name (norms and routers in F32; with `q8_0` the dense
-    projections in Q8_0, a tied LM head as its own output.weight)."""
+    projections in Q8_0, a tied LM head as its own output.weight). Each is planned from a meta tensor of its shape
+    put through the same permutation and split the write does."""
     mapped = name_map(name, cfg.num_layers)
-    for hf_name, loc in checkpoint.locations.items():
-        if is_routed_expert(hf_name):
-            continue
-        t = torch.empty(loc.shape, dtype=loc.dtype)
-        checkpoint.read_exact_into(hf_name, t)
+    last: list[Any] = [None, None]  # the HF tensor whose parts were made last (a split kv_b's two come in turn)
+
+    def parts(hf_name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         if name == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             t = _permute(t, cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads)
-        parts = [(hf_name, t)]
         if name == "deepseek2" and hf_name.endswith("kv_b_proj.weight"):
-            parts = list(zip((hf_name.replace("kv_b_proj", "k_b_proj"), hf_name.replace("kv_b_proj", "v_b_proj")),
-                             _split_kv_b(t, cfg.raw)))
-        for part_name, part in parts:
+            return list(zip((hf_name.replace("kv_b_proj", "k_b_proj"), hf_name.replace("kv_b_proj", "v_b_proj")),
+                            _split_kv_b(t, cfg.raw)))
+        return [(hf_name, t)]
+
+    def part(hf_name: str, i: int) -> torch.Tensor:
+        if last[0] != hf_name:
+            last[:] = hf_name, parts(hf_name, source.tensor(hf_name))
+        return last[1][i][1]
+
+    out = []
+    for hf_name, (dtype, shape) in source.dense.items():
+        for i, (part_name, meta) in enumerate(parts(hf_name, torch.empty(shape, dtype=dtype, device="meta"))):
             gname = mapped(part_name)
             if gname is None:
                 raise ConfigError(f"tensor '{hf_name}' has no GGUF name for {name}")
-            blocks = q8_0 and part.shape[-1] % BLOCK == 0
+            shp = tuple(meta.shape)
+
+            def make(hf_name: str = hf_name, i: int = i) -> torch.Tensor:
+                return part(hf_name, i)
+            blocks = q8_0 and shp[-1] % BLOCK == 0
             if blocks and cfg.tie_word_embeddings and gname == "token_embd.weight":  # the tied head, from this read
-                writer.add_tensor("output.weight", q8_0_blocks(part).numpy(), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+                out.append(_planned("output.weight", shp, "q8_0", make))
             if blocks and (gname == "output.weight" or gname.endswith(Q8_0_DENSE)):
-                writer.add_tensor(gname, q8_0_blocks(part).numpy(), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+                out.append(_planned(gname, shp, "q8_0", make))
                 continue
-            _add(writer, gname, part,
-                 torch.float32 if part.dim() <= 1 or gname.endswith(F32_TENSORS) else float_type)
+            out.append(_planned(gname, shp, torch.float32 if len(shp) <= 1 or gname.endswith(F32_TENSORS)
+                                else float_type, make))
+    return out
 
 
 def _split_kv_b(w: torch.Tensor, raw: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -390,32 +513,25 @@ def join_kv_b(k_b_HRN: torch.Tensor, v_b_HVR: torch.Tensor) -> torch.Tensor:
     return torch.cat((k_b_HRN.transpose(1, 2), v_b_HVR), dim=1).reshape(-1, v_b_HVR.shape[-1])
 
 
-def _add_experts(writer: Any, cfg: ModelConfig, checkpoint: Checkpoint, shape: ExpertShape, type_: str,
-                 float_type: torch.dtype) -> None:
-    """Each MoE layer's experts as three stacked tensors, in `float_type` or quantized to Q8_0/Q4_0."""
-    naming = architecture_for(checkpoint.config).expert_naming
-    reader = ExpertReader(checkpoint, naming, shape, cfg.moe_layers[0], "off")
+def _plan_experts(source: ExportSource, cfg: ModelConfig, type_: str, float_type: torch.dtype) -> list[_Planned]:
+    """Each MoE layer's experts as three stacked tensors, in `float_type` or quantized to Q8_0/Q4_0; a layer's three
+    stacks are read together, once, when its first is written."""
     d, f, e_count = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts
-    scratch = ExpertWeights.empty(shape)
-    for layer in cfg.moe_layers:
-        gate = torch.empty(e_count, f, d, dtype=shape.dtype)
-        up = torch.empty(e_count, f, d, dtype=shape.dtype)
-        down = torch.empty(e_count, d, f, dtype=shape.dtype)
-        for e in range(e_count):
-            reader.read((layer, e), scratch.buffer)
-            gate[e], up[e], down[e] = scratch.gate_up_2FD[:f], scratch.gate_up_2FD[f:], scratch.down_DF
-        for gname, t in zip(expert_names(layer), (gate, up, down)):
-            if type_ in ("q8_0", "q4_0"):
-                blocks = (q8_0_blocks if type_ == "q8_0" else q4_0_blocks)(t.reshape(-1, t.shape[-1]))
-                qtype = gguf.GGMLQuantizationType.Q8_0 if type_ == "q8_0" else gguf.GGMLQuantizationType.Q4_0
-                writer.add_tensor(gname, blocks.reshape(*t.shape[:-1], -1).numpy(), raw_dtype=qtype)
-            else:
-                _add(writer, gname, t, float_type)
+    held: dict[int, tuple[torch.Tensor, ...]] = {}
 
+    def stacks(layer: int) -> tuple[torch.Tensor, ...]:
+        if layer not in held:
+            held.clear()
+            gate = torch.empty(e_count, f, d, dtype=source.expert_dtype)
+            up, down = torch.empty_like(gate), torch.empty(e_count, d, f, dtype=source.expert_dtype)
+            for e in range(e_count):
+                gate_up, down[e] = source.expert(layer, e)
+                gate[e], up[e] = gate_up[:f], gate_up[f:]
+            held[layer] = gate, up, down
+        return held[layer]
 
-def _add(writer: Any, name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
-    t = t.to(dtype).contiguous()
-    if dtype == torch.bfloat16:
-        writer.add_tensor(name, t.view(torch.int16).numpy().view(np.uint16), raw_dtype=gguf.GGMLQuantizationType.BF16)
-    else:
-        writer.add_tensor(name, t.numpy())
+    kind: torch.dtype | str = type_ if type_ in BLOCK_BYTES else float_type
+    return [_planned(gname, shape, kind, lambda layer=layer, i=i: stacks(layer)[i])
+            for layer in cfg.moe_layers
+            for i, (gname, shape) in enumerate(zip(expert_names(layer), ((e_count, f, d), (e_count, f, d),
+                                                                        (e_count, d, f))))]

@@ -35,6 +35,10 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 SAFETENSORS_NAMES: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+EXTERNAL = "moepager-external.json"
+"""A checkpoint's tensors that live in another file, at byte offsets: {"file", "size", "mtime_ns", "tensors": {name:
+{"offset", "dtype" (a safetensors dtype name), "shape"}}}. A GGUF conversion reads its float experts in place so
+(checkpoints/gguf_read.py): the stacks are already one contiguous row per expert."""
 
 
 @dataclass(frozen=True)
@@ -138,7 +142,30 @@ class Checkpoint:
             missing = [t for t in weight_map if t not in locations]
             if missing:
                 raise CheckpointError(f"tensor '{missing[0]}' is listed in the index but absent from its shard")
-        return locations
+        return locations | self._external()
+
+    def _external(self) -> dict[str, TensorLocation]:
+        """The tensors EXTERNAL places in another file, checked against that file as it was when written."""
+        spec = self._read_json(EXTERNAL)
+        if not spec:
+            return {}
+        file = Path(spec["file"])
+        try:
+            st = file.stat()
+        except OSError as e:
+            raise CheckpointError(f"{self.path} reads tensors from {file}, which cannot be read: "
+                                  f"{e.strerror or e}") from None
+        if (st.st_size, st.st_mtime_ns) != (spec["size"], spec["mtime_ns"]):
+            raise CheckpointError(f"{self.path} reads tensors from {file}, which has changed since "
+                                  f"({spec['size']} -> {st.st_size} bytes); convert it again")
+        out = {}
+        for name, t in spec["tensors"].items():
+            dtype, shape = SAFETENSORS_DTYPES[t["dtype"]], tuple(t["shape"])
+            nbytes = dtype.itemsize * math.prod(shape)
+            if t["offset"] + nbytes > st.st_size:
+                raise CheckpointError(f"{file}: tensor '{name}' ends past the file's {st.st_size} bytes")
+            out[name] = TensorLocation(file, t["offset"], nbytes, dtype, shape)
+        return out
 
     def has(self, name: str) -> bool:
         return name in self.locations
@@ -178,6 +205,15 @@ def load_module_weights(module: torch.nn.Module, checkpoint: Checkpoint, disk_na
             checkpoint.read_exact_into(disk_name(name), tensor.data)
             if progress is not None:
                 progress(tensor.numel() * tensor.element_size())
+
+
+def write_external(out_dir: Path, file: Path, tensors: dict[str, tuple[int, torch.dtype, tuple[int, ...]]]) -> None:
+    """Record in `out_dir` that `tensors` (name -> offset, dtype, shape) are read from `file` in place (EXTERNAL)."""
+    st = file.stat()
+    spec = {"file": str(file.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "tensors": {n: {"offset": off, "dtype": SAFETENSORS_NAMES[dt], "shape": list(shape)}
+                        for n, (off, dt, shape) in tensors.items()}}
+    (out_dir / EXTERNAL).write_text(json.dumps(spec))
 
 
 def write_safetensors(path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],

@@ -5,6 +5,10 @@ its size in RAM. Names and shapes come from our own model code (built on the met
 architecture's per-expert naming, so what we write is exactly what we (and transformers) load. The tokenizer
 is a byte-level BPE trained on a small built-in text and extended with synthetic merges up to the
 configured vocabulary, so every token id decodes to text.
+
+An `--out` ending in .gguf is written as a GGUF file instead (bf16 or f16, as llama.cpp and `moepager --model
+FILE.gguf` read it): the same tensors, drawn in the same order, go straight to checkpoints/gguf_write.py, so a model
+bigger than the disk could hold twice (a checkpoint and its export) is made once, for both engines.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from importlib import resources
@@ -20,8 +25,10 @@ from typing import Any
 
 import torch
 
-from moepager.atomic_io import atomic_dir, check_dir, check_space
+from moepager.atomic_io import atomic_dir, check_dir, check_file, check_space
 from moepager.checkpoints.dtypes import DTYPES
+from moepager.checkpoints.expert_reader import is_routed_expert
+from moepager.checkpoints.gguf_write import ExportSource, gguf_bytes, write_gguf
 from moepager.checkpoints.safetensors import write_shards
 from moepager.checkpoints.synth_presets import PRESETS, preset_config
 from moepager.errors import MoepagerError
@@ -129,6 +136,8 @@ def make_model(out: str | os.PathLike[str], preset: str, arch: str | None = None
         raise MoepagerError(f"unknown dtype '{dtype}'; choose from {', '.join(DTYPES)}")
     if not 0 <= seed < MAX_SEED:
         raise MoepagerError(f"--seed must be an integer in [0, {MAX_SEED}), got {seed}")
+    if Path(out).suffix.lower() == ".gguf":
+        return _make_gguf(Path(out), preset, config, DTYPES[dtype], seed, show_progress, force)
     out_dir = check_dir(out, "--out", force)
     check_space(out_dir.parent, checkpoint_bytes(config, DTYPES[dtype]), "make-model --out")
     with atomic_dir(out_dir, force) as tmp:
@@ -136,8 +145,40 @@ def make_model(out: str | os.PathLike[str], preset: str, arch: str | None = None
     return out_dir
 
 
-def _write_checkpoint(out_dir: Path, config: dict[str, Any], torch_dtype: torch.dtype, seed: int, shard_bytes: int,
-                      desc: str, show_progress: bool) -> None:
+GGUF_TYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+def _make_gguf(out: Path, preset: str, config: dict[str, Any], torch_dtype: torch.dtype, seed: int,
+               show_progress: bool, force: bool) -> Path:
+    """`make_model` to a GGUF file: the checkpoint's tensors, drawn as `_write_checkpoint` draws them, written
+    through gguf_write's streaming writer (its tokenizer files made in a temporary folder the writer reads)."""
+    if torch_dtype not in GGUF_TYPES:
+        raise MoepagerError("make-model writes a GGUF file in bfloat16 or float16; --dtype float32 needs a checkpoint "
+                            "directory")
+    out_path = check_file(out, "--out", replace=force)
+    assert out_path is not None
+    with tempfile.TemporaryDirectory(prefix="moepager-make-") as folder:
+        entries, produce = _tensors(Path(folder), config, torch_dtype, seed)
+        with ThreadPoolExecutor(max(1, min(GENERATORS, os.cpu_count() or 1))) as pool:
+            make = produce(pool)
+            naming = ARCHITECTURES[config["architectures"][0]].expert_naming
+
+            def expert(layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+                gate, up = (make(t.format(layer=layer, expert=e)) for t in (naming.gate, naming.up))
+                return torch.cat((gate, up)), make(naming.down.format(layer=layer, expert=e))
+            source = ExportSource(preset, config, Path(folder), {n: (dt, shape) for n, dt, shape in entries
+                                                                 if not is_routed_expert(n)}, make, expert,
+                                  torch_dtype)
+            check_space(out_path.parent, gguf_bytes(source, GGUF_TYPES[torch_dtype]), "make-model --out")
+            write_gguf(source, out_path, GGUF_TYPES[torch_dtype], show_progress=show_progress)
+    return out_path
+
+
+def _tensors(out_dir: Path, config: dict[str, Any], torch_dtype: torch.dtype, seed: int
+             ) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...]]],
+                        Callable[[ThreadPoolExecutor], Callable[[str], torch.Tensor]]]:
+    """The tokenizer written to `out_dir`, `config` completed, and the checkpoint's entries with the maker of their
+    tensors on a pool (asked for in the entries' order: checkpoints/safetensors.py's writer and gguf_write's alike)."""
     config["eos_token_id"] = write_tokenizer(out_dir, config["vocab_size"])
     config["dtype"] = str(torch_dtype).removeprefix("torch.")
     entries = [(name, torch.float32 if "correction_bias" in name else torch_dtype, shape)
@@ -150,9 +191,14 @@ def _write_checkpoint(out_dir: Path, config: dict[str, Any], torch_dtype: torch.
         return _random_tensor(name, shape, dt, torch.Generator().manual_seed(seed * TENSOR_SEEDS + i + 1)
                               if large[i] else gen)
     threads = max(1, min(GENERATORS, os.cpu_count() or 1))
-    with ThreadPoolExecutor(threads) as pool:
-        write_shards(out_dir, entries, _ahead(pool, threads, [name for name, _, _ in entries], large, make),
-                     shard_bytes, desc, show_progress)
+    return entries, lambda pool: _ahead(pool, threads, [name for name, _, _ in entries], large, make)
+
+
+def _write_checkpoint(out_dir: Path, config: dict[str, Any], torch_dtype: torch.dtype, seed: int, shard_bytes: int,
+                      desc: str, show_progress: bool) -> None:
+    entries, produce = _tensors(out_dir, config, torch_dtype, seed)
+    with ThreadPoolExecutor(max(1, min(GENERATORS, os.cpu_count() or 1))) as pool:
+        write_shards(out_dir, entries, produce(pool), shard_bytes, desc, show_progress)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
 
 

@@ -95,6 +95,40 @@ def test_a_bf16_export_loads_back_into_the_same_model(tiny, tmp_path, arch):
         original.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
+
+def test_float_experts_are_read_from_the_gguf_file_in_place_and_page_from_it(tiny, tmp_path):
+    """A bf16 file's conversion holds no expert: each points at its row of the GGUF stacks, and a paged run reads
+    them from there (O_DIRECT) with the resident run's tokens; a file changed under a conversion is refused."""
+    from moepager.checkpoints.safetensors import EXTERNAL, Checkpoint
+    from moepager.config import StoreConfig
+    from moepager.errors import CheckpointError
+
+    path = tiny("qwen3_moe")
+    out = export_gguf(path, tmp_path / "m.gguf", show_progress=False)
+    converted = resolve_model_path(out)
+    ckpt = Checkpoint(converted)
+    experts = {n: loc for n, loc in ckpt.locations.items() if ".experts." in n}
+    assert experts and {loc.path for loc in experts.values()} == {out.resolve()}
+    assert (converted / EXTERNAL).exists()
+    stored = sum(f.stat().st_size for f in converted.glob("*.safetensors"))
+    assert stored + sum(loc.nbytes for loc in experts.values()) < out.stat().st_size + 2**16  # no second copy
+    original = Checkpoint(path)
+    for name in list(experts)[::7]:
+        a = torch.empty(experts[name].shape, dtype=torch.bfloat16)
+        b = torch.empty_like(a)
+        ckpt.read_exact_into(name, a)
+        original.read_exact_into(name, b)
+        assert torch.equal(a, b), name
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    resident = LLM(path, show_progress=False).generate(["The history of"], params)[0].token_ids
+    paged = LLM(out, store=StoreConfig(expert_memory="25%"), show_progress=False)
+    assert paged.generate(["The history of"], params)[0].token_ids == resident
+    assert paged.last_stats.sections["experts"].to_dict()["decode"]["bytes_disk_per_token"] > 0
+    with open(out, "ab") as f:  # the file changes under the conversion
+        f.write(b"\0" * 64)
+    with pytest.raises(CheckpointError, match="has changed since"):
+        Checkpoint(converted)
+
 def test_q8_0_and_q4_0_blocks_decode_as_ggml_decodes_them():
     w = torch.randn(6, 96, generator=torch.Generator().manual_seed(0)) * 0.1
     q8, q4 = q8_0_blocks(w), q4_0_blocks(w)
