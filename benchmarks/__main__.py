@@ -82,6 +82,13 @@ BENCHMARKS: dict[str, Bench] = {
                        suites="cpu traces", runtime="20 min", traces=(OLMOE,)),
     "offload_replay": _b("Offloading on replayed real routing: budgets x policies x predictors", needs="traces",
                          suites="cpu traces", runtime="60 min", traces=(DS,)),
+    "bigger_than_ram": _b("A model bigger than RAM on the CPU: moepager paging experts from disk against llama.cpp's "
+                          "mmap on one GGUF file, prefill and decode",
+                          quick=("--preset", "tiny", "--arch", "deepseek_v2", "--memory-limit", "none", "--rounds",
+                                 "1", "--prompts", "32", "--decode", "4", "--budgets", "auto", "25%", "--disk-probe",
+                                 "0.01"),
+                          runtime="30-60 min (and 5 min to make the 31 GB "
+                          "model once; llama.cpp rows need the peers extra)"),
     "offload_cpu": _b("offload_replay's CPU preset: experts paged from disk", needs="traces", suites="cpu traces",
                       runtime="60 min", traces=(DS,)),
     "offload_gpu": _b("offload_replay's GPU preset: experts paged host->device", needs="gpu traces",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ctypes
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Literal, NamedTuple, Protocol
 
 import torch
@@ -137,17 +137,17 @@ def host_empty(*size: int, dtype: torch.dtype) -> torch.Tensor:
     return raw[start: start + nbytes].view(dtype).view(size)
 
 
-def rehome_on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of CPU tensors of 2 MiB or more on huge pages (`host_empty`), others as they are; tensors that are the
-    same view of the same memory (a tied embedding and LM head) get the same copy."""
+def rehome_on_huge_pages(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """Copies of CPU tensors of 2 MiB or more on huge pages (`host_empty`), others as they are, one at a time as
+    asked for (a caller that swaps each copy in before asking for the next holds one extra tensor, not a second model:
+    the whole list at once took the dense weights twice, 2.4 GB over the run's budget on DeepSeek-V2-Lite); tensors
+    that are the same view of the same memory (a tied embedding and LM head) get the same copy."""
     done: dict[tuple[int, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
-    out = []
     for t in tensors:
         if t.device.type != "cpu" or t.nbytes < HUGE_PAGE or not t.is_contiguous():
-            out.append(t)
+            yield t
             continue
         key = (t.data_ptr(), tuple(t.shape), t.stride())
         if key not in done:
             done[key] = host_empty(*t.shape, dtype=t.dtype).copy_(t)
-        out.append(done[key])
-    return out
+        yield done[key]

@@ -25,7 +25,7 @@ def test_host_empty_is_a_plain_tensor_of_the_shape_asked_for(size, dtype):
 def test_rehoming_copies_large_tensors_and_keeps_ties():
     big = torch.randn(HUGE_PAGE // 4 + 1)  # fp32: over 2 MiB
     small = torch.randn(16)
-    out = rehome_on_huge_pages([big, small, big.view(-1)])
+    out = list(rehome_on_huge_pages([big, small, big.view(-1)]))
     assert torch.equal(out[0], big) and out[0].data_ptr() != big.data_ptr()
     assert out[1] is small
     assert out[2] is out[0]  # the same view of the same memory: one copy

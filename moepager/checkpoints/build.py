@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -277,14 +277,21 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None, d
 def weights_on_huge_pages(model: torch.nn.Module) -> None:
     """Move the model's large CPU weights (parameters and buffers of 2 MiB or more: the embedding, the LM head,
     attention and dense projections) onto huge pages (types.py `host_empty`), ties kept."""
-    named = [(m, n, t) for m in model.modules() for n, t in list(m._parameters.items()) + list(m._buffers.items())
+    named = [(m, n) for m in model.modules() for n, t in list(m._parameters.items()) + list(m._buffers.items())
              if t is not None]
-    for (module, name, old), new in zip(named, rehome_on_huge_pages([t.data for _, _, t in named])):
-        if new is not old.data:
-            if isinstance(old, torch.nn.Parameter):
+
+    def current() -> Iterator[torch.Tensor]:  # each weight as it is when its copy is asked for (nothing else held)
+        for module, name in named:
+            t = module._parameters.get(name)
+            yield (t if t is not None else module._buffers[name]).data
+
+    for (module, name), new in zip(named, rehome_on_huge_pages(current())):
+        old = module._parameters.get(name)
+        if old is not None:
+            if new is not old.data:
                 old.data = new
-            else:
-                module._buffers[name] = new
+        elif new is not module._buffers[name]:
+            module._buffers[name] = new
 
 
 def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> None:

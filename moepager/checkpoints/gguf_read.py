@@ -93,7 +93,7 @@ def gguf_checkpoint(path: Path, show_progress: bool = True) -> Path:
         (tmp / SOURCE).write_text(json.dumps(source))
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     note = f"; removed {freed[0]} stale conversion(s), {freed[1] / 2**30:.2f} GiB" if freed[0] else ""
-    in_place = " (its float experts are read from the GGUF file in place)" if (out / EXTERNAL).exists() else ""
+    in_place = ", its float experts read from the GGUF file in place" if (out / EXTERNAL).exists() else ""
     print(f"converted {path.name} once into {out} ({size / 2**30:.2f} GiB{in_place}; MOEPAGER_CACHE moves the cache"
           f"{note})", file=sys.stderr)
     return out

@@ -6,7 +6,8 @@ Algorithm (CPU; on CUDA the device's free memory takes RAM's place for the devic
    cache that can be dropped), within the cgroup's limit less its usage when the process runs under one (a
    container; cgroup v2 `memory.max` or v1 `memory.limit_in_bytes`), or `MOEPAGER_MEMORY_AVAILABLE` when set.
 2. What the run needs besides routed experts, first: the dense weights in the run's dtype, the KV cache at
-   --kv-cache-tokens, and a headroom for activations, the allocator and the OS (`HEADROOM`).
+   --kv-cache-tokens, a step's working memory (`step_bytes`: its --max-batched-tokens' activations, logits and
+   attention scores over the whole cache), and a headroom left free for the allocator and the OS (`HEADROOM`).
 3. Every routed expert fits in what is left (with no read buffers: nothing is read later): they stay resident, as
    without a fit. Otherwise what is left is the expert budget: the store's cache, stream rows and read buffers come
    out of it, the rest is read from disk on demand. A budget below one MoE layer's top-k experts (the least a
@@ -50,6 +51,8 @@ class Fit:
     """The dense weights in the run's dtype (on the device fitted)."""
     kv: int
     """The KV cache at --kv-cache-tokens."""
+    working: int
+    """A step's working memory (`step_bytes`)."""
     headroom: int
     experts: int
     """Every routed expert in the run's format."""
@@ -59,7 +62,7 @@ class Fit:
     @property
     def left(self) -> int:
         """What the experts may take."""
-        return self.available - self.dense - self.kv - self.headroom
+        return self.available - self.dense - self.kv - self.working - self.headroom
 
     @property
     def resident(self) -> bool:
@@ -73,7 +76,8 @@ class Fit:
     def needs(self) -> str:
         """The memory and what comes out of it before the experts, for people."""
         return (f"{format_bytes(self.available)} {self.where} {self.source}, less {format_bytes(self.dense)} of dense "
-                f"weights, {format_bytes(self.kv)} of KV cache and {format_bytes(self.headroom)} of headroom")
+                f"weights, {format_bytes(self.kv)} of KV cache, {format_bytes(self.working)} of a step's working "
+                f"memory and {format_bytes(self.headroom)} of headroom")
 
     def describe(self) -> str:
         """One line: what was chosen and why."""
@@ -88,6 +92,17 @@ class Fit:
                 f"this model does not fit here: {self.needs()}, leaves {format_bytes(max(self.left, 0))} for experts, "
                 f"below the least a decode step needs ({format_bytes(self.least)}: one MoE layer's top-k, stream rows "
                 "and read buffers); free memory, lower --kv-cache-tokens, or use a smaller --dtype or --expert-dtype")
+
+
+def step_bytes(opened: OpenCheckpoint, tokens: int, context: int) -> int:
+    """What one step of `tokens` tokens (--max-batched-tokens) holds beyond the weights and the KV cache, at most:
+    fp32 logits for every token, a few hidden-sized fp32 activations each, its routed experts' gate/up/down rows, and
+    one layer's attention scores over `context` positions (--kv-cache-tokens). On DeepSeek-V2-Lite (512 tokens,
+    16,384 positions) 0.86 GiB; a 2,048-token prompt there grew the process by 0.6 GiB beyond its weights and cache
+    (2026-12-02), which a fit without this term left to the headroom it promised to keep free."""
+    cfg = opened.config
+    per_token = 4 * (cfg.vocab_size + 16 * cfg.hidden_size + 3 * cfg.top_k * cfg.expert_intermediate_size)
+    return tokens * per_token + 4 * cfg.num_heads * tokens * context
 
 
 def kv_cache_bytes(opened: OpenCheckpoint, tokens: int, block_size: int) -> int:
@@ -112,6 +127,7 @@ def fit_of(config: EngineConfig, opened: OpenCheckpoint, device_free: int | None
     experts = paging.num_moe_layers * paging.num_experts * reader.shape.nbytes
     dense = opened.total_bytes() - experts
     kv = kv_cache_bytes(opened, config.scheduler.kv_cache_tokens, config.scheduler.block_size)
+    working = step_bytes(opened, config.scheduler.max_batched_tokens, config.scheduler.kv_cache_tokens)
     store = config.store
     least = (paging.top_k + STREAM_ROWS) * reader.shape.nbytes + \
         read_buffer_bytes(reader, store.io_threads, store.prefetch_threads)
@@ -119,7 +135,7 @@ def fit_of(config: EngineConfig, opened: OpenCheckpoint, device_free: int | None
         available, source, where = device_free, "free", "GPU memory"
     else:
         (available, source), where = ram_available(), "RAM"
-    return Fit(where, available, source, dense, kv, headroom(available), experts, least)
+    return Fit(where, available, source, dense, kv, working, headroom(available), experts, least)
 
 
 def fits(config: EngineConfig) -> bool:
@@ -144,7 +160,7 @@ def fitted(config: EngineConfig, opened: OpenCheckpoint) -> tuple[EngineConfig, 
     store, line = replace(config.store, expert_memory=str(fit.budget)), fit.describe()
     if cuda:  # the host tier below: every expert in RAM, the dense weights and KV cache on the device
         ram, source = ram_available()
-        host = replace(fit, where="RAM", available=ram, source=source, dense=0, kv=0, headroom=headroom(ram))
+        host = replace(fit, where="RAM", available=ram, source=source, dense=0, kv=0, working=0, headroom=headroom(ram))
         if not host.resident:
             store = replace(store, host_memory=str(max(host.left, fit.least)))
             line += f"; host tier {host.describe()}"

@@ -14,11 +14,12 @@ from moepager.errors import BudgetError
 from moepager.placements.fit import HEADROOM_MIN, fit_of, fits, fitted
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
-from moepager.store.budget import ENV_AVAILABLE, cgroup_room
+from moepager.store.budget import ENV_AVAILABLE, cgroup_room, format_bytes
 
 MiB = 1 << 20
-"""The built-in model: 6.35 MiB of dense weights, 48.05 MiB of KV cache at the default 16,384 positions, 18 MiB of
-experts (192 of 96 KiB)."""
+"""The built-in model: 6.35 MiB of dense weights, 48.05 MiB of KV cache at the default 16,384 positions, 281.5 MiB of
+a 512-token step's working memory (attention scores over all 16,384 positions, most of it), 18 MiB of experts (192 of
+96 KiB)."""
 
 
 def opened():
@@ -40,10 +41,10 @@ def test_a_tight_machine_pages_the_experts_and_gives_the_resident_tokens(monkeyp
     resident = LLM(config=config, show_progress=False)
     assert resident.store is None
     want = resident.generate(["The history of"], params)[0].token_ids
-    monkeypatch.setenv(ENV_AVAILABLE, "320MiB")
+    monkeypatch.setenv(ENV_AVAILABLE, "600MiB")
     fit = fit_of(config, opened())
     assert not fit.resident
-    assert fit.budget == 320 * MiB - fit.dense - fit.kv - HEADROOM_MIN  # a tenth of 320 MiB is below the least
+    assert fit.budget == 600 * MiB - fit.dense - fit.kv - fit.working - HEADROOM_MIN  # a tenth is below the least
     assert fit.least < fit.budget < fit.experts
     tight = fitted(config, opened())[0]
     assert tight.store.expert_memory == str(fit.budget) and tight.store.paged
@@ -52,12 +53,14 @@ def test_a_tight_machine_pages_the_experts_and_gives_the_resident_tokens(monkeyp
     assert llm.store.device.table.capacity + len(llm.store.device.table.stream_rows) < 192  # not every expert
     assert llm.generate(["The history of"], params)[0].token_ids == want  # lossless
     assert "fit on this machine" in dict(describe(str(default_model_path())))
-    assert "--expert-memory 9.60 MiB" in dict(describe(str(default_model_path())))["fit on this machine"]
+    assert f"--expert-memory {format_bytes(fit.budget)}" in dict(describe(str(default_model_path())))[
+        "fit on this machine"]
+    assert format_bytes(fit.working) == "281.50 MiB"
 
 
 def test_a_machine_too_small_is_refused_before_loading_with_the_numbers(monkeypatch):
     monkeypatch.setenv(ENV_AVAILABLE, "300MiB")
-    with pytest.raises(BudgetError, match=r"does not fit here: 300.00 MiB RAM .* 48.05 MiB of KV cache .* lower "
+    with pytest.raises(BudgetError, match=r"does not fit here: 300.00 MiB RAM .* 48.05 MiB of KV cache, 281.50 MiB of a step.s .* lower "
                                           r"--kv-cache-tokens"):
         LLM(config=EngineConfig(), show_progress=False)
     monkeypatch.setenv(ENV_AVAILABLE, "320MiB")  # a KV cache larger than the machine: its own check says so
