@@ -21,7 +21,8 @@ from moepager.checkpoints.safetensors import Checkpoint
 from moepager.config import Budget, EngineConfig, StoreConfig
 from moepager.experts.weights import ExpertShape
 from moepager.models.registry import architecture_for
-from moepager.placements.fit import fit_of
+from moepager.placements.base import expert_times
+from moepager.placements.fit import fit_of, fitted
 from moepager.placements.stores import stream_rows
 from moepager.store.budget import format_bytes
 from moepager.store.budget import format_bytes as size
@@ -92,7 +93,8 @@ def fit_row(path: Path) -> str:
     fit = fit_of(config, opened)
     if fit.left < fit.least:
         return f"does not fit: {format_bytes(max(fit.left, 0))} left for experts, below {format_bytes(fit.least)}"
-    return fit.describe().removeprefix("fit: ")
+    times = expert_times(config, opened.device, opened.reader.shape.nbytes)[0]
+    return fitted(config, opened, times)[1].removeprefix("fit: ")
 
 
 def budget_row(text: str, expert_nbytes: int, num_routed: int, minimum: int, buffers: int) -> tuple[str, str]:

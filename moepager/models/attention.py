@@ -223,6 +223,13 @@ def cache_update(cache: torch.Tensor, new_BTHC: torch.Tensor, batch: ForwardBatc
     return prefix.transpose(1, 2)
 
 
+SCORES_MAX = 1 << 24
+"""Most attention scores one SDPA call computes at once. With a mask SDPA takes its math path on the CPU, which holds
+every score in fp32 with its softmax (about 10 bytes a score: a 2,048-token chunk of DeepSeek-V2's 16 heads over 8,192
+positions took 2.5 GB); a longer chunk's queries go through in row blocks within this (at most ~170 MB), each query
+row's attention being its own."""
+
+
 def attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, mask_B1TS: torch.Tensor | None,
               scale: float | None = None) -> torch.Tensor:
     """Scaled dot-product attention of H query heads over Hkv key/value heads (H a multiple of Hkv).
@@ -239,8 +246,14 @@ def attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, 
         q_BKGD = q_BHTD.reshape(b, hkv, h // hkv, d)
         out = F.scaled_dot_product_attention(q_BKGD, k_BHSD, v_BHSD, attn_mask=mask_B1TS, scale=scale)
         return out.reshape(b, h, 1, out.shape[-1])
-    return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=mask_B1TS, scale=scale,
-                                          enable_gqa=h != hkv)
+    rows = max(1, SCORES_MAX // (b * h * k_BHSD.shape[2]))
+    if t <= rows:
+        return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=mask_B1TS, scale=scale,
+                                              enable_gqa=h != hkv)
+    return torch.cat([F.scaled_dot_product_attention(q_BHTD[:, :, i: i + rows], k_BHSD, v_BHSD,
+                                                     attn_mask=None if mask_B1TS is None else
+                                                     mask_B1TS[:, :, i: i + rows], scale=scale, enable_gqa=h != hkv)
+                      for i in range(0, t, rows)], dim=2)
 
 
 NO_WEIGHT = torch.empty(0, dtype=torch.bfloat16)

@@ -22,8 +22,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from moepager.checkpoints.build import OpenCheckpoint
-from moepager.config import EngineConfig
+from moepager.config import EngineConfig, SchedulerConfig
 from moepager.errors import BudgetError
+from moepager.experts.hybrid import ExpertTimes
+from moepager.models.attention import SCORES_MAX
 from moepager.placements.stores import STREAM_ROWS, read_buffer_bytes
 from moepager.store.budget import format_bytes, ram_available
 from moepager.types import RoutingDecision
@@ -94,15 +96,48 @@ class Fit:
                 "and read buffers); free memory, lower --kv-cache-tokens, or use a smaller --dtype or --expert-dtype")
 
 
-def step_bytes(opened: OpenCheckpoint, tokens: int, context: int) -> int:
-    """What one step of `tokens` tokens (--max-batched-tokens) holds beyond the weights and the KV cache, at most:
-    fp32 logits for every token, a few hidden-sized fp32 activations each, its routed experts' gate/up/down rows, and
-    one layer's attention scores over `context` positions (--kv-cache-tokens). On DeepSeek-V2-Lite (512 tokens,
-    16,384 positions) 0.86 GiB; a 2,048-token prompt there grew the process by 0.6 GiB beyond its weights and cache
-    (2026-12-02), which a fit without this term left to the headroom it promised to keep free."""
+def step_bytes(opened: OpenCheckpoint, tokens: int, context: int, rows: int) -> int:
+    """What one step of `tokens` tokens (--max-batched-tokens) of up to `rows` requests holds beyond the weights and
+    the KV cache, at most: a few hidden-sized fp32 activations a token and its routed experts' gate/up/down rows, fp32
+    logits for each request's last token, and one attention call's scores over `context` positions (--kv-cache-tokens:
+    fp32 with their softmax, ~10 bytes each, in row blocks of at most models/attention.py SCORES_MAX). A 2,048-token
+    prompt of DeepSeek-V2-Lite grew the process by 0.6 GiB beyond its weights and cache (2026-12-02), which a fit
+    without this term left to the headroom it promised to keep free."""
     cfg = opened.config
-    per_token = 4 * (cfg.vocab_size + 16 * cfg.hidden_size + 3 * cfg.top_k * cfg.expert_intermediate_size)
-    return tokens * per_token + 4 * cfg.num_heads * tokens * context
+    per_token = 4 * (16 * cfg.hidden_size + 3 * cfg.top_k * cfg.expert_intermediate_size)
+    scores = min(cfg.num_heads * tokens * context, max(SCORES_MAX, cfg.num_heads * context))
+    return tokens * per_token + rows * 4 * cfg.vocab_size + 10 * scores
+
+
+PREFILL_CHUNKS = (512, 1024, 2048, 4096)
+"""Prompt chunk sizes a fit that pages experts from disk on the CPU chooses among (`prefill_chunk`)."""
+CHUNK_MEMORY_SHARE = 8
+"""A larger chunk's working memory may take at most 1/8 of the expert budget the fit had at the default chunk."""
+
+
+def prefill_chunk(fit: Fit, opened: OpenCheckpoint, config: EngineConfig, times: ExpertTimes) -> int:
+    """The prompt chunk of a run whose experts page from disk: each chunk reads its layers' missing experts once (a
+    chunk of a few tokens per expert touches nearly all of them), so the reads of a prompt fall with its chunk count.
+    The cost model's per-layer figures: a chunk of T tokens computes E experts of T*k/E tokens each and reads the
+    E*(1 - cached share) it misses; the chosen chunk is the smallest from the default up (PREFILL_CHUNKS) whose
+    compute covers its reads (they overlap), short of the first whose working memory passes 1/CHUNK_MEMORY_SHARE of
+    the budget. DeepSeek-V2-Lite on this project's CPU (nominal figures, half its experts cached): reads 0.20 s a
+    layer a chunk, compute 0.08 s at 512 tokens and 0.31 s at 4,096."""
+    paging, default = opened.paging, config.scheduler.max_batched_tokens
+    assert fit.budget is not None
+    share = min(1.0, fit.budget / fit.experts)
+    reads = paging.num_experts * (1 - share) * times.copy_s
+
+    def covers(chunk: int) -> bool:
+        return paging.num_experts * times.cpu_s(max(1, chunk * paging.top_k // paging.num_experts)) >= reads
+
+    chosen, cap = default, fit.budget // CHUNK_MEMORY_SHARE
+    for chunk in (c for c in PREFILL_CHUNKS if c > default):
+        if covers(chosen) or step_bytes(opened, chunk, config.scheduler.kv_cache_tokens,
+                                         config.scheduler.max_num_seqs) > cap:
+            break
+        chosen = chunk
+    return chosen
 
 
 def kv_cache_bytes(opened: OpenCheckpoint, tokens: int, block_size: int) -> int:
@@ -127,7 +162,8 @@ def fit_of(config: EngineConfig, opened: OpenCheckpoint, device_free: int | None
     experts = paging.num_moe_layers * paging.num_experts * reader.shape.nbytes
     dense = opened.total_bytes() - experts
     kv = kv_cache_bytes(opened, config.scheduler.kv_cache_tokens, config.scheduler.block_size)
-    working = step_bytes(opened, config.scheduler.max_batched_tokens, config.scheduler.kv_cache_tokens)
+    working = step_bytes(opened, config.scheduler.max_batched_tokens, config.scheduler.kv_cache_tokens,
+                         config.scheduler.max_num_seqs)
     store = config.store
     least = (paging.top_k + STREAM_ROWS) * reader.shape.nbytes + \
         read_buffer_bytes(reader, store.io_threads, store.prefetch_threads)
@@ -144,10 +180,13 @@ def fits(config: EngineConfig) -> bool:
             and config.placement.execution in ("gpu", "auto"))
 
 
-def fitted(config: EngineConfig, opened: OpenCheckpoint) -> tuple[EngineConfig, str]:
+def fitted(config: EngineConfig, opened: OpenCheckpoint, times: ExpertTimes | None = None
+           ) -> tuple[EngineConfig, str]:
     """The run's configuration with the expert budget the fit gives (unchanged when every expert fits, or when it is
     not fitted: `fits`), and the fit's line ("" when not fitted). On CUDA the device tier is fitted to the device's
-    free memory, and a host tier that cannot hold every expert to RAM."""
+    free memory, and a host tier that cannot hold every expert to RAM. On the CPU, a run paging from disk at the
+    default --max-batched-tokens has its prompts chunked as `prefill_chunk` chooses from `times` (the cost model's
+    expert figures), the budget then fitted again with that chunk's working memory."""
     if not fits(config):
         return config, ""
     cuda = opened.device.type == "cuda"
@@ -157,7 +196,18 @@ def fitted(config: EngineConfig, opened: OpenCheckpoint) -> tuple[EngineConfig, 
     fit.check()
     if fit.budget is None:
         return config, fit.describe()
-    store, line = replace(config.store, expert_memory=str(fit.budget)), fit.describe()
+    chunk = ""
+    if not cuda and times is not None and config.scheduler.max_batched_tokens == SchedulerConfig().max_batched_tokens:
+        tokens = prefill_chunk(fit, opened, config, times)
+        if tokens != config.scheduler.max_batched_tokens:
+            config = replace(config, scheduler=replace(config.scheduler, max_batched_tokens=tokens))
+            fit = fit_of(config, opened)
+            fit.check()
+            chunk = (f"; prompts in chunks of {tokens} tokens (each reads its layers' missing experts once; "
+                     "--max-batched-tokens sets it)")
+    if fit.budget is None:
+        return config, fit.describe()
+    store, line = replace(config.store, expert_memory=str(fit.budget)), fit.describe() + chunk
     if cuda:  # the host tier below: every expert in RAM, the dense weights and KV cache on the device
         ram, source = ram_available()
         host = replace(fit, where="RAM", available=ram, source=source, dense=0, kv=0, working=0, headroom=headroom(ram))

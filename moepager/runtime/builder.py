@@ -91,8 +91,8 @@ def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = 
     check_names(config)
     options = LoadOptions.of(config)
     opened = open_checkpoint(path, options)
-    config, fit = fitted(config, opened)  # no budget given: the expert cache sized to the memory this run may use
     times, profile = expert_times(config, opened.device, opened.reader.shape.nbytes)
+    config, fit = fitted(config, opened, times)  # no budget given: the expert cache sized to the memory it may use
     execution, why = resolve_execution(config, opened.device, times, profile)
     chosen = resolve(config, execution)
     check_split(config, opened, execution, chosen)

@@ -29,3 +29,30 @@ def test_no_positions_give_empty_tables():
     r = RotaryEmbedding(RopeConfig(10000.0, 16), 64)
     cos, sin = r(torch.empty(1, 0, dtype=torch.long), torch.bfloat16)
     assert cos.shape == sin.shape == (1, 0, 1, 16)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(16, 1), (8, 2)])
+def test_a_long_chunk_attends_in_row_blocks_with_the_same_result(monkeypatch, heads, kv_heads):
+    """Past SCORES_MAX scores a chunk's queries go through SDPA in row blocks (its math path holds every score):
+    the same output bit for bit, and no call holds more than the limit's scores."""
+    import torch.nn.functional as F
+
+    import moepager.models.attention as attention_module
+
+    torch.manual_seed(0)
+    t, s, d = 300, 900, 32
+    q = torch.randn(1, heads, t, d, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, kv_heads, s, d, dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.ones(1, 1, t, s, dtype=torch.bool).tril(s - t)
+    whole = attention_module.attention(q, k, v, mask)
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def counted(q_, *args, **kwargs):
+        calls.append(q_.shape[2])
+        return sdpa(q_, *args, **kwargs)
+    monkeypatch.setattr(attention_module, "SCORES_MAX", heads * s * 64)
+    monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention", counted)
+    blocked = attention_module.attention(q, k, v, mask)
+    assert torch.equal(whole, blocked)
+    assert calls == [64] * 4 + [44]

@@ -17,9 +17,9 @@ from moepager.runtime.sampling import SamplingParams
 from moepager.store.budget import ENV_AVAILABLE, cgroup_room, format_bytes
 
 MiB = 1 << 20
-"""The built-in model: 6.35 MiB of dense weights, 48.05 MiB of KV cache at the default 16,384 positions, 281.5 MiB of
-a 512-token step's working memory (attention scores over all 16,384 positions, most of it), 18 MiB of experts (192 of
-96 KiB)."""
+"""The built-in model: 6.35 MiB of dense weights, 48.05 MiB of KV cache at the default 16,384 positions, 170 MiB of
+a 512-token step's working memory (one attention call's scores over all 16,384 positions, most of it), 18 MiB of
+experts (192 of 96 KiB)."""
 
 
 def opened():
@@ -41,10 +41,10 @@ def test_a_tight_machine_pages_the_experts_and_gives_the_resident_tokens(monkeyp
     resident = LLM(config=config, show_progress=False)
     assert resident.store is None
     want = resident.generate(["The history of"], params)[0].token_ids
-    monkeypatch.setenv(ENV_AVAILABLE, "600MiB")
+    monkeypatch.setenv(ENV_AVAILABLE, "490MiB")
     fit = fit_of(config, opened())
     assert not fit.resident
-    assert fit.budget == 600 * MiB - fit.dense - fit.kv - fit.working - HEADROOM_MIN  # a tenth is below the least
+    assert fit.budget == 490 * MiB - fit.dense - fit.kv - fit.working - HEADROOM_MIN  # a tenth is below the least
     assert fit.least < fit.budget < fit.experts
     tight = fitted(config, opened())[0]
     assert tight.store.expert_memory == str(fit.budget) and tight.store.paged
@@ -55,12 +55,13 @@ def test_a_tight_machine_pages_the_experts_and_gives_the_resident_tokens(monkeyp
     assert "fit on this machine" in dict(describe(str(default_model_path())))
     assert f"--expert-memory {format_bytes(fit.budget)}" in dict(describe(str(default_model_path())))[
         "fit on this machine"]
-    assert format_bytes(fit.working) == "281.50 MiB"
+    assert format_bytes(fit.working) == "170.00 MiB"
 
 
 def test_a_machine_too_small_is_refused_before_loading_with_the_numbers(monkeypatch):
     monkeypatch.setenv(ENV_AVAILABLE, "300MiB")
-    with pytest.raises(BudgetError, match=r"does not fit here: 300.00 MiB RAM .* 48.05 MiB of KV cache, 281.50 MiB of a step.s .* lower "
+    with pytest.raises(BudgetError, match=r"does not fit here: 300.00 MiB RAM .* 48.05 MiB of KV cache, 170.00 MiB "
+                                          r"of a step.s .* lower "
                                           r"--kv-cache-tokens"):
         LLM(config=EngineConfig(), show_progress=False)
     monkeypatch.setenv(ENV_AVAILABLE, "320MiB")  # a KV cache larger than the machine: its own check says so
@@ -96,3 +97,29 @@ def test_the_cgroup_limit_less_its_usage_bounds_the_fit(tmp_path):
     (v1 / "memory.limit_in_bytes").write_text(str(9223372036854771712))  # v1's "no limit"
     assert cgroup_room(tmp_path / "fs", proc) is None
     assert cgroup_room(tmp_path / "fs", tmp_path / "absent") is None
+
+
+def test_a_fit_paging_from_disk_chunks_prompts_as_the_cost_model_says(monkeypatch):
+    """Each prompt chunk reads its layers' missing experts once: slow reads against fast compute give larger chunks,
+    as far as their working memory allows; reads that compute covers keep the default; a user's chunk is kept."""
+    from dataclasses import replace
+
+    from moepager.experts.hybrid import ExpertTimes
+    from moepager.placements.fit import CHUNK_MEMORY_SHARE, prefill_chunk, step_bytes
+
+    monkeypatch.setenv(ENV_AVAILABLE, "2GiB")
+    config, o = EngineConfig(), opened()
+    fit = replace(fit_of(config, o), available=490 * MiB)  # pages: ~9.6 MiB of the 18 MiB of experts
+    assert fit.budget is not None
+    slow_disk = ExpertTimes(1e-4, 1e-6, 1e-4, 1e-6, copy_s=1.0)
+    fast_disk = ExpertTimes(1e-4, 1e-6, 1e-4, 1e-6, copy_s=1e-9)
+    assert prefill_chunk(fit, o, config, fast_disk) == 512  # the default chunk's compute already covers its reads
+    roomy = replace(fit, available=64 << 30, experts=128 << 30)  # a big budget, still paging
+    assert prefill_chunk(roomy, o, config, slow_disk) == 4096
+    chosen = prefill_chunk(fit, o, config, slow_disk)  # a small budget: its working memory caps the chunk
+    assert chosen == 512 and step_bytes(o, 1024, 16384, 16) > fit.budget // CHUNK_MEMORY_SHARE
+    monkeypatch.setenv(ENV_AVAILABLE, "490MiB")
+    tuned, line = fitted(config, o, slow_disk)
+    assert tuned.scheduler.max_batched_tokens == chosen and (chosen == 512 or "prompts in chunks of" in line)
+    mine = EngineConfig(scheduler=SchedulerConfig(max_batched_tokens=256))
+    assert fitted(mine, o, slow_disk)[0].scheduler.max_batched_tokens == 256
