@@ -18,6 +18,7 @@ it costs nothing measurable; a per-expert checksum would cost a pass over every 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -37,6 +38,17 @@ BOUNCE_BYTES = 4 << 20
 so the read buffers are a small fixed amount (counted in the expert budget) whatever the expert size."""
 WHOLE_SPAN_MIN = 64 * 1024
 """Experts of at least this many bytes are read in one request (`bounce_bytes`)."""
+
+
+_SAID_NO_DIRECT: set[Path] = set()
+
+
+def _say_no_direct(path: Path) -> None:
+    """The fallback, said once per folder: where O_DIRECT is refused, reads go through the page cache."""
+    if path.parent not in _SAID_NO_DIRECT:
+        _SAID_NO_DIRECT.add(path.parent)
+        print(f"note: the file system of {path.parent} refuses O_DIRECT reads; reading through the page cache instead "
+              "(each read's pages dropped after it)", file=sys.stderr)
 
 
 def bounce_bytes(read_nbytes: int) -> int:
@@ -110,6 +122,7 @@ class DiskFiles:
                     if self.direct == "on":
                         raise CheckpointError(f"{path}: this file system refuses O_DIRECT reads; run with direct "
                                               f"I/O set to auto or off") from None
+                    _say_no_direct(path)
             fd = os.open(path, os.O_RDONLY)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead: it would cache pages we never drop
             return fd, False

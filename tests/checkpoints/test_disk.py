@@ -167,3 +167,28 @@ def test_a_read_with_between_is_requests_of_at_most_the_bounce_size_with_between
     files.read([Span(path, off, out) for (off, _), out in zip(spans[:3], outs)])  # without: as few as it can be
     assert "between" not in events and len(requests) == (1 if direct == "off" else 3)
     files.close()
+
+
+def test_a_file_system_refusing_o_direct_reads_through_the_page_cache_and_says_so_once(data_file, monkeypatch, capsys):
+    """auto: where O_DIRECT is refused (tmpfs, some network file systems) the same bytes come through the page cache,
+    its pages dropped, with one line saying so; on: a clear error instead."""
+    import moepager.checkpoints.disk as disk
+
+    path, data = data_file
+    real_open = os.open
+
+    def refusing(p, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_open(p, flags, *args)
+    monkeypatch.setattr(disk.os, "open", refusing)
+    monkeypatch.setattr(disk, "_SAID_NO_DIRECT", set())
+    for _ in range(2):
+        files = DiskFiles("auto")
+        out = torch.empty(5000, dtype=torch.uint8)
+        files.read([Span(path, 107, out)])
+        files.close()
+        assert torch.equal(out, data[107: 5107]) and cached_pages(path) == 0
+    assert capsys.readouterr().err.count("refuses O_DIRECT reads; reading through the page cache") == 1
+    with pytest.raises(CheckpointError, match="refuses O_DIRECT reads; run with direct I/O set to auto or off"):
+        DiskFiles("on").read([Span(path, 0, torch.empty(10, dtype=torch.uint8))])
