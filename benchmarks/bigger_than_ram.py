@@ -487,7 +487,7 @@ def show(rows: list[dict[str, Any]], args: argparse.Namespace, replay: bool) -> 
         if r["engine"] == "moepager-replay":
             continue
         if "failed" in r:
-            table.append([r["engine"], r["variant"], r["failed"], *["-"] * (len(headers) - 3)])
+            table.append([r["engine"], r["variant"], "failed", *["-"] * (len(headers) - 3)])
             continue
         table.append([r["engine"], r["variant"], f(r["decode_tok_s"]), f(r.get("decode_x_llama")),
                       f(r.get("decode_per_disk_x_llama")), f(r["decode_disk_MB_per_token"], ".0f"),
@@ -497,11 +497,13 @@ def show(rows: list[dict[str, Any]], args: argparse.Namespace, replay: bool) -> 
                       f(r["peak_rss_GiB"], ".1f"), f(r["cgroup_peak_GiB"], ".1f"), f(r["disk_GBps_before"])])
     print_table(headers, table)
     for r in rows:
-        if r.get("fit"):
+        if "failed" in r:
+            print(f"{r['engine']} {r['variant']}: {r['failed']}")
+        elif r.get("fit"):
             print(f"moepager {r['variant']}: {r['fit']}")
     if replay:
         print("\nmoepager on replayed real routing (DeepSeek-V2-Lite trace, --route-from; llama.cpp cannot replay):")
-        print_table(["memory", "decode tok/s", "hit %", "store MB/token", "read_bytes MB/token",
+        print_table(["memory", "decode tok/s", "hit %", "store MB/token", "read_bytes MB/token (prompts too)",
                      "simulator LRFU MB/token", "engine / simulator", "disk GB/s"],
                     [[r["variant"], f(r.get("replay_decode_tok_s")), f(100 * (r.get("replay_hit_rate") or 0), ".1f"),
                       f(r.get("replay_disk_MB_per_token"), ".0f"), f(r.get("replay_proc_disk_MB_per_token"), ".0f"),

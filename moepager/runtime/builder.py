@@ -62,6 +62,8 @@ class Built:
     loaded: LoadedModel
     store: ExpertStore | None
     prefetcher: Prefetcher | None
+    config: EngineConfig
+    """The configuration as built: the automatic fit's expert budget and prompt chunk in it (placements/fit.py)."""
     configurator: OnlineConfigurator | None = None
     """`--configure auto`: per-layer cache sizes chosen again as the run goes (a pass part and routing observer)."""
     paths: PathTracker | None = None
@@ -125,8 +127,8 @@ def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = 
     cfg = opened.config
     paths = PathTracker(cfg.moe_layers, cfg.num_experts, prefetcher.predictor.forecast if prefetcher else None,
                         cfg.top_k) if needs_paths(config.scheduler) else None
-    return Built(loaded, store, prefetcher, online_configurator(config, opened, store, execution, profile), paths,
-                 placed.pass_parts)
+    return Built(loaded, store, prefetcher, config, online_configurator(config, opened, store, execution, profile),
+                 paths, placed.pass_parts)
 
 
 def online_configurator(config: EngineConfig, opened: OpenCheckpoint, store: ExpertStore | None,

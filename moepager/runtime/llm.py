@@ -82,6 +82,7 @@ class LLM:
             torch.set_num_threads(self.config.threads)
         path = resolve_model_path(self.config.model) if self.config.model else default_model_path()
         built = build(self.config, path, show_progress, links)  # links: --workers' (distributed/roles.py)
+        self.config = built.config  # as built: a fitted run's budget and prompt chunk (the scheduler reads it)
         self.loaded: LoadedModel = built.loaded
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
         self.eos_token_ids = self._eos_token_ids()

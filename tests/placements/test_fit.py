@@ -123,3 +123,19 @@ def test_a_fit_paging_from_disk_chunks_prompts_as_the_cost_model_says(monkeypatc
     assert tuned.scheduler.max_batched_tokens == chosen and (chosen == 512 or "prompts in chunks of" in line)
     mine = EngineConfig(scheduler=SchedulerConfig(max_batched_tokens=256))
     assert fitted(mine, o, slow_disk)[0].scheduler.max_batched_tokens == 256
+
+
+def test_the_run_uses_the_chunk_its_fit_chose(monkeypatch):
+    """The scheduler reads the configuration as built (the fit's budget and prompt chunk), not the one given."""
+    import moepager.placements.fit as fit_module
+
+    params = SamplingParams(max_tokens=4, temperature=0)
+    prompt = "The history of " * 200  # a prompt of more than 512 tokens
+    want = LLM(show_progress=False).generate([prompt], params)[0].token_ids
+    monkeypatch.setenv(ENV_AVAILABLE, "495MiB")  # pages at 512 tokens a chunk, and still fits at 1024
+    monkeypatch.setattr(fit_module, "prefill_chunk", lambda *args: 1024)
+    llm = LLM(config=EngineConfig(), show_progress=False)
+    assert llm.config.scheduler.max_batched_tokens == 1024 and llm.config.store.expert_memory is not None
+    assert "prompts in chunks of 1024 tokens" in llm.loaded.execution
+    out = llm.generate([prompt], params)[0]
+    assert len(llm.tokenizer.encode(prompt)) > 512 and out.token_ids == want
