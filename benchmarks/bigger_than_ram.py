@@ -11,9 +11,9 @@ Each engine runs in a process of its own inside a memory cgroup of --memory-limi
 1.5x the memory it may use; the machine's own RAM is 23.5 GiB, 1.24x): page cache counts against the limit there as
 anonymous memory does, so llama.cpp's mapping cannot keep the model cached beyond it, and an engine that needs more is
 killed inside its cgroup (reported as such) rather than taking the machine with it. Before each run the page cache of
-every file involved is dropped (posix_fadvise DONTNEED) and the disk's O_DIRECT read speed is measured (--disk-probe
-GiB of expert-sized reads at spread offsets: it drifts, 2x within minutes), so each run is reported against the disk it
-had. Rounds alternate the engines (--rounds).
+every file involved is dropped (posix_fadvise DONTNEED) and the disk's read speed is measured as `moepager calibrate`
+measures it (--disk-probe GiB of random experts, 4 reads at once, O_DIRECT: it drifts, 2x within minutes), so each run
+is reported against the disk it had. Rounds alternate the engines (--rounds).
 
 In each process: the engine is built (moepager: its automatic fit, or a fixed --budgets entry; llama.cpp: each
 --llama variant: mmap, its default; no-mmap, the weights read into its own memory; mlock, mapped and locked), warmed up
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import random
 import resource
@@ -72,34 +71,33 @@ def model_file(preset: str, arch: str | None, layers: int | None) -> Path:
 
 
 def drop_cache(paths: list[Path]) -> None:
-    """Empty the page cache of every file (posix_fadvise DONTNEED; a dirty page is written first)."""
+    """Empty the page cache of every file (posix_fadvise DONTNEED)."""
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
-            os.fdatasync(fd) if os.access(p, os.W_OK) else None
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
 
 
-def disk_speed(path: Path, nbytes: int, read: int = 16 << 20) -> float:
-    """O_DIRECT read speed (bytes/s) of `nbytes` in `read`-byte requests at spread offsets of `path`: about what an
-    expert read sees (DeepSeek-V2-Lite's experts are 17 MB)."""
-    size = path.stat().st_size
-    read = max(4096, min(read, size // 2 // 4096 * 4096))
-    count = max(1, nbytes // read)
+def disk_speed(converted: Path, nbytes: int) -> float:
+    """The disk's read rate (bytes/s) as the expert store sees it: `moepager calibrate`'s own measurement
+    (planning/calibrate.py `disk_rates`: random experts through the engine's reader, 4 reads at once, O_DIRECT) over
+    about `nbytes` of experts."""
+    from moepager.checkpoints.build import LoadOptions, open_checkpoint
+    from moepager.config import EngineConfig
+    from moepager.planning.calibrate import disk_rates
+    from moepager.types import ExpertKey
+
+    opened = open_checkpoint(converted, LoadOptions.of(EngineConfig()))
+    cfg, reader = opened.config, opened.reader
     rng = random.Random(0)
-    offsets = sorted(rng.randrange(0, (size - read) // 4096) * 4096 for _ in range(count))
-    buf = mmap.mmap(-1, read)  # page-aligned, as O_DIRECT wants
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    count = max(2, nbytes // reader.shape.nbytes)
+    keys = [ExpertKey(rng.choice(cfg.moe_layers), rng.randrange(cfg.num_experts)) for _ in range(count)]
     try:
-        start = time.perf_counter()
-        for off in offsets:
-            os.preadv(fd, [buf], off)
-        return count * read / (time.perf_counter() - start)
+        return disk_rates(reader, keys, io_threads=4)[0]
     finally:
-        os.close(fd)
-        buf.close()
+        reader.files.close()
 
 
 # ---- memory cgroups ---------------------------------------------------------------------------------------------
@@ -396,7 +394,7 @@ def main() -> None:
     for rnd in range(args.rounds):
         for engine, variant in runs if rnd % 2 == 0 else runs[::-1]:
             drop_cache(files)
-            disk = disk_speed(path, int(args.disk_probe * GiB))
+            disk = disk_speed(converted, int(args.disk_probe * GiB))
             drop_cache(files)
             cgroup = Cgroup(limit, f"moepager-bench-{os.getpid()}-{len(sum(results.values(), []))}") if limit else None
             spec = {"engine": engine.removesuffix("-replay"), "variant": variant, "path": str(path),

@@ -273,7 +273,7 @@ def check_types(type_: str, dense_type: str | None) -> None:
 
 def gguf_bytes(source: ExportSource, type_: str = "bf16", dense_type: str | None = None) -> int:
     """The tensor bytes a GGUF file of `source` takes (what `write_gguf` will write, less metadata and padding)."""
-    return sum(t.nbytes for t in _plan(source, type_, dense_type))
+    return sum(t.nbytes for t in _plan(source, _exportable(source.config, source.directory), type_, dense_type))
 
 
 def write_gguf(source: ExportSource, out_path: Path, type_: str = "bf16", dense_type: str | None = None,
@@ -285,7 +285,7 @@ def write_gguf(source: ExportSource, out_path: Path, type_: str = "bf16", dense_
     check_types(type_, dense_type)
     cfg = _exportable(source.config, source.directory)
     name = GGUF_ARCHS[cfg.architecture]
-    plan = _plan(source, type_, dense_type)
+    plan = _plan(source, cfg, type_, dense_type)
     with atomic_file(out_path) as tmp:
         writer = gguf.GGUFWriter(tmp, name)
         _write_metadata(writer, name, cfg, source, type_)
@@ -339,8 +339,7 @@ def _planned(gname: str, shape: tuple[int, ...], kind: torch.dtype | str, make: 
                     lambda: make().to(kind).contiguous().numpy())
 
 
-def _plan(source: ExportSource, type_: str, dense_type: str | None) -> list[_Planned]:
-    cfg = architecture_for(source.config).parse_config(source.config)
+def _plan(source: ExportSource, cfg: ModelConfig, type_: str, dense_type: str | None) -> list[_Planned]:
     float_type = {"f16": torch.float16, "bf16": torch.bfloat16}.get(type_, source.expert_dtype)
     float_type = torch.bfloat16 if float_type == torch.float32 else float_type
     name = GGUF_ARCHS[cfg.architecture]

@@ -148,6 +148,10 @@ def make_model(out: str | os.PathLike[str], preset: str, arch: str | None = None
 GGUF_TYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
+def _drawing_threads() -> int:
+    return max(1, min(GENERATORS, os.cpu_count() or 1))
+
+
 def _make_gguf(out: Path, preset: str, config: dict[str, Any], torch_dtype: torch.dtype, seed: int,
                show_progress: bool, force: bool) -> Path:
     """`make_model` to a GGUF file: the checkpoint's tensors, drawn as `_write_checkpoint` draws them, written
@@ -159,7 +163,7 @@ def _make_gguf(out: Path, preset: str, config: dict[str, Any], torch_dtype: torc
     assert out_path is not None
     with tempfile.TemporaryDirectory(prefix="moepager-make-") as folder:
         entries, produce = _tensors(Path(folder), config, torch_dtype, seed)
-        with ThreadPoolExecutor(max(1, min(GENERATORS, os.cpu_count() or 1))) as pool:
+        with ThreadPoolExecutor(_drawing_threads()) as pool:
             make = produce(pool)
             naming = ARCHITECTURES[config["architectures"][0]].expert_naming
 
@@ -190,14 +194,13 @@ def _tensors(out_dir: Path, config: dict[str, Any], torch_dtype: torch.dtype, se
         name, dt, shape = entries[i]
         return _random_tensor(name, shape, dt, torch.Generator().manual_seed(seed * TENSOR_SEEDS + i + 1)
                               if large[i] else gen)
-    threads = max(1, min(GENERATORS, os.cpu_count() or 1))
-    return entries, lambda pool: _ahead(pool, threads, [name for name, _, _ in entries], large, make)
+    return entries, lambda pool: _ahead(pool, _drawing_threads(), [name for name, _, _ in entries], large, make)
 
 
 def _write_checkpoint(out_dir: Path, config: dict[str, Any], torch_dtype: torch.dtype, seed: int, shard_bytes: int,
                       desc: str, show_progress: bool) -> None:
     entries, produce = _tensors(out_dir, config, torch_dtype, seed)
-    with ThreadPoolExecutor(max(1, min(GENERATORS, os.cpu_count() or 1))) as pool:
+    with ThreadPoolExecutor(_drawing_threads()) as pool:
         write_shards(out_dir, entries, produce(pool), shard_bytes, desc, show_progress)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
 

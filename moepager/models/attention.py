@@ -246,7 +246,7 @@ def attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, 
         q_BKGD = q_BHTD.reshape(b, hkv, h // hkv, d)
         out = F.scaled_dot_product_attention(q_BKGD, k_BHSD, v_BHSD, attn_mask=mask_B1TS, scale=scale)
         return out.reshape(b, h, 1, out.shape[-1])
-    rows = max(1, SCORES_MAX // (b * h * k_BHSD.shape[2]))
+    rows = t if t == 1 else max(1, SCORES_MAX // (b * h * k_BHSD.shape[2]))  # (a decode step: nothing to split)
     if t <= rows:
         return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=mask_B1TS, scale=scale,
                                               enable_gqa=h != hkv)

@@ -205,7 +205,8 @@ def fitted(config: EngineConfig, opened: OpenCheckpoint, times: ExpertTimes | No
         tokens = prefill_chunk(fit, opened, config, times)
         if tokens != config.scheduler.max_batched_tokens:
             config = replace(config, scheduler=replace(config.scheduler, max_batched_tokens=tokens))
-            fit = fit_of(config, opened)
+            fit = replace(fit, working=step_bytes(opened, tokens, config.scheduler.kv_cache_tokens,
+                                                  config.scheduler.max_num_seqs))  # the same memory, not measured again
             fit.check()
             chunk = (f"; prompts in chunks of {tokens} tokens (each reads its layers' missing experts once; "
                      "--max-batched-tokens sets it)")
