@@ -313,7 +313,7 @@ class _Planned:
     shape: tuple[int, ...]
     np_dtype: np.dtype
     nbytes: int
-    raw_dtype: Any
+    raw_dtype: gguf.GGMLQuantizationType | None
     make: Callable[[], np.ndarray]
 
 
