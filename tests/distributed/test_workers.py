@@ -258,15 +258,18 @@ def started_server(args: list[str], env: dict[str, str]) -> tuple[subprocess.Pop
     proc = subprocess.Popen([sys.executable, "-m", "moepager.cli.main", "serve", "--port", str(port), "--quiet", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + TIMEOUT_S
-    while proc.poll() is None and time.monotonic() < deadline:
+    while proc.poll() is None:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                break
+                return proc, f"http://127.0.0.1:{port}"
         except httpx.HTTPError:
-            time.sleep(0.2)
-    if proc.poll() is not None:
-        raise AssertionError(proc.stderr.read()[-3000:])
-    return proc, f"http://127.0.0.1:{port}"
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the server's /health did not answer within {TIMEOUT_S} s: "
+                                 f"{proc.communicate()[1][-3000:]}")
+        time.sleep(0.2)
+    raise AssertionError(proc.stderr.read()[-3000:])
 
 
 @pytest.mark.parametrize("shadow", [False, True], ids=["workers", "workers-and-shadow"])
