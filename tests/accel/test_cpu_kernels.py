@@ -299,6 +299,18 @@ def test_a_fused_dense_projection_computes_the_linear_map(rows, bias, tier):
     torch.testing.assert_close(y, F.linear(x, w, b), rtol=1.6e-2, atol=1e-2)  # bf16: the last bit may differ
 
 
+@pytest.mark.parametrize("k", [64, 100, 256])
+def test_a_one_row_projection_equals_that_row_in_a_batch_bit_for_bit(k, tier):
+    """One input runs its weight rows two at a time (rows.h `dot_bf16_pair`, an odd row count's last alone), a batch one
+    row at a time: the same operations in the same order, so the same bits (a whole 64-input chunk, and tails)."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(203, k, generator=g).to(BF16)
+    x = torch.randn(3, k, generator=g).to(BF16)
+    lin = FusedLinear(w)
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(3)])
+    assert torch.equal(alone, lin(x)) and torch.equal(alone[1:2], lin(x[1:2]))
+
+
 @needs_kernels
 def test_loading_puts_every_bf16_dense_projection_on_the_gemv(hf_checkpoint):
     _, path = hf_checkpoint("qwen3_moe")

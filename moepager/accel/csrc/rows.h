@@ -160,6 +160,32 @@ inline void dot_bf16(const uint16_t* w, const uint16_t* const* x, int64_t K, flo
   for (int t = 0; t < T; ++t) out[t] = fsum(a0[t] + a1[t]);
 }
 
+// Two adjacent bf16 weight rows (w and w + K) against one input: each row's two accumulators take exactly
+// dot_bf16<1>'s operations in its order (the same bits), interleaved so that the two rows' chains of fused multiply-adds
+// overlap and the input's loads (and, on AVX2, its shifts and masks) are shared. Ad-hoc probe on the Zen 3 host
+// (2026-12-02, 1 thread, the 8192x256 LM head): see benchmarks/README.md#cpu_kernels.
+inline void dot_bf16_pair(const uint16_t* w, const uint16_t* x, int64_t K, float* out) {
+  const uint16_t* v = w + K;
+  F16 a0 = fzero(), a1 = fzero(), b0 = fzero(), b1 = fzero();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    prefetch_l2(reinterpret_cast<const char*>(w + k) + PREFETCH);
+    prefetch_l2(reinterpret_cast<const char*>(v + k) + PREFETCH);
+    const B32 x0 = bload(x + k), x1 = bload(x + k + 32);
+    a0 = bdot(a0, bload(w + k), x0);
+    b0 = bdot(b0, bload(v + k), x0);
+    a1 = bdot(a1, bload(w + k + 32), x1);
+    b1 = bdot(b1, bload(v + k + 32), x1);
+  }
+  for (; k < K; k += 32) {
+    const B32 xv = bload(x + k, K - k);
+    a0 = bdot(a0, bload(w + k, K - k), xv);
+    b0 = bdot(b0, bload(v + k, K - k), xv);
+  }
+  out[0] = fsum(a0 + a1);
+  out[1] = fsum(b0 + b1);
+}
+
 template <int T>
 inline void dot_int8(const int8_t* w, const QRow* x, int64_t K, float* out) {
   F16 a0[T], a1[T];
@@ -238,7 +264,10 @@ inline void rows_any(int64_t fmt, const Projection& p, int64_t group, int64_t r0
     const int64_t c = std::min<int64_t>(4, n - t);
     const uint16_t* const* xbt = xb ? xb + t : nullptr;
     const QRow* xqt = xq ? xq + t : nullptr;
-    for (int64_t r = r0; r < r1; ++r) {
+    int64_t r = r0;
+    if (fmt == BF16 && c == 1)  // one input: rows two at a time (dot_bf16_pair), the same bits as one at a time
+      for (; r + 2 <= r1; r += 2) dot_bf16_pair(reinterpret_cast<const uint16_t*>(p.w) + r * p.K, xbt[0], p.K, y + t * ldy + r);
+    for (; r < r1; ++r) {
       switch (c) {
         case 4: row_dot<4>(fmt, p, group, r, xbt, xqt, tmp, scales); break;
         case 3: row_dot<3>(fmt, p, group, r, xbt, xqt, tmp, scales); break;
