@@ -177,7 +177,8 @@ def test_without_a_compiler_runs_fall_back_to_torch_and_say_why(fresh_state, mon
         cpu_kernels.fused_experts(shape, CPU, "fused")
     loaded = load_model(bf16_checkpoint, expert_dtype="int4", show_progress=False)
     assert loaded.experts.kernels.fused is None and loaded.expert_shape.quant.layout == "cpu"  # torch's int4 layout
-    assert capsys.readouterr().err == ""  # said once per process
+    assert "compiler" not in capsys.readouterr().err  # said once per process (a CPU without AVX-512 may say here,
+    # once, that oneDNN's bf16 prepack is unavailable: a line of its own, not this one)
 
 
 def test_moepager_cpu_kernels_0_turns_the_extension_off_silently(fresh_state, monkeypatch, capsys):
@@ -301,8 +302,9 @@ def test_a_fused_dense_projection_computes_the_linear_map(rows, bias, tier):
 
 @pytest.mark.parametrize("k", [64, 100, 256])
 def test_a_one_row_projection_equals_that_row_in_a_batch_bit_for_bit(k, tier):
-    """One input runs its weight rows two at a time (rows.h `dot_bf16_pair`, an odd row count's last alone), a batch one
-    row at a time: the same operations in the same order, so the same bits (a whole 64-input chunk, and tails)."""
+    """One input runs its weight rows two at a time (rows.h `dot_bf16_rows<2, 1>`, an odd row count's last alone), a
+    batch one row at a time: the same operations in the same order, so the same bits (a whole 64-input chunk, and
+    tails)."""
     g = torch.Generator().manual_seed(1)
     w = torch.randn(203, k, generator=g).to(BF16)
     x = torch.randn(3, k, generator=g).to(BF16)

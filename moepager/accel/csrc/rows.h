@@ -139,51 +139,40 @@ inline void add_bf16_row(const uint16_t* a, const uint16_t* b, uint16_t* out, in
 // for bf16 (17.2-17.9 on the LM head).
 constexpr int64_t PREFETCH = 8192;
 
-// One bf16 weight row (K inputs) against T inputs, two independent accumulators per input.
-template <int T>
-inline void dot_bf16(const uint16_t* w, const uint16_t* const* x, int64_t K, float* out) {
-  F16 a0[T], a1[T];
-  for (int t = 0; t < T; ++t) a0[t] = a1[t] = fzero();
+// R adjacent bf16 weight rows (row i at w + i K) against T inputs: out[i T + t], two independent accumulators per row
+// and input, each taking the same operations in the same order whatever R and T (so the same bits). R = 2 with one
+// input (rows_any) overlaps two rows' chains of fused multiply-adds and shares the input's loads (on AVX2 also its
+// shifts and masks): the 8192x256 LM head 155 against 192 us at 1 thread on the Zen 3 (an ad-hoc probe, 2026-12-02,
+// each version in its own process, interleaved twice: 155.5 / 156.2 against 192.4 / 192.5 us).
+template <int R, int T>
+inline void dot_bf16_rows(const uint16_t* w, const uint16_t* const* x, int64_t K, float* out) {
+  F16 a0[R][T], a1[R][T];
+  for (int i = 0; i < R; ++i)
+    for (int t = 0; t < T; ++t) a0[i][t] = a1[i][t] = fzero();
   int64_t k = 0;
   for (; k + 64 <= K; k += 64) {
-    prefetch_l2(reinterpret_cast<const char*>(w + k) + PREFETCH);
-    const B32 w0 = bload(w + k), w1 = bload(w + k + 32);
-    for (int t = 0; t < T; ++t) {
-      a0[t] = bdot(a0[t], w0, bload(x[t] + k));
-      a1[t] = bdot(a1[t], w1, bload(x[t] + k + 32));
+    for (int i = 0; i < R; ++i) prefetch_l2(reinterpret_cast<const char*>(w + i * K + k) + PREFETCH);
+    for (int i = 0; i < R; ++i) {  // (the inputs' loads are the same for every row: the compiler shares them)
+      const B32 w0 = bload(w + i * K + k), w1 = bload(w + i * K + k + 32);
+      for (int t = 0; t < T; ++t) {
+        a0[i][t] = bdot(a0[i][t], w0, bload(x[t] + k));
+        a1[i][t] = bdot(a1[i][t], w1, bload(x[t] + k + 32));
+      }
     }
   }
-  for (; k < K; k += 32) {
-    const B32 wv = bload(w + k, K - k);
-    for (int t = 0; t < T; ++t) a0[t] = bdot(a0[t], wv, bload(x[t] + k, K - k));
-  }
-  for (int t = 0; t < T; ++t) out[t] = fsum(a0[t] + a1[t]);
+  for (; k < K; k += 32)
+    for (int i = 0; i < R; ++i) {
+      const B32 wv = bload(w + i * K + k, K - k);
+      for (int t = 0; t < T; ++t) a0[i][t] = bdot(a0[i][t], wv, bload(x[t] + k, K - k));
+    }
+  for (int i = 0; i < R; ++i)
+    for (int t = 0; t < T; ++t) out[i * T + t] = fsum(a0[i][t] + a1[i][t]);
 }
 
-// Two adjacent bf16 weight rows (w and w + K) against one input: each row's two accumulators take exactly
-// dot_bf16<1>'s operations in its order (the same bits), interleaved so that the two rows' chains of fused multiply-adds
-// overlap and the input's loads (and, on AVX2, its shifts and masks) are shared. Ad-hoc probe on the Zen 3 host
-// (2026-12-02, 1 thread, the 8192x256 LM head): see benchmarks/README.md#cpu_kernels.
-inline void dot_bf16_pair(const uint16_t* w, const uint16_t* x, int64_t K, float* out) {
-  const uint16_t* v = w + K;
-  F16 a0 = fzero(), a1 = fzero(), b0 = fzero(), b1 = fzero();
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    prefetch_l2(reinterpret_cast<const char*>(w + k) + PREFETCH);
-    prefetch_l2(reinterpret_cast<const char*>(v + k) + PREFETCH);
-    const B32 x0 = bload(x + k), x1 = bload(x + k + 32);
-    a0 = bdot(a0, bload(w + k), x0);
-    b0 = bdot(b0, bload(v + k), x0);
-    a1 = bdot(a1, bload(w + k + 32), x1);
-    b1 = bdot(b1, bload(v + k + 32), x1);
-  }
-  for (; k < K; k += 32) {
-    const B32 xv = bload(x + k, K - k);
-    a0 = bdot(a0, bload(w + k, K - k), xv);
-    b0 = bdot(b0, bload(v + k, K - k), xv);
-  }
-  out[0] = fsum(a0 + a1);
-  out[1] = fsum(b0 + b1);
+// One bf16 weight row (K inputs) against T inputs.
+template <int T>
+inline void dot_bf16(const uint16_t* w, const uint16_t* const* x, int64_t K, float* out) {
+  dot_bf16_rows<1, T>(w, x, K, out);
 }
 
 template <int T>
@@ -265,8 +254,9 @@ inline void rows_any(int64_t fmt, const Projection& p, int64_t group, int64_t r0
     const uint16_t* const* xbt = xb ? xb + t : nullptr;
     const QRow* xqt = xq ? xq + t : nullptr;
     int64_t r = r0;
-    if (fmt == BF16 && c == 1)  // one input: rows two at a time (dot_bf16_pair), the same bits as one at a time
-      for (; r + 2 <= r1; r += 2) dot_bf16_pair(reinterpret_cast<const uint16_t*>(p.w) + r * p.K, xbt[0], p.K, y + t * ldy + r);
+    if (fmt == BF16 && c == 1)  // one input: rows two at a time, the same bits as one at a time
+      for (; r + 2 <= r1; r += 2)
+        dot_bf16_rows<2, 1>(reinterpret_cast<const uint16_t*>(p.w) + r * p.K, xbt, p.K, y + t * ldy + r);
     for (; r < r1; ++r) {
       switch (c) {
         case 4: row_dot<4>(fmt, p, group, r, xbt, xqt, tmp, scales); break;
