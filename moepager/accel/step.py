@@ -1,6 +1,7 @@
 """moepager's CPU kernels for the rest of an eager decode step (accel/csrc/step.h, bound by step.cpp), given to a bf16
-CPU model at load: RMSNorm, the softmax top-k router and a decode pass's attention one call each, and where a layer's
-parts allow it the whole decoder layer in one call.
+CPU model at load: RMSNorm, the softmax top-k router and a decode pass's attention one call each, where a layer's
+parts allow it the whole decoder layer in one call, and where every layer has that call the whole decode pass
+(embedding to logits) in one.
 
 Where the time went (the built-in model, bf16, eager, 1 thread, cProfile of 128 decode tokens, 2026-11-27): a torch
 RMSNorm is seven ops (~14 us; 19 a token), a router six, an attention some twenty (views, RoPE, the cache write, SDPA),
@@ -18,12 +19,13 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
+import torch.nn.modules.module as nn_hooks
 
 from moepager.accel import cpu_kernels
 from moepager.accel.packed import FUSED_DENSE_MAX_TOKENS, FusedLinear
 from moepager.experts.executor import ResidentExecutor
 from moepager.models.attention import NO_WEIGHT, Attention, ForwardBatch, RMSNorm
-from moepager.models.layers import DecoderLayer
+from moepager.models.layers import CausalLM, DecoderLayer
 from moepager.models.moe import NATIVE_MAX_TOKENS, MoEBlock, SoftmaxTopKRouter
 from moepager.models.routing import NULL_OBSERVER, OWN_ROUTER
 
@@ -35,7 +37,7 @@ def use_step_kernels(model: torch.nn.Module, dtype: torch.dtype) -> str:
     if dtype != torch.bfloat16 or not cpu_kernels.available():
         return ""
     module = cpu_kernels.extension()
-    counts = {"norms": 0, "routers": 0, "decode attentions": 0, "whole decoder layers": 0}
+    counts = {"norms": 0, "routers": 0, "decode attentions": 0, "whole decoder layers": 0, "whole decode step": 0}
     for m in model.modules():
         if isinstance(m, RMSNorm) and m.weight.dtype == torch.bfloat16:
             m.kernel = module.rms_norm
@@ -50,6 +52,9 @@ def use_step_kernels(model: torch.nn.Module, dtype: torch.dtype) -> str:
         if isinstance(m, DecoderLayer) and DecodeLayerStep.fits(m):
             m.step = DecodeLayerStep(module, m)
             counts["whole decoder layers"] += 1
+    if isinstance(model, CausalLM) and DecodeModelStep.fits(model):
+        model.step = DecodeModelStep(module, model)
+        counts["whole decode step"] = 1
     parts = [f"{n} {what}" for what, n in counts.items() if n]
     return ", ".join(parts) + " on moepager's CPU kernels" if parts else ""
 
@@ -100,3 +105,64 @@ class DecodeLayerStep:
         out = self.call(x_BTD.reshape(b, -1), cos.view(b, -1), sin.view(b, -1), cache, batch.block_table_BN,
                         batch.positions_BT.view(b), self.executor.kernels.arena)
         return out.view_as(x_BTD)
+
+
+class DecodeModelStep:
+    """A decode pass of the whole model in one call (csrc/step.cpp `DecodeModel`): the tokens' embedding rows, their
+    positions' rotary rows, every decoder layer's `DecodeLayer`, the final norm and the LM head; logits [B, V]. The
+    Python between the layers, the norm and the head (module calls, views, the per-layer checks) was ~0.1 ms a token
+    on the built-in model (Zen 4, 1 thread) and three times that on the Zen 3, where the whole token is ~2 ms. It
+    declines (None: the modules compute, each layer by its own `DecodeLayerStep` where that applies) wherever a layer
+    would: more rows than the kernels take, an observer or replayed routing, another executor, forward hooks on any
+    module the pass would skip (the layers' and their parts', the embedding's, the norm's, the head's), padding."""
+
+    @staticmethod
+    def fits(model: CausalLM) -> bool:
+        """Every decoder layer has a `DecodeLayerStep`, all on one executor; the embedding bf16, the final norm on the
+        kernel, the head moepager's GEMV without a bias (a tied head too: `pack_dense` gave it its own module)."""
+        layers = list(model.model.layers)
+        steps = [layer.step for layer in layers]
+        head, norm = model.lm_head, model.model.norm
+        return (bool(layers) and all(isinstance(s, DecodeLayerStep) for s in steps)
+                and len({id(s.executor) for s in steps if isinstance(s, DecodeLayerStep)}) == 1
+                and model.model.embed_tokens.weight.dtype == torch.bfloat16 and norm.kernel is not None
+                and isinstance(head, FusedLinear) and head.bias is None and head.weight.dtype == torch.bfloat16)
+
+    def __init__(self, module: ModuleType, model: CausalLM):
+        assert self.fits(model)
+        stack = model.model
+        self.layers: list[DecodeLayerStep] = [layer.step for layer in stack.layers]  # type: ignore[misc]
+        self.max_rows = min(s.max_rows for s in self.layers)
+        self.rope = stack.rotary_emb
+        self.executor = self.layers[0].executor
+        self.watched = (stack.embed_tokens, stack.rotary_emb, stack.norm, model.lm_head) + tuple(
+            m for layer in stack.layers for m in (layer, layer.self_attn, layer.mlp))
+        """The modules a pass of the modules would call (each layer's parts past these run inside its step), whose
+        hooks this call would skip."""
+        head = model.lm_head
+        assert isinstance(head, FusedLinear)
+        self.call = module.DecodeModel(stack.embed_tokens.weight, [s.call for s in self.layers], stack.norm.weight,
+                                       stack.norm.eps, head.weight)
+
+    def usable(self) -> bool:
+        """Whether every layer's step would run (as `DecodeLayerStep.__call__` checks) and no module has a hook."""
+        for s in self.layers:
+            if s.mlp.observer is not NULL_OBSERVER or s.mlp.routing is not OWN_ROUTER \
+                    or s.mlp.executor is not s.executor or s.attn.step is None:
+                return False
+        for m in self.watched:
+            if m._forward_hooks or m._forward_pre_hooks:
+                return False
+        return not (nn_hooks._global_forward_hooks or nn_hooks._global_forward_pre_hooks)
+
+    def __call__(self, ids_BT: torch.Tensor, batch: ForwardBatch, cache: list[torch.Tensor]) -> torch.Tensor | None:
+        """Logits [B, V] of one decode token a row, or None where it declines."""
+        b = ids_BT.shape[0]
+        if b > self.max_rows or batch.valid_N is not None or batch.block_table_BN is None or not self.usable():
+            return None
+        table = self.rope._tables.get(torch.bfloat16)
+        if table is None or table[0].shape[0] < batch.kv_len:
+            self.rope(batch.positions_BT, torch.bfloat16)  # grows the tables past every position
+            table = self.rope._tables[torch.bfloat16]
+        return self.call(ids_BT.view(b), batch.positions_BT.view(b), table[0], table[1], cache, batch.block_table_BN,
+                         self.executor.kernels.arena)

@@ -98,6 +98,9 @@ class CausalLM(nn.Module):
         eager."""
         self.compiled_rows = False
         """The compiled step also runs decode passes of several rows (one graph for every row count >= 2)."""
+        self.step: Callable[..., torch.Tensor | None] | None = None
+        """A decode pass of the whole model in one call (accel/step.py `DecodeModelStep`: bf16 CPU runs) giving the
+        logits at `logits_at_B`, outside a compiled step; None from it: the modules compute."""
         self.traceable = True
         """Every MoE block routes with its own router, and reports to no observer unless its experts leave the graph
         for the host (what the compiled step traces; `refresh_traceable`)."""
@@ -168,6 +171,11 @@ class CausalLM(nn.Module):
         if ids_BT.is_cuda:
             with sdpa_kernel(CUDA_ATTENTION):
                 return self._forward(ids_BT, batch, cache, logits_at_B)
+        if self.step is not None and logits_at_B is not None and ids_BT.shape[1] == 1 \
+                and self.compiled_decode is None:
+            out = self.step(ids_BT, batch, cache)
+            if out is not None:
+                return out
         compiled = (self.compiled_decode is not None and self.traceable and ids_BT.shape[1] == 1 and batch.kv_len > 1
                     and (ids_BT.shape[0] == 1 or self.compiled_rows))  # kv_len 1 (one-token prompts) would compile
         if (compiled or ids_BT.numel() == 1) and self.config.hidden_size <= NATIVE_GEMV_MAX_HIDDEN:

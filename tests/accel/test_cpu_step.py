@@ -17,7 +17,7 @@ from moepager.accel import cpu_kernels, step
 from moepager.config import EngineConfig, ExpertFormat
 from moepager.models.attention import Attention, ForwardBatch, RMSNorm, RotaryEmbedding
 from moepager.models.config import ModelConfig, RopeConfig
-from moepager.models.layers import DecoderLayer
+from moepager.models.layers import CausalLM, DecoderLayer
 from moepager.models.moe import SoftmaxTopKRouter
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams, greedy_picks
@@ -170,7 +170,8 @@ def test_every_architecture_decodes_through_the_kernels_as_through_torch(hf_chec
     compared = compare_decode_passes(monkeypatch, Attention, close)
     layers = [m for m in llm.loaded.model.modules() if isinstance(m, DecoderLayer)]
     steps = [layer.step for layer in layers]
-    for layer in layers:  # the modules one by one (the whole-layer call: the next test)
+    model_step, llm.loaded.model.step = llm.loaded.model.step, None  # the modules one by one (the whole-layer and
+    for layer in layers:                                              # whole-model calls: the next tests)
         layer.step = None
     outs = llm.generate([[3, 5, 7, 11, 13], [17, 19]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [5, 5]
@@ -178,6 +179,7 @@ def test_every_architecture_decodes_through_the_kernels_as_through_torch(hf_chec
     assert (2 in compared) == uses_attention  # (DeepSeek's MLA has an attention of its own: norms only)
     for layer, s in zip(layers, steps):
         layer.step = s
+    llm.loaded.model.step = model_step
 
 
 @needs_kernels
@@ -207,6 +209,7 @@ def run_whole_layer_test(path, arch, threads, expert_dtype, monkeypatch):
     fused = [layer for layer in layers if layer.step is not None]
     assert (len(fused) > 0) == (arch in ("mixtral", "qwen3_moe"))
     assert ("whole decoder layers" in llm.loaded.dense_format) == bool(fused)
+    llm.loaded.model.step = None  # each layer's own call (the whole model's: the next test)
 
     def equal(got, ref, got_cache, ref_cache):
         assert got is not None and torch.equal(got, ref) and torch.equal(got_cache, ref_cache)
@@ -219,6 +222,72 @@ def run_whole_layer_test(path, arch, threads, expert_dtype, monkeypatch):
         monkeypatch.setattr(block, "observer", object())  # (a trace recorder's place)
         x = torch.randn(1, 1, llm.loaded.config.hidden_size).to(BF16)
         assert fused[0].step(x, None, None, None) is None  # declines before reading anything else
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch, threads, expert_dtype", [(a, 2, None) for a in ARCHS]
+                         + [("qwen3_moe", 1, None), ("mixtral", 1, "int8"), ("qwen3_moe", 2, "int4")])
+def test_a_whole_decode_pass_in_one_call_equals_the_modules_bit_for_bit(hf_checkpoint, arch, threads, expert_dtype,
+                                                                         monkeypatch, request):
+    """Where every decoder layer has its one call (Mixtral, Qwen3-MoE), a decode pass of the whole model is one call
+    (embedding, layers, final norm, LM head); through the engine (two rows at different lengths, greedy) its logits and
+    every layer's cache equal the modules' (each layer by its own call) bit for bit, on one thread and two, bf16, int8
+    or int4 experts, also when the rotary tables must grow first. It declines where the modules would do more than it:
+    a forward hook on any module it skips, an observer on a block; a token outside the vocabulary is an error. (int4:
+    the Qwen3-MoE whose experts are 32 wide, a group.)"""
+    path = request.getfixturevalue("bf16_checkpoint") if expert_dtype == "int4" else hf_checkpoint(arch)[1]
+    before = torch.get_num_threads()
+    try:
+        run_whole_model_test(path, arch, threads, expert_dtype, monkeypatch)
+    finally:
+        torch.set_num_threads(before)
+
+
+def run_whole_model_test(path, arch, threads, expert_dtype, monkeypatch):
+    llm = LLM(config=EngineConfig(model=str(path), dtype="bfloat16", threads=threads,
+                                  experts=ExpertFormat(expert_dtype)), show_progress=False)
+    model = llm.loaded.model
+    whole = model.step
+    assert isinstance(whole, step.DecodeModelStep) == (arch in ("mixtral", "qwen3_moe"))
+    assert ("whole decode step" in llm.loaded.dense_format) == (whole is not None)
+    if whole is None:
+        return
+    forward, rows = CausalLM.forward, []
+
+    def both(self, ids, batch, cache, logits_at_B=None):
+        if logits_at_B is not None and ids.shape[1] == 1:
+            ref_cache, got_cache = [c.clone() for c in cache], [c.clone() for c in cache]
+            self.step = None
+            ref = forward(self, ids, batch, ref_cache, logits_at_B)
+            self.step = whole
+            if not rows:
+                self.model.rotary_emb._tables.clear()  # the call grows them itself
+            got = whole(ids, batch, got_cache)
+            assert got is not None and torch.equal(got, ref)
+            assert all(torch.equal(g, r) for g, r in zip(got_cache, ref_cache))
+            rows.append(ids.shape[0])
+        return forward(self, ids, batch, cache, logits_at_B)
+
+    monkeypatch.setattr(CausalLM, "forward", both)
+    llm.generate([[3, 5, 7, 11, 13], [17, 19]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert 2 in rows
+    monkeypatch.undo()
+    assert whole.usable()
+    layer = model.model.layers[-1]
+    for module in (layer, layer.mlp, model.model.norm, model.lm_head):
+        handle = module.register_forward_hook(lambda *args: None)
+        assert not whole.usable()
+        handle.remove()
+    monkeypatch.setattr(layer.mlp, "observer", object())  # (a trace recorder's place)
+    assert not whole.usable()
+    monkeypatch.undo()
+    assert whole.usable()
+    cache = model.make_cache(1, 16, BF16, torch.device("cpu"))
+    vocab = model.model.embed_tokens.weight.shape[0]
+    cos, sin = model.model.rotary_emb._tables[BF16]
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        whole.call(torch.tensor([vocab]), torch.tensor([0]), cos, sin, cache, torch.zeros(1, 2, dtype=torch.long),
+                   whole.executor.kernels.arena)
 
 
 def test_without_the_extension_the_model_keeps_torch_ops(monkeypatch):

@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "bind.h"
@@ -147,9 +148,16 @@ struct DecodeLayer {
          checked_spec(spec)};
   }
 
-  torch::Tensor operator()(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                           torch::Tensor cache, const torch::Tensor& table, const torch::Tensor& positions,
-                           const torch::Tensor& arena) const {
+  // A call's checked views and outputs: what `run` computes, with no Python object touched (the GIL released).
+  struct Pass {
+    DecodeAttention att;
+    const uint8_t* rows;
+    int64_t stride;
+    torch::Tensor qkv, out;
+  };
+
+  Pass prepare(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor cache,
+               const torch::Tensor& table, const torch::Tensor& positions, const torch::Tensor& arena) const {
     const torch::Tensor &qkv_w = keep[2], &o_w = keep[5], &router_w = keep[7];
     const int64_t B = x.size(0), D = x.size(1);
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16 && qkv_w.size(1) == D &&
@@ -163,12 +171,105 @@ struct DecodeLayer {
                 "the arena must be [rows, numel] with contiguous rows, rows base..base + num_experts in range");
     const int64_t stride = arena.stride(0) * arena.element_size();
     const auto* rows = static_cast<const uint8_t*>(arena.data_ptr()) + L.base * stride;
-    auto out = torch::empty({B, D}, x.options());
+    return {att, rows, stride, qkv, torch::empty({B, D}, x.options())};
+  }
+
+  void run(const Pass& p, const uint16_t* x, int threads) const {
+    decode_layer(L, p.att, p.rows, p.stride, x, reinterpret_cast<uint16_t*>(p.qkv.data_ptr()),
+                 reinterpret_cast<uint16_t*>(p.out.data_ptr()), threads);
+  }
+
+  torch::Tensor operator()(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                           torch::Tensor cache, const torch::Tensor& table, const torch::Tensor& positions,
+                           const torch::Tensor& arena) const {
+    const Pass p = prepare(x, cos, sin, cache, table, positions, arena);
     const int threads = kernel_threads();
     pybind11::gil_scoped_release release;
-    decode_layer(L, att, rows, stride, bf16_data(x), reinterpret_cast<uint16_t*>(qkv.data_ptr()),
-                 reinterpret_cast<uint16_t*>(out.data_ptr()), threads);
-    return out;
+    run(p, bf16_data(x), threads);
+    return p.out;
+  }
+};
+
+// A decode pass of the whole model in one call: the embedding's rows of the tokens, their positions' rows of the
+// rotary tables, every DecodeLayer in order, the final norm and the LM head, returning bf16 logits [B, V] -- the
+// same kernels in the same order as the model's modules with the step kernels (models/layers.py CausalLM with
+// accel/step.py's DecodeLayerStep), so the logits agree bit for bit; one Python call a token where the modules take
+// some dozens. The layers are the bound DecodeLayer objects (kept alive here); the head is [V, D] with no bias.
+struct DecodeModel {
+  std::vector<pybind11::object> owners;
+  std::vector<const DecodeLayer*> layers;
+  torch::Tensor embed, norm, head;
+  float eps;
+
+  DecodeModel(torch::Tensor embed_w, std::vector<pybind11::object> layer_objects, torch::Tensor norm_w, double norm_eps,
+              torch::Tensor head_w)
+      : owners(std::move(layer_objects)), embed(embed_w), norm(norm_w), head(head_w), eps(static_cast<float>(norm_eps)) {
+    for (const auto* t : {&embed, &norm, &head})
+      TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->device().is_cpu(),
+                  "DecodeModel: contiguous bf16 CPU embedding, norm and head");
+    TORCH_CHECK(embed.dim() == 2 && head.dim() == 2 && head.size(1) == embed.size(1) && norm.numel() == embed.size(1)
+                && !owners.empty(), "DecodeModel: embedding [V, D], norm [D], head [V', D] and at least one layer");
+    for (const auto& o : owners) layers.push_back(o.cast<const DecodeLayer*>());
+  }
+
+  torch::Tensor operator()(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& cos_table,
+                           const torch::Tensor& sin_table, const std::vector<torch::Tensor>& caches,
+                           const torch::Tensor& table, const torch::Tensor& arena) const {
+    TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.is_contiguous() && ids.dim() == 1 &&
+                positions.scalar_type() == torch::kLong && positions.is_contiguous() &&
+                positions.numel() == ids.numel(), "DecodeModel: int64 ids [B] and positions [B]");
+    TORCH_CHECK(caches.size() == layers.size(), "DecodeModel: one cache a layer (", layers.size(), "), got ",
+                caches.size());
+    TORCH_CHECK(cos_table.scalar_type() == torch::kBFloat16 && sin_table.scalar_type() == torch::kBFloat16 &&
+                cos_table.is_contiguous() && sin_table.is_contiguous() && cos_table.dim() == 2 &&
+                sin_table.sizes() == cos_table.sizes(), "DecodeModel: bf16 rotary tables [P, Dh]");
+    const int64_t B = ids.numel(), D = embed.size(1), V = embed.size(0), P = cos_table.size(0), dh = cos_table.size(1);
+    const auto* id = ids.data_ptr<int64_t>();
+    const auto* pos = positions.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(id[b] >= 0 && id[b] < V, "DecodeModel: token id ", id[b], " outside the vocabulary of ", V);
+      TORCH_CHECK(pos[b] >= 0 && pos[b] < P, "DecodeModel: position ", pos[b], " past the rotary table's ", P);
+    }
+    auto x = torch::empty({B, D}, embed.options());
+    auto cos = torch::empty({B, dh}, embed.options()), sin = torch::empty({B, dh}, embed.options());
+    for (int64_t b = 0; b < B; ++b) {
+      std::memcpy(x.data_ptr<at::BFloat16>() + b * D, bf16_data(embed) + id[b] * D, D * 2);
+      std::memcpy(cos.data_ptr<at::BFloat16>() + b * dh, bf16_data(cos_table) + pos[b] * dh, dh * 2);
+      std::memcpy(sin.data_ptr<at::BFloat16>() + b * dh, bf16_data(sin_table) + pos[b] * dh, dh * 2);
+    }
+    std::vector<DecodeLayer::Pass> passes;
+    passes.reserve(layers.size());
+    const torch::Tensor* in = &x;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      passes.push_back(layers[i]->prepare(*in, cos, sin, caches[i], table, positions, arena));
+      in = &passes.back().out;
+    }
+    const int64_t N = head.size(0);
+    auto normed = torch::empty({B, D}, embed.options());
+    auto yf = torch::empty({B, N}, embed.options().dtype(torch::kFloat));
+    auto logits = torch::empty({B, N}, embed.options());
+    const int threads = kernel_threads();
+    pybind11::gil_scoped_release release;
+    const uint16_t* xp = bf16_data(x);
+    for (size_t i = 0; i < layers.size(); ++i) {
+      layers[i]->run(passes[i], xp, threads);
+      xp = bf16_data(passes[i].out);
+    }
+    auto* np = reinterpret_cast<uint16_t*>(normed.data_ptr());
+    std::vector<const uint16_t*> rows(B);
+    for (int64_t b = 0; b < B; ++b) {
+      norm_row(xp + b * D, bf16_data(norm), np + b * D, D, eps);
+      rows[b] = np + b * D;
+    }
+    // the head as linear_bf16 computes it (moe.cpp gemv): 16 rows a task
+    const int64_t tasks = (N + 15) / 16;
+    float* yp = yf.data_ptr<float>();
+    auto* op = reinterpret_cast<uint16_t*>(logits.data_ptr());
+    parallel_for(0, tasks, grain_for(tasks, B * N * D), [&](int64_t a, int64_t z) {
+      for (int64_t t = a; t < z; ++t)
+        project(bf16_data(head), nullptr, N, D, rows.data(), B, t * 16, std::min(N, t * 16 + 16), yp, op);
+    });
+    return logits;
   }
 };
 
@@ -203,6 +304,9 @@ void register_step(pybind11::module_& m) {
                           int64_t, int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, bool, bool,
                           int64_t, int64_t, std::vector<int64_t>>())
       .def("__call__", &DecodeLayer::operator());
+  pybind11::class_<DecodeModel>(m, "DecodeModel", pybind11::module_local())
+      .def(pybind11::init<torch::Tensor, std::vector<pybind11::object>, torch::Tensor, double, torch::Tensor>())
+      .def("__call__", &DecodeModel::operator());
   m.def("router_topk", &router_topk);
   m.def("rms_norm", &rms_norm);
   m.def("decode_attention", &decode_attention);
