@@ -143,14 +143,23 @@ inline F16 bdot(F16 acc, const B32& w, const B32& x) {
   });
 }
 
-inline void load64(const void* p, int64_t n, uint8x16_t* q) {  // n bytes of p (64 or fewer), the rest 0
-  uint8_t t[64];
-  if (n < 64) {
-    std::memset(t, 0, 64);
-    if (n > 0) std::memcpy(t, p, n);
-    p = t;
+// n bytes of p (64 or fewer), the rest 0: whole 16-byte quarters load directly, only a partial one goes through a
+// zeroed buffer (as the avx2 tier's halves: a 32-byte int4 row of 64 inputs, the built-in model's down projection,
+// went through the buffer whole on every row).
+inline void load64(const void* p, int64_t n, uint8x16_t* q) {
+  const uint8_t* src = static_cast<const uint8_t*>(p);
+  for (int j = 0; j < 4; ++j) {
+    const int64_t m = n - 16 * j;
+    if (m >= 16) {
+      q[j] = vld1q_u8(src + 16 * j);
+    } else if (m <= 0) {
+      q[j] = vdupq_n_u8(0);
+    } else {
+      uint8_t t[16] = {0};
+      std::memcpy(t, src + 16 * j, m);
+      q[j] = vld1q_u8(t);
+    }
   }
-  for (int j = 0; j < 4; ++j) q[j] = vld1q_u8(static_cast<const uint8_t*>(p) + 16 * j);
 }
 inline int32x4_t quads(int8x16_t a, int8x16_t b, int32x4_t acc) {  // acc lane i + the dot of bytes 4i..4i+3
 #if defined(__ARM_FEATURE_DOTPROD)
@@ -190,13 +199,12 @@ inline I4W i4load(const uint8_t* p, int64_t n = 64) {
   return r;
 }
 struct I4Scales {
-  int64_t group;
-  explicit I4Scales(int64_t g) : group(g) {}
+  int64_t index[4];  // block j's scale among the chunk's (j * 32 / group), found once (as the avx2 tier's)
+  explicit I4Scales(int64_t g) {
+    for (int j = 0; j < 4; ++j) index[j] = j * 32 / g;
+  }
   F16 operator()(const uint16_t* s, int64_t count) const {
-    return fmap4([&](int j) {
-      const int64_t i = j * 32 / group;
-      return vdupq_n_f32(i < count ? bf16_to_float(s[i]) : 0.f);
-    });
+    return fmap4([&](int j) { return vdupq_n_f32(index[j] < count ? bf16_to_float(s[index[j]]) : 0.f); });
   }
 };
 inline F16 i4dot(F16 acc, const I4W& w, F16 wscale, const uint8_t* x, const int32_t* corr, const float* xscale) {
