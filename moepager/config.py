@@ -21,6 +21,8 @@ KERNELS: tuple[Kernel, ...] = ("auto", "loop", "gather", "grouped", "packed", "f
 WorkerLoss = Literal["stop", "failover"]
 """`--on-worker-loss` choices (experts/remote/executor.py)."""
 Execution = Literal["gpu", "hybrid", "cpu-experts", "auto"]
+HybridPrefill = Literal["ping-pong", "cache"]
+HYBRID_PREFILLS: tuple[HybridPrefill, ...] = ("ping-pong", "cache")
 EXECUTIONS: tuple[Execution, ...] = ("gpu", "hybrid", "cpu-experts", "auto")
 """`--execution` choices: where a routed expert is computed (experts/hybrid.py says what each does)."""
 EXPERT_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32", "int8", "int4")
@@ -273,6 +275,10 @@ class PlacementConfig:
     """Hybrid: up to this many of a layer's experts computed on the CPU are then copied to the device in the
     background (loads ahead, evicting by the policy); 0: the cache changes only through the experts placed on the
     device and prefetches (SMoE's)."""
+    hybrid_prefill: HybridPrefill = "ping-pong"
+    """Hybrid: how a prefill's experts placed on the device get there (experts/hybrid.py): ping-pong (SMoE's: through
+    the two stream rows only, the decode cache left alone, then filled with each layer's most activated experts at
+    the first decode pass) or cache (through the cache's slots, evicting as a decode's misses do)."""
     cpu_threads: int | None = None
     """Torch threads of the thread computing experts on the CPU (hybrid, cpu-experts); None: `threads`."""
     profile: str | None = None
@@ -286,6 +292,9 @@ class PlacementConfig:
             raise MoepagerError(f"--cpu-threads must be >= 1, got {self.cpu_threads}")
         if self.hybrid_admit < 0:
             raise MoepagerError(f"--hybrid-admit must be >= 0, got {self.hybrid_admit}")
+        if self.hybrid_prefill not in HYBRID_PREFILLS:
+            raise MoepagerError(f"unknown --hybrid-prefill '{self.hybrid_prefill}'; choose from "
+                                f"{', '.join(HYBRID_PREFILLS)}")
         if self.hybrid_admit and self.execution not in ("hybrid", "auto"):
             raise MoepagerError("--hybrid-admit copies the experts hybrid execution computed on the CPU: add "
                                 "--execution hybrid")

@@ -19,6 +19,7 @@ from moepager.config import (
     DENSE_DTYPES,
     EXECUTIONS,
     EXPERT_DTYPES,
+    HYBRID_PREFILLS,
     INT4_GROUPS,
     KERNELS,
     Budget,
@@ -165,6 +166,10 @@ def add_execution_arguments(p: argparse.ArgumentParser) -> None:
                    help="hybrid: copy up to N of each layer's experts computed on the CPU to the device in the "
                         "background, so the cache follows the routing (default 0: it changes only through a "
                         "prefill's heavy experts and --predictor prefetches, as SMoE's)")
+    h.add_argument("--hybrid-prefill", choices=HYBRID_PREFILLS, default="ping-pong",
+                   help="hybrid: a prefill's experts placed on the device pass through two stream rows and leave the "
+                        "decode cache alone, which the first decode pass then fills with each layer's most activated "
+                        "experts (ping-pong, SMoE's; default), or go through the cache's slots (cache)")
     w = p.add_argument_group("worker processes (OD-MoE)")
     w.add_argument("--workers", type=int, default=0, metavar="N",
                    help="N worker processes hold and compute the routed experts (started on this machine, gloo): "
@@ -207,7 +212,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         experts=ExpertFormat(args.expert_dtype, args.int4_group, args.int4_zero_points),
                         pack_dense=args.pack_dense, compile=args.compile, cuda_graphs=args.cuda_graphs,
                         placement=PlacementConfig(execution=args.execution, cpu_threads=args.cpu_threads,
-                                                  profile=args.profile, hybrid_admit=args.hybrid_admit),
+                                                  profile=args.profile, hybrid_admit=args.hybrid_admit,
+                                                  hybrid_prefill=args.hybrid_prefill),
                         remote=RemoteConfig(workers=args.workers, worker_group=args.worker_group,
                                             worker_timeout_s=args.worker_timeout, worker_memory=args.worker_memory,
                                             on_worker_loss=args.on_worker_loss, shadow=args.shadow,

@@ -462,10 +462,12 @@ class PagedExecutor:
         return fused.combine(batch.y_MD, work.token_M, x_ND.shape[0]) if fused is not None else \
             combine(x_ND, work, batch.y_MD)
 
-    def through_store(self, layer: int, work: SortedTokens, which: Sequence[int], batch: Batch) -> None:
+    def through_store(self, layer: int, work: SortedTokens, which: Sequence[int], batch: Batch,
+                      cache: bool = True) -> None:
         """Experts `which` (indices into work.experts) acquired from the store and computed into their rows of
-        `batch.y_MD` as they land, then released."""
-        held = self.store.acquire(layer, [work.experts[i] for i in which])
+        `batch.y_MD` as they land, then released; not `cache`: the misses pass through the stream rows only
+        (`ExpertStore.acquire`)."""
+        held = self.store.acquire(layer, [work.experts[i] for i in which], cache)
         try:
             self._as_they_land(held, work, which, batch)
         finally:

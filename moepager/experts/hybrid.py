@@ -8,10 +8,14 @@ instead of being copied over (SMoE; llama.cpp's `--cpu-moe` and kTransformers pu
   waits for it), or when computing it on the CPU would take longer than copying it and computing it on the device,
   T_CPU(n) > T_dev(n) + T_copy for its n tokens; else on the CPU from the host tier, read from disk into it first
   when it is not there. A decode's misses (one token each) go to the CPU, a prefill's heavy experts to the device,
-  through the cache or, beyond the layer's share, the store's two stream rows (SMoE's ping-pong buffers: one loads
-  while the other computes). The CPU part runs on its own thread (`CpuPool`, `--cpu-threads` torch threads) while
-  the device part computes. The device cache changes through the experts placed on the device and through
-  prefetches (a predictor's forecasts), as SMoE's does, and with `--hybrid-admit N` through up to N of each layer's
+  through the store's two stream rows only (SMoE's ping-pong buffers, §2.3: one loads while the other computes;
+  the decode cache is left alone), heaviest first; at the first decode pass after a prefill each layer's cache is
+  filled with the experts its prefill activated most (SMoE's initial decode cache, §2.4: the top S by tokens
+  routed, S the layer's slots; loaded ahead, as prefetches). `--hybrid-prefill cache` instead sends a prefill's
+  heavy experts through the cache (they take its slots, the misses beyond the layer's share streaming). The CPU
+  part runs on its own thread (`CpuPool`, `--cpu-threads` torch threads) while the device part computes. The
+  device cache changes through the decode's experts placed on the device, the initial cache and prefetches (a
+  predictor's forecasts), as SMoE's does, and with `--hybrid-admit N` through up to N of each layer's
   CPU experts copied in the background after the layer (the cache then follows the routing at a bounded cost of the
   link; `moepager simulate --execution hybrid+admitN` says what N is worth on a trace);
 - `cpu-experts` (`CpuExpertsExecutor`): every routed expert on the CPU in host memory, attention and dense layers
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moepager.config import Kernel
+from moepager.config import HybridPrefill, Kernel
 from moepager.experts.executor import ArenaKernels, Batch, ExpertExecutor, PagedExecutor
 from moepager.experts.protocols import FusedKernel
 from moepager.experts.sorting import SortedTokens, sort_by_expert
@@ -139,7 +143,8 @@ class HybridExecutor:
     (in the store's host tier), computed at the same time, summed in one fixed order (module note)."""
 
     def __init__(self, store: ExpertStore, shape: ExpertShape, kernel: Kernel, device_fused: FusedKernel | None,
-                 host_fused: FusedKernel | None, times: ExpertTimes, pool: CpuPool, admit: int = 0):
+                 host_fused: FusedKernel | None, times: ExpertTimes, pool: CpuPool, admit: int = 0,
+                 prefill: HybridPrefill = "ping-pong"):
         if store.host is None:
             raise ValueError("hybrid execution needs a store with a host tier")
         self.paged = PagedExecutor(store, shape, kernel, device_fused)
@@ -148,6 +153,10 @@ class HybridExecutor:
         self.host_tier = HostCompute(store)
         self.admit = admit
         """Experts of a layer computed on the CPU (the lowest ids) then copied to the device in the background."""
+        self.prefill = prefill
+        self.activations: dict[int, dict[int, int]] = {}
+        """Ping-pong prefill: tokens routed to each (layer, expert) in the prefill passes since the last decode pass
+        (every expert the router chose, wherever it was computed), for the initial decode cache."""
         self.device = store.device.buffers.device
         self.shared_memory = self.device.type == "cpu"
         """The device side computes in RAM too (a CPU run): the CPU side writes its rows straight into the device
@@ -171,9 +180,22 @@ class HybridExecutor:
 
     def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
         work = sort_by_expert(x_ND, route)
+        pingpong = self.prefill == "ping-pong" and self.store.counters.phase == "prefill"
+        if pingpong:
+            counts, starts = self.activations.setdefault(layer, {}), work.starts
+            for i, e in enumerate(work.experts):
+                counts[e] = counts.get(e, 0) + starts[i + 1] - starts[i]
+        elif self.activations:
+            self.initial_cache()
         device, cpu = self.placement(layer, work)
+        if pingpong and device:  # heaviest first through the two rows, as SMoE's pipeline orders them
+            device.sort(key=lambda i: (work.starts[i] - work.starts[i + 1], i))
         if not cpu:
-            return self.paged.run(layer, x_ND, route, work)
+            if not pingpong:
+                return self.paged.run(layer, x_ND, route, work)
+            batch = self.paged.kernels.batch(work, x_ND)
+            self.paged.through_store(layer, work, device, batch, cache=False)
+            return batch.combine(x_ND, work)
         same = self.shared_memory
         batch = self.paged.kernels.batch(work, x_ND)
         host_work, host_x = (work, x_ND) if same else _on_host(work, x_ND)
@@ -185,7 +207,7 @@ class HybridExecutor:
             future = self.pool.submit(self._cpu_part, held, host_work, cpu, host_batch)
             try:
                 if device:
-                    self.paged.through_store(layer, work, device, batch)
+                    self.paged.through_store(layer, work, device, batch, cache=not pingpong)
             finally:
                 future.result()  # the host slots stay pinned until the CPU is done with them
         finally:
@@ -196,6 +218,18 @@ class HybridExecutor:
         if same:
             return batch.combine(x_ND, work)
         return self._merge(x_ND, work, cpu, batch, host_batch)
+
+    def initial_cache(self) -> None:
+        """SMoE's initial decode cache (§2.4), at the first decode pass after a prefill: each layer's slots (its
+        quota) filled with the experts its prefill routed the most tokens to (ties: the lower id), loaded ahead into
+        free or evictable slots, most activated first; the counts start again."""
+        table = self.store.device.table
+        wanted = []
+        for layer, counts in self.activations.items():
+            top = sorted(counts, key=lambda e: (-counts[e], e))[: table.quota.get(layer, 0)]
+            wanted += [(layer, e) for e in top]
+        self.activations = {}
+        self.store.prefetch_ranked(wanted, len(wanted))
 
     def _cpu_part(self, held: HostHeld, work: SortedTokens, cpu: Sequence[int], batch: Batch) -> torch.Tensor:
         """On the pool's thread: the CPU experts once their host slots hold them."""

@@ -45,4 +45,5 @@ def _hybrid(config: EngineConfig, reader: FlatReader, cfg: ModelConfig, device: 
     store = build_store(config.store, reader, cfg, device, True, progress)
     return HybridExecutor(store, reader.shape, kernel, cpu_kernels.fused_experts(reader.shape, device, kernel),
                           cpu_kernels.fused_experts(reader.shape, torch.device("cpu"), kernel), times,
-                          CpuPool(config.placement.cpu_threads or config.threads), config.placement.hybrid_admit)
+                          CpuPool(config.placement.cpu_threads or config.threads), config.placement.hybrid_admit,
+                          config.placement.hybrid_prefill)

@@ -164,9 +164,13 @@ class StoreCounters:
 
     def reset(self) -> None:
         self.phases: dict[Phase, PhaseCounters] = {"prefill": PhaseCounters(), "decode": PhaseCounters()}
+        self.phase: Phase = "prefill"
+        """The phase of the pass running now (the engine announces each pass; a model called without announcing
+        any stays in prefill)."""
         self.current = self.phases["prefill"]
 
     def set_phase(self, phase: Phase) -> None:
+        self.phase = phase
         self.current = self.phases[phase]
 
 

@@ -113,12 +113,14 @@ class ExpertStore:
         self.clock = info.pass_id + 1
         self.counters.set_phase(info.phase)
 
-    def acquire(self, layer: int, experts: Sequence[int]) -> Held:
+    def acquire(self, layer: int, experts: Sequence[int], cache: bool = True) -> Held:
         """Pin slots holding `experts` of `layer`: hits are pinned first, so no miss evicts them; then the misses,
         in the order given, claim the slots the layer may still fill (its quota, or the whole tier in scope
         "global", less its hits) and start loading; the misses beyond those (a prefill or a large batch needing
         more experts than the layer's cache holds) stream through the stream rows, uncached, each row reused
-        once `recycle` hears its expert was computed. The ready experts may be computed at once; `wait` or
+        once `recycle` hears its expert was computed. `cache` False (SMoE's prefill, experts/hybrid.py): every miss
+        streams and no cached expert is evicted (where the tier has stream rows; without them it holds every
+        expert, so nothing is evicted either). The ready experts may be computed at once; `wait` or
         `wait_landed` for the pending ones; `release` when the layer is done."""
         table, pins, slot_of = self.device.table, self.device.table.pins, self.device.table.slot_of
         keys, slots, misses = [], [], []
@@ -139,7 +141,7 @@ class ExpertStore:
                 counters.hits[layer] += len(keys) - len(misses)
             if misses:
                 counters.misses[layer] += len(misses)
-                self._fill(held, keys, misses)
+                self._fill(held, keys, misses, cache)
             if self.parts > 1:  # rows the layer leaves free take forecast bottoms (MoEpic: after the demand loads)
                 self.buffer.after_demand()
             if self.order.ahead or self.order.stale:
@@ -161,12 +163,15 @@ class ExpertStore:
             raise
         return held
 
-    def _fill(self, held: Held, keys: Sequence[ExpertKey], misses: Sequence[int]) -> None:
+    def _fill(self, held: Held, keys: Sequence[ExpertKey], misses: Sequence[int], cache: bool = True) -> None:
         """`acquire`'s misses (indices into keys): those that fit the layer's cache claim slots and load together
-        (one ranking of the candidates, one submission), the rest queue for the stream rows."""
+        (one ranking of the candidates, one submission), the rest queue for the stream rows (all of them when not
+        `cache` and there are stream rows)."""
         table, slots, layer = self.device.table, held.slots, held.layer
         hits = len(keys) - len(misses)
         room = (table.quota[layer] if table.scope == "layer" else table.capacity) - hits
+        if not cache and table.stream_rows:
+            room = 0
         bottoms: list[int] = []
         if self.parts > 1 and self.cached_parts[layer] < self.parts:  # a split layer's bottom parts: never cached
             top, parts = self.cached_parts[layer], self.parts

@@ -15,6 +15,9 @@ from moepager.experts.hybrid import CpuExpertsExecutor, ExpertTimes, HybridExecu
 from moepager.placements.cpu_experts import cpu_experts_executor
 from moepager.placements.hybrid import hybrid_executor
 from moepager.planning.cost import CostModel
+from moepager.runtime import builder
+from moepager.runtime.llm import LLM
+from moepager.runtime.sampling import SamplingParams
 from tests.conftest import ARCHS, expert_budget
 from tests.runtime.test_offload import logits_run
 
@@ -202,3 +205,61 @@ def test_generate_runs_each_execution_and_reports_it(demo_checkpoint, tmp_path, 
     assert main(["generate", "--model", str(demo_checkpoint), "--execution", "hybrid", "Hi"]) == 2
     err = capsys.readouterr().err
     assert "--profile does nothing without --execution hybrid" in err and "set --expert-memory" in err
+
+
+def _hybrid_llm(path, monkeypatch, slots_per_layer: int, prefill: str) -> LLM:
+    """An engine on hybrid execution with PREFILL_ON_DEVICE's costs, `slots_per_layer` cached device slots a layer
+    and two stream rows, nothing warmed."""
+    monkeypatch.setattr(builder, "expert_times", lambda *args: (PREFILL_ON_DEVICE, "test"))
+    probe = load_model(path, show_progress=False)
+    layers, nbytes = probe.config.num_moe_layers, probe.expert_shape.nbytes
+    store = StoreConfig(expert_memory=str((slots_per_layer * layers + 2) * nbytes), warm=False)
+    config = EngineConfig(model=str(path), store=store,
+                          placement=PlacementConfig(execution="hybrid", hybrid_prefill=prefill))  # type: ignore[arg-type]
+    return LLM(config=config, show_progress=False)
+
+
+@pytest.mark.parametrize("prefill", ["ping-pong", "cache"])
+def test_a_ping_pong_prefill_leaves_the_decode_cache_alone_then_fills_it_with_its_most_activated(
+        hf_checkpoint, monkeypatch, prefill):
+    """SMoE's prefill (§2.3, §2.4) through the engine: a 40-token prompt's heavy experts reach the device through the
+    two stream rows only, so no prefill call changes what the cache holds; the first decode pass fills each layer's
+    slots with the experts the prefill routed most tokens to (ties: the lower id), and decodes, whose one-token
+    misses compute on the CPU, leave it so. The greedy tokens are the resident run's. `--hybrid-prefill cache`: the
+    prefill's experts take cache slots."""
+    _, path = hf_checkpoint("olmoe")
+    prompt, params = [(7 * i + 3) % 61 + 1 for i in range(40)], SamplingParams(max_tokens=6, temperature=0.0,
+                                                                            ignore_eos=True)
+    want = LLM(path, show_progress=False).generate([prompt], params)[0].token_ids
+    llm = _hybrid_llm(path, monkeypatch, 2, prefill)
+    executor = llm.loaded.experts
+    assert isinstance(executor, HybridExecutor) and executor.prefill == prefill
+    table, counters = executor.store.device.table, executor.store.counters
+    counts: dict[int, dict[int, int]] = {}
+    changed_in_prefill = []
+    run = executor.run
+
+    def watched(layer, x_ND, route):
+        before = dict(table.slot_of)
+        out = run(layer, x_ND, route)
+        if counters.phase == "prefill":
+            for e in route.ids_TK.reshape(-1).tolist():
+                counts.setdefault(layer, {}).setdefault(e, 0)
+                counts[layer][e] += 1
+            changed_in_prefill.append(dict(table.slot_of) != before)
+        return out
+
+    monkeypatch.setattr(executor, "run", watched)
+    assert llm.generate([prompt], params)[0].token_ids == want
+    prefill_counts = counters.phases["prefill"]
+    assert changed_in_prefill and prefill_counts.loads_on_demand > 0  # the heavy experts went to the device
+    if prefill == "cache":
+        assert any(changed_in_prefill)
+        return
+    assert not any(changed_in_prefill)
+    for layer, c in counts.items():
+        top = sorted(c, key=lambda e: (-c[e], e))[: table.quota[layer]]
+        held = sorted(k.expert for k in table.slot_of if k.layer == layer)
+        assert held == sorted(top), layer
+    assert counters.phases["decode"].loads_ahead == len(table.slot_of)  # the initial cache's loads
+    assert counters.phases["decode"].on_cpu > 0
