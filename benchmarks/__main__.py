@@ -46,7 +46,7 @@ def _b(question: str, needs: str = "", suites: str = "cpu", quick: tuple[str, ..
     return Bench(question, frozenset(needs.split()), frozenset(suites.split()), quick, runtime, traces)
 
 
-DS, MIX, OLMOE = "deepseek-v2-lite", "mixtral-8x7b", "olmoe-stats"
+DS, MIX, OLMOE, LLAMA4 = "deepseek-v2-lite", "mixtral-8x7b", "olmoe-stats", "llama4-maverick"
 BENCHMARKS: dict[str, Bench] = {
     "attention": _b("Which decode attention layout is fastest and bit-equal on this CPU?", quick=("--reps", "3"),
                     runtime="1 min"),
@@ -102,6 +102,10 @@ BENCHMARKS: dict[str, Bench] = {
                           needs="traces", suites="cpu traces",
                           quick=("--workloads", "built-in", "--clients", "8", "--decode", "4"),
                           runtime="3 min", traces=(DS, OLMOE)),
+    "grouping": _b("What can grouping decode requests by routing path save, and how much of it do the scheduler's "
+                   "paths reach (ExpertFlow), on dense and sparse routing?", needs="traces", suites="cpu traces",
+                   quick=("--sizes", "8", "--draws", "2", "--fit", "40", "--test", "40"), runtime="5 min",
+                   traces=(DS, LLAMA4)),
     "workers": _b("Do OD-MoE's worker processes keep up with one process, and would an int8 shadow predict routing?",
                   needs="traces", quick=("--workers", "2", "--prompts", "2", "--tokens", "8", "--shadow-docs", "4"),
                   runtime="1 min", traces=(OLMOE,)),

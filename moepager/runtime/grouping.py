@@ -68,3 +68,53 @@ def _medoid(s: np.ndarray, members: list[int]) -> int:
     """The member most similar on average to the others (the first on ties)."""
     block = s[np.ix_(members, members)]
     return members[int(np.argmax(block.sum(1)))]
+
+
+def split_cost(paths_NP: np.ndarray, a: Sequence[int], b: Sequence[int]) -> int:
+    """The objective of a split: distinct (layer, expert) pairs of group `a` plus those of group `b`."""
+    return union_size(paths_NP, a) + union_size(paths_NP, b)
+
+
+def exact_best_split(paths_NP: np.ndarray) -> tuple[list[int], list[int]]:
+    """The balanced split (ceil(n/2), floor(n/2)) of least `split_cost`, by trying every one with row 0 in the first
+    group (n <= 20: C(16, 8) / 2 = 6,435 splits at 16): a bound for the scheduler's grouping, never run by the
+    engine. Ties: the first split in lexicographic order of the first group."""
+    import itertools
+
+    n = len(paths_NP)
+    if n > 20:
+        raise ValueError(f"an exact split of {n} paths tries too many ({n} > 20): use swap_search")
+    if n < 2:
+        return list(range(n)), []
+    half = (n + 1) // 2
+    firsts = [(0, *rest) for rest in itertools.combinations(range(1, n), half - 1)]
+    if n % 2:  # odd n: the smaller group may hold row 0 too
+        firsts += [rest for rest in itertools.combinations(range(1, n), half)]
+    masks = np.zeros((len(firsts), n), np.float32)
+    for i, group in enumerate(firsts):
+        masks[i, list(group)] = 1
+    paths = paths_NP.astype(np.float32)
+    cost = ((masks @ paths) > 0).sum(1) + (((1 - masks) @ paths) > 0).sum(1)
+    best = firsts[int(np.argmin(cost))]
+    return list(best), [i for i in range(n) if i not in best]
+
+
+def swap_search(paths_NP: np.ndarray, a: Sequence[int], b: Sequence[int], rounds: int = 200
+                ) -> tuple[list[int], list[int]]:
+    """Local search from the split (a, b): the swap of one member of each group that lowers `split_cost` the most,
+    repeated until none lowers it (or `rounds` swaps). Group sizes are kept."""
+    a, b = list(a), list(b)
+    paths = paths_NP.astype(np.int32)
+    for _ in range(rounds):
+        ca, cb = paths[a].sum(0), paths[b].sum(0)  # members of each group that use each (layer, expert)
+        now = int((ca > 0).sum() + (cb > 0).sum())
+        pa, pb = paths[a], paths[b]  # [|a|, P], [|b|, P]
+        # swapping a[i] and b[j]: group a's counts ca - pa[i] + pb[j], group b's cb - pb[j] + pa[i]
+        new_a = ((ca[None, None] - pa[:, None] + pb[None, :]) > 0).sum(2)
+        new_b = ((cb[None, None] - pb[None, :] + pa[:, None]) > 0).sum(2)
+        total = new_a + new_b
+        i, j = np.unravel_index(int(np.argmin(total)), total.shape)
+        if total[i, j] >= now:
+            break
+        a[i], b[j] = b[j], a[i]
+    return sorted(a), sorted(b)

@@ -12,7 +12,13 @@ import torch
 from moepager.config import EngineConfig, SchedulerConfig
 from moepager.runtime.batch_policy import batch_policy
 from moepager.runtime.batch_policy.expertflow import WAIT_BOUND, ExpertFlowPolicy, PathTracker
-from moepager.runtime.grouping import balanced_two_means, union_size
+from moepager.runtime.grouping import (
+    balanced_two_means,
+    exact_best_split,
+    split_cost,
+    swap_search,
+    union_size,
+)
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from moepager.runtime.scheduler import Scheduler
@@ -214,3 +220,37 @@ def test_the_dual_batch_pipeline_forms_the_next_pair_during_the_second_step():
     assert ExpertFlowPolicy._fitted(({0, 1, 2}, {3, 4, 5}), [0, 3, 4, 5]) is None  # too far apart: formed again
     s.close()  # the policy's thread stops with the engine
     assert policy._pool is None
+
+
+@pytest.mark.parametrize("n", [2, 5, 6, 9])
+def test_the_exact_split_is_the_least_of_every_balanced_split(n):
+    """Against every split enumerated the plain way (either group holding row 0); sizes ceil(n/2), floor(n/2)."""
+    import itertools
+
+    rng = np.random.default_rng(n)
+    paths = rng.random((n, 40)) < 0.2
+    a, b = exact_best_split(paths)
+    assert sorted(a + b) == list(range(n)) and len(a) == (n + 1) // 2
+    every = [split_cost(paths, g, [i for i in range(n) if i not in g])
+             for g in itertools.combinations(range(n), (n + 1) // 2)]
+    assert split_cost(paths, a, b) == min(every)
+    with pytest.raises(ValueError, match="swap_search"):
+        exact_best_split(np.zeros((21, 4), bool))
+
+
+def test_the_swap_search_ends_where_no_swap_helps_and_never_loses():
+    """From 2-means' split: never worse, sizes kept, no single swap of the result lowers the cost, and the exact
+    optimum is never worse than it."""
+    rng = np.random.default_rng(1)
+    for n in (8, 12, 16):
+        paths = rng.random((n, 60)) < 0.15
+        a0, b0 = balanced_two_means(paths)
+        a, b = swap_search(paths, a0, b0)
+        assert (len(a), len(b)) == (len(a0), len(b0)) and sorted(a + b) == list(range(n))
+        cost = split_cost(paths, a, b)
+        assert cost <= split_cost(paths, a0, b0)
+        for i in a:
+            for j in b:
+                swapped_a, swapped_b = [x for x in a if x != i] + [j], [x for x in b if x != j] + [i]
+                assert split_cost(paths, swapped_a, swapped_b) >= cost
+        assert split_cost(paths, *exact_best_split(paths)) <= cost

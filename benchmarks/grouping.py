@@ -1,0 +1,173 @@
+"""What grouping decode requests by routing path can save, and what the scheduler's paths reach of it (ExpertFlow).
+
+No model: groups of `--sizes` requests drawn at random from a trace's held-back requests (the last `--test` of
+DeepSeek-V2-Lite's, the last ones of Llama-4-Maverick's decode routing), each at a random decode position t; the
+cost of a grouping is the distinct (layer, expert) pairs of the requests' token t + 1, summed over its steps. Rows:
+- `one step of all` (FIFO-2T: every request in one step, where the engine may take it);
+- `fifo halves` (two steps, by arrival);
+- `2-means, previous token` (the engine's paths without a forecast: each request's token t);
+- `2-means, predicted paths` (the paths a transition predictor fitted on the trace's first `--fit` requests, disjoint
+  from the drawn ones, forecasts for token t + 1 from token t at the same layer: what `--predictor transition` hands
+  the scheduler);
+- `2-means, true next token` (an oracle predictor);
+- `best found`: the exact optimum over every balanced split at 16 requests or fewer, else 2-means on the true next
+  token followed by pairwise swaps until none helps (a local optimum: an upper bound on the best).
+Each figure is the mean over `--draws` groups, stated against `fifo halves` (the scheduler's own baseline) and
+against one step of all.
+
+    python -m benchmarks.grouping [--sizes 16 32 64] [--draws 40 20 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import SHARED, converted, machine_state, print_table, write_json
+from moepager.runtime.grouping import (
+    balanced_two_means,
+    exact_best_split,
+    path_of,
+    split_cost,
+    swap_search,
+    union_size,
+)
+from moepager.trace.format import DECODE, TraceReader
+
+ROWS = ("one step of all", "fifo halves", "2-means, previous token", "2-means, predicted paths",
+        "2-means, true next token", "best found")
+
+
+def arguments() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[16, 32, 64])
+    p.add_argument("--draws", type=int, nargs="+", default=[40, 20, 10], help="groups drawn at each size")
+    p.add_argument("--traces", nargs="+", default=["deepseek-v2-lite", "llama4-maverick"])
+    p.add_argument("--fit", type=int, default=None,
+                   help="requests the predictor is fitted on, from the start (default: DeepSeek 1000, Llama-4 60)")
+    p.add_argument("--test", type=int, default=None,
+                   help="held-back requests the groups come from, the last ones (default: DeepSeek 400, Llama-4 75)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="grouping")
+    return p.parse_args()
+
+
+def trace_path(name: str) -> Path:
+    if name == "deepseek-v2-lite":
+        return converted("deepseek-csv", SHARED / "deepseek-v2-lite", "deepseek-v2-lite")
+    return converted("expert-selection-json", SHARED / "llama4-maverick" / "traffic-gen" / "llama4-mmlu-anatomy",
+                     "llama4-maverick")
+
+
+def decode_tokens(name: str, reader: TraceReader, indices: Sequence[int]) -> list[np.ndarray]:
+    """Each request's decode-order routing [T, L, K]: DeepSeek's prompts are replayed token by token (every token a
+    decode step: the trace's README), Llama-4's decode tokens only."""
+    out = []
+    for i in indices:
+        q = reader.request(i)
+        ids = q.ids_TLK if name == "deepseek-v2-lite" else q.ids_TLK[q.phase_T == DECODE]
+        out.append(np.asarray(ids))
+    return out
+
+
+class SameLayerTransitions:
+    """P(expert e' at layer l of token t + 1 | expert e at layer l of token t), backed off towards the layer's expert
+    frequencies (the transition predictor's tables at distance L, its alpha of 8 counts), fitted on whole requests."""
+
+    def __init__(self, requests: list[np.ndarray], num_experts: int, alpha: float = 8.0):
+        layers = requests[0].shape[1]
+        counts = np.zeros((layers, num_experts, num_experts))
+        for ids in requests:
+            src, dst = ids[:-1], ids[1:]  # [T-1, L, K]
+            for layer in range(layers):
+                s, d = src[:, layer], dst[:, layer]
+                ok = (s[:, :, None] >= 0) & (d[:, None, :] >= 0)
+                pairs = (s[:, :, None] * num_experts + d[:, None, :])[ok]
+                counts[layer] += np.bincount(pairs, minlength=num_experts * num_experts).reshape(num_experts,
+                                                                                                   num_experts)
+        freq = counts.sum(1)
+        freq = freq / np.maximum(freq.sum(1, keepdims=True), 1e-12)
+        self.probs = (counts + alpha * freq[:, None, :]) / (counts.sum(2, keepdims=True) + alpha)
+
+    def path(self, ids_LK: np.ndarray, k: int) -> np.ndarray:
+        """The forecast path of the next token: each layer's k most likely experts given this token's."""
+        layers, experts = self.probs.shape[0], self.probs.shape[1]
+        path = np.zeros((layers, experts), bool)
+        for layer in range(layers):
+            ids = ids_LK[layer][ids_LK[layer] >= 0]
+            p = self.probs[layer, ids].sum(0)
+            path[layer, np.argsort(-p, kind="stable")[:k]] = True
+        return path.reshape(-1)
+
+
+def costs(prev: np.ndarray, predicted: np.ndarray, nxt: np.ndarray) -> dict[str, int]:
+    """Each row's cost (distinct pairs of the next token over its steps) for one group's paths."""
+    n = len(nxt)
+    out = {"one step of all": union_size(nxt, range(n)),
+           "fifo halves": split_cost(nxt, range((n + 1) // 2), range((n + 1) // 2, n))}
+    for row, paths in (("2-means, previous token", prev), ("2-means, predicted paths", predicted),
+                       ("2-means, true next token", nxt)):
+        out[row] = split_cost(nxt, *balanced_two_means(paths))
+    best = exact_best_split(nxt) if n <= 16 else swap_search(nxt, *balanced_two_means(nxt))
+    out["best found"] = split_cost(nxt, *best)
+    return out
+
+
+def measure(name: str, sizes: Sequence[int], draws: Sequence[int], fit: int | None, test: int | None,
+            seed: int) -> list[dict[str, Any]]:
+    with TraceReader(trace_path(name)) as reader:
+        h, total = reader.header, len(reader)
+        fit = fit or (1000 if name == "deepseek-v2-lite" else 60)
+        test = test or (400 if name == "deepseek-v2-lite" else 75)
+        if fit + test > total:
+            raise SystemExit(f"{name}: --fit {fit} and --test {test} overlap in its {total} requests")
+        fitted = decode_tokens(name, reader, range(fit))
+        held = [ids for ids in decode_tokens(name, reader, range(total - test, total)) if len(ids) >= 24]
+    predictor = SameLayerTransitions([ids for ids in fitted if len(ids) > 1], h.num_experts)
+    rng, rows = np.random.default_rng(seed), []
+    for n, count in zip(sizes, draws):
+        if n > len(held):
+            continue
+        sums = {row: 0.0 for row in ROWS}
+        for _ in range(count):
+            chosen = [held[i] for i in rng.choice(len(held), n, replace=False)]
+            t = int(rng.integers(4, min(len(ids) for ids in chosen) - 1))
+            prev = np.stack([path_of(ids[t - 1], h.num_experts) for ids in chosen])
+            predicted = np.stack([predictor.path(ids[t - 1], h.top_k) for ids in chosen])
+            nxt = np.stack([path_of(ids[t], h.num_experts) for ids in chosen])
+            for row, c in costs(prev, predicted, nxt).items():
+                sums[row] += c / count
+        for row in ROWS:
+            rows.append({"trace": name, "requests": n, "draws": count, "grouping": row, "pairs": sums[row],
+                         "vs_fifo_halves": sums[row] / sums["fifo halves"],
+                         "vs_one_step": sums[row] / sums["one step of all"],
+                         "per_layer_per_step": sums[row] / (h.num_layers * (1 if row == ROWS[0] else 2)),
+                         "experts": h.num_experts, "top_k": h.top_k, "fit_requests": fit, "test_requests": test})
+    return rows
+
+
+def main() -> None:
+    args = arguments()
+    if len(args.draws) != len(args.sizes):
+        raise SystemExit("--draws takes one count per --sizes entry")
+    state = machine_state()
+    rows = []
+    for name in args.traces:
+        if not (SHARED / name).exists():
+            print(f"skipped {name}: no trace under {SHARED}")
+            continue
+        rows += measure(name, args.sizes, args.draws, args.fit, args.test, args.seed)
+    print("distinct (layer, expert) pairs of the next token over a grouping's steps (mean over draws):")
+    print_table(["trace", "requests", "grouping", "pairs", "x fifo halves", "x one step"],
+                [[r["trace"], r["requests"], r["grouping"], r["pairs"], r["vs_fifo_halves"], r["vs_one_step"]]
+                 for r in rows])
+    out = write_json(args.out, {"machine": state, "args": vars(args), "rows": rows})
+    print(f"results: {out}")
+
+
+if __name__ == "__main__":
+    main()
