@@ -192,10 +192,14 @@ def test_a_whole_layer_in_one_call_equals_its_modules_bit_for_bit(hf_checkpoint,
     the layer's modules' with the same kernels, bit for bit, on one thread and on two (the call's own parallel region
     shares each step's tasks among them), bf16 or int8 experts. It declines where it cannot be the modules'
     arithmetic: an observer on the block (a trace recorder) runs the modules."""
-    _, path = hf_checkpoint(arch)
+    keeping_threads(run_whole_layer_test, hf_checkpoint(arch)[1], arch, threads, expert_dtype, monkeypatch)
+
+
+def keeping_threads(run, *args) -> None:
+    """`run(*args)` (which sets torch's thread count through the LLM), the count put back after."""
     before = torch.get_num_threads()
     try:
-        run_whole_layer_test(path, arch, threads, expert_dtype, monkeypatch)
+        run(*args)
     finally:
         torch.set_num_threads(before)
 
@@ -236,11 +240,7 @@ def test_a_whole_decode_pass_in_one_call_equals_the_modules_bit_for_bit(hf_check
     a forward hook on any module it skips, an observer on a block; a token outside the vocabulary is an error. (int4:
     the Qwen3-MoE whose experts are 32 wide, a group.)"""
     path = request.getfixturevalue("bf16_checkpoint") if expert_dtype == "int4" else hf_checkpoint(arch)[1]
-    before = torch.get_num_threads()
-    try:
-        run_whole_model_test(path, arch, threads, expert_dtype, monkeypatch)
-    finally:
-        torch.set_num_threads(before)
+    keeping_threads(run_whole_model_test, path, arch, threads, expert_dtype, monkeypatch)
 
 
 def run_whole_model_test(path, arch, threads, expert_dtype, monkeypatch):
