@@ -88,7 +88,10 @@ class SimSpec:
     """Layer scope: each MoE layer's own capacity (a configured split of the budget: planning/configurator.py);
     None: `capacity` for every layer."""
     execution: Literal["gpu", "hybrid"] = "gpu"
-    """gpu: every miss is loaded; hybrid: a miss with fewer than `device_tokens` tokens is computed on the CPU."""
+    """gpu: every miss is loaded; hybrid: a miss with fewer than `device_tokens` tokens is computed on the CPU, a
+    prefill's heavy misses admitted as a decode's are (the engine's `--hybrid-prefill cache`; its default ping-pong
+    prefill, which leaves the cache alone and then fills it with the prefill's most activated experts, is not
+    modeled here yet)."""
     device_tokens: int | None = None
     """Hybrid: the fewest tokens in a step that make a missing expert worth copying (the cost model's
     `ExpertTimes.threshold`); None: every missing expert is computed on the CPU."""

@@ -116,9 +116,11 @@ def test_layers_needing_more_experts_than_their_cache_stream_the_rest_as_the_sim
 
 @pytest.mark.parametrize("warm, admit", [(False, 0), (True, 0), (True, 1), (False, 2)])
 def test_simulator_agrees_with_a_hybrid_run(hf_checkpoint, tmp_path, monkeypatch, warm, admit):
-    """`--execution hybrid` against `simulate --execution hybrid` at the same threshold (3 tokens): 8-token prompts
-    copy their heavy experts to the device, cached or streamed through, and compute the light ones on the CPU, as
-    do every decode step's misses; the hits, misses, loads and CPU-computed experts are the simulator's."""
+    """`--execution hybrid --hybrid-prefill cache` against `simulate --execution hybrid` at the same threshold (3
+    tokens): 8-token prompts copy their heavy experts to the device, cached or streamed through, and compute the light
+    ones on the CPU, as do every decode step's misses; the hits, misses, loads and CPU-computed experts are the
+    simulator's. (The simulator models that prefill only; the default ping-pong prefill and its initial decode cache
+    are tested in tests/experts/test_hybrid.py.)"""
     from moepager.config import EngineConfig
     from moepager.runtime import builder
     from tests.experts.test_hybrid import PREFILL_ON_DEVICE
@@ -129,7 +131,8 @@ def test_simulator_agrees_with_a_hybrid_run(hf_checkpoint, tmp_path, monkeypatch
     per_layer, nbytes = 3, LLM(path, show_progress=False).loaded.expert_shape.nbytes
     store = StoreConfig(expert_memory=str(nbytes * (per_layer * 3 + 2)), policy="lru", warm=warm)
     llm = LLM(config=EngineConfig(model=str(path), store=store,
-                                  placement=PlacementConfig(execution="hybrid", hybrid_admit=admit)),
+                                  placement=PlacementConfig(execution="hybrid", hybrid_admit=admit,
+                                                            hybrid_prefill="cache")),
               show_progress=False)
     llm.replay(ReplaySpec(trace, prompt_tokens=8))
     phases = llm.loaded.experts.store.counters.phases
