@@ -81,6 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "threshold computes on the CPU without a transfer, the rest are loaded); hybrid+admitN: then "
                         "copies up to N of a layer's CPU experts to the device in the background (the engine's "
                         "--hybrid-admit N)")
+    p.add_argument("--hybrid-prefill", choices=["ping-pong", "cache"], default="ping-pong",
+                   help="hybrid: a prefill's heavy misses pass through uncached and the first decode step loads each "
+                        "layer's most activated experts of the prefill (ping-pong, the engine's default), or they are "
+                        "admitted as a decode's are (cache): the engine's --hybrid-prefill")
     add_worker_arguments(p)
     p.add_argument("--overlap", choices=["layer", "none"], default="layer", help="cost model: load/compute overlap")
     p.add_argument("--expert-bytes", type=int, help="bytes per expert, if the trace header lacks it")
@@ -281,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
     sizes, windows = capacities(args.capacity, work, expert_bytes, args.scope), horizons(args.horizon)
     placed = executions(args.execution, cost)
     specs = [SimSpec(p.strip(), c, args.scope, args.forecast, warm=args.warm, prefetch=args.prefetch, horizon=h,
-                     execution=x, device_tokens=n, admit=a)
+                     execution=x, device_tokens=n, admit=a, hybrid_prefill=args.hybrid_prefill)
              for x, n, a in placed for p in args.policy.split(",") for c in sizes for h in windows]
     if any(x == "hybrid" for x, _, _ in placed) and cost is not None:
         times = cost.expert_times(on_cpu=cost.device_is_cpu)

@@ -221,15 +221,14 @@ class HybridExecutor:
 
     def initial_cache(self) -> None:
         """SMoE's initial decode cache (§2.4), at the first decode pass after a prefill: each layer's slots (its
-        quota) filled with the experts its prefill routed the most tokens to (ties: the lower id), loaded ahead into
-        free or evictable slots, most activated first; the counts start again."""
-        table = self.store.device.table
-        wanted = []
+        quota) filled with the experts its prefill routed the most tokens to (ties: the lower id), most activated
+        first, loaded ahead as `--hybrid-admit`'s copies are (evicting by the policy outside them); the counts start
+        again."""
+        quota = self.store.device.table.quota
         for layer, counts in self.activations.items():
-            top = sorted(counts, key=lambda e: (-counts[e], e))[: table.quota.get(layer, 0)]
-            wanted += [(layer, e) for e in top]
+            top = sorted(counts, key=lambda e: (-counts[e], e))[: quota.get(layer, 0)]
+            self.host_tier.admit(layer, top, top)
         self.activations = {}
-        self.store.prefetch_ranked(wanted, len(wanted))
 
     def _cpu_part(self, held: HostHeld, work: SortedTokens, cpu: Sequence[int], batch: Batch) -> torch.Tensor:
         """On the pool's thread: the CPU experts once their host slots hold them."""

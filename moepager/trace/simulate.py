@@ -33,7 +33,7 @@ import numpy as np
 
 from moepager.policies import make_policy
 from moepager.policies.base import AccessStats, Ranked
-from moepager.trace.format import MISSING, TraceError, TraceHeader
+from moepager.trace.format import MISSING, PREFILL, TraceError, TraceHeader
 from moepager.trace.workload import Workload
 from moepager.types import Scope
 
@@ -88,10 +88,12 @@ class SimSpec:
     """Layer scope: each MoE layer's own capacity (a configured split of the budget: planning/configurator.py);
     None: `capacity` for every layer."""
     execution: Literal["gpu", "hybrid"] = "gpu"
-    """gpu: every miss is loaded; hybrid: a miss with fewer than `device_tokens` tokens is computed on the CPU, a
-    prefill's heavy misses admitted as a decode's are (the engine's `--hybrid-prefill cache`; its default ping-pong
-    prefill, which leaves the cache alone and then fills it with the prefill's most activated experts, is not
-    modeled here yet)."""
+    """gpu: every miss is loaded; hybrid: a miss with fewer than `device_tokens` tokens is computed on the CPU."""
+    hybrid_prefill: Literal["ping-pong", "cache"] = "ping-pong"
+    """Hybrid, as the engine's `--hybrid-prefill`: ping-pong, a prefill step's heavy misses are loaded but not
+    admitted (they pass through the stream rows), and the first decode step after prefill steps first loads each
+    layer's most activated experts of those steps (ties: the lower id) into its cache, ahead (SMoE's initial decode
+    cache); cache, they are admitted as a decode's are."""
     device_tokens: int | None = None
     """Hybrid: the fewest tokens in a step that make a missing expert worth copying (the cost model's
     `ExpertTimes.threshold`); None: every missing expert is computed on the CPU."""
@@ -305,7 +307,7 @@ def simulate(work: Workload, spec: SimSpec, prior_LE: np.ndarray | None = None,
         capacity = spec.per_layer if spec.per_layer is not None else spec.capacity
         hybrid = (spec.device_tokens or np.iinfo(np.int64).max) if spec.execution == "hybrid" else None
         out = _replay_layers(work, policy, drive, capacity, ids, forecast, next_use, prior_LE, progress, spec.warm,
-                             spec.prefetch, hybrid, spec.admit)
+                             spec.prefetch, hybrid, spec.admit, spec.hybrid_prefill == "ping-pong")
     else:
         out = _replay_global(work, policy, drive, spec.capacity, ids, forecast, next_use, prior_LE, progress, spec.warm)
     return SimResult(spec, *out, step_phase=work.step_phase, step_tokens=np.diff(work.step_ptr),
@@ -420,20 +422,38 @@ def _prefetch_layers(state: _State, policy: Ranked, step: int, ahead_LR: np.ndar
     return load.sum(1)
 
 
+def _initial_cache(state: _State, policy: Ranked, step: int, acts: np.ndarray, cap_L: np.ndarray) -> np.ndarray:
+    """SMoE's initial decode cache: each layer's `cap_L` experts most activated in `acts` (ties: the lower id) loaded
+    ahead where not cached, evicting by the policy outside them (as `--hybrid-admit`'s copies are: the engine's
+    `HybridExecutor.initial_cache`). Returns the loads per layer."""
+    order = np.argsort(-acts[:, : state.e], axis=1, kind="stable")
+    want = np.zeros_like(state.cached)
+    top = np.arange(state.e)[None, :] < np.minimum(cap_L, (acts[:, : state.e] > 0).sum(1))[:, None]
+    want[np.broadcast_to(state.rows_L1, order.shape)[top], order[top]] = True
+    return _admit(state, policy, step, want & ~state.cached, want, cap_L).sum(1)
+
+
 def _replay_layers(work: Workload, policy: Ranked, drive: Drive, capacity: int | tuple[int, ...], ids: np.ndarray,
                    forecast: SimForecast, next_use: np.ndarray | None, prior_LE: np.ndarray | None,
                    progress: Progress | None, warm: bool = False, prefetch: int = 0, hybrid: int | None = None,
-                   admit: int = 0):
+                   admit: int = 0, pingpong: bool = False):
     """`hybrid`: the fewest tokens that send a missing expert to the device (None: gpu execution); `admit`: the
-    experts computed on the CPU are then loaded into the cache in the background (counted as loads ahead)."""
+    experts computed on the CPU are then loaded into the cache in the background (counted as loads ahead);
+    `pingpong`: hybrid's ping-pong prefill and initial decode cache (SimSpec.hybrid_prefill)."""
     state = _State(work, prior_LE, policy.uses_crf)
     cap_L = np.broadcast_to(np.asarray(capacity), (work.header.num_layers,)).copy()
     _preload(state, drive, cap_L, warm)
     ptr, tokens, admits = work.step_ptr, work.step_tokens, drive.admits_on_miss
     wants_prob = forecast.kind != "none"
-    for s in range(work.num_steps):
+    pingpong = pingpong and hybrid is not None
+    acts = np.zeros(state.cached.shape, np.int64)  # tokens routed per (layer, expert) in the prefill steps since
+    for s in range(work.num_steps):                # the last decode step (ping-pong)
+        prefilling = pingpong and work.step_phase[s] == PREFILL
+        if pingpong and not prefilling and acts.any():
+            state.prefetch[s] += _initial_cache(state, policy, s, acts, cap_L)
+            acts[:] = 0
         if prefetch:  # before the step's layers run: ranked by the previous step's forecasts
-            state.prefetch[s] = _prefetch_layers(state, policy, s, forecast.ahead(s, prefetch), cap_L)
+            state.prefetch[s] += _prefetch_layers(state, policy, s, forecast.ahead(s, prefetch), cap_L)
         toks = tokens[ptr[s]:ptr[s + 1]]
         req = state.request(s, ids[toks], None if next_use is None else next_use[toks])
         hit = req & state.cached
@@ -450,11 +470,14 @@ def _replay_layers(work: Workload, policy: Ranked, drive: Drive, capacity: int |
                 light = miss & (counts < hybrid)
                 state.cpu[s] = light.sum(1)
                 miss &= ~light
+                if prefilling:
+                    acts += counts
             state.demand[s] = miss.sum(1)  # every miss placed on the device is loaded, cached or streamed through
-            _admit(state, policy, s, miss, req, cap_L)
+            if not prefilling:  # (a ping-pong prefill's pass through the stream rows, uncached)
+                _admit(state, policy, s, miss, req, cap_L)
             if hybrid is not None and admit and light.any():  # then the CPU's, in the background, as room allows
                 light &= np.cumsum(light, axis=1) <= admit
-                state.prefetch[s] = _admit(state, policy, s, light, req & ~light, cap_L).sum(1)
+                state.prefetch[s] += _admit(state, policy, s, light, req & ~light, cap_L).sum(1)
         else:
             load = np.zeros_like(req)
             load[:, : state.e] = policy.admissions(forecast.ranked(s), state.cached[:, : state.e])

@@ -114,13 +114,14 @@ def test_layers_needing_more_experts_than_their_cache_stream_the_rest_as_the_sim
     assert all(len(keys) <= table.quota[layer] for layer, keys in table.by_layer.items()) or scope == "global"
 
 
+@pytest.mark.parametrize("prefill", ["ping-pong", "cache"])
 @pytest.mark.parametrize("warm, admit", [(False, 0), (True, 0), (True, 1), (False, 2)])
-def test_simulator_agrees_with_a_hybrid_run(hf_checkpoint, tmp_path, monkeypatch, warm, admit):
-    """`--execution hybrid --hybrid-prefill cache` against `simulate --execution hybrid` at the same threshold (3
-    tokens): 8-token prompts copy their heavy experts to the device, cached or streamed through, and compute the light
-    ones on the CPU, as do every decode step's misses; the hits, misses, loads and CPU-computed experts are the
-    simulator's. (The simulator models that prefill only; the default ping-pong prefill and its initial decode cache
-    are tested in tests/experts/test_hybrid.py.)"""
+def test_simulator_agrees_with_a_hybrid_run(hf_checkpoint, tmp_path, monkeypatch, warm, admit, prefill):
+    """`--execution hybrid` against `simulate --execution hybrid` at the same threshold (3 tokens), either prefill:
+    8-token prompts send their heavy experts to the device (ping-pong: streamed through, then each layer's most
+    activated loaded ahead at the first decode step; cache: cached or streamed through) and compute the light ones on
+    the CPU, as do every decode step's misses; the hits, misses, loads and CPU-computed experts are the
+    simulator's."""
     from moepager.config import EngineConfig
     from moepager.runtime import builder
     from tests.experts.test_hybrid import PREFILL_ON_DEVICE
@@ -132,18 +133,18 @@ def test_simulator_agrees_with_a_hybrid_run(hf_checkpoint, tmp_path, monkeypatch
     store = StoreConfig(expert_memory=str(nbytes * (per_layer * 3 + 2)), policy="lru", warm=warm)
     llm = LLM(config=EngineConfig(model=str(path), store=store,
                                   placement=PlacementConfig(execution="hybrid", hybrid_admit=admit,
-                                                            hybrid_prefill="cache")),
+                                                            hybrid_prefill=prefill)),
               show_progress=False)
     llm.replay(ReplaySpec(trace, prompt_tokens=8))
     phases = llm.loaded.experts.store.counters.phases
     spec = SimSpec("lru", per_layer, warm=warm, execution="hybrid", device_tokens=PREFILL_ON_DEVICE.threshold(),
-                   admit=admit)
+                   admit=admit, hybrid_prefill=prefill)
     sim = simulate(load_workload(str(trace), "recorded", cut=Cut(prompt_tokens=8)), spec)
     assert_same_hits_and_misses(phases, sim, llm.loaded.config.moe_layers)
     assert sum(p.loads_on_demand for p in phases.values()) == int(sim.demand_loads_SL.sum()) > 0
     assert sum(p.on_cpu for p in phases.values()) == int(sim.cpu_SL.sum()) > 0
     assert sum(p.loads_ahead for p in phases.values()) == int(sim.prefetch_loads_SL.sum())
-    assert (sim.prefetch_loads_SL.sum() > 0) == (admit > 0)
+    assert (sim.prefetch_loads_SL.sum() > 0) == (admit > 0 or prefill == "ping-pong")
 
 
 @pytest.mark.parametrize("policy, seqs, budget", [("fifo", 2, 6), ("fifo", 3, 64), ("expertflow", 2, 64),

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from moepager.planning.cost import CostModel
 from moepager.trace.format import DECODE, TraceError, TraceHeader, TraceRequest, TraceWriter
 from moepager.trace.simulate import SimSpec, simulate
-from moepager.trace.workload import load_workload
+from moepager.trace.workload import Cut, load_workload
 from tests.trace.conftest import random_trace
 from tests.trace.reference import reference_hits
 
@@ -173,10 +173,15 @@ def test_hybrid_replay_computes_light_misses_on_the_cpu_and_admits_nothing_of_th
     trace = random_trace(tmp_path / "t.mpt", lengths=(12, 9), prefill=12, seed=4)
     work = load_workload(str(trace), "recorded")
     gpu = simulate(work, SimSpec("lru", 4))
-    never = simulate(work, SimSpec("lru", 4, execution="hybrid", device_tokens=None))
+    never = simulate(work, SimSpec("lru", 4, execution="hybrid", device_tokens=None, hybrid_prefill="cache"))
     assert never.loads == 0 and never.hits_SL.sum() == 0  # nothing ever enters a cold cache
     assert int(never.cpu_SL.sum()) == never.misses == int(never.requested_SL.sum())
-    some = simulate(work, SimSpec("lru", 4, execution="hybrid", device_tokens=2))
+    steps = load_workload(str(trace), "recorded", cut=Cut(prompt_tokens=4))  # a prefill, then decode steps
+    assert set(steps.step_phase.tolist()) == {0, 1}
+    seeded = simulate(steps, SimSpec("lru", 4, execution="hybrid", device_tokens=None))
+    assert seeded.demand_loads_SL.sum() == 0 and seeded.prefetch_loads_SL.sum() > 0  # only the initial cache loads
+    assert seeded.hits_SL.sum() > 0
+    some = simulate(work, SimSpec("lru", 4, execution="hybrid", device_tokens=2, hybrid_prefill="cache"))
     assert 0 < some.loads < gpu.loads and some.cpu_SL.sum() > 0
     assert (some.demand_loads_SL + some.cpu_SL == some.requested_SL - some.hits_SL).all()
     with pytest.raises(TraceError, match="hybrid execution places"):
