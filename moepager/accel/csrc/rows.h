@@ -144,6 +144,16 @@ constexpr int64_t PREFETCH = 8192;
 // input (rows_any) overlaps two rows' chains of fused multiply-adds and shares the input's loads (on AVX2 also its
 // shifts and masks): the 8192x256 LM head 155 against 192 us at 1 thread on the Zen 3 (an ad-hoc probe, 2026-12-02,
 // each version in its own process, interleaved twice: 155.5 / 156.2 against 192.4 / 192.5 us).
+// Rows of one input's bf16 projection taken at once: four with AVX-512's 32 registers (the qwen3-30b-a3b LM head,
+// 151936x2048, read at 20.0-20.8 against 16.4-16.7 GB/s with two at 1 thread on the Zen 4, interleaved runs of an
+// ad-hoc probe, 2026-12-02: its loads stream from more places at once); two elsewhere (four rows' accumulators
+// would take all 16 AVX2 registers).
+#if defined(__AVX512F__)
+constexpr int BF16_ROWS = 4;
+#else
+constexpr int BF16_ROWS = 2;
+#endif
+
 template <int R, int T>
 inline void dot_bf16_rows(const uint16_t* w, const uint16_t* const* x, int64_t K, float* out) {
   F16 a0[R][T], a1[R][T];
@@ -254,9 +264,12 @@ inline void rows_any(int64_t fmt, const Projection& p, int64_t group, int64_t r0
     const uint16_t* const* xbt = xb ? xb + t : nullptr;
     const QRow* xqt = xq ? xq + t : nullptr;
     int64_t r = r0;
-    if (fmt == BF16 && c == 1)  // one input: rows two at a time, the same bits as one at a time
+    if (fmt == BF16 && c == 1) {  // one input: rows BF16_ROWS (then two) at a time, the same bits as one at a time
+      for (; BF16_ROWS > 2 && r + BF16_ROWS <= r1; r += BF16_ROWS)
+        dot_bf16_rows<BF16_ROWS, 1>(reinterpret_cast<const uint16_t*>(p.w) + r * p.K, xbt, p.K, y + t * ldy + r);
       for (; r + 2 <= r1; r += 2)
         dot_bf16_rows<2, 1>(reinterpret_cast<const uint16_t*>(p.w) + r * p.K, xbt, p.K, y + t * ldy + r);
+    }
     for (; r < r1; ++r) {
       switch (c) {
         case 4: row_dot<4>(fmt, p, group, r, xbt, xqt, tmp, scales); break;
