@@ -21,13 +21,15 @@ against one step of all.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from benchmarks.common import SHARED, converted, machine_state, print_table, write_json
+from moepager.predictors.transition import TransitionPredictor
 from moepager.runtime.grouping import (
     balanced_two_means,
     exact_best_split,
@@ -74,34 +76,22 @@ def decode_tokens(name: str, reader: TraceReader, indices: Sequence[int]) -> lis
     return out
 
 
-class SameLayerTransitions:
-    """P(expert e' at layer l of token t + 1 | expert e at layer l of token t), backed off towards the layer's expert
-    frequencies (the transition predictor's tables at distance L, its alpha of 8 counts), fitted on whole requests."""
+def next_token_paths(requests: list[np.ndarray], num_experts: int, k: int) -> Callable[[np.ndarray], np.ndarray]:
+    """A transition predictor (`--predictor transition`) fitted on whole `requests` at distance L (layer l of the next
+    token from layer l of this one): the forecast path of a token's successor, each layer's k most likely experts."""
+    layers = requests[0].shape[1]
+    ids = torch.from_numpy(np.concatenate(requests).astype(np.int64))
+    request = torch.cat([torch.full((len(r),), i) for i, r in enumerate(requests)])
+    predictor = TransitionPredictor.fit(ids, request, num_experts, [layers])
+    tables = [predictor.backed_off((layer, layer, 1)).numpy() for layer in range(layers)]
 
-    def __init__(self, requests: list[np.ndarray], num_experts: int, alpha: float = 8.0):
-        layers = requests[0].shape[1]
-        counts = np.zeros((layers, num_experts, num_experts))
-        for ids in requests:
-            src, dst = ids[:-1], ids[1:]  # [T-1, L, K]
-            for layer in range(layers):
-                s, d = src[:, layer], dst[:, layer]
-                ok = (s[:, :, None] >= 0) & (d[:, None, :] >= 0)
-                pairs = (s[:, :, None] * num_experts + d[:, None, :])[ok]
-                counts[layer] += np.bincount(pairs, minlength=num_experts * num_experts).reshape(num_experts,
-                                                                                                   num_experts)
-        freq = counts.sum(1)
-        freq = freq / np.maximum(freq.sum(1, keepdims=True), 1e-12)
-        self.probs = (counts + alpha * freq[:, None, :]) / (counts.sum(2, keepdims=True) + alpha)
-
-    def path(self, ids_LK: np.ndarray, k: int) -> np.ndarray:
-        """The forecast path of the next token: each layer's k most likely experts given this token's."""
-        layers, experts = self.probs.shape[0], self.probs.shape[1]
-        path = np.zeros((layers, experts), bool)
-        for layer in range(layers):
-            ids = ids_LK[layer][ids_LK[layer] >= 0]
-            p = self.probs[layer, ids].sum(0)
-            path[layer, np.argsort(-p, kind="stable")[:k]] = True
-        return path.reshape(-1)
+    def path(ids_LK: np.ndarray) -> np.ndarray:
+        out = np.zeros((layers, num_experts), bool)
+        for layer, table in enumerate(tables):
+            p = table[ids_LK[layer][ids_LK[layer] >= 0]].sum(0)
+            out[layer, np.argsort(-p, kind="stable")[:k]] = True
+        return out.reshape(-1)
+    return path
 
 
 def costs(prev: np.ndarray, predicted: np.ndarray, nxt: np.ndarray) -> dict[str, int]:
@@ -127,7 +117,7 @@ def measure(name: str, sizes: Sequence[int], draws: Sequence[int], fit: int | No
             raise SystemExit(f"{name}: --fit {fit} and --test {test} overlap in its {total} requests")
         fitted = decode_tokens(name, reader, range(fit))
         held = [ids for ids in decode_tokens(name, reader, range(total - test, total)) if len(ids) >= 24]
-    predictor = SameLayerTransitions([ids for ids in fitted if len(ids) > 1], h.num_experts)
+    predicted_path = next_token_paths([ids for ids in fitted if len(ids) > 1], h.num_experts, h.top_k)
     rng, rows = np.random.default_rng(seed), []
     for n, count in zip(sizes, draws):
         if n > len(held):
@@ -137,7 +127,7 @@ def measure(name: str, sizes: Sequence[int], draws: Sequence[int], fit: int | No
             chosen = [held[i] for i in rng.choice(len(held), n, replace=False)]
             t = int(rng.integers(4, min(len(ids) for ids in chosen) - 1))
             prev = np.stack([path_of(ids[t - 1], h.num_experts) for ids in chosen])
-            predicted = np.stack([predictor.path(ids[t - 1], h.top_k) for ids in chosen])
+            predicted = np.stack([predicted_path(ids[t - 1]) for ids in chosen])
             nxt = np.stack([path_of(ids[t], h.num_experts) for ids in chosen])
             for row, c in costs(prev, predicted, nxt).items():
                 sums[row] += c / count

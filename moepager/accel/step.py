@@ -124,7 +124,7 @@ class DecodeModelStep:
         steps = [layer.step for layer in layers]
         head, norm = model.lm_head, model.model.norm
         return (bool(layers) and all(isinstance(s, DecodeLayerStep) for s in steps)
-                and len({id(s.executor) for s in steps if isinstance(s, DecodeLayerStep)}) == 1
+                and len({id(s.executor) for s in steps}) == 1  # type: ignore[union-attr]
                 and model.model.embed_tokens.weight.dtype == torch.bfloat16 and norm.kernel is not None
                 and isinstance(head, FusedLinear) and head.bias is None and head.weight.dtype == torch.bfloat16)
 

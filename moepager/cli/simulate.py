@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from moepager.atomic_io import atomic_file, check_file
 from moepager.cli.predictor import parse_ints
-from moepager.config import BATCH_POLICIES, Budget, SchedulerConfig
+from moepager.config import BATCH_POLICIES, HYBRID_PREFILLS, Budget, SchedulerConfig
 from moepager.errors import MoepagerError
 from moepager.planning.cost import LINKS, PROFILES, CostModel
 from moepager.planning.od_moe import Cluster, group_cache, resident_step_times, step_times
@@ -81,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "threshold computes on the CPU without a transfer, the rest are loaded); hybrid+admitN: then "
                         "copies up to N of a layer's CPU experts to the device in the background (the engine's "
                         "--hybrid-admit N)")
-    p.add_argument("--hybrid-prefill", choices=["ping-pong", "cache"], default="ping-pong",
+    p.add_argument("--hybrid-prefill", choices=HYBRID_PREFILLS, default="ping-pong",
                    help="hybrid: a prefill's heavy misses pass through uncached and the first decode step loads each "
                         "layer's most activated experts of the prefill (ping-pong, the engine's default), or they are "
                         "admitted as a decode's are (cache): the engine's --hybrid-prefill")

@@ -15,6 +15,7 @@ Deterministic: the same paths give the same groups. The objective is the sum ove
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -79,8 +80,6 @@ def exact_best_split(paths_NP: np.ndarray) -> tuple[list[int], list[int]]:
     """The balanced split (ceil(n/2), floor(n/2)) of least `split_cost`, by trying every one with row 0 in the first
     group (n <= 20: C(16, 8) / 2 = 6,435 splits at 16): a bound for the scheduler's grouping, never run by the
     engine. Ties: the first split in lexicographic order of the first group."""
-    import itertools
-
     n = len(paths_NP)
     if n > 20:
         raise ValueError(f"an exact split of {n} paths tries too many ({n} > 20): use swap_search")
@@ -89,7 +88,7 @@ def exact_best_split(paths_NP: np.ndarray) -> tuple[list[int], list[int]]:
     half = (n + 1) // 2
     firsts = [(0, *rest) for rest in itertools.combinations(range(1, n), half - 1)]
     if n % 2:  # odd n: the smaller group may hold row 0 too
-        firsts += [rest for rest in itertools.combinations(range(1, n), half)]
+        firsts += list(itertools.combinations(range(1, n), half))
     masks = np.zeros((len(firsts), n), np.float32)
     for i, group in enumerate(firsts):
         masks[i, list(group)] = 1

@@ -135,12 +135,7 @@ torch::Tensor gemv(int64_t fmt, const Projection& p, const torch::Tensor& x) {
     quantize_rows(xp, K, fmt, xq, 0, T);
     for (int64_t t = 0; t < T; ++t) xr[t] = xq.row(t);
   }
-  parallel_for(0, (N + 15) / 16, grain_for((N + 15) / 16, T * N * K), [&](int64_t a, int64_t b) {
-    for (int64_t task = a; task < b; ++task) {
-      const int64_t r0 = task * 16, r1 = std::min(N, r0 + 16);
-      gemv_rows(fmt, p, fmt == BF16 ? xs.data() : nullptr, fmt == BF16 ? nullptr : xr.data(), T, r0, r1, yp, op);
-    }
-  });
+  gemv_all(fmt, p, fmt == BF16 ? xs.data() : nullptr, fmt == BF16 ? nullptr : xr.data(), T, yp, op);
   return out;
 }
 

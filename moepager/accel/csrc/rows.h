@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "parallel.h"
 #include "simd.h"
 
 namespace {
@@ -299,6 +300,17 @@ inline void gemv_rows(int64_t fmt, const Projection& p, const uint16_t* const* x
                       int64_t r0, int64_t r1, float* y, uint16_t* out) {
   rows_any(fmt, p, 0, r0, r1, xb, xq, T, y, p.N);
   for (int64_t t = 0; t < T; ++t) to_bf16(y + t * p.N + r0, out + t * p.N + r0, r1 - r0);
+}
+
+// y = x W^T (bf16 out [T, N], fp32 scratch y [T, N]) for T inputs against every row of `p`, 16 rows a task shared
+// among the kernel threads (bf16 inputs xb, or quantized xq): linear_bf16's and the whole decode step's LM head.
+inline void gemv_all(int64_t fmt, const Projection& p, const uint16_t* const* xb, const QRow* xq, int64_t T, float* y,
+                     uint16_t* out) {
+  const int64_t tasks = (p.N + 15) / 16;
+  parallel_for(0, tasks, grain_for(tasks, T * p.N * p.K), [&](int64_t a, int64_t b) {
+    for (int64_t task = a; task < b; ++task)
+      gemv_rows(fmt, p, xb, xq, T, task * 16, std::min(p.N, task * 16 + 16), y, out);
+  });
 }
 
 }  // namespace

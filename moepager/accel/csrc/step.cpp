@@ -261,14 +261,8 @@ struct DecodeModel {
       norm_row(xp + b * D, bf16_data(norm), np + b * D, D, eps);
       rows[b] = np + b * D;
     }
-    // the head as linear_bf16 computes it (moe.cpp gemv): 16 rows a task
-    const int64_t tasks = (N + 15) / 16;
-    float* yp = yf.data_ptr<float>();
-    auto* op = reinterpret_cast<uint16_t*>(logits.data_ptr());
-    parallel_for(0, tasks, grain_for(tasks, B * N * D), [&](int64_t a, int64_t z) {
-      for (int64_t t = a; t < z; ++t)
-        project(bf16_data(head), nullptr, N, D, rows.data(), B, t * 16, std::min(N, t * 16 + 16), yp, op);
-    });
+    gemv_all(BF16, {static_cast<const uint8_t*>(head.data_ptr()), nullptr, N, D}, rows.data(), nullptr, B,
+             yf.data_ptr<float>(), reinterpret_cast<uint16_t*>(logits.data_ptr()));  // as linear_bf16 computes it
     return logits;
   }
 };
