@@ -178,7 +178,8 @@ def modeled_scaling() -> list[dict]:
     memory."""
     from benchmarks.common import SHARED, converted
     from moepager.planning.cost import DEVICES, LINKS
-    from moepager.planning.od_moe import Cluster, resident_step_times, step_times
+    from moepager.experts.remote.placement import Placement
+    from moepager.planning.od_moe import Cluster, resident_step_times, step_times, worker_shares
     from moepager.trace.workload import load_workload
 
     trace = converted("mixtral-jsonl", SHARED / "mixtral-8x7b" / "routing_data_collected", "mixtral-8x7b")
@@ -188,13 +189,18 @@ def modeled_scaling() -> list[dict]:
     hidden_bytes = 4096 * 2
     gpu = DEVICES["rtx3090"]
     resident = resident_step_times(gpu, PAPER_MAIN_LAYER_S, requested, tokens, h.expert_bytes, h.top_k).mean()
-    rows = []
+    routed, rows = work.routed_SLE(), []
     for workers in (2, 4, 8, 16):
-        for label, recall in (("none", 0.0), ("paper's int8, 97.34%", 0.9734), ("built-in's int8, 99.51%", 0.9951)):
-            cluster = Cluster(workers, 2, gpu, LINKS["pcie4"], LINKS["1gbe"], PAPER_MAIN_LAYER_S, recall)
-            t = step_times(cluster, requested, tokens, h.expert_bytes, hidden_bytes, h.top_k).mean()
-            rows.append({"workers": workers, "shadow": label, "tok_s": 1 / t, "vs_all_in_gpu": resident / t,
-                         "all_in_gpu_tok_s": 1 / resident})
+        for assign in ("one-to-one", "fixed"):
+            share = worker_shares(routed, Placement.of(workers, 2, assign))
+            crowded = float(np.mean(share[requested > 0] > np.ceil(requested[requested > 0] / 2)))
+            for label, recall in (("none", 0.0), ("paper's int8, 97.34%", 0.9734),
+                                  ("built-in's int8, 99.51%", 0.9951)):
+                cluster = Cluster(workers, 2, gpu, LINKS["pcie4"], LINKS["1gbe"], PAPER_MAIN_LAYER_S, recall)
+                t = step_times(cluster, requested, tokens, h.expert_bytes, hidden_bytes, h.top_k,
+                               share_SL=share).mean()
+                rows.append({"workers": workers, "assign": assign, "crowded_calls": crowded, "shadow": label,
+                             "tok_s": 1 / t, "vs_all_in_gpu": resident / t, "all_in_gpu_tok_s": 1 / resident})
     return rows
 
 
@@ -221,8 +227,9 @@ def main() -> None:
     scaling = modeled_scaling()
     print(f"\nmodeled, Mixtral-8x7B decode traces, the paper's nodes (RTX 3090, PCIe 4.0, 1 Gbps LAN, groups of 2); "
           f"all in one GPU's memory: {scaling[0]['all_in_gpu_tok_s']:.1f} tok/s")
-    print_table(["workers", "shadow recall", "tok/s", "x all in GPU"],
-                [[r["workers"], r["shadow"], r["tok_s"], r["vs_all_in_gpu"]] for r in scaling])
+    print_table(["workers", "assign", "calls crowded %", "shadow recall", "tok/s", "x all in GPU"],
+                [[r["workers"], r["assign"], 100 * r["crowded_calls"], r["shadow"], r["tok_s"], r["vs_all_in_gpu"]]
+                 for r in scaling])
     out = write_json("workers", {"machine": state, "args": vars(args), "rows": rows, "shadow": recall,
                                  "modeled_scaling": scaling})
     print(f"results: {out}")

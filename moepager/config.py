@@ -20,6 +20,9 @@ KERNELS: tuple[Kernel, ...] = ("auto", "loop", "gather", "grouped", "packed", "f
 """`--expert-kernel` choices (experts/executor.py says what each computes)."""
 WorkerLoss = Literal["stop", "failover"]
 """`--on-worker-loss` choices (experts/remote/executor.py)."""
+WorkerAssign = Literal["one-to-one", "fixed"]
+WORKER_ASSIGNS: tuple[WorkerAssign, ...] = ("one-to-one", "fixed")
+"""`--worker-assign` choices: how a layer call's experts go to its group's workers (experts/remote/placement.py)."""
 Execution = Literal["gpu", "hybrid", "cpu-experts", "auto"]
 HybridPrefill = Literal["ping-pong", "cache"]
 HYBRID_PREFILLS: tuple[HybridPrefill, ...] = ("ping-pong", "cache")
@@ -313,6 +316,11 @@ class RemoteConfig:
     worker_memory: str | None = None
     """Each worker's expert cache: a size or a share of its own experts ("25%"); the rest read from the checkpoint
     on demand (OD-MoE's just-in-time loading). None: each holds all of its experts in RAM."""
+    worker_assign: WorkerAssign | None = None
+    """How a layer call's routed experts go to its group's workers (experts/remote/placement.py): "one-to-one" (OD-MoE:
+    no worker takes more than ceil(n / G) of a call's n experts; resident workers hold their group's layers whole),
+    "fixed" (each expert on its home worker only). None: one-to-one with --worker-memory (paging workers read any
+    expert at no extra memory), fixed without (G times less RAM than one-to-one's copies)."""
     shadow: bool = False
     """--workers: one more process runs the model's int8 copy on the main process's passes and sends each layer's
     routing to the workers as forecasts to load ahead (OD-MoE's shadow model)."""
@@ -346,6 +354,15 @@ class RemoteConfig:
             raise MoepagerError("--worker-memory budgets the worker processes' experts: add --workers N")
         if self.worker_group is not None and not 1 <= self.worker_group <= max(self.workers, 1):
             raise MoepagerError(f"--worker-group must be between 1 and --workers {self.workers}")
+        if self.worker_assign is not None and self.worker_assign not in WORKER_ASSIGNS:
+            raise MoepagerError(f"--worker-assign must be {' or '.join(WORKER_ASSIGNS)}, got '{self.worker_assign}'")
+        if self.worker_assign is not None and not self.workers:
+            raise MoepagerError("--worker-assign places the worker processes' experts: add --workers N")
+
+    @property
+    def assign(self) -> WorkerAssign:
+        """`worker_assign`, or its default: one-to-one for paging workers, fixed for resident ones."""
+        return self.worker_assign or ("one-to-one" if self.worker_memory is not None else "fixed")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from moepager.config import (
     HYBRID_PREFILLS,
     INT4_GROUPS,
     KERNELS,
+    WORKER_ASSIGNS,
     Budget,
     EngineConfig,
     ExpertFormat,
@@ -180,6 +181,11 @@ def add_execution_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--worker-memory", metavar="SIZE",
                    help="--workers: each worker's expert cache, a size or a share of its own experts (25%%); the rest "
                         "read from the checkpoint on demand (default: all of its experts in RAM)")
+    w.add_argument("--worker-assign", choices=WORKER_ASSIGNS,
+                   help="--workers: how a layer call's routed experts go to its group's workers: one-to-one (OD-MoE's: "
+                        "none takes more than its share, so at one token no two share a worker; resident workers "
+                        "then hold their group's layers whole) or fixed (each expert on one worker only); default "
+                        "one-to-one with --worker-memory, fixed without")
     w.add_argument("--shadow", action="store_true",
                    help="--workers: one more process runs the model's int8 copy on each pass as it starts and sends "
                         "every layer's routing to the workers to load ahead (OD-MoE's shadow model)")
@@ -217,7 +223,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         remote=RemoteConfig(workers=args.workers, worker_group=args.worker_group,
                                             worker_timeout_s=args.worker_timeout, worker_memory=args.worker_memory,
                                             on_worker_loss=args.on_worker_loss, shadow=args.shadow,
-                                            align_period=args.align_period))
+                                            align_period=args.align_period, worker_assign=args.worker_assign))
 
 
 def add_store_arguments(p: argparse.ArgumentParser) -> None:

@@ -12,10 +12,11 @@ from tqdm import tqdm
 
 from moepager.atomic_io import atomic_file, check_file
 from moepager.cli.predictor import parse_ints
-from moepager.config import BATCH_POLICIES, HYBRID_PREFILLS, Budget, SchedulerConfig
+from moepager.config import BATCH_POLICIES, HYBRID_PREFILLS, WORKER_ASSIGNS, Budget, SchedulerConfig
 from moepager.errors import MoepagerError
+from moepager.experts.remote.placement import Placement
 from moepager.planning.cost import LINKS, PROFILES, CostModel
-from moepager.planning.od_moe import Cluster, group_cache, resident_step_times, step_times
+from moepager.planning.od_moe import Cluster, group_cache, resident_step_times, step_times, worker_shares
 from moepager.policies import POLICIES
 from moepager.predictors import FITTED, PredictorError, make_predictor
 from moepager.runtime.step_order import engine_steps
@@ -102,6 +103,10 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                         "--worker-cache), each with "
                         "the --profile's device and link; comma-separated to compare")
     g.add_argument("--worker-group", type=int, metavar="G", help="--workers: machines per layer (default top-k)")
+    g.add_argument("--worker-assign", default="one-to-one", metavar="A[,A...]",
+                   help="--workers: how a call's experts go to its group's machines, as the engine's --worker-assign: "
+                        "one-to-one (OD-MoE's, the default) or fixed (each expert on one machine); comma-separated "
+                        "to compare")
     g.add_argument("--shadow-recall", type=float, default=0.0, metavar="R",
                    help="--workers: the share of routed experts a shadow model predicts (OD-MoE's INT8 shadow: "
                         "0.9734; default 0, no shadow)")
@@ -214,9 +219,15 @@ def workers_table(args: argparse.Namespace, work: Workload, cost: CostModel | No
     if args.worker_cache < 0:
         raise TraceError(f"--worker-cache must be >= 0, got {args.worker_cache}")
     cache = f", {args.worker_cache} experts cached on each worker (LRFU)" if args.worker_cache else ", cacheless"
+    assigns = [a.strip() for a in args.worker_assign.split(",")]
+    if not assigns or any(a not in WORKER_ASSIGNS for a in assigns):
+        raise TraceError(f"--worker-assign '{args.worker_assign}': choose {' or '.join(WORKER_ASSIGNS)} "
+                         "(comma-separated to compare)")
     lines = [f"OD-MoE on paper: {cost.device.name} workers over {cost.link.name}, {LINKS[args.network].name} to the "
              f"main machine, groups of {group}, shadow recall {args.shadow_recall:g}{cache}; all in one machine's "
-             f"memory {1 / alone:.2f} tok/s", "workers  tok/s  x all in memory  loads / layer call"]
+             f"memory {1 / alone:.2f} tok/s",
+             "workers  assign      tok/s  x all in memory  loads / layer call  crowded calls"]
+    routed = work.routed_SLE()
     for n in parse_ints(args.workers, "--workers"):
         try:
             cluster = Cluster(n, min(group, n), cost.device, cost.link, LINKS[args.network], main_s,
@@ -228,9 +239,14 @@ def workers_table(args: argparse.Namespace, work: Workload, cost: CostModel | No
         if per_layer >= h.top_k:  # (a smaller share keeps no layer's experts of one token: cacheless)
             result = simulate(work, SimSpec("lrfu", per_layer))
             loaded = result.requested_SL - result.hits_SL
-        t = step_times(cluster, requested, tokens, expert_bytes, args.hidden_bytes, h.top_k, loaded).mean()
-        lines.append(f"{n:>7}  {1 / t:>5.2f}  {alone / t:>15.3f}  {loaded.mean():>18.2f}"
-                     + (f"  (a group caches {per_layer} of a layer's experts)" if per_layer >= h.top_k else ""))
+        for assign in assigns:
+            share = worker_shares(routed, Placement.of(n, cluster.group_size, assign))
+            fair = np.ceil(requested / cluster.group_size)
+            crowded = 100 * np.mean(share[requested > 0] > fair[requested > 0])
+            t = step_times(cluster, requested, tokens, expert_bytes, args.hidden_bytes, h.top_k, loaded, share).mean()
+            lines.append(f"{n:>7}  {assign:<10}  {1 / t:>5.2f}  {alone / t:>15.3f}  {loaded.mean():>18.2f}  "
+                         f"{crowded:>12.1f}%"
+                         + (f"  (a group caches {per_layer} of a layer's experts)" if per_layer >= h.top_k else ""))
     return "\n".join(lines)
 
 

@@ -19,7 +19,7 @@ from moepager.experts.remote.executor import RemoteExecutor
 from moepager.experts.remote.feed import ShadowFeed
 from moepager.experts.remote.placement import Links, Placement
 from moepager.experts.remote.protocol import SHADOW_RANK
-from moepager.experts.remote.worker import ExpertWorker
+from moepager.experts.remote.worker import ExpertWorker, Holding
 from moepager.models.config import ModelConfig
 from moepager.placements.base import BuildContext, Placed
 from moepager.placements.stores import build_store, read_buffer_bytes
@@ -51,7 +51,7 @@ def placement(config: EngineConfig, cfg: ModelConfig) -> Placement:
                           f"{processes} -m moepager.distributed generate ...`")
     first = 2 if config.remote.shadow else 1  # rank 1 is the shadow's
     return Placement(tuple(range(first, first + config.remote.workers)),
-                     config.remote.worker_group or min(cfg.top_k, config.remote.workers))
+                     config.remote.worker_group or min(cfg.top_k, config.remote.workers), config.remote.assign)
 
 
 def remote_executor(config: EngineConfig, reader: FlatReader, cfg: ModelConfig, links: Links) -> RemoteExecutor:
@@ -66,22 +66,24 @@ def remote_executor(config: EngineConfig, reader: FlatReader, cfg: ModelConfig, 
 
 def expert_worker(config: EngineConfig, path: Path, rank: int, links: Links,
                   placed: Placement | None = None) -> ExpertWorker:
-    """A worker rank's experts (its share of every layer's, `Placement`: `placed`, or the started processes'):
-    read into RAM, or with `--worker-memory` paged from the checkpoint through a store of that many of them (one
-    cache for all its layers); held again the same way when a failover changes its share."""
+    """A worker rank's experts (what `Placement` may ask of it: `placed`, or the started processes'): read into RAM,
+    or with `--worker-memory` paged from the checkpoint through a store of that many of them (one cache for all its
+    layers); held again the same way when a failover changes its share."""
     opened = open_checkpoint(path, LoadOptions.of(config))
     cfg, reader = opened.config, opened.reader
     shape, kernel, cpu = reader.shape, config.expert_kernel, torch.device("cpu")
     fused = cpu_kernels.fused_experts(shape, cpu, kernel)
 
-    def hold(owned: Sequence[tuple[int, int]]) -> tuple[ArenaKernels | None, PagedExecutor | None]:
+    def hold(owned: Sequence[tuple[int, int]], holds: Sequence[tuple[int, int]]) -> Holding:
+        """Paged: a store over the checkpoint with a cache sized against its home share (`owned`); resident: every
+        expert it may be asked for (`holds`) read into one arena."""
         if config.remote.worker_memory is not None:
             slots = Budget.parse(config.remote.worker_memory, "--worker-memory").slots(shape.nbytes, len(owned))
             check_slots(slots, cfg.top_k, shape.nbytes, "--worker-memory", config.remote.worker_memory)
             store_config = StoreConfig(expert_memory=str(slots * shape.nbytes + read_buffer_bytes(reader, 4)),
                                        scope="global", policy=config.store.policy, warm=False)
             return None, PagedExecutor(build_store(store_config, reader, cfg, cpu, False), shape, kernel, fused)
-        arena = read_experts(reader, [ExpertKey(cfg.moe_layers[p], e) for p, e in owned], cpu)
+        arena = read_experts(reader, [ExpertKey(cfg.moe_layers[p], e) for p, e in holds], cpu)
         return ArenaKernels(arena, shape, kernel, fused=fused), None
 
     return ExpertWorker(rank, cfg.moe_layers, cfg.num_experts, shape, placed or placement(config, cfg), hold, links,

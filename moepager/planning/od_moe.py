@@ -2,21 +2,25 @@
 deployment can be sized before it is bought (`moepager simulate --workers N`).
 
 Per decode step and MoE layer, with n distinct experts routed (from the trace) shared by the G workers of the layer's
-group (each loads and computes ceil(n / G) of them, one after another) and N / G groups taking layers in turn:
+group, the busiest worker of the group computing `share` of them one after another (ceil(n / G) with one-to-one
+assignment, OD-MoE's; with fixed assignment the most that share one home, from the trace: `worker_shares`, the
+engine's own `Placement.ranks_of`, so the model and the engine assign every call alike) and N / G groups taking layers
+in turn:
   hop      = tokens * hidden bytes / network bandwidth + latency        (hidden states to the group, outputs back)
-  t_W      = ceil(n / G) * (one expert's compute on a worker's device)
+  t_W      = share * (one expert's compute on a worker's device)
   load     = expert bytes / a worker's link + latency                    (host memory -> its GPU, just in time)
   maxload  = (N / G) * (t_M + 2 hop) + (N / G - 1) * t_W                 (§2.4: the time a group has to load a layer
                                                                           predicted correctly before its turn)
-  stall    = max(0, r * ceil(n / G) * load - maxload) + (1 - r) * ceil(n / G) * load
+  stall    = max(0, r * share * load - maxload) + (1 - r) * share * load
              (the predicted share loads ahead, what overruns maxload stalls; the mispredicted share, a fraction 1 - r
               by the shadow's recall r, loads after the layer's routing is known)
   layer    = t_M + 2 hop + t_W + stall
 where t_M is the main node's per-layer time (attention, gating, norms). Cacheless, as OD-MoE runs: every routed expert
 is loaded for every layer call. With worker caches (`--worker-cache C`, the engine's `--worker-memory`), only the m of
-the n routed experts a group's caches miss are loaded (the loads and the stall take ceil(m / G), the compute still
-ceil(n / G)); `group_cache` sizes the cache the simulator replays for that. Against it, all in one GPU's memory:
-layer = t_M + n * (one expert's compute).
+the n routed experts a group's caches miss are loaded (the loads and the stall take ceil(m / G) with one-to-one
+assignment, and with fixed an estimate, the busiest worker's share scaled by m / n but no less than ceil(m / G); the
+compute still `share`); `group_cache` sizes the cache the simulator replays for that. Against it, all in one GPU's
+memory: layer = t_M + n * (one expert's compute).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moepager.errors import MoepagerError
+from moepager.experts.remote.placement import Placement
 from moepager.planning.cost import Device, Link
 
 
@@ -67,15 +72,36 @@ def group_cache(cluster: Cluster, num_layers: int, num_experts: int, worker_cach
     return min(num_experts, cluster.group_size * worker_cache // layers_per_group)
 
 
+def worker_shares(routed_SLE: np.ndarray, placement: Placement) -> np.ndarray:
+    """The most of each step's routed experts of each layer that one worker computes, [steps, layers], assigned as
+    the engine assigns them (`Placement.ranks_of`; the trace's layer index is the MoE layer's position)."""
+    steps, layers, _ = routed_SLE.shape
+    out = np.zeros((steps, layers), np.int64)
+    for s in range(steps):
+        for layer in range(layers):
+            experts = np.flatnonzero(routed_SLE[s, layer]).tolist()
+            if experts:
+                ranks = placement.ranks_of(layer, experts)
+                out[s, layer] = max(ranks.count(r) for r in set(ranks))
+    return out
+
+
 def step_times(cluster: Cluster, requested_SL: np.ndarray, tokens_S: np.ndarray, expert_bytes: int,
-               hidden_bytes: int, top_k: int, loaded_SL: np.ndarray | None = None) -> np.ndarray:
+               hidden_bytes: int, top_k: int, loaded_SL: np.ndarray | None = None,
+               share_SL: np.ndarray | None = None) -> np.ndarray:
     """Modeled seconds of each step (module note). `requested_SL`: distinct experts each step routed per layer;
     `loaded_SL`: those of them the workers load (default all: cacheless); `hidden_bytes`: one token's hidden state on
-    the wire."""
+    the wire; `share_SL`: the busiest worker's count of them (`worker_shares`; default ceil(n / G), one-to-one)."""
     n = requested_SL.astype(np.float64)
     tokens = tokens_S.astype(np.float64)[:, None]
-    share = np.ceil(n / cluster.group_size)
-    loads = share if loaded_SL is None else np.ceil(loaded_SL.astype(np.float64) / cluster.group_size)
+    g = cluster.group_size
+    share = np.ceil(n / g) if share_SL is None else share_SL.astype(np.float64)
+    if loaded_SL is None:
+        loads = share
+    else:
+        m = loaded_SL.astype(np.float64)
+        loads = np.ceil(m / g) if share_SL is None else \
+            np.minimum(share, np.maximum(np.ceil(m / g), np.ceil(share * m / np.maximum(n, 1) - 1e-9)))
     groups = cluster.workers // cluster.group_size
     c = expert_compute_s(cluster.worker, expert_bytes, tokens * top_k / np.maximum(n, 1))
     hop = tokens * hidden_bytes / cluster.network.bytes_per_s + cluster.network.latency_s

@@ -94,7 +94,7 @@ class Shadow:
         assert route.ids_host_TK is not None
         position = self.position[layer]
         experts = sorted(set(route.ids_host_TK.flatten().tolist()))
-        send_forecasts(self.placement.rank, [(position, e) for e in experts], self.pass_id, self.links.forecasts_of)
+        send_forecasts(self.placement.ranks_of, [(position, e) for e in experts], self.pass_id, self.links.forecasts_of)
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def serve(self) -> int:

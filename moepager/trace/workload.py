@@ -66,6 +66,10 @@ class Workload:
 
     def requested_SL(self) -> np.ndarray:
         """Distinct experts each step routes to in each layer (what a cacheless deployment loads: OD-MoE)."""
+        return self.routed_SLE().sum(2)
+
+    def routed_SLE(self) -> np.ndarray:
+        """Whether each step routes to each expert of each layer, [steps, layers, experts] bool."""
         num_layers, e = self.header.num_layers, self.header.num_experts
         step_of = np.repeat(np.arange(self.num_steps), np.diff(self.step_ptr))
         ids = self.ids_NLK[self.step_tokens].astype(np.int64)  # [N, L, K] in step order
@@ -74,7 +78,7 @@ class Workload:
         step = np.broadcast_to(step_of[:, None, None], ids.shape)
         seen = np.zeros((self.num_steps, num_layers, e), bool)
         seen[step[valid], layer[valid], ids[valid]] = True
-        return seen.sum(2)
+        return seen
 
     def counts_LE(self) -> np.ndarray:
         """How often each expert was chosen (a frequency prior)."""

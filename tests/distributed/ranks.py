@@ -3,7 +3,8 @@ each checkpoint with its experts on the other ranks, and writes them to OUT; the
 MOEPAGER_TEST_FAULT=die|hang|stop makes rank 2 (MOEPAGER_TEST_FAULT_RANK) exit, stop answering, or stop (SIGSTOP, as
 `kill -STOP` does) at its third layer call (hang-shadow: the shadow rank, at its third pass); MOEPAGER_TEST_ON_LOSS is
 the run's --on-worker-loss (stop by default), MOEPAGER_TEST_PREDICTOR its --predictor, MOEPAGER_TEST_SHADOW=1 makes
-rank 1 the shadow (--shadow), MOEPAGER_TEST_ALIGN its --align-period, MOEPAGER_TEST_LINK_TIMEOUT the links' timeout
+rank 1 the shadow (--shadow), MOEPAGER_TEST_ALIGN its --align-period, MOEPAGER_TEST_ASSIGN its --worker-assign,
+MOEPAGER_TEST_MAX_SEQS its --max-num-seqs (1: one token a decode pass), MOEPAGER_TEST_LINK_TIMEOUT the links' timeout
 (20 s by default; the layer calls' is 3 s)."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from moepager.checkpoints.build import read_config
-from moepager.config import EngineConfig, PrefetchConfig, RemoteConfig
+from moepager.config import EngineConfig, PrefetchConfig, RemoteConfig, SchedulerConfig
 from moepager.distributed.roles import stop_workers
 from moepager.errors import MoepagerError
 from moepager.experts.remote.placement import Links
@@ -71,15 +72,19 @@ def main() -> int:
                               worker_memory=os.environ.get("MOEPAGER_TEST_WORKER_MEMORY"),
                               on_worker_loss=os.environ.get("MOEPAGER_TEST_ON_LOSS", "stop"),
                               shadow=bool(os.environ.get("MOEPAGER_TEST_SHADOW")),
-                              align_period=int(os.environ.get("MOEPAGER_TEST_ALIGN", "1")))
+                              align_period=int(os.environ.get("MOEPAGER_TEST_ALIGN", "1")),
+                              worker_assign=os.environ.get("MOEPAGER_TEST_ASSIGN"))
+        scheduler = SchedulerConfig(max_num_seqs=int(os.environ.get("MOEPAGER_TEST_MAX_SEQS", "0"))
+                                    or SchedulerConfig().max_num_seqs)
         config = EngineConfig(model=path, threads=1, prefetch=PrefetchConfig(os.environ.get("MOEPAGER_TEST_PREDICTOR")),
-                              remote=remote)
+                              remote=remote, scheduler=scheduler)
         if rank == 0:
             try:
                 llm = LLM(config=config, show_progress=False, links=links)
                 params = SamplingParams(max_tokens=6, ignore_eos=True)
                 results[path] = [c.token_ids for c in llm.generate(PROMPTS, params)]
                 results[path + " lost"] = llm.loaded.experts.lost
+                results[path + " crowded"] = [llm.loaded.experts.calls, llm.loaded.experts.crowded]
                 results[path + " shadow lost"] = any(getattr(part, "lost", False) is True for part in llm.remote
                                                      if part is not llm.loaded.experts)
             except MoepagerError as e:

@@ -71,6 +71,52 @@ def test_every_expert_lives_on_exactly_one_worker_and_layers_go_round_robin():
     assert {left.rank(layer, e) for layer in range(6) for e in range(8)} <= {1, 3, 4}
 
 
+def test_one_to_one_gives_no_worker_more_than_its_share_of_a_call_and_keeps_experts_home_when_it_can():
+    """OD-MoE's assignment: at most ceil(n / G) of a call's n experts on one worker of the layer's group (so at one
+    token with G >= top-k, one each), an expert on its home worker unless its home is full; fixed puts every expert
+    at home, and two with one home then share it."""
+    generator = torch.Generator().manual_seed(0)
+    for workers, group in ((4, 2), (6, 3), (8, 8), (5, 2)):
+        p, fixed = Placement.of(workers, group), Placement.of(workers, group, "fixed")
+        for _ in range(200):
+            position = int(torch.randint(0, 6, (1,), generator=generator))
+            n = int(torch.randint(1, 17, (1,), generator=generator))
+            experts = sorted(torch.randperm(16, generator=generator)[:n].tolist())
+            ranks = p.ranks_of(position, experts)
+            share = -(-n // group)
+            assert set(ranks) <= set(p.group(position))
+            assert max(ranks.count(r) for r in ranks) == share
+            homes = [p.rank(position, e) for e in experts]
+            assert fixed.ranks_of(position, experts) == homes
+            for r in set(homes):  # a home keeps min(share, its experts) of its own
+                assert sum(h == r == a for h, a in zip(homes, ranks, strict=True)) == min(share, homes.count(r))
+    p = Placement.of(2, 2)
+    assert p.ranks_of(0, [1, 3]) == [2, 1] and Placement.of(2, 2, "fixed").ranks_of(0, [1, 3]) == [2, 2]
+    assert p.without({1}).assign == "one-to-one" and Placement.of(4, 2, "fixed").without({1}).assign == "fixed"
+    assert p.holds(1, 3, 4) == [(layer, e) for layer in range(3) for e in range(4)]
+    assert Placement.of(2, 2, "fixed").holds(1, 3, 4) == Placement.of(2, 2).owned(1, 3, 4)
+    with pytest.raises(MoepagerError, match="one-to-one or fixed"):
+        Placement.of(2, 2, "random")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("assign, memory", [("one-to-one", None), ("fixed", None), (None, "60%")],
+                         ids=["one-to-one-resident", "fixed", "one-to-one-paged-by-default"])
+def test_one_to_one_assignment_never_crowds_a_worker_and_gives_the_single_process_tokens(hf_checkpoint, tmp_path,
+                                                                                          assign, memory):
+    """Two workers in one group of two, top-2 routing, one sequence at a time: with one-to-one assignment no layer
+    call gives a worker more than its share (at a decode token, one expert each), resident (each holds every expert)
+    or paged (the default there); with fixed assignment some calls put both experts on one worker. The tokens are the
+    single process's."""
+    paths = [str(hf_checkpoint(arch)[1]) for arch in ("mixtral", "olmoe")]
+    env = {k: v for k, v in (("MOEPAGER_TEST_ASSIGN", assign), ("MOEPAGER_TEST_WORKER_MEMORY", memory),
+                             ("MOEPAGER_TEST_MAX_SEQS", "1")) if v}
+    got = ranks(tmp_path, 3, 2, *paths, env=env)
+    for path in paths:
+        calls, crowded = got[path + " crowded"]
+        assert calls > 0 and (crowded > 0 if assign == "fixed" else crowded == 0), (calls, crowded)
+        assert all(w["calls"] > 0 for w in got[path + " workers"])
+
+
 @pytest.mark.parametrize("procs, group, shadow", [(3, 1, False), (4, 2, False), (4, 1, True)],
                          ids=["2-workers", "3-workers-groups-of-2", "shadow-and-2-workers"])
 def test_workers_give_the_single_process_tokens_on_every_architecture(hf_checkpoint, tmp_path, procs, group, shadow):

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from moepager.errors import MoepagerError
+from moepager.experts.remote.placement import Placement
 from moepager.planning.cost import DEVICES, LINKS, Device, Link
-from moepager.planning.od_moe import Cluster, expert_compute_s, resident_step_times, step_times
+from moepager.planning.od_moe import Cluster, expert_compute_s, resident_step_times, step_times, worker_shares
 
 GPU = Device("test", 1e12, 1e15, 0.0)
 MIB = 2**20
@@ -77,6 +78,29 @@ def test_simulate_models_worker_caches(tmp_path, capsys):
     assert main([*args, "--worker-cache", "64"]) == 0
     cached = capsys.readouterr().out
     assert "cacheless" in cacheless and "experts cached on each worker" in cached and "a group caches" in cached
-    rate = {name: float(out.strip().splitlines()[-1].split()[1]) for name, out in (("none", cacheless),
+    rate = {name: float(out.strip().splitlines()[-1].split()[2]) for name, out in (("none", cacheless),
                                                                                    ("cached", cached))}
     assert rate["cached"] > rate["none"]
+
+
+def test_the_model_assigns_every_call_as_the_engine_does():
+    """`worker_shares` is the engine's assignment (`Placement.ranks_of`) call for call: with one-to-one the busiest
+    worker takes ceil(n / G) of a call's n experts, which is what `step_times` assumes by default; with fixed, at
+    least that, and more where experts share a home."""
+    rng = np.random.default_rng(1)
+    routed = rng.random((40, 6, 16)) < 0.15
+    n = routed.sum(2)
+    for workers, group in ((4, 2), (6, 3), (2, 2)):
+        one = worker_shares(routed, Placement.of(workers, group))
+        fixed = worker_shares(routed, Placement.of(workers, group, "fixed"))
+        assert np.array_equal(one, np.ceil(n / group).astype(int))
+        assert np.all(fixed >= one) and np.any(fixed > one)
+        for s, layer in ((0, 0), (7, 3), (39, 5)):  # the engine's own assignment of the same call
+            ranks = Placement.of(workers, group, "fixed").ranks_of(layer, np.flatnonzero(routed[s, layer]).tolist())
+            assert fixed[s, layer] == max(map(ranks.count, ranks), default=0)
+    c, tokens = cluster(4, 0.5), np.ones(40, int)
+    fixed = worker_shares(routed, Placement.of(4, 2, "fixed"))
+    assert step_times(c, n, tokens, 100 * MIB, 8192, 2).sum() == pytest.approx(
+        step_times(c, n, tokens, 100 * MIB, 8192, 2, share_SL=np.ceil(n / 2)).sum())
+    assert step_times(c, n, tokens, 100 * MIB, 8192, 2, share_SL=fixed).sum() > \
+        step_times(c, n, tokens, 100 * MIB, 8192, 2).sum()

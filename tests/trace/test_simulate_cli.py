@@ -90,10 +90,19 @@ def test_simulate_compares_gpu_and_hybrid_execution(tmp_path, capsys):
 def test_simulate_models_od_moe_worker_machines(tmp_path, capsys):
     trace = random_trace(tmp_path / "t.mpt")
     assert main(["simulate", str(trace), "--capacity", "4", "--profile", "rtx4090-pcie4", "--expert-bytes",
-                 str(300 << 20), "--workers", "2,4,8", "--worker-group", "2", "--shadow-recall", "0.97"]) == 0
+                 str(300 << 20), "--workers", "2,4,8", "--worker-group", "2", "--shadow-recall", "0.97",
+                 "--worker-assign", "one-to-one,fixed"]) == 0
     out = capsys.readouterr().out
     assert "OD-MoE on paper: RTX 4090 workers" in out and "shadow recall 0.97" in out
-    rates = [float(line.split()[1]) for line in out.splitlines()[-3:]]
-    assert rates[0] <= rates[1] <= rates[2]  # more groups: a longer window to load in
+    rows = [line.split() for line in out.splitlines()[-6:]]
+    assert [r[1] for r in rows] == ["one-to-one", "fixed"] * 3
+    rates = [float(r[2]) for r in rows]
+    assert rates[0] <= rates[2] <= rates[4]  # more groups: a longer window to load in
+    assert all(one >= fixed for one, fixed in zip(rates[::2], rates[1::2], strict=True))  # no call waits on a crowd
+    crowded = [float(r[5].rstrip("%")) for r in rows]
+    assert crowded[::2] == [0.0] * 3 and all(c > 0 for c in crowded[1::2])
+    assert main(["simulate", str(trace), "--capacity", "4", "--profile", "rtx4090-pcie4", "--workers", "2",
+                 "--worker-assign", "random"]) == 2
+    assert "choose one-to-one or fixed" in capsys.readouterr().err
     assert main(["simulate", str(trace), "--workers", "2"]) == 2
     assert "give --profile" in capsys.readouterr().err

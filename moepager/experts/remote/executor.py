@@ -68,13 +68,16 @@ class RemoteExecutor:
         self.on_loss = on_loss
         self.lost: list[int] = []
         """Workers lost and failed over, in order."""
+        self.calls, self.crowded = 0, 0
+        """Layer calls made, and those in which one worker was given more than its share, ceil(n / G), of the call's
+        n experts (none with one-to-one assignment; two that share a home worker with fixed)."""
         self.pass_id = 0
         self.phase: Phase = "prefill"
         """The main rank's pass and its phase (`begin_pass`): every layer call's header carries them."""
         self.priority = priority
         """How the prefetcher ranks queued forecasts (the builder's prefetch policy's rule; `StoreView`)."""
         self.compute_note = (fused.note + ", " if fused is not None else "") + \
-            f"on {placement.workers} worker processes"
+            f"on {placement.workers} worker processes ({placement.assign} assignment)"
         self.store = None
 
     def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
@@ -95,8 +98,10 @@ class RemoteExecutor:
         n, k = route.ids_TK.shape
         position, placement = self.position[layer], self.placement
         by_rank: dict[int, list[int]] = {}
-        for i, e in enumerate(work.experts):
-            by_rank.setdefault(placement.rank(position, e), []).append(i)
+        for i, rank in enumerate(placement.ranks_of(position, work.experts)):
+            by_rank.setdefault(rank, []).append(i)
+        self.calls += 1
+        self.crowded += max(map(len, by_rank.values()), default=0) > -(-len(work.experts) // placement.group_size)
         x = x_ND.contiguous()
         ids, weights = route.ids_TK.contiguous(), route.weights_TK.contiguous()
         header = Run.of(position, x, weights, self.pass_id, self.phase).header()
@@ -190,7 +195,8 @@ class RemoteExecutor:
         """Send each worker its share of the first `limit` (layer, expert) forecasts, best first, to load ahead
         (workers that page: `--worker-memory`); returns the loads asked for."""
         pairs = [(self.position[layer], e) for layer, e in list(wanted)[:limit]]
-        send_forecasts(self.placement.rank, pairs, self.pass_id, self.links.of)  # matched to this pass's calls or later
+        # matched to this pass's calls or later
+        send_forecasts(self.placement.ranks_of, pairs, self.pass_id, self.links.of)
         return len(pairs)
 
     def begin_pass(self, info: PassInfo) -> None:

@@ -1,21 +1,35 @@
 """Where OD-MoE's experts live and how the ranks reach each other.
 
-`Placement`: the workers form W // G groups of G consecutive ranks, MoE layer i (in order) is served by group
-i mod (W // G) (round-robin by layer, as OD-MoE assigns layers), and expert e of a layer lives on rank group[e mod G],
-so every expert lives on exactly one worker. `Links`: each worker talks to the main rank (and a shadow rank's
-forecasts) on a process group of its own: gloo ends every connection of a group in which an operation timed out, so
-a worker that stops answering takes its own link down and no other, and a failover run goes on without it.
+`Placement`: the workers form W // G groups of G consecutive ranks, and MoE layer i (in order) is served by group
+i mod (W // G) (round-robin by layer, as OD-MoE assigns layers). Expert e's home is rank group[e mod G]. Which worker
+computes a layer call's experts (`assign`):
+- "one-to-one" (OD-MoE §2.3: the group's workers each take one of the layer's routed experts): the call's distinct
+  experts, in ascending order, go to their home worker while it has fewer than ceil(n / G) of them, and the rest to
+  the least loaded workers (the lowest rank of a tie). So no worker computes more than ceil(n / G) of a call's n
+  experts, and at one token with G >= top-k no two share a worker; an expert leaves its home only when its home is
+  taken, so a paging worker's cache keeps its locality. Every worker of the group can be asked for any of the layer's
+  experts: a paging worker reads what it is asked for (`--worker-memory`), a resident one holds its group's layers
+  whole (`holds`).
+- "fixed": every expert on its home worker (each expert in one worker's RAM, G times less than one-to-one's); two of
+  a call's experts with the same home wait on one worker (42.3% of Mixtral's decode calls at G = top-k = 2, audit
+  2026-12-01).
+Both sides compute the assignment from the call itself (`ranks_of`), so nothing about it goes on the wire.
+
+`Links`: each worker talks to the main rank (and a shadow rank's forecasts) on a process group of its own: gloo ends
+every connection of a group in which an operation timed out, so a worker that stops answering takes its own link down
+and no other, and a failover run goes on without it.
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from moepager.config import WORKER_ASSIGNS, WorkerAssign
 from moepager.errors import MoepagerError, Unavailable
 from moepager.experts.remote.protocol import Place, send
 
@@ -65,19 +79,23 @@ class WorkerLost(Unavailable):
 
 @dataclass(frozen=True)
 class Placement:
-    """Which worker rank holds each (MoE layer position, expert) (module note): `ranks` are the live workers."""
+    """Which worker rank computes each (MoE layer position, expert) of a call (module note): `ranks` are the live
+    workers."""
 
     ranks: tuple[int, ...]
     group_size: int
+    assign: WorkerAssign = "one-to-one"
 
     def __post_init__(self) -> None:
         if not self.ranks or not 1 <= self.group_size <= len(self.ranks):
             raise MoepagerError(f"a worker group of {self.group_size} needs 1 to {len(self.ranks)} workers")
+        if self.assign not in WORKER_ASSIGNS:
+            raise MoepagerError(f"worker assignment '{self.assign}': choose {' or '.join(WORKER_ASSIGNS)}")
 
     @classmethod
-    def of(cls, workers: int, group_size: int) -> Placement:
+    def of(cls, workers: int, group_size: int, assign: WorkerAssign = "one-to-one") -> Placement:
         """Workers 1..`workers`."""
-        return cls(tuple(range(1, workers + 1)), group_size)
+        return cls(tuple(range(1, workers + 1)), group_size, assign)
 
     @property
     def workers(self) -> int:
@@ -87,31 +105,62 @@ class Placement:
     def groups(self) -> int:
         return self.workers // self.group_size
 
+    def group(self, position: int) -> tuple[int, ...]:
+        """The ranks of the group that serves MoE layer `position`."""
+        first = (position % self.groups) * self.group_size
+        return self.ranks[first:first + self.group_size]
+
     def rank(self, position: int, expert: int) -> int:
-        group = position % self.groups
-        return self.ranks[group * self.group_size + expert % self.group_size]
+        """Expert `expert`'s home worker."""
+        return self.group(position)[expert % self.group_size]
+
+    def ranks_of(self, position: int, experts: Sequence[int]) -> list[int]:
+        """The worker that computes each of a layer call's distinct `experts` (ascending), by `assign` (module note)."""
+        if self.assign == "fixed":
+            return [self.rank(position, e) for e in experts]
+        group, size = self.group(position), self.group_size
+        cap = -(-len(experts) // size)
+        load = [0] * size
+        slot: list[int | None] = [None] * len(experts)
+        for i, e in enumerate(experts):
+            if load[home := e % size] < cap:
+                slot[i], load[home] = home, load[home] + 1
+        for i in range(len(experts)):
+            if slot[i] is None:
+                least = min(range(size), key=load.__getitem__)
+                slot[i], load[least] = least, load[least] + 1
+        return [group[j] for j in slot if j is not None]
 
     def owned(self, rank: int, num_layers: int, num_experts: int) -> list[tuple[int, int]]:
-        """(layer position, expert) pairs `rank` holds, in order."""
+        """(layer position, expert) pairs whose home is `rank`, in order (the share a worker's --worker-memory is
+        measured against)."""
         return [(p, e) for p in range(num_layers) for e in range(num_experts) if self.rank(p, e) == rank]
+
+    def holds(self, rank: int, num_layers: int, num_experts: int) -> list[tuple[int, int]]:
+        """(layer position, expert) pairs `rank` may be asked to compute, in order: its home share ("fixed"), or every
+        expert of the layers its group serves ("one-to-one")."""
+        if self.assign == "fixed":
+            return self.owned(rank, num_layers, num_experts)
+        return [(p, e) for p in range(num_layers) if rank in self.group(p) for e in range(num_experts)]
 
     def without(self, lost: set[int]) -> Placement:
         """The placement over the workers left (groups no larger than they are)."""
         ranks = tuple(r for r in self.ranks if r not in lost)
         if not ranks:
             raise WorkerLost(f"every worker is lost (ranks {', '.join(map(str, sorted(lost)))})")
-        return Placement(ranks, min(self.group_size, len(ranks)))
+        return Placement(ranks, min(self.group_size, len(ranks)), self.assign)
 
 
 def send_placement(placement: Placement, rank: int, group: dist.ProcessGroup | None,
                    timeout: datetime.timedelta) -> None:
-    """`Place`: the workers left (their count and group size, then their ranks), to `rank` on `group`, each send
-    taken within `timeout`."""
-    send(Place(len(placement.ranks), placement.group_size), [torch.tensor(placement.ranks)], rank, group, timeout)
+    """`Place`: the workers left (their count, group size and assignment, then their ranks), to `rank` on `group`,
+    each send taken within `timeout`."""
+    send(Place(len(placement.ranks), placement.group_size, WORKER_ASSIGNS.index(placement.assign)),
+         [torch.tensor(placement.ranks)], rank, group, timeout)
 
 
 def recv_placement(message: Place, group: dist.ProcessGroup | None = None) -> Placement:
     """The ranks after a `Place` header from the main rank."""
     ranks = torch.empty(message.workers, dtype=torch.long)
     dist.recv(ranks, 0, group=group)
-    return Placement(tuple(ranks.tolist()), message.group_size)
+    return Placement(tuple(ranks.tolist()), message.group_size, WORKER_ASSIGNS[message.assign_code])

@@ -106,6 +106,8 @@ class Place(Message):
     workers: int
     """How many ranks follow."""
     group_size: int
+    assign_code: int = 0
+    """How a call's experts go to the group's workers (`config.WORKER_ASSIGNS`)."""
 
 
 @dataclass(frozen=True)
@@ -167,15 +169,22 @@ def send(message: Message, tensors: Sequence[torch.Tensor], rank: int, group: di
             dist.isend(t, rank, group=group).wait(timeout=timeout)
 
 
-def send_forecasts(owner: Callable[[int, int], int], pairs: Sequence[tuple[int, int]], pass_id: int,
+def send_forecasts(owners: Callable[[int, Sequence[int]], list[int]], pairs: Sequence[tuple[int, int]], pass_id: int,
                    group_of: Callable[[int], dist.ProcessGroup | None]) -> None:
-    """(layer position, expert) forecasts to the workers that hold them (`owner(position, expert)`: a rank), to load
-    ahead (`Prefetch`), each on its group (`Links.of` from the main rank, `Links.forecasts_of` from a shadow); a lost
-    worker is skipped (the next layer call finds it). A send waits until the worker takes it: one that stopped
-    answering holds the sender up for its group's timeout (`Links.open`) once, and fails at once after that."""
-    by_rank: dict[int, list[tuple[int, int]]] = {}
+    """(layer position, expert) forecasts to the workers that would compute them were they right
+    (`owners(position, experts)`, `Placement.ranks_of`: each layer's forecast experts assigned as a call of exactly
+    those experts would be), to load ahead (`Prefetch`), each on its group (`Links.of` from the main rank,
+    `Links.forecasts_of` from a shadow); a lost worker is skipped (the next layer call finds it). A send waits until
+    the worker takes it: one that stopped answering holds the sender up for its group's timeout (`Links.open`) once,
+    and fails at once after that. Each worker's pairs keep the order they came in (best first)."""
+    by_layer: dict[int, set[int]] = {}
     for position, e in pairs:
-        by_rank.setdefault(owner(position, e), []).append((position, e))
+        by_layer.setdefault(position, set()).add(e)
+    owner = {(position, e): rank for position, experts in by_layer.items()
+             for e, rank in zip(sorted(experts), owners(position, sorted(experts)), strict=True)}
+    by_rank: dict[int, list[tuple[int, int]]] = {}
+    for position, e in dict.fromkeys(pairs):
+        by_rank.setdefault(owner[(position, e)], []).append((position, e))
     for rank, mine in by_rank.items():
         try:
             send(Prefetch(len(mine), pass_id), [torch.tensor(mine)], rank, group_of(rank))

@@ -1,5 +1,5 @@
-"""An OD-MoE worker rank: its share of every layer's experts (`Placement`), resident or paged through a store of its
-own, computed for whatever the main rank sends (experts/remote/executor.py) until it says stop."""
+"""An OD-MoE worker rank: the experts `Placement` may ask of it, resident or paged through a store of its own, computed
+for whatever the main rank assigns it (experts/remote/executor.py) until it says stop."""
 
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ from moepager.types import RoutingDecision
 
 Holding = tuple[ArenaKernels | None, PagedExecutor | None]
 """A worker's experts: resident (kernels over its arena) or paged (an executor over its own store)."""
+Hold = Callable[[Sequence[tuple[int, int]], Sequence[tuple[int, int]]], Holding]
+"""Builds a worker's `Holding` from its home share and every (layer position, expert) it may be asked for
+(`Placement.owned`, `Placement.holds`)."""
 
 
 class ExpertWorker:
@@ -28,7 +31,7 @@ class ExpertWorker:
     (`Place`, after another worker was lost) makes it hold what the placement now gives it (`hold`)."""
 
     def __init__(self, rank: int, moe_layers: Sequence[int], num_experts: int, shape: ExpertShape,
-                 placement: Placement, hold: Callable[[Sequence[tuple[int, int]]], Holding],
+                 placement: Placement, hold: Hold,
                  links: Links = Links(), shadow_rank: int | None = None):
         self.rank, self.moe_layers, self.num_experts, self.shape = rank, list(moe_layers), num_experts, shape
         self.group = links.of(rank)
@@ -49,12 +52,14 @@ class ExpertWorker:
         self._place(placement)
 
     def _place(self, placement: Placement) -> None:
-        owned = placement.owned(self.rank, len(self.moe_layers), self.num_experts)
+        layers, experts = len(self.moe_layers), self.num_experts
+        holds = placement.holds(self.rank, layers, experts)
         if self.paged is not None:
             self._carried += self._store_counts()
             self.paged.store.close()
-        self.kernels, self.paged = self.hold(owned)
-        self.row = {key: i for i, key in enumerate(owned)}
+        self.kernels, self.paged = self.hold(placement.owned(self.rank, layers, experts), holds)
+        self.row = {key: i for i, key in enumerate(holds)}
+        self.placement = placement
 
     def serve(self) -> int:
         """Answer layer calls until told to stop, then send the counters; returns the calls answered. Forecasts
@@ -123,7 +128,8 @@ class ExpertWorker:
         counts the call in the main rank's pass (its policy's clock) and phase, both from the header."""
         position, pass_id = call.position, call.pass_id
         work = sort_by_expert(x_ND, RoutingDecision(ids_NK, weights_NK, weights_NK, ids_NK))
-        which = [i for i, e in enumerate(work.experts) if (position, e) in self.row]
+        ranks = self.placement.ranks_of(position, work.experts)  # as the main rank assigned them
+        which = [i for i, r in enumerate(ranks) if r == self.rank]
         named: set[int] = set()
         for key in [key for key in self.forecasts if key[1] == position and key[0] <= pass_id]:
             named |= self.forecasts.pop(key)  # every forecast for this layer up to this pass
