@@ -29,6 +29,9 @@ STREAM_ROWS = 2
 while the other is computed with, SMoE's ping-pong buffers)."""
 RAM_HEADROOM = 0.9
 """Share of the currently available RAM that expert buffers may take (the rest is for activations, OS)."""
+THETA_START = 0.5
+"""`--configure auto` on a split checkpoint without a --layer-plan: each layer caches this share of its experts'
+parts until the configurator's first change (MoEpic §3.4 starts its outer loop at θ = 0.5)."""
 
 
 def budget_slots(budget: Budget, flag: str, cfg: ModelConfig, expert_nbytes: int, reserved_bytes: int = 0) -> int:
@@ -149,6 +152,10 @@ def build_store(config: StoreConfig, reader: FlatReader, cfg: ModelConfig, devic
     streams = stream_rows(device_slots, cfg.num_moe_layers * cfg.num_experts)
     budgets, theta = read_plan(config.layer_plan, cfg) if config.layer_plan else (None, [1.0] * cfg.num_moe_layers)
     tops = cached_parts(config.layer_plan, theta, cfg, split)
+    if split is not None and config.configure == "auto" and not config.layer_plan:
+        # MoEpic §3.4: the outer loop starts at θ = 0.5 and the configurator moves it from there (a budget that holds
+        # θ = 1's top parts and stream rows holds θ = 0.5's: k·S/2 tops and k·S/2 streaming against k·S and 2)
+        tops = cached_parts(None, [THETA_START] * cfg.num_moe_layers, cfg, split)
     least, most = [cfg.top_k] * cfg.num_moe_layers, [cfg.num_experts] * cfg.num_moe_layers
     if split is not None:  # each layer's top parts of a decode step's experts cached, its bottoms streaming at once
         least = [split.top_k * tops[layer] for layer in cfg.moe_layers]
