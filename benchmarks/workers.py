@@ -177,8 +177,8 @@ def modeled_scaling() -> list[dict]:
     the paper's INT8 97.34%, the built-in model's measured int8 recall, or none. Against every expert in one RTX 3090's
     memory."""
     from benchmarks.common import SHARED, converted
-    from moepager.planning.cost import DEVICES, LINKS
     from moepager.experts.remote.placement import Placement
+    from moepager.planning.cost import DEVICES, LINKS
     from moepager.planning.od_moe import Cluster, resident_step_times, step_times, worker_shares
     from moepager.trace.workload import load_workload
 
