@@ -179,21 +179,22 @@ def modeled_scaling() -> list[dict]:
     from benchmarks.common import SHARED, converted
     from moepager.experts.remote.placement import Placement
     from moepager.planning.cost import DEVICES, LINKS
-    from moepager.planning.od_moe import Cluster, resident_step_times, step_times, worker_shares
+    from moepager.planning.od_moe import Cluster, crowded_calls, resident_step_times, step_times, worker_shares
     from moepager.trace.workload import load_workload
 
     trace = converted("mixtral-jsonl", SHARED / "mixtral-8x7b" / "routing_data_collected", "mixtral-8x7b")
     work = load_workload(str(trace), "decode")
     h = work.header
-    requested, tokens = work.requested_SL(), np.diff(work.step_ptr)
+    routed = work.routed_SLE()
+    requested, tokens = routed.sum(2), np.diff(work.step_ptr)
     hidden_bytes = 4096 * 2
     gpu = DEVICES["rtx3090"]
     resident = resident_step_times(gpu, PAPER_MAIN_LAYER_S, requested, tokens, h.expert_bytes, h.top_k).mean()
-    routed, rows = work.routed_SLE(), []
+    rows = []
     for workers in (2, 4, 8, 16):
         for assign in ("one-to-one", "fixed"):
             share = worker_shares(routed, Placement.of(workers, 2, assign))
-            crowded = float(np.mean(share[requested > 0] > np.ceil(requested[requested > 0] / 2)))
+            crowded = crowded_calls(share, requested, 2)
             for label, recall in (("none", 0.0), ("paper's int8, 97.34%", 0.9734),
                                   ("built-in's int8, 99.51%", 0.9951)):
                 cluster = Cluster(workers, 2, gpu, LINKS["pcie4"], LINKS["1gbe"], PAPER_MAIN_LAYER_S, recall)

@@ -16,7 +16,14 @@ from moepager.config import BATCH_POLICIES, HYBRID_PREFILLS, WORKER_ASSIGNS, Bud
 from moepager.errors import MoepagerError
 from moepager.experts.remote.placement import Placement
 from moepager.planning.cost import LINKS, PROFILES, CostModel
-from moepager.planning.od_moe import Cluster, group_cache, resident_step_times, step_times, worker_shares
+from moepager.planning.od_moe import (
+    Cluster,
+    crowded_calls,
+    group_cache,
+    resident_step_times,
+    step_times,
+    worker_shares,
+)
 from moepager.policies import POLICIES
 from moepager.predictors import FITTED, PredictorError, make_predictor
 from moepager.runtime.step_order import engine_steps
@@ -213,7 +220,8 @@ def workers_table(args: argparse.Namespace, work: Workload, cost: CostModel | No
         raise TraceError("--workers models each worker with the --profile's device and link: give --profile")
     h = work.header
     group = args.worker_group or h.top_k
-    requested, tokens = work.requested_SL(), np.diff(work.step_ptr)
+    routed = work.routed_SLE()
+    requested, tokens = routed.sum(2), np.diff(work.step_ptr)
     main_s = args.main_layer_ms / 1e3
     alone = resident_step_times(cost.device, main_s, requested, tokens, expert_bytes, h.top_k).mean()
     if args.worker_cache < 0:
@@ -227,7 +235,6 @@ def workers_table(args: argparse.Namespace, work: Workload, cost: CostModel | No
              f"main machine, groups of {group}, shadow recall {args.shadow_recall:g}{cache}; all in one machine's "
              f"memory {1 / alone:.2f} tok/s",
              "workers  assign      tok/s  x all in memory  loads / layer call  crowded calls"]
-    routed = work.routed_SLE()
     for n in parse_ints(args.workers, "--workers"):
         try:
             cluster = Cluster(n, min(group, n), cost.device, cost.link, LINKS[args.network], main_s,
@@ -241,8 +248,7 @@ def workers_table(args: argparse.Namespace, work: Workload, cost: CostModel | No
             loaded = result.requested_SL - result.hits_SL
         for assign in assigns:
             share = worker_shares(routed, Placement.of(n, cluster.group_size, assign))
-            fair = np.ceil(requested / cluster.group_size)
-            crowded = 100 * np.mean(share[requested > 0] > fair[requested > 0])
+            crowded = 100 * crowded_calls(share, requested, cluster.group_size)
             t = step_times(cluster, requested, tokens, expert_bytes, args.hidden_bytes, h.top_k, loaded, share).mean()
             lines.append(f"{n:>7}  {assign:<10}  {1 / t:>5.2f}  {alone / t:>15.3f}  {loaded.mean():>18.2f}  "
                          f"{crowded:>12.1f}%"

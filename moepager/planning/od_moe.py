@@ -86,6 +86,13 @@ def worker_shares(routed_SLE: np.ndarray, placement: Placement) -> np.ndarray:
     return out
 
 
+def crowded_calls(share_SL: np.ndarray, requested_SL: np.ndarray, group_size: int) -> float:
+    """The share of layer calls (those that route to any expert) in which the busiest worker took more than
+    ceil(n / G) of the call's n experts (`share_SL`: `worker_shares`)."""
+    routed = requested_SL > 0
+    return float(np.mean(share_SL[routed] > np.ceil(requested_SL[routed] / group_size)))
+
+
 def step_times(cluster: Cluster, requested_SL: np.ndarray, tokens_S: np.ndarray, expert_bytes: int,
                hidden_bytes: int, top_k: int, loaded_SL: np.ndarray | None = None,
                share_SL: np.ndarray | None = None) -> np.ndarray:

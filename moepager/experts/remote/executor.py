@@ -101,7 +101,7 @@ class RemoteExecutor:
         for i, rank in enumerate(placement.ranks_of(position, work.experts)):
             by_rank.setdefault(rank, []).append(i)
         self.calls += 1
-        self.crowded += max(map(len, by_rank.values()), default=0) > -(-len(work.experts) // placement.group_size)
+        self.crowded += max(map(len, by_rank.values()), default=0) > placement.share(len(work.experts))
         x = x_ND.contiguous()
         ids, weights = route.ids_TK.contiguous(), route.weights_TK.contiguous()
         header = Run.of(position, x, weights, self.pass_id, self.phase).header()

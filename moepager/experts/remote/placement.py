@@ -114,12 +114,16 @@ class Placement:
         """Expert `expert`'s home worker."""
         return self.group(position)[expert % self.group_size]
 
+    def share(self, n: int) -> int:
+        """ceil(n / G): the most of a call's n experts one-to-one assignment gives a worker."""
+        return -(-n // self.group_size)
+
     def ranks_of(self, position: int, experts: Sequence[int]) -> list[int]:
         """The worker that computes each of a layer call's distinct `experts` (ascending), by `assign` (module note)."""
         if self.assign == "fixed":
             return [self.rank(position, e) for e in experts]
         group, size = self.group(position), self.group_size
-        cap = -(-len(experts) // size)
+        cap = self.share(len(experts))
         load = [0] * size
         slot: list[int | None] = [None] * len(experts)
         for i, e in enumerate(experts):

@@ -180,8 +180,8 @@ def send_forecasts(owners: Callable[[int, Sequence[int]], list[int]], pairs: Seq
     by_layer: dict[int, set[int]] = {}
     for position, e in pairs:
         by_layer.setdefault(position, set()).add(e)
-    owner = {(position, e): rank for position, experts in by_layer.items()
-             for e, rank in zip(sorted(experts), owners(position, sorted(experts)), strict=True)}
+    owner = {(position, e): rank for position, experts in ((p, sorted(es)) for p, es in by_layer.items())
+             for e, rank in zip(experts, owners(position, experts), strict=True)}
     by_rank: dict[int, list[tuple[int, int]]] = {}
     for position, e in dict.fromkeys(pairs):
         by_rank.setdefault(owner[(position, e)], []).append((position, e))
