@@ -201,8 +201,10 @@ def add_execution_arguments(p: argparse.ArgumentParser) -> None:
                    help="hybrid, cpu-experts: torch threads of the thread computing experts on the CPU (default "
                         "--threads)")
     h.add_argument("--profile", metavar="FILE.json",
-                   help="a profile from `moepager calibrate --out` that hybrid placement, --execution auto and "
-                        "--configure auto take their costs from (default: nominal figures for the device's kind)")
+                   help="a profile from `moepager calibrate --out`, or a built-in one's name (rtx4090-pcie4, ...), "
+                        "that hybrid placement, --execution auto and --configure auto take their costs from (default: "
+                        "nominal figures for the device's kind); on a CPU run a device's profile makes the CPU stand "
+                        "in for that device (its copies and ping-pong rows, computed on the CPU)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -61,10 +61,14 @@ class PlacementPlugin(Protocol):
 
 def expert_times(config: EngineConfig, device: torch.device, expert_bytes: int) -> tuple[ExpertTimes, str]:
     """What an expert costs on the CPU, on the device and to copy over (`--profile`, else the nominal figures of
-    the device's kind), and the profile's name."""
+    the device's kind), and the profile's name. A CPU run given a device's profile (`--profile rtx4090-pcie4`, or
+    one calibrated on a GPU machine) places experts as that device would: the CPU stands in for it, so the run
+    takes a GPU run's data path (its copies, ping-pong rows and device cache) computed on the CPU. Without one, or
+    with a CPU's, both sides are the CPU and no missing expert is worth a copy."""
     kind = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     name = config.placement.profile or nominal_profile(kind)
     try:
-        return CostModel.profile(name, expert_bytes).expert_times(on_cpu=device.type == "cpu"), name
+        model = CostModel.profile(name, expert_bytes)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    return model.expert_times(on_cpu=device.type == "cpu" and model.device_is_cpu), name

@@ -263,3 +263,27 @@ def test_a_ping_pong_prefill_leaves_the_decode_cache_alone_then_fills_it_with_it
         assert held == sorted(top), layer
     assert counters.phases["decode"].loads_ahead == len(table.slot_of)  # the initial cache's loads
     assert counters.phases["decode"].on_cpu > 0
+
+
+def test_a_cpu_run_given_a_devices_profile_places_experts_as_that_device_would(hf_checkpoint):
+    """The CPU stand-in (placements/base.py `expert_times`): without a profile a CPU run's two sides are the same CPU,
+    so no missing expert is worth a copy and every one computes on the CPU pool; given a GPU's profile the same run
+    copies a prefill's heavy experts to the 'device' as that GPU would (by the profile's figures) and computes
+    them there. Either way the greedy tokens are the resident run's."""
+    _, path = hf_checkpoint("olmoe")
+    prompt, params = [(7 * i + 3) % 61 + 1 for i in range(40)], SamplingParams(max_tokens=4, temperature=0.0,
+                                                                            ignore_eos=True)
+    want = LLM(path, show_progress=False).generate([prompt], params)[0].token_ids
+    probe = load_model(path, show_progress=False)
+    budget = str((2 * probe.config.num_moe_layers + 2) * probe.expert_shape.nbytes)
+    phases = {}
+    for profile in (None, "h100-pcie3"):
+        config = EngineConfig(model=str(path), store=StoreConfig(expert_memory=budget, warm=False),
+                              placement=PlacementConfig(execution="hybrid", profile=profile))
+        llm = LLM(config=config, show_progress=False)
+        assert llm.generate([prompt], params)[0].token_ids == want
+        executor = llm.loaded.experts
+        assert isinstance(executor, HybridExecutor)
+        phases[profile] = executor.store.counters.phases["prefill"]
+    assert phases[None].loads_on_demand == 0 and phases[None].on_cpu > 0
+    assert phases["h100-pcie3"].loads_on_demand > 0
