@@ -245,9 +245,12 @@ def check_spec(spec: SimSpec, h: TraceHeader, prior_LE: np.ndarray | None) -> No
                                        or not all(h.top_k <= c <= h.num_experts for c in spec.per_layer)):
         raise TraceError(f"per-layer capacities need scope 'layer', one for each of the {h.num_layers} layers, each "
                          f"between the top-{h.top_k} and the {h.num_experts} experts of a layer")
-    if spec.capacity < h.top_k:
+    if spec.capacity < 1 or (spec.capacity < h.top_k and spec.execution != "hybrid"):
+        # (hybrid execution needs no slot per routed expert: what misses computes on the CPU or passes through the
+        # two stream rows uncached, as in the engine, so SMoE's budgets below the top-k replay)
+        least = 1 if spec.execution == "hybrid" else h.top_k
         raise TraceError(f"capacity {spec.capacity} experts {where} is below one token's top-{h.top_k}; use at "
-                         f"least {h.top_k}")
+                         f"least {least}" + (" (or --execution hybrid)" if least > 1 else ""))
     if spec.capacity > most:
         raise TraceError(f"capacity {spec.capacity} experts {where} is more than the trace has ({most}); use at "
                          f"most {most}")

@@ -166,11 +166,15 @@ def parse_requests(text: str) -> slice:
 
 
 def load_workload(path: str, order: Order = "decode", batch: int = 1,
-                  requests: slice | Sequence[int] | None = None, cut: Cut | None = None) -> Workload:
+                  requests: slice | Sequence[int] | None = None, cut: Cut | None = None,
+                  chunk: int | None = None) -> Workload:
     """Read a trace file (optionally some of its requests, by slice or indices, cut as a replay reads them)
-    and lay out its replay steps."""
+    and lay out its replay steps. `chunk` (order `recorded`): a prefill longer than that many tokens runs as
+    steps of at most `chunk` tokens, as the engine's scheduler splits a prompt at --max-batched-tokens."""
     if batch < 1:
         raise TraceError(f"batch must be at least 1, got {batch}")
+    if chunk is not None and chunk < 1:
+        raise TraceError(f"a prefill chunk must be at least 1 token, got {chunk}")
     cut = cut or Cut()
     with TraceReader(path) as reader:
         chosen = chosen_requests(requests, len(reader), path)
@@ -186,20 +190,22 @@ def load_workload(path: str, order: Order = "decode", batch: int = 1,
         n = len(phase)
         return Workload(header, ids, phase, request_N, np.arange(n), np.arange(n + 1), np.full(n, DECODE, np.uint8),
                         names)
-    units = [_units(int(s), r.phase_T, order) for s, r in zip(starts, loaded, strict=True)]
+    units = [_units(int(s), r.phase_T, order, chunk) for s, r in zip(starts, loaded, strict=True)]
     steps, step_phase = _interleave(units, batch)
     ptr = np.concatenate([[0], np.cumsum([len(s) for s in steps])]).astype(np.int64)
     return Workload(header, ids, phase, request_N, np.concatenate(steps).astype(np.int64), ptr,
                     np.array(step_phase, np.uint8), names)
 
 
-def _units(start: int, phase_T: np.ndarray, order: Order) -> list[tuple[np.ndarray, int]]:
-    """A request's replay units: (token indices, phase); a `recorded` prefill is one unit."""
+def _units(start: int, phase_T: np.ndarray, order: Order, chunk: int | None = None) -> list[tuple[np.ndarray, int]]:
+    """A request's replay units: (token indices, phase); a `recorded` prefill is one unit, or units of at most
+    `chunk` tokens."""
     t = len(phase_T)
     if order == "decode":
         return [(np.array([start + i]), DECODE) for i in range(t)]
     prefill = int((phase_T == PREFILL).sum())
-    head = [(np.arange(start, start + prefill), PREFILL)] if prefill else []
+    step = chunk or max(prefill, 1)
+    head = [(np.arange(start + a, start + min(a + step, prefill)), PREFILL) for a in range(0, prefill, step)]
     return head + [(np.array([start + i]), DECODE) for i in range(prefill, t)]
 
 
@@ -214,10 +220,10 @@ def _interleave(units: list[list[tuple[np.ndarray, int]]], batch: int) -> tuple[
         while waiting and len(active) < batch:
             r = waiting.pop()
             active.append(r)
-            if units[r] and units[r][0][1] == PREFILL:  # a joining request's prefill runs as its own pass
-                steps.append(units[r][0][0])
+            while cursor[r] < len(units[r]) and units[r][cursor[r]][1] == PREFILL:  # a joining request's prefill
+                steps.append(units[r][cursor[r]][0])                                # runs as passes of its own
                 phases.append(PREFILL)
-                cursor[r] = 1
+                cursor[r] += 1
         live = [r for r in active if cursor[r] < len(units[r])]
         if live:
             steps.append(np.concatenate([units[r][cursor[r]][0] for r in live]))

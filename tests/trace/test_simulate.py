@@ -193,3 +193,36 @@ def test_a_workloads_distinct_experts_per_step_are_the_simulators_requests(tmp_p
     for order in ("decode", "recorded"):
         work = load_workload(str(trace), order)
         assert (work.requested_SL() == simulate(work, SimSpec("lru", 4)).requested_SL).all()
+
+
+def test_a_chunked_prefill_runs_as_steps_of_at_most_the_chunk(tmp_path):
+    """`load_workload(chunk=C)`: a recorded prefill of P tokens becomes ceil(P / C) prefill steps of at most C tokens
+    in order (the engine's --max-batched-tokens), alone and in a batch, and the decode steps are unchanged."""
+    trace = random_trace(tmp_path / "t.mpt", lengths=(20, 15), prefill=10)
+    whole = load_workload(str(trace), "recorded")
+    for batch in (1, 2):
+        work = load_workload(str(trace), "recorded", batch=batch, chunk=4)
+        prefill = [work.step_tokens[work.step_ptr[s]:work.step_ptr[s + 1]].tolist()
+                   for s in range(work.num_steps) if work.step_phase[s] == 0]
+        assert prefill == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [20, 21, 22, 23], [24, 25, 26, 27], [28, 29]]
+        assert int((work.step_phase == 1).sum()) == int((load_workload(str(trace), "recorded", batch=batch)
+                                                         .step_phase == 1).sum())
+    assert (whole.step_phase == 0).sum() == 2
+    with pytest.raises(TraceError, match="at least 1 token"):
+        load_workload(str(trace), "recorded", chunk=0)
+
+
+def test_hybrid_replays_budgets_below_the_top_k(tmp_path):
+    """SMoE's budgets (3% of DeepSeek-V3's experts, fewer slots than its top-8): hybrid execution replays a cache
+    of fewer experts than a token routes to (a miss computes on the CPU or streams through uncached), the cache never
+    holds more than its slots; gpu execution still refuses it."""
+    trace = random_trace(tmp_path / "t.mpt", top_k=3, lengths=(30, 25), prefill=12)
+    work = load_workload(str(trace), "recorded")
+    for prefill in ("ping-pong", "cache"):
+        got = simulate(work, SimSpec("lru", 1, execution="hybrid", device_tokens=2, hybrid_prefill=prefill))
+        assert got.hits_SL.sum() > 0 and (got.hits_SL <= 1).all()
+        assert (got.demand_loads_SL + got.cpu_SL == got.requested_SL - got.hits_SL).all()
+    with pytest.raises(TraceError, match=r"use at least 3 \(or --execution hybrid\)"):
+        simulate(work, SimSpec("lru", 1))
+    with pytest.raises(TraceError, match="use at least 1$"):
+        simulate(work, SimSpec("lru", 0, execution="hybrid"))
