@@ -94,3 +94,17 @@ def test_chat_template_matches_transformers(llm, demo_checkpoint):
     ref = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert llm.tokenizer.apply_chat_template(messages) == ref
     assert llm.encode("Hello there", chat=True) == tok(ref, add_special_tokens=False)["input_ids"]
+
+
+def test_a_closed_and_dropped_engine_frees_its_model(demo_checkpoint):
+    # the engine freezes its model's objects out of the cyclic collector (gc.freeze); closing hands them back, so
+    # the memory of an engine a program drops is freed, not kept until the process ends
+    import gc
+    import weakref
+
+    with LLM(demo_checkpoint, show_progress=False) as engine:
+        engine.generate("The", SamplingParams(max_tokens=2, ignore_eos=True))
+        model, whole = weakref.ref(engine.loaded.model), weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert whole() is None and model() is None
