@@ -98,6 +98,12 @@ BENCHMARKS: dict[str, Bench] = {
                  quick=("--modes", "gpu", "hybrid", "cpu-experts", "--decode", "8", "--profiles", "h100-pcie3",
                         "--sim-requests", "8"),
                  runtime="3 min (CPU); 15 min (GPU)", traces=(DS, MIX, OLMOE)),
+    "smoe_prefill": _b("Does SMoE's ping-pong prefill (the heavy experts through two stream rows, then the initial "
+                       "decode cache) beat copying them through the cache, copying every expert, and the CPU?",
+                       needs="traces", suites="cpu traces",
+                       quick=("--sim-requests", "4", "--prompts", "512", "--budgets", "12.5%", "--decode", "8",
+                              "--no-measure"),
+                       runtime="25 min (2 min modeled only: --no-measure)", traces=(DS,)),
     "token_scheduler": _b("Does ExpertFlow's token scheduler (--batch-policy expertflow) move fewer expert bytes?",
                           needs="traces", suites="cpu traces",
                           quick=("--workloads", "built-in", "--clients", "8", "--decode", "4"),
