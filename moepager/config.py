@@ -199,6 +199,10 @@ class PrefetchConfig:
     keeps the experts it finds more likely than not."""
     learn: bool = False
     """expert-map: add every finished iteration's map to the store (fMoE's online mode)."""
+    fixed: bool = False
+    """SMoE's Fixed-N (§2.7): each forecast row loads exactly `per_row` experts not yet cached at its target, walking
+    down its ranking past the cached ones (a steady link load). Off: its top `per_row`, loading those not cached (0
+    to `per_row` loads: SMoE's Adaptive-N)."""
 
     def __post_init__(self) -> None:
         for flag, value in (("--prefetch-distance", self.distance), ("--prefetch-inflight", self.max_inflight)):

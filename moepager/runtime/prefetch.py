@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 
 from moepager.config import PrefetchConfig
+from moepager.errors import MoepagerError
 from moepager.models.layers import CausalLM
 from moepager.models.moe import MoEBlock
 from moepager.policies.base import ForecastConsumer
@@ -78,6 +79,10 @@ class PrefetchPlan:
     """Prefetches loading at the same time, at most."""
     min_p: float = 0.0
     """A selected expert is prefetched only when its forecast probability is at least this."""
+    fixed: bool = False
+    """SMoE's Fixed-N: a row selects down its ranking until `per_row` of the experts it names are not cached at the
+    target (those cached before them are named too, so the store keeps them); off: its top `per_row` (Adaptive-N:
+    the store loads those not cached)."""
 
 
 class Prefetcher:
@@ -214,10 +219,28 @@ class Prefetcher:
         if not self.plan.per_row:  # forecasts rank evictions only
             return
         floor = self.plan.min_p
-        for chosen in forecast.chosen(self.plan.per_row):
+        rows = self._fixed(forecast, j) if self.plan.fixed else forecast.chosen(self.plan.per_row)
+        for chosen in rows:
             for e, p in chosen:
                 if p > 0 and p >= floor:  # an expert the forecast gives no chance is never loaded for it
                     entry[e] = entry.get(e, 0.0) + p
+
+    def _fixed(self, forecast: Forecast, j: int) -> list[list[tuple[int, float]]]:
+        """SMoE's Fixed-N selection (§2.7): each row's ranking, most likely first, down to its `per_row`-th expert not
+        cached at MoE position j now (or to where the forecast gives no chance). Chosen when the forecast is queued,
+        so pumping the queue again loads no more."""
+        cached, n = self.store.cached(self.moe_layers[j]), self.plan.per_row  # type: ignore[attr-defined]
+        values_NE, order_NE = torch.sort(forecast.probs_NE, dim=1, descending=True)
+        out = []
+        for ids, ps in zip(order_NE.tolist(), values_NE.tolist(), strict=True):
+            row, fresh = [], 0
+            for e, p in zip(ids, ps, strict=True):
+                if fresh == n or p <= 0:
+                    break
+                row.append((e, p))
+                fresh += e not in cached
+            out.append(row)
+        return out
 
     def _pump(self) -> None:
         """Issue queued prefetches, best priority first, while fewer than max_inflight are loading."""
@@ -231,7 +254,8 @@ class Prefetcher:
             if until <= 0:
                 continue
             layer = self.moe_layers[j]
-            for e, mass in sorted(entry.items(), key=itemgetter(1), reverse=True)[: self.quota[j]]:  # stable
+            most = None if self.plan.fixed else self.quota[j]  # Fixed-N's entries name the cached ones they pass
+            for e, mass in sorted(entry.items(), key=itemgetter(1), reverse=True)[:most]:  # stable
                 ranked.append((self.priority(mass, until), layer, e))
         ranked.sort(key=itemgetter(0), reverse=True)
         self.store.prefetch_ranked(list(map(itemgetter(1, 2), ranked)), room)
@@ -257,7 +281,14 @@ def build_prefetcher(config: PrefetchConfig, model: CausalLM, store: StoreView,
     spec = PREDICTORS[config.predictor]
     per_row = config.per_row if config.per_row is not None else spec.default_per_row or cfg.top_k
     min_p = config.min_p if config.min_p is not None else spec.default_min_p
-    plan = PrefetchPlan(distance, per_row, config.max_inflight or 2 * cfg.top_k, min_p)
+    if config.fixed and not callable(getattr(store, "cached", None)):
+        raise MoepagerError("--prefetch-fixed walks a forecast past the experts this engine's device cache holds; "
+                            "OD-MoE's workers (--workers) load experts just in time and keep no cache here to walk "
+                            "past: drop --prefetch-fixed")
+    if config.fixed and per_row < 1:
+        raise MoepagerError(f"--prefetch-fixed loads --prefetch-k experts a forecast; --prefetch-k {per_row} loads "
+                            "none")
+    plan = PrefetchPlan(distance, per_row, config.max_inflight or 2 * cfg.top_k, min_p, config.fixed)
     return Prefetcher(predictor, store, [b.layer for b in blocks], plan, embed, forecasts, next_use, spec.stateful,
                       store.priority)
 

@@ -39,6 +39,12 @@ class WholeExperts:
         parts = self.store.parts
         self.store.settle(layer, [e * parts + j for e in experts for j in range(parts)])
 
+    def cached(self, layer: int) -> set[int]:
+        """`layer`'s experts whose every cacheable part holds a device slot."""
+        parts, top = self.store.parts, self.store.cached_parts[layer]
+        held = self.store.cached(layer)
+        return {p // parts for p in held if p % parts == 0 and all(p + j in held for j in range(1, top))}
+
     def prefetches_in_flight(self) -> int:
         """Experts with a part still loading ahead."""
         parts = self.store.parts

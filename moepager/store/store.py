@@ -549,6 +549,10 @@ class ExpertStore:
         """`layer`'s even share of the device slots (a layer's cache in layer scope)."""
         return self.device.table.quota[layer]
 
+    def cached(self, layer: int) -> set[int]:
+        """`layer`'s experts holding a device slot, resident or loading (what SMoE's Fixed-N walks past)."""
+        return {key.expert for key in self.device.table.by_layer[layer]}
+
     def forget_cancelled_host_read(self, ticket: Ticket) -> None:
         """A cancelled prefetch through the host tier never read its expert: the host slot claimed for it holds nothing
         valid, so it is freed (a demand load would otherwise find it there and wait on the cancelled read)."""

@@ -310,3 +310,45 @@ def test_the_oracles_forecast_is_certain():
     oracle = ReplayOracle(4)
     oracle.bind(Recorded())
     assert oracle.forecast(0, 0).probs_NE.tolist() == [[0, 1, 0, 1], [0, 0, 1, 0]]
+
+
+def test_fixed_n_walks_past_the_cached_experts_and_adaptive_n_does_not():
+    """SMoE §2.7: with experts 0 and 1 cached, Fixed-N (N = 2) names the ranking down to its second uncached expert
+    (3), so two loads are issued; Adaptive-N names the top 2, both cached, and loads none. The choice is made once:
+    pumping again issues nothing new."""
+    from types import SimpleNamespace
+
+    from moepager.predictors import Forecast
+    from moepager.runtime.prefetch import Prefetcher, PrefetchPlan
+
+    issued: list[list[tuple[int, int]]] = []
+    store = SimpleNamespace(quota=lambda layer: 3, cached=lambda layer: {0, 1}, prefetches_in_flight=lambda: 0,
+                            prefetch_ranked=lambda wanted, limit: issued.append(list(wanted)) or 0)
+    forecast = Forecast(torch.tensor([[0.5, 0.3, 0.1, 0.06, 0.04, 0.0], [0.0, 0.6, 0.3, 0.1, 0.0, 0.0]]))
+    queued = {}
+    for fixed in (True, False):
+        prefetcher = Prefetcher(SimpleNamespace(), store, [0, 1], PrefetchPlan(1, 2, 8, 0.0, fixed))
+        prefetcher._enqueue(forecast, 1, 0)
+        queued[fixed] = prefetcher.pending[(0, 1)]
+    assert queued[True] == pytest.approx({0: 0.5, 1: 0.9, 2: 0.4, 3: 0.16})  # row 2: 1 cached, then 2 and 3
+    assert queued[False] == pytest.approx({0: 0.5, 1: 0.9, 2: 0.3})
+    prefetcher = Prefetcher(SimpleNamespace(), store, [0, 1], PrefetchPlan(1, 2, 8, 0.0, True))
+    prefetcher._enqueue(forecast, 1, 0)
+    prefetcher._pump()
+    prefetcher._pump()
+    assert issued[0] == issued[1] == [(1, 1), (1, 0), (1, 2), (1, 3)]  # not cut at the quota of 3: 0 and 1 are held
+
+
+def test_fixed_n_loads_more_ahead_than_adaptive_n_and_keeps_outputs(recorded):
+    path, reference, files = recorded
+
+    def loads_ahead(fixed: bool) -> int:
+        llm = LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", direct_io="off", warm=False),
+                  prefetch=PrefetchConfig("token-wise", file=str(files / "token-wise.pt"), per_row=1, fixed=fixed))
+        assert llm.prefetcher.plan.fixed is fixed
+        assert [c.token_ids for c in llm.generate(PROMPTS, PARAMS)] == reference
+        return sum(p["loads_ahead"] for p in llm.last_stats.sections["experts"].phases.values())
+    assert loads_ahead(True) > loads_ahead(False)
+    with pytest.raises(MoepagerError, match="--prefetch-k 0 loads none"):
+        LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%"),
+            prefetch=PrefetchConfig("token-wise", file=str(files / "token-wise.pt"), per_row=0, fixed=True))
