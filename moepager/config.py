@@ -203,6 +203,9 @@ class PrefetchConfig:
     """SMoE's Fixed-N (§2.7): each forecast row loads exactly `per_row` experts not yet cached at its target, walking
     down its ranking past the cached ones (a steady link load). Off: its top `per_row`, loading those not cached (0
     to `per_row` loads: SMoE's Adaptive-N)."""
+    flex: bool = False
+    """SMoE-Flex (§2.8): after the first FLEX_PASSES forward passes, prefetch is turned off on the half of the MoE
+    layers whose forecasts were least accurate (their link time goes to the others; the paper gives those 3)."""
 
     def __post_init__(self) -> None:
         for flag, value in (("--prefetch-distance", self.distance), ("--prefetch-inflight", self.max_inflight)):

@@ -272,6 +272,9 @@ def add_prefetch_arguments(p: argparse.ArgumentParser) -> None:
                    help="SMoE's Fixed-N: each forecast loads exactly --prefetch-k experts not yet cached a layer, "
                         "walking down its ranking past the cached ones (default: its top --prefetch-k, loading those "
                         "not cached: SMoE's Adaptive-N)")
+    g.add_argument("--prefetch-flex", action="store_true",
+                   help="SMoE-Flex: after the first 32 forward passes, stop prefetching for the half of the MoE layers "
+                        "whose forecasts were least accurate (the paper gives the others --prefetch-k 3)")
     g.add_argument("--prefetch-min-p", type=float, metavar="P",
                    help="prefetch a selected expert only when its forecast probability is at least P (default: "
                         "head 0.5, the experts it finds more likely than not; others 0)")
@@ -325,7 +328,8 @@ def replay_spec(args: argparse.Namespace) -> ReplaySpec | None:
 def prefetch_config(args: argparse.Namespace) -> PrefetchConfig:
     return PrefetchConfig(predictor=args.predictor, file=args.predictor_file, distance=args.prefetch_distance,
                           per_row=args.prefetch_k, max_inflight=args.prefetch_inflight, learn=args.learn_maps,
-                          min_p=args.prefetch_min_p, fixed=args.prefetch_fixed)
+                          min_p=args.prefetch_min_p, fixed=args.prefetch_fixed,
+                          flex=args.prefetch_flex)
 
 
 def store_config(args: argparse.Namespace) -> StoreConfig:
@@ -373,7 +377,8 @@ def refuse_ignored_engine_options(args: argparse.Namespace) -> None:
           "--prefetch-k": args.prefetch_k, "--prefetch-inflight": args.prefetch_inflight,
           "--prefetch-threads": args.prefetch_threads, "--prefetch-min-p": args.prefetch_min_p,
           "--prefetch-no-yield": args.prefetch_no_yield, "--prefetch-policy": args.prefetch_policy,
-          "--learn-maps": args.learn_maps, "--prefetch-fixed": args.prefetch_fixed}),
+          "--learn-maps": args.learn_maps, "--prefetch-fixed": args.prefetch_fixed,
+          "--prefetch-flex": args.prefetch_flex}),
         (args.execution == "gpu", "--execution hybrid, cpu-experts or auto", {"--cpu-threads": args.cpu_threads}),
         (args.execution == "gpu" and args.configure != "auto", "--execution hybrid, cpu-experts or auto, or "
          "--configure auto", {"--profile": args.profile}),

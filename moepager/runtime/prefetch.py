@@ -48,6 +48,11 @@ from moepager.predictors.expert_map import hashed_tokens
 from moepager.store.view import Priority, StoreView
 from moepager.types import PassInfo, RoutingDecision
 
+FLEX_PASSES = 32
+"""SMoE-Flex: the forward passes whose forecasts are judged before the least accurate half of the layers stop
+prefetching (the paper ranks layers by its predictor's accuracy without saying over what; here, this engine's first
+passes, online)."""
+
 NO_SCORES = torch.empty(0, 0)
 """The observation's scores for predictors that do not read them (they stay on the device, uncopied)."""
 
@@ -83,6 +88,8 @@ class PrefetchPlan:
     """SMoE's Fixed-N: a row selects down its ranking until `per_row` of the experts it names are not cached at the
     target (those cached before them are named too, so the store keeps them); off: its top `per_row` (Adaptive-N:
     the store loads those not cached)."""
+    flex: bool = False
+    """SMoE-Flex: once FLEX_PASSES passes are judged, the least accurate half of the MoE positions prefetch nothing."""
 
 
 class Prefetcher:
@@ -118,6 +125,16 @@ class Prefetcher:
         self._last_rows: list[int] = []
         self.replay: ReplaySource | None = None
         """The routing replay running, if any (`bind_replay`): its recorded tokens are what the predictor reads."""
+        self.picked: dict[tuple[int, int], set[int]] = {}
+        """SMoE-Flex, while it judges: (iteration, MoE position) -> the experts the forecasts picked (their top
+        `per_row`), set against the routing when the position routes."""
+        self.judged = [[0, 0] for _ in moe_layers]
+        """SMoE-Flex: per MoE position, routed experts the forecasts had picked, and routed experts."""
+        self.passes = 0
+        self.flex_off: frozenset[int] = frozenset()
+        """SMoE-Flex: the MoE positions that prefetch nothing (chosen once FLEX_PASSES passes are judged)."""
+        self.flex_judging = plan.flex
+        """SMoE-Flex: the forecasts are still being judged (the positions not yet chosen)."""
 
     def bind_replay(self, source: ReplaySource | None) -> None:
         """For the length of a replay (None ends it): the predictor reads the trace's tokens instead of the
@@ -131,6 +148,11 @@ class Prefetcher:
         self.iteration = info.pass_id + 1
         self.now = -1
         self.pending = {key: v for key, v in self.pending.items() if key[0] >= self.iteration}
+        if self.flex_judging:
+            self.passes += 1
+            self.picked = {key: v for key, v in self.picked.items() if key[0] >= self.iteration}
+            if self.passes > FLEX_PASSES:
+                self.choose_flex()
         ids_N = info.token_ids_N
         recorded = self.replay.recorded_tokens() if self.replay is not None else None
         sem_ND = self._semantic(info, ids_N, recorded) if self.embed is not None and len(ids_N) else None
@@ -188,8 +210,11 @@ class Prefetcher:
         self.now = i
         ids_NK = route.ids_host_TK  # the block's one copy off the device (the store reads it too)
         assert ids_NK is not None
-        self.store.settle(layer, ids_NK.flatten().tolist())
+        routed_ids = ids_NK.flatten().tolist()
+        self.store.settle(layer, routed_ids)
         self.pending.pop((self.iteration, i), None)
+        if self.flex_judging:
+            self.judge(i, routed_ids)
         predictor = self.predictor
         if predictor.hidden == "device":  # observed and forecast in `stage`; `staged` holds its forecasts' copies
             after, target = _on_host(self._staged, staged)
@@ -216,14 +241,32 @@ class Prefetcher:
         probs_NE = forecast.probs_NE
         if self.forecasts is not None and len(probs_NE):
             self.forecasts.predict(self.moe_layers[j], probs_NE.mean(0).numpy())
-        if not self.plan.per_row:  # forecasts rank evictions only
+        if not self.plan.per_row or j in self.flex_off:  # forecasts rank evictions only (or Flex turned j off)
             return
+        if self.flex_judging:
+            self.picked.setdefault((self.iteration + ahead, j), set()).update(
+                e for chosen in forecast.chosen(self.plan.per_row) for e, _ in chosen)
         floor = self.plan.min_p
         rows = self._fixed(forecast, j) if self.plan.fixed else forecast.chosen(self.plan.per_row)
         for chosen in rows:
             for e, p in chosen:
                 if p > 0 and p >= floor:  # an expert the forecast gives no chance is never loaded for it
                     entry[e] = entry.get(e, 0.0) + p
+
+    def judge(self, i: int, routed: Sequence[int]) -> None:
+        """SMoE-Flex: MoE position i routed to `routed`; count those its forecasts had picked."""
+        picked = self.picked.pop((self.iteration, i), None)
+        if picked is not None:
+            self.judged[i][0] += sum(e in picked for e in routed)
+            self.judged[i][1] += len(routed)
+
+    def choose_flex(self) -> None:
+        """SMoE-Flex: turn prefetch off at the half of the MoE positions whose forecasts were least accurate (routed
+        experts picked / routed; ties: the later position), from now on."""
+        accuracy = [hit / max(seen, 1) for hit, seen in self.judged]
+        order = sorted(range(len(accuracy)), key=lambda i: (accuracy[i], -i))
+        self.flex_off = frozenset(order[: len(order) // 2])
+        self.flex_judging, self.picked = False, {}
 
     def _fixed(self, forecast: Forecast, j: int) -> list[list[tuple[int, float]]]:
         """SMoE's Fixed-N selection (§2.7): each row's ranking, most likely first, down to its `per_row`-th expert not
@@ -288,7 +331,10 @@ def build_prefetcher(config: PrefetchConfig, model: CausalLM, store: StoreView,
     if config.fixed and per_row < 1:
         raise MoepagerError(f"--prefetch-fixed loads --prefetch-k experts a forecast; --prefetch-k {per_row} loads "
                             "none")
-    plan = PrefetchPlan(distance, per_row, config.max_inflight or 2 * cfg.top_k, min_p, config.fixed)
+    if config.flex and per_row < 1:
+        raise MoepagerError(f"--prefetch-flex chooses the layers that prefetch; --prefetch-k {per_row} prefetches "
+                            "nothing")
+    plan = PrefetchPlan(distance, per_row, config.max_inflight or 2 * cfg.top_k, min_p, config.fixed, config.flex)
     return Prefetcher(predictor, store, [b.layer for b in blocks], plan, embed, forecasts, next_use, spec.stateful,
                       store.priority)
 

@@ -209,6 +209,7 @@ def test_trace_info_and_simulate_name_phases_alike(trace, capsys):
     (["--predictor-file", "x.pt"], "--predictor-file does nothing without --predictor"),
     (["--expert-memory", "50%", "--prefetch-threads", "2"], "--prefetch-threads does nothing without --predictor"),
     (["--expert-memory", "50%", "--prefetch-fixed"], "--prefetch-fixed does nothing without --predictor"),
+    (["--expert-memory", "50%", "--prefetch-flex"], "--prefetch-flex does nothing without --predictor"),
     (["--expert-memory", "50%", "--prefetch-min-p", "0.5"], "--prefetch-min-p does nothing without --predictor"),
     (["--expert-memory", "50%", "--prefetch-no-yield"], "--prefetch-no-yield does nothing without --predictor"),
     (["--expert-memory", "50%", "--predictor", "transition", "--learn-maps"], "does not learn online"),

@@ -352,3 +352,44 @@ def test_fixed_n_loads_more_ahead_than_adaptive_n_and_keeps_outputs(recorded):
     with pytest.raises(MoepagerError, match="--prefetch-k 0 loads none"):
         LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%"),
             prefetch=PrefetchConfig("token-wise", file=str(files / "token-wise.pt"), per_row=0, fixed=True))
+
+
+def test_flex_turns_prefetch_off_at_the_least_accurate_half_of_the_layers():
+    """SMoE-Flex §2.8: forecasts for positions 0-3 pick experts routed 1, 0, 2 and 1 of 2 times; once judged, the
+    two least accurate (1, and 3 before 0 on a tie) prefetch nothing, and the others go on."""
+    from types import SimpleNamespace
+
+    from moepager.predictors import Forecast
+    from moepager.runtime.prefetch import Prefetcher, PrefetchPlan
+
+    store = SimpleNamespace(quota=lambda layer: 4)
+    prefetcher = Prefetcher(SimpleNamespace(), store, [0, 1, 2, 3], PrefetchPlan(1, 2, 8, 0.0, flex=True))
+    forecast = Forecast(torch.tensor([[0.5, 0.3, 0.1, 0.1]]))  # picks experts 0 and 1
+    for j in range(4):
+        prefetcher._enqueue(forecast, j, 0)
+    for i, routed in enumerate(([0, 2], [2, 3], [1, 0], [3, 1])):
+        prefetcher.judge(i, routed)
+    assert prefetcher.judged == [[1, 2], [0, 2], [2, 2], [1, 2]]
+    prefetcher.choose_flex()
+    assert prefetcher.flex_off == {1, 3} and not prefetcher.flex_judging
+    prefetcher.pending = {}
+    for j in range(4):
+        prefetcher._enqueue(forecast, j, 0)
+    assert sorted(j for _, j in prefetcher.pending if prefetcher.pending[(0, j)]) == [0, 2]
+
+
+def test_flex_chooses_its_layers_in_a_run_prefetches_less_and_keeps_outputs(recorded, monkeypatch):
+    import moepager.runtime.prefetch as prefetch
+
+    monkeypatch.setattr(prefetch, "FLEX_PASSES", 4)
+    path, reference, files = recorded
+
+    def run(flex: bool) -> tuple[int, LLM]:
+        llm = LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", direct_io="off", warm=False),
+                  prefetch=PrefetchConfig("token-wise", file=str(files / "token-wise.pt"), flex=flex))
+        assert [c.token_ids for c in llm.generate(PROMPTS, PARAMS)] == reference
+        return sum(p["loads_ahead"] for p in llm.last_stats.sections["experts"].phases.values()), llm
+    flexed, llm = run(True)
+    layers = len(llm.prefetcher.moe_layers)
+    assert not llm.prefetcher.flex_judging and len(llm.prefetcher.flex_off) == layers // 2 >= 1
+    assert flexed < run(False)[0]
