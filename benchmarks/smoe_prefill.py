@@ -38,11 +38,12 @@ import numpy as np
 import torch
 
 from benchmarks.common import SHARED, converted, ensure_model, machine_state, print_table, write_json
+from benchmarks.offload_replay import deepseek_trace, replayed_requests
 from moepager.config import EngineConfig, PlacementConfig, SchedulerConfig, StoreConfig
 from moepager.planning.cost import CostModel
 from moepager.runtime.llm import LLM
 from moepager.runtime.replay import ReplaySpec
-from moepager.trace.format import DECODE, PREFILL, TraceReader
+from moepager.trace.format import DECODE, PREFILL
 from moepager.trace.report import step_seconds
 from moepager.trace.simulate import SimSpec, simulate
 from moepager.trace.workload import Cut, load_workload
@@ -78,14 +79,6 @@ def full_trace() -> Path:
     return converted("deepseek-csv", SHARED / "deepseek-v2-lite", "deepseek-v2-lite")
 
 
-def long_requests(path: Path, tokens: int, count: int, from_end: bool = False) -> list[int]:
-    """Up to `count` requests with at least `tokens` tokens (the first ones, or the last ones)."""
-    with TraceReader(path) as reader:
-        order = range(len(reader) - 1, -1, -1) if from_end else range(len(reader))
-        chosen = [i for i in order if reader.request(i).num_tokens >= tokens][:count]
-    return sorted(chosen)
-
-
 def sim_spec(mode: str, per_layer: int, device_tokens: int | None) -> SimSpec | None:
     if mode == "gpu":
         return SimSpec("lrfu", per_layer, warm=True)
@@ -99,7 +92,7 @@ def sim_spec(mode: str, per_layer: int, device_tokens: int | None) -> SimSpec | 
 def modeled(args: argparse.Namespace) -> list[dict]:
     path, rows = full_trace(), []
     for prompt in args.prompts:
-        chosen = long_requests(path, prompt + args.decode, args.sim_requests)
+        chosen = replayed_requests(path, 0, args.sim_requests, prompt + args.decode, from_end=False)
         work = load_workload(str(path), "recorded", requests=chosen, cut=Cut(prompt, args.decode), chunk=args.chunk)
         h = work.header
         pre, dec = work.step_phase == PREFILL, work.step_phase == DECODE
@@ -150,13 +143,11 @@ def against(rows: list[dict], base_mode: str, key: str, out: str) -> None:
 
 def measured(args: argparse.Namespace) -> list[dict]:
     """The CPU standing in for the first profile's device, on replayed routing."""
-    from benchmarks.offload_replay import deepseek_trace
-
     model = ensure_model(f"deepseek-v2-lite-L{args.layers + 1}", "deepseek-v2-lite", args.layers + 1)
     trace = deepseek_trace(args.layers)
     profile, rows = args.profiles[0], []
     for prompt in args.prompts:
-        chosen = long_requests(trace, prompt + args.decode, args.requests, from_end=True)
+        chosen = replayed_requests(trace, 0, args.requests, prompt + args.decode)
         spec = ReplaySpec(trace, chosen, prompt, "match", args.decode)
         want, _ = run_once(EngineConfig(model=str(model), threads=args.threads), spec)
         for budget in args.budgets:

@@ -243,12 +243,11 @@ class Prefetcher:
             self.forecasts.predict(self.moe_layers[j], probs_NE.mean(0).numpy())
         if not self.plan.per_row or j in self.flex_off:  # forecasts rank evictions only (or Flex turned j off)
             return
+        top = forecast.chosen(self.plan.per_row) if self.flex_judging or not self.plan.fixed else []
         if self.flex_judging:
-            self.picked.setdefault((self.iteration + ahead, j), set()).update(
-                e for chosen in forecast.chosen(self.plan.per_row) for e, _ in chosen)
+            self.picked.setdefault((self.iteration + ahead, j), set()).update(e for row in top for e, _ in row)
         floor = self.plan.min_p
-        rows = self._fixed(forecast, j) if self.plan.fixed else forecast.chosen(self.plan.per_row)
-        for chosen in rows:
+        for chosen in self._fixed(forecast, j) if self.plan.fixed else top:
             for e, p in chosen:
                 if p > 0 and p >= floor:  # an expert the forecast gives no chance is never loaded for it
                     entry[e] = entry.get(e, 0.0) + p
@@ -328,12 +327,9 @@ def build_prefetcher(config: PrefetchConfig, model: CausalLM, store: StoreView,
         raise MoepagerError("--prefetch-fixed walks a forecast past the experts this engine's device cache holds; "
                             "OD-MoE's workers (--workers) load experts just in time and keep no cache here to walk "
                             "past: drop --prefetch-fixed")
-    if config.fixed and per_row < 1:
-        raise MoepagerError(f"--prefetch-fixed loads --prefetch-k experts a forecast; --prefetch-k {per_row} loads "
-                            "none")
-    if config.flex and per_row < 1:
-        raise MoepagerError(f"--prefetch-flex chooses the layers that prefetch; --prefetch-k {per_row} prefetches "
-                            "nothing")
+    for flag, on in (("--prefetch-fixed", config.fixed), ("--prefetch-flex", config.flex)):
+        if on and per_row < 1:
+            raise MoepagerError(f"{flag} needs experts to prefetch; --prefetch-k {per_row} loads none")
     plan = PrefetchPlan(distance, per_row, config.max_inflight or 2 * cfg.top_k, min_p, config.fixed, config.flex)
     return Prefetcher(predictor, store, [b.layer for b in blocks], plan, embed, forecasts, next_use, spec.stateful,
                       store.priority)
