@@ -189,6 +189,30 @@ class OpenCheckpoint:
                     for name, loc in self.checkpoint.locations.items() if not is_routed_expert(name))
         return dense + self.paging.num_moe_layers * self.paging.num_experts * self.reader.shape.nbytes
 
+    def window_bytes(self) -> tuple[float, int]:
+        """The dense weights a decode token reads in the windows MoEpic's configurator prefetches in (MoEpic eq. 7),
+        in the run's dtype: (per MoE layer, the mean of its non-expert weights: attention, router, shared experts,
+        norms; what runs before the first MoE layer: the LM head and final norm, every decoder layer without
+        routed experts, and the embedding row read). A tied embedding counts once, as the LM head; layers past
+        num_hidden_layers (DeepSeek-V3's multi-token prediction) do not run in decode."""
+        by_layer: dict[int, int] = {}
+        rest = 0
+        for name, loc in self.checkpoint.locations.items():
+            if is_routed_expert(name) or ("embed_tokens" in name and not self.config.tie_word_embeddings):
+                continue
+            nbytes = loc.nbytes // loc.dtype.itemsize * self.dtype.itemsize
+            m = LAYER_NAME.search(name)
+            layer = int(m.group(1)) if m else -1
+            if 0 <= layer < self.config.num_layers:
+                by_layer[layer] = by_layer.get(layer, 0) + nbytes
+            elif layer < 0:
+                rest += nbytes
+        moe = set(self.config.moe_layers)
+        per_moe = [by_layer.get(layer, 0) for layer in moe]
+        head = rest + sum(b for layer, b in by_layer.items() if layer not in moe)
+        head += self.config.hidden_size * self.dtype.itemsize  # the embedding row
+        return (sum(per_moe) / len(per_moe) if per_moe else 0.0), head
+
 
 LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

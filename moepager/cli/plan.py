@@ -44,6 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--predictor-file", help="--predictor: the file `moepager predictor fit` wrote")
     p.add_argument("--prefetch-distance", type=int, default=1, metavar="D",
                    help="--predictor: forecasts made D MoE layers ahead (default 1)")
+    p.add_argument("--dense-bytes-per-layer", type=int, default=0, metavar="BYTES",
+                   help="--predictor: a MoE layer's non-expert weights (attention, router, shared experts), read in "
+                        "the window its prefetch fills (MoEpic's T_att; default: the profile's shared experts only)")
+    p.add_argument("--head-bytes", type=int, default=0, metavar="BYTES",
+                   help="--predictor: the weights read between a token's last MoE layer and the next token's first "
+                        "(LM head, dense layers: MoEpic's T_head, the first layer's window; default 0)")
     p.add_argument("--whole-experts", action="store_true",
                    help="no split (θ = 1 in every layer): per-layer budgets of whole experts, what the engine's "
                         "--layer-plan takes")
@@ -75,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
         cost = CostModel.profile(args.profile, expert_bytes)
     except ValueError as e:
         raise TraceError(str(e)) from None
-    costs = layer_costs(cost, num_layers)
+    if args.dense_bytes_per_layer < 0 or args.head_bytes < 0:
+        raise TraceError("--dense-bytes-per-layer and --head-bytes are sizes in bytes, >= 0")
+    costs = layer_costs(cost, num_layers, args.dense_bytes_per_layer, args.head_bytes)
     if (args.predictor is None) != (args.predictor_file is None):
         raise TraceError("--predictor and --predictor-file go together")
     fitted = load_workload(args.trace, "decode", 1, fit)
@@ -100,8 +108,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.trace}: {num_layers} layers x {num_experts} experts (top-{k}), budget {args.expert_memory} = "
           f"{total:.1f} experts ({format_bytes(total * expert_bytes)}); hit curves from {len(fitted.names)} "
           f"requests, judged on {len(test.names)}; profile {args.profile}"
-          + (f"; prefetch from {args.predictor} forecasts {args.prefetch_distance} layer(s) ahead" if ranks is not None
-             else "; no prefetch"))
+          + (f"; prefetch from {args.predictor} forecasts {args.prefetch_distance} layer(s) ahead (windows: T_att "
+             f"{1e3 * costs.attention_s:.3f} ms a layer, T_head {1e3 * costs.head_s:.3f} ms, an expert's load "
+             f"{1e3 * costs.load_s:.3f} ms)" if ranks is not None else "; no prefetch"))
     print(layer_table(plan))
     even_s = plan.objectives[0]  # the budget exchange starts from the even split
     print(f"modeled exposed load per token: {1e3 * plan.exposed_s:.2f} ms configured, {1e3 * even_s:.2f} ms even "

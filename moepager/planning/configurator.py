@@ -44,7 +44,7 @@ class LayerCosts:
     compute_s: float
     """T_comp^exp: computing one expert for a decode token."""
     attention_s: float
-    """T_comp^att: one layer's attention."""
+    """T_comp^att: one MoE layer's attention (and the rest of its non-expert time)."""
     head_s: float = 0.0
     """T_comp^head: what runs before the first MoE layer (its prefetch window)."""
 
@@ -79,12 +79,27 @@ class Plan:
         return float(self.exposed_L.sum())
 
 
-def layer_costs(cost: CostModel, num_layers: int) -> LayerCosts:
+def layer_costs(cost: CostModel, num_layers: int, layer_bytes: float = 0.0, head_bytes: float = 0.0) -> LayerCosts:
     """The configurator's T values from the cost model: an expert's load over the link, its compute for one token,
-    and (calibrated) each layer's share of the step's non-expert time, which hides loads as attention does."""
+    and the windows' terms (MoEpic eq. 7): T_att, a MoE layer's non-expert time (attention, router, shared experts),
+    and T_head, what runs between the last MoE layer and the next token's first (LM head, dense layers), the first
+    layer's window. `layer_bytes`, `head_bytes`: the dense weights each reads (OpenCheckpoint.window_bytes).
+    Calibrated: the measured non-expert decode time shared between them by those bytes (without them, evenly over the
+    layers and no head); nominal: the bytes read at the device's memory speed (without them, the cost model's
+    shared experts and `dense_bytes_per_layer`, and no head). The nominal terms leave out reading the KV cache."""
     load = cost.link.latency_s + cost.expert_bytes / cost.link.bytes_per_s
-    attention = cost.calibration.dense_decode_s / num_layers if cost.calibration is not None else 0.0
-    return LayerCosts(load_s=load, compute_s=float(cost.compute_s(1.0)), attention_s=attention)
+    compute = float(cost.compute_s(1.0))
+    c = cost.calibration
+    if c is not None:
+        reads = num_layers * layer_bytes + head_bytes
+        attention, head = ((c.dense_decode_s * layer_bytes / reads, c.dense_decode_s * head_bytes / reads) if reads
+                           else (c.dense_decode_s / num_layers, 0.0))
+    elif layer_bytes or head_bytes:
+        attention, head = layer_bytes / cost.device.mem_Bps, head_bytes / cost.device.mem_Bps
+    else:
+        attention = cost.num_shared * compute + cost.dense_bytes_per_layer / cost.device.mem_Bps
+        head = 0.0
+    return LayerCosts(load_s=load, compute_s=compute, attention_s=float(attention), head_s=float(head))
 
 
 def hit_curves(ids_SLK: np.ndarray, num_experts: int) -> np.ndarray:

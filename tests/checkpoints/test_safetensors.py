@@ -113,3 +113,21 @@ def test_a_model_loaded_under_inference_mode_computes_the_same(hf_checkpoint, ar
         with torch.inference_mode():
             attn.k_norm.weight = torch.nn.Parameter(attn.k_norm.weight * 2, requires_grad=False)
         assert not all(torch.equal(a, b) for a, b in zip(logits_run(loaded, rows=1), ref))
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["stored", "bf16"])
+def test_window_bytes_are_the_dense_weights_read_around_each_moe_layer(hf_checkpoint, dtype):
+    from moepager.checkpoints.build import LoadOptions, open_checkpoint
+
+    model, path = hf_checkpoint("qwen2_moe")  # layer 1 is dense (mlp_only_layers), 0 and 2 route
+    opened = open_checkpoint(path, LoadOptions(dtype=dtype))
+    size = opened.dtype.itemsize
+    state = {k: v.numel() * size for k, v in model.state_dict().items()}
+
+    def layer(i: int) -> int:
+        return sum(n for k, n in state.items() if k.startswith(f"model.layers.{i}.") and ".experts." not in k)
+
+    per_layer, head = opened.window_bytes()
+    assert opened.config.moe_layers == (0, 2)
+    assert per_layer == (layer(0) + layer(2)) / 2 and layer(0) > 0  # attention, router, shared expert, norms
+    assert head == state["lm_head.weight"] + state["model.norm.weight"] + layer(1) + 32 * size  # + an embedding row

@@ -215,3 +215,56 @@ def test_hit_curves_are_the_simulators_lru_at_every_size_with_top_k_ties(tmp_pat
         result = simulate(work, SimSpec("lru", c))
         sim_L = result.hits_SL.sum(0) / result.requested_SL.sum(0)
         assert np.allclose(hit_LC[:, c], sim_L, atol=1e-12), c
+
+
+def test_the_windows_terms_come_from_the_dense_weights_each_reads():
+    from moepager.planning.configurator import layer_costs
+    from moepager.planning.cost import Calibration, CostModel
+
+    nominal = CostModel.profile("rtx4090-pcie4", 10_000_000)
+    costs = layer_costs(nominal, 4, layer_bytes=2e8, head_bytes=6e8)
+    assert costs.attention_s == pytest.approx(2e8 / nominal.device.mem_Bps)
+    assert costs.head_s == pytest.approx(6e8 / nominal.device.mem_Bps)
+    bare = layer_costs(nominal, 4)  # no bytes: the cost model's own dense terms (none here) and no head
+    assert bare.attention_s == 0 and bare.head_s == 0
+    measured = Calibration(10_000_000, 1e-3, 2e-3, dense_decode_s=14e-3, dense_decode_kv=0, dense_kv_s=0,
+                           dense_token_s=0, io_slowdown=0, model="m", threads=2, device="cpu")
+    calibrated = CostModel(nominal.device, nominal.link, 10_000_000, calibration=measured)
+    shared = layer_costs(calibrated, 4, layer_bytes=2e8, head_bytes=6e8)  # 14 ms over 8 + 6 units of bytes
+    assert shared.attention_s == pytest.approx(2e-3) and shared.head_s == pytest.approx(6e-3)
+    assert 4 * shared.attention_s + shared.head_s == pytest.approx(14e-3)
+    even = layer_costs(calibrated, 4)
+    assert even.attention_s == pytest.approx(3.5e-3) and even.head_s == 0
+
+
+def test_a_head_window_lets_the_first_layer_prefetch():
+    from moepager.planning.configurator import Prediction
+
+    c = np.arange(9)
+    hit_LC = np.stack([c / 8, c / 8])
+    accuracy = np.array([[1.0, 1.0], [1.0, 1.0]])  # the forecasts' top two are always routed
+    prediction = Prediction(accuracy, np.zeros((2, 2, 9)))  # and never cached
+    without = LayerCosts(load_s=1e-3, compute_s=1e-4, attention_s=0.0)
+    with_head = LayerCosts(load_s=1e-3, compute_s=1e-4, attention_s=0.0, head_s=2.5e-3)
+    budgets = np.full(2, 2.0)
+    first = expert_split(budgets, hit_LC, 2, without, prediction)
+    headed = expert_split(budgets, hit_LC, 2, with_head, prediction)
+    assert headed.resident_L[0] == pytest.approx(2.0)  # two loads fit the head's window
+    assert first.resident_L[0] < 2.0
+    assert headed.exposed_L[0] == 0 < first.exposed_L[0]
+
+
+def test_plan_states_the_windows_and_refuses_negative_bytes(tmp_path, capsys):
+    from moepager.cli.main import main
+    from tests.trace.conftest import random_trace
+
+    trace = random_trace(tmp_path / "t.mpt", lengths=(40, 30, 50, 20, 35), experts=16)
+    assert main(["predictor", "fit", "--kind", "transition", "--trace", str(trace), "--out",
+                 str(tmp_path / "tr.pt")]) == 0
+    args = ["plan", str(trace), "--expert-memory", "50%", "--expert-bytes", "1000000", "--predictor", "transition",
+            "--predictor-file", str(tmp_path / "tr.pt"), "--profile", "rtx4090-pcie4"]
+    capsys.readouterr()
+    assert main([*args, "--dense-bytes-per-layer", "80640000", "--head-bytes", "806400000"]) == 0
+    assert "(windows: T_att 0.100 ms a layer, T_head 1.000 ms, an expert's load 0.050 ms)" in capsys.readouterr().out
+    assert main([*args, "--head-bytes", "-1"]) == 2
+    assert "--dense-bytes-per-layer and --head-bytes are sizes in bytes" in capsys.readouterr().err
