@@ -127,14 +127,16 @@ def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = 
     cfg = opened.config
     paths = PathTracker(cfg.moe_layers, cfg.num_experts, prefetcher.predictor.forecast if prefetcher else None,
                         cfg.top_k) if needs_paths(config.scheduler) else None
-    return Built(loaded, store, prefetcher, config, online_configurator(config, opened, store, execution, profile),
-                 paths, placed.pass_parts)
+    return Built(loaded, store, prefetcher, config,
+                 online_configurator(config, opened, store, execution, profile, prefetcher), paths, placed.pass_parts)
 
 
 def online_configurator(config: EngineConfig, opened: OpenCheckpoint, store: ExpertStore | None,
-                        execution: Execution, profile: str) -> OnlineConfigurator | None:
+                        execution: Execution, profile: str, prefetcher: Prefetcher | None = None
+                        ) -> OnlineConfigurator | None:
     """`--configure auto`'s configurator over the run's store, its T values from the run's cost model (`--profile`,
-    else the nominal one of the device's kind)."""
+    else the nominal one of the device's kind) and the checkpoint's dense weights (the prefetch windows), told of
+    the prefetcher's forecasts (its prediction statistics) when one prefetches."""
     if config.store.configure != "auto":
         return None
     if store is None or execution != "gpu" or config.remote.workers:
@@ -146,8 +148,14 @@ def online_configurator(config: EngineConfig, opened: OpenCheckpoint, store: Exp
         cost = CostModel.profile(profile, whole)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return OnlineConfigurator(store, cfg.moe_layers, cfg.num_experts, cfg.top_k, layer_costs(cost, cfg.num_moe_layers),
-                              config.store.configure_every)
+    layer_bytes, head_bytes = opened.window_bytes()
+    ranked = prefetcher.plan.per_row if prefetcher is not None else 0
+    online = OnlineConfigurator(store, cfg.moe_layers, cfg.num_experts, cfg.top_k,
+                                layer_costs(cost, cfg.num_moe_layers, layer_bytes, head_bytes),
+                                config.store.configure_every, ranked=ranked)
+    if prefetcher is not None and ranked:
+        prefetcher.on_forecast = online.predicted
+    return online
 
 
 def check_split(config: EngineConfig, opened: OpenCheckpoint, execution: Execution, chosen: PlacementPlugin) -> None:

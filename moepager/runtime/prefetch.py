@@ -135,6 +135,9 @@ class Prefetcher:
         """SMoE-Flex: the MoE positions that prefetch nothing (chosen once FLEX_PASSES passes are judged)."""
         self.flex_judging = plan.flex
         """SMoE-Flex: the forecasts are still being judged (the positions not yet chosen)."""
+        self.on_forecast: Callable[[int, int, torch.Tensor], None] | None = None
+        """Told of every forecast that prefetches (pass id, MoE layer, probabilities per row): `--configure auto`'s
+        prediction statistics (runtime/configure.py)."""
 
     def bind_replay(self, source: ReplaySource | None) -> None:
         """For the length of a replay (None ends it): the predictor reads the trace's tokens instead of the
@@ -243,6 +246,8 @@ class Prefetcher:
             self.forecasts.predict(self.moe_layers[j], probs_NE.mean(0).numpy())
         if not self.plan.per_row or j in self.flex_off:  # forecasts rank evictions only (or Flex turned j off)
             return
+        if self.on_forecast is not None:
+            self.on_forecast(self.iteration + ahead - 1, self.moe_layers[j], probs_NE)
         top = forecast.chosen(self.plan.per_row) if self.flex_judging or not self.plan.fixed else []
         if self.flex_judging:
             self.picked.setdefault((self.iteration + ahead, j), set()).update(e for row in top for e, _ in row)
