@@ -11,6 +11,7 @@ import os
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -24,7 +25,7 @@ from moepager.checkpoints.dtypes import checkpoint_dtype, parse_dtype
 from moepager.checkpoints.expert_reader import ExpertReader, is_routed_expert
 from moepager.checkpoints.gguf_read import resolve_model_path
 from moepager.checkpoints.quantized import expert_format, stored_format
-from moepager.checkpoints.safetensors import Checkpoint, load_module_weights
+from moepager.checkpoints.safetensors import Checkpoint, TensorLocation, load_module_weights
 from moepager.checkpoints.split import layout_of
 from moepager.config import DENSE_FORMATS, DirectIO, EngineConfig, Kernel
 from moepager.errors import CheckpointError
@@ -160,6 +161,15 @@ class LoadOptions:
                    config.pack_dense, config.expert_kernel, config.placement.execution == "cpu-experts")
 
 
+class WindowBytes(NamedTuple):
+    """The dense weights read in MoEpic's prefetch windows (OpenCheckpoint.window_bytes)."""
+
+    per_layer: float
+    """A MoE layer's non-expert weights (the mean over MoE layers): T_att's reads."""
+    head: int
+    """What runs between a token's last MoE layer and the next token's first: T_head's reads."""
+
+
 @dataclass
 class OpenCheckpoint:
     """A checkpoint opened for a run: its architecture and configuration, the run's dtype and device, and the reader
@@ -183,13 +193,17 @@ class OpenCheckpoint:
         experts (checkpoints/split.py)."""
         return self.split.paging_config(self.config) if self.split is not None else self.config
 
+    def _run_bytes(self, loc: TensorLocation) -> int:
+        """A stored dense tensor's bytes in the run's dtype."""
+        return loc.nbytes // loc.dtype.itemsize * self.dtype.itemsize
+
     def total_bytes(self) -> int:
         """Bytes a load moves: every dense weight in the run's dtype and every routed expert in its format."""
-        dense = sum(loc.nbytes // loc.dtype.itemsize * self.dtype.itemsize
-                    for name, loc in self.checkpoint.locations.items() if not is_routed_expert(name))
+        dense = sum(self._run_bytes(loc) for name, loc in self.checkpoint.locations.items()
+                    if not is_routed_expert(name))
         return dense + self.paging.num_moe_layers * self.paging.num_experts * self.reader.shape.nbytes
 
-    def window_bytes(self) -> tuple[float, int]:
+    def window_bytes(self) -> WindowBytes:
         """The dense weights a decode token reads in the windows MoEpic's configurator prefetches in (MoEpic eq. 7),
         in the run's dtype: (per MoE layer, the mean of its non-expert weights: attention, router, shared experts,
         norms; what runs before the first MoE layer: the LM head and final norm, every decoder layer without
@@ -200,7 +214,7 @@ class OpenCheckpoint:
         for name, loc in self.checkpoint.locations.items():
             if is_routed_expert(name) or ("embed_tokens" in name and not self.config.tie_word_embeddings):
                 continue
-            nbytes = loc.nbytes // loc.dtype.itemsize * self.dtype.itemsize
+            nbytes = self._run_bytes(loc)
             m = LAYER_NAME.search(name)
             layer = int(m.group(1)) if m else -1
             if 0 <= layer < self.config.num_layers:
@@ -211,7 +225,7 @@ class OpenCheckpoint:
         per_moe = [by_layer.get(layer, 0) for layer in moe]
         head = rest + sum(b for layer, b in by_layer.items() if layer not in moe)
         head += self.config.hidden_size * self.dtype.itemsize  # the embedding row
-        return (sum(per_moe) / len(per_moe) if per_moe else 0.0), head
+        return WindowBytes(sum(per_moe) / len(per_moe) if per_moe else 0.0, head)
 
 
 LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")

@@ -148,10 +148,10 @@ def online_configurator(config: EngineConfig, opened: OpenCheckpoint, store: Exp
         cost = CostModel.profile(profile, whole)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    layer_bytes, head_bytes = opened.window_bytes()
+    window = opened.window_bytes()
     ranked = prefetcher.plan.per_row if prefetcher is not None else 0
     online = OnlineConfigurator(store, cfg.moe_layers, cfg.num_experts, cfg.top_k,
-                                layer_costs(cost, cfg.num_moe_layers, layer_bytes, head_bytes),
+                                layer_costs(cost, cfg.num_moe_layers, window.per_layer, window.head),
                                 config.store.configure_every, ranked=ranked)
     if prefetcher is not None and ranked:
         prefetcher.on_forecast = online.predicted

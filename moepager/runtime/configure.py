@@ -86,10 +86,9 @@ class OnlineConfigurator:
 
     def predicted(self, pass_id: int, layer: int, probs_NE: torch.Tensor) -> None:
         """The prefetcher's forecast for `layer` in pass `pass_id`, a row per token (Prefetcher.on_forecast)."""
-        values, order = torch.sort(probs_NE.float(), dim=1, descending=True)
-        width = min(self.ranked, order.shape[1])
-        ranks = np.full((len(order), self.ranked), -1, np.int64)
-        ranks[:, :width] = torch.where(values[:, :width] > 0, order[:, :width], -1).numpy()
+        top = torch.topk(probs_NE.float(), min(self.ranked, probs_NE.shape[1]), dim=1)
+        ranks = np.full((len(probs_NE), self.ranked), -1, np.int64)
+        ranks[:, : top.indices.shape[1]] = torch.where(top.values > 0, top.indices, -1).numpy()
         self.forecasts[(pass_id, layer)] = ranks
 
     def _advance(self) -> None:
