@@ -29,13 +29,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from benchmarks.common import demo_documents, machine_state, print_table, write_json
 from moepager.config import EngineConfig, ExpertFormat, StoreConfig
+from moepager.experts.remote.kv_align import slots, write
+from moepager.types import RoutingDecision
 
 if TYPE_CHECKING:
     from moepager.experts.remote.placement import Links
@@ -58,6 +63,9 @@ def arguments() -> argparse.ArgumentParser:
                    help="the second shadow run's --align-period: it runs that many passes ahead, less one (1: no such "
                         "run)")
     p.add_argument("--rank-align", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--rank-kv-align", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--kv-tokens", type=int, default=48,
+                   help="part 2b: teacher-forced decode passes per document after its prompt")
     return p
 
 
@@ -88,7 +96,7 @@ def rank_main(args: argparse.Namespace) -> int:
 
     config = EngineConfig(threads=1, prefetch=PrefetchConfig(args.rank_predictor or None),
                           remote=RemoteConfig(workers=1, worker_memory=args.budget, shadow=args.rank_shadow,
-                                              align_period=args.rank_align))
+                                              align_period=args.rank_align, kv_align_period=args.rank_kv_align))
 
     def main(cfg: EngineConfig, links: Links) -> int:
         row = generate(cfg, args, links)
@@ -100,23 +108,22 @@ def rank_main(args: argparse.Namespace) -> int:
 
 
 def measured(args: argparse.Namespace) -> list[dict]:
-    import torch
-
     torch.set_num_threads(1)
     rows = [{"run": "1 process"} | generate(EngineConfig(threads=1, store=StoreConfig(expert_memory=args.budget)),
                                             args)]
     runs = [(w, None) for w in args.workers] + ([(2, args.predictor)] if args.predictor else []) + \
-        ([(2, "shadow")] if not args.no_shadow else []) + \
+        ([(2, "shadow"), (2, "shadow 1 0")] if not args.no_shadow else []) + \
         ([(2, f"shadow {args.align_period}")] if not args.no_shadow and args.align_period > 1 else [])
     for workers, predictor in runs:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "row.json"
             shadow = predictor is not None and predictor.startswith("shadow")
-            align = int(predictor.split()[1]) if shadow and " " in predictor else 1
+            words = predictor.split() if shadow else []
+            align, kv = int(words[1]) if len(words) > 1 else 1, int(words[2]) if len(words) > 2 else 1
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                    str(workers + 1 + shadow), "-m", "benchmarks.workers", "--budget", args.budget, "--prompts",
                    str(args.prompts), "--tokens", str(args.tokens), "--rank-out", str(out)] + \
-                (["--rank-shadow", "--rank-align", str(align)] if shadow else
+                (["--rank-shadow", "--rank-align", str(align), "--rank-kv-align", str(kv)] if shadow else
                  ["--rank-predictor", predictor] if predictor else [])
             t0 = time.perf_counter()
             run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -127,9 +134,11 @@ def measured(args: argparse.Namespace) -> list[dict]:
         hits, misses = sum(w["hits"] for w in stats), sum(w["misses"] for w in stats)
         routed = sum(w["routed"] for w in stats)
         ahead = f" running {align - 1} passes ahead (--align-period {align})" if align > 1 else ""
+        ahead += ", its KV cache never realigned (--kv-align-period 0)" if shadow and not kv else ""
         row |= {"run": f"{workers} workers" + (f", a shadow rank{ahead}" if shadow else f", {predictor} prefetch"
                                                 if predictor else ""),
-                "forecast_recall": sum(w["forecast"] for w in stats) / routed if routed else None,
+                "forecast_recall": sum(w["forecast"] for w in stats) / routed if routed and (shadow or predictor)
+                else None,
                 "bytes_disk": sum(w["bytes_disk"] for w in stats),
                 "hit_rate": hits / max(hits + misses, 1), "wall_s": time.perf_counter() - t0}
         rows.append(row)
@@ -164,6 +173,106 @@ def shadow_recall(args: argparse.Namespace) -> dict:
     per_layer = (hits / k).mean(0)
     return {"tokens": int(a.shape[0]), "recall_per_layer": per_layer.round(4).tolist(),
             "recall": float(per_layer.mean())}
+
+
+PROMPT_TOKENS = 32
+"""Part 2b's prompt: each document's first tokens."""
+KV_PERIODS = (0, 1, 4)
+"""Part 2b's KV alignment periods (0: never; the paper's default 1, and its Fig. 10 optimum 4 with slower workers)."""
+
+
+@dataclass
+class _Row:
+    """A request as the runner reads it (its tokens and cache blocks)."""
+
+    request_id: int
+    ids: list[int]
+    blocks: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.ids)
+
+    def tokens(self, start: int, count: int) -> list[int]:
+        return self.ids[start:start + count]
+
+
+class _Routing:
+    """A routing observer keeping each MoE layer's top-k of the last pass."""
+
+    def __init__(self) -> None:
+        self.ids: list[torch.Tensor] = []
+
+    def stage(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> Sequence[torch.Tensor]:
+        return ()
+
+    def routed(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision, staged: Sequence[torch.Tensor]) -> None:
+        assert route.ids_host_TK is not None
+        self.ids.append(route.ids_host_TK.clone())
+
+
+def shadow_recall_kv(args: argparse.Namespace) -> dict:
+    """OD-MoE's decode with KV alignment (experts/remote/kv_align.py), teacher-forced: per validation document its first
+    `PROMPT_TOKENS` tokens as the prompt, then its next `--kv-tokens` tokens one decode pass each, on the full
+    built-in model and on its int8 shadow, the shadow's cache overwritten with the full model's entries every K
+    passes (`KV_PERIODS`; what the main rank's feed sends). Per K, the recall of the full model's top-k in the
+    shadow's over the decode passes (OD-MoE's Fig. 6 measures the same, token alignment every pass)."""
+    from moepager.checkpoints.default import default_model_path
+    from moepager.experts.remote.kv_align import KVAligner
+    from moepager.runtime.builder import build
+    from moepager.runtime.kv_pool import KVBlockPool
+    from moepager.runtime.runner import ModelRunner
+    from moepager.runtime.scheduler import Scheduled
+    from moepager.runtime.tokenizer import Tokenizer
+    from moepager.types import PassInfo
+
+    path = default_model_path()
+    tokenizer = Tokenizer(path)
+    _, validation = demo_documents()
+    need = PROMPT_TOKENS + args.kv_tokens
+    docs = [ids[:need] for ids in (tokenizer.encode(d) for d in validation[: args.shadow_docs]) if len(ids) >= need]
+
+    def runner(config: EngineConfig) -> tuple[ModelRunner, KVBlockPool, _Routing]:
+        loaded = build(config, path, False).loaded
+        pool = KVBlockPool(loaded.model, loaded.dtype, loaded.device, need + 16, 16)
+        routing = _Routing()
+        loaded.model.observe_routing(routing)
+        return ModelRunner(loaded.model, pool, loaded.device), pool, routing
+
+    def run(r: tuple[ModelRunner, KVBlockPool, _Routing], row: _Row, start: int, count: int) -> list[torch.Tensor]:
+        r[2].ids = []
+        assert r[1].reserve(row.blocks, start + count)
+        r[0].run([Scheduled(row, start, count, count == 1)])  # type: ignore[arg-type]
+        return r[2].ids
+
+    full = runner(EngineConfig(model=str(path)))
+    shadow = runner(EngineConfig(model=str(path), experts=ExpertFormat("int8"), dense_dtype="int8"))
+    found = {k: [] for k in KV_PERIODS}
+    for i, ids in enumerate(docs):
+        ours, truth = _Row(i, ids), []
+        run(full, ours, 0, PROMPT_TOKENS)
+        for t in range(PROMPT_TOKENS, need):
+            truth.append(run(full, ours, t, 1))
+        for k in KV_PERIODS:  # the shadow over the same tokens, its cache aligned every k passes
+            theirs, aligner = _Row(i, ids), KVAligner(k or 1)
+            run(shadow, theirs, 0, PROMPT_TOKENS)
+            aligner.spans(PassInfo(0, "prefill", (i,), (0,), (PROMPT_TOKENS,), ("prefill",), torch.empty(0),
+                                   (ours.blocks,)))
+            for n, t in enumerate(range(PROMPT_TOKENS, need), start=1):
+                if k:
+                    aligned = aligner.payload(PassInfo(n, "decode", (i,), (t,), (1,), ("decode",), torch.empty(0),
+                                                       (ours.blocks,)), full[1])
+                    if aligned is not None:
+                        spans, entries = aligned
+                        write(shadow[1].cache, torch.cat([slots(theirs.blocks, s, c, 16) for _, s, c in
+                                                          spans.tolist()]), entries)
+                guess = run(shadow, theirs, t, 1)
+                found[k] += [(a[:, :, None] == b[:, None, :]).any(-1).float().mean().item()
+                             for a, b in zip(truth[n - 1], guess, strict=True)]
+            shadow[1].release(theirs.blocks)
+        full[1].release(ours.blocks)
+    return {"docs": len(docs), "prompt_tokens": PROMPT_TOKENS, "decode_tokens": args.kv_tokens,
+            "recall": {str(k): float(np.mean(v)) for k, v in found.items()}}
 
 
 PAPER_MAIN_LAYER_S = 0.25e-3
@@ -223,6 +332,11 @@ def main() -> None:
     print(f"\nint8 shadow (int8 experts and dense projections) against the full built-in model, {recall['tokens']} "
           f"tokens: recall of the top-k {100 * recall['recall']:.2f}%, per layer "
           + " ".join(f"{100 * r:.1f}" for r in recall["recall_per_layer"]))
+    kv = shadow_recall_kv(args)
+    print(f"\nthe int8 shadow decoding {kv['docs']} documents ({kv['prompt_tokens']}-token prompts, then "
+          f"{kv['decode_tokens']} teacher-forced decode passes), recall of the full model's top-k with its KV cache "
+          "aligned every K passes: " + ", ".join(f"K = {k}: {100 * r:.2f}%" if k != "0" else f"never: {100 * r:.2f}%"
+                                                  for k, r in kv["recall"].items()))
     for r in rows:
         r.pop("tokens")
     scaling = modeled_scaling()
@@ -232,7 +346,7 @@ def main() -> None:
                 [[r["workers"], r["assign"], 100 * r["crowded_calls"], r["shadow"], r["tok_s"], r["vs_all_in_gpu"]]
                  for r in scaling])
     out = write_json("workers", {"machine": state, "args": vars(args), "rows": rows, "shadow": recall,
-                                 "modeled_scaling": scaling})
+                                 "shadow_kv_alignment": kv, "modeled_scaling": scaling})
     print(f"results: {out}")
 
 

@@ -336,6 +336,11 @@ class RemoteConfig:
     greedy guesses), forecasting those passes' routing early, and is realigned with the main process's tokens at every
     pass it is told of (a wrong guess computed again from the first differing token); 1: it computes only the passes
     it is told of."""
+    kv_align_period: int = 1
+    """--shadow: every `kv_align_period`-th pass the main process sends the shadow its full-precision KV cache entries
+    of the positions it computed since it last sent a request's (every layer), and the shadow overwrites its own
+    int8-computed entries with them (OD-MoE's KV alignment, §2.5, whose default is 1); 0: never (the shadow's cache
+    drifts with its int8 weights, token alignment alone)."""
     on_worker_loss: WorkerLoss = "stop"
     """A worker lost (dead, or silent past the timeout): stop with an error naming it, or give its experts to the
     workers left and go on (needs processes that outlive one another: `generate --workers` starts them so)."""
@@ -357,6 +362,9 @@ class RemoteConfig:
         if self.align_period < 1 or (self.align_period > 1 and not self.shadow):
             raise MoepagerError(f"--align-period is how many passes the shadow runs ahead plus one (>= 1, with "
                                 f"--shadow), got {self.align_period}")
+        if self.kv_align_period < 0:
+            raise MoepagerError(f"--kv-align-period is every how many passes the shadow's KV cache is realigned (0: "
+                                f"never), got {self.kv_align_period}")
         if self.worker_memory is not None and not self.workers:
             raise MoepagerError("--worker-memory budgets the worker processes' experts: add --workers N")
         if self.worker_group is not None and not 1 <= self.worker_group <= max(self.workers, 1):

@@ -8,8 +8,8 @@ from __future__ import annotations
 import ctypes
 import math
 import sys
-from collections.abc import Callable, Iterable, Iterator
-from typing import Literal, NamedTuple, Protocol
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -96,12 +96,33 @@ class PassInfo(NamedTuple):
     counts: tuple[int, ...]
     row_phases: tuple[Phase, ...]
     token_ids_N: torch.Tensor
+    blocks: tuple[Sequence[int], ...] = ()
+    """Each row's request's KV cache blocks in the engine's pool, in order (empty where the pass has no pool: a trace's
+    or the simulator's passes): what reads the engine's KV cache (the shadow's KV alignment) finds a position by."""
 
 
 class PassPart(Protocol):
     """Anything told of each forward pass before it runs (the store, the prefetcher, the recorder, the workers)."""
 
     def begin_pass(self, info: PassInfo) -> None: ...
+
+
+class KVCacheHolder(Protocol):
+    """What holds the engine's KV cache (runtime/kv_pool.py `KVBlockPool`): one [blocks, block_size, ...] tensor per
+    layer, allocated at first use and again when the pool grows (so read it at each use)."""
+
+    block_size: int
+
+    @property
+    def cache(self) -> list[torch.Tensor]: ...
+
+
+@runtime_checkable
+class ReadsKV(Protocol):
+    """A pass part that reads the engine's KV cache (the shadow's feed: KV alignment); given the pool once the engine
+    exists."""
+
+    def bind_kv(self, pool: KVCacheHolder) -> None: ...
 
 
 HUGE_PAGE = 2 << 20

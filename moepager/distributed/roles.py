@@ -102,4 +102,6 @@ def describe_shadow(rank: int, stats: dict[str, float]) -> str:
     guessed = stats["hits"] + stats["misses"]
     ahead = f", {stats['loads_ahead']:.0f} run ahead on its own tokens ({100 * stats['hits'] / guessed:.1f}% of " \
         f"{guessed:.0f} guessed tokens right)" if stats["loads_ahead"] else ""
-    return f"shadow rank {rank}: {stats['calls']:.0f} passes computed as the main rank announced them{ahead}"
+    aligned = f"; its KV cache realigned with the main rank's at {stats['aligned']:.0f} positions" \
+        if stats["aligned"] else ""
+    return f"shadow rank {rank}: {stats['calls']:.0f} passes computed as the main rank announced them{ahead}{aligned}"

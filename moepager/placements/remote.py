@@ -35,7 +35,7 @@ class Remote:
     def build(self, ctx: BuildContext) -> Placed:
         executor = remote_executor(ctx.config, ctx.opened.reader, ctx.opened.config, ctx.links)
         remote = ctx.config.remote
-        feed = (ShadowFeed(remote.worker_timeout_s),) if remote.shadow else ()
+        feed = (ShadowFeed(remote.worker_timeout_s, remote.kv_align_period),) if remote.shadow else ()
         return Placed(executor, None, f"{remote.workers} worker processes", prefetch_view=executor,
                       pass_parts=(*feed, executor))
 

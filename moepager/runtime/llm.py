@@ -35,7 +35,7 @@ from moepager.runtime.stats import RunStats
 from moepager.runtime.tokenizer import Tokenizer
 from moepager.trace.format import TraceHeader
 from moepager.trace.recorder import RecordedRequest, TraceRecorder
-from moepager.types import PassInfo, PassPart
+from moepager.types import PassInfo, PassPart, ReadsKV
 
 Prompt = str | list[int]
 OnText = Callable[[int, str], None]
@@ -105,6 +105,9 @@ class LLM:
                              self.config.cuda_graphs and graphable(self.loaded.model, experts, self.loaded.device),
                              self.paths)
         """The engine core every call (and the server) runs requests on; its KV cache is reused across calls."""
+        for part in self.remote:
+            if isinstance(part, ReadsKV):  # the shadow's feed: KV alignment
+                part.bind_kv(self.engine.pool)
         if self.engine.runner.graphs is not None:
             self.engine.runner.graphs.warm()  # every width now, so no request pays a capture
         if self.config.compile:

@@ -116,14 +116,15 @@ class ModelRunner:
     def _info(self, rows: Sequence[Scheduled], fed_N: torch.Tensor) -> PassInfo:
         """The pass as observers see it; its tokens come from the host lists (on CUDA: no copy back, no sync)."""
         phases: list[Phase] = []
-        requests, starts, counts = [], [], []
+        requests, starts, counts, blocks = [], [], [], []
         for r in rows:
             phases.append("decode" if r.decoding else "prefill")
             requests.append(r.request.request_id)
             starts.append(r.start)
             counts.append(r.count)
+            blocks.append(r.request.blocks)
         return PassInfo(next(self.passes), "prefill" if "prefill" in phases else "decode", tuple(requests),
-                        tuple(starts), tuple(counts), tuple(phases), fed_N)
+                        tuple(starts), tuple(counts), tuple(phases), fed_N, tuple(blocks))
 
     def non_finite(self, decode_step: int | None) -> NumericalError:
         """Name where NaN or infinity first appeared in the last pass (re-run with the same positions)."""

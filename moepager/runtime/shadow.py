@@ -12,7 +12,10 @@ until the layer call of its pass comes). Each pass it is told of realigns it: th
 its guesses, and from the first that differs its cache is computed again (a right guess costs nothing more: its tokens
 are in the cache). A request's cache blocks are taken back when the pool needs them for a pass it was told of (the
 shadow is not told when requests finish), oldest pass first, never those of the pass at hand; a request whose blocks
-were taken is computed again from its first token the next time it appears.
+were taken is computed again from its first token the next time it appears. KV alignment (`--kv-align-period K`,
+default 1: every pass): with every K-th pass announced, the main rank sends its own full-precision KV entries (every
+layer) of the positions it computed since it last sent that request's, and they overwrite the shadow's int8-computed
+ones before it computes the pass (experts/remote/kv_align.py), so its cache drifts no further than K passes.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch.distributed as dist
 
 from moepager.config import EngineConfig, ExpertFormat
 from moepager.errors import MoepagerError
+from moepager.experts.remote.kv_align import entry_values, slots, write
 from moepager.experts.remote.placement import Links, Placement, recv_placement
 from moepager.experts.remote.protocol import STATS, Pass, Place, Stop, receive, send, send_forecasts
 from moepager.runtime.builder import build
@@ -85,6 +89,8 @@ class Shadow:
         """The latest pass the main rank told of: passes run ahead never take back its requests' cache blocks."""
         self.guessed = self.right = self.passes_ahead = 0
         """Tokens guessed that the main rank then sent, those guessed right, and passes computed ahead."""
+        self.aligned = 0
+        """Positions of its cache the main rank's KV entries overwrote (KV alignment)."""
 
     # -- the routing observer: each layer's top-k, to the workers that hold those experts -----------------------
     def stage(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> Sequence[torch.Tensor]:
@@ -115,6 +121,12 @@ class Shadow:
             ids = torch.empty(message.tokens, dtype=torch.long)
             dist.recv(rows, 0)
             dist.recv(ids, 0)
+            if message.kv_tokens:  # KV alignment: the main rank's entries of positions it computed since
+                spans = torch.empty(message.kv_rows, 3, dtype=torch.long)
+                entries = torch.empty(message.kv_tokens, entry_values(self.pool.cache), dtype=message.kv_dtype)
+                dist.recv(spans, 0)
+                dist.recv(entries, 0)
+                self.align(spans.tolist(), entries)
             pass_id = message.pass_id
             self.pass_id = self.told = pass_id
             told = self._run(rows.tolist(), ids.tolist())
@@ -133,10 +145,28 @@ class Shadow:
 
     def stats(self) -> torch.Tensor:
         """The counters a worker answers a stop with (`STATS`), as the shadow's: calls = passes it was told of,
-        loads_ahead = passes it computed ahead, hits / misses = its guesses the main rank's tokens confirmed / not."""
+        loads_ahead = passes it computed ahead, hits / misses = its guesses the main rank's tokens confirmed / not,
+        aligned = positions of its cache the main rank's KV entries overwrote."""
         values = dict.fromkeys(STATS, 0.0) | {"calls": self.passes, "loads_ahead": self.passes_ahead,
-                                               "hits": self.right, "misses": self.guessed - self.right}
+                                               "hits": self.right, "misses": self.guessed - self.right,
+                                               "aligned": self.aligned}
         return torch.tensor([values[name] for name in STATS], dtype=torch.float64)
+
+    def align(self, spans: Sequence[Sequence[int]], entries_PX: torch.Tensor) -> None:
+        """OD-MoE's KV alignment (experts/remote/kv_align.py): the main rank's entries (every layer, its dtype)
+        written over this cache's at each span (request, start, count) it still holds computed; a span of a request
+        whose blocks were taken back is skipped (computed again from its first token, it is aligned at a later
+        pass)."""
+        bs, index, rows, offset = self.pool.block_size, [], [], 0
+        for request_id, start, count in spans:
+            request = self.requests.get(request_id)
+            if request is not None and request.num_computed >= start + count:
+                index.append(slots(request.blocks, start, count, bs))
+                rows.append(torch.arange(offset, offset + count))
+            offset += count
+        if index:
+            write(self.pool.cache, torch.cat(index), entries_PX[torch.cat(rows)])
+            self.aligned += sum(len(i) for i in index)
 
     def _run(self, rows: list[list[int]], ids: list[int]) -> list[_Request]:
         """The pass's rows: each request's tokens so far updated against what it guessed, and what its cache lacks

@@ -3,9 +3,9 @@ each checkpoint with its experts on the other ranks, and writes them to OUT; the
 MOEPAGER_TEST_FAULT=die|hang|stop makes rank 2 (MOEPAGER_TEST_FAULT_RANK) exit, stop answering, or stop (SIGSTOP, as
 `kill -STOP` does) at its third layer call (hang-shadow: the shadow rank, at its third pass); MOEPAGER_TEST_ON_LOSS is
 the run's --on-worker-loss (stop by default), MOEPAGER_TEST_PREDICTOR its --predictor, MOEPAGER_TEST_SHADOW=1 makes
-rank 1 the shadow (--shadow), MOEPAGER_TEST_ALIGN its --align-period, MOEPAGER_TEST_ASSIGN its --worker-assign,
-MOEPAGER_TEST_MAX_SEQS its --max-num-seqs (1: one token a decode pass), MOEPAGER_TEST_LINK_TIMEOUT the links' timeout
-(20 s by default; the layer calls' is 3 s)."""
+rank 1 the shadow (--shadow), MOEPAGER_TEST_ALIGN its --align-period, MOEPAGER_TEST_KV_ALIGN its --kv-align-period,
+MOEPAGER_TEST_ASSIGN its --worker-assign, MOEPAGER_TEST_MAX_SEQS its --max-num-seqs (1: one token a decode pass),
+MOEPAGER_TEST_LINK_TIMEOUT the links' timeout (20 s by default; the layer calls' is 3 s)."""
 
 from __future__ import annotations
 
@@ -73,6 +73,7 @@ def main() -> int:
                               on_worker_loss=os.environ.get("MOEPAGER_TEST_ON_LOSS", "stop"),
                               shadow=bool(os.environ.get("MOEPAGER_TEST_SHADOW")),
                               align_period=int(os.environ.get("MOEPAGER_TEST_ALIGN", "1")),
+                              kv_align_period=int(os.environ.get("MOEPAGER_TEST_KV_ALIGN", "1")),
                               worker_assign=os.environ.get("MOEPAGER_TEST_ASSIGN"))
         scheduler = SchedulerConfig(max_num_seqs=int(os.environ.get("MOEPAGER_TEST_MAX_SEQS", "0"))
                                     or SchedulerConfig().max_num_seqs)

@@ -7,29 +7,45 @@ import sys
 
 import torch
 
-from moepager.experts.remote.protocol import SHADOW_RANK, Pass, send
-from moepager.types import PassInfo
+from moepager.experts.remote.kv_align import KVAligner
+from moepager.experts.remote.protocol import DTYPES, SHADOW_RANK, Pass, send
+from moepager.types import KVCacheHolder, PassInfo
 
 
 class ShadowFeed:
-    """On the main rank: each pass's rows and tokens to the shadow rank before the pass runs (a pass part). A shadow
+    """On the main rank: each pass's rows and tokens to the shadow rank before the pass runs (a pass part), with the
+    KV cache entries computed since (KV alignment, `kv_align_period` > 0, once `bind_kv` gave it the cache). A shadow
     that does not take a pass within twice `timeout_s` (--worker-timeout; its own forecast to a worker that stopped
     answering may hold it up for one timeout), or is gone, is left behind with one line: the run goes on without its
     forecasts, which only load ahead."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, kv_align_period: int = 0):
         self.timeout = datetime.timedelta(seconds=2 * timeout_s)
         self.lost = False
+        self.aligner = KVAligner(kv_align_period) if kv_align_period else None
+        """OD-MoE's KV alignment (experts/remote/kv_align.py); None: off (--kv-align-period 0)."""
+        self.kv: KVCacheHolder | None = None
+        """The engine's KV pool, whose entries the shadow is sent (`bind_kv`, once the engine exists)."""
+
+    def bind_kv(self, pool: KVCacheHolder) -> None:
+        self.kv = pool
 
     def begin_pass(self, info: PassInfo) -> None:
         if self.lost:
             return
         rows = torch.tensor([[r, s, c, phase == "decode"] for r, s, c, phase in
                              zip(info.requests, info.starts, info.counts, info.row_phases)])
-        announced = Pass(len(info.requests), len(info.token_ids_N), info.pass_id)
+        tensors = [rows, info.token_ids_N.to("cpu", torch.long).contiguous()]
+        kv: tuple[int, ...] = ()
+        if self.aligner is not None and self.kv is not None:
+            aligned = self.aligner.payload(info, self.kv)
+            if aligned is not None:
+                spans, entries = aligned
+                kv = (len(spans), len(entries), DTYPES.index(entries.dtype))
+                tensors += [spans, entries]
+        announced = Pass(len(info.requests), len(info.token_ids_N), info.pass_id, *kv)
         try:  # gloo's: host tensors
-            send(announced, [rows, info.token_ids_N.to("cpu", torch.long).contiguous()], SHADOW_RANK, None,
-                 self.timeout)
+            send(announced, tensors, SHADOW_RANK, None, self.timeout)
         except RuntimeError as e:
             self.lost = True
             print(f"shadow rank {SHADOW_RANK} did not take pass {info.pass_id} "

@@ -39,9 +39,10 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """The dtypes a layer call's tensors may have, by their code in a header."""
 PHASES: tuple[Phase, ...] = ("prefill", "decode")
 """A pass's phase by its code in a header."""
-STATS = ("calls", "hits", "misses", "bytes_disk", "loads_ahead", "forecast", "routed")
+STATS = ("calls", "hits", "misses", "bytes_disk", "loads_ahead", "forecast", "routed", "aligned")
 """What a worker answers a stop with (`ExpertWorker.stats`). `forecast`: the routed experts some forecast for their
-pass had named (a shadow's or the main rank's predictor's), of `routed`, every expert the worker computed."""
+pass had named (a shadow's or the main rank's predictor's), of `routed`, every expert the worker computed.
+`aligned`: the shadow's only, the positions of its KV cache the main rank's entries overwrote (KV alignment)."""
 SHADOW_RANK = 1
 """The shadow rank's place in a --shadow run (runtime/shadow.py): rank 0 is the main rank, the workers follow it."""
 WAIT_FOR_WORK = datetime.timedelta(days=365)
@@ -123,12 +124,22 @@ class Prefetch(Message):
 @dataclass(frozen=True)
 class Pass(Message):
     """A pass announced, main rank -> shadow, before the pass runs; then its rows [rows, 4] (request, start, count,
-    decoding) and its token ids [tokens]."""
+    decoding) and its token ids [tokens]; with KV alignment (`kv_tokens` > 0), then the aligned spans [kv_rows, 3]
+    (request, start, count) and every layer's cache entries at those positions side by side [kv_tokens, values per
+    position] in the main rank's cache dtype (`kv_code`; experts/remote/kv_align.py)."""
 
     op: ClassVar[Op] = Op.PASS
     rows: int
     tokens: int
     pass_id: int
+    kv_rows: int = 0
+    kv_tokens: int = 0
+    kv_code: int = 0
+    """The KV entries' dtype (`DTYPES`)."""
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return DTYPES[self.kv_code]
 
 
 @dataclass(frozen=True)

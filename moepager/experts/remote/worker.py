@@ -152,9 +152,10 @@ class ExpertWorker:
         return batch.y_MD.index_select(0, work.rows_of(which)).contiguous()
 
     def stats(self) -> torch.Tensor:
-        """`STATS`: calls, the store's counters (none when resident), forecast hits, routed experts."""
+        """`STATS`: calls, the store's counters (none when resident), forecast hits, routed experts (and no KV
+        alignment: the shadow's)."""
         return torch.cat([torch.tensor([float(self.calls)], dtype=torch.float64), self._carried + self._store_counts(),
-                          torch.tensor([self.forecast_hits, self.routed], dtype=torch.float64)])
+                          torch.tensor([self.forecast_hits, self.routed, 0.0], dtype=torch.float64)])
 
     def _store_counts(self) -> torch.Tensor:
         """This placement's store: hits, misses, bytes read from disk, loads ahead (zeros when resident)."""

@@ -12,7 +12,8 @@ from moepager.experts.remote.protocol import HEADER, MESSAGES, Op, Pass, Place, 
 from moepager.placements.remote import expert_worker
 
 
-@pytest.mark.parametrize("message", [Run(3, 2, 4, 1, 0, 7, 1), Place(3, 2), Prefetch(5, 9), Pass(2, 17, 4), Stop()])
+@pytest.mark.parametrize("message", [Run(3, 2, 4, 1, 0, 7, 1), Place(3, 2), Prefetch(5, 9), Pass(2, 17, 4), Pass(2, 17, 4, 1, 9, 1),
+                                     Stop()])
 def test_every_message_comes_back_as_it_was_sent(message):
     header = message.header()
     assert header.dtype == torch.long and header.shape == (HEADER,)
@@ -24,6 +25,11 @@ def test_every_op_has_one_message_and_an_unknown_op_is_named():
     assert set(MESSAGES) == set(Op)
     with pytest.raises(MoepagerError, match="op 9"):
         decode(torch.tensor([9] + [0] * (HEADER - 1)))
+
+
+def test_a_pass_with_kv_alignment_says_its_entries_dtype():
+    assert decode(Pass(1, 1, 3, 2, 9, 1).header()).kv_dtype == torch.bfloat16  # type: ignore[attr-defined]
+    assert Pass(1, 1, 3).kv_tokens == 0  # no KV alignment: nothing follows the tokens
 
 
 def test_a_layer_call_carries_the_dtypes_pass_and_phase():
