@@ -4,18 +4,20 @@ same total expert memory, and how well an int8 shadow of the model would predict
 Part 1, measured (processes as nodes on this machine, one torch thread each, gloo): the built-in model decodes
 `--prompts` prompts of the demo validation text (`--tokens` each, greedy) in one process with `--expert-memory B`,
 then as a main rank with 2 and 4 workers, each worker's cache `--worker-memory B` of its own experts (so the same
-total), read from the checkpoint on demand; then 2 workers loading ahead what the main rank's `--predictor`
-forecasts (OD-MoE without a shadow rank), and 2 workers with a shadow rank (`--shadow`: the int8 copy computing each
-pass as it is announced and sending each layer's routing to the workers), and the same running `--align-period` - 1
-passes ahead on its own greedy tokens. Per run: decode tok/s, TPOT, expert bytes
-read per output token, the workers' hit rate, the share of routed experts a forecast had named, and whether the
-tokens equal the single process's.
+total), read from the checkpoint on demand (a prompt's layer calls spread over every worker, OD-MoE's prefill; with
+more than 2 workers also on each layer's group only, `--worker-prefill group`); then 2 workers loading ahead what the
+main rank's `--predictor` forecasts (OD-MoE without a shadow rank), and 2 workers with a shadow rank (`--shadow`: the
+int8 copy computing each pass as it is announced and sending each layer's routing to the workers), the same without
+KV alignment, and running `--align-period` - 1 passes ahead on its own greedy tokens. Per run: TTFT, decode tok/s,
+TPOT, expert bytes read per output token, the workers' hit rate, the share of routed experts a forecast had named,
+and whether the tokens equal the single process's.
 Part 3, modeled (planning/od_moe.py, OD-MoE §2.3-2.4): 2, 4, 8 and 16 workers on the Mixtral-8x7B decode traces with
 the paper's nodes and links, without a shadow and with the paper's and our measured int8 recall, against every expert
 in one GPU's memory.
 Part 2, OD-MoE's shadow model: the built-in model with int8 experts and int8 dense projections (the shadow) run over
 the same tokens as the full model (teacher-forced: the validation documents), and per MoE layer the recall of the
 full model's top-k in the shadow's top-k (OD-MoE reports 97.34% for INT8).
+Part 2b, the same shadow decoding with its KV cache aligned every K passes (`shadow_recall_kv`).
 
     python -m benchmarks.workers [--budget 25%] [--workers 2 4] [--prompts 4] [--tokens 24]
 """
@@ -64,6 +66,7 @@ def arguments() -> argparse.ArgumentParser:
                         "run)")
     p.add_argument("--rank-align", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--rank-kv-align", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--rank-prefill", default=None, help=argparse.SUPPRESS)
     p.add_argument("--kv-tokens", type=int, default=48,
                    help="part 2b: teacher-forced decode passes per document after its prompt")
     return p
@@ -84,7 +87,7 @@ def generate(config: EngineConfig, args: argparse.Namespace, links: Links | None
     decoded = s.generated_tokens - s.num_prompts
     experts = s.sections["experts"].to_dict()
     moved = sum(experts.get(p, {}).get("bytes_disk", 0) for p in ("prefill", "decode"))
-    return {"tokens": [c.token_ids for c in out], "decode_tok_s": decoded / s.decode_s,
+    return {"tokens": [c.token_ids for c in out], "decode_tok_s": decoded / s.decode_s, "ttft_ms": 1e3 * s.ttft_s,
             "tpot_ms": 1e3 * s.tpot_median_s, "generated": s.generated_tokens, "bytes_disk": moved,
             "hit_rate": experts.get("decode", {}).get("hit_rate")}
 
@@ -96,7 +99,8 @@ def rank_main(args: argparse.Namespace) -> int:
 
     config = EngineConfig(threads=1, prefetch=PrefetchConfig(args.rank_predictor or None),
                           remote=RemoteConfig(workers=1, worker_memory=args.budget, shadow=args.rank_shadow,
-                                              align_period=args.rank_align, kv_align_period=args.rank_kv_align))
+                                              align_period=args.rank_align, kv_align_period=args.rank_kv_align,
+                                              worker_prefill=args.rank_prefill))
 
     def main(cfg: EngineConfig, links: Links) -> int:
         row = generate(cfg, args, links)
@@ -111,20 +115,23 @@ def measured(args: argparse.Namespace) -> list[dict]:
     torch.set_num_threads(1)
     rows = [{"run": "1 process"} | generate(EngineConfig(threads=1, store=StoreConfig(expert_memory=args.budget)),
                                             args)]
-    runs = [(w, None) for w in args.workers] + ([(2, args.predictor)] if args.predictor else []) + \
+    runs = [(w, None) for w in args.workers] + [(w, "group") for w in args.workers if w > 2] + \
+        ([(2, args.predictor)] if args.predictor else []) + \
         ([(2, "shadow"), (2, "shadow 1 0")] if not args.no_shadow else []) + \
         ([(2, f"shadow {args.align_period}")] if not args.no_shadow and args.align_period > 1 else [])
     for workers, predictor in runs:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "row.json"
             shadow = predictor is not None and predictor.startswith("shadow")
+            grouped = predictor == "group"  # a prompt's calls on each layer's group only (--worker-prefill group)
+            predictor = None if grouped else predictor
             words = predictor.split() if shadow else []
             align, kv = int(words[1]) if len(words) > 1 else 1, int(words[2]) if len(words) > 2 else 1
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                    str(workers + 1 + shadow), "-m", "benchmarks.workers", "--budget", args.budget, "--prompts",
                    str(args.prompts), "--tokens", str(args.tokens), "--rank-out", str(out)] + \
                 (["--rank-shadow", "--rank-align", str(align), "--rank-kv-align", str(kv)] if shadow else
-                 ["--rank-predictor", predictor] if predictor else [])
+                 ["--rank-predictor", predictor] if predictor else ["--rank-prefill", "group"] if grouped else [])
             t0 = time.perf_counter()
             run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             if run.returncode != 0:
@@ -136,7 +143,8 @@ def measured(args: argparse.Namespace) -> list[dict]:
         ahead = f" running {align - 1} passes ahead (--align-period {align})" if align > 1 else ""
         ahead += ", its KV cache never realigned (--kv-align-period 0)" if shadow and not kv else ""
         row |= {"run": f"{workers} workers" + (f", a shadow rank{ahead}" if shadow else f", {predictor} prefetch"
-                                                if predictor else ""),
+                                                if predictor else ", prompts on each layer's group (--worker-prefill "
+                                                "group)" if grouped else ""),
                 "forecast_recall": sum(w["forecast"] for w in stats) / routed if routed and (shadow or predictor)
                 else None,
                 "bytes_disk": sum(w["bytes_disk"] for w in stats),
@@ -322,9 +330,9 @@ def main() -> None:
     rows = measured(args)
     print(f"built-in model, expert memory {args.budget} in all, {args.prompts} prompts x {args.tokens} tokens, "
           "one thread a process:")
-    print_table(["run", "decode tok/s", "x 1 process", "TPOT ms", "MiB read / token", "hit %", "forecast named %",
-                 "same tokens"],
-                [[r["run"], r["decode_tok_s"], r["vs_1_process"], r["tpot_ms"], r["MiB_per_token"],
+    print_table(["run", "TTFT ms", "decode tok/s", "x 1 process", "TPOT ms", "MiB read / token", "hit %",
+                 "forecast named %", "same tokens"],
+                [[r["run"], r["ttft_ms"], r["decode_tok_s"], r["vs_1_process"], r["tpot_ms"], r["MiB_per_token"],
                   100 * (r["hit_rate"] or 0),
                   "-" if r.get("forecast_recall") is None else 100 * r["forecast_recall"], r["same_tokens"]]
                  for r in rows])

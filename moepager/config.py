@@ -22,6 +22,8 @@ WorkerLoss = Literal["stop", "failover"]
 """`--on-worker-loss` choices (experts/remote/executor.py)."""
 WorkerAssign = Literal["one-to-one", "fixed"]
 WORKER_ASSIGNS: tuple[WorkerAssign, ...] = ("one-to-one", "fixed")
+WorkerPrefill = Literal["spread", "group"]
+WORKER_PREFILLS: tuple[WorkerPrefill, ...] = ("spread", "group")
 """`--worker-assign` choices: how a layer call's experts go to its group's workers (experts/remote/placement.py)."""
 Execution = Literal["gpu", "hybrid", "cpu-experts", "auto"]
 HybridPrefill = Literal["ping-pong", "cache"]
@@ -328,6 +330,11 @@ class RemoteConfig:
     no worker takes more than ceil(n / G) of a call's n experts; resident workers hold their group's layers whole),
     "fixed" (each expert on its home worker only). None: one-to-one with --worker-memory (paging workers read any
     expert at no extra memory), fixed without (G times less RAM than one-to-one's copies)."""
+    worker_prefill: WorkerPrefill | None = None
+    """Which workers compute a prefill pass's layer calls (experts/remote/placement.py): "spread" (OD-MoE §2.7: worker
+    i of the W computes expert e of every layer where e mod W = i, so every worker takes part in every layer, not only
+    the layer's group) or "group" (as decode passes: the layer's group). None: spread with --worker-memory (a paging
+    worker reads what it is asked for), group without (spread would make resident workers hold a second share)."""
     shadow: bool = False
     """--workers: one more process runs the model's int8 copy on the main process's passes and sends each layer's
     routing to the workers as forecasts to load ahead (OD-MoE's shadow model)."""
@@ -373,11 +380,21 @@ class RemoteConfig:
             raise MoepagerError(f"--worker-assign must be {' or '.join(WORKER_ASSIGNS)}, got '{self.worker_assign}'")
         if self.worker_assign is not None and not self.workers:
             raise MoepagerError("--worker-assign places the worker processes' experts: add --workers N")
+        if self.worker_prefill is not None and self.worker_prefill not in WORKER_PREFILLS:
+            raise MoepagerError(f"--worker-prefill must be {' or '.join(WORKER_PREFILLS)}, got "
+                                f"'{self.worker_prefill}'")
+        if self.worker_prefill is not None and not self.workers:
+            raise MoepagerError("--worker-prefill places the worker processes' prefill work: add --workers N")
 
     @property
     def assign(self) -> WorkerAssign:
         """`worker_assign`, or its default: one-to-one for paging workers, fixed for resident ones."""
         return self.worker_assign or ("one-to-one" if self.worker_memory is not None else "fixed")
+
+    @property
+    def prefill(self) -> WorkerPrefill:
+        """`worker_prefill`, or its default: spread for paging workers, group for resident ones."""
+        return self.worker_prefill or ("spread" if self.worker_memory is not None else "group")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from moepager.config import (
     INT4_GROUPS,
     KERNELS,
     WORKER_ASSIGNS,
+    WORKER_PREFILLS,
     Budget,
     EngineConfig,
     ExpertFormat,
@@ -186,6 +187,10 @@ def add_execution_arguments(p: argparse.ArgumentParser) -> None:
                         "none takes more than its share, so at one token no two share a worker; resident workers "
                         "then hold their group's layers whole) or fixed (each expert on one worker only); default "
                         "one-to-one with --worker-memory, fixed without")
+    w.add_argument("--worker-prefill", choices=WORKER_PREFILLS,
+                   help="--workers: who computes a prompt's layer calls: spread (OD-MoE's: expert e of every layer on "
+                        "worker e mod N, so all N workers compute every layer) or group (the layer's group, as in "
+                        "decode); default spread with --worker-memory, group without")
     w.add_argument("--shadow", action="store_true",
                    help="--workers: one more process runs the model's int8 copy on each pass as it starts and sends "
                         "every layer's routing to the workers to load ahead (OD-MoE's shadow model)")
@@ -230,7 +235,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                             worker_timeout_s=args.worker_timeout, worker_memory=args.worker_memory,
                                             on_worker_loss=args.on_worker_loss, shadow=args.shadow,
                                             align_period=args.align_period,
-                                            kv_align_period=args.kv_align_period, worker_assign=args.worker_assign))
+                                            kv_align_period=args.kv_align_period, worker_assign=args.worker_assign,
+                                            worker_prefill=args.worker_prefill))
 
 
 def add_store_arguments(p: argparse.ArgumentParser) -> None:

@@ -51,7 +51,8 @@ def placement(config: EngineConfig, cfg: ModelConfig) -> Placement:
                           f"{processes} -m moepager.distributed generate ...`")
     first = 2 if config.remote.shadow else 1  # rank 1 is the shadow's
     return Placement(tuple(range(first, first + config.remote.workers)),
-                     config.remote.worker_group or min(cfg.top_k, config.remote.workers), config.remote.assign)
+                     config.remote.worker_group or min(cfg.top_k, config.remote.workers), config.remote.assign,
+                     config.remote.prefill)
 
 
 def remote_executor(config: EngineConfig, reader: FlatReader, cfg: ModelConfig, links: Links) -> RemoteExecutor:
@@ -75,10 +76,14 @@ def expert_worker(config: EngineConfig, path: Path, rank: int, links: Links,
     fused = cpu_kernels.fused_experts(shape, cpu, kernel)
 
     def hold(owned: Sequence[tuple[int, int]], holds: Sequence[tuple[int, int]]) -> Holding:
-        """Paged: a store over the checkpoint with a cache sized against its home share (`owned`); resident: every
-        expert it may be asked for (`holds`) read into one arena."""
+        """Paged: a store over the checkpoint with a cache sized against its home share (`owned`; a worker whose group
+        serves no layer, more groups than MoE layers, against what a spread prefill asks of it); resident: every
+        expert it may be asked for (`holds`) read into one arena. Nothing for a worker that is asked for nothing."""
+        if not holds:
+            return None, None
         if config.remote.worker_memory is not None:
-            slots = Budget.parse(config.remote.worker_memory, "--worker-memory").slots(shape.nbytes, len(owned))
+            share = len(owned) or len(holds)
+            slots = Budget.parse(config.remote.worker_memory, "--worker-memory").slots(shape.nbytes, share)
             check_slots(slots, cfg.top_k, shape.nbytes, "--worker-memory", config.remote.worker_memory)
             store_config = StoreConfig(expert_memory=str(slots * shape.nbytes + read_buffer_bytes(reader, 4)),
                                        scope="global", policy=config.store.policy, warm=False)

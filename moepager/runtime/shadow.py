@@ -38,7 +38,7 @@ from moepager.runtime.kv_pool import KVBlockPool
 from moepager.runtime.runner import ModelRunner
 from moepager.runtime.sampling import greedy_picks
 from moepager.runtime.scheduler import Scheduled
-from moepager.types import RoutingDecision
+from moepager.types import Phase, RoutingDecision
 
 
 @dataclass
@@ -91,6 +91,8 @@ class Shadow:
         """Tokens guessed that the main rank then sent, those guessed right, and passes computed ahead."""
         self.aligned = 0
         """Positions of its cache the main rank's KV entries overwrote (KV alignment)."""
+        self.phase: Phase = "prefill"
+        """The phase of the main rank's pass it computes (its forecasts go to the workers that pass's calls reach)."""
 
     # -- the routing observer: each layer's top-k, to the workers that hold those experts -----------------------
     def stage(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> Sequence[torch.Tensor]:
@@ -100,7 +102,9 @@ class Shadow:
         assert route.ids_host_TK is not None
         position = self.position[layer]
         experts = sorted(set(route.ids_host_TK.flatten().tolist()))
-        send_forecasts(self.placement.ranks_of, [(position, e) for e in experts], self.pass_id, self.links.forecasts_of)
+        placement, phase = self.placement, self.phase
+        send_forecasts(lambda p, es: placement.ranks_of(p, es, phase), [(position, e) for e in experts], self.pass_id,
+                       self.links.forecasts_of)
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def serve(self) -> int:
@@ -129,6 +133,7 @@ class Shadow:
                 self.align(spans.tolist(), entries)
             pass_id = message.pass_id
             self.pass_id = self.told = pass_id
+            self.phase = "decode" if all(row[3] for row in rows.tolist()) else "prefill"  # the main rank's
             told = self._run(rows.tolist(), ids.tolist())
             self.passes += 1
             for step in range(1, self.ahead + 1):
@@ -216,7 +221,7 @@ class Shadow:
             else:
                 request.ids.pop()
         if scheduled:
-            self.pass_id = pass_id
+            self.pass_id, self.phase = pass_id, "decode"
             self._compute(scheduled)
             self.passes_ahead += 1
 

@@ -277,6 +277,7 @@ def test_export_gguf_never_replaces_a_file_without_force(tiny, tmp_path, capsys)
     (["generate", "--model", "{tiny}", "hi", "--on-worker-loss", "failover"], "add --workers N"),
     (["generate", "--model", "{tiny}", "hi", "--workers", "1", "--shadow", "--kv-align-period", "-1"],
      "shadow's KV cache is realigned"),
+    (["generate", "--model", "{tiny}", "hi", "--worker-prefill", "spread"], "add --workers N"),
     (["generate", "--model", "{tiny}", "hi", "--workers", "1", "--worker-timeout", "0"],
      "--worker-timeout must be a number of seconds in (0, 86400], got 0.0"),
     (["make-model", "--preset", "tiny", "--arch", "olmoe", "--seed", str(10**23), "--out", "{out}"],

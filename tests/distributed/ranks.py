@@ -4,8 +4,9 @@ MOEPAGER_TEST_FAULT=die|hang|stop makes rank 2 (MOEPAGER_TEST_FAULT_RANK) exit, 
 `kill -STOP` does) at its third layer call (hang-shadow: the shadow rank, at its third pass); MOEPAGER_TEST_ON_LOSS is
 the run's --on-worker-loss (stop by default), MOEPAGER_TEST_PREDICTOR its --predictor, MOEPAGER_TEST_SHADOW=1 makes
 rank 1 the shadow (--shadow), MOEPAGER_TEST_ALIGN its --align-period, MOEPAGER_TEST_KV_ALIGN its --kv-align-period,
-MOEPAGER_TEST_ASSIGN its --worker-assign, MOEPAGER_TEST_MAX_SEQS its --max-num-seqs (1: one token a decode pass),
-MOEPAGER_TEST_LINK_TIMEOUT the links' timeout (20 s by default; the layer calls' is 3 s)."""
+MOEPAGER_TEST_ASSIGN its --worker-assign, MOEPAGER_TEST_PREFILL its --worker-prefill, MOEPAGER_TEST_MAX_SEQS its
+--max-num-seqs (1: one token a decode pass), MOEPAGER_TEST_LINK_TIMEOUT the links' timeout (20 s by default; the layer
+calls' is 3 s)."""
 
 from __future__ import annotations
 
@@ -74,7 +75,8 @@ def main() -> int:
                               shadow=bool(os.environ.get("MOEPAGER_TEST_SHADOW")),
                               align_period=int(os.environ.get("MOEPAGER_TEST_ALIGN", "1")),
                               kv_align_period=int(os.environ.get("MOEPAGER_TEST_KV_ALIGN", "1")),
-                              worker_assign=os.environ.get("MOEPAGER_TEST_ASSIGN"))
+                              worker_assign=os.environ.get("MOEPAGER_TEST_ASSIGN"),
+                              worker_prefill=os.environ.get("MOEPAGER_TEST_PREFILL"))
         scheduler = SchedulerConfig(max_num_seqs=int(os.environ.get("MOEPAGER_TEST_MAX_SEQS", "0"))
                                     or SchedulerConfig().max_num_seqs)
         config = EngineConfig(model=path, threads=1, prefetch=PrefetchConfig(os.environ.get("MOEPAGER_TEST_PREDICTOR")),

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from moepager.cli.launch import spawn_ranks
-from moepager.config import EngineConfig, RemoteConfig
+from moepager.config import WORKER_PREFILLS, EngineConfig, RemoteConfig
 from moepager.errors import MoepagerError
 from moepager.experts.remote.placement import Placement
+from moepager.experts.remote.protocol import Place, decode
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from tests.conftest import ARCHS
@@ -97,6 +98,43 @@ def test_one_to_one_gives_no_worker_more_than_its_share_of_a_call_and_keeps_expe
     assert Placement.of(2, 2, "fixed").holds(1, 3, 4) == Placement.of(2, 2).owned(1, 3, 4)
     with pytest.raises(MoepagerError, match="one-to-one or fixed"):
         Placement.of(2, 2, "random")  # type: ignore[arg-type]
+
+
+def test_a_spread_prefill_gives_worker_i_the_experts_i_mod_w_of_every_layer():
+    """OD-MoE §2.7: in a prefill pass expert e of any layer goes to worker e mod W of all W workers (decode calls keep
+    to the layer's group); a resident worker holds that share besides its decode one; failover and the wire keep it."""
+    spread = Placement.of(3, 1, prefill="spread")
+    for position in range(4):
+        assert spread.ranks_of(position, list(range(8)), "prefill") == [1, 2, 3, 1, 2, 3, 1, 2]
+        assert spread.ranks_of(position, [0, 5], "decode") == Placement.of(3, 1).ranks_of(position, [0, 5])
+    grouped = Placement.of(3, 1)
+    assert grouped.ranks_of(1, [0, 5], "prefill") == grouped.ranks_of(1, [0, 5]) == [2, 2]
+    decode_share = set(Placement.of(3, 1).holds(3, 4, 8))
+    held = spread.holds(3, 4, 8)
+    assert set(held) == decode_share | {(p, e) for p in range(4) for e in (2, 5)} and held == sorted(held)
+    left = spread.without({2})
+    assert left.prefill == "spread" and left.ranks_of(0, [0, 1, 2], "prefill") == [1, 3, 1]
+    header = decode(Place(3, 1, 0, WORKER_PREFILLS.index("spread")).header())
+    assert isinstance(header, Place) and WORKER_PREFILLS[header.prefill_code] == "spread"
+    with pytest.raises(MoepagerError, match="spread or group"):
+        Placement.of(2, 2, prefill="all")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("prefill, memory", [(None, "100%"), (None, None), ("spread", None)],
+                         ids=["spread-paged-by-default", "group-resident-by-default", "spread-resident"])
+def test_a_spread_prefill_puts_every_worker_to_work_on_a_prompt_and_changes_no_token(hf_checkpoint, tmp_path,
+                                                                                      prefill, memory):
+    """Three workers in groups of one on a model of two MoE layers: decode calls reach workers 1 and 2 only (a layer's
+    group), and with a spread prefill worker 3 computes its share of every layer of each prompt (expert e mod 3 = 2);
+    with the layer's group only, it computes nothing. Paging workers spread by default (worker 3's cache is measured
+    against that share: it has no home experts), resident ones keep to the group. The tokens are the single
+    process's."""
+    path = str(hf_checkpoint("deepseek_v2")[1])
+    env = {k: v for k, v in (("MOEPAGER_TEST_PREFILL", prefill), ("MOEPAGER_TEST_WORKER_MEMORY", memory)) if v}
+    got = ranks(tmp_path, 4, 1, path, env=env)
+    workers = got[path + " workers"]
+    assert workers[0]["calls"] > 0 and workers[1]["calls"] > 0
+    assert (workers[2]["calls"] > 0) == (prefill == "spread" or memory is not None), workers
 
 
 @pytest.mark.parametrize("assign, memory", [("one-to-one", None), ("fixed", None), (None, "60%")],

@@ -70,14 +70,15 @@ class RemoteExecutor:
         """Workers lost and failed over, in order."""
         self.calls, self.crowded = 0, 0
         """Layer calls made, and those in which one worker was given more than its share, ceil(n / G), of the call's
-        n experts (none with one-to-one assignment; two that share a home worker with fixed)."""
+        n experts (none with one-to-one assignment; two that share a home worker with fixed); a spread prefill's calls
+        are not judged (their experts go to workers by residue, OD-MoE's scheme)."""
         self.pass_id = 0
         self.phase: Phase = "prefill"
         """The main rank's pass and its phase (`begin_pass`): every layer call's header carries them."""
         self.priority = priority
         """How the prefetcher ranks queued forecasts (the builder's prefetch policy's rule; `StoreView`)."""
         self.compute_note = (fused.note + ", " if fused is not None else "") + \
-            f"on {placement.workers} worker processes ({placement.assign} assignment)"
+            f"on {placement.workers} worker processes ({placement.assign} assignment, {placement.prefill} prefill)"
         self.store = None
 
     def run(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision) -> torch.Tensor:
@@ -98,10 +99,11 @@ class RemoteExecutor:
         n, k = route.ids_TK.shape
         position, placement = self.position[layer], self.placement
         by_rank: dict[int, list[int]] = {}
-        for i, rank in enumerate(placement.ranks_of(position, work.experts)):
+        for i, rank in enumerate(placement.ranks_of(position, work.experts, self.phase)):
             by_rank.setdefault(rank, []).append(i)
         self.calls += 1
-        self.crowded += max(map(len, by_rank.values()), default=0) > placement.share(len(work.experts))
+        if self.phase == "decode" or placement.prefill == "group":  # (a spread prefill's go by residue mod W)
+            self.crowded += max(map(len, by_rank.values()), default=0) > placement.share(len(work.experts))
         x = x_ND.contiguous()
         ids, weights = route.ids_TK.contiguous(), route.weights_TK.contiguous()
         header = Run.of(position, x, weights, self.pass_id, self.phase).header()
@@ -196,7 +198,8 @@ class RemoteExecutor:
         (workers that page: `--worker-memory`); returns the loads asked for."""
         pairs = [(self.position[layer], e) for layer, e in list(wanted)[:limit]]
         # matched to this pass's calls or later
-        send_forecasts(self.placement.ranks_of, pairs, self.pass_id, self.links.of)
+        placement, phase = self.placement, self.phase
+        send_forecasts(lambda p, es: placement.ranks_of(p, es, phase), pairs, self.pass_id, self.links.of)
         return len(pairs)
 
     def begin_pass(self, info: PassInfo) -> None:

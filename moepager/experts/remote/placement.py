@@ -13,7 +13,13 @@ computes a layer call's experts (`assign`):
 - "fixed": every expert on its home worker (each expert in one worker's RAM, G times less than one-to-one's); two of
   a call's experts with the same home wait on one worker (42.3% of Mixtral's decode calls at G = top-k = 2, audit
   2026-12-01).
-Both sides compute the assignment from the call itself (`ranks_of`), so nothing about it goes on the wire.
+Both sides compute the assignment from the call itself and its pass's phase (`ranks_of`), so nothing about it goes on
+the wire. A prefill pass's calls (`prefill`):
+- "spread" (OD-MoE §2.7, "worker i handles expert i of every layer"): expert e of any layer goes to worker e mod W of
+  all W workers, so every worker computes in every layer of a prompt, where a decode call keeps to its layer's group
+  of G. A prompt's tokens route to nearly every expert, so a layer's work is split W ways instead of G. Paging workers
+  read what they are asked for; resident ones then also hold that share (`holds`).
+- "group": as decode calls.
 
 `Links`: each worker talks to the main rank (and a shadow rank's forecasts) on a process group of its own: gloo ends
 every connection of a group in which an operation timed out, so a worker that stops answering takes its own link down
@@ -29,9 +35,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from moepager.config import WORKER_ASSIGNS, WorkerAssign
+from moepager.config import WORKER_ASSIGNS, WORKER_PREFILLS, WorkerAssign, WorkerPrefill
 from moepager.errors import MoepagerError, Unavailable
 from moepager.experts.remote.protocol import Place, send
+from moepager.types import Phase
 
 
 @dataclass(frozen=True)
@@ -85,17 +92,22 @@ class Placement:
     ranks: tuple[int, ...]
     group_size: int
     assign: WorkerAssign = "one-to-one"
+    prefill: WorkerPrefill = "group"
+    """Who computes a prefill pass's calls (module note)."""
 
     def __post_init__(self) -> None:
         if not self.ranks or not 1 <= self.group_size <= len(self.ranks):
             raise MoepagerError(f"a worker group of {self.group_size} needs 1 to {len(self.ranks)} workers")
         if self.assign not in WORKER_ASSIGNS:
             raise MoepagerError(f"worker assignment '{self.assign}': choose {' or '.join(WORKER_ASSIGNS)}")
+        if self.prefill not in WORKER_PREFILLS:
+            raise MoepagerError(f"worker prefill '{self.prefill}': choose {' or '.join(WORKER_PREFILLS)}")
 
     @classmethod
-    def of(cls, workers: int, group_size: int, assign: WorkerAssign = "one-to-one") -> Placement:
+    def of(cls, workers: int, group_size: int, assign: WorkerAssign = "one-to-one",
+           prefill: WorkerPrefill = "group") -> Placement:
         """Workers 1..`workers`."""
-        return cls(tuple(range(1, workers + 1)), group_size, assign)
+        return cls(tuple(range(1, workers + 1)), group_size, assign, prefill)
 
     @property
     def workers(self) -> int:
@@ -118,8 +130,11 @@ class Placement:
         """ceil(n / G): the most of a call's n experts one-to-one assignment gives a worker."""
         return -(-n // self.group_size)
 
-    def ranks_of(self, position: int, experts: Sequence[int]) -> list[int]:
-        """The worker that computes each of a layer call's distinct `experts` (ascending), by `assign` (module note)."""
+    def ranks_of(self, position: int, experts: Sequence[int], phase: Phase = "decode") -> list[int]:
+        """The worker that computes each of a layer call's distinct `experts` (ascending) in a pass of `phase`, by
+        `assign`, or in a prefill pass by `prefill` (module note)."""
+        if phase == "prefill" and self.prefill == "spread":
+            return [self.ranks[e % self.workers] for e in experts]
         if self.assign == "fixed":
             return [self.rank(position, e) for e in experts]
         group, size = self.group(position), self.group_size
@@ -142,24 +157,30 @@ class Placement:
 
     def holds(self, rank: int, num_layers: int, num_experts: int) -> list[tuple[int, int]]:
         """(layer position, expert) pairs `rank` may be asked to compute, in order: its home share ("fixed"), or every
-        expert of the layers its group serves ("one-to-one")."""
+        expert of the layers its group serves ("one-to-one"); with spread prefill also expert e of every layer where
+        e mod W is its place among the workers."""
         if self.assign == "fixed":
-            return self.owned(rank, num_layers, num_experts)
-        return [(p, e) for p in range(num_layers) if rank in self.group(p) for e in range(num_experts)]
+            decode = set(self.owned(rank, num_layers, num_experts))
+        else:
+            decode = {(p, e) for p in range(num_layers) if rank in self.group(p) for e in range(num_experts)}
+        i = self.ranks.index(rank)
+        return [(p, e) for p in range(num_layers) for e in range(num_experts) if (p, e) in decode or (
+            self.prefill == "spread" and e % self.workers == i)]
 
     def without(self, lost: set[int]) -> Placement:
         """The placement over the workers left (groups no larger than they are)."""
         ranks = tuple(r for r in self.ranks if r not in lost)
         if not ranks:
             raise WorkerLost(f"every worker is lost (ranks {', '.join(map(str, sorted(lost)))})")
-        return Placement(ranks, min(self.group_size, len(ranks)), self.assign)
+        return Placement(ranks, min(self.group_size, len(ranks)), self.assign, self.prefill)
 
 
 def send_placement(placement: Placement, rank: int, group: dist.ProcessGroup | None,
                    timeout: datetime.timedelta) -> None:
     """`Place`: the workers left (their count, group size and assignment, then their ranks), to `rank` on `group`,
     each send taken within `timeout`."""
-    send(Place(len(placement.ranks), placement.group_size, WORKER_ASSIGNS.index(placement.assign)),
+    send(Place(len(placement.ranks), placement.group_size, WORKER_ASSIGNS.index(placement.assign),
+               WORKER_PREFILLS.index(placement.prefill)),
          [torch.tensor(placement.ranks)], rank, group, timeout)
 
 
@@ -167,4 +188,5 @@ def recv_placement(message: Place, group: dist.ProcessGroup | None = None) -> Pl
     """The ranks after a `Place` header from the main rank."""
     ranks = torch.empty(message.workers, dtype=torch.long)
     dist.recv(ranks, 0, group=group)
-    return Placement(tuple(ranks.tolist()), message.group_size, WORKER_ASSIGNS[message.assign_code])
+    return Placement(tuple(ranks.tolist()), message.group_size, WORKER_ASSIGNS[message.assign_code],
+                     WORKER_PREFILLS[message.prefill_code])

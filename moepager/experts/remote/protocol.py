@@ -109,6 +109,8 @@ class Place(Message):
     group_size: int
     assign_code: int = 0
     """How a call's experts go to the group's workers (`config.WORKER_ASSIGNS`)."""
+    prefill_code: int = 0
+    """Who computes a prefill pass's calls (`config.WORKER_PREFILLS`)."""
 
 
 @dataclass(frozen=True)

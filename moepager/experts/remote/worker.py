@@ -128,7 +128,7 @@ class ExpertWorker:
         counts the call in the main rank's pass (its policy's clock) and phase, both from the header."""
         position, pass_id = call.position, call.pass_id
         work = sort_by_expert(x_ND, RoutingDecision(ids_NK, weights_NK, weights_NK, ids_NK))
-        ranks = self.placement.ranks_of(position, work.experts)  # as the main rank assigned them
+        ranks = self.placement.ranks_of(position, work.experts, call.phase)  # as the main rank assigned them
         which = [i for i, r in enumerate(ranks) if r == self.rank]
         named: set[int] = set()
         for key in [key for key in self.forecasts if key[1] == position and key[0] <= pass_id]:

@@ -12,8 +12,8 @@ from moepager.experts.remote.protocol import HEADER, MESSAGES, Op, Pass, Place, 
 from moepager.placements.remote import expert_worker
 
 
-@pytest.mark.parametrize("message", [Run(3, 2, 4, 1, 0, 7, 1), Place(3, 2), Prefetch(5, 9), Pass(2, 17, 4), Pass(2, 17, 4, 1, 9, 1),
-                                     Stop()])
+@pytest.mark.parametrize("message", [Run(3, 2, 4, 1, 0, 7, 1), Place(3, 2), Place(3, 2, 1, 1), Prefetch(5, 9),
+                                     Pass(2, 17, 4), Pass(2, 17, 4, 1, 9, 1), Stop()])
 def test_every_message_comes_back_as_it_was_sent(message):
     header = message.header()
     assert header.dtype == torch.long and header.shape == (HEADER,)
