@@ -2,15 +2,15 @@
 same total expert memory, and how well an int8 shadow of the model would predict its routing.
 
 Part 1, measured (processes as nodes on this machine, one torch thread each, gloo): the built-in model decodes
-`--prompts` prompts of the demo validation text (`--tokens` each, greedy) in one process with `--expert-memory B`,
-then as a main rank with 2 and 4 workers, each worker's cache `--worker-memory B` of its own experts (so the same
-total), read from the checkpoint on demand (a prompt's layer calls spread over every worker, OD-MoE's prefill; with
-more than 2 workers also on each layer's group only, `--worker-prefill group`); then 2 workers loading ahead what the
-main rank's `--predictor` forecasts (OD-MoE without a shadow rank), and 2 workers with a shadow rank (`--shadow`: the
-int8 copy computing each pass as it is announced and sending each layer's routing to the workers), the same without
-KV alignment, and running `--align-period` - 1 passes ahead on its own greedy tokens. Per run: TTFT, decode tok/s,
-TPOT, expert bytes read per output token, the workers' hit rate, the share of routed experts a forecast had named,
-and whether the tokens equal the single process's.
+`--prompts` prompts of the demo validation text (`--tokens` each, greedy) in one process with `--expert-memory B`, then
+as a main rank with 2 and 4 workers, each worker's cache `--worker-memory B` of its own experts (so the same total),
+read from the checkpoint on demand (a prompt's layer calls spread over every worker, OD-MoE's prefill; with more than 2
+workers also on each layer's group only, `--worker-prefill group`); then 2 workers loading ahead what the main rank's
+`--predictor` forecasts (OD-MoE without a shadow rank), and 2 workers with a shadow rank (`--shadow`: the int8 copy
+computing each pass as it is announced and sending each layer's routing to the workers), the same with KV alignment
+every pass, and running `--align-period` - 1 passes ahead on its own greedy tokens. Per run: TTFT, decode tok/s, TPOT,
+expert bytes read per output token, the workers' hit rate, the share of routed experts a forecast had named, and whether
+the tokens equal the single process's.
 Part 3, modeled (planning/od_moe.py, OD-MoE §2.3-2.4): 2, 4, 8 and 16 workers on the Mixtral-8x7B decode traces with
 the paper's nodes and links, without a shadow and with the paper's and our measured int8 recall, against every expert
 in one GPU's memory.
@@ -65,7 +65,7 @@ def arguments() -> argparse.ArgumentParser:
                    help="the second shadow run's --align-period: it runs that many passes ahead, less one (1: no such "
                         "run)")
     p.add_argument("--rank-align", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--rank-kv-align", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--rank-kv-align", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--rank-prefill", default=None, help=argparse.SUPPRESS)
     p.add_argument("--kv-tokens", type=int, default=48,
                    help="part 2b: teacher-forced decode passes per document after its prompt")
@@ -117,7 +117,7 @@ def measured(args: argparse.Namespace) -> list[dict]:
                                             args)]
     runs = [(w, None) for w in args.workers] + [(w, "group") for w in args.workers if w > 2] + \
         ([(2, args.predictor)] if args.predictor else []) + \
-        ([(2, "shadow"), (2, "shadow 1 0")] if not args.no_shadow else []) + \
+        ([(2, "shadow"), (2, "shadow 1 1")] if not args.no_shadow else []) + \
         ([(2, f"shadow {args.align_period}")] if not args.no_shadow and args.align_period > 1 else [])
     for workers, predictor in runs:
         with tempfile.TemporaryDirectory() as tmp:
@@ -126,7 +126,7 @@ def measured(args: argparse.Namespace) -> list[dict]:
             grouped = predictor == "group"  # a prompt's calls on each layer's group only (--worker-prefill group)
             predictor = None if grouped else predictor
             words = predictor.split() if shadow else []
-            align, kv = int(words[1]) if len(words) > 1 else 1, int(words[2]) if len(words) > 2 else 1
+            align, kv = int(words[1]) if len(words) > 1 else 1, int(words[2]) if len(words) > 2 else 0
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                    str(workers + 1 + shadow), "-m", "benchmarks.workers", "--budget", args.budget, "--prompts",
                    str(args.prompts), "--tokens", str(args.tokens), "--rank-out", str(out)] + \
@@ -141,7 +141,7 @@ def measured(args: argparse.Namespace) -> list[dict]:
         hits, misses = sum(w["hits"] for w in stats), sum(w["misses"] for w in stats)
         routed = sum(w["routed"] for w in stats)
         ahead = f" running {align - 1} passes ahead (--align-period {align})" if align > 1 else ""
-        ahead += ", its KV cache never realigned (--kv-align-period 0)" if shadow and not kv else ""
+        ahead += ", its KV cache realigned every pass (--kv-align-period 1)" if shadow and kv else ""
         row |= {"run": f"{workers} workers" + (f", a shadow rank{ahead}" if shadow else f", {predictor} prefetch"
                                                 if predictor else ", prompts on each layer's group (--worker-prefill "
                                                 "group)" if grouped else ""),

@@ -12,10 +12,11 @@ until the layer call of its pass comes). Each pass it is told of realigns it: th
 its guesses, and from the first that differs its cache is computed again (a right guess costs nothing more: its tokens
 are in the cache). A request's cache blocks are taken back when the pool needs them for a pass it was told of (the
 shadow is not told when requests finish), oldest pass first, never those of the pass at hand; a request whose blocks
-were taken is computed again from its first token the next time it appears. KV alignment (`--kv-align-period K`,
-default 1: every pass): with every K-th pass announced, the main rank sends its own full-precision KV entries (every
-layer) of the positions it computed since it last sent that request's, and they overwrite the shadow's int8-computed
-ones before it computes the pass (experts/remote/kv_align.py), so its cache drifts no further than K passes.
+were taken is computed again from its first token the next time it appears. KV alignment (`--kv-align-period K`; default
+0, off: config.py says why): with every K-th pass announced, the main rank sends its own full-precision KV entries
+(every layer) of the positions it computed since it last sent that request's, and they overwrite the shadow's
+int8-computed ones before it computes the pass (experts/remote/kv_align.py), so its cache drifts no further than K
+passes.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def main() -> int:
                               on_worker_loss=os.environ.get("MOEPAGER_TEST_ON_LOSS", "stop"),
                               shadow=bool(os.environ.get("MOEPAGER_TEST_SHADOW")),
                               align_period=int(os.environ.get("MOEPAGER_TEST_ALIGN", "1")),
-                              kv_align_period=int(os.environ.get("MOEPAGER_TEST_KV_ALIGN", "1")),
+                              kv_align_period=int(os.environ.get("MOEPAGER_TEST_KV_ALIGN", "0")),
                               worker_assign=os.environ.get("MOEPAGER_TEST_ASSIGN"),
                               worker_prefill=os.environ.get("MOEPAGER_TEST_PREFILL"))
         scheduler = SchedulerConfig(max_num_seqs=int(os.environ.get("MOEPAGER_TEST_MAX_SEQS", "0"))

@@ -223,14 +223,15 @@ def test_a_predictor_on_the_main_rank_drives_the_workers_loads_ahead(hf_checkpoi
 
 
 def test_a_shadow_rank_forecasts_the_workers_routing_and_changes_no_token(hf_checkpoint, tmp_path):
-    """--shadow: rank 1 computes every pass on an int8 copy as the main rank announces it (its KV cache realigned with
-    the main rank's entries at every pass) and sends each layer's routing to the workers, who load it ahead; its
-    forecasts name routed experts, and the tokens are the single-process ones."""
+    """--shadow: rank 1 computes every pass on an int8 copy as the main rank announces it (with --kv-align-period 1
+    its KV cache realigned with the main rank's entries at every pass) and sends each layer's routing to the workers,
+    who load it ahead; its forecasts name routed experts, and the tokens are the single-process ones."""
     path = str(hf_checkpoint("qwen3_moe")[1])
-    got = ranks(tmp_path, 4, 1, path, env={"MOEPAGER_TEST_WORKER_MEMORY": "60%", "MOEPAGER_TEST_SHADOW": "1"})
+    got = ranks(tmp_path, 4, 1, path, env={"MOEPAGER_TEST_WORKER_MEMORY": "60%", "MOEPAGER_TEST_SHADOW": "1",
+                                           "MOEPAGER_TEST_KV_ALIGN": "1"})
     shadow, workers = got[path + " workers"][0], got[path + " workers"][1:]  # rank 1, the shadow, answers first
     assert sum(w["loads_ahead"] for w in workers) > 0
-    assert shadow["aligned"] > 0  # KV alignment (default every pass): its cache took the main rank's entries
+    assert shadow["aligned"] > 0  # --kv-align-period 1: its cache took the main rank's entries
     # a forecast counts when it reaches the worker before the layer call it names: how many do depends on the shadow
     # keeping ahead with four processes on two cores (alone 55-65%; beside the rest of the suite 38% was seen)
     assert sum(w["forecast"] for w in workers) > 0.25 * sum(w["routed"] for w in workers)

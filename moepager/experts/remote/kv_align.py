@@ -1,14 +1,15 @@
 """OD-MoE's KV alignment (§2.5): the main rank's full-precision KV cache entries overwrite the shadow's own.
 
-The shadow computes every pass on its int8 copy, so its KV cache drifts from the main rank's: its weights differ, and
-so does its routing, and both change every later hidden state. Every `kv_align_period`-th pass (the paper's KV period,
-default 1) the main rank's feed sends, with the pass it announces, the entries of every layer at the positions it
-computed since it last sent that request's (`KVAligner.spans`; at the first decode pass after a prompt, the prompt's
-positions), and the shadow writes them over its own (`write`) before it computes the pass: "late departure", since
-the entries exist only once the main rank's previous pass is done. Only requests in the announced pass are aligned
-(the shadow computes those next); a request the main rank computes again from an earlier position (preempted) starts
-its count again there. The entries of all layers travel as one tensor [tokens, sum of the layers' entry sizes] in the
-main rank's cache dtype and are cast to the shadow's.
+The shadow computes every pass on its int8 copy, so its KV cache drifts from the main rank's: its weights differ, and so
+does its routing, and both change every later hidden state. Every `kv_align_period`-th pass (the paper's KV period,
+whose default is 1; this engine's is 0, off: config.py `RemoteConfig.kv_align_period` says why) the main rank's feed
+sends, with the pass it announces, the entries of every layer at the positions it computed since it last sent that
+request's (`KVAligner.spans`; at the first decode pass after a prompt, the prompt's positions), and the shadow writes
+them over its own (`write`) before it computes the pass: "late departure", since the entries exist only once the main
+rank's previous pass is done. Only requests in the announced pass are aligned (the shadow computes those next); a
+request the main rank computes again from an earlier position (preempted) starts its count again there. The entries of
+all layers travel as one tensor [tokens, sum of the layers' entry sizes] in the main rank's cache dtype and are cast to
+the shadow's.
 
 Shape legend: P positions (tokens) aligned, S spans (request, start, count).
 """
