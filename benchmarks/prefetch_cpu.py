@@ -10,8 +10,9 @@ on the demo model's training documents. Prompts: validation
 documents cut to 64 tokens, greedy, batch 1. Configurations of one (model, budget) run in interleaved rounds
 (every configuration once per round) and the median over rounds is reported, so drift on this noisy machine
 hits all of them alike. Reported per configuration: TPOT (median), decode hit rate,
-exposed and hidden load time per token, prefetch accuracy and wasted bytes per token, and TPOT relative to no
-prefetch at the same budget (a predictor that does not lower TPOT is reported as such).
+exposed and hidden load time per token, prefetch accuracy and wasted bytes per token, the prefetcher's time on the
+forward thread per token (its predictor's matching and queueing, which the forward waits for: fMoE's matcher runs
+inline here), and TPOT relative to no prefetch at the same budget (a predictor that does not lower TPOT is reported as such).
 Usage: python benchmarks/prefetch_cpu.py [--models demo-moe,olmoe-1b-7b-L4] [--rounds 3] [--threads 2] [--quick]
 (writes results/prefetch_cpu.json and .png; with a subset of --models, results/prefetch_cpu_<models>.*)
 """
@@ -70,12 +71,14 @@ def fitted_files(name: str) -> dict[str, Path]:
 
 
 def run_once(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
-    tpot, decode = [], []
+    tpot, decode, inline = [], [], 0.0
     for prompt in prompts:
         llm.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         stats = llm.last_stats
         tpot.append(statistics.median(stats.tpot_s))
         decode.append(stats.sections["experts"].phases["decode"])
+        if "prefetch" in stats.sections:  # the prefetcher's time on the forward thread
+            inline += stats.sections["prefetch"].to_dict()["inline_s"]["decode"]
     tokens = sum(d["tokens"] for d in decode)
     total = {k: sum(d[k] for d in decode) for k in ("exposed_s", "hidden_s", "prefetch_used", "prefetch_wasted",
                                                      "prefetch_wasted_bytes", "accesses", "loads_ahead")}
@@ -85,6 +88,7 @@ def run_once(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
             "hidden_ms_per_token": 1e3 * total["hidden_s"] / tokens,
             "prefetch_accuracy": total["prefetch_used"] / max(1, total["prefetch_used"] + total["prefetch_wasted"]),
             "prefetches_per_token": total["loads_ahead"] / tokens,
+            "inline_ms_per_token": 1e3 * inline / tokens,
             "wasted_kib_per_token": total["prefetch_wasted_bytes"] / tokens / 1024}
 
 
@@ -104,14 +108,14 @@ def main() -> None:
     for name in args.models.split(","):
         rows += measure(name, args)
     print("| model | budget | predictor | TPOT ms | vs none | hit rate | exposed ms/tok | hidden ms/tok | accuracy | "
-          "prefetch/tok | wasted KiB/tok |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "prefetch/tok | wasted KiB/tok | inline ms/tok |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['budget']} | {r['predictor']} | {1e3 * r['tpot_s']:.2f} | "
               f"{r['tpot_vs_none']:.2f}x | {100 * r['hit_rate']:.1f}% | {r['exposed_ms_per_token']:.2f} | "
               f"{r['hidden_ms_per_token']:.2f} | "
               f"{100 * r['prefetch_accuracy']:.0f}% | {r['prefetches_per_token']:.1f} | "
-              f"{r['wasted_kib_per_token']:.0f} |")
+              f"{r['wasted_kib_per_token']:.0f} | {r['inline_ms_per_token']:.2f} |")
     for r in rows:
         if r["predictor"] != "none" and not r["lowers_tpot"]:
             print(f"note: {r['model']} {r['predictor']} at {r['budget']} does not lower TPOT "

@@ -239,6 +239,8 @@ class LLM:
         model = self.loaded.model
         if self.store is not None:
             self.store.counters.reset()
+        if self.prefetcher is not None:
+            self.prefetcher.reset_cost()
         self._pass_parts = self._parts(replayer, recorder)
         self._observe(recorder)
         if replayer is not None:
@@ -354,6 +356,9 @@ class LLM:
         stats.cpu_kernels = cpu_kernels.chosen_tier() or ""
         stats.sections["experts"] = store_report(self.store, self.config.store, stats.prompt_tokens,
                                                  stats.generated_tokens - stats.num_prompts, self.loaded.execution)
+        if self.prefetcher is not None:  # what the prefetcher cost the forward thread
+            self.prefetcher.cost.decode_s = stats.decode_s
+            stats.sections["prefetch"] = self.prefetcher.cost
         self.last_stats = stats
 
     @property

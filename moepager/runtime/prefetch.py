@@ -19,10 +19,11 @@ Misses are always loaded on demand by the store, so outputs are those of the all
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -46,7 +47,7 @@ from moepager.predictors import (
 )
 from moepager.predictors.expert_map import hashed_tokens
 from moepager.store.view import Priority, StoreView
-from moepager.types import PassInfo, RoutingDecision
+from moepager.types import PassInfo, Phase, RoutingDecision
 
 FLEX_PASSES = 32
 """SMoE-Flex: the forward passes whose forecasts are judged before the least accurate half of the layers stop
@@ -90,6 +91,32 @@ class PrefetchPlan:
     the store loads those not cached)."""
     flex: bool = False
     """SMoE-Flex: once FLEX_PASSES passes are judged, the least accurate half of the MoE positions prefetch nothing."""
+
+
+@dataclass
+class InlineCost:
+    """What the prefetcher costs the forward thread (a run's statistics section "prefetch"): its work in the pass hook
+    and the routing observer (the predictor's observe and forecast, fMoE's map matching, queueing and issuing loads),
+    which the forward waits for, per phase. fMoE decouples its matcher onto threads of its own (§2.9); here it runs on
+    the forward thread, and this says what that costs."""
+
+    predictor: str
+    seconds: dict[str, float]
+    passes: dict[str, int]
+    decode_s: float = 0.0
+    """The run's decode time, to put the decode cost in proportion (set when the run ends)."""
+
+    def rows(self) -> list[tuple[str, str]]:
+        decode, prefill = self.seconds["decode"], self.seconds["prefill"]
+        share = f", {100 * decode / self.decode_s:.1f}% of the decode time" if self.decode_s else ""
+        per_pass = 1e3 * decode / max(self.passes["decode"], 1)
+        return [(f"prefetcher ({self.predictor}) on the forward thread",
+                 f"{per_pass:.3f} ms a decode pass{share}; {1e3 * prefill:.1f} ms in prefill")]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"predictor": self.predictor, "inline_s": dict(self.seconds), "passes": dict(self.passes),
+                "inline_ms_per_decode_pass": 1e3 * self.seconds["decode"] / max(self.passes["decode"], 1),
+                "decode_share": self.seconds["decode"] / self.decode_s if self.decode_s else None}
 
 
 class Prefetcher:
@@ -138,6 +165,13 @@ class Prefetcher:
         self.on_forecast: Callable[[int, int, torch.Tensor], None] | None = None
         """Told of every forecast that prefetches (pass id, MoE layer, probabilities per row): `--configure auto`'s
         prediction statistics (runtime/configure.py)."""
+        self.cost = InlineCost(getattr(predictor, "name", type(predictor).__name__), {}, {})
+        self.reset_cost()
+        self._phase: Phase = "prefill"
+
+    def reset_cost(self) -> None:
+        """Start the forward-thread accounting again (each generate call's statistics are its own)."""
+        self.cost = InlineCost(self.cost.predictor, {"prefill": 0.0, "decode": 0.0}, {"prefill": 0, "decode": 0})
 
     def bind_replay(self, source: ReplaySource | None) -> None:
         """For the length of a replay (None ends it): the predictor reads the trace's tokens instead of the
@@ -148,6 +182,9 @@ class Prefetcher:
 
     # -- pass hook --------------------------------------------------------------------------------------------
     def begin_pass(self, info: PassInfo) -> None:
+        start = time.perf_counter()  # (timed inline, not in a wrapper: the overhead guard counts calls)
+        self._phase = info.phase
+        self.cost.passes[info.phase] += 1
         self.iteration = info.pass_id + 1
         self.now = -1
         self.pending = {key: v for key, v in self.pending.items() if key[0] >= self.iteration}
@@ -166,6 +203,7 @@ class Prefetcher:
         for j in range(min(self.plan.distance, len(self.moe_layers))):
             self._enqueue(self.predictor.forecast(j, 0), j, 0)
         self._pump()
+        self.cost.seconds[info.phase] += time.perf_counter() - start
 
     def _semantic(self, info: PassInfo, ids_N: torch.Tensor, recorded: Sequence[str] | Sequence[int] | None
                   ) -> torch.Tensor:
@@ -197,6 +235,7 @@ class Prefetcher:
         predictor on the host gets the router's scores or input from there; one that runs where the hidden states
         live (`hidden` "device": gate lookahead) observes and forecasts here, before anything is read, and only
         its forecasts are copied."""
+        start = time.perf_counter()
         predictor = self.predictor
         staged = [route.scores_TE.float()] if predictor.needs_scores else []
         if predictor.hidden == "host":
@@ -205,10 +244,12 @@ class Prefetcher:
             i = self.position[layer]
             predictor.observe(i, LayerObservation(staged[0] if staged else NO_SCORES, route.ids_TK, x_ND.detach()))
             self._staged = (predictor.forecast(i, 1) if self.next_use else None, predictor.forecast(*self.targets[i]))
-            return _forecast_tensors(self._staged)
+            staged = _forecast_tensors(self._staged)
+        self.cost.seconds[self._phase] += time.perf_counter() - start
         return staged
 
     def routed(self, layer: int, x_ND: torch.Tensor, route: RoutingDecision, staged: Sequence[torch.Tensor]) -> None:
+        start = time.perf_counter()
         i = self.position[layer]
         self.now = i
         ids_NK = route.ids_host_TK  # the block's one copy off the device (the store reads it too)
@@ -231,6 +272,7 @@ class Prefetcher:
             self.forecasts.predict(layer, after.rows(self._last_rows).probs_NE.mean(0).numpy())  # layer i's experts
         self._enqueue(target, *self.targets[i])
         self._pump()
+        self.cost.seconds[self._phase] += time.perf_counter() - start
 
     # -- queue ------------------------------------------------------------------------------------------------
     def _enqueue(self, forecast: Forecast | None, j: int, ahead: int) -> None:

@@ -107,6 +107,24 @@ def test_generate_cli_prints_prefetch_statistics(demo_checkpoint, capsys):
     assert "--expert-memory" in capsys.readouterr().err
 
 
+def test_a_runs_statistics_say_what_the_prefetcher_cost_the_forward_thread(recorded, demo_checkpoint, capsys):
+    """fMoE matches maps inline (its paper decouples the matcher onto threads, §2.9): each run says how long the
+    forward thread spent in the prefetcher, per phase, counted afresh each call."""
+    path, reference, files = recorded
+    llm = LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", direct_io="off", warm=False),
+              prefetch=PrefetchConfig("expert-map", file=str(files / "expert-map.pt")))
+    for _ in range(2):  # the second call's counts are its own
+        assert [c.token_ids for c in llm.generate(PROMPTS, PARAMS)] == reference
+        cost = llm.last_stats.sections["prefetch"].to_dict()
+        assert cost["predictor"] == "expert-map"
+        assert cost["passes"]["decode"] == 15 and cost["passes"]["prefill"] >= 1  # 2 rows a pass, 16 tokens each
+        assert cost["inline_s"]["decode"] > 0 and cost["inline_s"]["prefill"] > 0
+        assert 0 < cost["decode_share"] < 1
+    assert main(["generate", "--model", str(demo_checkpoint), "--quiet", "--expert-memory", "50%", "--cold",
+                 "--predictor", "gate-lookahead", "--max-tokens", "8", "--ignore-eos", "hello"]) == 0
+    assert "prefetcher (gate-lookahead) on the forward thread" in capsys.readouterr().out
+
+
 def test_the_plain_prefetch_policy_is_lossless_and_cancels_nothing(recorded):
     path, reference, files = recorded
     llm = LLM(path, show_progress=False,
