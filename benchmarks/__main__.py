@@ -115,7 +115,7 @@ BENCHMARKS: dict[str, Bench] = {
     "workers": _b("Do OD-MoE's worker processes keep up with one process, and would an int8 shadow predict routing?",
                   needs="traces", quick=("--workers", "2", "--prompts", "2", "--tokens", "8", "--shadow-docs", "4",
                          "--kv-tokens", "8"),
-                  runtime="1 min", traces=(OLMOE,)),
+                  runtime="2 min", traces=(OLMOE,)),
     "split": _b("Do MoEpic's split experts and per-layer configurator lower TPOT and bytes against the even split?",
                 needs="traces", suites="cpu traces",
                 quick=("--workloads", "built-in", "--budgets", "25%", "--rounds", "1", "--requests", "2", "--decode",

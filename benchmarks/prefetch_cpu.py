@@ -12,7 +12,8 @@ documents cut to 64 tokens, greedy, batch 1. Configurations of one (model, budge
 hits all of them alike. Reported per configuration: TPOT (median), decode hit rate,
 exposed and hidden load time per token, prefetch accuracy and wasted bytes per token, the prefetcher's time on the
 forward thread per token (its predictor's matching and queueing, which the forward waits for: fMoE's matcher runs
-inline here), and TPOT relative to no prefetch at the same budget (a predictor that does not lower TPOT is reported as such).
+inline here), and TPOT relative to no prefetch at the same budget (a predictor that does not lower TPOT is reported as
+such).
 Usage: python benchmarks/prefetch_cpu.py [--models demo-moe,olmoe-1b-7b-L4] [--rounds 3] [--threads 2] [--quick]
 (writes results/prefetch_cpu.json and .png; with a subset of --models, results/prefetch_cpu_<models>.*)
 """
