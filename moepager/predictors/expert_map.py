@@ -88,6 +88,16 @@ class ExpertMapStore:
         self.capacity, self.distance, self.sem_kind, self.neighbours = capacity, distance, sem_kind, neighbours
         self.maps_CLE = torch.zeros(0, num_layers, num_experts)
         self.sem_CD = torch.zeros(0, 0)
+        self._derived: tuple[torch.Tensor, torch.Tensor] | None = None
+        """(norm2_LC, sem_unit_CD): what every match reads of the stored maps, made once per change of the store
+        (a search runs at every layer of every pass; recomputing these there was most of fMoE's inline cost)."""
+
+    def derived(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each stored map's squared norm per layer [L, C], and the stored embeddings normalised [C, D]."""
+        if self._derived is None:
+            maps = self.maps_CLE
+            self._derived = ((maps * maps).sum(2).T.contiguous(), F.normalize(self.sem_CD, dim=1))
+        return self._derived
 
     @property
     def num_layers(self) -> int:
@@ -101,6 +111,7 @@ class ExpertMapStore:
         """Insert new iterations' maps; once full each overwrites its most redundant stored map."""
         if len(self.maps_CLE) == 0:
             self.sem_CD = torch.zeros(0, sem_ND.shape[1])
+        self._derived = None
         for sem_D, map_LE in zip(sem_ND.float(), maps_NLE.float()):
             if len(self.maps_CLE) < self.capacity:
                 self.maps_CLE = torch.cat([self.maps_CLE, map_LE[None]])
@@ -124,6 +135,7 @@ class ExpertMapStore:
         store = cls(maps.shape[1], maps.shape[2], state["sem_kind"], state["capacity"], state["distance"],
                     state.get("neighbours", 1))
         store.maps_CLE, store.sem_CD = maps.float(), sem.float()
+        store._derived = None
         return store
 
 
@@ -162,7 +174,7 @@ class ExpertMapPredictor:
     def observe(self, layer: int, obs: LayerObservation) -> None:
         p_NE = obs.probs_NE.float()
         stored_CE = self.store.maps_CLE[:, layer]
-        dots, norm2, own2 = p_NE @ stored_CE.T, (stored_CE * stored_CE).sum(1)[None], (p_NE * p_NE).sum(1)
+        dots, norm2, own2 = p_NE @ stored_CE.T, self.store.derived()[0][layer][None], (p_NE * p_NE).sum(1)
         if self._dots_NC is None:
             self._dots_NC, self._norm2_NC, self._own2_N = dots, norm2, own2
         else:
@@ -177,7 +189,7 @@ class ExpertMapPredictor:
             score_NC = self._dots_NC / (self._own2_N[:, None] * self._norm2_NC).sqrt().clamp(min=1e-12)
         elif self.store.sem_kind != "none" and self._sem_ND is not None and \
                 self._sem_ND.shape[1] == self.store.sem_CD.shape[1]:
-            score_NC = F.normalize(self._sem_ND, dim=1) @ F.normalize(self.store.sem_CD, dim=1).T
+            score_NC = F.normalize(self._sem_ND, dim=1) @ self.store.derived()[1].T
         elif self.store.sem_kind == "none" and ahead == 0 and self._rows():  # trajectory-only, nothing observed
             return Forecast(self.store.maps_CLE[:, layer].mean(0, keepdim=True).expand(self._rows(), -1))
         else:
