@@ -14,6 +14,8 @@ the tokens equal the single process's.
 Part 3, modeled (planning/od_moe.py, OD-MoE §2.3-2.4): 2, 4, 8 and 16 workers on the Mixtral-8x7B decode traces with
 the paper's nodes and links, without a shadow and with the paper's and our measured int8 recall, against every expert
 in one GPU's memory.
+Part 3b, modeled prefill (OD-MoE §2.7): the DeepSeek-V2-Lite trace's prompts with their layer calls spread over every
+worker against each layer's group.
 Part 2, OD-MoE's shadow model: the built-in model with int8 experts and int8 dense projections (the shadow) run over
 the same tokens as the full model (teacher-forced: the validation documents), and per MoE layer the recall of the
 full model's top-k in the shadow's top-k (OD-MoE reports 97.34% for INT8).
@@ -322,6 +324,37 @@ def modeled_scaling() -> list[dict]:
     return rows
 
 
+def modeled_prefill() -> list[dict]:
+    """OD-MoE's prefill on paper (planning/od_moe.py `prefill_times`) over the prompts of the DeepSeek-V2-Lite trace's
+    first 200 requests (the Mixtral traces are decode only), the nodes of `modeled_scaling`: a prompt's layer calls
+    spread over every worker against kept to each layer's group of 2, for 2, 4, 8 and 16 workers (each prompt one
+    chunk; the trace's own expert size and top-k)."""
+    from benchmarks.common import SHARED, converted
+    from moepager.experts.remote.placement import Placement
+    from moepager.planning.cost import DEVICES, LINKS
+    from moepager.planning.od_moe import Cluster, prefill_times, worker_shares
+    from moepager.trace.workload import load_workload
+
+    trace = converted("deepseek-csv", SHARED / "deepseek-v2-lite", "deepseek-v2-lite")
+    work = load_workload(str(trace), "recorded", requests=slice(0, 200))
+    prompts = work.step_phase == 0
+    routed = work.routed_SLE()[prompts]
+    requested, tokens = routed.sum(2), np.diff(work.step_ptr)[prompts]
+    h, gpu = work.header, DEVICES["rtx3090"]
+    rows = []
+    for workers in (2, 4, 8, 16):
+        cluster = Cluster(workers, 2, gpu, LINKS["pcie4"], LINKS["1gbe"], PAPER_MAIN_LAYER_S, 0.0)
+        times = {}
+        for mode in ("spread", "group"):
+            share = worker_shares(routed, Placement.of(workers, 2, prefill=mode), "prefill")
+            times[mode] = float(prefill_times(cluster, requested, tokens, h.expert_bytes, 4096 * 2, h.top_k,
+                                              share).mean())
+        rows.append({"workers": workers, "prompts": int(prompts.sum()), "mean_prompt_tokens": float(tokens.mean()),
+                     "spread_s": times["spread"], "group_s": times["group"],
+                     "spread_vs_group": times["spread"] / times["group"]})
+    return rows
+
+
 def main() -> None:
     args = arguments().parse_args()
     if args.rank_out:
@@ -353,8 +386,13 @@ def main() -> None:
     print_table(["workers", "assign", "calls crowded %", "shadow recall", "tok/s", "x all in GPU"],
                 [[r["workers"], r["assign"], 100 * r["crowded_calls"], r["shadow"], r["tok_s"], r["vs_all_in_gpu"]]
                  for r in scaling])
+    prefill = modeled_prefill()
+    print(f"\nmodeled prefill, {prefill[0]['prompts']} prompts of the DeepSeek-V2-Lite trace (mean "
+          f"{prefill[0]['mean_prompt_tokens']:.0f} tokens), the same nodes, every expert loaded on demand:")
+    print_table(["workers", "spread s / prompt", "group s / prompt", "spread / group"],
+                [[r["workers"], r["spread_s"], r["group_s"], r["spread_vs_group"]] for r in prefill])
     out = write_json("workers", {"machine": state, "args": vars(args), "rows": rows, "shadow": recall,
-                                 "shadow_kv_alignment": kv, "modeled_scaling": scaling})
+                                 "shadow_kv_alignment": kv, "modeled_scaling": scaling, "modeled_prefill": prefill})
     print(f"results: {out}")
 
 

@@ -21,6 +21,13 @@ the n routed experts a group's caches miss are loaded (the loads and the stall t
 assignment, and with fixed an estimate, the busiest worker's share scaled by m / n but no less than ceil(m / G); the
 compute still `share`); `group_cache` sizes the cache the simulator replays for that. Against it, all in one GPU's
 memory: layer = t_M + n * (one expert's compute).
+
+A prompt (§2.7; `prefill_times`): no prediction, every routed expert loaded on demand. Per prompt chunk and MoE layer
+each worker loads the routed experts a prefill pass gives it (`Placement.ranks_of(..., "prefill")`: with a spread
+prefill expert e on worker e mod N of all N, otherwise the layer's group) and computes them, and the layer waits for the
+busiest:
+  layer = t_M + 2 hop + busiest * (load + compute)
+with compute that of one expert on tokens * top-k / n tokens (the chunk's mean per routed expert).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import numpy as np
 from moepager.errors import MoepagerError
 from moepager.experts.remote.placement import Placement
 from moepager.planning.cost import Device, Link
+from moepager.types import Phase
 
 
 @dataclass(frozen=True)
@@ -72,16 +80,17 @@ def group_cache(cluster: Cluster, num_layers: int, num_experts: int, worker_cach
     return min(num_experts, cluster.group_size * worker_cache // layers_per_group)
 
 
-def worker_shares(routed_SLE: np.ndarray, placement: Placement) -> np.ndarray:
+def worker_shares(routed_SLE: np.ndarray, placement: Placement, phase: Phase = "decode") -> np.ndarray:
     """The most of each step's routed experts of each layer that one worker computes, [steps, layers], assigned as
-    the engine assigns them (`Placement.ranks_of`; the trace's layer index is the MoE layer's position)."""
+    the engine assigns them in a pass of `phase` (`Placement.ranks_of`; the trace's layer index is the MoE layer's
+    position)."""
     steps, layers, _ = routed_SLE.shape
     out = np.zeros((steps, layers), np.int64)
     for s in range(steps):
         for layer in range(layers):
             experts = np.flatnonzero(routed_SLE[s, layer]).tolist()
             if experts:
-                ranks = placement.ranks_of(layer, experts)
+                ranks = placement.ranks_of(layer, experts, phase)
                 out[s, layer] = max(ranks.count(r) for r in set(ranks))
     return out
 
@@ -118,6 +127,18 @@ def step_times(cluster: Cluster, requested_SL: np.ndarray, tokens_S: np.ndarray,
     maxload = groups * (t_m + 2 * hop) + (groups - 1) * t_w
     stall = np.maximum(0.0, cluster.recall * loads * load - maxload) + (1 - cluster.recall) * loads * load
     return (t_m + 2 * hop + t_w + stall).sum(1)
+
+
+def prefill_times(cluster: Cluster, requested_SL: np.ndarray, tokens_S: np.ndarray, expert_bytes: int,
+                  hidden_bytes: int, top_k: int, share_SL: np.ndarray) -> np.ndarray:
+    """Modeled seconds of each prompt chunk (module note, "A prompt"); `share_SL`: the busiest worker's routed experts
+    in each layer call (`worker_shares(..., "prefill")`)."""
+    n = requested_SL.astype(np.float64)
+    tokens = tokens_S.astype(np.float64)[:, None]
+    c = expert_compute_s(cluster.worker, expert_bytes, tokens * top_k / np.maximum(n, 1))
+    hop = tokens * hidden_bytes / cluster.network.bytes_per_s + cluster.network.latency_s
+    load = expert_bytes / cluster.worker_link.bytes_per_s + cluster.worker_link.latency_s
+    return (cluster.main_layer_s + 2 * hop + share_SL * (load + c)).sum(1)
 
 
 def resident_step_times(device: Device, main_layer_s: float, requested_SL: np.ndarray, tokens_S: np.ndarray,

@@ -102,7 +102,8 @@ def test_one_to_one_gives_no_worker_more_than_its_share_of_a_call_and_keeps_expe
 
 def test_a_spread_prefill_gives_worker_i_the_experts_i_mod_w_of_every_layer():
     """OD-MoE §2.7: in a prefill pass expert e of any layer goes to worker e mod W of all W workers (decode calls keep
-    to the layer's group); a resident worker holds that share besides its decode one; failover and the wire keep it."""
+    to the layer's group); a resident worker holds that share besides its decode one; failover and the wire keep it;
+    with one group (W = G) the group's assignment stays."""
     spread = Placement.of(3, 1, prefill="spread")
     for position in range(4):
         assert spread.ranks_of(position, list(range(8)), "prefill") == [1, 2, 3, 1, 2, 3, 1, 2]
@@ -116,6 +117,9 @@ def test_a_spread_prefill_gives_worker_i_the_experts_i_mod_w_of_every_layer():
     assert left.prefill == "spread" and left.ranks_of(0, [0, 1, 2], "prefill") == [1, 3, 1]
     header = decode(Place(3, 1, 0, WORKER_PREFILLS.index("spread")).header())
     assert isinstance(header, Place) and WORKER_PREFILLS[header.prefill_code] == "spread"
+    one_group = Placement.of(2, 2, prefill="spread")  # W = G: the group's own (balanced) assignment
+    assert one_group.ranks_of(0, [0, 2], "prefill") == Placement.of(2, 2).ranks_of(0, [0, 2]) == [1, 2]
+    assert one_group.holds(1, 2, 4) == Placement.of(2, 2).holds(1, 2, 4)
     with pytest.raises(MoepagerError, match="spread or group"):
         Placement.of(2, 2, prefill="all")  # type: ignore[arg-type]
 

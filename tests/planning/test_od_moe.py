@@ -9,7 +9,14 @@ import pytest
 from moepager.errors import MoepagerError
 from moepager.experts.remote.placement import Placement
 from moepager.planning.cost import DEVICES, LINKS, Device, Link
-from moepager.planning.od_moe import Cluster, expert_compute_s, resident_step_times, step_times, worker_shares
+from moepager.planning.od_moe import (
+    Cluster,
+    expert_compute_s,
+    prefill_times,
+    resident_step_times,
+    step_times,
+    worker_shares,
+)
 
 GPU = Device("test", 1e12, 1e15, 0.0)
 MIB = 2**20
@@ -104,3 +111,22 @@ def test_the_model_assigns_every_call_as_the_engine_does():
         step_times(c, n, tokens, 100 * MIB, 8192, 2, share_SL=np.ceil(n / 2)).sum())
     assert step_times(c, n, tokens, 100 * MIB, 8192, 2, share_SL=fixed).sum() > \
         step_times(c, n, tokens, 100 * MIB, 8192, 2).sum()
+
+
+def test_a_spread_prefill_splits_a_prompts_layer_over_every_worker():
+    """OD-MoE §2.7 on paper: a prompt routing to all 8 experts of every layer; with 8 workers in groups of 2, the
+    layer's group of 2 computes 4 experts each, spread over all 8 one each: the busiest worker's load and compute, and
+    so the layer, shrink 4 times less the fixed part. By hand for one layer."""
+    routed = np.ones((1, 2, 8), bool)
+    n, tokens = routed.sum(2), np.array([128])
+    spread, grouped = Placement.of(8, 2, prefill="spread"), Placement.of(8, 2)
+    assert worker_shares(routed, spread, "prefill").tolist() == [[1, 1]]
+    assert worker_shares(routed, grouped, "prefill").tolist() == [[4, 4]]
+    assert worker_shares(routed, spread).tolist() == [[4, 4]]  # decode calls keep to the group
+    c = cluster(8, 0.0)
+    per_expert = 100 * MIB / 10e9 + expert_compute_s(GPU, 100 * MIB, np.array([128 * 2 / 8]))[0]
+    fixed = 1e-3 + 2 * 128 * 8192 / 1e9
+    for placement, busiest in ((spread, 1), (grouped, 4)):
+        share = worker_shares(routed, placement, "prefill")
+        got = prefill_times(c, n, tokens, 100 * MIB, 8192, 2, share)[0]
+        assert got == pytest.approx(2 * (fixed + busiest * per_expert))
