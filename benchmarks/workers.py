@@ -34,7 +34,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -191,22 +190,6 @@ KV_PERIODS = (0, 1, 4)
 """Part 2b's KV alignment periods (0: never; the paper's default 1, and its Fig. 10 optimum 4 with slower workers)."""
 
 
-@dataclass
-class _Row:
-    """A request as the runner reads it (its tokens and cache blocks)."""
-
-    request_id: int
-    ids: list[int]
-    blocks: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.ids)
-
-    def tokens(self, start: int, count: int) -> list[int]:
-        return self.ids[start:start + count]
-
-
 class _Routing:
     """A routing observer keeping each MoE layer's top-k of the last pass."""
 
@@ -233,6 +216,7 @@ def shadow_recall_kv(args: argparse.Namespace) -> dict:
     from moepager.runtime.kv_pool import KVBlockPool
     from moepager.runtime.runner import ModelRunner
     from moepager.runtime.scheduler import Scheduled
+    from moepager.runtime.shadow import ShadowRequest
     from moepager.runtime.tokenizer import Tokenizer
     from moepager.types import PassInfo
 
@@ -249,22 +233,23 @@ def shadow_recall_kv(args: argparse.Namespace) -> dict:
         loaded.model.observe_routing(routing)
         return ModelRunner(loaded.model, pool, loaded.device), pool, routing
 
-    def run(r: tuple[ModelRunner, KVBlockPool, _Routing], row: _Row, start: int, count: int) -> list[torch.Tensor]:
+    def run(r: tuple[ModelRunner, KVBlockPool, _Routing], row: ShadowRequest, start: int, count: int
+            ) -> list[torch.Tensor]:
         r[2].ids = []
         assert r[1].reserve(row.blocks, start + count)
-        r[0].run([Scheduled(row, start, count, count == 1)])  # type: ignore[arg-type]
+        r[0].run([Scheduled(row, start, count, count == 1)])
         return r[2].ids
 
     full = runner(EngineConfig(model=str(path)))
     shadow = runner(EngineConfig(model=str(path), experts=ExpertFormat("int8"), dense_dtype="int8"))
     found = {k: [] for k in KV_PERIODS}
     for i, ids in enumerate(docs):
-        ours, truth = _Row(i, ids), []
+        ours, truth = ShadowRequest(i, list(ids)), []
         run(full, ours, 0, PROMPT_TOKENS)
         for t in range(PROMPT_TOKENS, need):
             truth.append(run(full, ours, t, 1))
         for k in KV_PERIODS:  # the shadow over the same tokens, its cache aligned every k passes
-            theirs, aligner = _Row(i, ids), KVAligner(k or 1)
+            theirs, aligner = ShadowRequest(i, list(ids)), KVAligner(k or 1)
             run(shadow, theirs, 0, PROMPT_TOKENS)
             aligner.spans(PassInfo(0, "prefill", (i,), (0,), (PROMPT_TOKENS,), ("prefill",), torch.empty(0),
                                    (ours.blocks,)))
@@ -274,8 +259,8 @@ def shadow_recall_kv(args: argparse.Namespace) -> dict:
                                                        (ours.blocks,)), full[1])
                     if aligned is not None:
                         spans, entries = aligned
-                        write(shadow[1].cache, torch.cat([slots(theirs.blocks, s, c, 16) for _, s, c in
-                                                          spans.tolist()]), entries)
+                        at = [slots(theirs.blocks, s, c, shadow[1].block_size) for _, s, c in spans.tolist()]
+                        write(shadow[1].cache, torch.cat(at), entries)
                 guess = run(shadow, theirs, t, 1)
                 found[k] += [(a[:, :, None] == b[:, None, :]).any(-1).float().mean().item()
                              for a, b in zip(truth[n - 1], guess, strict=True)]

@@ -22,9 +22,10 @@ WorkerLoss = Literal["stop", "failover"]
 """`--on-worker-loss` choices (experts/remote/executor.py)."""
 WorkerAssign = Literal["one-to-one", "fixed"]
 WORKER_ASSIGNS: tuple[WorkerAssign, ...] = ("one-to-one", "fixed")
+"""`--worker-assign` choices: how a layer call's experts go to its group's workers (experts/remote/placement.py)."""
 WorkerPrefill = Literal["spread", "group"]
 WORKER_PREFILLS: tuple[WorkerPrefill, ...] = ("spread", "group")
-"""`--worker-assign` choices: how a layer call's experts go to its group's workers (experts/remote/placement.py)."""
+"""`--worker-prefill` choices: which workers compute a prompt's layer calls (experts/remote/placement.py)."""
 Execution = Literal["gpu", "hybrid", "cpu-experts", "auto"]
 HybridPrefill = Literal["ping-pong", "cache"]
 HYBRID_PREFILLS: tuple[HybridPrefill, ...] = ("ping-pong", "cache")

@@ -119,25 +119,29 @@ def step_times(cluster: Cluster, requested_SL: np.ndarray, tokens_S: np.ndarray,
         loads = np.ceil(m / g) if share_SL is None else \
             np.minimum(share, np.maximum(np.ceil(m / g), np.ceil(share * m / np.maximum(n, 1) - 1e-9)))
     groups = cluster.workers // cluster.group_size
-    c = expert_compute_s(cluster.worker, expert_bytes, tokens * top_k / np.maximum(n, 1))
-    hop = tokens * hidden_bytes / cluster.network.bytes_per_s + cluster.network.latency_s
+    c, hop, load = _layer_terms(cluster, n, tokens, expert_bytes, hidden_bytes, top_k)
     t_w = share * c
-    load = expert_bytes / cluster.worker_link.bytes_per_s + cluster.worker_link.latency_s
     t_m = cluster.main_layer_s
     maxload = groups * (t_m + 2 * hop) + (groups - 1) * t_w
     stall = np.maximum(0.0, cluster.recall * loads * load - maxload) + (1 - cluster.recall) * loads * load
     return (t_m + 2 * hop + t_w + stall).sum(1)
 
 
+def _layer_terms(cluster: Cluster, n: np.ndarray, tokens: np.ndarray, expert_bytes: int, hidden_bytes: int,
+                 top_k: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """A layer call's terms (module note): one routed expert's compute on its mean tokens, the hop, one expert's
+    load."""
+    c = expert_compute_s(cluster.worker, expert_bytes, tokens * top_k / np.maximum(n, 1))
+    hop = tokens * hidden_bytes / cluster.network.bytes_per_s + cluster.network.latency_s
+    return c, hop, expert_bytes / cluster.worker_link.bytes_per_s + cluster.worker_link.latency_s
+
+
 def prefill_times(cluster: Cluster, requested_SL: np.ndarray, tokens_S: np.ndarray, expert_bytes: int,
                   hidden_bytes: int, top_k: int, share_SL: np.ndarray) -> np.ndarray:
     """Modeled seconds of each prompt chunk (module note, "A prompt"); `share_SL`: the busiest worker's routed experts
     in each layer call (`worker_shares(..., "prefill")`)."""
-    n = requested_SL.astype(np.float64)
-    tokens = tokens_S.astype(np.float64)[:, None]
-    c = expert_compute_s(cluster.worker, expert_bytes, tokens * top_k / np.maximum(n, 1))
-    hop = tokens * hidden_bytes / cluster.network.bytes_per_s + cluster.network.latency_s
-    load = expert_bytes / cluster.worker_link.bytes_per_s + cluster.worker_link.latency_s
+    c, hop, load = _layer_terms(cluster, requested_SL.astype(np.float64), tokens_S.astype(np.float64)[:, None],
+                                expert_bytes, hidden_bytes, top_k)
     return (cluster.main_layer_s + 2 * hop + share_SL * (load + c)).sum(1)
 
 

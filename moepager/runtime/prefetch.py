@@ -165,13 +165,13 @@ class Prefetcher:
         self.on_forecast: Callable[[int, int, torch.Tensor], None] | None = None
         """Told of every forecast that prefetches (pass id, MoE layer, probabilities per row): `--configure auto`'s
         prediction statistics (runtime/configure.py)."""
-        self.cost = InlineCost(getattr(predictor, "name", type(predictor).__name__), {}, {})
         self.reset_cost()
         self._phase: Phase = "prefill"
 
     def reset_cost(self) -> None:
         """Start the forward-thread accounting again (each generate call's statistics are its own)."""
-        self.cost = InlineCost(self.cost.predictor, {"prefill": 0.0, "decode": 0.0}, {"prefill": 0, "decode": 0})
+        name = getattr(self.predictor, "name", type(self.predictor).__name__)
+        self.cost = InlineCost(name, {"prefill": 0.0, "decode": 0.0}, {"prefill": 0, "decode": 0})
 
     def bind_replay(self, source: ReplaySource | None) -> None:
         """For the length of a replay (None ends it): the predictor reads the trace's tokens instead of the

@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -31,7 +32,7 @@ import torch.distributed as dist
 
 from moepager.config import EngineConfig, ExpertFormat
 from moepager.errors import MoepagerError
-from moepager.experts.remote.kv_align import entry_values, slots, write
+from moepager.experts.remote.kv_align import entry_sizes, slots, write
 from moepager.experts.remote.placement import Links, Placement, recv_placement
 from moepager.experts.remote.protocol import STATS, Pass, Place, Stop, receive, send, send_forecasts
 from moepager.runtime.builder import build
@@ -43,7 +44,7 @@ from moepager.types import Phase, RoutingDecision
 
 
 @dataclass
-class _Request:
+class ShadowRequest:
     """What the runner reads of a request: its tokens so far and its cache blocks."""
 
     request_id: int
@@ -81,7 +82,7 @@ class Shadow:
         self.runner = ModelRunner(self.model, self.pool, loaded.device)
         self.position = {layer: i for i, layer in enumerate(self.model.config.moe_layers)}
         self.model.observe_routing(self)
-        self.requests: dict[int, _Request] = {}
+        self.requests: dict[int, ShadowRequest] = {}
         self.pass_id = 0
         self.passes = 0
         self.ahead = config.remote.align_period - 1
@@ -103,9 +104,8 @@ class Shadow:
         assert route.ids_host_TK is not None
         position = self.position[layer]
         experts = sorted(set(route.ids_host_TK.flatten().tolist()))
-        placement, phase = self.placement, self.phase
-        send_forecasts(lambda p, es: placement.ranks_of(p, es, phase), [(position, e) for e in experts], self.pass_id,
-                       self.links.forecasts_of)
+        send_forecasts(partial(self.placement.ranks_of, phase=self.phase), [(position, e) for e in experts],
+                       self.pass_id, self.links.forecasts_of)
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def serve(self) -> int:
@@ -128,14 +128,14 @@ class Shadow:
             dist.recv(ids, 0)
             if message.kv_tokens:  # KV alignment: the main rank's entries of positions it computed since
                 spans = torch.empty(message.kv_rows, 3, dtype=torch.long)
-                entries = torch.empty(message.kv_tokens, entry_values(self.pool.cache), dtype=message.kv_dtype)
+                entries = torch.empty(message.kv_tokens, sum(entry_sizes(self.pool.cache)), dtype=message.kv_dtype)
                 dist.recv(spans, 0)
                 dist.recv(entries, 0)
                 self.align(spans.tolist(), entries)
-            pass_id = message.pass_id
+            pass_id, listed = message.pass_id, rows.tolist()
             self.pass_id = self.told = pass_id
-            self.phase = "decode" if all(row[3] for row in rows.tolist()) else "prefill"  # the main rank's
-            told = self._run(rows.tolist(), ids.tolist())
+            self.phase = "decode" if all(row[3] for row in listed) else "prefill"  # the main rank's
+            told = self._run(listed, ids.tolist())
             self.passes += 1
             for step in range(1, self.ahead + 1):
                 self._run_ahead(told, pass_id + step)
@@ -174,13 +174,13 @@ class Shadow:
             write(self.pool.cache, torch.cat(index), entries_PX[torch.cat(rows)])
             self.aligned += sum(len(i) for i in index)
 
-    def _run(self, rows: list[list[int]], ids: list[int]) -> list[_Request]:
+    def _run(self, rows: list[list[int]], ids: list[int]) -> list[ShadowRequest]:
         """The pass's rows: each request's tokens so far updated against what it guessed, and what its cache lacks
         computed (from the first wrong guess; its whole prefix again when its blocks were taken back). Returns the
         decoding requests, whose next tokens the shadow may guess."""
         scheduled, offset, told = [], 0, []
         for request_id, start, count, decoding in rows:
-            request = self.requests.setdefault(request_id, _Request(request_id))
+            request = self.requests.setdefault(request_id, ShadowRequest(request_id))
             assert start <= len(request.ids), "the main rank sends every position of a request in order"
             sent = ids[offset:offset + count]
             offset += count
@@ -208,7 +208,7 @@ class Shadow:
         self._compute(scheduled)
         return told
 
-    def _run_ahead(self, requests: list[_Request], pass_id: int) -> None:
+    def _run_ahead(self, requests: list[ShadowRequest], pass_id: int) -> None:
         """The pass `pass_id` on guesses: each request not yet guessed that far takes its guessed token, computed
         with its routing sent as forecasts for that pass."""
         scheduled = []
@@ -232,7 +232,7 @@ class Shadow:
         for row, logits in self.runner.run(scheduled) if scheduled else ():  # the sampler's greedy pick
             self.requests[row.request.request_id].guess = greedy_picks(logits.view(1, -1))[0][0]
 
-    def _reserve(self, request: _Request, tokens: int) -> bool:
+    def _reserve(self, request: ShadowRequest, tokens: int) -> bool:
         """Cache blocks for `tokens` positions, taking back the blocks of requests least recently told of (never
         those of the pass the main rank told of last)."""
         while not self.pool.reserve(request.blocks, tokens):

@@ -14,7 +14,7 @@ from moepager.runtime.builder import build
 from moepager.runtime.kv_pool import KVBlockPool
 from moepager.runtime.runner import ModelRunner
 from moepager.runtime.scheduler import Scheduled
-from moepager.runtime.shadow import Shadow, _Request
+from moepager.runtime.shadow import Shadow, ShadowRequest
 from moepager.types import PassInfo
 
 PROMPT = [3, 11, 5, 7, 2]
@@ -72,7 +72,7 @@ def main_rank(path):
     return ModelRunner(loaded.model, pool, loaded.device), pool
 
 
-def decode_logits(runner: ModelRunner, request: _Request, token: int) -> torch.Tensor:
+def decode_logits(runner: ModelRunner, request: ShadowRequest, token: int) -> torch.Tensor:
     """One decode pass of `token` after what the request's cache holds."""
     request.ids.append(token)
     assert runner.pool.reserve(request.blocks, len(request.ids))
@@ -88,7 +88,7 @@ def test_kv_alignment_gives_the_shadow_the_main_ranks_entries_and_its_next_pass_
     blocks) and its decode pass's logits are then nearer the main rank's than an unaligned shadow's."""
     path = hf_checkpoint("qwen3_moe")[1]
     runner, pool = main_rank(path)
-    ours = _Request(0, list(LONG))
+    ours = ShadowRequest(0, list(LONG))
     assert pool.reserve(ours.blocks, len(LONG))
     ((_, logits),) = runner.run([Scheduled(ours, 0, len(LONG), False)])
     ours.num_computed = len(LONG)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import sys
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -102,7 +103,7 @@ class RemoteExecutor:
         for i, rank in enumerate(placement.ranks_of(position, work.experts, self.phase)):
             by_rank.setdefault(rank, []).append(i)
         self.calls += 1
-        if self.phase == "decode" or placement.prefill == "group":  # (a spread prefill's go by residue mod W)
+        if not placement.spreads(self.phase):  # (a spread prefill's experts go by residue mod W)
             self.crowded += max(map(len, by_rank.values()), default=0) > placement.share(len(work.experts))
         x = x_ND.contiguous()
         ids, weights = route.ids_TK.contiguous(), route.weights_TK.contiguous()
@@ -198,8 +199,7 @@ class RemoteExecutor:
         (workers that page: `--worker-memory`); returns the loads asked for."""
         pairs = [(self.position[layer], e) for layer, e in list(wanted)[:limit]]
         # matched to this pass's calls or later
-        placement, phase = self.placement, self.phase
-        send_forecasts(lambda p, es: placement.ranks_of(p, es, phase), pairs, self.pass_id, self.links.of)
+        send_forecasts(partial(self.placement.ranks_of, phase=self.phase), pairs, self.pass_id, self.links.of)
         return len(pairs)
 
     def begin_pass(self, info: PassInfo) -> None:

@@ -48,7 +48,7 @@ def gather(cache: Sequence[torch.Tensor], slots_P: torch.Tensor) -> torch.Tensor
 
 def write(cache: Sequence[torch.Tensor], slots_P: torch.Tensor, entries_PX: torch.Tensor) -> None:
     """`gather`'s inverse: each layer's share of the entries written at those slots, cast to the cache's dtype."""
-    sizes = [layer[0, 0].numel() for layer in cache]
+    sizes = entry_sizes(cache)
     if entries_PX.shape != (len(slots_P), sum(sizes)):
         raise MoepagerError(f"KV alignment: {tuple(entries_PX.shape)} entries came for {len(slots_P)} positions of a "
                             f"cache whose entry holds {sum(sizes)} values: the main and shadow ranks run different "
@@ -59,9 +59,9 @@ def write(cache: Sequence[torch.Tensor], slots_P: torch.Tensor, entries_PX: torc
             flat[slots_P.to(layer.device)] = part.view(-1, *layer.shape[2:]).to(layer.device, layer.dtype)
 
 
-def entry_values(cache: Sequence[torch.Tensor]) -> int:
-    """Values one position holds across every layer (what `gather` puts in a row)."""
-    return sum(layer[0, 0].numel() for layer in cache)
+def entry_sizes(cache: Sequence[torch.Tensor]) -> list[int]:
+    """Values one position holds in each layer (`gather` puts them side by side in a row)."""
+    return [layer[0, 0].numel() for layer in cache]
 
 
 class KVAligner:

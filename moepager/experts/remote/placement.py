@@ -132,10 +132,15 @@ class Placement:
         """ceil(n / G): the most of a call's n experts one-to-one assignment gives a worker."""
         return -(-n // self.group_size)
 
+    def spreads(self, phase: Phase) -> bool:
+        """A pass of `phase` spreads its calls over every worker by residue (a spread prefill with more than one
+        group; module note)."""
+        return phase == "prefill" and self.prefill == "spread" and self.workers > self.group_size
+
     def ranks_of(self, position: int, experts: Sequence[int], phase: Phase = "decode") -> list[int]:
         """The worker that computes each of a layer call's distinct `experts` (ascending) in a pass of `phase`, by
         `assign`, or in a prefill pass by `prefill` (module note)."""
-        if phase == "prefill" and self.prefill == "spread" and self.workers > self.group_size:
+        if self.spreads(phase):
             return [self.ranks[e % self.workers] for e in experts]
         if self.assign == "fixed":
             return [self.rank(position, e) for e in experts]
@@ -165,7 +170,7 @@ class Placement:
             decode = set(self.owned(rank, num_layers, num_experts))
         else:
             decode = {(p, e) for p in range(num_layers) if rank in self.group(p) for e in range(num_experts)}
-        i, spread = self.ranks.index(rank), self.prefill == "spread" and self.workers > self.group_size
+        i, spread = self.ranks.index(rank), self.spreads("prefill")
         return [(p, e) for p in range(num_layers) for e in range(num_experts) if (p, e) in decode or (
             spread and e % self.workers == i)]
 
