@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +76,15 @@ class ExpertMapFit:
 
 
 
+class MapNorms(NamedTuple):
+    """What every match reads of the stored maps (`ExpertMapStore.derived`)."""
+
+    norm2_LC: torch.Tensor
+    """Each stored map's squared norm per layer."""
+    sem_unit_CD: torch.Tensor
+    """The stored semantic embeddings, normalised."""
+
+
 class ExpertMapStore:
     """Up to `capacity` (semantic embedding, expert map) pairs, deduplicated by redundancy."""
 
@@ -88,15 +97,15 @@ class ExpertMapStore:
         self.capacity, self.distance, self.sem_kind, self.neighbours = capacity, distance, sem_kind, neighbours
         self.maps_CLE = torch.zeros(0, num_layers, num_experts)
         self.sem_CD = torch.zeros(0, 0)
-        self._derived: tuple[torch.Tensor, torch.Tensor] | None = None
-        """(norm2_LC, sem_unit_CD): what every match reads of the stored maps, made once per change of the store
-        (a search runs at every layer of every pass; recomputing these there was most of fMoE's inline cost)."""
+        self._derived: MapNorms | None = None
+        """Made once per change of the store (a search runs at every layer of every pass; recomputing these there
+        was most of fMoE's inline cost)."""
 
-    def derived(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each stored map's squared norm per layer [L, C], and the stored embeddings normalised [C, D]."""
+    def derived(self) -> MapNorms:
+        """Each stored map's squared norm per layer, and the stored embeddings normalised."""
         if self._derived is None:
             maps = self.maps_CLE
-            self._derived = ((maps * maps).sum(2).T.contiguous(), F.normalize(self.sem_CD, dim=1))
+            self._derived = MapNorms((maps * maps).sum(2).T.contiguous(), F.normalize(self.sem_CD, dim=1))
         return self._derived
 
     @property
@@ -174,7 +183,7 @@ class ExpertMapPredictor:
     def observe(self, layer: int, obs: LayerObservation) -> None:
         p_NE = obs.probs_NE.float()
         stored_CE = self.store.maps_CLE[:, layer]
-        dots, norm2, own2 = p_NE @ stored_CE.T, self.store.derived()[0][layer][None], (p_NE * p_NE).sum(1)
+        dots, norm2, own2 = p_NE @ stored_CE.T, self.store.derived().norm2_LC[layer][None], (p_NE * p_NE).sum(1)
         if self._dots_NC is None:
             self._dots_NC, self._norm2_NC, self._own2_N = dots, norm2, own2
         else:
@@ -189,7 +198,7 @@ class ExpertMapPredictor:
             score_NC = self._dots_NC / (self._own2_N[:, None] * self._norm2_NC).sqrt().clamp(min=1e-12)
         elif self.store.sem_kind != "none" and self._sem_ND is not None and \
                 self._sem_ND.shape[1] == self.store.sem_CD.shape[1]:
-            score_NC = F.normalize(self._sem_ND, dim=1) @ self.store.derived()[1].T
+            score_NC = F.normalize(self._sem_ND, dim=1) @ self.store.derived().sem_unit_CD.T
         elif self.store.sem_kind == "none" and ahead == 0 and self._rows():  # trajectory-only, nothing observed
             return Forecast(self.store.maps_CLE[:, layer].mean(0, keepdim=True).expand(self._rows(), -1))
         else:

@@ -101,8 +101,8 @@ class InlineCost:
     the forward thread, and this says what that costs."""
 
     predictor: str
-    seconds: dict[str, float]
-    passes: dict[str, int]
+    seconds: dict[Phase, float]
+    passes: dict[Phase, int]
     decode_s: float = 0.0
     """The run's decode time, to put the decode cost in proportion (set when the run ends)."""
 

@@ -17,6 +17,7 @@ Shape legend: P positions (tokens) aligned, S spans (request, start, count).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -28,6 +29,15 @@ FORGET_AFTER = 1024
 
 Span = tuple[int, int, int]
 """(request, start, count): a request's positions start .. start + count - 1."""
+
+
+class KVPayload(NamedTuple):
+    """What a due pass sends the shadow (`KVAligner.payload`)."""
+
+    spans_S3: torch.Tensor
+    """Each aligned span (request, start, count)."""
+    entries_PX: torch.Tensor
+    """Every layer's entries at those positions, side by side (`gather`)."""
 
 
 def slots(blocks: Sequence[int], start: int, count: int, block_size: int) -> torch.Tensor:
@@ -100,8 +110,8 @@ class KVAligner:
             self._prune(info.pass_id)
         return out
 
-    def payload(self, info: PassInfo, pool: KVCacheHolder) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(spans [S, 3], entries [P, X]) of the pool's cache to send with the pass, or None when nothing is due."""
+    def payload(self, info: PassInfo, pool: KVCacheHolder) -> KVPayload | None:
+        """The spans and entries of the pool's cache to send with the pass, or None when nothing is due."""
         spans = self.spans(info)
         if not spans:
             return None
@@ -109,7 +119,7 @@ class KVAligner:
         entries = gather(pool.cache, index)
         self.positions += len(index)
         self.bytes += entries.numel() * entries.element_size()
-        return torch.tensor([span for span, _ in spans], dtype=torch.long), entries
+        return KVPayload(torch.tensor([span for span, _ in spans], dtype=torch.long), entries)
 
     def _prune(self, pass_id: int) -> None:
         """Forget the requests no pass has carried for FORGET_AFTER passes (finished ones: the feed is not told of a
