@@ -110,7 +110,8 @@ BENCHMARKS: dict[str, Bench] = {
                           runtime="3 min", traces=(DS, OLMOE)),
     "grouping": _b("What can grouping decode requests by routing path save, and how much of it do the scheduler's "
                    "paths reach (ExpertFlow), on dense and sparse routing?", needs="traces", suites="cpu traces",
-                   quick=("--sizes", "8", "--draws", "2", "--fit", "40", "--test", "40"), runtime="5 min",
+                   quick=("--sizes", "8", "--draws", "2", "--fit", "40", "--test", "40", "--path-epochs", "1"),
+                   runtime="5 min",
                    traces=(DS, LLAMA4)),
     "workers": _b("Do OD-MoE's worker processes keep up with one process, and would an int8 shadow predict routing?",
                   needs="traces", quick=("--workers", "2", "--prompts", "2", "--tokens", "8", "--shadow-docs", "4",
