@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -194,6 +194,16 @@ class _RequestState:
     prompt_T: torch.Tensor | None = None
     """T5 layout: the prompt's token buckets so far (the last `window`) and their encoding."""
     memory: Memory | None = None
+    ahead: _Ahead | None = None
+    """The next token, advanced over before its pass (`PathPredictor.lookahead`)."""
+
+
+class _Ahead(NamedTuple):
+    start: int
+    bucket: int
+    probs_LE: torch.Tensor
+    before: _RequestState
+    """The state as it was without the token (put back when the pass feeds another one)."""
 
 
 class PathPredictor:
@@ -208,6 +218,8 @@ class PathPredictor:
         self._probs_NLE: torch.Tensor | None = None
         self._rows: tuple[Sequence[int], Sequence[int], Sequence[int], Sequence[Phase]] | None = None
         self._cache: dict[int, _RequestState] = {}
+        self.ahead_missed = 0
+        """Lookaheads the pass did not use (it fed another token there: the state was put back)."""
 
     @property
     def distances(self) -> set[int]:
@@ -233,13 +245,44 @@ class PathPredictor:
             return
         out, offset = [], 0
         for request, start, n, phase in zip(*self._rows, strict=True):
-            state = self._cache.get(request)
+            state, piece = self._cache.get(request), bucket_N[offset:offset + n]
+            offset += n
+            if state is not None and (ahead := state.ahead) is not None:
+                if n == 1 and (start, int(piece[0])) == ahead[:2]:  # the token forecast ahead: its path as it was
+                    state.ahead = None
+                    out.append(ahead.probs_LE[None])
+                    continue
+                state = self._cache[request] = ahead.before  # another token came (or a prompt again)
+                self.ahead_missed += 1
             if state is None or start == 0 or start != state.seen:  # new, or preempted and computed again
                 state = self._cache[request] = _RequestState()
-            out.append(self._advance(state, bucket_N[offset:offset + n], phase))
-            offset += n
+            out.append(torch.sigmoid(self._advance(state, piece, phase)))
         self._rows = None
-        self._probs_NLE = torch.sigmoid(torch.cat(out))
+        self._probs_NLE = torch.cat(out)
+
+    @torch.no_grad()
+    def lookahead(self, request: int, start: int, token_id: int) -> torch.Tensor | None:
+        """probs_LE of a decoding request's next token (its input at position `start`, known once the last pass
+        sampled it) before the pass that feeds it is scheduled: what the token scheduler groups by (ExpertFlow
+        §3.3.3: paths predicted, not the last token's). The state advances over the token now and the pass's
+        `start_iteration` reuses the forecast, so it costs nothing twice; when the pass feeds another token there
+        (a replay reads the recorded ones) the state is put back first. None when the predictor has not followed
+        the request up to `start` (new, or preempted)."""
+        state = self._cache.get(request)
+        if state is None or (state.ahead is None and start != state.seen):
+            return None
+        bucket = int(token_buckets([token_id], self.model.shape.vocab)[0])
+        if state.ahead is not None:
+            if state.ahead[:2] == (start, bucket):
+                return state.ahead.probs_LE
+            state = self._cache[request] = state.ahead.before
+            self.ahead_missed += 1
+            if start != state.seen:
+                return None
+        before = replace(state)
+        probs_LE = torch.sigmoid(self._advance(state, torch.tensor([bucket]), "decode"))[0]
+        state.ahead = _Ahead(start, bucket, probs_LE, before)
+        return probs_LE
 
     def _advance(self, state: _RequestState, bucket_T: torch.Tensor, phase: Phase) -> torch.Tensor:
         """logits_TLE of one request's next tokens, window by window, each seeing what came before it."""

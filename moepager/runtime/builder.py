@@ -125,8 +125,14 @@ def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = 
     if config.compile:
         compile_decode(loaded.model, loaded.experts, loaded.expert_shape, loaded.device)
     cfg = opened.config
-    paths = PathTracker(cfg.moe_layers, cfg.num_experts, prefetcher.predictor.forecast if prefetcher else None,
-                        cfg.top_k) if needs_paths(config.scheduler) else None
+    paths = None
+    if needs_paths(config.scheduler):
+        paths = PathTracker(cfg.moe_layers, cfg.num_experts, prefetcher.predictor.forecast if prefetcher else None,
+                            cfg.top_k, prefetcher.lookahead if prefetcher else None)
+        if prefetcher is None:
+            print(f"batch policy {config.scheduler.batch_policy}: requests are grouped by their last token's "
+                  "routing (no --predictor; --predictor path with --expert-memory forecasts the next token's, as "
+                  "ExpertFlow does)", file=sys.stderr)
     return Built(loaded, store, prefetcher, config,
                  online_configurator(config, opened, store, execution, profile, prefetcher), paths, placed.pass_parts)
 

@@ -65,6 +65,10 @@ class ReplaySource(RecordedRouting, Protocol):
         """The trace's tokens at this pass's rows; None where they were not recorded."""
         ...
 
+    def recorded_token(self, request: int, position: int) -> str | int | None:
+        """The trace's token of one request at one position; None where it was not recorded."""
+        ...
+
 
 class SemanticEmbed(Protocol):
     """token ids_N -> per-token vectors_ND whose running mean over a request is its semantic embedding (the
@@ -179,6 +183,19 @@ class Prefetcher:
         the recorded ones), and a replay-only predictor reads the recorded routing."""
         self.replay = source
         bind_replay(self.predictor, source)
+
+    @property
+    def lookahead(self) -> Callable[[int, int, int], torch.Tensor | None] | None:
+        """The predictor's forecast of a decoding request's next token from that token, before its pass (the path
+        predictor's `lookahead`; None for a predictor without one): what the token scheduler groups by."""
+        return self._lookahead if hasattr(self.predictor, "lookahead") else None
+
+    def _lookahead(self, request: int, start: int, token_id: int) -> torch.Tensor | None:
+        if self.replay is not None:  # the pass will hand the predictor the trace's token there, not the model's
+            recorded = self.replay.recorded_token(request, start)
+            if recorded is not None:
+                token_id = int(token_keys([recorded])[0])  # type: ignore[list-item]
+        return self.predictor.lookahead(request, start, token_id)  # type: ignore[attr-defined]
 
     # -- pass hook --------------------------------------------------------------------------------------------
     def begin_pass(self, info: PassInfo) -> None:

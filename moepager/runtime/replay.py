@@ -180,6 +180,11 @@ class RouteReplayer:
             out += tokens[start:start + n]
         return out
 
+    def recorded_token(self, request: int, position: int) -> str | int | None:
+        """The trace's token of one request at one position (None where the request has none, or past its end)."""
+        tokens = self._tokens.get(request)
+        return tokens[position] if tokens is not None and position < len(tokens) else None
+
     def route(self, layer: int, gate: nn.Module, x_ND: torch.Tensor) -> RoutingDecision:
         own: RoutingDecision = gate(x_ND)
         assert self._ids_NLK is not None, "begin_pass must announce a pass before the model runs"

@@ -12,6 +12,7 @@ scheduler configuration and concurrency runs the same passes over the same token
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +21,7 @@ from moepager.config import SchedulerConfig
 from moepager.runtime.batch_policy import batch_policy, needs_paths
 from moepager.runtime.grouping import path_of
 from moepager.runtime.kv_pool import KVBlocks
+from moepager.runtime.request import QueuedRequest
 from moepager.runtime.runner import pass_groups
 from moepager.runtime.scheduler import Scheduler
 from moepager.trace.format import DECODE, PREFILL, TraceError
@@ -73,6 +75,9 @@ class _TracePaths:
 
     def path(self, request: int) -> np.ndarray | None:
         return self.paths.get(request)
+
+    def update(self, decoding: Sequence[QueuedRequest]) -> None:
+        """The trace's paths are the last computed token's (`saw`): nothing to forecast."""
 
     def forget(self, request: int) -> None:
         self.paths.pop(request, None)

@@ -66,6 +66,43 @@ def test_the_engines_incremental_passes_match_one_causal_run(fitted):
     assert 7 not in fitted._cache
 
 
+@pytest.mark.parametrize("fixture", ["fitted", "fitted_t5"])
+def test_a_lookahead_forecasts_the_next_pass_and_the_pass_reuses_it(fixture, request):
+    """The token scheduler asks for a decoding request's next token's path before its pass: the forecast is the
+    one the pass makes without a lookahead, the pass reuses it (the same tensor), and a pass that feeds another
+    token (a replay's) forecasts from the state as it was."""
+    predictor: PathPredictor = request.getfixturevalue(fixture)
+    t = list(range(3, 16))
+
+    def run(lookahead: dict[int, int] | None, fed: dict[int, int] | None = None) -> list[torch.Tensor]:
+        predictor.end_request(1)
+        predictor.begin_rows((1,), (0,), (PROMPT,), ("prefill",))
+        predictor.start_iteration(torch.tensor(t[:PROMPT]), None)
+        out = []
+        for pos in range(PROMPT, len(t)):
+            ahead = None
+            if lookahead and pos in lookahead:
+                ahead = predictor.lookahead(1, pos, lookahead[pos])
+                assert ahead is not None and predictor.lookahead(1, pos, lookahead[pos]) is ahead  # asked again
+            predictor.begin_rows((1,), (pos,), (1,), ("decode",))
+            predictor.start_iteration(torch.tensor([(fed or {}).get(pos, t[pos])]), None)
+            probs_LE = torch.stack([predictor.forecast(j, 0).probs_NE[0] for j in range(L)])
+            if ahead is not None and lookahead[pos] == t[pos]:
+                assert torch.equal(ahead, probs_LE)
+            out.append(probs_LE)
+        return out
+
+    predictor.ahead_missed = 0
+    plain = run(None)
+    assert predictor.lookahead(1, 99, 5) is None and predictor.lookahead(42, 0, 5) is None  # not followed there
+    assert all(torch.equal(a, b) for a, b in zip(run({p: t[p] for p in range(PROMPT, len(t))}), plain))
+    # ahead on a token the pass does not feed (the pass feeds the true one): the state is put back first
+    got = run({PROMPT + 1: t[PROMPT + 1] + 1, PROMPT + 2: t[PROMPT + 2]}, fed={PROMPT + 1: t[PROMPT + 1]})
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, plain))
+    assert predictor.ahead_missed == 1
+    predictor.end_request(1)
+
+
 def test_training_is_seeded_and_resumes_where_it_stopped(tmp_path):
     toks, ids = requests(20)
     whole = fit_path(toks, ids, E, TINY, epochs=3, lr=1e-2)

@@ -3,7 +3,7 @@ turns and wait bound on fake requests, and its tokens against FIFO's on a real m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -64,9 +64,14 @@ class FakePaths:
         self.paths = {i: p for i, p in enumerate(paths)}
         self.column = {layer: layer for layer in range(4)}
         self.num_experts = 16
+        self.updates = 0
+        """Times groups were formed (each asks the paths to update first)."""
 
     def path(self, request: int) -> np.ndarray | None:
         return self.paths.get(request)
+
+    def update(self, decoding) -> None:
+        self.updates += 1
 
     def forget(self, request: int) -> None:
         self.paths.pop(request, None)
@@ -88,6 +93,9 @@ def test_expertflow_runs_twice_the_requests_as_two_similar_groups_in_turns():
     for a, b in zip(turns[::2], turns[1::2]):
         assert len(a) == len(b) == 4 and a | b == set(range(8))  # a pair of steps decodes every request once
         assert len({int(cluster[i]) for i in a}) == 1  # each group is one planted cluster
+    # the paths are asked to update before each grouping: the first pair's (inline), then each pair's second
+    # step forms the next pair's on the pipeline's thread
+    assert s.policy.paths.updates == 4
     waits = {i: 0 for i in range(8)}
     for turn in turns:
         for i in waits:
@@ -174,6 +182,77 @@ def test_expertflow_groups_by_a_predictors_paths_and_gives_fifos_tokens(hf_check
         out[policy] = [c.token_ids for c in llm.generate(prompts, params)]
         if policy == "expertflow":
             assert llm.paths is not None and llm.paths.forecast_passes > 0
+    assert out["fifo"] == out["expertflow"]
+
+
+@dataclass
+class Decoding:
+    """A decoding request as the tracker reads it: all but its last token computed."""
+
+    request_id: int
+    ids: list[int]
+
+    @property
+    def num_computed(self) -> int:
+        return len(self.ids) - 1
+
+    def tokens(self, start: int, count: int) -> list[int]:
+        return self.ids[start:start + count]
+
+
+def test_the_path_tracker_takes_a_lookahead_of_each_decoding_requests_next_token():
+    """Where the predictor forecasts from the next token itself (the path predictor's `lookahead`), forming groups
+    asks it for every decoding request at its next position; a request it does not follow keeps its routing."""
+    asked = []
+
+    def lookahead(request: int, start: int, token: int) -> torch.Tensor | None:
+        asked.append((request, start, token))
+        return torch.tensor([[0.9, 0.0, 0.8, 0.1], [0.0, 0.7, 0.1, 0.6]]) if request == 7 else None
+
+    tracker = PathTracker([1, 3], num_experts=4, top_k=2, lookahead=lookahead)
+    info = PassInfo(0, "prefill", (7, 9), (0, 0), (2, 1), ("prefill", "prefill"), torch.tensor([1, 2, 3]))
+    tracker.begin_pass(info)
+    for layer, ids in ((1, [[0, 1], [2, 3], [1, 2]]), (3, [[3, 0], [0, 2], [1, 3]])):
+        ids_TK = torch.tensor(ids)
+        tracker.routed(layer, torch.zeros(3, 2), RoutingDecision(ids_TK, ids_TK.float(), ids_TK.float(), ids_TK), ())
+    tracker.update([Decoding(7, [5, 6, 11]), Decoding(9, [4, 12])])
+    assert asked == [(7, 2, 11), (9, 1, 12)]
+    assert np.flatnonzero(tracker.path(7)).tolist() == [0, 2, 5, 7] and tracker.lookahead_paths == 1
+    assert np.flatnonzero(tracker.path(9)).tolist() == [1, 2, 5, 7]  # its routing, as without a lookahead
+
+
+def test_expertflow_groups_by_the_path_predictors_lookahead_and_gives_fifos_tokens(hf_checkpoint, tmp_path):
+    from moepager.config import PrefetchConfig, StoreConfig
+    from moepager.predictors.path import PathFit
+    from moepager.runtime.replay import ReplaySpec
+    from moepager.trace.fit import fit_path
+    from moepager.trace.format import TraceReader, TraceWriter
+
+    _, path = hf_checkpoint("olmoe")
+    prompts = [[3, 11, 5], [7, 1], [2, 2, 9, 4], [5], [8, 6, 1], [4, 4]]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    LLM(path, show_progress=False).generate(prompts, params, record_trace=tmp_path / "t.mpt")
+    with TraceReader(tmp_path / "t.mpt") as reader:
+        fit_path(reader, list(range(len(reader))), PathFit(epochs=2), lambda n: None).save(tmp_path / "path.pt")
+    out = {}
+    for policy in ("fifo", "expertflow"):
+        config = EngineConfig(model=str(path), store=StoreConfig(expert_memory="50%"),
+                              prefetch=PrefetchConfig("path", file=str(tmp_path / "path.pt")),
+                              scheduler=SchedulerConfig(max_num_seqs=2, batch_policy=policy, batch_invariant=True))
+        llm = LLM(config=config, show_progress=False)
+        out[policy] = [c.token_ids for c in llm.generate(prompts, params)]
+        if policy == "expertflow":
+            assert llm.paths is not None and llm.paths.lookahead_paths > 0
+            predictor = llm.prefetcher.predictor
+            assert predictor.ahead_missed == 0 and not any(s.ahead for s in predictor._cache.values())
+            # a replay of a trace of token strings: the model reads other tokens, and the lookahead reads the
+            # trace's (what the pass hands the predictor), so none is wasted
+            with TraceReader(tmp_path / "t.mpt") as reader, TraceWriter(tmp_path / "s.mpt", reader.header) as w:
+                for r in reader:
+                    w.add(replace(r, token_ids_T=None, tokens=[f"w{t}" for t in r.token_ids_T.tolist()]))
+            before = llm.paths.lookahead_paths
+            llm.replay(ReplaySpec(tmp_path / "s.mpt"), concurrency=6)
+            assert llm.paths.lookahead_paths > before and predictor.ahead_missed == 0
     assert out["fifo"] == out["expertflow"]
 
 

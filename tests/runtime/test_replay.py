@@ -184,6 +184,8 @@ def test_the_replayer_hands_out_each_rows_recorded_tokens(olmoe, tmp_path):
     replayer = RouteReplayer(requests, [0, 2, 5], torch.device("cpu"))
     replayer.begin_pass(PassInfo(0, "prefill", (7, 9), (0, 3), (2, 1), ("prefill", "decode"), torch.zeros(3)))
     assert replayer.recorded_tokens() == ["The", "Ġcat", 7]
+    assert replayer.recorded_token(7, 1) == "Ġcat" and replayer.recorded_token(9, 3) == 7
+    assert replayer.recorded_token(11, 0) is None and replayer.recorded_token(7, 5) is None
     replayer.begin_pass(PassInfo(1, "decode", (9, 11), (4, 1), (1, 1), ("decode", "decode"), torch.zeros(2)))
     assert replayer.recorded_tokens() is None
     path = tmp_path / "t.mpt"

@@ -20,6 +20,10 @@ class RoutingPaths(Protocol):
 
     def path(self, request: int) -> np.ndarray | None: ...
 
+    def update(self, decoding: Sequence[QueuedRequest]) -> None:
+        """Groups are about to be formed over `decoding` (a tracker that forecasts from the next tokens does it)."""
+        ...
+
     def forget(self, request: int) -> None: ...
 
 
