@@ -125,6 +125,28 @@ class ReadsKV(Protocol):
     def bind_kv(self, pool: KVCacheHolder) -> None: ...
 
 
+class RunSection(Protocol):
+    """A section of a run's statistics (runtime/stats.py `Section`): rows for the table, a dict for JSON."""
+
+    def rows(self) -> list[tuple[str, str]]: ...
+
+    def to_dict(self) -> dict: ...
+
+
+@runtime_checkable
+class Reports(Protocol):
+    """A part of the engine that adds a section to each call's statistics (the token scheduler's paths, the
+    shadow's KV alignment): its counts start again with each call (`reset_report`)."""
+
+    report_name: str
+
+    def reset_report(self) -> None: ...
+
+    def report(self) -> RunSection | None:
+        """This call's section; None: nothing to say."""
+        ...
+
+
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _libc: ctypes.CDLL | None = None

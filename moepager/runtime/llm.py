@@ -35,7 +35,7 @@ from moepager.runtime.stats import RunStats
 from moepager.runtime.tokenizer import Tokenizer
 from moepager.trace.format import TraceHeader
 from moepager.trace.recorder import RecordedRequest, TraceRecorder
-from moepager.types import PassInfo, PassPart, ReadsKV
+from moepager.types import PassInfo, PassPart, ReadsKV, Reports
 
 Prompt = str | list[int]
 OnText = Callable[[int, str], None]
@@ -97,6 +97,8 @@ class LLM:
         """Each running request's routing path (for a batch policy that groups requests by them)."""
         self.remote: list[PassPart] = list(built.pass_parts)
         """The placement's pass parts: the workers' executor (its layer calls carry the pass), the shadow's feed."""
+        self._reporting: list[Reports] = [p for p in (self.paths, *self.remote) if isinstance(p, Reports)]
+        """The parts with a section in each call's statistics."""
         self._pass_parts: list[PassPart] = self._parts(None, None)
         self._observe()
         self.engine = Engine(self.loaded.model, self.loaded.dtype, self.loaded.device, self.config.scheduler,
@@ -241,6 +243,8 @@ class LLM:
             self.store.counters.reset()
         if self.prefetcher is not None:
             self.prefetcher.reset_cost()
+        for part in self._reporting:
+            part.reset_report()
         self._pass_parts = self._parts(replayer, recorder)
         self._observe(recorder)
         if replayer is not None:
@@ -359,6 +363,9 @@ class LLM:
         if self.prefetcher is not None:  # what the prefetcher cost the forward thread
             self.prefetcher.cost.decode_s = stats.decode_s
             stats.sections["prefetch"] = self.prefetcher.cost
+        for part in self._reporting:
+            if (section := part.report()) is not None:
+                stats.sections[part.report_name] = section
         self.last_stats = stats
 
     @property

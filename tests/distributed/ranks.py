@@ -90,6 +90,8 @@ def main() -> int:
                 results[path + " crowded"] = [llm.loaded.experts.calls, llm.loaded.experts.crowded]
                 results[path + " shadow lost"] = any(getattr(part, "lost", False) is True for part in llm.remote
                                                      if part is not llm.loaded.experts)
+                kv = llm.last_stats.sections.get("kv alignment")
+                results[path + " kv alignment"] = kv.to_dict() if kv is not None else None
             except MoepagerError as e:
                 with open(out, "w") as f:
                     json.dump({"error": str(e)}, f)

@@ -236,6 +236,8 @@ def test_a_shadow_rank_forecasts_the_workers_routing_and_changes_no_token(hf_che
     shadow, workers = got[path + " workers"][0], got[path + " workers"][1:]  # rank 1, the shadow, answers first
     assert sum(w["loads_ahead"] for w in workers) > 0
     assert shadow["aligned"] > 0  # --kv-align-period 1: its cache took the main rank's entries
+    sent = got[path + " kv alignment"]  # the main rank's statistics say what it sent (each position sent once)
+    assert sent["period"] == 1 and sent["positions"] >= shadow["aligned"] > 0 and sent["bytes"] > 0
     # a forecast counts when it reaches the worker before the layer call it names: how many do depends on the shadow
     # keeping ahead with four processes on two cores (alone 55-65%; beside the rest of the suite 38% was seen)
     assert sum(w["forecast"] for w in workers) > 0.25 * sum(w["routed"] for w in workers)
@@ -251,7 +253,7 @@ def test_a_shadow_running_ahead_on_its_own_tokens_forecasts_later_passes_and_cha
                                            "MOEPAGER_TEST_ALIGN": "3", "MOEPAGER_TEST_KV_ALIGN": "0"})
     shadow, workers = got[path + " workers"][0], got[path + " workers"][1:]
     assert shadow["loads_ahead"] > 0 and shadow["hits"] > shadow["misses"]  # passes run ahead, guesses mostly right
-    assert shadow["aligned"] == 0  # --kv-align-period 0: its own cache only
+    assert shadow["aligned"] == 0 and got[path + " kv alignment"] is None  # --kv-align-period 0: its own cache only
     # a forecast counts when it reaches the worker before the layer call it names: how many do depends on the shadow
     # keeping ahead with four processes on two cores (alone 55-65%; beside the rest of the suite 38% was seen)
     assert sum(w["forecast"] for w in workers) > 0.25 * sum(w["routed"] for w in workers)

@@ -250,25 +250,35 @@ def test_expertflow_groups_by_the_path_predictors_lookahead_and_gives_fifos_toke
             with TraceReader(tmp_path / "t.mpt") as reader, TraceWriter(tmp_path / "s.mpt", reader.header) as w:
                 for r in reader:
                     w.add(replace(r, token_ids_T=None, tokens=[f"w{t}" for t in r.token_ids_T.tolist()]))
-            before = llm.paths.lookahead_paths
             llm.replay(ReplaySpec(tmp_path / "s.mpt"), concurrency=6)
-            assert llm.paths.lookahead_paths > before and predictor.ahead_missed == 0
+            assert llm.paths.lookahead_paths > 0 and predictor.ahead_missed == 0  # (the counts are the call's)
+            assert llm.last_stats.sections["token scheduler"].lookahead == llm.paths.lookahead_paths
     assert out["fifo"] == out["expertflow"]
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_expertflow_gives_fifos_tokens(hf_checkpoint, deterministic):
-    """Batch-invariant, every request's tokens are FIFO's exactly whatever its group; batched (fp32 tiny model), too."""
+def test_expertflow_gives_fifos_tokens(hf_checkpoint, deterministic, capsys):
+    """Batch-invariant, every request's tokens are FIFO's exactly whatever its group; batched (fp32 tiny model), too.
+    Without a predictor it says in one line that it groups by the last token's routing, and the run's statistics
+    say where the paths came from."""
     _, path = hf_checkpoint("qwen2_moe")
     prompts = [[3, 11, 5], [7, 1], [2, 2, 9, 4], [5], [8, 6, 1], [4, 4]]
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     out = {}
     for policy in ("fifo", "expertflow"):
         scheduler = SchedulerConfig(max_num_seqs=2, batch_policy=policy, batch_invariant=deterministic)
+        capsys.readouterr()
         llm = LLM(config=EngineConfig(model=str(path), scheduler=scheduler), show_progress=False)
+        said = [line for line in capsys.readouterr().err.splitlines() if "batch policy" in line]
         out[policy] = [c.token_ids for c in llm.generate(prompts, params)]
         if policy == "expertflow":
             assert llm.paths is not None and llm.paths.paths == {}  # every finished request forgotten
+            assert len(said) == 1 and "last token's routing" in said[0]
+            report = llm.last_stats.sections["token scheduler"]
+            assert report.lookahead == report.forecast_passes == 0 and report.routed_passes > 0
+            assert "grouping paths" in llm.last_stats.table()
+        else:
+            assert not said and "token scheduler" not in llm.last_stats.sections
     assert out["fifo"] == out["expertflow"]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import sys
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -30,6 +31,16 @@ class ShadowFeed:
     def bind_kv(self, pool: KVCacheHolder) -> None:
         self.kv = pool
 
+    report_name = "kv alignment"
+
+    def reset_report(self) -> None:
+        if self.aligner is not None:
+            self.aligner.positions = self.aligner.bytes = 0
+
+    def report(self) -> AlignReport | None:
+        a = self.aligner
+        return AlignReport(a.period, a.positions, a.bytes, self.lost) if a is not None else None
+
     def begin_pass(self, info: PassInfo) -> None:
         if self.lost:
             return
@@ -50,3 +61,22 @@ class ShadowFeed:
             self.lost = True
             print(f"shadow rank {SHADOW_RANK} did not take pass {info.pass_id} "
                   f"({str(e).splitlines()[0].split('] ')[-1][:120]}): going on without its forecasts", file=sys.stderr)
+
+
+@dataclass(frozen=True)
+class AlignReport:
+    """OD-MoE's KV alignment in a call's statistics: what the main rank sent the shadow."""
+
+    period: int
+    positions: int
+    bytes: int
+    lost: bool
+    """The shadow was left behind (nothing more was sent)."""
+
+    def to_dict(self) -> dict[str, int | bool]:
+        return asdict(self)
+
+    def rows(self) -> list[tuple[str, str]]:
+        lost = "; the shadow was left behind" if self.lost else ""
+        return [("shadow KV alignment", f"{self.positions} positions ({self.bytes / 2**20:.2f} MiB) sent, every "
+                                        f"{self.period} passes{lost}")]

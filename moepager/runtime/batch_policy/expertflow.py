@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -142,6 +143,8 @@ class PathTracker:
         """Passes whose paths came from the predictor's forecasts (the rest: from the routing)."""
         self.lookahead_paths = 0
         """Paths the lookahead gave (one per decoding request each time groups are formed)."""
+        self.routed_passes = 0
+        """Passes whose paths came from the routing."""
         self._info: PassInfo | None = None
         self._last_rows: np.ndarray | None = None
         self._pending: dict[int, np.ndarray] = {}
@@ -176,6 +179,8 @@ class PathTracker:
         if self._forecast is not None:
             ids_RLK = self._forecast
             self.forecast_passes += 1
+        else:
+            self.routed_passes += 1
         for row, request in enumerate(info.requests):
             self.paths[request] = path_of(ids_RLK[row], self.num_experts)
         self._pending, self._info, self._forecast = {}, None, None
@@ -201,3 +206,31 @@ class PathTracker:
     def forget(self, request: int) -> None:
         self._flush()  # its last pass first, so that nothing brings it back
         self.paths.pop(request, None)
+
+    report_name = "token scheduler"
+
+    def reset_report(self) -> None:
+        self.lookahead_paths = self.forecast_passes = self.routed_passes = 0
+
+    def report(self) -> PathsReport:
+        return PathsReport(self.lookahead_paths, self.forecast_passes, self.routed_passes)
+
+
+@dataclass(frozen=True)
+class PathsReport:
+    """The token scheduler's section of a call's statistics: where the paths it grouped by came from."""
+
+    lookahead: int
+    """Paths forecast from the next token when groups were formed (the path predictor's)."""
+    forecast_passes: int
+    """Passes whose rows' paths were a predictor's next-token forecast."""
+    routed_passes: int
+    """Passes whose rows' paths were their routing."""
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def rows(self) -> list[tuple[str, str]]:
+        return [("grouping paths", f"{self.lookahead} forecast from the next token (path predictor), "
+                                   f"{self.forecast_passes} passes' next-token forecasts, "
+                                   f"{self.routed_passes} passes' routing")]
