@@ -12,7 +12,14 @@ from tqdm import tqdm
 
 from moepager.atomic_io import atomic_file, check_file
 from moepager.cli.predictor import parse_ints
-from moepager.config import BATCH_POLICIES, HYBRID_PREFILLS, WORKER_ASSIGNS, Budget, SchedulerConfig
+from moepager.config import (
+    BATCH_POLICIES,
+    HYBRID_PREFILLS,
+    WORKER_ASSIGNS,
+    WORKER_PREFILLS,
+    Budget,
+    SchedulerConfig,
+)
 from moepager.errors import MoepagerError
 from moepager.experts.remote.placement import Placement
 from moepager.planning.cost import LINKS, PROFILES, CostModel
@@ -20,6 +27,7 @@ from moepager.planning.od_moe import (
     Cluster,
     crowded_calls,
     group_cache,
+    prefill_times,
     resident_step_times,
     step_times,
     worker_shares,
@@ -28,7 +36,7 @@ from moepager.policies import POLICIES
 from moepager.predictors import FITTED, PredictorError, make_predictor
 from moepager.runtime.step_order import engine_steps
 from moepager.store.budget import format_bytes
-from moepager.trace.format import DECODE, TraceError, TraceReader
+from moepager.trace.format import DECODE, PREFILL, TraceError, TraceReader
 from moepager.trace.predict import replay_forecasts
 from moepager.trace.report import format_table, plot_hit_rates, summary, with_gaps
 from moepager.trace.simulate import FORECASTS, Forecasts, SimSpec, check_spec, simulate
@@ -125,6 +133,10 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--worker-cache", type=int, default=0, metavar="C",
                    help="--workers: experts each worker keeps across steps (the engine's --worker-memory; replayed "
                         "with LRFU per layer); default 0, cacheless as OD-MoE runs")
+    g.add_argument("--worker-prefill", metavar="P[,P...]",
+                   help="--workers: also model the trace's prompts (OD-MoE §2.7: every routed expert loaded on "
+                        "demand) with a prompt's layer calls on the layer's group (group) or spread over every "
+                        "machine (spread), as the engine's --worker-prefill; comma-separated to compare")
     g.add_argument("--hidden-bytes", type=int, default=8192,
                    help="--workers: one token's hidden state on the wire (default 8192: 4096 fp16 values)")
 
@@ -253,7 +265,41 @@ def workers_table(args: argparse.Namespace, work: Workload, cost: CostModel | No
             lines.append(f"{n:>7}  {assign:<10}  {1 / t:>5.2f}  {alone / t:>15.3f}  {loaded.mean():>18.2f}  "
                          f"{crowded:>12.1f}%"
                          + (f"  (a group caches {per_layer} of a layer's experts)" if per_layer >= h.top_k else ""))
+    if args.worker_prefill:
+        lines += prompts_table(args, work, cost, expert_bytes, group)
     return "\n".join(lines)
+
+
+def prompts_table(args: argparse.Namespace, work: Workload, cost: CostModel, expert_bytes: int, group: int
+                  ) -> list[str]:
+    """`--worker-prefill`: the trace's prompt chunks on N worker machines (planning/od_moe.py `prefill_times`), each
+    mode against keeping a prompt's calls to the layer's group."""
+    modes = [m.strip() for m in args.worker_prefill.split(",")]
+    if not modes or any(m not in WORKER_PREFILLS for m in modes):
+        raise TraceError(f"--worker-prefill '{args.worker_prefill}': choose {' or '.join(WORKER_PREFILLS)} "
+                         "(comma-separated to compare)")
+    prompts = work.step_phase == PREFILL
+    if not prompts.any():
+        raise TraceError(f"--worker-prefill models the trace's prompt passes, and these steps (--order "
+                         f"{args.order}) have none: use --order recorded or engine (decode replays every token as a "
+                         "step of its own), with --route-prompt N where the trace records no prompt")
+    h = work.header
+    routed = work.routed_SLE()[prompts]
+    requested, tokens = routed.sum(2), np.diff(work.step_ptr)[prompts]
+    lines = [f"prompts: {int(prompts.sum())} chunks, {tokens.mean():.1f} tokens on average, every routed expert "
+             "loaded on demand (no forecast, no cache)",
+             "workers  prefill  prompt ms  x group"]
+    for n in parse_ints(args.workers, "--workers"):
+        cluster = Cluster(n, min(group, n), cost.device, cost.link, LINKS[args.network], args.main_layer_ms / 1e3,
+                          0.0)
+        times = {}
+        for mode in dict.fromkeys(["group", *modes]):
+            share = worker_shares(routed, Placement.of(n, cluster.group_size, prefill=mode), "prefill")
+            times[mode] = float(prefill_times(cluster, requested, tokens, expert_bytes, args.hidden_bytes, h.top_k,
+                                              share).mean())
+        lines += [f"{n:>7}  {mode:<7}  {1e3 * times[mode]:>9.2f}  {times[mode] / times['group']:>7.3f}"
+                  for mode in modes]
+    return lines
 
 
 def horizons(text: str) -> list[int]:
@@ -293,6 +339,8 @@ def run(args: argparse.Namespace) -> int:
                             "writes the format its suffix names")
     if plot_out is not None:
         require_matplotlib("--plot")
+    if args.worker_prefill and not args.workers:
+        raise TraceError("--worker-prefill models the prompts on worker machines: add --workers N")
     cut = Cut(args.route_prompt, args.decode_steps, args.layers)
     work = workload(args, cut)
     expert_bytes = args.expert_bytes or work.header.expert_bytes

@@ -90,6 +90,32 @@ def test_simulate_models_worker_caches(tmp_path, capsys):
     assert rate["cached"] > rate["none"]
 
 
+def test_simulate_models_the_prompts_on_the_workers(tmp_path, capsys):
+    """`simulate --workers --worker-prefill spread,group`: the trace's prompt chunks on paper, each mode against the
+    group's; a spread prompt's busiest worker takes fewer experts, so it is faster. Refused without prompts, without
+    --workers, or with an unknown mode."""
+    from moepager.cli.main import main
+    from tests.trace.conftest import random_trace
+
+    trace = random_trace(tmp_path / "t.mpt", lengths=(40, 30), experts=8, prefill=12)
+    args = ["simulate", str(trace), "--order", "recorded", "--profile", "rtx4090-pcie4", "--expert-bytes",
+            str(100 * MIB), "--workers", "8", "--worker-group", "2"]
+    assert main([*args, "--worker-prefill", "spread,group"]) == 0
+    out = capsys.readouterr().out
+    assert "prompts: 2 chunks, 12.0 tokens on average" in out
+    rows = {line.split()[1]: line.split() for line in out.splitlines() if line.startswith("      8  ")
+            and line.split()[1] in ("spread", "group")}
+    assert float(rows["group"][3]) == 1.0 and float(rows["spread"][3]) < 1.0
+    assert float(rows["spread"][2]) < float(rows["group"][2])
+    bad = [([*args, "--worker-prefill", "everywhere"], "choose spread or group"),
+           ([a for a in args if a not in ("--workers", "8")] + ["--worker-prefill", "spread"], "add --workers N")]
+    bad.append(([a if a != "recorded" else "decode" for a in args] + ["--worker-prefill", "spread"],
+                "use --order recorded or engine"))
+    for argv, message in bad:
+        assert main(argv) != 0
+        assert message in capsys.readouterr().err
+
+
 def test_the_model_assigns_every_call_as_the_engine_does():
     """`worker_shares` is the engine's assignment (`Placement.ranks_of`) call for call: with one-to-one the busiest
     worker takes ceil(n / G) of a call's n experts, which is what `step_times` assumes by default; with fixed, at
