@@ -6,7 +6,9 @@ Three schedules of the same requests, `--clients` of them at once (continuous ba
 - `expertflow` with `--max-num-seqs` = clients / 2: all of them running, two groups of similar routing paths
   decoding in turns (each step as large as the second FIFO's);
 - replayed routing only: `expertflow` again, its paths the next-token forecasts of a transition predictor fitted on
-  the trace's first 200 requests (`--predictor transition --prefetch-k 0`: forecasts only, nothing prefetched).
+  the trace's first 200 requests (`--predictor transition --prefetch-k 0`: forecasts only, nothing prefetched), and
+  of ExpertFlow's path predictor fitted on them (`--predictor path --prefetch-k 0`, the small shape, 20 epochs: each
+  decoding request's path forecast from its next token when the groups are formed).
 Per schedule: distinct experts per decode step (the store's accesses per step), expert bytes read per output token,
 decode tokens/s, and the requests whose tokens equal the first schedule's (a batched step rounds a row differently
 from a smaller batch, so an argmax can flip; `--deterministic` rows would be equal).
@@ -79,7 +81,8 @@ def figures(llm: LLM, tokens: list[list[int]], reference: list[list[int]] | None
             "expert_MiB_per_token": decode.get("bytes_disk", 0) / 2**20 / max(decoded, 1),
             "decode_tok_s": decoded / s.decode_s if s.decode_s else None,
             "hit_rate": decode.get("hit_rate"),
-            "same_tokens": None if reference is None else sum(a == b for a, b in zip(tokens, reference))}
+            "same_tokens": None if reference is None else sum(a == b for a, b in zip(tokens, reference)),
+            "grouping_paths": s.sections["token scheduler"].to_dict() if "token scheduler" in s.sections else None}
 
 
 def replayed(args: argparse.Namespace) -> list[dict]:
@@ -89,13 +92,14 @@ def replayed(args: argparse.Namespace) -> list[dict]:
     trace = deepseek_trace(args.layers)
     requests = replayed_requests(trace, 200, args.clients, args.prompt + args.decode)
     spec = ReplaySpec(trace, requests, args.prompt, "match", args.decode)
-    files = fitted_predictors(trace, list(range(200)), {("transition", "tokens")})
-    paths = PrefetchConfig("transition", file=str(files["transition", "tokens"]), per_row=0)  # paths only, no loads
+    files = fitted_predictors(trace, list(range(200)), {("transition", "tokens"), ("path", "tokens")})
     half = schedules(args.clients)[-1][1]
+    predicted = [(f"expertflow, {half.max_num_seqs} a step, {name}-predicted paths", half,
+                  PrefetchConfig(name, file=str(files[name, "tokens"]), per_row=0))  # paths only, no loads
+                 for name in ("transition", "path")]
     rows, reference = [], None
     for label, scheduler, prefetch in [(label, scheduler, PrefetchConfig()) for label, scheduler in
-                                       schedules(args.clients)] + [(f"expertflow, {half.max_num_seqs} a step, "
-                                                                    "transition-predicted paths", half, paths)]:
+                                       schedules(args.clients)] + predicted:
         llm = LLM(config=EngineConfig(model=str(path), threads=args.threads, scheduler=scheduler, prefetch=prefetch,
                                       store=StoreConfig(expert_memory=args.budget)), show_progress=False)
         out = llm.replay(spec, concurrency=args.clients)
@@ -229,10 +233,13 @@ def main() -> None:
         r["bytes_vs_first"] = r["expert_MiB_per_token"] / base["expert_MiB_per_token"] \
             if base["expert_MiB_per_token"] else None
     print(f"{args.clients} clients, expert budget {args.budget}, {args.decode} decode steps each:")
-    print_table(["workload", "schedule", "experts/step", "MiB/token", "x first", "tok/s", "hit %", "same tokens"],
+    print_table(["workload", "schedule", "experts/step", "MiB/token", "x first", "tok/s", "hit %", "same tokens",
+                 "paths: lookahead / forecast / routed"],
                 [[r["workload"], r["schedule"], r["distinct_experts_per_step"], r["expert_MiB_per_token"],
                   r["bytes_vs_first"] or "-", r["decode_tok_s"] or "-", 100 * (r["hit_rate"] or 0),
-                  "-" if r["same_tokens"] is None else f"{r['same_tokens']}/{args.clients}"] for r in rows])
+                  "-" if r["same_tokens"] is None else f"{r['same_tokens']}/{args.clients}",
+                  "-" if (g := r["grouping_paths"]) is None else
+                  f"{g['lookahead']} / {g['forecast_passes']} / {g['routed_passes']}"] for r in rows])
     bound = grouping_bound(args) if (SHARED / "deepseek-v2-lite").exists() else []
     if bound:
         print(f"\nbound on the DeepSeek-V2-Lite trace, {args.clients} requests: distinct (layer, expert) pairs of the "
