@@ -14,8 +14,11 @@ exposed and hidden load time per token, prefetch accuracy and wasted bytes per t
 forward thread per token (its predictor's matching and queueing, which the forward waits for: fMoE's matcher runs
 inline here), and TPOT relative to no prefetch at the same budget (a predictor that does not lower TPOT is reported as
 such).
+With `--smoe`, SMoE's prefetch selections over gate lookahead instead (`SMOE`: Adaptive-N, Fixed-N, each with and
+without Flex; nothing fitted).
 Usage: python benchmarks/prefetch_cpu.py [--models demo-moe,olmoe-1b-7b-L4] [--rounds 3] [--threads 2] [--quick]
-(writes results/prefetch_cpu.json and .png; with a subset of --models, results/prefetch_cpu_<models>.*)
+[--smoe] (writes results/prefetch_cpu.json and .png; with a subset of --models, results/prefetch_cpu_<models>.*,
+with --smoe ..._smoe.*)
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ from moepager.trace.format import TraceReader
 
 PREDICTORS = [None, "gate-lookahead", *FITTERS]
 """No prefetch, gate lookahead (it reads the model's routers) and every fitted predictor."""
+SMOE = {"none": {}, "Adaptive-N": {"fixed": False}, "Fixed-N": {"fixed": True}, "Adaptive-N + Flex": {"flex": True},
+        "Fixed-N + Flex": {"fixed": True, "flex": True}}
+"""`--smoe`: SMoE's prefetch selections (§2.7-2.8) over gate lookahead: Adaptive-N (a row's top-k, loading those not
+cached: the default), Fixed-N (exactly k not yet cached), each with and without Flex (prefetch off on the least
+accurate half of the layers after 32 passes)."""
 BUDGETS = ["25%", "50%"]
 MODELS = {"demo-moe": (None, 3), "olmoe-1b-7b-L4": (("olmoe-1b-7b", 4), 24)}
 """name -> (make-model preset and layers, or None for the built-in model; every n-th training document)."""
@@ -101,6 +109,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="1 round, 2 prompts, 16 tokens (a smoke run)")
+    ap.add_argument("--smoe", action="store_true",
+                    help="SMoE's selections instead of the predictors: gate lookahead with Adaptive-N, Fixed-N and "
+                         "each with Flex (nothing fitted)")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.prompts, args.max_tokens = 1, 2, 16
@@ -122,6 +133,7 @@ def main() -> None:
             print(f"note: {r['model']} {r['predictor']} at {r['budget']} does not lower TPOT "
                   f"({r['tpot_vs_none']:.2f}x of none)")
     name = "prefetch_cpu" if args.models == ",".join(MODELS) else "prefetch_cpu_" + args.models.replace(",", "_")
+    name += "_smoe" if args.smoe else ""
     png = RESULTS / f"{name}.png"
     plot(rows, png)
     path = write_json(name, {"machine": state, "threads": args.threads, "rounds": args.rounds,
@@ -129,26 +141,34 @@ def main() -> None:
     print(f"wrote {path} and {png}")
 
 
+def configurations(name: str, smoe: bool) -> dict[str, PrefetchConfig]:
+    """label -> the prefetch of one engine: every predictor, or (`--smoe`) SMoE's selections over gate lookahead."""
+    if smoe:
+        return {label: PrefetchConfig("gate-lookahead", **o) if o else PrefetchConfig() for label, o in SMOE.items()}
+    files = fitted_files(name)
+    return {p or "none": PrefetchConfig(p, file=str(files[p]) if p in files else None) for p in PREDICTORS}
+
+
 def measure(name: str, args: argparse.Namespace) -> list[dict]:
-    """Every predictor at every budget on one model; one (model, budget) group of engines alive at a time."""
-    files, path = fitted_files(name), model_path(name)
+    """Every configuration at every budget on one model; one (model, budget) group of engines alive at a time."""
+    configs, path = configurations(name, args.smoe), model_path(name)
     rows = []
     for budget in BUDGETS:
         llms = {}
         store = StoreConfig(expert_memory=budget, policy="lru", direct_io="auto")
-        for predictor in PREDICTORS:
-            prefetch = PrefetchConfig(predictor, file=str(files[predictor]) if predictor in files else None)
-            llms[predictor] = LLM(path, store=store, prefetch=prefetch, threads=args.threads, show_progress=False)
-        prompts = [llms[None].encode(doc)[:64] for doc in demo_documents()[1][: args.prompts]]
-        samples: dict[str | None, list[dict]] = {p: [] for p in PREDICTORS}
-        with tqdm(total=args.rounds * len(PREDICTORS), desc=f"{name} {budget}", unit="run") as bar:
+        for label, prefetch in configs.items():
+            llms[label] = LLM(path, store=store, prefetch=prefetch, threads=args.threads, show_progress=False)
+        prompts = [llms["none"].encode(doc)[:64] for doc in demo_documents()[1][: args.prompts]]
+        samples: dict[str, list[dict]] = {label: [] for label in configs}
+        with tqdm(total=args.rounds * len(configs), desc=f"{name} {budget}", unit="run") as bar:
             for _ in range(args.rounds):
-                for predictor in PREDICTORS:
-                    samples[predictor].append(run_once(llms[predictor], prompts, args.max_tokens))
+                for label in configs:
+                    samples[label].append(run_once(llms[label], prompts, args.max_tokens))
                     bar.update(1)
         del llms
-        group = [{"model": name, "budget": budget, "predictor": p or "none",
-                  **{k: statistics.median(run[k] for run in samples[p]) for k in samples[p][0]}} for p in PREDICTORS]
+        group = [{"model": name, "budget": budget, "predictor": label,
+                  **{k: statistics.median(run[k] for run in samples[label]) for k in samples[label][0]}}
+                 for label in configs]
         for r in group:
             r["tpot_vs_none"] = r["tpot_s"] / group[0]["tpot_s"]
             r["lowers_tpot"] = r["tpot_vs_none"] < 0.97
