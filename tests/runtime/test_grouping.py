@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from moepager.config import EngineConfig, SchedulerConfig
+from moepager.config import EngineConfig, PrefetchConfig, SchedulerConfig, StoreConfig
 from moepager.runtime.batch_policy import batch_policy
 from moepager.runtime.batch_policy.expertflow import WAIT_BOUND, ExpertFlowPolicy, PathTracker
 from moepager.runtime.grouping import (
@@ -162,7 +162,6 @@ def test_the_path_tracker_takes_the_predictors_next_token_forecast_when_it_has_o
 
 
 def test_expertflow_groups_by_a_predictors_paths_and_gives_fifos_tokens(hf_checkpoint, tmp_path):
-    from moepager.config import PrefetchConfig, StoreConfig
     from moepager.trace.fit import fit_transition
     from moepager.trace.format import TraceReader
 
@@ -171,18 +170,25 @@ def test_expertflow_groups_by_a_predictors_paths_and_gives_fifos_tokens(hf_check
                                             record_trace=tmp_path / "t.mpt")
     with TraceReader(tmp_path / "t.mpt") as reader:
         fit_transition(reader, list(range(len(reader))), [1, 2, 3]).save(tmp_path / "transition.pt")
-    prompts = [[3, 11, 5], [7, 1], [2, 2, 9, 4], [5], [8, 6, 1], [4, 4]]
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    out, llm = fifo_and_expertflow(path, PrefetchConfig("transition", file=str(tmp_path / "transition.pt")))
+    assert llm.paths is not None and llm.paths.forecast_passes > 0
+    assert out["fifo"] == out["expertflow"]
+
+
+PROMPTS = [[3, 11, 5], [7, 1], [2, 2, 9, 4], [5], [8, 6, 1], [4, 4]]
+PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+def fifo_and_expertflow(path, prefetch) -> tuple[dict[str, list[list[int]]], LLM]:
+    """FIFO's and expertflow's tokens on `PROMPTS` (batch-invariant, 2 a step, experts paged at 50%, `prefetch`'s
+    predictor), and the expertflow engine."""
     out = {}
     for policy in ("fifo", "expertflow"):
-        config = EngineConfig(model=str(path), store=StoreConfig(expert_memory="50%"),
-                              prefetch=PrefetchConfig("transition", file=str(tmp_path / "transition.pt")),
+        config = EngineConfig(model=str(path), store=StoreConfig(expert_memory="50%"), prefetch=prefetch,
                               scheduler=SchedulerConfig(max_num_seqs=2, batch_policy=policy, batch_invariant=True))
         llm = LLM(config=config, show_progress=False)
-        out[policy] = [c.token_ids for c in llm.generate(prompts, params)]
-        if policy == "expertflow":
-            assert llm.paths is not None and llm.paths.forecast_passes > 0
-    assert out["fifo"] == out["expertflow"]
+        out[policy] = [c.token_ids for c in llm.generate(PROMPTS, PARAMS)]
+    return out, llm
 
 
 @dataclass
@@ -222,38 +228,28 @@ def test_the_path_tracker_takes_a_lookahead_of_each_decoding_requests_next_token
 
 
 def test_expertflow_groups_by_the_path_predictors_lookahead_and_gives_fifos_tokens(hf_checkpoint, tmp_path):
-    from moepager.config import PrefetchConfig, StoreConfig
     from moepager.predictors.path import PathFit
     from moepager.runtime.replay import ReplaySpec
     from moepager.trace.fit import fit_path
     from moepager.trace.format import TraceReader, TraceWriter
 
     _, path = hf_checkpoint("olmoe")
-    prompts = [[3, 11, 5], [7, 1], [2, 2, 9, 4], [5], [8, 6, 1], [4, 4]]
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
-    LLM(path, show_progress=False).generate(prompts, params, record_trace=tmp_path / "t.mpt")
+    LLM(path, show_progress=False).generate(PROMPTS, PARAMS, record_trace=tmp_path / "t.mpt")
     with TraceReader(tmp_path / "t.mpt") as reader:
         fit_path(reader, list(range(len(reader))), PathFit(epochs=2), lambda n: None).save(tmp_path / "path.pt")
-    out = {}
-    for policy in ("fifo", "expertflow"):
-        config = EngineConfig(model=str(path), store=StoreConfig(expert_memory="50%"),
-                              prefetch=PrefetchConfig("path", file=str(tmp_path / "path.pt")),
-                              scheduler=SchedulerConfig(max_num_seqs=2, batch_policy=policy, batch_invariant=True))
-        llm = LLM(config=config, show_progress=False)
-        out[policy] = [c.token_ids for c in llm.generate(prompts, params)]
-        if policy == "expertflow":
-            assert llm.paths is not None and llm.paths.lookahead_paths > 0
-            predictor = llm.prefetcher.predictor
-            assert predictor.ahead_missed == 0 and not any(s.ahead for s in predictor._cache.values())
-            # a replay of a trace of token strings: the model reads other tokens, and the lookahead reads the
-            # trace's (what the pass hands the predictor), so none is wasted
-            with TraceReader(tmp_path / "t.mpt") as reader, TraceWriter(tmp_path / "s.mpt", reader.header) as w:
-                for r in reader:
-                    w.add(replace(r, token_ids_T=None, tokens=[f"w{t}" for t in r.token_ids_T.tolist()]))
-            llm.replay(ReplaySpec(tmp_path / "s.mpt"), concurrency=6)
-            assert llm.paths.lookahead_paths > 0 and predictor.ahead_missed == 0  # (the counts are the call's)
-            assert llm.last_stats.sections["token scheduler"].lookahead == llm.paths.lookahead_paths
+    out, llm = fifo_and_expertflow(path, PrefetchConfig("path", file=str(tmp_path / "path.pt")))
     assert out["fifo"] == out["expertflow"]
+    assert llm.paths is not None and llm.paths.lookahead_paths > 0
+    predictor = llm.prefetcher.predictor
+    assert predictor.ahead_missed == 0 and not any(s.ahead for s in predictor._cache.values())
+    # a replay of a trace of token strings: the model reads other tokens, and the lookahead reads the trace's (what
+    # the pass hands the predictor), so none is wasted
+    with TraceReader(tmp_path / "t.mpt") as reader, TraceWriter(tmp_path / "s.mpt", reader.header) as w:
+        for r in reader:
+            w.add(replace(r, token_ids_T=None, tokens=[f"w{t}" for t in r.token_ids_T.tolist()]))
+    llm.replay(ReplaySpec(tmp_path / "s.mpt"), concurrency=6)
+    assert llm.paths.lookahead_paths > 0 and predictor.ahead_missed == 0  # (the counts are the call's)
+    assert llm.last_stats.sections["token scheduler"].lookahead == llm.paths.lookahead_paths
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
