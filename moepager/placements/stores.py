@@ -18,6 +18,7 @@ from moepager.models.config import ModelConfig
 from moepager.policies import make_policy
 from moepager.policies.prefetch import make_prefetch_policy
 from moepager.store.budget import check_slots, format_bytes, ram_available, share_quotas
+from moepager.store.keyspace import WHOLE, KeySpace, SplitParts
 from moepager.store.slots import SlotTable
 from moepager.store.store import ExpertStore
 from moepager.store.tiers import Tier
@@ -85,17 +86,18 @@ def read_plan(path: str, cfg: ModelConfig) -> tuple[list[float], list[float]]:
     return budgets, theta
 
 
-def cached_parts(plan: str | None, theta: Sequence[float], cfg: ModelConfig, split: SplitLayout | None
-                 ) -> dict[int, int]:
-    """Each MoE layer's top parts a split checkpoint caches: the θ_i of the `--layer-plan` (`plan`) rounded to the
-    nearest part (at least one), all of them without one; a plan that splits experts needs a split checkpoint."""
+def key_space(plan: str | None, theta: Sequence[float], cfg: ModelConfig, split: SplitLayout | None) -> KeySpace:
+    """What the store's keys name: whole experts, or a split checkpoint's parts, each MoE layer caching the θ_i of
+    the `--layer-plan` (`plan`) rounded to the nearest part (at least one), all of them without one; a plan that splits
+    experts needs a split checkpoint."""
     if split is None:
         if min(theta) < 1:
             raise ConfigError(f"--layer-plan {plan} splits experts (θ down to {min(theta):.2f}) and this checkpoint "
                               "stores them whole: write a split copy with `moepager split --model MODEL --parts 4 "
                               "--out DIR` and run that, or plan with --whole-experts")
-        return {layer: 1 for layer in cfg.moe_layers}
-    return {layer: max(1, min(split.parts, round(t * split.parts))) for layer, t in zip(cfg.moe_layers, theta)}
+        return WHOLE
+    return SplitParts(split.parts, {layer: max(1, min(split.parts, round(t * split.parts)))
+                                    for layer, t in zip(cfg.moe_layers, theta)})
 
 
 def _check_fits(nbytes: int, device: torch.device, what: str) -> None:
@@ -151,13 +153,15 @@ def build_store(config: StoreConfig, reader: FlatReader, cfg: ModelConfig, devic
                      f"--host-memory {config.host_memory or 'all'} ({host_slots} experts)", scope="global")
     streams = stream_rows(device_slots, cfg.num_moe_layers * cfg.num_experts)
     budgets, theta = read_plan(config.layer_plan, cfg) if config.layer_plan else (None, [1.0] * cfg.num_moe_layers)
-    tops = cached_parts(config.layer_plan, theta, cfg, split)
-    if split is not None and config.configure == "auto" and not config.layer_plan:
+    if config.configure == "auto" and not config.layer_plan:
         # MoEpic §3.4: the outer loop starts at θ = 0.5 and the configurator moves it from there (a budget that holds
         # θ = 1's top parts and stream rows holds θ = 0.5's: k·S/2 tops and k·S/2 streaming against k·S and 2)
-        tops = cached_parts(None, [THETA_START] * cfg.num_moe_layers, cfg, split)
+        theta = [THETA_START if split is not None else 1.0] * cfg.num_moe_layers
+    space = key_space(config.layer_plan, theta, cfg, split)
     least, most = [cfg.top_k] * cfg.num_moe_layers, [cfg.num_experts] * cfg.num_moe_layers
-    if split is not None:  # each layer's top parts of a decode step's experts cached, its bottoms streaming at once
+    if isinstance(space, SplitParts):  # each layer's top parts of a step's experts cached, its bottoms streaming
+        assert split is not None
+        tops = space.tops
         least = [split.top_k * tops[layer] for layer in cfg.moe_layers]
         most = [split.experts * tops[layer] for layer in cfg.moe_layers]
         streams = max(streams, split.top_k * (split.parts - min(tops.values())))
@@ -171,13 +175,9 @@ def build_store(config: StoreConfig, reader: FlatReader, cfg: ModelConfig, devic
                  f"--expert-memory {config.expert_memory or 'all'} ({device_slots} experts)", streams,
                  prefetch_aware=True, quotas=quotas)
     transfers = Transfers(device, config.io_threads, config.prefetch_threads, config.prefetch_yields)
-    store = ExpertStore(tier, host, reader.read, transfers, buffers,
-                        getattr(reader, "read_many", None) if split is not None else None)
-    if split is not None:
-        store.split(split.parts, tops)
-    if config.warm:  # a split checkpoint's cacheable parts only, each layer's quota first
-        parts = split.parts if split is not None else 1
-        store.warm(warm_order(cfg.moe_layers, cfg.num_experts, store.device.table.quota if quotas or split else None,
-                              (lambda k: k.expert % parts < tops[k.layer]) if split is not None else None,
-                              config.scope == "global"), progress)
+    store = ExpertStore(tier, host, reader.read, transfers, buffers, getattr(reader, "read_many", None), space)
+    if config.warm:  # the units the cache may hold only (a split checkpoint's top parts), each layer's quota first
+        uneven = quotas is not None or space is not WHOLE
+        store.warm(warm_order(cfg.moe_layers, cfg.num_experts, store.device.table.quota if uneven else None,
+                              space.cacheable, config.scope == "global"), progress)
     return store

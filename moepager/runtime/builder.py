@@ -35,6 +35,7 @@ from moepager.runtime.batch_policy.expertflow import PathTracker
 from moepager.runtime.configure import OnlineConfigurator
 from moepager.runtime.prefetch import Prefetcher, build_prefetcher
 from moepager.store.budget import format_bytes
+from moepager.store.keyspace import SplitParts
 from moepager.store.parts import PartForecasts, WholeExperts
 from moepager.store.stats import StoreReport
 from moepager.store.store import ExpertStore
@@ -116,9 +117,9 @@ def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = 
         inner = store.order.inner  # the device tier's eviction policy, which may rank by forecasts (fMoE, PLEC)
         forecasts = inner if inner.uses_predictions else None
         view, next_use = store, inner.ranks_next_use
-        if store.parts > 1:  # a split checkpoint: forecasts of whole experts load their cacheable parts
+        if isinstance(store.space, SplitParts):  # a split checkpoint: forecasts of whole experts load their parts
             view = WholeExperts(store)
-            forecasts = PartForecasts(forecasts, store.parts) if forecasts is not None else None
+            forecasts = PartForecasts(forecasts, store.space.parts) if forecasts is not None else None
     if config.prefetch.predictor is not None and view is not None:
         prefetcher = build_prefetcher(config.prefetch, loaded.model, view, forecasts, next_use)
         loaded.model.observe_routing(prefetcher)
@@ -149,7 +150,7 @@ def online_configurator(config: EngineConfig, opened: OpenCheckpoint, store: Exp
         raise ConfigError("--configure auto sizes the expert store's per-layer caches: it runs with --expert-memory "
                           "and --execution gpu, without --workers")
     cfg = opened.config
-    whole = opened.reader.shape.nbytes * store.parts
+    whole = opened.reader.shape.nbytes * store.space.parts
     try:
         cost = CostModel.profile(profile, whole)
     except ValueError as e:
@@ -188,10 +189,10 @@ def store_report(store: ExpertStore | None, config: StoreConfig, prefill_tokens:
                  "read buffers": format_bytes(store.read_buffer_bytes),
                  "host slots": store.host.table.capacity if store.host is not None else "none (disk below)",
                  "policy": config.policy, "scope": config.scope, **where}
-    if store.parts > 1:
+    if isinstance(store.space, SplitParts):
         described["device slots"] = f"{store.device.table.capacity} expert parts"
-        described["split"] = (f"{store.parts} parts an expert, top parts cached per layer "
-                              + " ".join(str(t) for t in store.cached_parts.values()))
+        described["split"] = (f"{store.space.parts} parts an expert, top parts cached per layer "
+                              + " ".join(str(t) for t in store.space.tops.values()))
     if config.layer_plan:
         described["per-layer cache"] = " ".join(str(q) for q in store.device.table.quota.values())
     phases, nbytes = store.counters.phases, store.device.expert_nbytes

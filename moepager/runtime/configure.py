@@ -28,6 +28,7 @@ import torch
 
 from moepager.planning.configurator import LayerCosts, expert_split, statistics, vram_allocation
 from moepager.store.budget import share_quotas
+from moepager.store.keyspace import SplitParts
 from moepager.store.store import ExpertStore
 from moepager.types import PassInfo, RoutingDecision
 
@@ -37,8 +38,8 @@ class OnlineConfigurator:
                  every: int = 5000, window: int | None = None, zeta: float = 0.01, gain: float = 0.01,
                  log: Callable[[str], None] | None = None, ranked: int = 0):
         """`num_experts`, `top_k`: the router's (whole experts); the store's keys are parts when it holds split
-        experts (`store.parts`). `window`: decode tokens the hit curves are measured on (default `every`).
-        `ranked`: the forecast ranks the prediction statistics count (the prefetcher's experts per row; 0: no
+        experts (`store.space`, store/keyspace.py). `window`: decode tokens the hit curves are measured on (default
+        `every`). `ranked`: the forecast ranks the prediction statistics count (the prefetcher's experts per row; 0: no
         prefetch, no statistics)."""
         self.store, self.layers, self.costs = store, list(moe_layers), costs
         self.num_experts, self.top_k, self.every, self.zeta = num_experts, top_k, every, zeta
@@ -110,7 +111,7 @@ class OnlineConfigurator:
     def reconfigure(self) -> bool:
         """Choose each layer's cache size and split ratio on the window and apply them when they differ from the
         store's; returns whether anything changed."""
-        store, parts, k = self.store, self.store.parts, self.top_k
+        store, parts, k = self.store, self.store.space.parts, self.top_k
         table = store.device.table
         total = table.capacity / parts  # whole experts' worth of cache
         if not self.filled or not k <= total / len(self.layers) <= self.num_experts:
@@ -124,7 +125,8 @@ class OnlineConfigurator:
         quotas = share_quotas(plan.budgets_L.tolist(), table.capacity, [k * t for t in tops],
                               [self.num_experts * t for t in tops])
         before = [table.quota[layer] for layer in self.layers]
-        old_tops = [store.cached_parts.get(layer, parts) for layer in self.layers]
+        old_tops = [space.tops[layer] if isinstance(space := store.space, SplitParts) else parts
+                    for layer in self.layers]
         now = expert_split(np.asarray(before) / parts, hit_LC, k, self.costs, prediction, split,
                            parts if split else None, [t / parts for t in old_tops])
         if (quotas == before and tops == old_tops) or plan.exposed_s >= now.exposed_s * (1 - self.gain):

@@ -117,6 +117,8 @@ class PrefetchBuffer:
     def take(self, held: Held, keys: Sequence[ExpertKey], bottoms: list[int]) -> list[int]:
         """Step 4: the bottoms (indices into keys) loaded ahead are computed from their rows (each row's pin passes to
         `held`); returns the others."""
+        if not self.rows:
+            return bottoms
         store = self.store
         counters, tickets, rest = store.counters.current, store.device.table.ticket, []
         for i in bottoms:
@@ -132,6 +134,13 @@ class PrefetchBuffer:
             counters.hits[held.layer] += 1
             counters.prefetch_used += 1
         return rest
+
+    def rows_for(self, layer: int, queued: int) -> list[int]:
+        """Step 4: the free stream rows for `layer`'s `queued` units, after taking back those that bottoms loaded
+        ahead for other layers hold when too few are free (`reclaim`)."""
+        if self.rows or self.dropping:
+            self.reclaim(layer, queued)
+        return self.free_rows()
 
     def reclaim(self, layer: int, queued: int) -> None:
         """Step 4: `layer` has `queued` parts waiting for rows and finds too few free: bottoms loaded ahead for other

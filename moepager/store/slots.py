@@ -21,11 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterable, Sequence
 from concurrent.futures import Future
+from typing import Generic, TypeVar
 
 import torch
 
 from moepager.policies.base import EvictionPolicy
 from moepager.types import ExpertKey, Scope
+
+P = TypeVar("P", bound=EvictionPolicy)
 
 
 def settled(ticket: Future[torch.cuda.Event | None] | None) -> bool:
@@ -38,8 +41,8 @@ def settled(ticket: Future[torch.cuda.Event | None] | None) -> bool:
     return event is None or event.query()
 
 
-class SlotTable:
-    def __init__(self, capacity: int, layers: Sequence[int], policy: EvictionPolicy, scope: Scope,
+class SlotTable(Generic[P]):
+    def __init__(self, capacity: int, layers: Sequence[int], policy: P, scope: Scope,
                  stream_rows: int = 0, quotas: Sequence[int] | None = None):
         """`quotas`: scope "layer", each layer's share of the `capacity` slots (default: an even split)."""
         self.capacity = capacity

@@ -24,6 +24,11 @@ arrives, `settle` carries out the policy's verdict on each of that layer's prefe
 abandon one waiting on the lane to start, promote one loading (it stops giving way to demand loads:
 store/transfer.py), mark one stale (evicted before any expert that was used) or release it. Prefetched experts
 occupy the same slots, so they count against the same budget.
+
+Split experts (MoEpic): the store is handed a key space (store/keyspace.py) saying what its keys name, whole experts
+or the parts of split ones, which of them its cache may hold (those it never holds stream through the stream rows,
+`never_cached`), and which load in one read (`runs`); a key space whose rows no layer is using load units ahead gives
+the store its prefetch buffer (store/buffer.py). The store itself knows nothing else of parts.
 """
 
 from __future__ import annotations
@@ -34,23 +39,26 @@ from concurrent.futures import FIRST_COMPLETED, as_completed, wait
 
 import torch
 
+from moepager.policies.base import EvictionPolicy
 from moepager.policies.prefetch import PrefetchAware
 from moepager.store.buffer import PrefetchBuffer
+from moepager.store.keyspace import WHOLE, KeySpace
 from moepager.store.slots import SlotTable, settled
 from moepager.store.stats import PhaseCounters, StoreCounters
-from moepager.store.tiers import Held, ReadExpert, ReadExperts, Ticket, Tier, part_runs
+from moepager.store.tiers import Held, ReadExpert, ReadExperts, Ticket, Tier
 from moepager.store.transfer import Transfers, completed
 from moepager.types import Between, ExpertKey, PassInfo
 
 
 class ExpertStore:
-    def __init__(self, device: Tier, host: Tier | None, read: ReadExpert, transfers: Transfers,
-                 read_buffer_bytes: int = 0, read_many: ReadExperts | None = None):
+    def __init__(self, device: Tier[PrefetchAware], host: Tier[EvictionPolicy] | None, read: ReadExpert,
+                 transfers: Transfers, read_buffer_bytes: int = 0, read_many: ReadExperts | None = None,
+                 space: KeySpace = WHOLE):
+        """`device`'s policy: the prefetch policy the builder wraps around its eviction policy (policies/prefetch.py
+        make_prefetch_policy). `read_many`: a reader of units lying together on disk in one request, used for the key
+        space's `runs` (None: one read each)."""
         self.device, self.host = device, host
-        if not isinstance(device.table.policy, PrefetchAware):
-            raise TypeError("the device tier's policy must be a prefetch policy over its eviction policy "
-                            "(policies/prefetch.py make_prefetch_policy)")
-        self.order: PrefetchAware = device.table.policy
+        self.order = device.table.policy
         """The device tier's prefetch policy: its eviction order with prefetched experts, and their verdicts."""
         self.priority = self.order.priority
         """How the prefetcher ranks queued prefetches (the prefetch policy's rule; store/view.py `StoreView`)."""
@@ -59,19 +67,18 @@ class ExpertStore:
         """Bytes the reading threads take for bounce/conversion buffers (inside the budget of the tier they fill)."""
         self.read = read
         self.read_many = read_many
-        """Split experts: a miss's consecutive parts of one expert read from disk in one request (None: one each)."""
+        self.read_runs: ReadExperts | None = None
+        """`read_many` where the key space's units lie together in runs (`use`), else None."""
         self.transfers = transfers
         self.counters = StoreCounters()
         self.clock = 0
         """The current pass (`begin_pass`: the engine's pass id + 1): the `step` policies are given."""
-        self.parts = 1
-        """Parts each expert is stored in (a split checkpoint's S: checkpoints/split.py); keys then name parts."""
-        self.cached_parts: dict[int, int] = {}
-        """Split experts: each layer's top parts t (θ = t/S) that its cache may hold; parts j >= t of an expert
-        (its bottom) always stream through the stream rows."""
-        self.buffer = PrefetchBuffer(self)
-        """Split experts: bottom parts loaded ahead into the stream rows no layer is using (MoEpic's prefetch
-        buffer; `prefetch_bottoms`)."""
+        self.space: KeySpace = WHOLE
+        """What the keys name (store/keyspace.py): whole experts, or parts of split ones (`use`)."""
+        self.buffer: PrefetchBuffer | None = None
+        """Units loaded ahead into the stream rows no layer is using (MoEpic's prefetch buffer of bottom parts;
+        `prefetch_bottoms`), where the key space has one."""
+        self.use(space)
 
     def occupancy(self) -> tuple[int, int]:
         """(device slots holding an expert, device cache slots)."""
@@ -142,8 +149,9 @@ class ExpertStore:
             if misses:
                 counters.misses[layer] += len(misses)
                 self._fill(held, keys, misses, cache)
-            if self.parts > 1:  # rows the layer leaves free take forecast bottoms (MoEpic: after the demand loads)
-                self.buffer.after_demand()
+            buffer = self.buffer
+            if buffer is not None:  # rows the layer leaves free take forecast bottoms (MoEpic: after the demand loads)
+                buffer.after_demand()
             if self.order.ahead or self.order.stale:
                 hit = [k for i, k in enumerate(keys) if i not in misses] if misses else keys
                 counters.prefetch_used += self.order.used(hit)
@@ -172,14 +180,13 @@ class ExpertStore:
         room = (table.quota[layer] if table.scope == "layer" else table.capacity) - hits
         if not cache and table.stream_rows:
             room = 0
-        bottoms: list[int] = []
-        if self.parts > 1 and self.cached_parts[layer] < self.parts:  # a split layer's bottom parts: never cached
-            top, parts = self.cached_parts[layer], self.parts
-            bottoms = [i for i in misses if keys[i].expert % parts >= top]
-            misses = [i for i in misses if keys[i].expert % parts < top]
-            if self.buffer.rows:
-                bottoms = self.buffer.take(held, keys, bottoms)
-        if len(misses) + len(bottoms) > room and not table.stream_rows:
+        streamed: list[int] = []
+        if layer in self.space.streaming:  # units the cache never holds (a split layer's bottoms) always stream
+            misses, streamed = self.space.never_cached(keys, misses)
+            buffer = self.buffer
+            if buffer is not None:  # those loaded ahead are computed from the rows they wait in
+                streamed = buffer.take(held, keys, streamed)
+        if len(misses) + len(streamed) > room and not table.stream_rows:
             raise RuntimeError(f"expert store: layer {layer} needs {len(keys)} experts at once but holds "
                                f"{room + hits} and has no stream rows")
         cached, drained = misses[: max(room, 0)], False
@@ -197,14 +204,12 @@ class ExpertStore:
             if cached:  # only loads in flight stand in the way: wait for them, then claim the rest
                 self._drain(table)
                 drained = True
-        held.queued = sorted(misses[max(room, 0):] + bottoms) if bottoms else list(misses[max(room, 0):])
-        rows = table.stream_rows  # all free, unless split experts' bottoms loaded ahead hold some (store/buffer.py)
-        if self.parts > 1 and held.queued:
-            if self.buffer.rows or self.buffer.dropping:
-                self.buffer.reclaim(layer, len(held.queued))
-            rows = self.buffer.free_rows()
+        held.queued = sorted(misses[max(room, 0):] + streamed) if streamed else list(misses[max(room, 0):])
+        rows, buffer = table.stream_rows, self.buffer  # all free, unless units loaded ahead hold some (store/buffer.py)
+        if buffer is not None and held.queued:
+            rows = buffer.rows_for(layer, len(held.queued))
         rows = rows[: len(held.queued)]
-        if rows:  # the first queued misses into the stream rows, submitted together (a split's parts: one read)
+        if rows:  # the first queued misses into the stream rows, submitted together (a run of units: one read)
             started = [self._stream_start(held, row) for row in rows]
             keys = [ExpertKey(layer, held.experts[i]) for i in started]
             self.load_into(keys, rows, self.counters.current, ahead=False)
@@ -236,8 +241,9 @@ class ExpertStore:
             held.streaming -= 1
             if held.queued:
                 started.append(self._stream_next(held, row))
-        if self.buffer.wanted and not held.queued:
-            self.buffer.issue()
+        buffer = self.buffer
+        if buffer is not None and buffer.wanted and not held.queued:
+            buffer.issue()
         return started
 
     def wait(self, held: Held, which: Iterable[int]) -> None:
@@ -269,8 +275,9 @@ class ExpertStore:
     def release(self, held: Held) -> None:
         self.unpin(held.slots)
         held.slots, held.queued = [], []
-        if self.buffer.wanted:
-            self.buffer.issue()
+        buffer = self.buffer
+        if buffer is not None and buffer.wanted:
+            buffer.issue()
 
     def stream(self, layer: int, experts: Sequence[int]) -> Iterator[int]:
         """Device slots (or stream rows) holding `experts` of `layer`, one by one in order (`acquire`'s pins
@@ -326,28 +333,29 @@ class ExpertStore:
                 if slot >= 0:
                     table.free_event[slot] = event
 
-    # -- split experts and reconfiguration (MoEpic) ----------------------------------------------------------
-    def split(self, parts: int, cached_parts: dict[int, int]) -> None:
-        """Keys name parts of experts split in `parts` (key e·parts + j); each layer caches its experts' first
-        `cached_parts[layer]` parts and streams the rest (`reconfigure` changes them)."""
-        if parts > 1 and not self.device.table.stream_rows and min(cached_parts.values()) < parts:
-            raise ValueError("split experts stream their bottom parts: the store needs stream rows")
-        self.parts, self.cached_parts = parts, dict(cached_parts)
+    # -- the key space and reconfiguration (MoEpic) ----------------------------------------------------------
+    def use(self, space: KeySpace) -> None:
+        """Keys name `space`'s units from here on (store/keyspace.py; before any is loaded, or by `reconfigure`)."""
+        if space.streaming and not self.device.table.stream_rows:
+            raise ValueError("units the cache never holds (split experts' bottom parts) stream: the store needs "
+                             "stream rows")
+        self.space = space
+        self.read_runs = self.read_many if space.runs_together else None
+        if space.buffered and self.buffer is None:
+            self.buffer = PrefetchBuffer(self)
 
-    def reconfigure(self, quotas: dict[int, int], cached_parts: dict[int, int] | None = None) -> int:
+    def reconfigure(self, quotas: dict[int, int], tops: dict[int, int] | None = None) -> int:
         """New per-layer cache sizes (scope "layer"; their sum the cache's capacity) and, for split experts, top parts
-        per layer, between passes (nothing pinned): in-flight loads are awaited, every cached part now a bottom is
-        dropped and every layer above its new quota evicts by its policy down to it. Cached experts that stay are
-        kept, so the change reads nothing. Returns the experts (parts) dropped."""
+        per layer (`KeySpace.with_tops`), between passes (nothing pinned): in-flight loads are awaited, every cached
+        unit the key space no longer caches is dropped and every layer above its new quota evicts by its policy down
+        to it. Cached units that stay are kept, so the change reads nothing. Returns the units dropped."""
         table = self.device.table
         self._drain(table)
-        self.buffer.clear()  # a bottom may be a top now: loads ahead start again from the next forecast
-        if cached_parts is not None:
-            if self.parts == 1:
-                raise ValueError("top parts per layer apply to split experts only")
-            self.split(self.parts, cached_parts)
-        parts, top = self.parts, self.cached_parts
-        dropped = table.resize(quotas, self.clock, (lambda k: k.expert % parts < top[k.layer]) if parts > 1 else None)
+        if self.buffer is not None:
+            self.buffer.clear()  # a bottom may be a top now: loads ahead start again from the next forecast
+        if tops is not None:
+            self.use(self.space.with_tops(tops))
+        dropped = table.resize(quotas, self.clock, self.space.cacheable)
         if dropped:
             self._evicted(dropped)
         return len(dropped)
@@ -360,8 +368,8 @@ class ExpertStore:
         else:
             counters.loads_on_demand += len(keys)
         table, buffers, issued = self.device.table, self.device.buffers, time.perf_counter()
-        if self.read_many is not None and self.host is None and len(keys) > 1:  # split experts (read_many: builder)
-            runs = part_runs(keys, self.parts)
+        if self.read_runs is not None and self.host is None and len(keys) > 1:  # units lying together: one read
+            runs = self.space.runs(keys)
             calls = [([keys[i] for i in run], [buffers[slots[i]] for i in run], counters, issued) for run in runs]
             for run, ticket in zip(runs, self.transfers.submit_all(self._disk_load_run, calls, ahead)):
                 for i in run:
@@ -387,9 +395,9 @@ class ExpertStore:
 
     def _disk_load_run(self, keys: Sequence[ExpertKey], dsts: Sequence[torch.Tensor], counters: PhaseCounters,
                        issued: float, between: Between | None = None) -> None:
-        assert self.read_many is not None
+        assert self.read_runs is not None
         start = time.perf_counter()
-        nbytes = self.read_many(keys, dsts, between)
+        nbytes = self.read_runs(keys, dsts, between)
         done = time.perf_counter()
         counters.disk_read(nbytes, start, done)
         for _ in keys:
@@ -448,6 +456,8 @@ class ExpertStore:
         """MoEpic's prefetch of bottom segments (store/buffer.py): the bottom parts `keys`, best first, load ahead into
         the stream rows no layer is using and wait there for their layer; those that find no row wait for one. The
         list replaces the last one. Returns the loads issued now."""
+        if self.buffer is None:
+            raise ValueError("this store's key space loads nothing ahead into its stream rows")
         return self.buffer.want(keys)
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> int:
@@ -503,7 +513,8 @@ class ExpertStore:
         """Prefetched experts still loading."""
         tickets = self.device.table.ticket
         ahead = [k for k, slot in self.order.ahead.items() if tickets[slot] is not None and not settled(tickets[slot])]
-        return ahead + self.buffer.loading() if self.buffer.rows else ahead
+        buffer = self.buffer
+        return ahead + buffer.loading() if buffer is not None and buffer.rows else ahead
 
     def prefetches_in_flight(self) -> int:
         return len(self.loading_ahead())
@@ -512,9 +523,9 @@ class ExpertStore:
         """`layer` routed to `experts`: carry out the prefetch policy's verdict on each prefetch made for it, the
         first of its actions that applies (see the module note)."""
         table, counters, needed, order = self.device.table, self.counters.current, set(experts), self.order
-        if self.parts > 1:  # bottoms loaded ahead: the unneeded ones give their rows up
+        if self.buffer is not None:  # units loaded ahead into stream rows: the unneeded ones give their rows up
             self.buffer.settle(layer, needed)
-        gone: set[Ticket] = set()  # given up here (a split expert's parts read in one request share one ticket)
+        gone: set[Ticket] = set()  # given up here (a run of units read in one request shares one ticket)
         for key, slot in list(order.ahead.items()):  # a loop over a copy: judged keys leave `ahead`
             if key.layer != layer:
                 continue

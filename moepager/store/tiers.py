@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol
 
 import torch
 
-from moepager.store.slots import SlotTable
+from moepager.store.slots import P, SlotTable
 from moepager.types import Between, ExpertKey
 
 
@@ -30,10 +30,10 @@ class ReadExpert(Protocol):
 Ticket = Future[torch.cuda.Event | None]
 
 
-class Tier:
+class Tier(Generic[P]):
     """A slot table plus its arena: `buffers[slot]` is one expert's flat buffer."""
 
-    def __init__(self, table: SlotTable, buffers: torch.Tensor):
+    def __init__(self, table: SlotTable[P], buffers: torch.Tensor):
         self.table = table
         self.buffers = buffers
 
@@ -71,17 +71,3 @@ class HostHeld:
     """Each expert's host slot, in the order asked for."""
     reads: list[Ticket | None]
     """Each expert's read from disk into its slot when it was not there (None: it was): wait before computing."""
-
-
-def part_runs(keys: Sequence[ExpertKey], parts: int) -> list[list[int]]:
-    """Indices of `keys` in runs of consecutive parts of one expert (split experts: key e·parts + j), each run one
-    contiguous read of a split checkpoint."""
-    runs: list[list[int]] = []
-    for i, key in enumerate(keys):
-        last = keys[runs[-1][-1]] if runs else None
-        if last is not None and key.layer == last.layer and key.expert == last.expert + 1 \
-                and key.expert // parts == last.expert // parts:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return runs

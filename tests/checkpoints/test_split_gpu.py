@@ -36,5 +36,5 @@ def test_split_gpu_store_gives_the_resident_split_gpu_tokens(demo_checkpoint, tm
     llm = LLM(split, device="cuda", store=store, show_progress=False)
     paged = llm.generate(PROMPTS, params)
     assert [c.token_ids for c in paged] == [c.token_ids for c in resident]
-    assert llm.store is not None and llm.store.device.buffers.is_cuda and llm.store.parts == 2
+    assert llm.store is not None and llm.store.device.buffers.is_cuda and llm.store.space.parts == 2
     assert llm.last_stats.sections["experts"].to_dict()["decode"]["bytes_host_to_device"] > 0

@@ -41,13 +41,13 @@ def test_reconfiguring_every_few_tokens_changes_the_caches_and_no_token(hf_check
     assert sum(table.quota.values()) == table.capacity
     assert all(len(table.by_layer[layer]) <= table.quota[layer] for layer in table.quota)
     if split:
-        assert all(k.expert % 4 < llm.store.cached_parts[k.layer] for k in table.slot_of)
+        assert all(k.expert % 4 < llm.store.space.tops[k.layer] for k in table.slot_of)
         assert "top parts" in configurator.changes[0] and "top parts 2 2 2 -> " in configurator.changes[0]
     unmoved = LLM(path, store=StoreConfig(expert_memory=expert_budget(nbytes, 12 * parts), configure="auto",
                                           configure_every=10**6), show_progress=False)
     assert tokens(unmoved) == ref and not unmoved.configurator.changes
     # MoEpic's outer loop starts at θ = 0.5: half of each expert's parts cached until the first change
-    assert set(unmoved.store.cached_parts.values()) == ({2} if split else set())
+    assert set(getattr(unmoved.store.space, "tops", {}).values()) == ({2} if split else set())
 
 
 def test_the_window_keeps_the_most_recent_decode_tokens_oldest_first():

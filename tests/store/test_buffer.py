@@ -10,6 +10,7 @@ from concurrent.futures import wait
 import pytest
 
 from moepager.errors import CheckpointError
+from moepager.store.keyspace import SplitParts
 from moepager.types import ExpertKey
 from tests.store.test_prefetch_store import JitteryReader
 from tests.store.test_store import consume, make_store, value
@@ -25,7 +26,7 @@ def test_bottoms_forecast_load_ahead_into_free_stream_rows_and_are_computed_from
     bottoms take the free stream rows, the one that finds none waits for one. The layer routes to one of them: the
     others give their rows up, and the routed one is computed from its row, read once, counted a hit loaded ahead."""
     store, reader = make_store(8, streams=2)
-    store.split(2, {0: 1, 1: 1})
+    store.use(SplitParts(2, {0: 1, 1: 1}))
     assert store.prefetch_bottoms(bottoms(1, [3, 4, 5])) == 2  # two rows; expert 5's bottom waits for one
     assert set(store.buffer.rows) == set(bottoms(1, [3, 4]))
     store.settle(1, [6, 7, 0, 1])  # layer 1 routes to experts 3 and 0 (both parts of each)
@@ -43,7 +44,7 @@ def test_a_layer_short_of_stream_rows_takes_them_back_from_bottoms_loaded_ahead_
     """Both stream rows hold bottoms forecast for layer 1 (one reading, one queued behind it) when layer 0 needs two
     bottoms: the queued one is cancelled, the reading one awaited, and layer 0 gets its rows and its own values."""
     store, reader = make_store(8, streams=2)
-    store.split(2, {0: 1, 1: 1})
+    store.use(SplitParts(2, {0: 1, 1: 1}))
     reader.gate.clear()
     assert store.prefetch_bottoms(bottoms(1, [3, 4])) == 2
     threading.Timer(0.1, reader.gate.set).start()
@@ -61,16 +62,16 @@ def test_split_experts_hold_their_own_weights_while_bottoms_loaded_ahead_race_de
     right or wrong, settled as the engine does, loads of random duration: every part computed holds its own values,
     and at the end only the rows of bottoms still ahead are pinned."""
     store, _ = make_store(12, layers=(0, 1, 2), reader=JitteryReader(seed), io_threads=2, streams=3, host=host)
-    store.split(3, {0: 1, 1: 2, 2: 1})
+    store.use(SplitParts(3, {0: 1, 1: 2, 2: 1}))
     rng = random.Random(seed)
     for _ in range(60):
         layer = rng.randrange(3)
         experts = sorted(rng.sample(range(6), rng.randint(1, 2)))
         target = (layer + 1) % 3
         forecast = rng.sample(range(6), rng.randint(0, 3))
-        store.prefetch(target, [e * 3 + j for e in forecast for j in range(store.cached_parts[target])])
+        store.prefetch(target, [e * 3 + j for e in forecast for j in range(store.space.tops[target])])
         store.prefetch_bottoms([ExpertKey(target, e * 3 + j) for e in forecast
-                                for j in range(store.cached_parts[target], 3)])
+                                for j in range(store.space.tops[target], 3)])
         parts = [e * 3 + j for e in experts for j in range(3)]
         store.settle(layer, parts)
         assert consume(store, layer, parts) == [value(ExpertKey(layer, p)) for p in parts]
@@ -90,7 +91,7 @@ def test_bottoms_forecast_between_a_layers_routing_and_its_demand_loads_wait_for
     routed (as the engine forecasts, before the layer acquires) issue nothing until its demand loads took their rows;
     then they take the row left free, and layer 1 never takes rows back from them."""
     store, reader = make_store(8, streams=2)
-    store.split(2, {0: 1, 1: 1})
+    store.use(SplitParts(2, {0: 1, 1: 1}))
     store.settle(1, [2, 3])
     assert store.prefetch_bottoms(bottoms(0, [4, 5])) == 0 and store.buffer.rows == {}
     held = store.acquire(1, [2, 3])  # expert 1's top on demand into the cache, its bottom into a stream row
@@ -107,7 +108,7 @@ def test_a_bottom_whose_read_ahead_failed_troubles_no_one_unless_its_layer_route
     """A read ahead that fails (a corrupt file, say) is over, not in flight; a layer that does not route to it never
     hears of it, and one that does gets the read's error, as from a demand load."""
     store, reader = make_store(8, streams=2)
-    store.split(2, {0: 1, 1: 1})
+    store.use(SplitParts(2, {0: 1, 1: 1}))
     reader.fail.add(ExpertKey(1, 7))
     assert store.prefetch_bottoms(bottoms(1, [3])) == 1
     wait([store.device.table.ticket[store.buffer.rows[ExpertKey(1, 7)]]])

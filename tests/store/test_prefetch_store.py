@@ -12,6 +12,7 @@ import torch
 from moepager.errors import CheckpointError
 from moepager.policies.lru import LRU
 from moepager.policies.prefetch import PrefetchAware
+from moepager.store.keyspace import SplitParts
 from moepager.store.slots import SlotTable
 from moepager.types import ExpertKey
 from tests.store.test_store import FakeReader, consume, make_store, value
@@ -269,11 +270,11 @@ def test_settle_cancels_every_part_of_a_split_expert_read_in_one_request():
     both slots. Cancelling it forgets both parts (the second once held a cancelled ticket, which a later hit waited on
     and raised CancelledError), and the expert then loads on demand with its own values."""
     store, reader = make_store(8)
-    store.split(2, {0: 2, 1: 2})
 
     def read_many(keys, dsts, between=None) -> int:
         return sum(reader(key, dst) for key, dst in zip(keys, dsts))
     store.read_many = read_many
+    store.use(SplitParts(2, {0: 2, 1: 2}))
     reader.gate.clear()  # the prefetch lane's one thread blocks on expert 0's parts; expert 1's wait in its queue
     assert store.prefetch(1, [0, 1, 2, 3]) == 4
     tickets = store.device.table.ticket

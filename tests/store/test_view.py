@@ -9,6 +9,7 @@ from moepager.experts.remote.executor import RemoteExecutor
 from moepager.experts.remote.placement import Placement
 from moepager.experts.weights import ExpertShape
 from moepager.policies.prefetch import PrefetchAware
+from moepager.store.keyspace import SplitParts
 from moepager.store.parts import WholeExperts
 from moepager.store.view import StoreView
 from tests.store.test_store import make_store
@@ -17,7 +18,7 @@ from tests.store.test_store import make_store
 def test_the_store_its_whole_expert_view_and_the_workers_are_store_views():
     store, _ = make_store(8, streams=2)
     assert isinstance(store, StoreView)
-    store.split(2, {0: 1, 1: 1})
+    store.use(SplitParts(2, {0: 1, 1: 1}))
     whole = WholeExperts(store)
     assert isinstance(whole, StoreView)
     remote = RemoteExecutor(ExpertShape(hidden=8, intermediate=4, dtype=torch.bfloat16), [0, 1], 4,
@@ -40,5 +41,5 @@ def test_the_store_and_its_whole_expert_view_say_which_experts_a_layer_holds():
     assert store.cached(0) == {1, 3} and store.cached(1) == {2}
     whole = WholeExperts.__new__(WholeExperts)
     for top, want in ((2, {0}), (1, {0, 1})):  # parts 2e, 2e + 1 of expert e; held: all of 0, half of 1 and 2
-        whole.store = SimpleNamespace(parts=2, cached_parts={0: top}, cached=lambda layer: {0, 1, 2, 5})
+        whole.store = SimpleNamespace(space=SplitParts(2, {0: top}), cached=lambda layer: {0, 1, 2, 5})
         assert whole.cached(0) == want
