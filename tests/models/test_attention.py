@@ -34,7 +34,10 @@ def test_no_positions_give_empty_tables():
 @pytest.mark.parametrize("heads, kv_heads", [(16, 1), (8, 2)])
 def test_a_long_chunk_attends_in_row_blocks_with_the_same_result(monkeypatch, heads, kv_heads):
     """Past SCORES_MAX scores a chunk's queries go through SDPA in row blocks (its math path holds every score):
-    the same output bit for bit, and no call holds more than the limit's scores."""
+    the same output bit for bit, and no call holds more than the limit's scores. Where oneDNN runs on AMX tiles, torch's
+    CPU flash attention packs keys and values for them or not by how many query rows a call has, so a row's bits depend
+    on its block there: within one bf16 rounding of the whole (seen: 2 of 153,600 outputs, on an Intel Xeon with AMX;
+    with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 the same host gives the same bits)."""
     import torch.nn.functional as F
 
     import moepager.models.attention as attention_module
@@ -54,5 +57,8 @@ def test_a_long_chunk_attends_in_row_blocks_with_the_same_result(monkeypatch, he
     monkeypatch.setattr(attention_module, "SCORES_MAX", heads * s * 64)
     monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention", counted)
     blocked = attention_module.attention(q, k, v, mask)
-    assert torch.equal(whole, blocked)
+    if torch.cpu._is_amx_tile_supported():
+        torch.testing.assert_close(blocked, whole, rtol=2 ** -7, atol=0)
+    else:
+        assert torch.equal(whole, blocked)
     assert calls == [64] * 4 + [44]
