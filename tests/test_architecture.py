@@ -1,11 +1,15 @@
 """The import rules of docs/architecture.md, checked on the source: which package may import which, no import cycle
 between modules (annotations' imports under `if TYPE_CHECKING:` count: a cycle in types is a cycle in design), no
-moepager import hidden inside a function below the command line, and no module calling another's private methods."""
+moepager import hidden inside a function below the command line, no module calling another's private methods, and no
+measured figure in the code's docstrings and comments."""
 
 from __future__ import annotations
 
 import ast
+import io
 import pathlib
+import re
+import tokenize
 from collections import defaultdict
 
 import moepager
@@ -153,3 +157,28 @@ def test_nothing_outside_the_placements_folder_names_a_placement():
              if name.split(".")[:2] == ["moepager", "placements"] and name.split(".")[-1] in PLACEMENT_PLUGINS
              and name not in NAMES_A_PLACEMENT.get(module(p), ())]
     assert named == []
+
+
+MEASURED = re.compile(r"\b\d[\d.,]*(?:\s*/\s*\d[\d.,]*)*\s*(?:tok/s|GB/s|MB/s|us|µs|ms)\b"
+                      r"|\b\d[\d.]*x (?:faster|slower)")
+"""A measured figure: a rate, a time or a speed-up (the 2026-12-01 review's F10)."""
+SPECIFIED = {"15.8 / 31.5 / 63 GB/s"}
+"""Figures that are specifications, not measurements (PCIe's nominal rates, planning/cost.py)."""
+
+
+def test_docstrings_and_comments_state_contracts_not_measurements():
+    """A measured figure lives in benchmarks/README.md (or docs/history/), not in the code that it measured
+    (docs/architecture.md, "One figure, one place"): no rate, time or speed-up in a docstring or comment of the package,
+    Python or C++."""
+    found = []
+    for path in [*sources(), *sorted((PACKAGE / "accel" / "csrc").glob("*.[ch]*"))]:
+        text = path.read_text()
+        if path.suffix == ".py":
+            tokens = tokenize.generate_tokens(io.StringIO(text).readline)
+            notes = [t.string for t in tokens if t.type == tokenize.COMMENT
+                     or t.type == tokenize.STRING and t.string.lstrip("rbuf").startswith('"""')]
+        else:
+            notes = [line.split("//", 1)[1] for line in text.splitlines() if "//" in line]
+        found += [f"{module(path) if path.suffix == '.py' else path.name}: {m.group(0)}" for note in notes
+                  for m in MEASURED.finditer(note) if m.group(0) not in SPECIFIED]
+    assert found == []

@@ -1,24 +1,22 @@
 """A compiled decode step (`--compile`; CPU; opt-in): one token a row, one row or several.
 
-A small model's decode step is bound by per-call overhead, not bytes: the built-in model runs ~660 aten calls
-per token eagerly (~5 us each on this project's CPU), where llama.cpp runs its whole graph in under a
-millisecond. `compile_decode` hands the model's forward to TorchInductor, whole (`fullgraph`: the router, the
-experts and attention in one graph, no break per layer), with its C++ wrapper (kernels called from C++, not
-Python). Elementwise chains (RMSNorm, RoPE, SwiGLU, the router's softmax) fuse into generated loops; GEMMs stay
-torch's own. Shapes are static at the first compile, and Dynamo's automatic dynamic shapes make the KV length
-dynamic at the second decode and the block table's width at the first new block (two more compiles, then one graph
-for every length; runtime/runner.py passes a width of 2 or more, as a width of 1 would be specialised). Not
-`dynamic=True`: it makes every size a symbol (the KV pool's, the arena's), and the C++ wrapper turns each of them
-into a tensor at every call (0.95 against 1.20 ms a forward on the built-in model at 2 threads, ad-hoc probe).
+A small model's decode step is bound by per-call overhead, not bytes: the built-in model runs hundreds of aten calls per
+token eagerly, where llama.cpp runs its whole graph in one. `compile_decode` hands the model's forward to TorchInductor,
+whole (`fullgraph`: the router, the experts and attention in one graph, no break per layer), with its C++ wrapper
+(kernels called from C++, not Python). Elementwise chains (RMSNorm, RoPE, SwiGLU, the router's softmax) fuse into
+generated loops; GEMMs stay torch's own. Shapes are static at the first compile, and Dynamo's automatic dynamic shapes
+make the KV length dynamic at the second decode and the block table's width at the first new block (two more compiles,
+then one graph for every length; runtime/runner.py passes a width of 2 or more, as a width of 1 would be specialised).
+Not `dynamic=True`: it makes every size a symbol (the KV pool's, the arena's), and the C++ wrapper turns each of them
+into a tensor at every call, which costs more than the recompiles it saves.
 
 Resident float, int8 or int4 experts of at most COMPILE_MAX_EXPERT_BYTES are computed inside the graph, by
 `ArenaKernels.indexed_rows`: ids read on the device and each token's K experts' weights copied out of the arena
 (int8 ones converted to the compute dtype in the same fused copy, which is exact, and scaled per output channel
 after each GEMM; int4 ones copied packed, with their group scales, into torch's int4 GEMV, one unrolled pair per
 routed expert), so nothing syncs with the host and nothing in Python runs per expert. That copy is why it
-applies to small experts only: on the qwen3-30b-a3b geometry (9 MiB experts, 4 layers) an ad-hoc probe with the
-limit lifted decoded 6.5-7.6 tok/s compiled against 9.8 eagerly at one thread (and reading the experts in place
-through Inductor's own reduction instead of copying them, 7.7).
+applies to small experts only: with large ones (the qwen3-30b-a3b geometry's 9 MiB experts) copying them out, or
+reading them in place through Inductor's own reduction, decodes slower than the eager kernels.
 
 Every other executor (experts paged through the store, prepacked, or larger) is left to run eagerly: the graph
 leaves at each MoE layer through the operator `moepager::moe_layer` (models/graph_exit.py), which runs the block's
@@ -26,24 +24,21 @@ host step, observers included (a prefetcher, a trace recorder), and returns its 
 norms, routers and shared experts stay compiled; the graph is still one (no graph break per layer).
 
 The graph ends at the final norm: the LM head runs after it, eagerly, on oneDNN-prepacked weights when it is a large
-bf16 matrix (accel/packed.py; the built-in model's 8192x256 head: 189 us against 382 with torch's own GEMV at one
-thread, ad-hoc probe), which Inductor does not trace. The other dense projections keep their plain weights in the
-graph where `pack_dense` left them plain (under the ~1M elements where prepacking pays: all of a small model's);
-those it prepacked (a large model's attention) leave the graph through `moepager::opaque_linear` and keep their
-oneDNN kernel (qwen3-30b-a3b geometry: 10.07 tok/s compiled against 9.87 eager, 9.50 with them unpacked inside);
-`--dense-dtype int8-a8`'s FBGEMM projections leave it the same way. Not bit-equal to the eager forward (fused
-elementwise code rounds in another order; experts sum in top-k order): an opt-in speed choice, as `--expert-kernel
-packed` is. Prefill passes (more than one token a row, or a one-token prompt's: a KV length of 1 would compile
-another graph), passes that replay routing, and those that record it where the graph computes the experts itself
-run the eager forward.
+bf16 matrix (accel/packed.py), which Inductor does not trace. The other dense projections keep their plain weights in
+the graph where `pack_dense` left them plain (under the ~1M elements where prepacking pays: all of a small model's);
+those it prepacked (a large model's attention) leave the graph through `moepager::opaque_linear` and keep their oneDNN
+kernel (unpacked inside the graph, they are slower than eager); `--dense-dtype int8-a8`'s FBGEMM projections leave it
+the same way. Not bit-equal to the eager forward (fused elementwise code rounds in another order; experts sum in top-k
+order): an opt-in speed choice, as `--expert-kernel packed` is. Prefill passes (more than one token a row, or a
+one-token prompt's: a KV length of 1 would compile another graph), passes that replay routing, and those that record it
+where the graph computes the experts itself run the eager forward.
 
-Batched decode passes (several rows of one token: concurrent requests on the server) run compiled too, through one
-more graph for every row count of two or more (the row count and the attention mask's length become symbols, so
-the rows' KV lengths may differ; 6 graphs in all, RECOMPILE_LIMIT).
-The built-in model, side by side in one run, `python benchmarks/batched_decode.py`: 1.36-2.91x the eager batched step
-from 2 to 16 rows (tables in README). int4 experts inside the graph run each row's K experts unrolled, which would
-specialise the row count (a compile for each), so with them batched decodes stay eager. `LLM.warm_batched_decode`
-compiles the batched graphs up front (`moepager serve --compile` calls it); otherwise the first batched pass does.
+Batched decode passes (several rows of one token: concurrent requests on the server) run compiled too, through one more
+graph for every row count of two or more (the row count and the attention mask's length become symbols, so the rows' KV
+lengths may differ; 6 graphs in all, RECOMPILE_LIMIT). Measured against the eager batched step by `python -m benchmarks
+run batched_decode`. int4 experts inside the graph run each row's K experts unrolled, which would specialise the row
+count (a compile for each), so with them batched decodes stay eager. `LLM.warm_batched_decode` compiles the batched
+graphs up front (`moepager serve --compile` calls it); otherwise the first batched pass does.
 """
 
 from __future__ import annotations

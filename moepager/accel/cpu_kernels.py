@@ -2,10 +2,10 @@
 at the memory-bandwidth limit, a bf16 GEMV for the dense projections and the rest of a decode step, built for the CPU
 tier this machine runs (accel/cpu_tiers.py: avx512-bf16, avx2, neon-dotprod, neon, portable).
 
-Why our own C++ and not a library (measured on this project's 2-core Zen 5, 2026-11-27, `python -m benchmarks run
-expert_kernels`): torch's bf16 GEMV and oneDNN read a layer's 3-6 MB expert matrices at 12-18 GB/s one call at a
-time, `_weight_int8pack_mm` converts every weight to float (6-10 GB/s), `_weight_int4pack_mm_for_cpu` is
-compute-bound, and every one of them is a call (and a Python dispatch) per expert and projection. ggml's kernels
+Why our own C++ and not a library (`python -m benchmarks run expert_kernels` measures it): torch's bf16 GEMV and
+oneDNN read a layer's expert matrices well below the memory bandwidth one call at a time, `_weight_int8pack_mm`
+converts every weight to float, `_weight_int4pack_mm_for_cpu` is compute-bound, and every one of them is a call (and
+a Python dispatch) per expert and projection. ggml's kernels
 have no maintained Python binding that takes our buffers (llama-cpp-python runs whole GGUF models only). The
 extension here computes a whole layer in one call, threads split across experts and rows (ATen's own thread pool:
 `torch.set_num_threads` governs it), nothing in Python per expert.

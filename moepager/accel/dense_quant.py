@@ -8,10 +8,9 @@ experts run), norms, embeddings, and MLA's kv_b_proj (used as a matrix, not as a
 attention multiplies it into the queries). A tied LM head gets its own int8 copy; the embedding keeps its
 weights for the lookup.
 
-Bytes and speed on this CPU (`python benchmarks/gemv.py`: `aten._weight_int8pack_mm` against bf16 `F.linear`,
-one token, one thread): the built-in model's matrices run 1.0-2.2x faster (its 8192x256 LM head 131 against
-289 us), matrices with K >= 2048 gain nothing (9.6-12.1 GB/s of int8 against bf16's 22-23.5: about the same time
-for half the bytes). Memory halves either way. `--dense-dtype int8-a8` quantizes the activations too and runs
+Bytes and speed (`python -m benchmarks run gemv`: `aten._weight_int8pack_mm` against bf16 `F.linear`): small matrices
+run faster, large ones (K of 2048 and more) gain little, that kernel reading int8 at about half bf16's rate (the same
+time for half the bytes). Memory halves either way. `--dense-dtype int8-a8` quantizes the activations too and runs
 moepager's int8 GEMV (accel/cpu_kernels.py, activations in blocks of 32 with a scale each) for bf16 runs where it is
 built, else FBGEMM (activations with one scale per row) (Int8A8Linear): faster on large matrices, lossier.
 """

@@ -4,13 +4,10 @@ converts or reorders a weight. Lossless in the sense of a kernel choice: the pro
 fp32 accumulation order may differ from torch's own GEMV (a result can differ in its last bf16 bit), and every
 placement of the experts (resident, paged, prefetched) runs the same kernel.
 
-Measured on this project's CPU (`python benchmarks/gemv.py`, 2026-11-24, bf16, one token, ~1 GB of distinct
-matrices so none is cached; native GEMV against prepacked oneDNN, GB/s at 1 / 2 threads): 8192x256 7.3 / 11.3 and
-13.9 / 21.3; 5120x2048 8.4 / 13.2 and 16.0 / 24.3; qwen3-30b-a3b's LM head 151936x2048 8.3 / 13.5 and 16.7 / 25.6.
-Below ~1M elements the fixed cost of a oneDNN call (~17 us) loses (128x256: 10.6 against 24.9 us), so smaller
-matrices keep their weights; fp32 does not gain (0.8-1.2x in an ad-hoc probe) and keeps them too. The gain depends
-on the machine: an earlier session's host ran torch's native GEMV at 22-23.5 GB/s at one thread and prepacked
-oneDNN at 16-19 (README), where prepacking would lose; `--no-packed-dense` turns it off.
+Measured by `python -m benchmarks run gemv` (native GEMV against prepacked oneDNN). Below ~1M elements the fixed
+cost of a oneDNN call loses, so smaller matrices keep their weights; fp32 does not gain and keeps them too. The gain
+depends on the machine (a host whose torch GEMV reads faster than oneDNN's prepacked kernel loses by it);
+`--no-packed-dense` turns it off.
 """
 
 from __future__ import annotations
@@ -52,14 +49,14 @@ class PackedLinear(LeavesGraph):
 
 FUSED_DENSE_MAX_TOKENS = 8
 """`FusedLinear` computes calls on up to this many rows with moepager's GEMV, more with torch's GEMM (at 16 rows
-torch's catches up: 1024x1024 at 1 thread, 243 against 235 us; at 4 rows 69 against 123)."""
+torch's catches up)."""
 
 
 class FusedLinear(LeavesGraph):
     """y = x W^T + b on plain bf16 weights with moepager's own GEMV (accel/cpu_kernels.py) for a few rows: it reads
-    the qwen3-30b-a3b LM head (151936x2048) at 20 / 26 GB/s at 1 / 2 threads where oneDNN's prepacked kernel reads
-    11 / 18 and torch's own 9 / 13, and a 32x256 projection takes 1.6 us against torch's 16.5 (with oneDNN on). Its
-    fp32 accumulation order differs from torch's: a result may differ in its last bf16 bit."""
+    a large matrix (an LM head) faster than oneDNN's prepacked kernel or torch's own, and a small one without their
+    fixed cost per call (benchmarks/README.md#cpu_kernels). Its fp32 accumulation order differs from torch's: a result
+    may differ in its last bf16 bit."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()

@@ -3,10 +3,10 @@ CPU model at load: RMSNorm, the softmax top-k router and a decode pass's attenti
 parts allow it the whole decoder layer in one call, and where every layer has that call the whole decode pass
 (embedding to logits) in one.
 
-Where the time went (the built-in model, bf16, eager, 1 thread, cProfile of 128 decode tokens, 2026-11-27): a torch
-RMSNorm is seven ops (~14 us; 19 a token), a router six, an attention some twenty (views, RoPE, the cache write, SDPA),
-and each module call and attribute lookup of nn.Module costs a microsecond or two: ~2.6 ms a token where llama.cpp
-takes ~1.1. With the kernels a layer is one Python call (`DecodeLayerStep`), its parts run in C++ one after another.
+Where the time went (the built-in model, bf16, eager, profiled): a torch RMSNorm is seven ops (19 norms a token), a
+router six, an attention some twenty (views, RoPE, the cache write, SDPA), and each module call and attribute lookup of
+nn.Module costs a microsecond or two, so a token took more than twice llama.cpp's time. With the kernels a layer is one
+Python call (`DecodeLayerStep`), its parts run in C++ one after another.
 
 Numerics: the kernels follow the torch path's roundings; a result may differ from torch's in its last bf16 bits (the
 order of fp32 sums), and a router's tied experts may come in another order (torch's top-k leaves it unspecified). The
@@ -110,11 +110,11 @@ class DecodeLayerStep:
 class DecodeModelStep:
     """A decode pass of the whole model in one call (csrc/step.cpp `DecodeModel`): the tokens' embedding rows, their
     positions' rotary rows, every decoder layer's `DecodeLayer`, the final norm and the LM head; logits [B, V]. The
-    Python between the layers, the norm and the head (module calls, views, the per-layer checks) was ~0.1 ms a token
-    on the built-in model (Zen 4, 1 thread) and three times that on the Zen 3, where the whole token is ~2 ms. It
-    declines (None: the modules compute, each layer by its own `DecodeLayerStep` where that applies) wherever a layer
-    would: more rows than the kernels take, an observer or replayed routing, another executor, forward hooks on any
-    module the pass would skip (the layers' and their parts', the embedding's, the norm's, the head's), padding."""
+    Python between the layers, the norm and the head (module calls, views, the per-layer checks) was a tenth of a
+    small model's token or more. It declines (None: the modules compute, each layer by its own `DecodeLayerStep` where
+    that applies) wherever a layer would: more rows than the kernels take, an observer or replayed routing, another
+    executor, forward hooks on any module the pass would skip (the layers' and their parts', the embedding's, the
+    norm's, the head's), padding."""
 
     @staticmethod
     def fits(model: CausalLM) -> bool:

@@ -3,7 +3,7 @@
 A RAM budget is only honest if the OS does not quietly keep the model in its page cache. Files are opened
 with O_DIRECT where the file system allows it: reads then need an aligned offset, length and address, so
 each read covers the aligned span around the wanted bytes, in chunks of BOUNCE_BYTES through a per-thread
-aligned bounce buffer, and copies out (a memory copy, ~10x faster than the disk). Where O_DIRECT is refused
+aligned bounce buffer, and copies out (a memory copy, far faster than the disk). Where O_DIRECT is refused
 (tmpfs, some network file systems) reads go through the cache and the pages are dropped right after
 (posix_fadvise DONTNEED); spans that touch (an expert's tensors) are one request there too, a `preadv` into their
 buffers in turn.
@@ -53,10 +53,9 @@ def _say_no_direct(path: Path) -> None:
 
 def bounce_bytes(read_nbytes: int) -> int:
     """Bounce buffer size for reads of about `read_nbytes`, at most BOUNCE_BYTES: their whole aligned span (whole
-    pages, one more for an unaligned start), so an expert up to BOUNCE_BYTES is one request. A small expert's read
-    is latency-bound: a quarter-size buffer (until 2026-11-26) made four requests of each, and the built-in model's
-    98 KiB experts loaded in 409 us instead of 149 (O_DIRECT, this machine's disk). Below WHOLE_SPAN_MIN (test-sized
-    models) a quarter still: there five threads' whole-expert buffers would take most of the small budgets such
+    pages, one more for an unaligned start), so an expert up to BOUNCE_BYTES is one request: a small expert's read
+    is latency-bound, and four requests of each took several times one. Below WHOLE_SPAN_MIN (test-sized models) a
+    quarter still: there five threads' whole-expert buffers would take most of the small budgets such
     models run in."""
     if read_nbytes < WHOLE_SPAN_MIN:
         return max(ALIGN, -(-read_nbytes // (4 * ALIGN)) * ALIGN)

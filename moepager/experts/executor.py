@@ -10,16 +10,15 @@ on where the weights came from or when they arrived:
    sorted order, i.e. every token sums its experts in ascending id order: with the `loop` kernel the result is
    bit for bit that of experts/reference.py's reference `combine_experts` (tested).
 
-Kernels (bf16, this project's 2-core CPU, 1 thread, `python benchmarks/expert_kernels.py`; `auto` is `grouped`
-on CUDA, and on the CPU `loop` for one token and `grouped` for more: batched decodes and prefill):
-- `loop`: one pair of GEMMs per used expert on its slice. One DeepSeek-V2-Lite layer (2048x1408 experts,
-  top-6): 10.2 ms at 1 token, 125 ms at 64. Fastest in the built-in model's whole decode step
-  (`benchmarks/peers.py --kernels auto gather grouped`: loop 249, gather 228, grouped 184 tok/s at 1 thread;
-  297, 281, 257 at 2), although `gather` wins a lone layer of its tiny experts (0.28 against 0.47 ms).
+Kernels (`--expert-kernel`; measured in benchmarks/README.md#expert_kernels and #cpu_kernels):
+- `loop`: one pair of GEMMs per used expert on its slice; every kernel's reference order.
 - `gather`: each (token, k) pair's expert weights copied out of the arena (`index_select`, gpt-fast's
-  `w1[expert_indices]`) and one batched GEMM per projection (DeepSeek layer: 62 ms at 1 token, 9.6 s at 64).
-- `grouped`: `torch._grouped_mm` over the arena viewed as `[rows, 2F, D]` with per-row token offsets: no
-  gather and no Python loop over experts (DeepSeek layer: 11.9 ms at 1 token, 118 ms at 64); the GPU path.
+  `w1[expert_indices]`) and one batched GEMM per projection.
+- `grouped`: `torch._grouped_mm` over the arena viewed as `[rows, 2F, D]` with per-row token offsets: no gather and
+  no Python loop over experts; the GPU path.
+- `packed` (resident, CPU) and `fused` (moepager's CPU kernel, a `FusedKernel` from the composition root).
+`auto`: `grouped` on CUDA; on the CPU the fused kernel where it applies (accel/cpu_kernels.py `fused_experts`), else
+`loop` for one token and `grouped` for more.
 A paged arena (the store's device slots and stream rows) computes what is resident at once, then the experts
 still loading as they land, in one call per batch of those that have landed (`loop`: one by one), a prefill
 computing while its loads run; each row's result does not depend on which call computed it.
@@ -156,9 +155,9 @@ class ArenaKernels:
         return fused.combine(y_MD, work.token_M, x_ND.shape[0])
 
     def choose(self, tokens: int) -> Kernel:
-        """The kernel for a call on `tokens` tokens: `auto` on the CPU is `loop` for one token and `grouped` for
-        more (a batch of decodes spreads over many experts with few tokens each: grouped decodes the built-in model
-        1.6x faster than loop at 8 requests, 505 against 313 tok/s; and it wins prefill, see the module note)."""
+        """The kernel for a call on `tokens` tokens: `auto` on the CPU (where the fused kernel does not apply) is
+        `loop` for one token and `grouped` for more: a batch of decodes spreads over many experts with few tokens
+        each, where one grouped call beats a GEMM pair per expert, and so does a prefill."""
         return self.batched if tokens > 1 else self.resolved
 
     def loop(self, work: SortedTokens, rows: Sequence[int], which: Sequence[int], out_MD: torch.Tensor,
@@ -172,8 +171,8 @@ class ArenaKernels:
                 out_MD[starts[i]:starts[i + 1]] = expert_forward(x_MD[starts[i]:starts[i + 1]], views[base + rows[i]],
                                                                  act)
             return
-        # F.linear's kernel (mm of the transposed weight) written out to save dispatches: a one-token layer of the
-        # built-in model's experts takes 72 us against 92 (slices, not chunk(), which is a split of two narrows)
+        # F.linear's kernel (mm of the transposed weight) written out to save dispatches (slices, not chunk(), which
+        # is a split of two narrows)
         f, transposed, one = self.shape.intermediate, self._transposed, work.x_1D
         for i in which:
             s, e = starts[i], starts[i + 1]
@@ -204,7 +203,7 @@ class ArenaKernels:
             h_M12F = torch.bmm(x_MD[:, None], gate_up_M2FD.transpose(1, 2))
             gate, up = h_M12F.chunk(2, dim=-1)
             return torch.bmm(self.act(gate) * up, down_MDF.transpose(1, 2))[:, 0]
-        gate_up_M2FD = self.gate_up_R2FD.index_select(0, index_M)  # a row copy: advanced indexing is 5x slower
+        gate_up_M2FD = self.gate_up_R2FD.index_select(0, index_M)  # a row copy: advanced indexing is slower
         down_MDF = self.down_RDF.index_select(0, index_M)
         if self.scales_R2F is not None:
             gate_up_M2FD, down_MDF = gate_up_M2FD.to(x_MD.dtype), down_MDF.to(x_MD.dtype)
@@ -356,7 +355,7 @@ class ResidentExecutor:
         if fused is not None and x_ND.shape[0] <= fused.max_tokens:  # the whole layer in one call
             return fused.resident(x_ND, route.ids_TK, route.weights_TK, kernels.arena, base, self.num_experts)
         kernel = kernels.batched if x_ND.shape[0] > 1 else kernels.resolved  # `choose`, inlined: per layer and token
-        if kernel == "grouped":  # the layer's own rows only: empty groups still cost (CPU: 0.57 against 0.37 ms)
+        if kernel == "grouped":  # the layer's own rows only: empty groups still cost
             return kernels.grouped_rows(x_ND, route, base, self.num_experts)
         if self.in_graph:
             return self.run_on_device(layer, x_ND, route)
@@ -385,14 +384,11 @@ class PackedExecutor:
     """`--expert-kernel packed` (CPU, bf16 or int8, every expert resident; opt-in): each expert's two projections
     are prepacked at load, one MoE layer's arena at a time, each dropped once packed (so the memory is the same, the
     load's peak one layer's arena more); a layer's experts are computed one by one as `loop` computes them.
-    - bf16: oneDNN's layout (experts/onednn.py). On matrices of 1M+ elements its GEMV is 1.5-2.3x faster than
-      torch's own, on small ones its ~17 us per call loses (the built-in model's experts).
+    - bf16: oneDNN's layout (experts/onednn.py): faster than torch's own GEMV on large matrices, slower on small
+      ones, where a oneDNN call's fixed cost dominates (the built-in model's experts).
     - int8: FBGEMM's (`int8_prepack`), computed with the activations quantized to 8 bits per call
-      (`int8_packed_mm`; lossier than weight-only int8, as llama.cpp's Q8_0 quantizes its activations). On the
-      qwen3-30b-a3b experts' 1536x2048 and 2048x768 projections, one token: 254 / 138 us against
-      `_weight_int8pack_mm`'s 477 / 260 at 1 thread, 149 / 87 against 317 / 162 at 2 (ad-hoc probe over 64
-      distinct matrices each, so none is cached): that kernel converts every weight to float and runs at
-      6-10 GB/s where this one reads 11-22.
+      (`int8_packed_mm`; lossier than weight-only int8, as llama.cpp's Q8_0 quantizes its activations), where
+      `_weight_int8pack_mm` converts every weight to float.
     Not the default: it is not bit-equal to `loop` (another accumulation order; for int8, quantized
     activations), and a paged run, which computes with `loop`, must give the resident run's output."""
 

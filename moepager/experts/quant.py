@@ -15,14 +15,12 @@ scales], each section 64-byte aligned. int4 weights sit in the buffer in the lay
 them: on the CPU torch's `_convert_weight_to_int4pack_for_cpu` layout (a blocked permutation made when an expert
 is read, `pack_int4_cpu`), elsewhere the plain nibble layout of the checkpoint (low nibble = even input index).
 
-Kernels (one projection, `python benchmarks/expert_kernels.py --formats`; 1 thread, this 2-core CPU):
+Kernels (one projection; measured by `python benchmarks/expert_kernels.py --formats`):
 - int8: `aten._weight_int8pack_mm` (a GEMV kernel: its time grows linearly with tokens) for up to
-  INT8_PACKED_MAX_TOKENS tokens; above, dequantising to the run's dtype and one GEMM is faster (a
-  1536x2048 projection: 159 against 274 us bf16 at 1 token; 1.26 ms packed against 1.71 ms dequantised and
-  0.65 ms bf16 at 16; 5.2 against 3.1 ms (bf16 2.3) at 64). Past one token both are slower than bf16: weight-only
-  quantization pays at decode, where bytes decide, and costs in prefill.
-- int4 on the CPU: `aten._weight_int4pack_mm_for_cpu` at every size (170 us at 1 token; 19.3 against 7.7 ms
-  bf16 at 256: no faster dequantiser exists for its layout).
+  INT8_PACKED_MAX_TOKENS tokens; above, dequantising to the run's dtype and one GEMM is faster. Past one token both
+  are slower than bf16: weight-only quantization pays at decode, where bytes decide, and costs in prefill.
+- int4 on the CPU: `aten._weight_int4pack_mm_for_cpu` at every size (no faster dequantiser exists for its
+  layout).
 - CUDA (not yet run on a GPU): both dequantise to the run's dtype and call one GEMM: the store still holds,
   reads and copies the quantized bytes, so a budget holds 2x (int8) or ~4x (int4) the experts.
 """
@@ -230,9 +228,8 @@ def int4pack_layout() -> Int4PackLayout | None:
 
 def pack_int4_cpu(p_NH: torch.Tensor) -> torch.Tensor:
     """Plain nibbles [N, K/2] -> the layout of torch's CPU int4 kernel (`_convert_weight_to_int4pack_for_cpu`, probed:
-    `int4pack_layout`). Written with tensor ops, ~12x faster than that op (1.6 against 19.6 ms for a 2816x2048
-    projection at 1 thread, which every int4 expert read pays: `benchmarks/expert_kernels.py --formats`); rows that do
-    not fill whole blocks, and a layout the probe does not know, use the op."""
+    `int4pack_layout`). Written with tensor ops, an order of magnitude faster than that op, which every int4 expert
+    read would pay; rows that do not fill whole blocks, and a layout the probe does not know, use the op."""
     n, _ = p_NH.shape
     layout = int4pack_layout()
     if layout is None or n % layout.block:

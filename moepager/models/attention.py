@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.kernel: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
         """moepager's CPU norm (accel/step.py `use_step_kernels`: bf16 CPU runs) for bf16 inputs outside a
-        compiled graph: one call where torch's eager norm is seven ops (~14 us)."""
+        compiled graph: one call where torch's eager norm is seven ops."""
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """`weight` in place of the module's (one that broadcasts: Attention normalises q and k heads at once).
@@ -214,7 +214,7 @@ def cache_update(cache: torch.Tensor, new_BTHC: torch.Tensor, batch: ForwardBatc
         cache[batch.slot_block_BT, batch.slot_offset_BT] = new_BTHC
         b, n = batch.block_table_BN.shape
         _, block, h, c = cache.shape
-        blocks = cache.index_select(0, batch.block_table_BN.view(-1))  # 2x faster than indexing on the CPU
+        blocks = cache.index_select(0, batch.block_table_BN.view(-1))  # faster than indexing on the CPU
         return blocks.view(b, n * block, h, c)[:, : batch.kv_len].transpose(1, 2)
     b, t = batch.positions_BT.shape
     rows = batch.rows_B if batch.rows_B is not None else torch.arange(b, device=cache.device)
@@ -237,10 +237,9 @@ def attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, 
 
     A decode step (one query per row) of grouped-query attention runs as plain attention of Hkv heads whose G = H/Hkv
     query heads are G queries: [B, Hkv, G, D] against [B, Hkv, S, D], the same scores with no key/value head
-    expanded and G times fewer kernel rows. On the CPU (bf16, 2 threads, `python benchmarks/attention.py`) SDPA's
-    `enable_gqa` at one query is 2-10x slower on the built-in model's heads (equal bit for bit), 7-19x on
-    qwen3-30b-a3b's and Mixtral's, and 15-62x on DeepSeek-V2's absorbed MLA at 512 and more positions (0.85 against
-    20.9 ms a layer); there the results differ by bf16 rounding (at most 2e-3)."""
+    expanded and G times fewer kernel rows: on the CPU several times faster than SDPA's `enable_gqa` at one query
+    (`python -m benchmarks run attention`); equal bit for bit on the built-in model's heads, within bf16 rounding
+    on DeepSeek-V2's absorbed MLA."""
     b, h, t, d = q_BHTD.shape
     hkv = k_BHSD.shape[1]
     if t == 1 and h != hkv:
@@ -369,5 +368,5 @@ class Attention(nn.Module):
 
 
 CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-"""Attention backends on CUDA, chosen explicitly: not cuDNN's, which plans again for every new KV length (5.8 ms
-of CPU per call measured on an H100: a decode step at a fresh length is several times slower than at a warm one)."""
+"""Attention backends on CUDA, chosen explicitly: not cuDNN's, which plans again for every new KV length (on the CPU,
+at every call: a decode step at a fresh length is several times slower than at a warm one)."""

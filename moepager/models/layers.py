@@ -77,11 +77,7 @@ class DecoderStack(nn.Module):
 
 NATIVE_GEMV_MAX_HIDDEN = 16384
 """A CPU forward of one token computes with torch's own GEMV kernels instead of oneDNN up to this hidden size (every
-supported model). Per matrix the two trade wins, and the big ones decide (bf16, 1 thread, `python
-benchmarks/expert_kernels.py`, oneDNN against native, us): 128x256 16.5 / 6.2, 768x256 28.6 / 28.0, 8192x256 168 /
-288, 2816x2048 488 / 490, 2048x1408 211 / 256, 4096x2048 818 / 731, and qwen3-30b-a3b's LM head 151936x2048
-62,273 / 27,834; the built-in model's whole decode step runs 275 tok/s native against 234. (It was 1024, leaving
-models of hidden size 2048 on oneDNN, until that LM head showed the cost.)"""
+supported model): per matrix the two trade wins, and the big ones (an LM head) decide for torch's."""
 
 
 class CausalLM(nn.Module):

@@ -325,8 +325,8 @@ class ModelParts:
 
 
 class DiskSampler:
-    """Samples the disk rates again and again over a long run (a shared machine's disk drifts: 0.6 to 1.5 GB/s
-    within minutes here), each time on random experts not read before, as `calibrate` measures them."""
+    """Samples the disk rates again and again over a long run (a shared machine's disk drifts, by 2x within minutes),
+    each time on random experts not read before, as `calibrate` measures them."""
 
     def __init__(self, path: str | os.PathLike[str], io_threads: int, seed: int = 1):
         parts = ModelParts.open(path)

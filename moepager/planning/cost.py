@@ -71,7 +71,7 @@ DEVICES = {
     "h100": Device("H100 SXM", 3350e9 * _EFF_MEM, 989e12 * _EFF_FLOPS, 8e-6),
     "rtx4090": Device("RTX 4090", 1008e9 * _EFF_MEM, 165e12 * _EFF_FLOPS, 10e-6),
     "rtx3090": Device("RTX 3090", 936e9 * _EFF_MEM, 71e12 * _EFF_FLOPS, 10e-6),  # OD-MoE's nodes
-    # This machine, 2 threads, bf16 (FACTS.md: a Mixtral expert in 12.7 ms for 1 token, 39 ms for 64).
+    # A 2-core EPYC host of this project, 2 threads, bf16, fitted to a Mixtral expert's times at 1 and 64 tokens.
     "cpu": Device("2-core EPYC (this machine)", 27.7e9, 0.84e12, 50e-6),
 }
 LINKS = {
@@ -82,7 +82,7 @@ LINKS = {
     # OD-MoE's LAN between nodes, about 90% of 1 Gbps; its latency stands for a hop's serialising too (the paper
     # gives none).
     "1gbe": Link("1 Gbps Ethernet", 0.9 * 125e6, 0.5e-3),
-    # This machine's virtio disk, O_DIRECT reads (benchmarks/offload_cpu.py: 2.6 GB/s median raw).
+    # This project's virtio disk, O_DIRECT reads (the median raw rate benchmarks/offload_cpu.py measured).
     "disk": Link("virtio disk (this machine)", 2.6e9, 100e-6),
 }
 PROFILES = {"a6000-pcie4": ("a6000", "pcie4"), "a100-pcie4": ("a100", "pcie4"), "h100-pcie5": ("h100", "pcie5"),

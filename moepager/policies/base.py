@@ -105,12 +105,12 @@ def recency_tiebreak(primary: np.ndarray, last: np.ndarray, step: int) -> np.nda
 class Ranked:
     """Base of every policy: the engine-side `EvictionPolicy` over a subclass's `priority`.
 
-    Subclasses define `priority(stats, step) -> array` (same shape as the stats; lowest is evicted). How the
-    simulator drives a policy beyond ranking (offline, preloaded, misses run elsewhere) is the simulator's
-    (trace/simulate.py DRIVES). `predict` makes every Ranked a ForecastConsumer; `uses_predictions` says
-    whether `priority` reads `stats.prob` (only then is one handed to the prefetcher), `uses_crf` whether it reads
-    `stats.crf` (only then does `on_access` keep it: ~1 us a key), `ranks_next_use` whether it wants next-token
-    forecasts too. These are declared here, read where the run is built (runtime/builder.py), never probed.
+    Subclasses define `priority(stats, step) -> array` (same shape as the stats; lowest is evicted). How the simulator
+    drives a policy beyond ranking (offline, preloaded, misses run elsewhere) is the simulator's (trace/simulate.py
+    DRIVES). `predict` makes every Ranked a ForecastConsumer; `uses_predictions` says whether `priority` reads
+    `stats.prob` (only then is one handed to the prefetcher), `uses_crf` whether it reads `stats.crf` (only then does
+    `on_access` keep it: it costs a power a key), `ranks_next_use` whether it wants next-token forecasts too. These are
+    declared here, read where the run is built (runtime/builder.py), never probed.
     """
 
     uses_predictions = False
@@ -141,7 +141,7 @@ class Ranked:
             if i is None:
                 i = self._row(key)  # may grow the arrays, so they are looked up after it
             stats = self.stats
-            if crf:  # touch(), without a call per key (Python floats: numpy scalars' ** is ~1 us)
+            if crf:  # touch(), without a call per key (Python floats: numpy scalars' ** costs more)
                 stats.crf[i] = float(stats.crf[i]) * DECAY ** (step - int(stats.last[i])) + 1.0
             stats.count[i] += 1
             stats.last[i] = step

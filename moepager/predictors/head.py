@@ -16,7 +16,7 @@ x = [the slots' multi-hot, embed(bucket)] (it sees which experts occur *together
 routing in the README). Trained with binary cross-entropy on the chosen set (multi-label, as ExpertFlow trains its
 path predictor), Adam, seeded.
 The engine's forecasts compute the same logits without the multi-hot vector: they sum the weight rows of the
-experts the slots name (`HeadModel.sparse_tables`), ~2x faster for a decode row.
+experts the slots name (`HeadModel.sparse_tables`), faster for a decode row.
 Distance 0 is the "pass" head: before any layer of the row runs, from the token alone (what a stateless
 predictor can say about the whole coming pass; the path predictor adds the request's context).
 Stateless across iterations like every predictor here: the previous token's routing is only used for
@@ -41,9 +41,8 @@ SOURCES = 4
 """Source slots: the last three observed layers, and the target layer of the row just observed (ahead 1)."""
 GATHER_ROWS = 64
 """Forecasts of at most this many rows sum the weight rows their experts name; more rows (a prefill) multiply a
-multi-hot matrix, which reads the table once (DeepSeek-V2-Lite's MLP head, 2 threads, against the multi-hot product
-of every forecast before: 31 against 56 us for one row, 147 against 208 for 64; gathering 128 rows took 398 us, the
-product 209-257; 2,000 rows 2.4 ms by the product, 19.7 gathered)."""
+multi-hot matrix, which reads the table once (on DeepSeek-V2-Lite's MLP head the gather wins up to a few dozen rows
+and the product from about a hundred)."""
 DEFAULT_BUCKETS = 8192
 DEFAULT_RANK = 32
 DEFAULT_HIDDEN = 256
@@ -52,8 +51,8 @@ DEFAULT_STEPS = 500
 take, where the MLP head was tuned."""
 """The hidden width of the MLP `moepager predictor fit --kind head` adds unless told otherwise (0: linear). On
 DeepSeek-V2-Lite's routing it forecast best (recall@6 one layer ahead 61.8% against 60.8% linear with the token) and,
-paired against LRU at 25% with one expert a row, ran 1.17x against 1.13x in one run (README); it fits ~3.6x slower
-(139 against 38 s on that trace's 2,099 requests, 2 cores)."""
+paired against LRU at 25% with one expert a row, paid more than the linear head (benchmarks/README.md#predictors);
+it fits several times slower."""
 
 
 def token_buckets(tokens: Sequence[str | int], buckets: int) -> torch.Tensor:

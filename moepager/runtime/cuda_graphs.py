@@ -1,12 +1,12 @@
 """CUDA graphs of the one-request decode pass: the whole forward (every layer, the LM head) replayed as one launch.
 
 A decode token of a MoE model is hundreds of small kernels; launched one by one from Python the GPU waits on the
-host (qwen3-30b-a3b geometry, 8 layers, H200: a 7.1 ms eager forward against 1.7 ms replayed, measured). A graph
+host (`python -m benchmarks run decode_gpu` measures it). A graph
 needs fixed shapes and no host reads, so:
 - a replayed one-row decode pass reads its KV cache through a block table padded to a power-of-two width
   (`bucket`) under a mask of the positions written (models/attention.py `ForwardBatch.build(masked=True)`). Passes
-  that run eagerly (`--no-cuda-graphs`, paged experts, a trace recorder) read their exact prefix instead: the
-  padded pass cost the eager step 15% on the qwen3 geometry (88.2 against 103.9 tok/s, H200), so the two round
+  that run eagerly (`--no-cuda-graphs`, paged experts, a trace recorder) read their exact prefix instead (the
+  padded pass would slow the eager step), so the two round
   differently (graphed runs are close to eager ones, not equal; paged runs equal the eager step bit for bit);
 - one graph per width, captured into one shared memory pool (`DecodeGraphs.warm` captures, when the engine
   starts, every width of prefixes up to the cache, the model's context and WARM_POSITIONS, so no request below

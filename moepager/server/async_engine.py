@@ -46,7 +46,7 @@ class AsyncEngine:
     def start(self) -> None:
         """Step on a thread of its own (tests, embedding). `moepager serve` steps on the main thread instead
         (`run`): torch's OpenMP workers made by the main thread (loading the model) slow every parallel op of
-        another thread 2-3x on this 2-core machine (torch._grouped_mm 2.4 ms against 0.6)."""
+        another thread several times over on a 2-core machine."""
         self.attach()
         self._thread = threading.Thread(target=self.run, name="moepager-engine", daemon=True)
         self._thread.start()

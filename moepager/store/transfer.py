@@ -8,9 +8,9 @@ machine a prefetch issued beside demand reads slowed them as much as it saved.
 
 With `yields` (the default), each prefetch has an `AheadRead` the store steers through its ticket while it runs,
 not only while it is queued:
-- between the chunks of its read it gives way again whenever a demand load is in flight (this machine's disk
-  reads ~2.5 GB/s at one read at a time or eight: a prefetch beside demand reads takes its share of the same
-  bytes per second, so a read that started in a gap would otherwise slow the loads of the next layer);
+- between the chunks of its read it gives way again whenever a demand load is in flight (a disk reads about as
+  fast at one read at a time as at eight: a prefetch beside demand reads takes its share of the same bytes per
+  second, so a read that started in a gap would otherwise slow the loads of the next layer);
 - `promote`: a demand load needs this very expert (its layer routed to it), so it goes on at once, like one;
 - `abandon`: its layer routed elsewhere before it read a byte, so it never reads (a prefetch that started
   waiting for the gate cannot be cancelled as a queued future can).
@@ -68,9 +68,8 @@ class Transfers:
         """The named stream demand host->device copies run on, beside the compute stream (high priority)."""
         self.ahead_stream = torch.cuda.Stream(device) if cuda else None
         """Prefetch copies' own stream: on one stream a demand copy queued behind every prefetch copy enqueued
-        before it (up to the prefetcher's in-flight limit: 12 of 0.33 ms for DeepSeek-V2-Lite's experts over an
-        H200's link). Two copies into one slot never overlap across the streams: a slot whose copy has not
-        landed is never evicted (slots.py `_victims` takes settled slots only)."""
+        before it (up to the prefetcher's in-flight limit of copies). Two copies into one slot never overlap across the
+        streams: a slot whose copy has not landed is never evicted (slots.py `_victims` takes settled slots only)."""
         self._demand = 0
         """Demand loads submitted and not finished."""
         self._idle = threading.Condition()

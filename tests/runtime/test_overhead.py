@@ -47,7 +47,7 @@ def landed(monkeypatch):
 @pytest.mark.parametrize("config, bound", [
     (EngineConfig(), 140),
     # paged: +1 a layer since the landing loop the hybrid executor shares is a call of its own, +1 a step for the
-    # runner's pass split the simulator shares (251.4 and 450.7 today)
+    # runner's pass split the simulator shares
     (EngineConfig(store=PAGED), 256),
     # (with moepager's CPU kernels: +12 frames a token for the dense projections' FusedLinear, each replacing a
     # ~15 us oneDNN call by a ~2 us GEMV; -12 for the fused expert layers)
@@ -62,7 +62,7 @@ def test_python_calls_per_decode_token_stay_bounded(config, bound, landed):
 
 @pytest.mark.slow  # a TorchInductor compile: tens of seconds on 2 cores
 def test_the_compiled_decode_step_makes_at_most_40_calls_per_token():
-    """The compiled step (`--compile`) is issue 15's resident goal: 39 today, the engine core's scheduler, runner and
+    """The compiled step (`--compile`) is issue 15's resident goal: the engine core's scheduler, runner and
     sampler, the model's forward entering its graph, and the LM head after it."""
     llm = LLM(config=EngineConfig(compile=True), show_progress=False)
     assert calls_per_decode_token(llm) <= 40  # compiled while loading (LLM._compile_now)

@@ -15,8 +15,7 @@
 namespace {
 
 // A call of fewer multiply-adds than this runs on the calling thread alone: waking the pool costs more than a second
-// core saves on weights that sit in the caches (this project's Zen 5, one token, bf16 GEMV, 1 / 2 threads: 512x256
-// 6.9 / 7.7 us, 1024x256 13.1 / 12.9, 2048x256 24.5 / 26.7, 4096x256 46.2 / 44.2, 8192x256 94 / 71).
+// core saves on weights that sit in the caches (one token's bf16 GEMV: two threads first win at about this size).
 constexpr int64_t SERIAL_MACS = 1 << 19;
 
 // The grain for `tasks` tasks of `macs` multiply-adds in all: every task inline below SERIAL_MACS.

@@ -133,22 +133,16 @@ inline void add_bf16_row(const uint16_t* a, const uint16_t* b, uint16_t* out, in
 // ---- dot products of R weight rows with T inputs: out[t][r] --------------------------------------------------
 
 // Every weight row is read with a software prefetch into L2 this far ahead (rows lie one after another, so this is one
-// linear stream per matrix). Ad-hoc probe, 2026-11-28, interleaved rounds, one qwen3-30b-a3b MoE layer's 8 experts from
-// RAM at 1 / 2 threads, GB/s of weights: bf16 23.7-26.0 / 27.8-30.1 with it, 18.4-22.0 / 26.0-28.2 without; int8
-// 13.1-19.7 / 20.1-27.8 and 11.8-17.5 / 20.2-27.6; int4 15.3-20.8 / 23.5-28.6 and 11.7-13.9 / 16.5-22.8. The 622 MB LM
-// head at 1 thread: 25.5-26.8 with, 24.6-26.3 without (stream 26.4-27.9). Into L1 4 KiB ahead was worse than none
-// for bf16 (17.2-17.9 on the LM head).
+// linear stream per matrix): it raised the read rate of a qwen3-30b-a3b layer's experts from RAM in every format and
+// left the LM head at the stream rate; into L1 a few KiB ahead was worse than none (docs/history/2026-12.md).
 constexpr int64_t PREFETCH = 8192;
 
 // R adjacent bf16 weight rows (row i at w + i K) against T inputs: out[i T + t], two independent accumulators per row
 // and input, each taking the same operations in the same order whatever R and T (so the same bits). R = 2 with one
 // input (rows_any) overlaps two rows' chains of fused multiply-adds and shares the input's loads (on AVX2 also its
-// shifts and masks): the 8192x256 LM head 155 against 192 us at 1 thread on the Zen 3 (an ad-hoc probe, 2026-12-02,
-// each version in its own process, interleaved twice: 155.5 / 156.2 against 192.4 / 192.5 us).
-// Rows of one input's bf16 projection taken at once: four with AVX-512's 32 registers (the qwen3-30b-a3b LM head,
-// 151936x2048, read at 20.0-20.8 against 16.4-16.7 GB/s with two at 1 thread on the Zen 4, interleaved runs of an
-// ad-hoc probe, 2026-12-02: its loads stream from more places at once); two elsewhere (four rows' accumulators
-// would take all 16 AVX2 registers).
+// shifts and masks). Rows of one input's bf16 projection taken at once: four with AVX-512's 32 registers (a large
+// matrix's loads then stream from more places at once); two elsewhere (four rows' accumulators would take all 16 AVX2
+// registers). Both choices were measured in ad-hoc probes (docs/history/2026-12.md).
 #if defined(__AVX512F__)
 constexpr int BF16_ROWS = 4;
 #else

@@ -1,7 +1,6 @@
 // The rest of a decode step bound to torch (step.h holds the arithmetic): RMSNorm, the softmax top-k router, one
 // decode token's attention over the paged cache, the sampler's greedy pick, one call each, and a whole decoder layer
-// in one (DecodeLayer), where torch's eager ops take ~14 us a norm (seven ops), six ops a router and some twenty an
-// attention. accel/step.py gives them to the model.
+// in one (DecodeLayer), where torch's eager ops take seven ops a norm, six a router and some twenty an attention. accel/step.py gives them to the model.
 
 #include <torch/extension.h>
 

@@ -251,7 +251,7 @@ struct LayerWeights {
 //
 // With more than one thread the whole layer is one OpenMP parallel region: every step's tasks (16-row blocks of a
 // projection, (row, KV head) attention tasks, the experts' tiles) are shared among the threads with a barrier between
-// steps, where a parallel_for per step (~4 us each) would leave a small model's steps on one core. The norm before
+// steps, where a parallel_for per step (microseconds each) would leave a small model's steps on one core. The norm before
 // q/k/v is computed by every thread for itself, the router's row by one. run(t, n) is thread t of n's part; its
 // barriers and `single` bind to the enclosing parallel region (none with n = 1: then they do nothing).
 struct DecodeLayerPass {
