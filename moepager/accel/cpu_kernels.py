@@ -10,10 +10,12 @@ have no maintained Python binding that takes our buffers (llama-cpp-python runs 
 extension here computes a whole layer in one call, threads split across experts and rows (ATen's own thread pool:
 `torch.set_num_threads` governs it), nothing in Python per expert.
 
-Each tier is compiled at first use with `torch.utils.cpp_extension` (g++, -O3 and the tier's target flags, ~40 s on 2
-cores) into a module of its own and cached under MOEPAGER_CACHE (default ~/.cache/moepager), in a folder named by
-the tier, the compiler and torch's version, so a cache shared between hosts never hands a build to a CPU that cannot
-run it; a later process loads it in milliseconds. A build is used only once its self-test has run in a forked child
+Each tier is compiled at first use with `torch.utils.cpp_extension` (g++, -O3 and the tier's target flags, under a
+minute on 2 cores) into a module of its own and cached under MOEPAGER_CACHE (default ~/.cache/moepager), in a folder
+named by the tier, the compiler, torch's version and the kernels' sources (where they lie and what they hold), so a
+cache shared between hosts never hands a build to a CPU that cannot run it, and two copies of moepager on one machine
+(an installed one and a checkout, two checkouts) never rebuild each other's kernels; a later process loads its build
+in milliseconds. A build is used only once its self-test has run in a forked child
 and computed the bits every tier computes. A tier that cannot be built or fails its self-test falls back to the next
 one, and a missing compiler or ninja to torch's kernels, with one line on stderr saying which runs and why.
 `MOEPAGER_CPU_TIER` forces a tier, `MOEPAGER_CPU_KERNELS=0` means torch's. `moepager info` and a run's statistics
@@ -42,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
@@ -62,6 +65,7 @@ says so, which keeps the tiers' arithmetic one and the same."""
 SELFTEST = 4821114524833950398
 """What every tier's `selftest()` returns (csrc/moe.cpp)."""
 FORMAT_CODES = {"bf16": 0, "int8": 1, "int4": 2}
+"""An expert format's code in `FormatSpec.fmt` (csrc/rows.h `Format`)."""
 
 _lock = threading.Lock()
 
@@ -114,11 +118,20 @@ def _compiler() -> str:
         return "unknown"
 
 
+@functools.lru_cache(maxsize=1)
+def sources_key() -> str:
+    """The kernels' sources as a build knows them: where they lie and a hash of what they hold (asked once per
+    process). torch's `load` names its sources by path and rebuilds when the paths or flags it was given last time
+    differ, so two copies of the sources sharing one folder would rebuild it at every switch."""
+    text = hashlib.sha256(b"".join(f.read_bytes() for f in [*SOURCES, *HEADERS])).hexdigest()[:16]
+    return f"{CSRC.resolve()}\n{text}"
+
+
 def build_dir(tier: Tier) -> Path:
-    """The tier's build folder: named by the tier and a hash of its flags and the compiler (torch's version names
-    the folder above)."""
+    """The tier's build folder: named by the tier and a hash of its flags, the compiler and the sources (torch's
+    version names the folder above)."""
     flags = BASE_FLAGS + cpu_tiers.flags_for(tier)
-    key = hashlib.sha256("\n".join((_compiler(), *flags)).encode()).hexdigest()[:12]
+    key = hashlib.sha256("\n".join((_compiler(), *flags, sources_key())).encode()).hexdigest()[:12]
     return cache_dir() / f"{tier.module_name}-{key}"
 
 
@@ -132,8 +145,8 @@ def _build(tier: Tier) -> ModuleType:
     from torch.utils.cpp_extension import load
     build = build_dir(tier)
     build.mkdir(parents=True, exist_ok=True)
-    # `load` hashes the sources only: the headers' hash in a -D flag makes a header edit rebuild too
-    header = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
+    # `load` hashes the sources only: the sources' hash in a -D flag makes a header edit rebuild too
+    header = sources_key().rsplit("\n", 1)[1]
     flags = [*BASE_FLAGS, *cpu_tiers.flags_for(tier), f"-DMOEPAGER_TIER_{tier.macro}", "-DMOEPAGER_WITH_TORCH",
              f"-DMOEPAGER_HEADERS={header}"]
     if not list(build.glob(f"{tier.module_name}*.so")):  # a first build takes a minute: say so, not silence
@@ -291,13 +304,33 @@ def applies(shape: ExpertShape, device: torch.device, kernel: str) -> bool:
         and available()
 
 
-def _spec(shape: ExpertShape) -> list[int]:
-    d, f = shape.hidden, shape.intermediate
-    if shape.quant is None:
-        return [FORMAT_CODES["bf16"], d, f, 0, 0, 2 * f * d * 2, 0, 0]
-    secs, _ = sections(d, f, shape.dtype, shape.quant)
-    code = FORMAT_CODES["int8" if shape.quant.bits == 8 else "int4"]
-    return [code, d, f, shape.quant.group, *(s.offset for s in secs)]
+class FormatSpec(NamedTuple):
+    """An expert format as the kernels read it: csrc/rows.h `Spec`, which the bindings fill field by field from these
+    names (csrc/bind.h `spec_of`), and check (a format they do not know, a bad size or int4 group is an error)."""
+
+    fmt: int
+    """FORMAT_CODES: bf16, int8 or int4 (the "rows" layout)."""
+    hidden: int
+    intermediate: int
+    group: int
+    """int4: inputs a scale covers (32, 64 or 128); else 0."""
+    gate_up: int
+    """Byte offset of the gate and up rows in an expert's flat buffer (experts/weights.py, experts/quant.py)."""
+    down: int
+    """Byte offset of the down rows."""
+    gate_up_scales: int
+    """Byte offset of the gate and up rows' scales (quantized formats; else 0)."""
+    down_scales: int
+    """Byte offset of the down rows' scales (quantized formats; else 0)."""
+
+    @classmethod
+    def of(cls, shape: ExpertShape) -> FormatSpec:
+        d, f = shape.hidden, shape.intermediate
+        if shape.quant is None:
+            return cls(FORMAT_CODES["bf16"], d, f, 0, 0, 2 * f * d * 2, 0, 0)
+        gate_up, down, gate_up_scales, down_scales = (s.offset for s in sections(d, f, shape.dtype, shape.quant)[0])
+        return cls(FORMAT_CODES["int8" if shape.quant.bits == 8 else "int4"], d, f, shape.quant.group, gate_up, down,
+                   gate_up_scales, down_scales)
 
 
 class FusedExperts:
@@ -308,7 +341,7 @@ class FusedExperts:
         """`module`: a tier's module (`module_for`; default: this process's tier)."""
         module = module or extension()
         assert module is not None
-        self.module, self.spec, self.max_tokens = module, _spec(shape), max_tokens
+        self.module, self.spec, self.max_tokens = module, FormatSpec.of(shape), max_tokens
         calls = "" if max_tokens >= 1 << 62 else f" on up to {max_tokens} tokens a layer"
         self.note = f"moepager's fused CPU kernel{calls}" + (
             "" if shape.quant is None else ", activations quantized to 8 bits in blocks of 32")

@@ -107,6 +107,28 @@ def test_computing_a_layer_in_pieces_as_experts_land_gives_the_one_call_bits(fmt
     assert torch.equal(fused.combine(y, token, n), whole)
 
 
+def test_the_format_spec_is_read_by_name_and_checked(tier):
+    """The kernels read an expert format field by field by name (`FormatSpec`, csrc/bind.h `spec_of`): a positional
+    list is refused, and so is a spec the kernels cannot compute, with what is wrong."""
+    e, k, n = 4, 2, 3
+    arena, shape, _ = make_layer("int4", 128, 96, e)
+    fused = cpu_kernels.FusedExperts(shape, 1 << 62)
+    spec = fused.spec
+    assert spec == cpu_kernels.FormatSpec(cpu_kernels.FORMAT_CODES["int4"], 128, 96, 32, *(
+        s.offset for s in sections(128, 96, BF16, shape.quant)[0]))
+    route = random_route(n, e, k)
+    x = torch.randn(n, 128, generator=torch.Generator().manual_seed(3)).to(BF16)
+    whole = fused.resident(x, route.ids_TK, route.weights_TK, arena, 0, e)
+    assert torch.equal(fused.module.moe_resident(x, route.ids_TK, route.weights_TK, arena, 0, e, spec._replace()),
+                       whole)
+    with pytest.raises(AttributeError, match="fmt"):
+        fused.module.moe_resident(x, route.ids_TK, route.weights_TK, arena, 0, e, list(spec))
+    for bad, why in ((spec._replace(fmt=7), "unknown expert format 7"), (spec._replace(group=48), "int4 groups"),
+                     (spec._replace(hidden=0), "D and F must be positive")):
+        with pytest.raises(RuntimeError, match=why):
+            fused.module.moe_resident(x, route.ids_TK, route.weights_TK, arena, 0, e, bad)
+
+
 @needs_kernels
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_architecture_computes_torchs_logits_with_the_fused_kernel(hf_checkpoint, arch):

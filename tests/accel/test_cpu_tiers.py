@@ -128,6 +128,31 @@ def test_each_tier_builds_in_a_folder_of_its_own_keyed_by_flags_and_compiler(mon
     assert cpu_kernels.build_dir(cpu_tiers.BY_NAME["avx2"]) != before
 
 
+def test_two_copies_of_the_sources_build_in_folders_of_their_own(monkeypatch, tmp_path):
+    """An installed moepager and a checkout (or two checkouts) on one machine: torch's `load` rebuilds a folder whose
+    sources were named by other paths last time, so shared folders would rebuild at every switch between the copies
+    (a minute each, every process of the other copy waiting for it); a folder per copy, and per version of its
+    sources, never does."""
+    monkeypatch.setenv("MOEPAGER_CACHE", str(tmp_path))
+    tier = cpu_tiers.BY_NAME["portable"]
+    here = cpu_kernels.build_dir(tier)
+    copy = tmp_path / "other" / "csrc"
+    shutil.copytree(cpu_kernels.CSRC, copy)
+    for name in ("CSRC", "SOURCES", "HEADERS"):
+        value = getattr(cpu_kernels, name)
+        monkeypatch.setattr(cpu_kernels, name, copy if name == "CSRC" else
+                            [copy / f.name for f in value])
+    cpu_kernels.sources_key.cache_clear()
+    try:
+        there = cpu_kernels.build_dir(tier)
+        (copy / "rows.h").write_text((copy / "rows.h").read_text() + "\n// edited\n")
+        cpu_kernels.sources_key.cache_clear()
+        edited = cpu_kernels.build_dir(tier)
+    finally:
+        cpu_kernels.sources_key.cache_clear()
+    assert len({here, there, edited}) == 3 and here.parent == there.parent == edited.parent
+
+
 # ---- the same bits on every tier, end to end -------------------------------------------------------------------
 
 

@@ -12,10 +12,13 @@ namespace {
 
 inline const uint16_t* bf16_data(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
 
-// An expert format's spec, a bad one raised as RuntimeError (TORCH_CHECK's error) like every other argument check.
-inline Spec checked_spec(const std::vector<int64_t>& spec) {
+// An expert format from its Python value (accel/cpu_kernels.py `FormatSpec`), field by field by name; a bad one raised
+// as RuntimeError (TORCH_CHECK's error) like every other argument check.
+inline Spec spec_of(const pybind11::handle& spec) {
+  const auto field = [&](const char* name) { return spec.attr(name).cast<int64_t>(); };
   try {
-    return parse_spec(spec);
+    return checked({field("fmt"), field("hidden"), field("intermediate"), field("group"), field("gate_up"),
+                    field("down"), field("gate_up_scales"), field("down_scales")});
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK(false, e.what());
   }

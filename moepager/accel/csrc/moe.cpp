@@ -53,8 +53,8 @@ std::vector<Group> groups_of(const torch::Tensor& arena, const torch::Tensor& ro
 // The y rows of the given groups of sorted pairs (paged layers compute the experts that have landed).
 void moe_partial(const torch::Tensor& x, const torch::Tensor& arena, const torch::Tensor& token,
                  const torch::Tensor& weight, const torch::Tensor& rows, const torch::Tensor& spans, torch::Tensor& y,
-                 const std::vector<int64_t>& spec) {
-  const Spec s = checked_spec(spec);
+                 const pybind11::object& spec) {
+  const Spec s = spec_of(spec);
   check_x(x, s);
   TORCH_CHECK(token.scalar_type() == torch::kLong && token.is_contiguous() && weight.scalar_type() == torch::kFloat &&
               weight.is_contiguous() && token.numel() == weight.numel(), "token [M] int64 and weight [M] fp32");
@@ -92,8 +92,8 @@ torch::Tensor moe_combine(const torch::Tensor& y, const torch::Tensor& token, in
 // (stable) here, their outputs weighted and summed per token.
 torch::Tensor moe_resident(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& weights,
                            const torch::Tensor& arena, int64_t base, int64_t num_experts,
-                           const std::vector<int64_t>& spec) {
-  const Spec s = checked_spec(spec);
+                           const pybind11::object& spec) {
+  const Spec s = spec_of(spec);
   check_x(x, s);
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && weights.sizes() == ids.sizes(), "ids and weights [N, K]");
   auto id = ids.to(torch::kLong).contiguous();

@@ -35,14 +35,14 @@ inline void require(bool ok, const std::string& what) {
 
 enum Format : int64_t { BF16 = 0, INT8 = 1, INT4 = 2 };
 
+// An expert format (the torch bindings read it field by field, by name, from accel/cpu_kernels.py's `FormatSpec`:
+// csrc/bind.h `spec_of`).
 struct Spec {
-  int64_t fmt, D, F, group;
-  int64_t off_gu, off_dn, off_sgu, off_sdn;  // bytes from the start of an expert's buffer
+  int64_t fmt, D, F, group;                  // Format, hidden and intermediate sizes, int4 group (else 0)
+  int64_t off_gu, off_dn, off_sgu, off_sdn;  // bytes from the start of an expert's buffer: weights, then scales
 };
 
-inline Spec parse_spec(const std::vector<int64_t>& s) {
-  require(s.size() == 8, "spec: fmt, D, F, group, off_gu, off_dn, off_sgu, off_sdn");
-  Spec p{s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]};
+inline Spec checked(const Spec& p) {
   require(p.fmt >= 0 && p.fmt <= 2, "unknown expert format " + std::to_string(p.fmt));
   require(p.D > 0 && p.F > 0, "spec: D and F must be positive");
   if (p.fmt == INT4)

@@ -134,7 +134,7 @@ struct DecodeLayer {
   DecodeLayer(torch::Tensor norm1, torch::Tensor norm2, double eps, torch::Tensor qkv_w, torch::Tensor qkv_b,
               torch::Tensor qk_w, double qk_eps, int64_t heads, int64_t window, double scale, torch::Tensor o_w,
               torch::Tensor o_b, torch::Tensor router_w, int64_t k, bool normalize, bool bf16_weights, int64_t base,
-              int64_t num_experts, std::vector<int64_t> spec) {
+              int64_t num_experts, const pybind11::object& spec) {
     for (const auto* t : {&norm1, &norm2, &qkv_w, &qkv_b, &qk_w, &o_w, &o_b, &router_w})
       TORCH_CHECK(t->numel() == 0 || (t->scalar_type() == torch::kBFloat16 && t->is_contiguous()),
                   "DecodeLayer: contiguous bf16 weights");
@@ -144,7 +144,7 @@ struct DecodeLayer {
     L = {bf16_data(norm1), bf16_data(norm2), static_cast<float>(eps), bf16_data(qkv_w), bf16_or_null(qkv_b),
          bf16_or_null(qk_w), qkv_w.size(0), static_cast<float>(qk_eps), heads, window, static_cast<float>(scale),
          bf16_data(o_w), bf16_or_null(o_b), bf16_data(router_w), k, normalize, bf16_weights, base, num_experts,
-         checked_spec(spec)};
+         spec_of(spec)};
   }
 
   // A call's checked views and outputs: what `run` computes, with no Python object touched (the GIL released).
@@ -295,7 +295,7 @@ void register_step(pybind11::module_& m) {
   pybind11::class_<DecodeLayer>(m, "DecodeLayer", pybind11::module_local())
       .def(pybind11::init<torch::Tensor, torch::Tensor, double, torch::Tensor, torch::Tensor, torch::Tensor, double,
                           int64_t, int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, bool, bool,
-                          int64_t, int64_t, std::vector<int64_t>>())
+                          int64_t, int64_t, const pybind11::object&>())
       .def("__call__", &DecodeLayer::operator());
   pybind11::class_<DecodeModel>(m, "DecodeModel", pybind11::module_local())
       .def(pybind11::init<torch::Tensor, std::vector<pybind11::object>, torch::Tensor, double, torch::Tensor>())
