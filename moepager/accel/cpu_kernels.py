@@ -152,6 +152,8 @@ def _build(tier: Tier) -> ModuleType:
     if not list(build.glob(f"{tier.module_name}*.so")):  # a first build takes a minute: say so, not silence
         print(f"moepager: building the CPU kernels for {tier.name} (once on this machine, about a minute) ...",
               file=sys.stderr, flush=True)
+        prune_superseded(tier, build)
+    (build / SOURCES_NOTE).write_text(sources_key())
     with open(build / "moepager.flock", "w") as turn:
         fcntl.flock(turn, fcntl.LOCK_EX)
         stale = build / "lock"
@@ -160,6 +162,25 @@ def _build(tier: Tier) -> ModuleType:
             stale.unlink(missing_ok=True)
         return load(tier.module_name, [str(s) for s in SOURCES], build_directory=str(build), verbose=False,
                     extra_cflags=flags, extra_ldflags=["-fopenmp"])
+
+
+SOURCES_NOTE = "sources"
+"""A build folder's note of the sources it was built from (`sources_key`: their folder, then their hash)."""
+
+
+def prune_superseded(tier: Tier, build: Path) -> list[Path]:
+    """The folders of `tier` built from earlier versions of these same sources (the same folder, another hash),
+    removed when `build` replaces them, so edits of a checkout do not pile builds up; another copy's folders are kept
+    (and a process still running an old build keeps its module: the system frees the files when it exits). Returns
+    the folders removed."""
+    where = sources_key().split("\n", 1)[0]
+    gone = []
+    for other in build.parent.glob(f"{tier.module_name}-*"):
+        note = other / SOURCES_NOTE
+        if other != build and note.exists() and note.read_text().split("\n", 1)[0] == where:
+            shutil.rmtree(other, ignore_errors=True)
+            gone.append(other)
+    return gone
 
 
 def self_test(module: ModuleType) -> str | None:

@@ -153,6 +153,22 @@ def test_two_copies_of_the_sources_build_in_folders_of_their_own(monkeypatch, tm
     assert len({here, there, edited}) == 3 and here.parent == there.parent == edited.parent
 
 
+def test_a_new_build_of_edited_sources_removes_this_copys_earlier_builds_only(monkeypatch, tmp_path):
+    monkeypatch.setenv("MOEPAGER_CACHE", str(tmp_path))
+    tier = cpu_tiers.BY_NAME["portable"]
+    here = cpu_kernels.build_dir(tier)
+    where = cpu_kernels.sources_key().split("\n", 1)[0]
+    folders = {name: here.parent / f"{tier.module_name}-{name}" for name in ("older", "other-copy", "unnoted")}
+    for name, folder in folders.items():
+        folder.mkdir(parents=True)
+        if name != "unnoted":
+            (folder / cpu_kernels.SOURCES_NOTE).write_text(f"{where if name == 'older' else '/elsewhere'}\nabc")
+    here.mkdir()
+    assert cpu_kernels.prune_superseded(tier, here) == [folders["older"]]
+    assert sorted(p.name for p in here.parent.iterdir()) == sorted(
+        [here.name, folders["other-copy"].name, folders["unnoted"].name])
+
+
 # ---- the same bits on every tier, end to end -------------------------------------------------------------------
 
 
