@@ -46,7 +46,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS, SHARED, cpu_model, git_commit, machine_state, print_table, write_json
+from benchmarks.common import (
+    RESULTS,
+    SHARED,
+    converted,
+    cpu_model,
+    git_commit,
+    machine_state,
+    need_traces,
+    print_table,
+    write_json,
+)
 
 GiB = 1 << 30
 WARMUP_PROMPT, DECODE_PROMPT = 64, 16
@@ -350,10 +360,8 @@ def replay_spec(args: argparse.Namespace) -> dict[str, Any] | None:
         raise SystemExit("--replay replays the DeepSeek-V2-Lite trace: it needs --preset deepseek-v2-lite, all layers")
     from benchmarks.offload_replay import replayed_requests
 
-    trace = RESULTS / "traces" / "deepseek-v2-lite.mpt"
-    if not trace.exists():
-        raise SystemExit(f"{trace} is missing: run `python -m benchmarks run offload_replay` once to convert "
-                         f"{SHARED / 'deepseek-v2-lite'}")
+    need_traces("deepseek-v2-lite")
+    trace = converted("deepseek-csv", SHARED / "deepseek-v2-lite", "deepseek-v2-lite")  # once, as other benchmarks do
     requests = replayed_requests(trace, 200, args.replay_requests, DECODE_PROMPT + args.decode)
     return {"trace": str(trace), "requests": requests, "prompt": DECODE_PROMPT, "steps": args.decode}
 
