@@ -118,20 +118,31 @@ def _compiler() -> str:
         return "unknown"
 
 
+class Sources(NamedTuple):
+    """The kernels' sources as a build knows them: where they lie and a hash of what they hold. torch's `load` names
+    its sources by path and rebuilds when the paths or flags it was given last time differ, so two copies of the
+    sources sharing one folder would rebuild it at every switch."""
+
+    folder: str
+    digest: str
+
+    def note(self) -> str:
+        """What a build folder keeps of them (SOURCES_NOTE): the folder's line, then the digest's."""
+        return f"{self.folder}\n{self.digest}"
+
+
 @functools.lru_cache(maxsize=1)
-def sources_key() -> str:
-    """The kernels' sources as a build knows them: where they lie and a hash of what they hold (asked once per
-    process). torch's `load` names its sources by path and rebuilds when the paths or flags it was given last time
-    differ, so two copies of the sources sharing one folder would rebuild it at every switch."""
-    text = hashlib.sha256(b"".join(f.read_bytes() for f in [*SOURCES, *HEADERS])).hexdigest()[:16]
-    return f"{CSRC.resolve()}\n{text}"
+def sources_key() -> Sources:
+    """These sources (read once per process)."""
+    return Sources(str(CSRC.resolve()),
+                   hashlib.sha256(b"".join(f.read_bytes() for f in [*SOURCES, *HEADERS])).hexdigest()[:16])
 
 
 def build_dir(tier: Tier) -> Path:
     """The tier's build folder: named by the tier and a hash of its flags, the compiler and the sources (torch's
     version names the folder above)."""
     flags = BASE_FLAGS + cpu_tiers.flags_for(tier)
-    key = hashlib.sha256("\n".join((_compiler(), *flags, sources_key())).encode()).hexdigest()[:12]
+    key = hashlib.sha256("\n".join((_compiler(), *flags, *sources_key())).encode()).hexdigest()[:12]
     return cache_dir() / f"{tier.module_name}-{key}"
 
 
@@ -146,14 +157,14 @@ def _build(tier: Tier) -> ModuleType:
     build = build_dir(tier)
     build.mkdir(parents=True, exist_ok=True)
     # `load` hashes the sources only: the sources' hash in a -D flag makes a header edit rebuild too
-    header = sources_key().rsplit("\n", 1)[1]
+    header = sources_key().digest
     flags = [*BASE_FLAGS, *cpu_tiers.flags_for(tier), f"-DMOEPAGER_TIER_{tier.macro}", "-DMOEPAGER_WITH_TORCH",
              f"-DMOEPAGER_HEADERS={header}"]
     if not list(build.glob(f"{tier.module_name}*.so")):  # a first build takes a minute: say so, not silence
         print(f"moepager: building the CPU kernels for {tier.name} (once on this machine, about a minute) ...",
               file=sys.stderr, flush=True)
         prune_superseded(tier, build)
-    (build / SOURCES_NOTE).write_text(sources_key())
+        (build / SOURCES_NOTE).write_text(sources_key().note())  # a folder is new with each version of the sources
     with open(build / "moepager.flock", "w") as turn:
         fcntl.flock(turn, fcntl.LOCK_EX)
         stale = build / "lock"
@@ -173,7 +184,7 @@ def prune_superseded(tier: Tier, build: Path) -> list[Path]:
     removed when `build` replaces them, so edits of a checkout do not pile builds up; another copy's folders are kept
     (and a process still running an old build keeps its module: the system frees the files when it exits). Returns
     the folders removed."""
-    where = sources_key().split("\n", 1)[0]
+    where = sources_key().folder
     gone = []
     for other in build.parent.glob(f"{tier.module_name}-*"):
         note = other / SOURCES_NOTE

@@ -153,10 +153,10 @@ def build_store(config: StoreConfig, reader: FlatReader, cfg: ModelConfig, devic
                      f"--host-memory {config.host_memory or 'all'} ({host_slots} experts)", scope="global")
     streams = stream_rows(device_slots, cfg.num_moe_layers * cfg.num_experts)
     budgets, theta = read_plan(config.layer_plan, cfg) if config.layer_plan else (None, [1.0] * cfg.num_moe_layers)
-    if config.configure == "auto" and not config.layer_plan:
+    if split is not None and config.configure == "auto" and not config.layer_plan:
         # MoEpic §3.4: the outer loop starts at θ = 0.5 and the configurator moves it from there (a budget that holds
         # θ = 1's top parts and stream rows holds θ = 0.5's: k·S/2 tops and k·S/2 streaming against k·S and 2)
-        theta = [THETA_START if split is not None else 1.0] * cfg.num_moe_layers
+        theta = [THETA_START] * cfg.num_moe_layers
     space = key_space(config.layer_plan, theta, cfg, split)
     least, most = [cfg.top_k] * cfg.num_moe_layers, [cfg.num_experts] * cfg.num_moe_layers
     if isinstance(space, SplitParts):  # each layer's top parts of a step's experts cached, its bottoms streaming
@@ -177,7 +177,7 @@ def build_store(config: StoreConfig, reader: FlatReader, cfg: ModelConfig, devic
     transfers = Transfers(device, config.io_threads, config.prefetch_threads, config.prefetch_yields)
     store = ExpertStore(tier, host, reader.read, transfers, buffers, getattr(reader, "read_many", None), space)
     if config.warm:  # the units the cache may hold only (a split checkpoint's top parts), each layer's quota first
-        uneven = quotas is not None or space is not WHOLE
+        uneven = quotas is not None or isinstance(space, SplitParts)
         store.warm(warm_order(cfg.moe_layers, cfg.num_experts, store.device.table.quota if uneven else None,
                               space.cacheable, config.scope == "global"), progress)
     return store

@@ -125,8 +125,9 @@ class OnlineConfigurator:
         quotas = share_quotas(plan.budgets_L.tolist(), table.capacity, [k * t for t in tops],
                               [self.num_experts * t for t in tops])
         before = [table.quota[layer] for layer in self.layers]
-        old_tops = [space.tops[layer] if isinstance(space := store.space, SplitParts) else parts
-                    for layer in self.layers]
+        space = store.space
+        old_tops = [space.tops[layer] for layer in self.layers] if isinstance(space, SplitParts) else \
+            [parts] * len(self.layers)
         now = expert_split(np.asarray(before) / parts, hit_LC, k, self.costs, prediction, split,
                            parts if split else None, [t / parts for t in old_tops])
         if (quotas == before and tops == old_tops) or plan.exposed_s >= now.exposed_s * (1 - self.gain):

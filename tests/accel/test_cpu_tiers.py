@@ -157,7 +157,7 @@ def test_a_new_build_of_edited_sources_removes_this_copys_earlier_builds_only(mo
     monkeypatch.setenv("MOEPAGER_CACHE", str(tmp_path))
     tier = cpu_tiers.BY_NAME["portable"]
     here = cpu_kernels.build_dir(tier)
-    where = cpu_kernels.sources_key().split("\n", 1)[0]
+    where = cpu_kernels.sources_key().folder
     folders = {name: here.parent / f"{tier.module_name}-{name}" for name in ("older", "other-copy", "unnoted")}
     for name, folder in folders.items():
         folder.mkdir(parents=True)
