@@ -444,8 +444,14 @@ class EngineConfig:
     """CUDA: one-request decode steps replay a CUDA graph where they can be captured (every expert resident in
     bf16, nothing observing routing: runtime/cuda_graphs.py); the same tokens as launching each kernel."""
 
+    @property
+    def fit_decides(self) -> bool:
+        """Whether the automatic fit sizes the expert budget (placements/fit.py; `fit_decides`)."""
+        return fit_decides(self.store, self.remote.workers, self.placement.execution)
+
     def __post_init__(self) -> None:
-        if self.prefetch.predictor is not None and not self.store.paged and self.remote.worker_memory is None:
+        if self.prefetch.predictor is not None and not self.store.paged and self.remote.worker_memory is None \
+                and not self.fit_decides:
             raise MoepagerError("prefetching needs a paged store: set --expert-memory (with every expert resident "
                                 "there is nothing to prefetch), or --workers with --worker-memory")
         check_dense_name(self.dense_dtype)
@@ -455,6 +461,13 @@ class EngineConfig:
             raise MoepagerError(f"--threads must be >= 1, got {self.threads}")
         check_placement(self.placement.execution, self.store, self.remote.workers, self.compile)
         check_device(self.device, self.store, self.placement.execution)
+
+
+def fit_decides(store: StoreConfig, workers: int, execution: str) -> bool:
+    """Whether the automatic fit sizes the expert budget (placements/fit.py): none given, and the routed experts
+    computed in this process, where it holds them. Such a run pages its experts or keeps them all resident as the
+    machine's memory decides, after its configuration is made, so options that act on paged experts are taken."""
+    return store.expert_memory is None and store.host_memory is None and not workers and execution in ("gpu", "auto")
 
 
 def check_placement(execution: Execution, store: StoreConfig, workers: int, compiled: bool) -> None:

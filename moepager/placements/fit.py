@@ -179,9 +179,25 @@ def fit_of(config: EngineConfig, opened: OpenCheckpoint, device_free: int | None
 
 
 def fits(config: EngineConfig) -> bool:
-    """Whether a run is fitted: no budget given, experts computed in this process where it holds them."""
-    return (config.store.expert_memory is None and config.store.host_memory is None and not config.remote.workers
-            and config.placement.execution in ("gpu", "auto"))
+    """Whether a run is fitted (`EngineConfig.fit_decides`): no budget given, experts computed in this process where it
+    holds them."""
+    return config.fit_decides
+
+
+PAGING_OPTIONS = {"policy": "--policy", "scope": "--cache-scope", "io_threads": "--io-threads",
+                  "direct_io": "--direct-io", "warm": "--cold", "prefetch_threads": "--prefetch-threads",
+                  "prefetch_policy": "--prefetch-policy", "prefetch_yields": "--prefetch-no-yield"}
+"""The store's options that act only on experts it pages (field: flag)."""
+
+
+def unused_paging(config: EngineConfig) -> str:
+    """The paging options `config` sets that a run keeping every expert resident leaves unused, as a clause of the
+    fit's line ("" when none): a fitted run may page on one machine and not on another, so they are not refused."""
+    default = type(config.store)()
+    given = [flag for name, flag in PAGING_OPTIONS.items() if getattr(config.store, name) != getattr(default, name)]
+    if config.prefetch.predictor is not None:
+        given.insert(0, f"--predictor {config.prefetch.predictor}")
+    return f"; {', '.join(given)} unused: nothing is paged" if given else ""
 
 
 def fitted(config: EngineConfig, opened: OpenCheckpoint, times: ExpertTimes | None = None
@@ -199,7 +215,7 @@ def fitted(config: EngineConfig, opened: OpenCheckpoint, times: ExpertTimes | No
         return config, ""                   # --kv-cache-tokens' message (runtime/kv_pool.py)
     fit.check()
     if fit.budget is None:
-        return config, fit.describe()
+        return config, fit.describe() + unused_paging(config)
     chunk = ""
     if not cuda and times is not None and config.scheduler.max_batched_tokens == SchedulerConfig().max_batched_tokens:
         tokens = prefill_chunk(fit, opened, config, times)
@@ -211,7 +227,7 @@ def fitted(config: EngineConfig, opened: OpenCheckpoint, times: ExpertTimes | No
             chunk = (f"; prompts in chunks of {tokens} tokens (each reads its layers' missing experts once; "
                      "--max-batched-tokens sets it)")
     if fit.budget is None:
-        return config, fit.describe()
+        return config, fit.describe() + unused_paging(config)
     store, line = replace(config.store, expert_memory=str(fit.budget)), fit.describe() + chunk
     if cuda:  # the host tier below: every expert in RAM, the dense weights and KV cache on the device
         ram, source = ram_available()

@@ -24,7 +24,7 @@ from moepager.experts.remote.placement import Links
 from moepager.experts.split import SplitExecutor
 from moepager.placements import resolve
 from moepager.placements.base import BuildContext, PlacementPlugin, expert_times
-from moepager.placements.fit import fitted
+from moepager.placements.fit import fitted, unused_paging
 from moepager.planning.configurator import layer_costs
 from moepager.planning.cost import CostModel
 from moepager.policies import UnknownPolicyError, policy_spec
@@ -99,8 +99,8 @@ def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = 
     execution, why = resolve_execution(config, opened.device, times, profile)
     chosen = resolve(config, execution)
     check_split(config, opened, execution, chosen)
-    if config.store.expert_memory is not None and fit:  # the fit pages experts: said, as a run's statistics say it
-        why = "; ".join(x for x in (fit, why) if x)
+    if fit and (config.store.expert_memory is not None or unused_paging(config)):  # the fit pages experts, or
+        why = "; ".join(x for x in (fit, why) if x)  # leaves options unused: said, as a run's statistics say it
     if why:
         print(why, file=sys.stderr)
     with load_bar(opened, show_progress) as bar:

@@ -203,8 +203,8 @@ def test_trace_info_and_simulate_name_phases_alike(trace, capsys):
 
 # -- 9. options that would do nothing are refused --------------------------------------------------------------------
 @pytest.mark.parametrize("extra, message", [
-    (["--cold"], "--cold does nothing without a paged store"),
-    (["--policy", "lfu"], "--policy does nothing without a paged store"),
+    (["--execution", "cpu-experts", "--cold"], "--cold does nothing without a paged store"),
+    (["--execution", "cpu-experts", "--policy", "lfu"], "--policy does nothing without a paged store"),
     (["--record-hidden"], "--record-hidden does nothing without --record-trace"),
     (["--predictor-file", "x.pt"], "--predictor-file does nothing without --predictor"),
     (["--expert-memory", "50%", "--prefetch-threads", "2"], "--prefetch-threads does nothing without --predictor"),

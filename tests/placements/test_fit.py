@@ -9,8 +9,8 @@ import pytest
 from moepager.checkpoints.build import LoadOptions, open_checkpoint
 from moepager.checkpoints.default import default_model_path
 from moepager.cli.info import describe
-from moepager.config import EngineConfig, SchedulerConfig, StoreConfig
-from moepager.errors import BudgetError
+from moepager.config import EngineConfig, PlacementConfig, PrefetchConfig, SchedulerConfig, StoreConfig
+from moepager.errors import BudgetError, MoepagerError
 from moepager.placements.fit import HEADROOM_MIN, fit_of, fits, fitted
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
@@ -70,6 +70,32 @@ def test_a_machine_too_small_is_refused_before_loading_with_the_numbers(monkeypa
     monkeypatch.setenv(ENV_AVAILABLE, "25%")
     with pytest.raises(BudgetError, match="must be a size"):
         fit_of(EngineConfig(), opened())
+
+
+def test_a_fitted_run_takes_a_predictor_and_paging_options_and_prefetches_when_it_pages(monkeypatch, capsys):
+    """No --expert-memory: the fit decides whether experts page, so --predictor and the store's options are taken
+    where it pages (the prefetcher built, the resident run's tokens), and said unused where it keeps them all."""
+    params = SamplingParams(max_tokens=12, temperature=0)
+    want = LLM(config=EngineConfig(), show_progress=False).generate(["The history of"], params)[0].token_ids
+    config = EngineConfig(store=StoreConfig(policy="lfu", io_threads=2),
+                          prefetch=PrefetchConfig(predictor="gate-lookahead"))
+    assert config.fit_decides
+    monkeypatch.setenv(ENV_AVAILABLE, "64GiB")
+    plenty = LLM(config=config, show_progress=False)
+    assert plenty.store is None and plenty.prefetcher is None
+    assert plenty.loaded.execution.endswith("; --predictor gate-lookahead, --policy, --io-threads unused: nothing is "
+                                            "paged")
+    assert "unused: nothing is paged" in capsys.readouterr().err
+    assert plenty.generate(["The history of"], params)[0].token_ids == want
+    monkeypatch.setenv(ENV_AVAILABLE, "490MiB")
+    tight = LLM(config=config, show_progress=False)
+    assert tight.store is not None and tight.prefetcher is not None and "unused" not in tight.loaded.execution
+    assert tight.config.store.policy == "lfu" and tight.config.store.io_threads == 2
+    assert tight.generate(["The history of"], params)[0].token_ids == want  # lossless
+    assert tight.last_stats.sections["experts"].to_dict()["decode"]["loads_ahead"] > 0
+    with pytest.raises(MoepagerError, match="prefetching needs a paged store"):  # a run that is never fitted
+        EngineConfig(store=StoreConfig(expert_memory=None), prefetch=PrefetchConfig(predictor="gate-lookahead"),
+                     placement=PlacementConfig(execution="cpu-experts"))
 
 
 def test_a_given_budget_or_workers_are_never_fitted():
