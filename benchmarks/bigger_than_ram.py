@@ -15,7 +15,8 @@ every file involved is dropped (posix_fadvise DONTNEED) and the disk's read spee
 measures it (--disk-probe GiB of random experts, 4 reads at once, O_DIRECT: it drifts, 2x within minutes), so each run
 is reported against the disk it had. Rounds alternate the engines (--rounds).
 
-In each process: the engine is built (moepager: its automatic fit, or a fixed --budgets entry; llama.cpp: each
+In each process: the engine is built (moepager: its automatic fit, or a fixed --budgets entry, either with a prefetch
+predictor after a "+", e.g. auto+gate-lookahead: the next layer's experts read while this one computes; llama.cpp: each
 --llama variant: mmap, its default; no-mmap, the weights read into its own memory; mlock, mapped and locked), warmed up
 with one 64-token request, then a fresh --prompts request each (prefill tok/s = prompt / time to its first token) and a
 16-token prompt decoding --decode tokens (decode tok/s over those steps). Bytes read from disk per phase come from
@@ -186,11 +187,13 @@ def prompt_ids(vocab: int, n: int, seed: int) -> list[int]:
 
 class OursEngine:
     def __init__(self, path: Path, budget: str, threads: int):
-        from moepager.config import EngineConfig, StoreConfig
+        from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
         from moepager.runtime.llm import LLM
 
+        budget, _, predictor = budget.partition("+")
         store = StoreConfig() if budget == "auto" else StoreConfig(expert_memory=budget)
-        self.llm = LLM(config=EngineConfig(model=str(path), threads=threads, store=store), show_progress=False)
+        self.llm = LLM(config=EngineConfig(model=str(path), threads=threads, store=store,
+                                           prefetch=PrefetchConfig(predictor=predictor or None)), show_progress=False)
         self.vocab = self.llm.loaded.config.vocab_size
         self.note = self.llm.loaded.execution
 
@@ -325,7 +328,7 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--layers", type=int, help="decoder layers (default: the preset's all)")
     p.add_argument("--memory-limit", default="20GiB", help="each engine's memory cgroup limit, or none")
     p.add_argument("--budgets", nargs="*", default=["auto", "12GiB"],
-                   help="moepager's expert memory: auto (its fit) or a size")
+                   help="moepager's expert memory: auto (its fit) or a size, each with +PREDICTOR for prefetch")
     p.add_argument("--llama", nargs="*", default=["mmap", "no-mmap"], choices=list(LLAMA_VARIANTS))
     p.add_argument("--llama-site", help="a folder holding llama-cpp-python (pip install --target), searched first")
     p.add_argument("--prompts", nargs="+", type=int, default=[512, 2048])
@@ -400,7 +403,8 @@ def main() -> None:
     runs = [("moepager", b) for b in args.budgets] + [("llama.cpp", v) for v in (args.llama if have_llama else [])]
     replay = replay_spec(args)
     if replay is not None:
-        runs += [("moepager-replay", b) for b in args.budgets]
+        # not with a predictor: one reading random weights' gates forecasts their routing, not the replayed one
+        runs += [("moepager-replay", b) for b in args.budgets if "+" not in b]
     state = machine_state()
     size = path.stat().st_size
     print(f"{path.name}: {size / 1e9:.1f} GB, {size / ram:.2f}x this machine's {ram / GiB:.1f} GiB RAM"
