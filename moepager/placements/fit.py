@@ -4,7 +4,9 @@ the memory it may use, so a model bigger than the machine pages its experts from
 Algorithm (CPU; on CUDA the device's free memory takes RAM's place for the device tier):
 1. The memory this run may use: what the machine reports available now (`psutil`: RAM not taken by anyone, page
    cache that can be dropped), within the cgroup's limit less its usage when the process runs under one (a
-   container; cgroup v2 `memory.max` or v1 `memory.limit_in_bytes`), or `MOEPAGER_MEMORY_AVAILABLE` when set.
+   container; cgroup v2 `memory.max` or v1 `memory.limit_in_bytes`), less the shared libraries mapped into the
+   process (their pages count in its RSS, and in neither figure: store/budget.py `mapped_libraries`); or
+   `MOEPAGER_MEMORY_AVAILABLE` when set.
 2. What the run needs besides routed experts, first: the dense weights in the run's dtype, the KV cache at
    --kv-cache-tokens, a step's working memory (`step_bytes`: its --max-batched-tokens' activations, logits and
    attention scores over the whole cache), and a headroom left free for the allocator and the OS (`HEADROOM`).

@@ -81,6 +81,19 @@ def cgroup_room(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc/se
     return None
 
 
+def mapped_libraries(status: Path = Path("/proc/self/status")) -> int:
+    """The shared libraries mapped into this process (VmLib, bytes; 0 where unknown). Their pages count in its RSS as
+    it touches them, yet the machine reports them available (page cache) and a cgroup charges them to whichever
+    cgroup first read them, so neither figure sees them as this run's: the available memory is taken less them."""
+    try:
+        for line in status.read_text().splitlines():
+            if line.startswith("VmLib:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def ram_available() -> tuple[int, str]:
     """The RAM this run may use, and where the figure came from."""
     if os.environ.get(ENV_AVAILABLE):
@@ -88,8 +101,10 @@ def ram_available() -> tuple[int, str]:
         if budget.nbytes is None:
             raise BudgetError(f"{ENV_AVAILABLE} '{budget.text}' must be a size (e.g. 6GiB), not a share")
         return budget.nbytes, f"({ENV_AVAILABLE})"
+    libraries = mapped_libraries()
+    less = f" less {format_bytes(libraries)} of shared libraries mapped here" if libraries else ""
     available = psutil.virtual_memory().available
     room = cgroup_room()
     if room is not None and room < available:
-        return room, "(the cgroup's memory limit less its usage)"
-    return available, "available"
+        return max(room - libraries, 0), f"(the cgroup's memory limit less its usage{less})"
+    return max(available - libraries, 0), f"available{less}"

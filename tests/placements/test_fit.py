@@ -4,6 +4,7 @@ cgroup limit."""
 
 from __future__ import annotations
 
+import psutil
 import pytest
 
 from moepager.checkpoints.build import LoadOptions, open_checkpoint
@@ -166,3 +167,25 @@ def test_the_run_uses_the_chunk_its_fit_chose(monkeypatch):
     assert "prompts in chunks of 1024 tokens" in llm.loaded.execution
     out = llm.generate([prompt], params)[0]
     assert len(llm.tokenizer.encode(prompt)) > 512 and out.token_ids == want
+
+
+def test_the_libraries_mapped_here_are_taken_from_the_memory_a_run_may_use(tmp_path, monkeypatch):
+    """Their pages count in the process's RSS but not in what the machine or a cgroup says is used (bigger_than_ram's
+    peak RSS passed the limit less the headroom by about their size): the fit takes them off what it may use."""
+    from moepager.store import budget
+
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmRSS:\t  291388 kB\nVmLib:\t  400304 kB\nVmPTE:\t     756 kB\n")
+    assert budget.mapped_libraries(status) == 400304 * 1024
+    assert budget.mapped_libraries(tmp_path / "absent") == 0
+    monkeypatch.delenv(ENV_AVAILABLE, raising=False)
+    monkeypatch.setattr(budget, "mapped_libraries", lambda: 400 * MiB)
+    monkeypatch.setattr(budget, "cgroup_room", lambda: 8 << 30)
+    assert budget.ram_available() == ((8 << 30) - 400 * MiB, "(the cgroup's memory limit less its usage less "
+                                                               "400.00 MiB of shared libraries mapped here)")
+    monkeypatch.setattr(budget, "cgroup_room", lambda: None)
+    available, source = budget.ram_available()
+    assert source == "available less 400.00 MiB of shared libraries mapped here"
+    assert 0 <= available <= psutil.virtual_memory().available - 400 * MiB + 64 * MiB  # (what others freed since)
+    monkeypatch.undo()
+    assert budget.mapped_libraries() > 0  # this process's own: torch's libraries are mapped
