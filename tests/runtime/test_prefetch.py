@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moepager.cli.main import main
-from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
+from moepager.config import EngineConfig, PlacementConfig, PrefetchConfig, StoreConfig
 from moepager.errors import MoepagerError
 from moepager.predictors import token_keys
 from moepager.predictors.expert_map import hashed_tokens, prefix_means
@@ -89,8 +89,9 @@ def test_recorded_hidden_states_are_the_router_inputs(recorded):
 
 def test_prefetch_needs_a_paged_store_and_a_fitted_file(recorded):
     path, _, files = recorded
-    with pytest.raises(MoepagerError, match="--expert-memory"):
-        LLM(path, show_progress=False, prefetch=PrefetchConfig("gate-lookahead"))
+    with pytest.raises(MoepagerError, match="--expert-memory"):  # never fitted: nothing to prefetch into
+        EngineConfig(model=str(path), prefetch=PrefetchConfig("gate-lookahead"),
+                     placement=PlacementConfig(execution="cpu-experts"))
     with pytest.raises(MoepagerError, match="moepager predictor fit"):
         LLM(path, show_progress=False, store=StoreConfig(expert_memory="50%", direct_io="off"),
             prefetch=PrefetchConfig("token-wise"))
@@ -103,8 +104,12 @@ def test_generate_cli_prints_prefetch_statistics(demo_checkpoint, capsys):
                  "--predictor", "gate-lookahead", "--max-tokens", "8", "--ignore-eos", "hello"]) == 0
     out = capsys.readouterr().out
     assert "decode prefetch" in out and "accuracy" in out
-    assert main(["generate", "--model", str(demo_checkpoint), "--predictor", "gate-lookahead", "hello"]) == 2
+    assert main(["generate", "--model", str(demo_checkpoint), "--execution", "cpu-experts", "--predictor",
+                 "gate-lookahead", "hello"]) == 2
     assert "--expert-memory" in capsys.readouterr().err
+    assert main(["generate", "--model", str(demo_checkpoint), "--quiet", "--predictor", "gate-lookahead",
+                 "--max-tokens", "2", "hello"]) == 0  # no budget: the fit decides (all resident here, said so)
+    assert "--predictor gate-lookahead unused: nothing is paged" in capsys.readouterr().out
 
 
 def test_a_runs_statistics_say_what_the_prefetcher_cost_the_forward_thread(recorded, demo_checkpoint, capsys):
