@@ -447,7 +447,7 @@ class EngineConfig:
     @property
     def fit_decides(self) -> bool:
         """Whether the automatic fit sizes the expert budget (placements/fit.py; `fit_decides`)."""
-        return fit_decides(self.store, self.remote.workers, self.placement.execution)
+        return fit_decides(self.store.paged, self.remote.workers, self.placement.execution)
 
     def __post_init__(self) -> None:
         if self.prefetch.predictor is not None and not self.store.paged and self.remote.worker_memory is None \
@@ -463,11 +463,11 @@ class EngineConfig:
         check_device(self.device, self.store, self.placement.execution)
 
 
-def fit_decides(store: StoreConfig, workers: int, execution: str) -> bool:
-    """Whether the automatic fit sizes the expert budget (placements/fit.py): none given, and the routed experts
-    computed in this process, where it holds them. Such a run pages its experts or keeps them all resident as the
-    machine's memory decides, after its configuration is made, so options that act on paged experts are taken."""
-    return store.expert_memory is None and store.host_memory is None and not workers and execution in ("gpu", "auto")
+def fit_decides(paged: bool, workers: int, execution: str) -> bool:
+    """Whether the automatic fit sizes the expert budget (placements/fit.py): none given (not `paged`), and the routed
+    experts computed in this process, where it holds them. Such a run pages its experts or keeps them all resident as
+    the machine's memory decides, after its configuration is made, so options that act on paged experts are taken."""
+    return not paged and not workers and execution in ("gpu", "auto")
 
 
 def check_placement(execution: Execution, store: StoreConfig, workers: int, compiled: bool) -> None:

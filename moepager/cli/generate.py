@@ -380,9 +380,9 @@ def refuse_ignored_engine_options(args: argparse.Namespace) -> None:
     """The one rule for engine options (generate, serve, chat) that would do nothing in this run: refuse them,
     saying what they need."""
     paged = args.expert_memory is not None or args.host_memory is not None
-    fitted = fit_decides(StoreConfig(), args.workers, args.execution)  # no budget: the fit may page them
+    may_page = paged or fit_decides(paged, args.workers, args.execution)  # no budget: the fit may page them
     needs = [
-        (not paged and not fitted, "a paged store (--expert-memory or --host-memory)",
+        (not may_page, "a paged store (--expert-memory or --host-memory)",
          {"--policy": args.policy, "--cache-scope": args.cache_scope, "--io-threads": args.io_threads,
           "--direct-io": args.direct_io, "--cold": args.cold}),
         (args.predictor is None, "--predictor",

@@ -180,12 +180,6 @@ def fit_of(config: EngineConfig, opened: OpenCheckpoint, device_free: int | None
     return Fit(where, available, source, dense, kv, working, headroom(available), experts, least)
 
 
-def fits(config: EngineConfig) -> bool:
-    """Whether a run is fitted (`EngineConfig.fit_decides`): no budget given, experts computed in this process where it
-    holds them."""
-    return config.fit_decides
-
-
 PAGING_OPTIONS = {"policy": "--policy", "scope": "--cache-scope", "io_threads": "--io-threads",
                   "direct_io": "--direct-io", "warm": "--cold", "prefetch_threads": "--prefetch-threads",
                   "prefetch_policy": "--prefetch-policy", "prefetch_yields": "--prefetch-no-yield"}
@@ -193,8 +187,8 @@ PAGING_OPTIONS = {"policy": "--policy", "scope": "--cache-scope", "io_threads": 
 
 
 def unused_paging(config: EngineConfig) -> str:
-    """The paging options `config` sets that a run keeping every expert resident leaves unused, as a clause of the
-    fit's line ("" when none): a fitted run may page on one machine and not on another, so they are not refused."""
+    """The paging options `config` sets that a fitted run keeping every expert resident leaves unused, as a clause for
+    the fit's line ("" when none): a fitted run may page on one machine and not on another, so they are not refused."""
     default = type(config.store)()
     given = [flag for name, flag in PAGING_OPTIONS.items() if getattr(config.store, name) != getattr(default, name)]
     if config.prefetch.predictor is not None:
@@ -209,7 +203,7 @@ def fitted(config: EngineConfig, opened: OpenCheckpoint, times: ExpertTimes | No
     free memory, and a host tier that cannot hold every expert to RAM. On the CPU, a run paging from disk at the
     default --max-batched-tokens has its prompts chunked as `prefill_chunk` chooses from `times` (the cost model's
     expert figures), the budget then fitted again with that chunk's working memory."""
-    if not fits(config):
+    if not config.fit_decides:
         return config, ""
     cuda = opened.device.type == "cuda"
     fit = fit_of(config, opened, torch.cuda.mem_get_info(opened.device)[0] if cuda else None)
@@ -217,7 +211,7 @@ def fitted(config: EngineConfig, opened: OpenCheckpoint, times: ExpertTimes | No
         return config, ""                   # --kv-cache-tokens' message (runtime/kv_pool.py)
     fit.check()
     if fit.budget is None:
-        return config, fit.describe() + unused_paging(config)
+        return config, fit.describe()
     chunk = ""
     if not cuda and times is not None and config.scheduler.max_batched_tokens == SchedulerConfig().max_batched_tokens:
         tokens = prefill_chunk(fit, opened, config, times)
@@ -229,7 +223,7 @@ def fitted(config: EngineConfig, opened: OpenCheckpoint, times: ExpertTimes | No
             chunk = (f"; prompts in chunks of {tokens} tokens (each reads its layers' missing experts once; "
                      "--max-batched-tokens sets it)")
     if fit.budget is None:
-        return config, fit.describe() + unused_paging(config)
+        return config, fit.describe()
     store, line = replace(config.store, expert_memory=str(fit.budget)), fit.describe() + chunk
     if cuda:  # the host tier below: every expert in RAM, the dense weights and KV cache on the device
         ram, source = ram_available()

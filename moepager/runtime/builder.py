@@ -99,8 +99,11 @@ def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = 
     execution, why = resolve_execution(config, opened.device, times, profile)
     chosen = resolve(config, execution)
     check_split(config, opened, execution, chosen)
-    if fit and (config.store.expert_memory is not None or unused_paging(config)):  # the fit pages experts, or
-        why = "; ".join(x for x in (fit, why) if x)  # leaves options unused: said, as a run's statistics say it
+    if fit and config.store.expert_memory is None:  # every expert resident: said only where options go unused
+        unused = unused_paging(config)
+        fit = fit + unused if unused else ""
+    if fit:  # the fit pages experts, or leaves options unused: said, as a run's statistics say it
+        why = "; ".join(x for x in (fit, why) if x)
     if why:
         print(why, file=sys.stderr)
     with load_bar(opened, show_progress) as bar:

@@ -12,7 +12,7 @@ from moepager.checkpoints.default import default_model_path
 from moepager.cli.info import describe
 from moepager.config import EngineConfig, PlacementConfig, PrefetchConfig, SchedulerConfig, StoreConfig
 from moepager.errors import BudgetError, MoepagerError
-from moepager.placements.fit import HEADROOM_MIN, fit_of, fits, fitted
+from moepager.placements.fit import HEADROOM_MIN, fit_of, fitted
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from moepager.store.budget import ENV_AVAILABLE, cgroup_room, format_bytes
@@ -100,9 +100,9 @@ def test_a_fitted_run_takes_a_predictor_and_paging_options_and_prefetches_when_i
 
 
 def test_a_given_budget_or_workers_are_never_fitted():
-    assert fits(EngineConfig())
-    assert not fits(EngineConfig(store=StoreConfig(expert_memory="all")))
-    assert not fits(EngineConfig(store=StoreConfig(expert_memory="25%")))
+    assert EngineConfig().fit_decides
+    assert not EngineConfig(store=StoreConfig(expert_memory="all")).fit_decides
+    assert not EngineConfig(store=StoreConfig(expert_memory="25%")).fit_decides
 
 
 def test_the_cgroup_limit_less_its_usage_bounds_the_fit(tmp_path):
