@@ -14,11 +14,18 @@ Algorithm (CPU; on CUDA the device's free memory takes RAM's place for the devic
    without a fit. Otherwise what is left is the expert budget: the store's cache, stream rows and read buffers come
    out of it, the rest is read from disk on demand. A budget below one MoE layer's top-k experts (the least a
    decode step holds) is refused before anything loads, with the numbers.
+4. A run that pages from disk times a few reads of random experts through its own reader (`disk_rate`) and says what
+   the disk gives a decode token: the missing experts' bytes where routing spreads evenly over the experts, and the
+   seconds they take at the rate measured. Below `SLOW_DISK_BPS` the line says the disk is slow and what reads less.
 `--expert-memory all` keeps its own meaning (every expert through the store); a budget a user gives is never fitted.
 """
 
 from __future__ import annotations
 
+import itertools
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import torch
@@ -30,7 +37,7 @@ from moepager.experts.hybrid import ExpertTimes
 from moepager.models.attention import SCORES_MAX
 from moepager.placements.stores import STREAM_ROWS, read_buffer_bytes
 from moepager.store.budget import format_bytes, ram_available
-from moepager.types import RoutingDecision
+from moepager.types import ExpertKey, RoutingDecision
 
 HEADROOM_SHARE, HEADROOM_MIN = 0.10, 256 << 20
 """Of the memory a run may use, what a fit leaves free: a tenth, and at least 256 MiB (activations of a prefill
@@ -186,6 +193,52 @@ PAGING_OPTIONS = {"policy": "--policy", "scope": "--cache-scope", "io_threads": 
 """The store's options that act only on experts it pages (field: flag)."""
 
 
+PROBE_READS, PROBE_BYTES, PROBE_S = 16, 64 << 20, 0.5
+"""`disk_rate` reads at least this many random experts and this many bytes, and starts no read after this many
+seconds: enough that a throttled or networked disk's first burst does not pass for its rate."""
+SLOW_DISK_BPS = 250e6
+"""A disk reading random experts below this rate is said to be slow: a SATA SSD reads about twice it, a hard disk's
+seeks or a network file system fall below it."""
+
+
+def disk_rate(opened: OpenCheckpoint, io_threads: int, seconds: float = PROBE_S) -> float:
+    """Bytes/s reading random routed experts from the checkpoint through the run's reader (O_DIRECT where the file
+    system allows it, as the store reads), `io_threads` at once as a layer's misses are: PROBE_READS reads and
+    PROBE_BYTES at least, none started after `seconds` (each thread's first excepted), so a slow disk costs about
+    one read's time beyond them. Random experts, as misses are: neighbours in file order would flatter the disk."""
+    paging, reader = opened.paging, opened.reader
+    reads = max(PROBE_READS, min(-(-PROBE_BYTES // reader.shape.nbytes), 4096))
+    pick = random.Random(0)
+    keys = [ExpertKey(pick.choice(paging.moe_layers), pick.randrange(paging.num_experts)) for _ in range(reads)]
+    order, threads = itertools.count(), max(1, min(io_threads, reads))
+    start = time.perf_counter()
+
+    def reading(_: int) -> int:
+        buf, done = torch.empty(reader.shape.numel, dtype=reader.shape.buffer_dtype), 0
+        while (i := next(order)) < reads and (i < threads or time.perf_counter() - start < seconds):
+            done += reader.read(keys[i], buf)
+        return done
+
+    with ThreadPoolExecutor(threads) as pool:
+        nbytes = sum(pool.map(reading, range(threads)))
+    return nbytes / max(time.perf_counter() - start, 1e-9)
+
+
+def disk_note(fit: Fit, opened: OpenCheckpoint, budget: int, rate: float) -> str:
+    """The fit's clause on the disk: its measured rate and what a decode token waits on it where routing spreads
+    evenly (each MoE layer's top-k experts, a share `budget / experts` of them cached), slow or not."""
+    paging, nbytes = opened.paging, opened.reader.shape.nbytes
+    missing = paging.num_moe_layers * paging.top_k * max(0.0, 1 - budget / fit.experts) * nbytes
+    wait = missing / rate
+    waits = f"{wait * 1e3:.0f} ms" if wait < 1 else f"{wait:.2f} s"
+    said = (f"the disk reads {rate / 1e9:.2f} GB/s (random experts), so a decode token waits about {waits} for its "
+            f"{format_bytes(missing)} of missing experts where routing spreads evenly")
+    if rate >= SLOW_DISK_BPS:
+        return f"; {said}"
+    return (f"; slow disk: {said} (below {SLOW_DISK_BPS / 1e9:.2f} GB/s; a faster disk for the checkpoint, more "
+            f"memory, or a smaller --expert-dtype reads less)")
+
+
 def unused_paging(config: EngineConfig) -> str:
     """The paging options `config` sets that a fitted run keeping every expert resident leaves unused, as a clause for
     the fit's line ("" when none): a fitted run may page on one machine and not on another, so they are not refused."""
@@ -225,10 +278,13 @@ def fitted(config: EngineConfig, opened: OpenCheckpoint, times: ExpertTimes | No
     if fit.budget is None:
         return config, fit.describe()
     store, line = replace(config.store, expert_memory=str(fit.budget)), fit.describe() + chunk
-    if cuda:  # the host tier below: every expert in RAM, the dense weights and KV cache on the device
+    if not cuda:
+        line += disk_note(fit, opened, fit.budget, disk_rate(opened, store.io_threads))
+    else:  # the host tier below: every expert in RAM, the dense weights and KV cache on the device
         ram, source = ram_available()
         host = replace(fit, where="RAM", available=ram, source=source, dense=0, kv=0, working=0, headroom=headroom(ram))
         if not host.resident:
             store = replace(store, host_memory=str(max(host.left, fit.least)))
             line += f"; host tier {host.describe()}"
+            line += disk_note(host, opened, max(host.left, fit.least), disk_rate(opened, store.io_threads))
     return replace(config, store=store), line

@@ -189,3 +189,51 @@ def test_the_libraries_mapped_here_are_taken_from_the_memory_a_run_may_use(tmp_p
     assert 0 <= available <= psutil.virtual_memory().available - 400 * MiB + 64 * MiB  # (what others freed since)
     monkeypatch.undo()
     assert budget.mapped_libraries() > 0  # this process's own: torch's libraries are mapped
+
+
+def test_a_fit_paging_from_disk_measures_the_disk_and_says_a_slow_one(monkeypatch):
+    """A run paging from disk times random experts' reads through its reader and says what a decode token waits on
+    the disk; below SLOW_DISK_BPS the line says the disk is slow and what reads less. The run goes on either way."""
+    import moepager.placements.fit as fit_module
+
+    monkeypatch.setenv(ENV_AVAILABLE, "490MiB")
+    config, o = EngineConfig(), opened()
+    fit = fit_of(config, o)
+    assert fit.budget is not None
+    missing = o.paging.num_moe_layers * o.paging.top_k * (1 - fit.budget / fit.experts) * o.reader.shape.nbytes
+    monkeypatch.setattr(fit_module, "disk_rate", lambda opened, io_threads: 2e9)
+    line = fitted(config, o)[1]
+    assert f"; the disk reads 2.00 GB/s (random experts), so a decode token waits about " \
+           f"{missing / 2e9 * 1e3:.0f} ms for its {format_bytes(missing)} of missing experts" in line
+    assert "slow" not in line
+    monkeypatch.setattr(fit_module, "disk_rate", lambda opened, io_threads: 1e6)
+    slow = fitted(config, o)[1]
+    assert f"; slow disk: the disk reads 0.00 GB/s (random experts), so a decode token waits about " \
+           f"{missing / 1e6:.2f} s" in slow and "below 0.25 GB/s; a faster disk for the checkpoint" in slow
+    llm = LLM(config=config, show_progress=False)  # a slow disk is said, not refused
+    assert "slow disk" in llm.loaded.execution and llm.store is not None
+    monkeypatch.setenv(ENV_AVAILABLE, "64GiB")
+    calls = []
+    monkeypatch.setattr(fit_module, "disk_rate", lambda *args: calls.append(args) or 1e6)
+    assert "disk" not in fitted(config, opened())[1] and calls == []  # nothing paged: nothing read
+
+
+def test_the_disk_probe_reads_random_experts_bounded_in_count_bytes_and_time():
+    """At least PROBE_READS reads and PROBE_BYTES, several experts of several layers, and no read started past its
+    time but each thread's first."""
+    from moepager.placements.fit import PROBE_BYTES, PROBE_READS, disk_rate
+
+    o = opened()
+    read, seen = o.reader.read, []
+
+    def counting(key, out, between=None):
+        seen.append(key)
+        return read(key, out, between)
+
+    o.reader.read = counting
+    assert disk_rate(o, io_threads=4, seconds=60.0) > 0
+    nbytes = o.reader.shape.nbytes
+    assert len(seen) == max(PROBE_READS, -(-PROBE_BYTES // nbytes)) and len(seen) * nbytes >= PROBE_BYTES
+    assert len({k.layer for k in seen}) == o.paging.num_moe_layers and len(set(seen)) > 100
+    seen.clear()
+    assert disk_rate(o, io_threads=3, seconds=0.0) > 0 and len(seen) == 3
