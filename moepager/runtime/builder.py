@@ -34,7 +34,7 @@ from moepager.runtime.batch_policy import needs_paths
 from moepager.runtime.batch_policy.expertflow import PathTracker
 from moepager.runtime.configure import OnlineConfigurator
 from moepager.runtime.prefetch import Prefetcher, build_prefetcher
-from moepager.store.budget import format_bytes
+from moepager.store.budget import format_bytes, heap_for_loading
 from moepager.store.keyspace import SplitParts
 from moepager.store.parts import PartForecasts, WholeExperts
 from moepager.store.stats import StoreReport
@@ -106,7 +106,7 @@ def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = 
         why = "; ".join(x for x in (fit, why) if x)
     if why:
         print(why, file=sys.stderr)
-    with load_bar(opened, show_progress) as bar:
+    with load_bar(opened, show_progress) as bar, heap_for_loading():  # the load's freed buffers leave the process
         placed = chosen.build(BuildContext(config, opened, times, profile, links, bar.update))
         executor, store = placed.executor, placed.store
         why = why or placed.why

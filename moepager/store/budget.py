@@ -6,8 +6,11 @@ The budget grammar itself ("6GiB", "25%", "all") is configuration: `moepager.con
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -92,6 +95,49 @@ def mapped_libraries(status: Path = Path("/proc/self/status")) -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 0
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+"""glibc's `mallopt` parameters (malloc.h)."""
+LOAD_MMAP_THRESHOLD = 1 << 20
+"""While a model loads, every C allocation of this size or more is a mapping of its own, unmapped when freed."""
+RUN_MMAP_THRESHOLD = 32 << 20
+"""After the load: glibc's own ceiling for its sliding threshold (64-bit), with the trim threshold it pairs with it
+(twice), the state its default reaches once large buffers have come and gone, as a run's steps make them."""
+TUNED_BY_USER = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+"""glibc's own environment variables: set, the heap is left as the user tuned it."""
+
+
+def mallopt() -> Callable[[int, int], int] | None:
+    """glibc's `mallopt(param, value)` (None: another C library, or one without it)."""
+    name = ctypes.util.find_library("c")
+    try:
+        call = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):
+        return None
+    if call is not None:
+        call.argtypes, call.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return call
+
+
+@contextmanager
+def heap_for_loading() -> Iterator[bool]:
+    """A load's C heap: its large buffers (a weight read and cast, a repack, a reader's scratch) are mappings of their
+    own (LOAD_MMAP_THRESHOLD) and leave the process when freed, instead of staying in heaps pinned by the weights
+    kept around them. glibc's default moves its threshold up to the largest buffer freed, so a load otherwise left a
+    fraction of a GiB of freed heap in its RSS, memory the fit counts as the experts' and the working memory's
+    (benchmarks/README.md, bigger_than_ram). Afterwards the threshold is where glibc's default ends
+    (RUN_MMAP_THRESHOLD), so a step's activations come from the heap as before. Yields whether the heap was tuned:
+    not where the C library is not glibc, nor where the user set glibc's variables."""
+    call = None if any(v in os.environ for v in TUNED_BY_USER) else mallopt()
+    if call is not None:
+        call(M_MMAP_THRESHOLD, LOAD_MMAP_THRESHOLD)
+    try:
+        yield call is not None
+    finally:
+        if call is not None:
+            call(M_MMAP_THRESHOLD, RUN_MMAP_THRESHOLD)
+            call(M_TRIM_THRESHOLD, 2 * RUN_MMAP_THRESHOLD)
 
 
 def ram_available() -> tuple[int, str]:

@@ -34,3 +34,46 @@ def test_malformed_budgets_name_the_flag(text):
 def test_below_minimum_says_the_minimum():
     with pytest.raises(BudgetError, match=r"holds 3 experts, below the minimum of 8 .*= 8.00 MiB"):
         check_slots(3, 8, 2**20, "--expert-memory", "3MiB")
+
+
+def rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def test_a_load_s_freed_buffers_leave_the_process_and_the_heap_is_as_glibc_leaves_it_after(monkeypatch):
+    """Inside `heap_for_loading` a large buffer freed between weights kept around it leaves the RSS (its own mapping);
+    glibc's default heap keeps it. Where the user set glibc's variables, or the C library has no mallopt, nothing is
+    tuned."""
+    import torch
+
+    from moepager.store import budget
+
+    if budget.mallopt() is None:
+        pytest.skip("the C library is not glibc: nothing to tune")
+
+    def churn() -> int:
+        big, kept = [], []
+        for _ in range(64):  # 2 MiB buffers, each followed by a small allocation that stays (a weight kept)
+            big.append(torch.ones(1 << 19))
+            kept.append(torch.ones(64))
+        before = rss()
+        del big
+        return before - rss()
+
+    budget.mallopt()(budget.M_MMAP_THRESHOLD, budget.RUN_MMAP_THRESHOLD)  # as glibc's default is after large frees
+    assert churn() < 16 << 20  # 128 MiB freed: kept in the heap
+    with budget.heap_for_loading() as tuned:
+        assert tuned
+        assert churn() >= 100 << 20  # 128 MiB freed: all of it left the process
+    calls = []
+    monkeypatch.setattr(budget, "mallopt", lambda: lambda param, value: calls.append((param, value)) or 1)
+    with budget.heap_for_loading():
+        assert calls == [(budget.M_MMAP_THRESHOLD, 1 << 20)]
+    assert calls[1:] == [(budget.M_MMAP_THRESHOLD, 32 << 20), (budget.M_TRIM_THRESHOLD, 64 << 20)]
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    calls.clear()
+    with budget.heap_for_loading() as tuned:
+        assert not tuned
+    assert calls == []
