@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from moepager.config import Budget
@@ -36,37 +38,44 @@ def test_below_minimum_says_the_minimum():
         check_slots(3, 8, 2**20, "--expert-memory", "3MiB")
 
 
-def rss() -> int:
-    import psutil
+CHURN = """
+import psutil, torch
+from moepager.store import budget
 
-    return psutil.Process().memory_info().rss
+def churn():
+    big, kept = [], []
+    for _ in range(64):  # 2 MiB buffers, each followed by a small allocation that stays (a weight kept)
+        big.append(torch.ones(1 << 19))
+        kept.append(torch.ones(64))
+    before = psutil.Process().memory_info().rss
+    del big
+    return before - psutil.Process().memory_info().rss
+
+budget.mallopt()(budget.M_MMAP_THRESHOLD, budget.RUN_MMAP_THRESHOLD)  # as glibc's default is after large frees
+kept = churn()
+with budget.heap_for_loading() as tuned:
+    left = churn()
+print(kept, left, tuned)
+"""
+"""A fresh process (a long-lived one's heap has free chunks that any allocation reuses, mapped or not): the RSS that
+64 freed 2 MiB buffers leave, in the run's heap state and inside `heap_for_loading`."""
 
 
 def test_a_load_s_freed_buffers_leave_the_process_and_the_heap_is_as_glibc_leaves_it_after(monkeypatch):
     """Inside `heap_for_loading` a large buffer freed between weights kept around it leaves the RSS (its own mapping);
     glibc's default heap keeps it. Where the user set glibc's variables, or the C library has no mallopt, nothing is
     tuned."""
-    import torch
+    import subprocess
+    import sys
 
     from moepager.store import budget
 
     if budget.mallopt() is None:
         pytest.skip("the C library is not glibc: nothing to tune")
-
-    def churn() -> int:
-        big, kept = [], []
-        for _ in range(64):  # 2 MiB buffers, each followed by a small allocation that stays (a weight kept)
-            big.append(torch.ones(1 << 19))
-            kept.append(torch.ones(64))
-        before = rss()
-        del big
-        return before - rss()
-
-    budget.mallopt()(budget.M_MMAP_THRESHOLD, budget.RUN_MMAP_THRESHOLD)  # as glibc's default is after large frees
-    assert churn() < 16 << 20  # 128 MiB freed: kept in the heap
-    with budget.heap_for_loading() as tuned:
-        assert tuned
-        assert churn() >= 100 << 20  # 128 MiB freed: all of it left the process
+    env = {k: v for k, v in os.environ.items() if k not in budget.TUNED_BY_USER}
+    out = subprocess.run([sys.executable, "-c", CHURN], capture_output=True, text=True, env=env, check=True).stdout
+    kept, left, tuned = out.split()
+    assert int(kept) < 16 << 20 and int(left) >= 100 << 20 and tuned == "True"  # of 128 MiB freed
     calls = []
     monkeypatch.setattr(budget, "mallopt", lambda: lambda param, value: calls.append((param, value)) or 1)
     with budget.heap_for_loading():
