@@ -22,10 +22,7 @@ Algorithm (CPU; on CUDA the device's free memory takes RAM's place for the devic
 
 from __future__ import annotations
 
-import itertools
 import random
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import torch
@@ -36,6 +33,7 @@ from moepager.errors import BudgetError
 from moepager.experts.hybrid import ExpertTimes
 from moepager.models.attention import SCORES_MAX
 from moepager.placements.stores import STREAM_ROWS, read_buffer_bytes
+from moepager.planning.calibrate import parallel_rate
 from moepager.store.budget import format_bytes, ram_available
 from moepager.types import ExpertKey, RoutingDecision
 
@@ -203,25 +201,14 @@ seeks or a network file system fall below it."""
 
 def disk_rate(opened: OpenCheckpoint, io_threads: int, seconds: float = PROBE_S) -> float:
     """Bytes/s reading random routed experts from the checkpoint through the run's reader (O_DIRECT where the file
-    system allows it, as the store reads), `io_threads` at once as a layer's misses are: PROBE_READS reads and
-    PROBE_BYTES at least, none started after `seconds` (each thread's first excepted), so a slow disk costs about
-    one read's time beyond them. Random experts, as misses are: neighbours in file order would flatter the disk."""
-    paging, reader = opened.paging, opened.reader
-    reads = max(PROBE_READS, min(-(-PROBE_BYTES // reader.shape.nbytes), 4096))
+    system allows it), as `moepager calibrate` measures it (planning/calibrate.py `parallel_rate`): PROBE_READS reads
+    and PROBE_BYTES at least, none started after `seconds` but each thread's first. Random experts, as misses are:
+    neighbours in file order would flatter the disk."""
+    paging = opened.paging
+    reads = max(PROBE_READS, min(-(-PROBE_BYTES // opened.reader.shape.nbytes), 4096))
     pick = random.Random(0)
     keys = [ExpertKey(pick.choice(paging.moe_layers), pick.randrange(paging.num_experts)) for _ in range(reads)]
-    order, threads = itertools.count(), max(1, min(io_threads, reads))
-    start = time.perf_counter()
-
-    def reading(_: int) -> int:
-        buf, done = torch.empty(reader.shape.numel, dtype=reader.shape.buffer_dtype), 0
-        while (i := next(order)) < reads and (i < threads or time.perf_counter() - start < seconds):
-            done += reader.read(keys[i], buf)
-        return done
-
-    with ThreadPoolExecutor(threads) as pool:
-        nbytes = sum(pool.map(reading, range(threads)))
-    return nbytes / max(time.perf_counter() - start, 1e-9)
+    return parallel_rate(opened.reader, keys, io_threads, seconds)
 
 
 def disk_note(fit: Fit, opened: OpenCheckpoint, budget: int, rate: float) -> str:
@@ -284,7 +271,8 @@ def fitted(config: EngineConfig, opened: OpenCheckpoint, times: ExpertTimes | No
         ram, source = ram_available()
         host = replace(fit, where="RAM", available=ram, source=source, dense=0, kv=0, working=0, headroom=headroom(ram))
         if not host.resident:
-            store = replace(store, host_memory=str(max(host.left, fit.least)))
-            line += f"; host tier {host.describe()}"
-            line += disk_note(host, opened, max(host.left, fit.least), disk_rate(opened, store.io_threads))
+            host_bytes = max(host.left, fit.least)
+            store = replace(store, host_memory=str(host_bytes))
+            line += f"; host tier {host.describe()}" + disk_note(host, opened, host_bytes,
+                                                                 disk_rate(opened, store.io_threads))
     return replace(config, store=store), line

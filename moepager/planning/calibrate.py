@@ -17,6 +17,8 @@ The result is a `CalibratedProfile` (planning/cost.py) written as JSON, which `s
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import statistics
 import threading
@@ -199,24 +201,36 @@ class DenseProbe:
         return prefill, steps
 
 
+def parallel_rate(reader: ExpertReader, keys: Sequence[ExpertKey], io_threads: int, seconds: float = math.inf
+                  ) -> float:
+    """Bytes/s reading `keys` into CPU buffers as the store reads them, `io_threads` at once as a layer's misses are;
+    no read started after `seconds` but each thread's first, so a slow disk costs about one read's time beyond them."""
+    order, threads = itertools.count(), max(1, min(io_threads, len(keys)))
+    start = time.perf_counter()
+
+    def reading(_: int) -> int:
+        buf, done = torch.empty(reader.shape.numel, dtype=reader.shape.buffer_dtype), 0
+        while (i := next(order)) < len(keys) and (i < threads or time.perf_counter() - start < seconds):
+            done += reader.read(keys[i], buf)
+        return done
+
+    with ThreadPoolExecutor(threads) as pool:
+        nbytes = sum(pool.map(reading, range(threads)))
+    return nbytes / max(time.perf_counter() - start, 1e-9)
+
+
 def disk_rates(reader: ExpertReader, keys: Sequence[ExpertKey], io_threads: int) -> tuple[float, float]:
     """(aggregate bytes/s with `io_threads` reads at once, seconds per read one at a time) over `keys` (random
     experts, as cache misses are: reading neighbours in file order would flatter the disk), read into CPU
     buffers as the store reads them; half the keys for each measurement."""
-    shape = reader.shape
     half = max(1, len(keys) // 2)
-    bufs = [torch.empty(shape.numel, dtype=shape.buffer_dtype) for _ in range(max(io_threads, 1))]
+    buf = torch.empty(reader.shape.numel, dtype=reader.shape.buffer_dtype)
     single = []
-    for i, key in enumerate(keys[:half]):
+    for key in keys[:half]:
         start = time.perf_counter()
-        reader.read(key, bufs[i % len(bufs)])
+        reader.read(key, buf)
         single.append(time.perf_counter() - start)
-    together = keys[half:] or keys[:half]
-    with ThreadPoolExecutor(io_threads) as pool:
-        start = time.perf_counter()
-        done = sum(pool.map(lambda ik: reader.read(ik[1], bufs[ik[0] % len(bufs)]), enumerate(together)))
-        wall = time.perf_counter() - start
-    return done / wall, statistics.median(single)
+    return parallel_rate(reader, keys[half:] or keys[:half], io_threads), statistics.median(single)
 
 
 def io_slowdown(pool: ExpertPool, reader: ExpertReader, keys: Sequence[ExpertKey], io_threads: int) -> float:
