@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
 import signal
 import sys
 import threading
@@ -21,11 +20,11 @@ from moepager.cli.generate import (
     add_sampling_arguments,
     announce_threads,
     engine_config,
-    launch_workers,
     refuse_ignored_engine_options,
     sampling_params,
     utf8,
 )
+from moepager.cli.launch import launch_workers, starts_workers
 from moepager.errors import InvalidRequestError, MoepagerError
 from moepager.experts.remote.placement import Links
 from moepager.runtime.llm import LLM
@@ -118,9 +117,9 @@ def run(args: argparse.Namespace, links: Links = Links()) -> int:
     """`links`: the worker ranks' process groups, on the main rank of a --workers run (distributed/__main__.py)."""
     if args.max_tokens < 1:
         raise MoepagerError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if args.workers and "RANK" not in os.environ:  # start the worker processes; this command runs again as rank 0
-        return launch_workers(args, interactive=True)
     refuse_ignored_engine_options(args)
+    if starts_workers(args):  # start the worker processes; this command runs again as rank 0
+        return launch_workers(args, engine_config(args), interactive=True)
     llm = LLM(config=engine_config(args), show_progress=not args.quiet, links=links)
     announce_threads(args)
     if llm.tokenizer is None or not llm.tokenizer.chat_template:

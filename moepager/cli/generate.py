@@ -13,7 +13,7 @@ import psutil
 from moepager.atomic_io import check_file
 from moepager.checkpoints.build import read_config
 from moepager.checkpoints.default import default_model_path
-from moepager.cli.launch import spawn_ranks
+from moepager.cli.launch import launch_workers, starts_workers
 from moepager.config import (
     BATCH_POLICIES,
     DENSE_DTYPES,
@@ -24,7 +24,6 @@ from moepager.config import (
     KERNELS,
     WORKER_ASSIGNS,
     WORKER_PREFILLS,
-    Budget,
     EngineConfig,
     ExpertFormat,
     PlacementConfig,
@@ -486,8 +485,10 @@ def utf8(data: bytes, where: str) -> str:
 
 def run(args: argparse.Namespace, links: Links = Links()) -> int:
     """`links`: the worker ranks' process groups, on the main rank of a --workers run (distributed/__main__.py)."""
-    if args.workers and "RANK" not in os.environ:  # start the worker processes: torchrun runs this command again
-        return launch_workers(args)
+    if starts_workers(args):  # start the worker processes: this command runs again as each rank
+        replay_spec(args)
+        refuse_ignored_options(args)
+        return launch_workers(args, engine_config(args))
     args.prompts = read_prompts(args)
     refuse_ignored_options(args)
     replay = replay_spec(args)
@@ -525,43 +526,6 @@ def run(args: argparse.Namespace, links: Links = Links()) -> int:
         for i, (prompt, c) in enumerate(zip(args.prompts, completions)):
             print(f"[{i}] {prompt}{c.text}")
     return _report(llm, args)
-
-
-def launch_workers(args: argparse.Namespace, interactive: bool = False) -> int:
-    """`--workers N` (generate, serve, chat): this command again as the main, N worker (and a shadow) processes
-    (`moepager.distributed`); the main process's exit status. `interactive` (chat): Ctrl-C is the main process's
-    (it stops an answer, not the program)."""
-    check_workers(args)
-    cmd = [sys.executable, "-m", "moepager.distributed", *args.argv]  # argv starts with the command, generate
-    return spawn_ranks(cmd, args.workers + 1 + args.shadow, args.worker_timeout, interactive=interactive)[0]
-
-
-RANKS_PER_CORE = 4
-"""--workers: at most this many rank processes per CPU core (beyond, each waits on the others' time slices)."""
-
-
-def check_workers(args: argparse.Namespace) -> None:
-    """What every rank would check, checked once here before any rank starts (a rank's error would otherwise reach
-    the user as another rank's lost connection): the command's own options, the engine's configuration, the model,
-    each worker's budget, and the rank count against what the machine and the model allow."""
-    if args.workers < 1:
-        raise MoepagerError(f"--workers must be >= 1, got {args.workers}")
-    if args.command == "generate":
-        replay_spec(args)
-        refuse_ignored_options(args)
-    else:
-        refuse_ignored_engine_options(args)
-    config = engine_config(args)
-    cfg = read_config(args.model or default_model_path())  # (read_config resolves a GGUF file's path)
-    if args.workers > cfg.num_experts:
-        raise MoepagerError(f"--workers {args.workers}: the model has {cfg.num_experts} experts a layer, so at most "
-                            f"{cfg.num_experts} workers hold any")
-    world, cores = args.workers + 1 + args.shadow, os.cpu_count() or 1
-    if world > RANKS_PER_CORE * cores:
-        raise MoepagerError(f"--workers {args.workers} starts {world} processes on {cores} cores; at most "
-                            f"{RANKS_PER_CORE * cores} ({RANKS_PER_CORE} a core) run usefully here")
-    if config.remote.worker_memory is not None:
-        Budget.parse(config.remote.worker_memory, "--worker-memory")
 
 
 def _replay(llm: LLM, spec: ReplaySpec, params: SamplingParams, args: argparse.Namespace) -> int:

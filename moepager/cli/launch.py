@@ -4,9 +4,49 @@ the launcher."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
+
+from moepager.checkpoints.build import read_config
+from moepager.checkpoints.default import default_model_path
+from moepager.config import Budget, EngineConfig
+from moepager.errors import MoepagerError
+
+RANKS_PER_CORE = 4
+"""--workers: at most this many rank processes per CPU core (beyond, each waits on the others' time slices)."""
+
+
+def starts_workers(args: argparse.Namespace) -> bool:
+    """`--workers N` on the command a user typed, not on a rank the launcher started: this process starts the ranks."""
+    return bool(args.workers) and "RANK" not in os.environ
+
+
+def launch_workers(args: argparse.Namespace, config: EngineConfig, interactive: bool = False) -> int:
+    """`--workers N` (generate, serve, chat; the command has checked its own options): this command again as the main,
+    N worker (and a shadow) processes (`moepager.distributed`); the main process's exit status. `config`: the engine's
+    configuration every rank builds from these options. `interactive` (chat): Ctrl-C is the main process's (it stops
+    an answer, not the program)."""
+    check_workers(args, config)
+    cmd = [sys.executable, "-m", "moepager.distributed", *args.argv]  # argv starts with the command, generate
+    return spawn_ranks(cmd, args.workers + 1 + args.shadow, args.worker_timeout, interactive=interactive)[0]
+
+
+def check_workers(args: argparse.Namespace, config: EngineConfig) -> None:
+    """What every rank would check, checked once here before any rank starts (a rank's error would otherwise reach
+    the user as another rank's lost connection): the model, each worker's budget, and the rank count against what the
+    machine and the model allow."""
+    cfg = read_config(args.model or default_model_path())  # (read_config resolves a GGUF file's path)
+    if args.workers > cfg.num_experts:
+        raise MoepagerError(f"--workers {args.workers}: the model has {cfg.num_experts} experts a layer, so at most "
+                            f"{cfg.num_experts} workers hold any")
+    world, cores = args.workers + 1 + args.shadow, os.cpu_count() or 1
+    if world > RANKS_PER_CORE * cores:
+        raise MoepagerError(f"--workers {args.workers} starts {world} processes on {cores} cores; at most "
+                            f"{RANKS_PER_CORE * cores} ({RANKS_PER_CORE} a core) run usefully here")
+    if config.remote.worker_memory is not None:
+        Budget.parse(config.remote.worker_memory, "--worker-memory")
 
 
 def spawn_ranks(cmd: list[str], world: int, stop_timeout_s: float, env: dict[str, str] | None = None,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import threading
 import time
@@ -13,9 +12,9 @@ from moepager.cli.generate import (
     add_engine_arguments,
     announce_threads,
     engine_config,
-    launch_workers,
     refuse_ignored_engine_options,
 )
+from moepager.cli.launch import launch_workers, starts_workers
 from moepager.errors import MoepagerError
 from moepager.experts.remote.placement import Links
 from moepager.runtime.llm import LLM
@@ -40,9 +39,9 @@ def run(args: argparse.Namespace, links: Links = Links()) -> int:
 
     if not 0 < args.port < 65536:
         raise MoepagerError(f"--port must be in 1..65535, got {args.port}")
-    if args.workers and "RANK" not in os.environ:  # start the worker processes: torchrun runs this command again
-        return launch_workers(args)
     refuse_ignored_engine_options(args)
+    if starts_workers(args):  # start the worker processes: this command runs again as each rank
+        return launch_workers(args, engine_config(args))
     llm = LLM(config=engine_config(args), show_progress=not args.quiet, links=links)
     announce_threads(args)
     llm.warm_batched_decode()  # --compile: concurrent requests decode through the compiled step from the first

@@ -271,6 +271,10 @@ def test_export_gguf_never_replaces_a_file_without_force(tiny, tmp_path, capsys)
       "100000000000000000000"], "--configure-every must be at most"),
     (["generate", "--model", "{tiny}", "hi", "--expert-memory", "-5GB"], "is negative"),
     (["generate", "--model", "{tiny}", "hi", "--workers", "100"], "experts a layer, so at most"),
+    # chat and serve start their ranks through the same launcher, which refuses before any rank starts
+    (["chat", "--model", "{tiny}", "--workers", "100"], "experts a layer, so at most"),
+    (["serve", "--model", "{tiny}", "--workers", "2", "--worker-memory", "abc"], "--worker-memory 'abc' is not a size"),
+    (["serve", "--model", "{tiny}", "--workers", "-1"], "--workers must be >= 0, got -1"),
     (["generate", "--model", "{tiny}", "hi", "--workers", "2", "--worker-memory", "abc"],
      "--worker-memory 'abc' is not a size"),
     (["generate", "--model", "{tiny}", "--workers", "2"], "give at least one PROMPT"),
