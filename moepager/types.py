@@ -182,7 +182,7 @@ def host_empty(*size: int, dtype: torch.dtype) -> torch.Tensor:
 def rehome_on_huge_pages(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
     """Copies of CPU tensors of 2 MiB or more on huge pages (`host_empty`), others as they are, one at a time as
     asked for (a caller that swaps each copy in before asking for the next holds one extra tensor, not a second model:
-    the whole list at once took the dense weights twice, 2.4 GB over the run's budget on DeepSeek-V2-Lite); tensors
+    the whole list at once holds the dense weights twice); tensors
     that are the same view of the same memory (a tied embedding and LM head) get the same copy."""
     done: dict[tuple[int, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
     for t in tensors:

@@ -159,9 +159,9 @@ def test_nothing_outside_the_placements_folder_names_a_placement():
     assert named == []
 
 
-MEASURED = re.compile(r"\b\d[\d.,]*(?:\s*/\s*\d[\d.,]*)*\s*(?:tok/s|GB/s|MB/s|us|µs|ms)\b"
+MEASURED = re.compile(r"\b\d[\d.,]*(?:\s*/\s*\d[\d.,]*)*\s*(?:tok/s|GB/s|MB/s|us|µs|ms|s)\b"
                       r"|\b\d[\d.]*x (?:faster|slower)")
-"""A measured figure: a rate, a time or a speed-up (the 2026-12-01 review's F10)."""
+"""A measured figure: a rate, a time (seconds too) or a speed-up (the 2026-12-01 review's F10)."""
 SPECIFIED = {"15.8 / 31.5 / 63 GB/s"}
 """Figures that are specifications, not measurements (PCIe's nominal rates, planning/cost.py)."""
 

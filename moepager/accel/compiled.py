@@ -79,7 +79,7 @@ def check_compilable(device: torch.device) -> None:
     if device.type != "cpu":
         raise ConfigError("--compile runs on the CPU (its CUDA path has not been measured yet); leave it unset on "
                           f"{device.type}")
-    from torch._inductor import cpp_builder  # here: importing Inductor takes ~1.3 s, which runs without it skip
+    from torch._inductor import cpp_builder  # here: importing Inductor is slow, and runs without it skip it
 
     try:
         cpp_builder.get_cpp_compiler()

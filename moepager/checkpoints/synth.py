@@ -209,7 +209,7 @@ def _ahead(pool: ThreadPoolExecutor, depth: int, names: list[str], ahead: list[b
            make: Callable[[int], torch.Tensor]) -> Callable[[str], torch.Tensor]:
     """`produce(name)` for tensors asked for in `names`' order: those marked `ahead` made on the pool (at most
     `depth` beyond the one asked for) while earlier ones are written, the others when asked, in order (they share
-    one generator). Normal samples are one thread's work per generator: a 30B-geometry layer took ~10 s."""
+    one generator). Normal samples are one thread's work per generator, the slow part of a large geometry's layer."""
     index = {name: i for i, name in enumerate(names)}
     futures: dict[int, Future[torch.Tensor]] = {}
     submitted = 0

@@ -225,8 +225,8 @@ def cache_update(cache: torch.Tensor, new_BTHC: torch.Tensor, batch: ForwardBatc
 
 SCORES_MAX = 1 << 24
 """Most attention scores one SDPA call computes at once. With a mask SDPA takes its math path on the CPU, which holds
-every score in fp32 with its softmax (about 10 bytes a score: a 2,048-token chunk of DeepSeek-V2's 16 heads over 8,192
-positions took 2.5 GB); a longer chunk's queries go through in row blocks within this (at most ~170 MB), each query
+every score in fp32 with its softmax (about 10 bytes a score: 2.7 GB for a 2,048-token chunk of DeepSeek-V2's 16 heads
+over 8,192 positions); a longer chunk's queries go through in row blocks within this (at most ~170 MB), each query
 row's attention being its own: the same bits, except where oneDNN runs on AMX tiles, whose flash attention packs keys
 and values or not by a call's query rows (within one bf16 rounding; tests/models/test_attention.py)."""
 

@@ -131,7 +131,7 @@ class LLM:
         """Stop the engine's threads of its own (the batch policy's; a later call starts them again), and hand the
         frozen objects back to the cyclic collector: the engine refers back to this object (its callbacks), and a
         cycle gc.freeze() holds is never collected, so without this a dropped engine kept its whole model in memory
-        (each further LLM in one process added one: 5.7 GiB a DeepSeek-V2-Lite cut of 4 layers)."""
+        (each further LLM in one process added a whole model's weights)."""
         self.engine.close()
         gc.unfreeze()
 

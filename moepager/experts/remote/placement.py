@@ -19,8 +19,8 @@ the wire. A prefill pass's calls (`prefill`):
   all W workers, so every worker computes in every layer of a prompt, where a decode call keeps to its layer's group
   of G. A prompt's tokens route to nearly every expert, so a layer's work is split W ways instead of G. Paging workers
   read what they are asked for; resident ones then also hold that share (`holds`). With W = G (one group) it is the
-  group's own assignment: the same workers, and one-to-one balances a call where residues can collide (modeled on
-  the DeepSeek-V2-Lite prompts, residues took 1.02x as long as one-to-one at 2 workers).
+  group's own assignment: the same workers, and one-to-one balances a call where residues can collide
+  (benchmarks/README.md#workers has the modeled cost of each).
 - "group": as decode calls.
 
 `Links`: each worker talks to the main rank (and a shadow rank's forecasts) on a process group of its own: gloo ends
