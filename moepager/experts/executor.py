@@ -75,6 +75,35 @@ def group_ends(sorted_M: torch.Tensor, groups: int) -> torch.Tensor:
                               right=True, out_int32=True)
 
 
+BUCKET_BITS = 3
+"""On the CPU a grouped call pads an expert's rows up to their count's top BUCKET_BITS significant bits (`bucketed`)."""
+BUCKET_FROM = 1 << (BUCKET_BITS + 1)
+"""Counts of rows below this stay as they are (each already one of few shapes)."""
+
+
+def bucketed(counts: torch.Tensor) -> torch.Tensor:
+    """Each count of rows (int64, >= 0) rounded up to a multiple of its top bit's 2**-BUCKET_BITS (counts below
+    BUCKET_FROM kept): at most 1/2**BUCKET_BITS more rows, and 2**BUCKET_BITS sizes an octave. oneDNN builds a
+    primitive per GEMM shape and keeps the last 1,024 it built; unpadded, the tokens an expert gets in a prompt are
+    a new count each time, so every prompt added primitives to that cache (and built them) and the process's memory
+    grew prompt after prompt (benchmarks/README.md#bigger_than_ram)."""
+    top = torch.log2(counts.clamp(min=1).double()).floor().long()  # exact: counts are far below 2**52
+    step = torch.where(counts < BUCKET_FROM, 1, 1 << (top - BUCKET_BITS).clamp(min=0))
+    return (counts + step - 1) // step * step
+
+
+def padded_groups(sorted_M: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For `_grouped_mm` on the CPU: where each row of `sorted_M` (ascending group ids) goes once every group's rows
+    are padded to `bucketed` counts with rows of zeros, and the padded groups' ends; None where no group pads."""
+    counts = torch.bincount(sorted_M, minlength=groups)
+    padded = bucketed(counts)
+    if torch.equal(padded, counts):
+        return None
+    ends, padded_ends = torch.cumsum(counts, 0), torch.cumsum(padded, 0)
+    rank_M = torch.arange(len(sorted_M)) - (ends - counts)[sorted_M]
+    return (padded_ends - padded)[sorted_M] + rank_M, padded_ends.to(torch.int32)
+
+
 def grouped_aligned(shape: ExpertShape) -> bool:
     """Whether `torch._grouped_mm` takes these experts on CUDA: every row stride a multiple of 16 bytes (a 1-wide
     expert, as `moepager calibrate` builds to time the overhead, is not: CUDA refuses it)."""
@@ -240,11 +269,21 @@ class ArenaKernels:
         return y_MD.to(x_ND.dtype).view(n, k, -1).sum(1)
 
     def _grouped_swiglu(self, x_MD: torch.Tensor, row_M: torch.Tensor, rows: slice) -> torch.Tensor:
-        """Experts of arena rows `rows` on x_MD, whose row i is for arena row rows.start + row_M[i] (ascending)."""
-        offs = group_ends(row_M, len(self.arena[rows]))
+        """Experts of arena rows `rows` on x_MD, whose row i is for arena row rows.start + row_M[i] (ascending). On the
+        CPU each expert's rows are padded with zeros to a `bucketed` count, so a GEMM shape recurs (`padded_groups`):
+        a row's result depends on its expert's count of rows, not on which other experts share the call (a paged
+        layer's landed experts give the resident layer's bits)."""
+        groups = len(self.arena[rows])
+        padding = padded_groups(row_M, groups) if x_MD.device.type == "cpu" else None
+        if padding is None:
+            offs = group_ends(row_M, groups)
+        else:
+            place_M, offs = padding
+            x_MD = x_MD.new_zeros(int(offs[-1]), x_MD.shape[1]).index_copy_(0, place_M, x_MD)
         h = torch._grouped_mm(x_MD, self.gate_up_R2FD[rows].transpose(1, 2), offs=offs)
         gate, up = h.chunk(2, dim=-1)
-        return torch._grouped_mm(self.act(gate) * up, self.down_RDF[rows].transpose(1, 2), offs=offs)
+        y_MD = torch._grouped_mm(self.act(gate) * up, self.down_RDF[rows].transpose(1, 2), offs=offs)
+        return y_MD if padding is None else y_MD.index_select(0, place_M)
 
     def grouped(self, work: SortedTokens, rows: Sequence[int]) -> torch.Tensor:
         """`_grouped_mm` over the arena: rows sorted by arena row, an offset per arena row (empty groups skip)."""

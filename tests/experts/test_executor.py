@@ -7,7 +7,16 @@ import torch
 
 from moepager.checkpoints.build import load_model, resident_executor
 from moepager.config import StoreConfig
-from moepager.experts.executor import ArenaKernels, ResidentExecutor, group_ends, grouped_aligned
+from moepager.experts.executor import (
+    BUCKET_BITS,
+    BUCKET_FROM,
+    ArenaKernels,
+    ResidentExecutor,
+    bucketed,
+    group_ends,
+    grouped_aligned,
+    padded_groups,
+)
 from moepager.experts.quant import QuantFormat, quantize_expert
 from moepager.experts.reference import combine_experts
 from moepager.experts.sorting import sort_by_expert
@@ -248,3 +257,43 @@ def test_an_observed_block_hands_its_observers_and_executor_one_host_copy_of_the
     block.observer = Observer()
     block(torch.randn(3, 8))
     assert seen[0] is not None and seen[0] is seen[1] and seen[0].shape == (3, 2)
+
+
+def test_bucketed_counts_waste_at_most_an_eighth_and_recur():
+    """A CPU grouped call pads each expert's rows to a bucketed count: never fewer, at most 1/8 more, small counts
+    kept, and few sizes in all (oneDNN keeps a primitive per GEMM shape it builds)."""
+    counts = torch.arange(0, 8193)
+    padded = bucketed(counts)
+    assert (padded >= counts).all() and ((padded - counts) * 8 <= counts).all()
+    assert torch.equal(padded[:BUCKET_FROM], counts[:BUCKET_FROM])
+    assert len(set(padded.tolist())) <= BUCKET_FROM + 2**BUCKET_BITS * 10  # per octave up to 2**13
+    assert padded_groups(torch.tensor([0] * 20 + [2] * 3), 3) is None  # 20 and 3 are already sizes: nothing pads
+    place, ends = padded_groups(torch.tensor([0] * 21 + [2] * 3 + [3] * 41), 5)
+    assert ends.tolist() == [22, 22, 25, 69, 69] and place.tolist() == [*range(21), 22, 23, 24, *range(25, 66)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_rows_padded_to_buckets_give_each_expert_s_bits_whatever_shares_the_call(dtype):
+    """Padding with zero rows changes no row beyond rounding, and a row's bits depend on its expert's count alone:
+    a subset of the experts (a paged layer's landed ones) computes them as the whole call does."""
+    gen = torch.Generator().manual_seed(3)
+    shape = ExpertShape(64, 48, dtype)
+    kernels = ArenaKernels(torch.randn(6, shape.numel, generator=gen).to(dtype) / 8, shape, "grouped")
+    counts = torch.tensor([17, 0, 33, 100, 5, 250])
+    row_M = torch.repeat_interleave(torch.arange(6), counts)
+    x_MD = torch.randn(len(row_M), 64, generator=gen).to(dtype)
+    assert padded_groups(row_M, 6) is not None
+    every = kernels._grouped_swiglu(x_MD, row_M, slice(None))
+    reference = torch.cat([expert_forward_rows(kernels, x_MD[row_M == e], e) for e in range(6)])
+    torch.testing.assert_close(every.float(), reference.float(), rtol=2e-2, atol=2e-2)
+    some = row_M >= 3  # experts 3, 4 and 5 alone, renumbered
+    alone = kernels._grouped_swiglu(x_MD[some], row_M[some] - 3, slice(3, 6))
+    assert torch.equal(alone, every[some])
+
+
+def expert_forward_rows(kernels: ArenaKernels, x_TD: torch.Tensor, row: int) -> torch.Tensor:
+    """Expert `row`'s SwiGLU on x_TD, in fp32 from its weights."""
+    gate_up, down = kernels.gate_up_R2FD[row].float(), kernels.down_RDF[row].float()
+    h = x_TD.float() @ gate_up.T
+    gate, up = h.chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up) @ down.T
