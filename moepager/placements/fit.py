@@ -105,13 +105,11 @@ class Fit:
 
 def step_bytes(opened: OpenCheckpoint, tokens: int, context: int, rows: int) -> int:
     """What one step of `tokens` tokens (--max-batched-tokens) of up to `rows` requests holds beyond the weights and
-    the KV cache, at most: a few hidden-sized fp32 activations a token and its routed experts' gate/up/down rows, fp32
-    logits for each request's last token, and one attention call's scores over `context` positions (--kv-cache-tokens:
-    fp32 with their softmax, ~10 bytes each, in row blocks of at most models/attention.py SCORES_MAX). A 2,048-token
-    prompt of DeepSeek-V2-Lite grew the process by 0.6 GiB beyond its weights and cache at 512 tokens a chunk
-    (2026-12-02), which a fit without this term left to the headroom it promised to keep free; in one 2,048-token
-    chunk by ~1.4 GiB, 0.4 GiB past what this term said before it counted 32 hidden-sized rows a token (not 16) and
-    the widest dense or shared MLP."""
+    the KV cache, at most: 32 hidden-sized fp32 rows a token (its activations, and what the C heap keeps between
+    them), its routed experts' gate/up/down rows and the widest dense or shared MLP's, fp32 logits for each request's
+    last token, and one attention call's scores over `context` positions (--kv-cache-tokens: fp32 with their softmax,
+    ~10 bytes each, in row blocks of at most models/attention.py SCORES_MAX). What a prompt's steps held on
+    DeepSeek-V2-Lite, prompt after prompt, against this term: benchmarks/README.md#bigger_than_ram."""
     cfg = opened.config
     widest = max(cfg.dense_intermediate_size if len(cfg.moe_layers) < cfg.num_layers else 0,
                  cfg.shared_intermediate_size)  # a dense layer's or the shared experts' MLP, whichever is wider
