@@ -94,7 +94,10 @@ def bucketed(counts: torch.Tensor) -> torch.Tensor:
 
 def padded_groups(sorted_M: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """For `_grouped_mm` on the CPU: where each row of `sorted_M` (ascending group ids) goes once every group's rows
-    are padded to `bucketed` counts with rows of zeros, and the padded groups' ends; None where no group pads."""
+    are padded to `bucketed` counts with rows of zeros, and the padded groups' ends; None where no group pads (at
+    once, without a tensor op, for a call of fewer than BUCKET_FROM rows: a batch of decodes)."""
+    if len(sorted_M) < BUCKET_FROM:
+        return None
     counts = torch.bincount(sorted_M, minlength=groups)
     padded = bucketed(counts)
     if torch.equal(padded, counts):
