@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -92,7 +92,16 @@ def bucketed(counts: torch.Tensor) -> torch.Tensor:
     return (counts + step - 1) // step * step
 
 
-def padded_groups(sorted_M: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+class PaddedGroups(NamedTuple):
+    """Rows of a grouped call padded to `bucketed` counts per group."""
+
+    place_M: torch.Tensor
+    """Where each row goes among the padded rows."""
+    ends: torch.Tensor
+    """int32 [groups]: where each padded group's rows end (`_grouped_mm`'s offsets)."""
+
+
+def padded_groups(sorted_M: torch.Tensor, groups: int) -> PaddedGroups | None:
     """For `_grouped_mm` on the CPU: where each row of `sorted_M` (ascending group ids) goes once every group's rows
     are padded to `bucketed` counts with rows of zeros, and the padded groups' ends; None where no group pads (at
     once, without a tensor op, for a call of fewer than BUCKET_FROM rows: a batch of decodes)."""
@@ -104,7 +113,7 @@ def padded_groups(sorted_M: torch.Tensor, groups: int) -> tuple[torch.Tensor, to
         return None
     ends, padded_ends = torch.cumsum(counts, 0), torch.cumsum(padded, 0)
     rank_M = torch.arange(len(sorted_M)) - (ends - counts)[sorted_M]
-    return (padded_ends - padded)[sorted_M] + rank_M, padded_ends.to(torch.int32)
+    return PaddedGroups((padded_ends - padded)[sorted_M] + rank_M, padded_ends.to(torch.int32))
 
 
 def grouped_aligned(shape: ExpertShape) -> bool:
@@ -281,12 +290,12 @@ class ArenaKernels:
         if padding is None:
             offs = group_ends(row_M, groups)
         else:
-            place_M, offs = padding
-            x_MD = x_MD.new_zeros(int(offs[-1]), x_MD.shape[1]).index_copy_(0, place_M, x_MD)
+            offs = padding.ends
+            x_MD = x_MD.new_zeros(int(offs[-1]), x_MD.shape[1]).index_copy_(0, padding.place_M, x_MD)
         h = torch._grouped_mm(x_MD, self.gate_up_R2FD[rows].transpose(1, 2), offs=offs)
         gate, up = h.chunk(2, dim=-1)
         y_MD = torch._grouped_mm(self.act(gate) * up, self.down_RDF[rows].transpose(1, 2), offs=offs)
-        return y_MD if padding is None else y_MD.index_select(0, place_M)
+        return y_MD if padding is None else y_MD.index_select(0, padding.place_M)
 
     def grouped(self, work: SortedTokens, rows: Sequence[int]) -> torch.Tensor:
         """`_grouped_mm` over the arena: rows sorted by arena row, an offset per arena row (empty groups skip)."""

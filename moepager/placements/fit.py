@@ -263,14 +263,14 @@ def fitted(config: EngineConfig, opened: OpenCheckpoint, times: ExpertTimes | No
     if fit.budget is None:
         return config, fit.describe()
     store, line = replace(config.store, expert_memory=str(fit.budget)), fit.describe() + chunk
-    reads: tuple[Fit, int] | None = (fit, fit.budget)  # the tier whose misses are read from disk, and its budget
+    reads, budget = fit, fit.budget  # the tier whose misses are read from disk (None: none is), and its budget
     if cuda:  # the host tier below: every expert in RAM, the dense weights and KV cache on the device
         ram, source = ram_available()
         host = replace(fit, where="RAM", available=ram, source=source, dense=0, kv=0, working=0, headroom=headroom(ram))
-        reads = None if host.resident else (host, max(host.left, fit.least))
+        reads, budget = (None, budget) if host.resident else (host, max(host.left, fit.least))
         if reads is not None:
-            store = replace(store, host_memory=str(reads[1]))
+            store = replace(store, host_memory=str(budget))
             line += f"; host tier {host.describe()}"
     if reads is not None:
-        line += disk_note(reads[0], opened, reads[1], disk_rate(opened, store.io_threads))
+        line += disk_note(reads, opened, budget, disk_rate(opened, store.io_threads))
     return replace(config, store=store), line
