@@ -262,10 +262,12 @@ def open_checkpoint(path: str | os.PathLike[str], options: LoadOptions) -> OpenC
 
 def build_model(opened: OpenCheckpoint, experts: ExpertExecutor, options: LoadOptions,
                 progress: Callable[[int], None]) -> LoadedModel:
-    """The model around an executor that already holds (or pages) the routed experts: built on the meta device,
-    cast to the run's dtype while still empty, materialised and filled with the dense weights, then quantized or
-    prepacked as `options` ask."""
+    """The model around an executor that already holds (or pages) the routed experts (a split checkpoint's parts:
+    wrapped here, once, to compute whole experts), built on the meta device, cast to the run's dtype while still
+    empty, materialised and filled with the dense weights, then quantized or prepacked as `options` ask."""
     checkpoint, cfg, dtype, dev = opened.checkpoint, opened.config, opened.dtype, opened.device
+    if opened.split is not None:
+        experts = SplitExecutor(experts, opened.split.parts)
     with torch.device("meta"):
         model = opened.arch.build(cfg, experts)
     cast_model(model, dtype)
@@ -307,8 +309,6 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None, d
     opened = open_checkpoint(path, load)
     with load_bar(opened, show_progress) as bar:
         experts = (executor_factory or resident_executor(opened.device))(opened.reader, opened.paging, bar.update)
-        if opened.split is not None:
-            experts = SplitExecutor(experts, opened.split.parts)
         return build_model(opened, experts, load, bar.update)
 
 

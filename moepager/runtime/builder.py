@@ -1,15 +1,19 @@
-"""The composition root: one EngineConfig -> checkpoint reader -> placement (executor, store) -> model -> prefetcher.
+"""The composition root: one EngineConfig -> checkpoint reader -> placement (executor, store) -> model -> prefetcher
+-> the run's wiring -> the engine.
 
 Nothing below this module builds a collaborator of its own: the tiers receive their policies, the model receives a
 built executor, the prefetcher receives its store view. The run's placement (moepager/placements/: resident, paged,
 hybrid, cpu-experts or remote) is resolved once, `--execution auto` made concrete first from the cost model, and
-built from one context; the split wrapping, the prefetcher and the online configurator are composed here around
-whatever it built. Checked before anything loads: the policy and predictor names against their registries.
+built from one context; the prefetcher, the online configurator and the batch policy's path tracker are composed here
+around whatever it built, and who hears of each pass and sees the routing is wired here once (runtime/wiring.py);
+`start_engine` puts the engine core over it. Checked before anything loads: the policy and predictor names against
+their registries.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +25,6 @@ from moepager.config import EngineConfig, Execution, StoreConfig
 from moepager.errors import ConfigError
 from moepager.experts.hybrid import ExpertTimes
 from moepager.experts.remote.placement import Links
-from moepager.experts.split import SplitExecutor
 from moepager.placements import resolve
 from moepager.placements.base import BuildContext, PlacementPlugin, expert_times
 from moepager.placements.fit import fitted, unused_paging
@@ -33,13 +36,17 @@ from moepager.predictors import PREDICTORS
 from moepager.runtime.batch_policy import needs_paths
 from moepager.runtime.batch_policy.expertflow import PathTracker
 from moepager.runtime.configure import OnlineConfigurator
+from moepager.runtime.cuda_graphs import graphable
+from moepager.runtime.engine import Engine, ignore_finish
 from moepager.runtime.prefetch import Prefetcher, build_prefetcher
+from moepager.runtime.request import Detokenize
+from moepager.runtime.wiring import Wiring
 from moepager.store.budget import format_bytes, heap_for_loading
 from moepager.store.keyspace import SplitParts
 from moepager.store.parts import PartForecasts, WholeExperts
 from moepager.store.stats import StoreReport
 from moepager.store.store import ExpertStore
-from moepager.types import PassPart
+from moepager.types import ReadsKV
 
 
 def check_names(config: EngineConfig) -> None:
@@ -58,19 +65,15 @@ def check_names(config: EngineConfig) -> None:
 
 @dataclass
 class Built:
-    """What `build` composed: the model with its executor, and the store and prefetcher when experts are paged."""
+    """What `build` composed: the model with its executor, and who hears of its passes and sees its routing (the
+    store and prefetcher when experts are paged)."""
 
     loaded: LoadedModel
-    store: ExpertStore | None
-    prefetcher: Prefetcher | None
     config: EngineConfig
     """The configuration as built: the automatic fit's expert budget and prompt chunk in it (placements/fit.py)."""
-    configurator: OnlineConfigurator | None = None
-    """`--configure auto`: per-layer cache sizes chosen again as the run goes (a pass part and routing observer)."""
-    paths: PathTracker | None = None
-    """Each running request's routing path, for a batch policy that reads them (a pass part and routing observer)."""
-    pass_parts: tuple[PassPart, ...] = ()
-    """The placement's parts told of each pass before the store (the workers' executor, the shadow's feed)."""
+    wiring: Wiring
+    """The run's pass parts and routing observers: the placement's parts (the workers' executor, the shadow's feed),
+    the store, `--configure auto`'s online configurator, the prefetcher, and the batch policy's path tracker."""
 
 
 def resolve_execution(config: EngineConfig, device: torch.device, times: ExpertTimes, profile: str
@@ -88,13 +91,16 @@ def resolve_execution(config: EngineConfig, device: torch.device, times: ExpertT
                     f"{copied * 1e3:.2f} ms copied and computed on the device ({profile})")
 
 
-def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = Links()) -> Built:
+def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = Links(),
+          costs: ExpertTimes | None = None) -> Built:
     """Checkpoint reader -> expert store -> executor -> model -> prefetcher, from one configuration (`links`: the
-    worker ranks' process groups, with --workers)."""
+    worker ranks' process groups, with --workers; `costs`: what an expert costs on each side, in place of the
+    profile's, for a caller that models a device of its own)."""
     check_names(config)
     options = LoadOptions.of(config)
     opened = open_checkpoint(path, options)
     times, profile = expert_times(config, opened.device, opened.reader.shape.nbytes)
+    times = costs or times
     config, fit = fitted(config, opened, times)  # no budget given: the expert cache sized to the memory it may use
     execution, why = resolve_execution(config, opened.device, times, profile)
     chosen = resolve(config, execution)
@@ -108,11 +114,8 @@ def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = 
         print(why, file=sys.stderr)
     with load_bar(opened, show_progress) as bar, heap_for_loading():  # the load's freed buffers leave the process
         placed = chosen.build(BuildContext(config, opened, times, profile, links, bar.update))
-        executor, store = placed.executor, placed.store
-        why = why or placed.why
-        if opened.split is not None:
-            executor = SplitExecutor(executor, opened.split.parts)
-        loaded = build_model(opened, executor, options, bar.update)
+        store, why = placed.store, why or placed.why
+        loaded = build_model(opened, placed.executor, options, bar.update)
     loaded.execution = why
     prefetcher = None
     view, forecasts, next_use = placed.prefetch_view, None, False
@@ -125,7 +128,6 @@ def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = 
             forecasts = PartForecasts(forecasts, store.space.parts) if forecasts is not None else None
     if config.prefetch.predictor is not None and view is not None:
         prefetcher = build_prefetcher(config.prefetch, loaded.model, view, forecasts, next_use)
-        loaded.model.observe_routing(prefetcher)
     if config.compile:
         compile_decode(loaded.model, loaded.experts, loaded.expert_shape, loaded.device)
     cfg = opened.config
@@ -137,8 +139,25 @@ def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = 
             print(f"batch policy {config.scheduler.batch_policy}: requests are grouped by their last token's "
                   "routing (no --predictor; --predictor path with --expert-memory forecasts the next token's, as "
                   "ExpertFlow does)", file=sys.stderr)
-    return Built(loaded, store, prefetcher, config,
-                 online_configurator(config, opened, store, execution, profile, prefetcher), paths, placed.pass_parts)
+    configurator = online_configurator(config, opened, store, execution, profile, prefetcher)
+    return Built(loaded, config, Wiring(loaded.model, store, configurator, prefetcher, paths, placed.pass_parts))
+
+
+def start_engine(built: Built, eos_token_ids: Sequence[int], detokenize: Detokenize | None) -> Engine:
+    """The engine core over the built model, told of each pass through the wiring (and of each finished request
+    through the prefetcher, which forgets its state); the placement's parts that read the KV cache (the shadow's feed)
+    bound to its pool, and its CUDA graphs captured at every width now, so no request pays a capture."""
+    loaded, wiring, config = built.loaded, built.wiring, built.config
+    prefetcher = wiring.prefetcher
+    engine = Engine(loaded.model, loaded.dtype, loaded.device, config.scheduler, eos_token_ids, detokenize,
+                    wiring.begin_pass, prefetcher.end_request if prefetcher is not None else ignore_finish,
+                    config.cuda_graphs and graphable(loaded.model, loaded.experts, loaded.device), wiring.paths)
+    for part in wiring.placement_parts:
+        if isinstance(part, ReadsKV):  # the shadow's feed: KV alignment
+            part.bind_kv(engine.pool)
+    if engine.runner.graphs is not None:
+        engine.runner.graphs.warm()
+    return engine
 
 
 def online_configurator(config: EngineConfig, opened: OpenCheckpoint, store: ExpertStore | None,

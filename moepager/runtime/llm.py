@@ -5,8 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -20,22 +19,21 @@ from moepager.checkpoints.gguf_read import resolve_model_path
 from moepager.checkpoints.safetensors import Checkpoint
 from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
 from moepager.errors import ConfigError, InvalidRequestError
+from moepager.experts.hybrid import ExpertTimes
 from moepager.experts.remote.placement import Links
-from moepager.models.routing import NULL_OBSERVER, OWN_ROUTER, RoutingFanOut, RoutingObserver
 from moepager.predictors import PREDICTORS
-from moepager.runtime.builder import build, store_report
+from moepager.runtime.batch_policy.expertflow import PathTracker
+from moepager.runtime.builder import build, start_engine, store_report
 from moepager.runtime.configure import OnlineConfigurator
-from moepager.runtime.cuda_graphs import graphable
-from moepager.runtime.engine import Engine, ignore_finish
 from moepager.runtime.prefetch import Prefetcher
 from moepager.runtime.replay import ReplayReport, ReplaySpec, RouteReplayer, check_record_path, load_replay
 from moepager.runtime.request import Detokenize, FinishReason, Request
 from moepager.runtime.sampling import SamplingParams
 from moepager.runtime.stats import RunStats
 from moepager.runtime.tokenizer import Tokenizer
+from moepager.store.store import ExpertStore
 from moepager.trace.format import TraceHeader
 from moepager.trace.recorder import RecordedRequest, TraceRecorder
-from moepager.types import PassInfo, PassPart, ReadsKV, Reports
 
 Prompt = str | list[int]
 OnText = Callable[[int, str], None]
@@ -74,44 +72,26 @@ class LLM:
     def __init__(self, model: str | os.PathLike[str] | None = None, *, dtype: str | None = None,
                  device: str = "cpu", threads: int | None = None, store: StoreConfig | None = None,
                  prefetch: PrefetchConfig | None = None, show_progress: bool = True,
-                 config: EngineConfig | None = None, links: Links = Links()):
+                 config: EngineConfig | None = None, links: Links = Links(), costs: ExpertTimes | None = None):
+        """`links`: the worker ranks' process groups (--workers); `costs`: what an expert costs on the CPU, on the
+        device and copied over, in place of the profile's (hybrid placement; a caller that models a device)."""
         self.config = config or EngineConfig(model=str(model) if model else None, dtype=dtype, device=device,
                                              threads=threads, store=store or StoreConfig(),
                                              prefetch=prefetch or PrefetchConfig())
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
         path = resolve_model_path(self.config.model) if self.config.model else default_model_path()
-        built = build(self.config, path, show_progress, links)  # links: --workers' (distributed/roles.py)
+        built = build(self.config, path, show_progress, links, costs)
         self.config = built.config  # as built: a fitted run's budget and prompt chunk (the scheduler reads it)
         self.loaded: LoadedModel = built.loaded
+        self.wiring = built.wiring
+        """Who hears of each pass and sees the model's routing (the store, the prefetcher, the path tracker, the
+        placement's parts); a call plugs its recorder and replayer in (`Wiring.for_call`)."""
         self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
         self.eos_token_ids = self._eos_token_ids()
         self.last_stats = RunStats()
-        experts = self.loaded.experts
-        self.store = built.store
-        self.prefetcher: Prefetcher | None = built.prefetcher
-        """Forecasts routing and loads experts ahead (kept across calls: an online expert-map store grows)."""
-        self.configurator: OnlineConfigurator | None = built.configurator
-        """`--configure auto`: per-layer cache sizes chosen again as the engine runs."""
-        self.paths = built.paths
-        """Each running request's routing path (for a batch policy that groups requests by them)."""
-        self.remote: list[PassPart] = list(built.pass_parts)
-        """The placement's pass parts: the workers' executor (its layer calls carry the pass), the shadow's feed."""
-        self._reporting: list[Reports] = [p for p in (self.paths, *self.remote) if isinstance(p, Reports)]
-        """The parts with a section in each call's statistics."""
-        self._pass_parts: list[PassPart] = self._parts(None, None)
-        self._observe()
-        self.engine = Engine(self.loaded.model, self.loaded.dtype, self.loaded.device, self.config.scheduler,
-                             self.eos_token_ids, self._detokenize, self._on_pass,
-                             self.prefetcher.end_request if self.prefetcher is not None else ignore_finish,
-                             self.config.cuda_graphs and graphable(self.loaded.model, experts, self.loaded.device),
-                             self.paths)
+        self.engine = start_engine(built, self.eos_token_ids, self._detokenize)
         """The engine core every call (and the server) runs requests on; its KV cache is reused across calls."""
-        for part in self.remote:
-            if isinstance(part, ReadsKV):  # the shadow's feed: KV alignment
-                part.bind_kv(self.engine.pool)
-        if self.engine.runner.graphs is not None:
-            self.engine.runner.graphs.warm()  # every width now, so no request pays a capture
         if self.config.compile:
             self._compile_now()
         # The model's thousands of objects live as long as the engine: frozen out of the cyclic collector, whose
@@ -126,6 +106,26 @@ class LLM:
         store, a per-request path cache) learns from requests, and this one is none (the graph does not trace it)."""
         scheduler = self.config.scheduler
         self._throwaway(1, min(2 * scheduler.block_size + 4, scheduler.kv_cache_tokens - 2))
+
+    @property
+    def store(self) -> ExpertStore | None:
+        """The expert store, when experts are paged."""
+        return self.wiring.store
+
+    @property
+    def prefetcher(self) -> Prefetcher | None:
+        """Forecasts routing and loads experts ahead (kept across calls: an online expert-map store grows)."""
+        return self.wiring.prefetcher
+
+    @property
+    def configurator(self) -> OnlineConfigurator | None:
+        """`--configure auto`: per-layer cache sizes chosen again as the engine runs."""
+        return self.wiring.configurator
+
+    @property
+    def paths(self) -> PathTracker | None:
+        """Each running request's routing path (for a batch policy that groups requests by them)."""
+        return self.wiring.paths
 
     def close(self) -> None:
         """Stop the engine's threads of its own (the batch policy's; a later call starts them again), and hand the
@@ -155,13 +155,8 @@ class LLM:
     def _throwaway(self, rows: int, steps: int) -> None:
         """A greedy generation of `rows` two-token prompts for `steps` tokens that only compiles; a prefetcher sits
         it out (see `_compile_now`) and the run's statistics are dropped."""
-        prefetcher, self.prefetcher = self.prefetcher, None
-        try:
+        with self.wiring.without_prefetcher():
             self.generate([[0, 0]] * rows, SamplingParams(max_tokens=steps, ignore_eos=True))
-        finally:
-            self.prefetcher = prefetcher
-            self._pass_parts = self._parts(None, None)
-            self._observe()
         self.last_stats = RunStats()
 
     def check_runs_prompts(self) -> None:
@@ -216,50 +211,6 @@ class LLM:
                              expert_bytes=shape.nbytes, source="moepager generate --record-trace")
         return TraceRecorder(header, hidden)
 
-    def _parts(self, replayer: RouteReplayer | None, recorder: TraceRecorder | None) -> list[PassPart]:
-        """What each pass is announced to, in order: the worker processes' parts, then the store's clock (the
-        prefetcher's loads use it)."""
-        parts = (self.store, self.configurator, replayer, recorder, self.prefetcher, self.paths)
-        return [*self.remote, *(p for p in parts if p is not None)]
-
-    def _observe(self, recorder: TraceRecorder | None = None) -> None:
-        """The model's routing to the recorder (for one call), the prefetcher and the path tracker, where there are."""
-        observers: list[RoutingObserver] = [p for p in (recorder, self.prefetcher, self.paths, self.configurator)
-                                            if p is not None]
-        self.loaded.model.observe_routing(NULL_OBSERVER if not observers else observers[0] if len(observers) == 1
-                                          else RoutingFanOut(observers))
-
-    def _on_pass(self, info: PassInfo) -> None:
-        """The one pass clock: the store's counters and policies, the prefetcher, recorder and replayer."""
-        for part in self._pass_parts:
-            part.begin_pass(info)
-
-    @contextmanager
-    def _wired(self, recorder: TraceRecorder | None, replayer: RouteReplayer | None) -> Iterator[None]:
-        """For one call: fresh store counters, and the recorder and replayer plugged into the model's routing
-        and the engine's passes (the prefetcher stays plugged in for the engine's life)."""
-        model = self.loaded.model
-        if self.store is not None:
-            self.store.counters.reset()
-        if self.prefetcher is not None:
-            self.prefetcher.reset_cost()
-        for part in self._reporting:
-            part.reset_report()
-        self._pass_parts = self._parts(replayer, recorder)
-        self._observe(recorder)
-        if replayer is not None:
-            model.route_with(replayer)
-        if self.prefetcher is not None:
-            self.prefetcher.bind_replay(replayer)
-        try:
-            yield
-        finally:
-            if self.prefetcher is not None:
-                self.prefetcher.bind_replay(None)
-            self._pass_parts = self._parts(None, None)
-            self._observe()
-            model.route_with(OWN_ROUTER)
-
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None, *,
                  chat: bool = False, on_text: OnText | None = None,
                  record_trace: str | os.PathLike[str] | None = None, record_hidden: bool = False) -> list[Completion]:
@@ -276,7 +227,7 @@ class LLM:
                     for k, i in enumerate(ids)]
         check_file(record_trace, "record_trace", replace=True)
         recorder = self._recorder(record_hidden) if record_trace is not None else None
-        with self._wired(recorder, None):
+        with self.wiring.for_call(recorder, None):
             stats = self._run(requests, on_text)
         self._finish(stats, requests, recorder, record_trace, [p if isinstance(p, str) else None for p in prompts])
         return [_completion(r) for r in requests]
@@ -302,7 +253,7 @@ class LLM:
                                  self.loaded.device)
         recorder = self._recorder(record_hidden) if record_trace is not None else None
         stats = RunStats(threads=torch.get_num_threads())
-        with self._wired(recorder, replayer):
+        with self.wiring.for_call(recorder, replayer):
             if concurrency == 1:
                 for request in requests:
                     stats.add(self._run([request], None))
@@ -363,7 +314,7 @@ class LLM:
         if self.prefetcher is not None:  # what the prefetcher cost the forward thread
             self.prefetcher.cost.decode_s = stats.decode_s
             stats.sections["prefetch"] = self.prefetcher.cost
-        for part in self._reporting:
+        for part in self.wiring.reporting:
             if (section := part.report()) is not None:
                 stats.sections[part.report_name] = section
         self.last_stats = stats

@@ -88,7 +88,8 @@ def main() -> int:
                 results[path] = [c.token_ids for c in llm.generate(PROMPTS, params)]
                 results[path + " lost"] = llm.loaded.experts.lost
                 results[path + " crowded"] = [llm.loaded.experts.calls, llm.loaded.experts.crowded]
-                results[path + " shadow lost"] = any(getattr(part, "lost", False) is True for part in llm.remote
+                results[path + " shadow lost"] = any(getattr(part, "lost", False) is True
+                                                     for part in llm.wiring.placement_parts
                                                      if part is not llm.loaded.experts)
                 kv = llm.last_stats.sections.get("kv alignment")
                 results[path + " kv alignment"] = kv.to_dict() if kv is not None else None

@@ -15,7 +15,6 @@ from moepager.experts.hybrid import CpuExpertsExecutor, ExpertTimes, HybridExecu
 from moepager.placements.cpu_experts import cpu_experts_executor
 from moepager.placements.hybrid import hybrid_executor
 from moepager.planning.cost import CostModel
-from moepager.runtime import builder
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from tests.conftest import ARCHS, expert_budget
@@ -207,16 +206,15 @@ def test_generate_runs_each_execution_and_reports_it(demo_checkpoint, tmp_path, 
     assert "--profile does nothing without --execution hybrid" in err and "set --expert-memory" in err
 
 
-def _hybrid_llm(path, monkeypatch, slots_per_layer: int, prefill: str) -> LLM:
+def _hybrid_llm(path, slots_per_layer: int, prefill: str) -> LLM:
     """An engine on hybrid execution with PREFILL_ON_DEVICE's costs, `slots_per_layer` cached device slots a layer
     and two stream rows, nothing warmed."""
-    monkeypatch.setattr(builder, "expert_times", lambda *args: (PREFILL_ON_DEVICE, "test"))
     probe = load_model(path, show_progress=False)
     layers, nbytes = probe.config.num_moe_layers, probe.expert_shape.nbytes
     store = StoreConfig(expert_memory=str((slots_per_layer * layers + 2) * nbytes), warm=False)
     config = EngineConfig(model=str(path), store=store,
                           placement=PlacementConfig(execution="hybrid", hybrid_prefill=prefill))  # type: ignore[arg-type]
-    return LLM(config=config, show_progress=False)
+    return LLM(config=config, show_progress=False, costs=PREFILL_ON_DEVICE)
 
 
 @pytest.mark.parametrize("prefill", ["ping-pong", "cache"])
@@ -231,7 +229,7 @@ def test_a_ping_pong_prefill_leaves_the_decode_cache_alone_then_fills_it_with_it
     prompt, params = [(7 * i + 3) % 61 + 1 for i in range(40)], SamplingParams(max_tokens=6, temperature=0.0,
                                                                             ignore_eos=True)
     want = LLM(path, show_progress=False).generate([prompt], params)[0].token_ids
-    llm = _hybrid_llm(path, monkeypatch, 2, prefill)
+    llm = _hybrid_llm(path, 2, prefill)
     executor = llm.loaded.experts
     assert isinstance(executor, HybridExecutor) and executor.prefill == prefill
     table, counters = executor.store.device.table, executor.store.counters

@@ -116,17 +116,15 @@ def test_layers_needing_more_experts_than_their_cache_stream_the_rest_as_the_sim
 
 @pytest.mark.parametrize("prefill", ["ping-pong", "cache"])
 @pytest.mark.parametrize("warm, admit", [(False, 0), (True, 0), (True, 1), (False, 2)])
-def test_simulator_agrees_with_a_hybrid_run(hf_checkpoint, tmp_path, monkeypatch, warm, admit, prefill):
+def test_simulator_agrees_with_a_hybrid_run(hf_checkpoint, tmp_path, warm, admit, prefill):
     """`--execution hybrid` against `simulate --execution hybrid` at the same threshold (3 tokens), either prefill:
     8-token prompts send their heavy experts to the device (ping-pong: streamed through, then each layer's most
     activated loaded ahead at the first decode step; cache: cached or streamed through) and compute the light ones on
     the CPU, as do every decode step's misses; the hits, misses, loads and CPU-computed experts are the
     simulator's."""
     from moepager.config import EngineConfig
-    from moepager.runtime import builder
     from tests.experts.test_hybrid import PREFILL_ON_DEVICE
 
-    monkeypatch.setattr(builder, "expert_times", lambda *_: (PREFILL_ON_DEVICE, "test"))
     _, path = hf_checkpoint("olmoe")
     trace = random_trace(tmp_path / "t.mpt", lengths=(12, 9, 15), prefill=15, seed=5, skew=0.5)
     per_layer, nbytes = 3, LLM(path, show_progress=False).loaded.expert_shape.nbytes
@@ -134,7 +132,7 @@ def test_simulator_agrees_with_a_hybrid_run(hf_checkpoint, tmp_path, monkeypatch
     llm = LLM(config=EngineConfig(model=str(path), store=store,
                                   placement=PlacementConfig(execution="hybrid", hybrid_admit=admit,
                                                             hybrid_prefill=prefill)),
-              show_progress=False)
+              show_progress=False, costs=PREFILL_ON_DEVICE)
     llm.replay(ReplaySpec(trace, prompt_tokens=8))
     phases = llm.loaded.experts.store.counters.phases
     spec = SimSpec("lru", per_layer, warm=warm, execution="hybrid", device_tokens=PREFILL_ON_DEVICE.threshold(),
