@@ -12,6 +12,10 @@ cost of a grouping is the distinct (layer, expert) pairs of the requests' token 
 - `2-means, path predictor` (ExpertFlow's own: `--predictor path`, the small shape fitted for `--path-epochs` on the
   same first `--fit` requests, forecasts token t + 1's path from the tokens up to t + 1, which a scheduler knows
   before that token's step runs; only on a trace with its tokens, DeepSeek-V2-Lite's);
+- `2-means + swaps, previous token` and `2-means + swaps, path predictor` (the engine's grouping, runtime/grouping.py
+  `group`: 2-means, then the best swap of one member of each group until none helps; the path predictor's paths as
+  its probabilities, the swaps lowering the expected distinct pairs), what `--batch-policy expertflow` runs without
+  a predictor and with `--predictor path`;
 - `2-means, true next token` (an oracle predictor);
 - `best found`: the exact optimum over every balanced split at 16 requests or fewer, else 2-means on the true next
   token followed by pairwise swaps until none helps (a local optimum: an upper bound on the best).
@@ -37,6 +41,7 @@ from moepager.predictors.transition import TransitionPredictor
 from moepager.runtime.grouping import (
     balanced_two_means,
     exact_best_split,
+    group,
     path_of,
     split_cost,
     swap_search,
@@ -45,9 +50,12 @@ from moepager.runtime.grouping import (
 from moepager.trace.format import DECODE, TraceReader
 from moepager.trace.predict import row_token_ids
 
-ROWS = ("one step of all", "fifo halves", "2-means, previous token", "2-means, predicted paths",
-        "2-means, path predictor", "2-means, true next token", "best found")
-PREDICTED = {"2-means, predicted paths": "transition", "2-means, path predictor": "path"}
+ROWS = ("one step of all", "fifo halves", "2-means, previous token", "2-means + swaps, previous token",
+        "2-means, predicted paths", "2-means, path predictor", "2-means + swaps, path predictor",
+        "2-means, true next token", "best found")
+PREDICTED = {"2-means, predicted paths": "transition", "2-means, path predictor": "path",
+             "2-means + swaps, path predictor": "path"}
+PATH_ROWS = ("2-means, path predictor", "2-means + swaps, path predictor")
 
 
 def arguments() -> argparse.Namespace:
@@ -102,13 +110,21 @@ def path_predictor(name: str, fitted: list[tuple[np.ndarray, list[int]]], num_ex
     return predictor
 
 
-def forecast_paths(predictor: PathPredictor, tokens: list[int], k: int) -> np.ndarray:
-    """The predictor's path of each of a request's tokens [T, L, K] (each token's forecast from the tokens up to
-    it: a new request, its tokens in order)."""
+def forecast_paths(predictor: PathPredictor, tokens: list[int]) -> np.ndarray:
+    """The predictor's probabilities of each of a request's tokens' routing [T, L, E] (each token's forecast from the
+    tokens up to it: a new request, its tokens in order)."""
     predictor.start_iteration(torch.tensor(tokens), None)
-    ids = np.stack([predictor.forecast(layer, 0).top(k).numpy() for layer in range(predictor.num_layers)], 1)
+    probs = np.stack([predictor.forecast(layer, 0).probs_NE.float().numpy() for layer in range(predictor.num_layers)],
+                     1)
     predictor.start_iteration(torch.zeros(0, dtype=torch.long), None)
-    return ids
+    return probs
+
+
+def top_path(probs_LE: np.ndarray, k: int) -> np.ndarray:
+    """A forecast's path: its k most likely experts at each layer, as bits [L * E]."""
+    out = np.zeros(probs_LE.shape, bool)
+    np.put_along_axis(out, np.argsort(-probs_LE, 1, kind="stable")[:, :k], True, 1)
+    return out.reshape(-1)
 
 
 def recall(predicted: np.ndarray, nxt: np.ndarray) -> float:
@@ -139,9 +155,10 @@ def costs(prev: np.ndarray, predicted: dict[str, np.ndarray], nxt: np.ndarray) -
     predictor row's, where it has them)."""
     n = len(nxt)
     out = {"one step of all": union_size(nxt, range(n)),
-           "fifo halves": split_cost(nxt, range((n + 1) // 2), range((n + 1) // 2, n))}
+           "fifo halves": split_cost(nxt, range((n + 1) // 2), range((n + 1) // 2, n)),
+           "2-means + swaps, previous token": split_cost(nxt, *group(prev))}
     for row, paths in (("2-means, previous token", prev), *predicted.items(), ("2-means, true next token", nxt)):
-        out[row] = split_cost(nxt, *balanced_two_means(paths))
+        out[row] = split_cost(nxt, *(group(paths) if row.startswith("2-means + swaps") else balanced_two_means(paths)))
     best = exact_best_split(nxt) if n <= 16 else swap_search(nxt, *balanced_two_means(nxt))
     out["best found"] = split_cost(nxt, *best)
     return out
@@ -162,7 +179,7 @@ def measure(name: str, sizes: Sequence[int], draws: Sequence[int], fit: int | No
     path_ids = None
     if with_tokens:
         predictor = path_predictor(name, [r for r in fitted if len(r[0])], h.num_experts, path_epochs, seed)
-        path_ids = [forecast_paths(predictor, tokens, h.top_k) for _, tokens in held]
+        path_ids = [forecast_paths(predictor, tokens) for _, tokens in held]
     rng, rows = np.random.default_rng(seed), []
     for n, count in zip(sizes, draws):
         if n > len(held):
@@ -177,13 +194,16 @@ def measure(name: str, sizes: Sequence[int], draws: Sequence[int], fit: int | No
             nxt = np.stack([path_of(ids[t], h.num_experts) for ids in chosen])
             predicted = {"2-means, predicted paths": np.stack([predicted_path(ids[t - 1]) for ids in chosen])}
             if path_ids is not None:
-                predicted["2-means, path predictor"] = np.stack([path_of(path_ids[i][t], h.num_experts) for i in pick])
-            for row, paths in predicted.items():
-                recalls[row] += recall(paths, nxt) / count
+                probs = np.stack([path_ids[i][t].reshape(-1) for i in pick])
+                predicted["2-means, path predictor"] = np.stack([top_path(path_ids[i][t], h.top_k) for i in pick])
+                predicted["2-means + swaps, path predictor"] = probs
+            for row, paths in predicted.items():  # (the probabilities' recall: their top k's)
+                recalls[row] += recall(predicted.get("2-means, path predictor", paths) if row in PATH_ROWS
+                                       else paths, nxt) / count
             for row, c in costs(prev, predicted, nxt).items():
                 sums[row] += c / count
         for row in ROWS:
-            if row == "2-means, path predictor" and path_ids is None:
+            if row in PATH_ROWS and path_ids is None:
                 continue
             rows.append({"trace": name, "requests": n, "draws": count, "grouping": row, "pairs": sums[row],
                          "vs_fifo_halves": sums[row] / sums["fifo halves"],
@@ -191,7 +211,7 @@ def measure(name: str, sizes: Sequence[int], draws: Sequence[int], fit: int | No
                          "per_layer_per_step": sums[row] / (h.num_layers * (1 if row == ROWS[0] else 2)),
                          "recall": recalls.get(row), "experts": h.num_experts, "top_k": h.top_k,
                          "fit_requests": fit, "test_requests": test,
-                         "path_epochs": path_epochs if row == "2-means, path predictor" else None})
+                         "path_epochs": path_epochs if row in PATH_ROWS else None})
     return rows
 
 

@@ -11,6 +11,13 @@ similarity (eq. 6, S[i, j] = 1 - Hamming(r_i, r_j) / (L E)):
 4. repeat 2-3 until the groups stop changing, at most `iters` times.
 Deterministic: the same paths give the same groups. The objective is the sum over the two groups of their distinct
 (layer, expert) pairs (eq. 4-5 with the union, as the digest corrects).
+
+The engine's grouping (`group`) follows 2-means with a local search on that objective (`swap_search`: the best swap of
+one member of each group, until none lowers it). A path may also be a forecast's probabilities of each (layer,
+expert) (ExpertFlow's path predictor: runtime/batch_policy/expertflow.py), and then both steps read them as such:
+2-means's Hamming similarity becomes its expectation, and the search lowers the expected distinct pairs. The paper
+stops at 2-means; the search is ours, and on DeepSeek-V2-Lite's held-back requests it brings the path predictor's
+grouping to about the figure of 2-means on the true next token (benchmarks/README.md `grouping`).
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ ITERATIONS = 10
 
 
 def similarity(paths_NP: np.ndarray) -> np.ndarray:
-    """S[i, j] = 1 - Hamming(path_i, path_j) / P for boolean paths [N, P]."""
+    """S[i, j] = 1 - Hamming(path_i, path_j) / P for boolean paths [N, P] (probabilities: its expectation, the paths
+    taken as independent)."""
     r = paths_NP.astype(np.float32)
     hamming = r @ (1 - r).T + (1 - r) @ r.T
     return 1 - hamming / max(paths_NP.shape[1], 1)
@@ -100,20 +108,41 @@ def exact_best_split(paths_NP: np.ndarray) -> tuple[list[int], list[int]]:
 
 def swap_search(paths_NP: np.ndarray, a: Sequence[int], b: Sequence[int], rounds: int = 200
                 ) -> tuple[list[int], list[int]]:
-    """Local search from the split (a, b): the swap of one member of each group that lowers `split_cost` the most,
-    repeated until none lowers it (or `rounds` swaps). Group sizes are kept."""
+    """Local search from the split (a, b): the swap of one member of each group that lowers the split's cost the
+    most, repeated until none lowers it (or `rounds` swaps). Group sizes are kept. Boolean paths: the cost is
+    `split_cost`, the distinct (layer, expert) pairs. Probabilities in [0, 1] (a predictor's forecast of each pair):
+    the expected distinct pairs, over the pairs of each group 1 - prod over its members (1 - p), what a forecast's
+    uncertainty says the step will activate (`expected_cost`)."""
     a, b = list(a), list(b)
-    paths = paths_NP.astype(np.int32)
+    soft = paths_NP.dtype != np.bool_
+    # per member and pair, what adds up over a group: a use (count > 0: activated), or log(1 - p) (1 - exp: the
+    # probability that someone activates it)
+    paths = np.log1p(-np.minimum(paths_NP.astype(np.float64), 1 - 1e-9)) if soft else paths_NP.astype(np.int32)
+
+    def used(sums: np.ndarray) -> np.ndarray:
+        return (1 - np.exp(sums)).sum(-1) if soft else (sums > 0).sum(-1)
+
     for _ in range(rounds):
-        ca, cb = paths[a].sum(0), paths[b].sum(0)  # members of each group that use each (layer, expert)
-        now = int((ca > 0).sum() + (cb > 0).sum())
+        ca, cb = paths[a].sum(0), paths[b].sum(0)
+        now = used(ca) + used(cb)
         pa, pb = paths[a], paths[b]  # [|a|, P], [|b|, P]
-        # swapping a[i] and b[j]: group a's counts ca - pa[i] + pb[j], group b's cb - pb[j] + pa[i]
-        new_a = ((ca[None, None] - pa[:, None] + pb[None, :]) > 0).sum(2)
-        new_b = ((cb[None, None] - pb[None, :] + pa[:, None]) > 0).sum(2)
-        total = new_a + new_b
+        # swapping a[i] and b[j]: group a's sums ca - pa[i] + pb[j], group b's cb - pb[j] + pa[i]
+        total = used(ca[None, None] - pa[:, None] + pb[None, :]) + used(cb[None, None] - pb[None, :] + pa[:, None])
         i, j = np.unravel_index(int(np.argmin(total)), total.shape)
-        if total[i, j] >= now:
+        if total[i, j] >= now - (1e-9 if soft else 0):
             break
         a[i], b[j] = b[j], a[i]
     return sorted(a), sorted(b)
+
+
+def expected_cost(paths_NP: np.ndarray, a: Sequence[int], b: Sequence[int]) -> float:
+    """The expected distinct (layer, expert) pairs of the split (a, b) for paths given as probabilities (boolean paths:
+    `split_cost`)."""
+    logs = np.log1p(-np.minimum(paths_NP.astype(np.float64), 1 - 1e-9))
+    return float(sum((1 - np.exp(logs[list(g)].sum(0))).sum() for g in (a, b) if len(g)))
+
+
+def group(paths_NP: np.ndarray) -> tuple[list[int], list[int]]:
+    """The token scheduler's grouping: `balanced_two_means`, then `swap_search` from its split (on a forecast's
+    probabilities, their expected distinct pairs)."""
+    return swap_search(paths_NP, *balanced_two_means(paths_NP))

@@ -15,6 +15,8 @@ from moepager.runtime.batch_policy.expertflow import WAIT_BOUND, ExpertFlowPolic
 from moepager.runtime.grouping import (
     balanced_two_means,
     exact_best_split,
+    expected_cost,
+    group,
     split_cost,
     swap_search,
     union_size,
@@ -223,7 +225,9 @@ def test_the_path_tracker_takes_a_lookahead_of_each_decoding_requests_next_token
         tracker.routed(layer, torch.zeros(3, 2), RoutingDecision(ids_TK, ids_TK.float(), ids_TK.float(), ids_TK), ())
     tracker.update([Decoding(7, [5, 6, 11]), Decoding(9, [4, 12])])
     assert asked == [(7, 2, 11), (9, 1, 12)]
-    assert np.flatnonzero(tracker.path(7)).tolist() == [0, 2, 5, 7] and tracker.lookahead_paths == 1
+    # the lookahead's path keeps its probabilities (the grouping reads them as such)
+    assert tracker.path(7).tolist() == pytest.approx([0.9, 0.0, 0.8, 0.1, 0.0, 0.7, 0.1, 0.6])
+    assert tracker.path(7).dtype == np.float32 and tracker.lookahead_paths == 1
     assert np.flatnonzero(tracker.path(9)).tolist() == [1, 2, 5, 7]  # its routing, as without a lookahead
 
 
@@ -339,3 +343,49 @@ def test_the_swap_search_ends_where_no_swap_helps_and_never_loses():
                 swapped_a, swapped_b = [x for x in a if x != i] + [j], [x for x in b if x != j] + [i]
                 assert split_cost(paths, swapped_a, swapped_b) >= cost
         assert split_cost(paths, *exact_best_split(paths)) <= cost
+
+
+def test_on_forecast_probabilities_the_swap_search_lowers_the_expected_distinct_pairs():
+    """Paths given as probabilities: the search never raises the expected distinct pairs (1 - prod(1 - p) summed
+    per group), keeps the sizes, ends where no swap lowers them; on 0/1 probabilities its objective is the bits'
+    distinct pairs, and it ends where no swap lowers those."""
+    rng = np.random.default_rng(2)
+    for n in (8, 13, 16):
+        probs = rng.random((n, 60)) ** 6  # mostly unlikely, a few likely pairs a row
+        a0, b0 = balanced_two_means(probs)
+        a, b = swap_search(probs, a0, b0)
+        assert (len(a), len(b)) == (len(a0), len(b0)) and sorted(a + b) == list(range(n))
+        cost = expected_cost(probs, a, b)
+        assert cost <= expected_cost(probs, a0, b0) + 1e-9
+        for i in a:
+            for j in b:
+                swapped = [x for x in a if x != i] + [j], [x for x in b if x != j] + [i]
+                assert expected_cost(probs, *swapped) >= cost - 1e-6
+        bits = probs > 0.3
+        assert expected_cost(bits, a, b) == pytest.approx(split_cost(bits, a, b), abs=1e-6)
+        a, b = swap_search(bits.astype(np.float32), a0, b0)
+        cost = split_cost(bits, a, b)
+        assert cost <= split_cost(bits, a0, b0)
+        assert all(split_cost(bits, [x for x in a if x != i] + [j], [x for x in b if x != j] + [i]) >= cost
+                   for i in a for j in b)
+
+
+def test_the_engines_grouping_searches_from_two_means_and_reads_mixed_paths_as_probabilities():
+    """`group` is 2-means then the swap search; a snapshot that mixes routed bits with a lookahead's probabilities
+    is probabilities (the bits as certain), and the grouping keeps a request whose forecast is certain of another
+    group's experts with that group."""
+    rng = np.random.default_rng(3)
+    bits = rng.random((12, 50)) < 0.15
+    assert group(bits) == swap_search(bits, *balanced_two_means(bits))
+    tracker = PathTracker([0], num_experts=4, top_k=1, lookahead=lambda r, s, t: (
+        torch.tensor([[0.0, 0.0, 0.95, 0.9]]) if r == 3 else None))
+    info = PassInfo(0, "decode", (0, 1, 2, 3), (5, 5, 5, 5), (1, 1, 1, 1), ("decode",) * 4, torch.tensor([1, 2, 3, 4]))
+    tracker.begin_pass(info)
+    ids_TK = torch.tensor([[0], [0], [2], [0]])
+    tracker.routed(0, torch.zeros(4, 2), RoutingDecision(ids_TK, ids_TK.float(), ids_TK.float(), ids_TK), ())
+    tracker.update([Decoding(i, [1, 2, 3, 4, 5, 6]) for i in range(4)])
+    policy = ExpertFlowPolicy(SchedulerConfig(max_num_seqs=2), tracker)
+    snapshot = policy._snapshot([0, 1, 2, 3])
+    assert snapshot.dtype == np.float32 and snapshot[0].tolist() == [1, 0, 0, 0]
+    # request 3 routed expert 0 last, but its next token is forecast at experts 2 and 3: it joins request 2
+    assert ExpertFlowPolicy._groups([0, 1, 2, 3], snapshot) == ({0, 1}, {2, 3})

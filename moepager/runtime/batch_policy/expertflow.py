@@ -1,10 +1,10 @@
 """The batch policy `expertflow`: ExpertFlow's token scheduler (§3.3.3, §4.2).
 
 Up to twice `max_num_seqs` requests run. When more requests are decoding than `max_num_seqs`, they are split into two
-groups of similar routing paths (balanced 2-means over each request's path, runtime/grouping.py) that decode in turns:
-the first group this step, the second the next (with any request that started decoding in between), then the groups
-are formed again. The dual-batch pipeline (§4.2): the next pair's groups are formed on a thread of the policy's own
-while the second group's step computes, from the paths known when that step was scheduled (the first group's latest,
+groups of similar routing paths (balanced 2-means over each request's path, then swaps: runtime/grouping.py) that decode
+in turns: the first group this step, the second the next (with any request that started decoding in between), then the
+groups are formed again. The dual-batch pipeline (§4.2): the next pair's groups are formed on a thread of the policy's
+own while the second group's step computes, from the paths known when that step was scheduled (the first group's latest,
 the second's previous token); at the next pair they are used with the finished requests dropped and new ones added to
 the smaller group. A decoding request therefore sits out at most one step in a row (`WAIT_BOUND`) unless it is
 preempted. Prompt chunks are scheduled as under FIFO.
@@ -13,10 +13,10 @@ A request's path (`PathTracker`) is its next token's expected routing. With `--p
 path predictor, the paper's) it is forecast from that token, which is known once the last pass sampled it, when the
 groups are formed; the pass reuses the forecast. With another `--predictor` that forecasts every MoE layer at the
 next token (a fitted transition table does) it is that forecast, made in the last pass; else it is the request's last
-token's routing (routing has token-to-token locality; the engine says so in one line). On DeepSeek-V2-Lite's
-held-back requests (benchmarks/README.md `grouping`) grouping by the path predictor's paths gives 0.94 / 0.92 / 0.92
-x FIFO halves' distinct experts at 16 / 32 / 64 requests, the last token's 0.97 / 0.97 / 0.98, the true next token's
-0.92 / 0.90 / 0.90.
+token's routing (routing has token-to-token locality; the engine says so in one line). The path predictor's path
+keeps its probabilities, and the groups are formed by 2-means followed by swaps that lower the expected distinct
+experts (runtime/grouping.py `group`). What each source of paths saves on held-back requests of the real traces:
+benchmarks/README.md `grouping`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 from moepager.config import SchedulerConfig
 from moepager.predictors.base import Forecast
 from moepager.runtime.batch_policy.base import RoutingPaths
-from moepager.runtime.grouping import balanced_two_means, path_of
+from moepager.runtime.grouping import group, path_of
 from moepager.runtime.request import QueuedRequest
 from moepager.types import PassInfo, RoutingDecision
 
@@ -88,13 +88,14 @@ class ExpertFlowPolicy:
         return set(second)
 
     def _snapshot(self, ids: list[int]) -> np.ndarray:
-        """The requests' paths as they are now (a request that has not routed yet: an empty path)."""
+        """The requests' paths as they are now (a request that has not routed yet: an empty path); bits, or
+        probabilities where any is a forecast's (the bits then read as certain)."""
         width = len(self.paths.column) * self.paths.num_experts
         return np.stack([p if (p := self.paths.path(i)) is not None else np.zeros(width, bool) for i in ids])
 
     @staticmethod
     def _groups(ids: list[int], paths: np.ndarray) -> tuple[set[int], set[int]]:
-        first, second = balanced_two_means(paths)
+        first, second = group(paths)
         return {ids[j] for j in first}, {ids[j] for j in second}
 
     @staticmethod
@@ -133,12 +134,14 @@ class PathTracker:
           pass (the run's `--predictor`, which observes each layer before this tracker does) when it has one for
           every position;
         - its last routed token's routing (routing has token-to-token locality).
-        A forecast's path is its `top_k` experts at each layer."""
+        A forecast made in the pass gives its `top_k` experts at each layer as the path; the lookahead's path keeps its
+        probabilities, which the grouping reads as such (runtime/grouping.py `group`)."""
         self.column = {layer: i for i, layer in enumerate(moe_layers)}
         self.num_experts = num_experts
         self.forecast, self.top_k, self.lookahead = forecast, top_k, lookahead
         self.paths: dict[int, np.ndarray] = {}
-        """request id -> bool [L * E]: the experts its next token is expected to use."""
+        """request id -> [L * E]: the experts its next token is expected to use, as bits (routed, or a forecast's top
+        k), or as the lookahead's probabilities (float32)."""
         self.forecast_passes = 0
         """Passes whose paths came from the predictor's forecasts (the rest: from the routing)."""
         self.lookahead_paths = 0
@@ -194,8 +197,7 @@ class PathTracker:
         for r in decoding:
             probs_LE = self.lookahead(r.request_id, r.num_computed, r.tokens(r.num_computed, 1)[0])
             if probs_LE is not None:
-                top_LK = probs_LE.topk(self.top_k, -1).indices.numpy()
-                self.paths[r.request_id] = path_of(top_LK, self.num_experts)
+                self.paths[r.request_id] = probs_LE.reshape(-1).float().numpy()
                 self.lookahead_paths += 1
 
     def path(self, request: int) -> np.ndarray | None:
