@@ -122,9 +122,7 @@ def forecast_paths(predictor: PathPredictor, tokens: list[int]) -> np.ndarray:
 
 def top_path(probs_LE: np.ndarray, k: int) -> np.ndarray:
     """A forecast's path: its k most likely experts at each layer, as bits [L * E]."""
-    out = np.zeros(probs_LE.shape, bool)
-    np.put_along_axis(out, np.argsort(-probs_LE, 1, kind="stable")[:, :k], True, 1)
-    return out.reshape(-1)
+    return path_of(np.argsort(-probs_LE, 1, kind="stable")[:, :k], probs_LE.shape[1])
 
 
 def recall(predicted: np.ndarray, nxt: np.ndarray) -> float:
@@ -155,9 +153,9 @@ def costs(prev: np.ndarray, predicted: dict[str, np.ndarray], nxt: np.ndarray) -
     predictor row's, where it has them)."""
     n = len(nxt)
     out = {"one step of all": union_size(nxt, range(n)),
-           "fifo halves": split_cost(nxt, range((n + 1) // 2), range((n + 1) // 2, n)),
-           "2-means + swaps, previous token": split_cost(nxt, *group(prev))}
-    for row, paths in (("2-means, previous token", prev), *predicted.items(), ("2-means, true next token", nxt)):
+           "fifo halves": split_cost(nxt, range((n + 1) // 2), range((n + 1) // 2, n))}
+    for row, paths in (("2-means, previous token", prev), ("2-means + swaps, previous token", prev),
+                       *predicted.items(), ("2-means, true next token", nxt)):
         out[row] = split_cost(nxt, *(group(paths) if row.startswith("2-means + swaps") else balanced_two_means(paths)))
     best = exact_best_split(nxt) if n <= 16 else swap_search(nxt, *balanced_two_means(nxt))
     out["best found"] = split_cost(nxt, *best)
@@ -197,9 +195,9 @@ def measure(name: str, sizes: Sequence[int], draws: Sequence[int], fit: int | No
                 probs = np.stack([path_ids[i][t].reshape(-1) for i in pick])
                 predicted["2-means, path predictor"] = np.stack([top_path(path_ids[i][t], h.top_k) for i in pick])
                 predicted["2-means + swaps, path predictor"] = probs
-            for row, paths in predicted.items():  # (the probabilities' recall: their top k's)
-                recalls[row] += recall(predicted.get("2-means, path predictor", paths) if row in PATH_ROWS
-                                       else paths, nxt) / count
+            top = predicted.get("2-means, path predictor")
+            for row, paths in predicted.items():  # probabilities: their top k's recall
+                recalls[row] += recall(paths if paths.dtype == np.bool_ else top, nxt) / count
             for row, c in costs(prev, predicted, nxt).items():
                 sums[row] += c / count
         for row in ROWS:

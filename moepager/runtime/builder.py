@@ -100,7 +100,8 @@ def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = 
     options = LoadOptions.of(config)
     opened = open_checkpoint(path, options)
     times, profile = expert_times(config, opened.device, opened.reader.shape.nbytes)
-    times = costs or times
+    if costs is not None:  # the profile's name stays: the configurator reads its link and device
+        times = costs
     config, fit = fitted(config, opened, times)  # no budget given: the expert cache sized to the memory it may use
     execution, why = resolve_execution(config, opened.device, times, profile)
     chosen = resolve(config, execution)

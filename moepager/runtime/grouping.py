@@ -117,7 +117,7 @@ def swap_search(paths_NP: np.ndarray, a: Sequence[int], b: Sequence[int], rounds
     soft = paths_NP.dtype != np.bool_
     # per member and pair, what adds up over a group: a use (count > 0: activated), or log(1 - p) (1 - exp: the
     # probability that someone activates it)
-    paths = np.log1p(-np.minimum(paths_NP.astype(np.float64), 1 - 1e-9)) if soft else paths_NP.astype(np.int32)
+    paths = _log_unused(paths_NP) if soft else paths_NP.astype(np.int32)
 
     def used(sums: np.ndarray) -> np.ndarray:
         return (1 - np.exp(sums)).sum(-1) if soft else (sums > 0).sum(-1)
@@ -138,8 +138,14 @@ def swap_search(paths_NP: np.ndarray, a: Sequence[int], b: Sequence[int], rounds
 def expected_cost(paths_NP: np.ndarray, a: Sequence[int], b: Sequence[int]) -> float:
     """The expected distinct (layer, expert) pairs of the split (a, b) for paths given as probabilities (boolean paths:
     `split_cost`)."""
-    logs = np.log1p(-np.minimum(paths_NP.astype(np.float64), 1 - 1e-9))
+    logs = _log_unused(paths_NP)
     return float(sum((1 - np.exp(logs[list(g)].sum(0))).sum() for g in (a, b) if len(g)))
+
+
+def _log_unused(paths_NP: np.ndarray) -> np.ndarray:
+    """log(1 - p) per member and pair (p clipped below 1, so a certain pair stays finite): summed over a group, the
+    log of the probability that no member uses the pair."""
+    return np.log1p(-np.minimum(paths_NP.astype(np.float64), 1 - 1e-9))
 
 
 def group(paths_NP: np.ndarray) -> tuple[list[int], list[int]]:
