@@ -11,7 +11,8 @@ extension here computes a whole layer in one call, threads split across experts 
 `torch.set_num_threads` governs it), nothing in Python per expert.
 
 Each tier is compiled at first use with `torch.utils.cpp_extension` (g++, -O3 and the tier's target flags, under a
-minute on 2 cores) into a module of its own and cached under MOEPAGER_CACHE (default ~/.cache/moepager), in a folder
+minute on 2 cores) into a library of its own (torch.library operators in the tier's namespace: accel/ops.py) and
+cached under MOEPAGER_CACHE (default ~/.cache/moepager), in a folder
 named by the tier, the compiler, torch's version and the kernels' sources (where they lie and what they hold), so a
 cache shared between hosts never hands a build to a CPU that cannot run it, and two copies of moepager on one machine
 (an installed one and a checkout, two checkouts) never rebuild each other's kernels; a later process loads its build
@@ -43,13 +44,13 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import NamedTuple
 
 import torch
 
 from moepager.accel import cpu_tiers
 from moepager.accel.cpu_tiers import TORCH, Tier
+from moepager.accel.ops import FORMAT_CODES, FormatSpec, Kernels
 from moepager.errors import ConfigError
 from moepager.experts.quant import sections
 from moepager.experts.sorting import SortedTokens
@@ -64,8 +65,6 @@ BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-std=c++17", "-fvisibilit
 says so, which keeps the tiers' arithmetic one and the same."""
 SELFTEST = 4821114524833950398
 """What every tier's `selftest()` returns (csrc/moe.cpp)."""
-FORMAT_CODES = {"bf16": 0, "int8": 1, "int4": 2}
-"""An expert format's code in `FormatSpec.fmt` (csrc/rows.h `Format`)."""
 
 _lock = threading.Lock()
 
@@ -75,12 +74,12 @@ class Selected:
     """The kernels this process runs: a tier's module, or None for torch's, and why when not the one asked for."""
 
     tier: str
-    module: ModuleType | None
+    module: Kernels | None
     reason: str | None = None
 
 
 _state: Selected | None = None
-_modules: dict[str, ModuleType] = {}
+_modules: dict[str, Kernels] = {}
 
 
 def cache_dir() -> Path:
@@ -146,11 +145,12 @@ def build_dir(tier: Tier) -> Path:
     return cache_dir() / f"{tier.module_name}-{key}"
 
 
-def _build(tier: Tier) -> ModuleType:
-    """Build (or load the cached build of) one tier's module. Processes building at once take turns on an flock of
-    ours, which the system releases when its holder dies; torch's own lock file (`lock`, created and deleted by
-    `load`) is left behind by a build that was killed, and every later `load` would wait for it forever. Holding our
-    flock, a `lock` file is such a leftover and is deleted."""
+def _build(tier: Tier) -> str:
+    """Build (or load the cached build of) one tier's library, and load it into this process (its operators and
+    classes register themselves: accel/ops.py); returns the library's path. Processes building at once take turns on
+    an flock of ours, which the system releases when its holder dies; torch's own lock file (`lock`, created and
+    deleted by `load`) is left behind by a build that was killed, and every later `load` would wait for it forever.
+    Holding our flock, a `lock` file is such a leftover and is deleted."""
     import fcntl
 
     from torch.utils.cpp_extension import load
@@ -172,7 +172,7 @@ def _build(tier: Tier) -> ModuleType:
             print(f"moepager: removing {stale}, left by a build of the CPU kernels that was stopped", file=sys.stderr)
             stale.unlink(missing_ok=True)
         return load(tier.module_name, [str(s) for s in SOURCES], build_directory=str(build), verbose=False,
-                    extra_cflags=flags, extra_ldflags=["-fopenmp"])
+                    extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False)
 
 
 SOURCES_NOTE = "sources"
@@ -194,7 +194,7 @@ def prune_superseded(tier: Tier, build: Path) -> list[Path]:
     return gone
 
 
-def self_test(module: ModuleType) -> str | None:
+def self_test(module: Kernels) -> str | None:
     """Run the module's self-test in a forked child (an instruction this CPU lacks kills the child, not us): None if
     it computed SELFTEST, else what went wrong."""
     with warnings.catch_warnings():  # Python 3.12 warns of fork() in a threaded process; the child only computes
@@ -213,7 +213,7 @@ def self_test(module: ModuleType) -> str | None:
     return None if code == 0 else "its self-test computed the wrong bits" if code == 3 else "its self-test failed"
 
 
-def module_for(tier_name: str) -> ModuleType:
+def module_for(tier_name: str) -> Kernels:
     """One tier's module, built (or loaded) and self-tested, whatever this process runs (tests compare tiers with
     it); an error saying why it cannot be used."""
     if tier_name in _modules:
@@ -224,7 +224,7 @@ def module_for(tier_name: str) -> ModuleType:
     if (reason := unsupported_reason()) is not None:
         raise ConfigError(reason)
     try:
-        module = _build(tier)
+        module = Kernels(tier.module_name, _build(tier))
     except Exception as e:  # noqa: BLE001 - any build failure is reported with its last line
         text = str(e).strip()
         raise ConfigError(f"the {tier_name} build failed ({text.splitlines()[-1][:200] if text else e})") from e
@@ -269,7 +269,7 @@ def selected() -> Selected:
         return _state
 
 
-def extension() -> ModuleType | None:
+def extension() -> Kernels | None:
     """The compiled extension of this process's tier, built on first use (None when torch's kernels run: `status()`
     says why)."""
     return selected().module
@@ -298,7 +298,7 @@ def available() -> bool:
     return extension() is not None
 
 
-def built() -> ModuleType | None:
+def built() -> Kernels | None:
     """The extension if this process has already chosen it, else None (never builds: for callers on every step, such
     as the sampler, that use it only where a run already does)."""
     return None if _state is None else _state.module
@@ -336,44 +336,27 @@ def applies(shape: ExpertShape, device: torch.device, kernel: str) -> bool:
         and available()
 
 
-class FormatSpec(NamedTuple):
-    """An expert format as the kernels read it: csrc/rows.h `Spec`, which the bindings fill field by field from these
-    names (csrc/bind.h `spec_of`), and check (a format they do not know, a bad size or int4 group is an error)."""
-
-    fmt: int
-    """FORMAT_CODES: bf16, int8 or int4 (the "rows" layout)."""
-    hidden: int
-    intermediate: int
-    group: int
-    """int4: inputs a scale covers (32, 64 or 128); else 0."""
-    gate_up: int
-    """Byte offset of the gate and up rows in an expert's flat buffer (experts/weights.py, experts/quant.py)."""
-    down: int
-    """Byte offset of the down rows."""
-    gate_up_scales: int
-    """Byte offset of the gate and up rows' scales (quantized formats; else 0)."""
-    down_scales: int
-    """Byte offset of the down rows' scales (quantized formats; else 0)."""
-
-    @classmethod
-    def of(cls, shape: ExpertShape) -> FormatSpec:
-        d, f = shape.hidden, shape.intermediate
-        if shape.quant is None:
-            return cls(FORMAT_CODES["bf16"], d, f, 0, 0, 2 * f * d * 2, 0, 0)
-        gate_up, down, gate_up_scales, down_scales = (s.offset for s in sections(d, f, shape.dtype, shape.quant)[0])
-        return cls(FORMAT_CODES["int8" if shape.quant.bits == 8 else "int4"], d, f, shape.quant.group, gate_up, down,
-                   gate_up_scales, down_scales)
+def format_spec(shape: ExpertShape) -> FormatSpec:
+    """The kernels' format of these experts."""
+    d, f = shape.hidden, shape.intermediate
+    if shape.quant is None:
+        return FormatSpec(FORMAT_CODES["bf16"], d, f, 0, 0, 2 * f * d * 2, 0, 0)
+    gate_up, down, gate_up_scales, down_scales = (s.offset for s in sections(d, f, shape.dtype, shape.quant)[0])
+    return FormatSpec(FORMAT_CODES["int8" if shape.quant.bits == 8 else "int4"], d, f, shape.quant.group, gate_up,
+                      down, gate_up_scales, down_scales)
 
 
 class FusedExperts:
     """The extension bound to one expert format: a layer's experts in one call (experts/protocols.py's
     `FusedKernel`, which the executors take from the composition root)."""
 
-    def __init__(self, shape: ExpertShape, max_tokens: int, module: ModuleType | None = None):
-        """`module`: a tier's module (`module_for`; default: this process's tier)."""
+    def __init__(self, shape: ExpertShape, max_tokens: int, module: Kernels | None = None):
+        """`module`: a tier's kernels (`module_for`; default: this process's tier)."""
         module = module or extension()
         assert module is not None
-        self.module, self.spec, self.max_tokens = module, FormatSpec.of(shape), max_tokens
+        self.module, self.spec, self.max_tokens = module, format_spec(shape), max_tokens
+        self.format = self.spec._asdict()
+        """The format as the operators take it: its fields by name (accel/ops.py)."""
         calls = "" if max_tokens >= 1 << 62 else f" on up to {max_tokens} tokens a layer"
         self.note = f"moepager's fused CPU kernel{calls}" + (
             "" if shape.quant is None else ", activations quantized to 8 bits in blocks of 32")
@@ -381,7 +364,7 @@ class FusedExperts:
     def resident(self, x_ND: torch.Tensor, ids_NK: torch.Tensor, weights_NK: torch.Tensor, arena: torch.Tensor,
                  base: int, count: int) -> torch.Tensor:
         """The layer's output: experts e at arena rows base + e."""
-        return self.module.moe_resident(x_ND.contiguous(), ids_NK, weights_NK, arena, base, count, self.spec)
+        return self.module.moe_resident(x_ND.contiguous(), ids_NK, weights_NK, arena, base, count, **self.format)
 
     def rows(self, work: SortedTokens, rows: Sequence[int], which: Sequence[int], y_MD: torch.Tensor, *,
              x_ND: torch.Tensor, w_M: torch.Tensor, arena: torch.Tensor) -> None:
@@ -389,7 +372,8 @@ class FusedExperts:
         if which:
             starts = work.starts
             self.module.moe_partial(x_ND.contiguous(), arena, work.token_M, w_M, torch.tensor([rows[i] for i in which]),
-                                    torch.tensor([(starts[i], starts[i + 1]) for i in which]), y_MD, self.spec)
+                                    torch.tensor([(starts[i], starts[i + 1]) for i in which]), y_MD,
+                                    **self.format)
 
     def combine(self, y_MD: torch.Tensor, token_M: torch.Tensor, n: int) -> torch.Tensor:
         return self.module.moe_combine(y_MD, token_M, n)

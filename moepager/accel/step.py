@@ -16,12 +16,11 @@ bit; every row's result is the same whatever the batch. `--no-packed-dense` keep
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 import torch.nn.modules.module as nn_hooks
 
 from moepager.accel import cpu_kernels
+from moepager.accel.ops import Kernels
 from moepager.accel.packed import FUSED_DENSE_MAX_TOKENS, FusedLinear
 from moepager.experts.executor import ResidentExecutor
 from moepager.models.attention import NO_WEIGHT, Attention, ForwardBatch, RMSNorm
@@ -79,7 +78,7 @@ class DecodeLayerStep:
                 and mlp.executor.kernels.fused is not None and all(n.kernel is not None for n in norms)
                 and norms[0].eps == norms[1].eps)
 
-    def __init__(self, module: ModuleType, layer: DecoderLayer):
+    def __init__(self, module: Kernels, layer: DecoderLayer):
         attn, mlp = layer.self_attn, layer.mlp
         assert isinstance(attn, Attention) and isinstance(mlp, MoEBlock) and self.fits(layer)
         executor = mlp.executor
@@ -88,12 +87,16 @@ class DecodeLayerStep:
         self.max_rows = min(executor.kernels.fused.max_tokens, FUSED_DENSE_MAX_TOKENS, NATIVE_MAX_TOKENS)
         qkv, o, gate = attn.qkv, attn.o_proj, mlp.gate
         assert isinstance(qkv, FusedLinear) and isinstance(o, FusedLinear)
-        self.call = module.DecodeLayer(
-            layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
-            qkv.weight, NO_WEIGHT if qkv.bias is None else qkv.bias, *attn.kernel_qk_norm(), attn.num_heads,
-            attn.window or 0, attn.scale, o.weight,
-            NO_WEIGHT if o.bias is None else o.bias, gate.weight, gate.top_k, gate.normalize, not gate.fp32_weights,
-            executor.base[mlp.layer], executor.num_experts, executor.kernels.fused.spec)
+        qk_w, qk_eps = attn.kernel_qk_norm()
+        self.native = module.DecodeLayer(
+            norm1=layer.input_layernorm.weight, norm2=layer.post_attention_layernorm.weight,
+            eps=layer.input_layernorm.eps, qkv_w=qkv.weight, qkv_b=NO_WEIGHT if qkv.bias is None else qkv.bias,
+            qk_w=qk_w, qk_eps=qk_eps, heads=attn.num_heads, window=attn.window or 0, scale=attn.scale, o_w=o.weight,
+            o_b=NO_WEIGHT if o.bias is None else o.bias, router_w=gate.weight, k=gate.top_k, normalize=gate.normalize,
+            bf16_weights=not gate.fp32_weights, base=executor.base[mlp.layer], num_experts=executor.num_experts,
+            **executor.kernels.fused.format)
+        """The bound layer (torch.classes.<tier>.DecodeLayer)."""
+        self.call = self.native.run
 
     def __call__(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
                  cache: torch.Tensor) -> torch.Tensor | None:
@@ -128,7 +131,7 @@ class DecodeModelStep:
                 and model.model.embed_tokens.weight.dtype == torch.bfloat16 and norm.kernel is not None
                 and isinstance(head, FusedLinear) and head.bias is None and head.weight.dtype == torch.bfloat16)
 
-    def __init__(self, module: ModuleType, model: CausalLM):
+    def __init__(self, module: Kernels, model: CausalLM):
         assert self.fits(model)
         stack = model.model
         self.layers: list[DecodeLayerStep] = [layer.step for layer in stack.layers]  # type: ignore[misc]
@@ -141,8 +144,9 @@ class DecodeModelStep:
         hooks this call would skip."""
         head = model.lm_head
         assert isinstance(head, FusedLinear)
-        self.call = module.DecodeModel(stack.embed_tokens.weight, [s.call for s in self.layers], stack.norm.weight,
-                                       stack.norm.eps, head.weight)
+        self.native = module.DecodeModel(embed=stack.embed_tokens.weight, layers=[s.native for s in self.layers],
+                                         norm=stack.norm.weight, eps=stack.norm.eps, head=head.weight)
+        self.call = self.native.run
 
     def usable(self) -> bool:
         """Whether every layer's step would run (as `DecodeLayerStep.__call__` checks) and no module has a hook."""

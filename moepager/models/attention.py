@@ -11,8 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +22,12 @@ from moepager.models.config import ModelConfig, RopeConfig
 
 QKNorm = Literal["head", "full"] | None
 """RMSNorm of q and k: per head (Qwen3), over the whole projection (OLMoE), or none."""
+
+
+class StepKernels(Protocol):
+    """What an attention layer's decode pass calls on the CPU kernels (accel/ops.py `Kernels`)."""
+
+    decode_attention: Callable[..., torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -282,7 +287,7 @@ class Attention(nn.Module):
         self.window = cfg.sliding_window
         self.scale = 1.0 / math.sqrt(dh)
         """SDPA's default scale, as it computes it."""
-        self.step: ModuleType | None = None
+        self.step: StepKernels | None = None
         """moepager's CPU kernels (accel/step.py `use_step_kernels`: bf16 CPU runs): a decode pass of one token
         a row over the paged cache in one call (q/k norm, RoPE, cache write, attention) outside a compiled graph."""
         self._qk_weight: tuple[tuple[int, int, torch.device], torch.Tensor] | None = None

@@ -103,30 +103,38 @@ def test_computing_a_layer_in_pieces_as_experts_land_gives_the_one_call_bits(fmt
     spans = torch.stack([ends - counts, ends], 1)
     y = torch.empty(n * k, 128)
     for part in (slice(1, None, 2), slice(0, None, 2)):  # the odd experts land first
-        fused.module.moe_partial(x, arena, token, w, used[part].contiguous(), spans[part].contiguous(), y, fused.spec)
+        fused.module.moe_partial(x, arena, token, w, used[part].contiguous(), spans[part].contiguous(), y,
+                                **fused.format)
     assert torch.equal(fused.combine(y, token, n), whole)
 
 
-def test_the_format_spec_is_read_by_name_and_checked(tier):
-    """The kernels read an expert format field by field by name (`FormatSpec`, csrc/bind.h `spec_of`): a positional
-    list is refused, and so is a spec the kernels cannot compute, with what is wrong."""
+def test_the_format_spec_is_passed_by_name_and_checked(tier):
+    """The operators take an expert format's fields as keyword-only arguments named as `FormatSpec`'s (csrc/bind.h
+    `MOEPAGER_FORMAT_SCHEMA`): passed positionally, with a field left out or misnamed, the dispatcher refuses the
+    call, and a spec the kernels cannot compute is refused with what is wrong."""
     e, k, n = 4, 2, 3
     arena, shape, _ = make_layer("int4", 128, 96, e)
     fused = cpu_kernels.FusedExperts(shape, 1 << 62)
     spec = fused.spec
     assert spec == cpu_kernels.FormatSpec(cpu_kernels.FORMAT_CODES["int4"], 128, 96, 32, *(
         s.offset for s in sections(128, 96, BF16, shape.quant)[0]))
+    schema = fused.module.moe_resident._schema
+    assert [a.name for a in schema.arguments if a.kwarg_only] == list(spec._fields)
     route = random_route(n, e, k)
     x = torch.randn(n, 128, generator=torch.Generator().manual_seed(3)).to(BF16)
     whole = fused.resident(x, route.ids_TK, route.weights_TK, arena, 0, e)
-    assert torch.equal(fused.module.moe_resident(x, route.ids_TK, route.weights_TK, arena, 0, e, spec._replace()),
-                       whole)
-    with pytest.raises(AttributeError, match="fmt"):
-        fused.module.moe_resident(x, route.ids_TK, route.weights_TK, arena, 0, e, list(spec))
+    args = (x, route.ids_TK, route.weights_TK, arena, 0, e)
+    assert torch.equal(fused.module.moe_resident(*args, **spec._replace()._asdict()), whole)
+    with pytest.raises(RuntimeError, match="takes 6 positional argument"):
+        fused.module.moe_resident(*args, *spec)
+    with pytest.raises(RuntimeError, match="down_scales"):
+        fused.module.moe_resident(*args, **{f: v for f, v in spec._asdict().items() if f != "down_scales"})
+    with pytest.raises(RuntimeError, match="hidden"):
+        fused.module.moe_resident(*args, **{("hiden" if f == "hidden" else f): v for f, v in spec._asdict().items()})
     for bad, why in ((spec._replace(fmt=7), "unknown expert format 7"), (spec._replace(group=48), "int4 groups"),
                      (spec._replace(hidden=0), "D and F must be positive")):
         with pytest.raises(RuntimeError, match=why):
-            fused.module.moe_resident(x, route.ids_TK, route.weights_TK, arena, 0, e, bad)
+            fused.module.moe_resident(*args, **bad._asdict())
 
 
 @needs_kernels

@@ -8,8 +8,6 @@
 // in sorted (ascending expert id) order in fp32 and is rounded to bf16 once. `moe_partial` + `moe_combine` (paged
 // layers, computed as experts land) and `moe_resident` (one call) run the same code, so they agree bit for bit.
 
-#include <torch/extension.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <utility>
@@ -53,8 +51,8 @@ std::vector<Group> groups_of(const torch::Tensor& arena, const torch::Tensor& ro
 // The y rows of the given groups of sorted pairs (paged layers compute the experts that have landed).
 void moe_partial(const torch::Tensor& x, const torch::Tensor& arena, const torch::Tensor& token,
                  const torch::Tensor& weight, const torch::Tensor& rows, const torch::Tensor& spans, torch::Tensor& y,
-                 const pybind11::object& spec) {
-  const Spec s = spec_of(spec);
+                 MOEPAGER_FORMAT_PARAMS) {
+  const Spec s = MOEPAGER_FORMAT_SPEC;
   check_x(x, s);
   TORCH_CHECK(token.scalar_type() == torch::kLong && token.is_contiguous() && weight.scalar_type() == torch::kFloat &&
               weight.is_contiguous() && token.numel() == weight.numel(), "token [M] int64 and weight [M] fp32");
@@ -64,7 +62,6 @@ void moe_partial(const torch::Tensor& x, const torch::Tensor& arena, const torch
   for (const auto& g : groups) TORCH_CHECK(g.begin >= 0 && g.end <= token.numel() && g.begin <= g.end, "bad span");
   const int64_t* tp = token.data_ptr<int64_t>();
   for (int64_t m = 0; m < token.numel(); ++m) TORCH_CHECK(tp[m] >= 0 && tp[m] < x.size(0), "token index out of range");
-  pybind11::gil_scoped_release release;  // the store's loader threads run meanwhile
   run_layer(s, bf16_data(x), x.size(0), groups, tp, weight.data_ptr<float>(), y.data_ptr<float>(), nullptr);
 }
 
@@ -79,7 +76,6 @@ torch::Tensor moe_combine(const torch::Tensor& y, const torch::Tensor& token, in
   const float* yp = y.data_ptr<float>();
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t tiles = (D + TILE_D - 1) / TILE_D;
-  pybind11::gil_scoped_release release;
   parallel_for(0, tiles, grain_for(tiles, M * D * 16), [&](int64_t a, int64_t b) {  // (M * D adds: as ~16 MACs)
     std::vector<float> acc;
     for (int64_t task = a; task < b; ++task)
@@ -92,8 +88,8 @@ torch::Tensor moe_combine(const torch::Tensor& y, const torch::Tensor& token, in
 // (stable) here, their outputs weighted and summed per token.
 torch::Tensor moe_resident(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& weights,
                            const torch::Tensor& arena, int64_t base, int64_t num_experts,
-                           const pybind11::object& spec) {
-  const Spec s = spec_of(spec);
+                           MOEPAGER_FORMAT_PARAMS) {
+  const Spec s = MOEPAGER_FORMAT_SPEC;
   check_x(x, s);
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && weights.sizes() == ids.sizes(), "ids and weights [N, K]");
   auto id = ids.to(torch::kLong).contiguous();
@@ -106,7 +102,6 @@ torch::Tensor moe_resident(const torch::Tensor& x, const torch::Tensor& ids, con
   pairs.sort(ip, w.data_ptr<float>(), N, K, num_experts, abase, stride, base);
   auto out = torch::empty({N, s.D}, x.options());
   std::vector<float> y(M * s.D);
-  pybind11::gil_scoped_release release;
   run_layer(s, bf16_data(x), N, pairs.groups, pairs.token.data(), pairs.weight.data(), y.data(),
             reinterpret_cast<uint16_t*>(out.data_ptr()));
   return out;
@@ -124,7 +119,6 @@ torch::Tensor gemv(int64_t fmt, const Projection& p, const torch::Tensor& x) {
   const auto* xp = bf16_data(xc);
   float* yp = yf.data_ptr<float>();
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  pybind11::gil_scoped_release release;
   std::vector<const uint16_t*> xs(T);
   std::vector<QRow> xr(T);
   QBuffer xq;
@@ -164,7 +158,6 @@ int64_t stream_read(const torch::Tensor& x) {
   const auto* p = static_cast<const uint64_t*>(x.data_ptr());
   const int64_t words = x.nbytes() / 8, per = 1 << 17;
   std::vector<int64_t> part((words + per - 1) / per, 0);
-  pybind11::gil_scoped_release release;
   parallel_for(0, static_cast<int64_t>(part.size()), 1, [&](int64_t a, int64_t b) {
     for (int64_t i = a; i < b; ++i) {
       uint64_t s[8] = {0};
@@ -210,16 +203,29 @@ int64_t selftest() {
   return static_cast<int64_t>(h >> 1);
 }
 
-void register_step(pybind11::module_& m);  // step.cpp
+void register_step(torch::Library& m);  // step.cpp
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+std::string tier() { return TIER; }
+
+// The operators and classes, under the tier's namespace (bind.h). Operators on tensors have CPU kernels only (fake
+// kernels for torch.compile are registered from Python, accel/ops.py); every argument is named here.
+MOEPAGER_LIBRARY(TORCH_EXTENSION_NAME, m) {
+  m.def("tier() -> str", &tier);
+  m.def("selftest() -> int", &selftest);
+  const auto cpu = [](auto f) { return torch::dispatch(c10::DispatchKey::CPU, f); };
+  m.def("stream_read(Tensor x) -> int");
+  m.impl("stream_read", cpu(TORCH_FN(stream_read)));
+  m.def("moe_partial(Tensor x, Tensor arena, Tensor token, Tensor weight, Tensor rows, Tensor spans, Tensor(a!) y, "
+        MOEPAGER_FORMAT_SCHEMA ") -> ()");
+  m.impl("moe_partial", cpu(TORCH_FN(moe_partial)));
+  m.def("moe_combine(Tensor y, Tensor token, int n) -> Tensor");
+  m.impl("moe_combine", cpu(TORCH_FN(moe_combine)));
+  m.def("moe_resident(Tensor x, Tensor ids, Tensor weights, Tensor arena, int base, int num_experts, "
+        MOEPAGER_FORMAT_SCHEMA ") -> Tensor");
+  m.impl("moe_resident", cpu(TORCH_FN(moe_resident)));
+  m.def("linear_bf16(Tensor x, Tensor w) -> Tensor");
+  m.impl("linear_bf16", cpu(TORCH_FN(linear_bf16)));
+  m.def("linear_int8(Tensor x, Tensor q, Tensor scale) -> Tensor");
+  m.impl("linear_int8", cpu(TORCH_FN(linear_int8)));
   register_step(m);
-  m.attr("tier") = TIER;
-  m.def("selftest", &selftest);
-  m.def("stream_read", &stream_read);
-  m.def("moe_partial", &moe_partial);
-  m.def("moe_combine", &moe_combine);
-  m.def("moe_resident", &moe_resident);
-  m.def("linear_bf16", &linear_bf16);
-  m.def("linear_int8", &linear_int8);
 }

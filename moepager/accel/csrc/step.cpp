@@ -2,8 +2,6 @@
 // decode token's attention over the paged cache, the sampler's greedy pick, one call each, and a whole decoder layer
 // in one (DecodeLayer), where torch's eager ops take seven ops a norm, six a router and some twenty an attention. accel/step.py gives them to the model.
 
-#include <torch/extension.h>
-
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -68,7 +66,6 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   if (M * n * 4 < SERIAL_MACS) {  // (~4 operations an input)
     rows(0, M);
   } else {
-    pybind11::gil_scoped_release release;
     parallel_for(0, M, std::max<int64_t>(1, SERIAL_MACS / (4 * n)), rows);
   }
   return out;
@@ -90,7 +87,6 @@ torch::Tensor decode_attention(const torch::Tensor& qkv, const torch::Tensor& qk
   if (att.work() < SERIAL_MACS || att.tasks() == 1) {
     att.run(0, att.tasks(), q.data(), op);
   } else {
-    pybind11::gil_scoped_release release;
     parallel_for(0, att.tasks(), 1, [&](int64_t a, int64_t z) { att.run(a, z, q.data(), op); });
   }
   return out;
@@ -100,7 +96,7 @@ torch::Tensor decode_attention(const torch::Tensor& qkv, const torch::Tensor& qk
 // it: logits rounded to bf16 (a bf16 linear's output; its dot products as linear_bf16's), softmax in fp32, the k
 // largest probabilities in descending order (ties: the lower expert first), with `normalize` divided by their sum.
 // Returns ids [N, k] int64, weights [N, k] fp32 and probabilities [N, E] fp32.
-std::vector<torch::Tensor> router_topk(const torch::Tensor& x, const torch::Tensor& w, int64_t k, bool normalize) {
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> router_topk(const torch::Tensor& x, const torch::Tensor& w, int64_t k, bool normalize) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16 && x.dim() == 2 &&
               w.dim() == 2 && x.size(1) == w.size(1) && w.is_contiguous() && k >= 1 && k <= w.size(0),
               "router_topk: bf16 x [N, D] and contiguous W [E, D], 1 <= k <= E");
@@ -118,7 +114,6 @@ std::vector<torch::Tensor> router_topk(const torch::Tensor& x, const torch::Tens
   if (N * E * D < SERIAL_MACS) {
     rows(0, N);
   } else {
-    pybind11::gil_scoped_release release;
     parallel_for(0, N, 1, rows);
   }
   return {ids, weights, probs};
@@ -127,14 +122,16 @@ std::vector<torch::Tensor> router_topk(const torch::Tensor& x, const torch::Tens
 // One decoder layer of a decode pass in one call (step.h's decode_layer). The layer's weights and settings are bound
 // once (a call converts seven arguments, not twenty-six); the tensors are kept here, their data viewed by `L`. Empty
 // tensors: no bias, no q/k norm.
-struct DecodeLayer {
+namespace TORCH_EXTENSION_NAME {
+
+struct DecodeLayer : torch::CustomClassHolder {
   std::vector<torch::Tensor> keep;
   LayerWeights L;
 
   DecodeLayer(torch::Tensor norm1, torch::Tensor norm2, double eps, torch::Tensor qkv_w, torch::Tensor qkv_b,
               torch::Tensor qk_w, double qk_eps, int64_t heads, int64_t window, double scale, torch::Tensor o_w,
               torch::Tensor o_b, torch::Tensor router_w, int64_t k, bool normalize, bool bf16_weights, int64_t base,
-              int64_t num_experts, const pybind11::object& spec) {
+              int64_t num_experts, MOEPAGER_FORMAT_PARAMS) {
     for (const auto* t : {&norm1, &norm2, &qkv_w, &qkv_b, &qk_w, &o_w, &o_b, &router_w})
       TORCH_CHECK(t->numel() == 0 || (t->scalar_type() == torch::kBFloat16 && t->is_contiguous()),
                   "DecodeLayer: contiguous bf16 weights");
@@ -144,7 +141,7 @@ struct DecodeLayer {
     L = {bf16_data(norm1), bf16_data(norm2), static_cast<float>(eps), bf16_data(qkv_w), bf16_or_null(qkv_b),
          bf16_or_null(qk_w), qkv_w.size(0), static_cast<float>(qk_eps), heads, window, static_cast<float>(scale),
          bf16_data(o_w), bf16_or_null(o_b), bf16_data(router_w), k, normalize, bf16_weights, base, num_experts,
-         spec_of(spec)};
+         MOEPAGER_FORMAT_SPEC};
   }
 
   // A call's checked views and outputs: what `run` computes, with no Python object touched (the GIL released).
@@ -183,7 +180,6 @@ struct DecodeLayer {
                            const torch::Tensor& arena) const {
     const Pass p = prepare(x, cos, sin, cache, table, positions, arena);
     const int threads = kernel_threads();
-    pybind11::gil_scoped_release release;
     run(p, bf16_data(x), threads);
     return p.out;
   }
@@ -194,21 +190,19 @@ struct DecodeLayer {
 // same kernels in the same order as the model's modules with the step kernels (models/layers.py CausalLM with
 // accel/step.py's DecodeLayerStep), so the logits agree bit for bit; one Python call a token where the modules take
 // some dozens. The layers are the bound DecodeLayer objects (kept alive here); the head is [V, D] with no bias.
-struct DecodeModel {
-  std::vector<pybind11::object> owners;
-  std::vector<const DecodeLayer*> layers;
+struct DecodeModel : torch::CustomClassHolder {
+  std::vector<c10::intrusive_ptr<DecodeLayer>> layers;
   torch::Tensor embed, norm, head;
   float eps;
 
-  DecodeModel(torch::Tensor embed_w, std::vector<pybind11::object> layer_objects, torch::Tensor norm_w, double norm_eps,
-              torch::Tensor head_w)
-      : owners(std::move(layer_objects)), embed(embed_w), norm(norm_w), head(head_w), eps(static_cast<float>(norm_eps)) {
+  DecodeModel(torch::Tensor embed_w, std::vector<c10::intrusive_ptr<DecodeLayer>> layers_, torch::Tensor norm_w,
+              double norm_eps, torch::Tensor head_w)
+      : layers(std::move(layers_)), embed(embed_w), norm(norm_w), head(head_w), eps(static_cast<float>(norm_eps)) {
     for (const auto* t : {&embed, &norm, &head})
       TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->device().is_cpu(),
                   "DecodeModel: contiguous bf16 CPU embedding, norm and head");
     TORCH_CHECK(embed.dim() == 2 && head.dim() == 2 && head.size(1) == embed.size(1) && norm.numel() == embed.size(1)
-                && !owners.empty(), "DecodeModel: embedding [V, D], norm [D], head [V', D] and at least one layer");
-    for (const auto& o : owners) layers.push_back(o.cast<const DecodeLayer*>());
+                && !layers.empty(), "DecodeModel: embedding [V, D], norm [D], head [V', D] and at least one layer");
   }
 
   torch::Tensor operator()(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& cos_table,
@@ -248,7 +242,6 @@ struct DecodeModel {
     auto yf = torch::empty({B, N}, embed.options().dtype(torch::kFloat));
     auto logits = torch::empty({B, N}, embed.options());
     const int threads = kernel_threads();
-    pybind11::gil_scoped_release release;
     const uint16_t* xp = bf16_data(x);
     for (size_t i = 0; i < layers.size(); ++i) {
       layers[i]->run(passes[i], xp, threads);
@@ -265,6 +258,8 @@ struct DecodeModel {
     return logits;
   }
 };
+
+}  // namespace TORCH_EXTENSION_NAME
 
 // The sampler's greedy pick of logits [B, V] (bf16 or fp32, contiguous): each row's first largest entry and whether
 // the row is finite (no NaN or infinity), as int64 [2, B]: tokens, then 1 (finite) or 0.
@@ -290,17 +285,35 @@ torch::Tensor greedy_rows(const torch::Tensor& logits) {
   return out;
 }
 
-void register_step(pybind11::module_& m) {
-  m.def("greedy_rows", &greedy_rows);
-  pybind11::class_<DecodeLayer>(m, "DecodeLayer", pybind11::module_local())
-      .def(pybind11::init<torch::Tensor, torch::Tensor, double, torch::Tensor, torch::Tensor, torch::Tensor, double,
-                          int64_t, int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, bool, bool,
-                          int64_t, int64_t, const pybind11::object&>())
-      .def("__call__", &DecodeLayer::operator());
-  pybind11::class_<DecodeModel>(m, "DecodeModel", pybind11::module_local())
-      .def(pybind11::init<torch::Tensor, std::vector<pybind11::object>, torch::Tensor, double, torch::Tensor>())
-      .def("__call__", &DecodeModel::operator());
-  m.def("router_topk", &router_topk);
-  m.def("rms_norm", &rms_norm);
-  m.def("decode_attention", &decode_attention);
+namespace ns = TORCH_EXTENSION_NAME;
+
+void register_step(torch::Library& m) {
+  const auto cpu = [](auto f) { return torch::dispatch(c10::DispatchKey::CPU, f); };
+  m.def("greedy_rows(Tensor logits) -> Tensor");
+  m.impl("greedy_rows", cpu(TORCH_FN(greedy_rows)));
+  m.def("router_topk(Tensor x, Tensor w, int k, bool normalize) -> (Tensor ids, Tensor weights, Tensor probs)");
+  m.impl("router_topk", cpu(TORCH_FN(router_topk)));
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.impl("rms_norm", cpu(TORCH_FN(rms_norm)));
+  m.def("decode_attention(Tensor qkv, Tensor qk_w, float eps, Tensor cos, Tensor sin, Tensor(a!) cache, Tensor table, "
+        "Tensor positions, int heads, int window, float scale) -> Tensor");
+  m.impl("decode_attention", cpu(TORCH_FN(decode_attention)));
+  // The classes' constructors take their arguments by name (accel/step.py passes every one so).
+  m.class_<ns::DecodeLayer>("DecodeLayer")
+      .def(torch::init<torch::Tensor, torch::Tensor, double, torch::Tensor, torch::Tensor, torch::Tensor, double,
+                       int64_t, int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, bool, bool,
+                       int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>(), "",
+           {torch::arg("norm1"), torch::arg("norm2"), torch::arg("eps"), torch::arg("qkv_w"), torch::arg("qkv_b"),
+            torch::arg("qk_w"), torch::arg("qk_eps"), torch::arg("heads"), torch::arg("window"), torch::arg("scale"),
+            torch::arg("o_w"), torch::arg("o_b"), torch::arg("router_w"), torch::arg("k"), torch::arg("normalize"),
+            torch::arg("bf16_weights"), torch::arg("base"), torch::arg("num_experts"), torch::arg("fmt"),
+            torch::arg("hidden"), torch::arg("intermediate"), torch::arg("group"), torch::arg("gate_up"),
+            torch::arg("down"), torch::arg("gate_up_scales"), torch::arg("down_scales")})
+      .def("run", &ns::DecodeLayer::operator());
+  m.class_<ns::DecodeModel>("DecodeModel")
+      .def(torch::init<torch::Tensor, std::vector<c10::intrusive_ptr<ns::DecodeLayer>>, torch::Tensor, double,
+                       torch::Tensor>(), "",
+           {torch::arg("embed"), torch::arg("layers"), torch::arg("norm"), torch::arg("eps"), torch::arg("head")})
+      .def("run", &ns::DecodeModel::operator());
 }
+
