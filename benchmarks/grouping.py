@@ -174,10 +174,10 @@ def measure(name: str, sizes: Sequence[int], draws: Sequence[int], fit: int | No
         held = [r for r in decode_tokens(name, reader, range(total - test, total)) if len(r[0]) >= 24]
     predicted_path = next_token_paths([ids for ids, _ in fitted if len(ids) > 1], h.num_experts, h.top_k)
     with_tokens = path_epochs > 0 and all(len(tokens) == len(ids) for ids, tokens in fitted + held)
-    path_ids = None
+    path_probs = None
     if with_tokens:
         predictor = path_predictor(name, [r for r in fitted if len(r[0])], h.num_experts, path_epochs, seed)
-        path_ids = [forecast_paths(predictor, tokens) for _, tokens in held]
+        path_probs = [forecast_paths(predictor, tokens) for _, tokens in held]
     rng, rows = np.random.default_rng(seed), []
     for n, count in zip(sizes, draws):
         if n > len(held):
@@ -191,9 +191,9 @@ def measure(name: str, sizes: Sequence[int], draws: Sequence[int], fit: int | No
             prev = np.stack([path_of(ids[t - 1], h.num_experts) for ids in chosen])
             nxt = np.stack([path_of(ids[t], h.num_experts) for ids in chosen])
             predicted = {"2-means, predicted paths": np.stack([predicted_path(ids[t - 1]) for ids in chosen])}
-            if path_ids is not None:
-                probs = np.stack([path_ids[i][t].reshape(-1) for i in pick])
-                predicted["2-means, path predictor"] = np.stack([top_path(path_ids[i][t], h.top_k) for i in pick])
+            if path_probs is not None:
+                probs = np.stack([path_probs[i][t].reshape(-1) for i in pick])
+                predicted["2-means, path predictor"] = np.stack([top_path(path_probs[i][t], h.top_k) for i in pick])
                 predicted["2-means + swaps, path predictor"] = probs
             top = predicted.get("2-means, path predictor")
             for row, paths in predicted.items():  # probabilities: their top k's recall
@@ -201,7 +201,7 @@ def measure(name: str, sizes: Sequence[int], draws: Sequence[int], fit: int | No
             for row, c in costs(prev, predicted, nxt).items():
                 sums[row] += c / count
         for row in ROWS:
-            if row in PATH_ROWS and path_ids is None:
+            if row in PATH_ROWS and path_probs is None:
                 continue
             rows.append({"trace": name, "requests": n, "draws": count, "grouping": row, "pairs": sums[row],
                          "vs_fifo_halves": sums[row] / sums["fifo halves"],

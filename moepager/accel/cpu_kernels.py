@@ -50,9 +50,8 @@ import torch
 
 from moepager.accel import cpu_tiers
 from moepager.accel.cpu_tiers import TORCH, Tier
-from moepager.accel.ops import FORMAT_CODES, FormatSpec, Kernels
+from moepager.accel.ops import FormatSpec, Kernels
 from moepager.errors import ConfigError
-from moepager.experts.quant import sections
 from moepager.experts.sorting import SortedTokens
 from moepager.experts.weights import ExpertShape
 
@@ -336,16 +335,6 @@ def applies(shape: ExpertShape, device: torch.device, kernel: str) -> bool:
         and available()
 
 
-def format_spec(shape: ExpertShape) -> FormatSpec:
-    """The kernels' format of these experts."""
-    d, f = shape.hidden, shape.intermediate
-    if shape.quant is None:
-        return FormatSpec(FORMAT_CODES["bf16"], d, f, 0, 0, 2 * f * d * 2, 0, 0)
-    gate_up, down, gate_up_scales, down_scales = (s.offset for s in sections(d, f, shape.dtype, shape.quant)[0])
-    return FormatSpec(FORMAT_CODES["int8" if shape.quant.bits == 8 else "int4"], d, f, shape.quant.group, gate_up,
-                      down, gate_up_scales, down_scales)
-
-
 class FusedExperts:
     """The extension bound to one expert format: a layer's experts in one call (experts/protocols.py's
     `FusedKernel`, which the executors take from the composition root)."""
@@ -354,7 +343,7 @@ class FusedExperts:
         """`module`: a tier's kernels (`module_for`; default: this process's tier)."""
         module = module or extension()
         assert module is not None
-        self.module, self.spec, self.max_tokens = module, format_spec(shape), max_tokens
+        self.module, self.spec, self.max_tokens = module, FormatSpec.of(shape), max_tokens
         self.format = self.spec._asdict()
         """The format as the operators take it: its fields by name (accel/ops.py)."""
         calls = "" if max_tokens >= 1 << 62 else f" on up to {max_tokens} tokens a layer"

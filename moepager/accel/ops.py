@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
+
+from moepager.experts.quant import sections
+from moepager.experts.weights import ExpertShape
 
 FORMAT_CODES = {"bf16": 0, "int8": 1, "int4": 2}
 """An expert format's code in `FormatSpec.fmt` (csrc/rows.h `Format`)."""
@@ -44,6 +47,15 @@ class FormatSpec(NamedTuple):
     down_scales: int
     """Byte offset of the down rows' scales (quantized formats; else 0)."""
 
+    @classmethod
+    def of(cls, shape: ExpertShape) -> FormatSpec:
+        d, f = shape.hidden, shape.intermediate
+        if shape.quant is None:
+            return cls(FORMAT_CODES["bf16"], d, f, 0, 0, 2 * f * d * 2, 0, 0)
+        gate_up, down, gate_up_scales, down_scales = (s.offset for s in sections(d, f, shape.dtype, shape.quant)[0])
+        return cls(FORMAT_CODES["int8" if shape.quant.bits == 8 else "int4"], d, f, shape.quant.group, gate_up, down,
+                   gate_up_scales, down_scales)
+
 
 class Kernels:
     """One tier's loaded operators and classes, under the names callers use. The attributes are the operators'
@@ -66,9 +78,9 @@ class Kernels:
         self.router_topk: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = ops.router_topk.default
         self.rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = ops.rms_norm.default
         self.decode_attention: Callable[..., torch.Tensor] = ops.decode_attention.default
-        self.DecodeLayer: Any = classes.DecodeLayer
+        self.DecodeLayer: Callable[..., torch.ScriptObject] = classes.DecodeLayer
         """A decoder layer's decode pass bound once (accel/step.py): constructed by name, called with `run`."""
-        self.DecodeModel: Any = classes.DecodeModel
+        self.DecodeModel: Callable[..., torch.ScriptObject] = classes.DecodeModel
         """A whole decode pass bound once (accel/step.py): constructed by name, called with `run`."""
         _register_fakes(namespace)
 
@@ -79,7 +91,7 @@ class Kernels:
 @functools.cache
 def _register_fakes(namespace: str) -> None:
     """The fake kernels of a namespace's tensor operators (once per process: a library is loaded once)."""
-    def fake(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def fake(name: str) -> Callable[[Callable[..., object]], object]:
         return lambda fn: torch.library.register_fake(f"{namespace}::{name}", fn)
 
     @fake("rms_norm")

@@ -267,8 +267,10 @@ def fitted(config: EngineConfig, opened: OpenCheckpoint, times: ExpertTimes | No
     if cuda:  # the host tier below: every expert in RAM, the dense weights and KV cache on the device
         ram, source = ram_available()
         host = replace(fit, where="RAM", available=ram, source=source, dense=0, kv=0, working=0, headroom=headroom(ram))
-        reads, budget = (None, budget) if host.resident else (host, max(host.left, fit.least))
-        if reads is not None:
+        if host.resident:
+            reads = None
+        else:
+            reads, budget = host, max(host.left, fit.least)
             store = replace(store, host_memory=str(budget))
             line += f"; host tier {host.describe()}"
     if reads is not None:

@@ -120,7 +120,7 @@ def swap_search(paths_NP: np.ndarray, a: Sequence[int], b: Sequence[int], rounds
     paths = _log_unused(paths_NP) if soft else paths_NP.astype(np.int32)
 
     def used(sums: np.ndarray) -> np.ndarray:
-        return (1 - np.exp(sums)).sum(-1) if soft else (sums > 0).sum(-1)
+        return _expected_used(sums) if soft else (sums > 0).sum(-1)
 
     for _ in range(rounds):
         ca, cb = paths[a].sum(0), paths[b].sum(0)
@@ -139,13 +139,18 @@ def expected_cost(paths_NP: np.ndarray, a: Sequence[int], b: Sequence[int]) -> f
     """The expected distinct (layer, expert) pairs of the split (a, b) for paths given as probabilities (boolean paths:
     `split_cost`)."""
     logs = _log_unused(paths_NP)
-    return float(sum((1 - np.exp(logs[list(g)].sum(0))).sum() for g in (a, b) if len(g)))
+    return float(sum(_expected_used(logs[list(g)].sum(0)) for g in (a, b) if len(g)))
 
 
 def _log_unused(paths_NP: np.ndarray) -> np.ndarray:
     """log(1 - p) per member and pair (p clipped below 1, so a certain pair stays finite): summed over a group, the
     log of the probability that no member uses the pair."""
     return np.log1p(-np.minimum(paths_NP.astype(np.float64), 1 - 1e-9))
+
+
+def _expected_used(log_unused_sums: np.ndarray) -> np.ndarray:
+    """The expected distinct pairs of a group (over the last axis) from its members' `_log_unused` sums."""
+    return (1 - np.exp(log_unused_sums)).sum(-1)
 
 
 def group(paths_NP: np.ndarray) -> tuple[list[int], list[int]]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moepager.accel import cpu_kernels, cpu_tiers
+from moepager.accel import cpu_kernels, cpu_tiers, ops
 from moepager.accel.packed import FusedLinear
 from moepager.checkpoints.build import LoadOptions, load_model, open_checkpoint, resident_executor
 from moepager.checkpoints.quantized import quantize_checkpoint
@@ -116,7 +116,7 @@ def test_the_format_spec_is_passed_by_name_and_checked(tier):
     arena, shape, _ = make_layer("int4", 128, 96, e)
     fused = cpu_kernels.FusedExperts(shape, 1 << 62)
     spec = fused.spec
-    assert spec == cpu_kernels.FormatSpec(cpu_kernels.FORMAT_CODES["int4"], 128, 96, 32, *(
+    assert spec == ops.FormatSpec(ops.FORMAT_CODES["int4"], 128, 96, 32, *(
         s.offset for s in sections(128, 96, BF16, shape.quant)[0]))
     schema = fused.module.moe_resident._schema
     assert [a.name for a in schema.arguments if a.kwarg_only] == list(spec._fields)

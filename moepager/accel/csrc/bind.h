@@ -19,6 +19,9 @@
 
 // TORCH_LIBRARY pastes its namespace argument as written: this expands TORCH_EXTENSION_NAME first.
 #define MOEPAGER_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+// An operator on tensors has a CPU kernel only (`m.def(schema, MOEPAGER_CPU(fn))`): its fake kernel for torch.compile
+// is registered from Python (accel/ops.py).
+#define MOEPAGER_CPU(fn) torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(fn))
 
 // An expert format, in every schema that takes one: keyword-only arguments named as accel/ops.py's `FormatSpec` fields
 // (Python passes them by name: a field missing, misnamed or of the wrong type is the dispatcher's error), then the

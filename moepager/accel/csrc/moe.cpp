@@ -207,25 +207,17 @@ void register_step(torch::Library& m);  // step.cpp
 
 std::string tier() { return TIER; }
 
-// The operators and classes, under the tier's namespace (bind.h). Operators on tensors have CPU kernels only (fake
-// kernels for torch.compile are registered from Python, accel/ops.py); every argument is named here.
+// The operators and classes, under the tier's namespace (bind.h); every argument is named here.
 MOEPAGER_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("tier() -> str", &tier);
   m.def("selftest() -> int", &selftest);
-  const auto cpu = [](auto f) { return torch::dispatch(c10::DispatchKey::CPU, f); };
-  m.def("stream_read(Tensor x) -> int");
-  m.impl("stream_read", cpu(TORCH_FN(stream_read)));
+  m.def("stream_read(Tensor x) -> int", MOEPAGER_CPU(stream_read));
   m.def("moe_partial(Tensor x, Tensor arena, Tensor token, Tensor weight, Tensor rows, Tensor spans, Tensor(a!) y, "
-        MOEPAGER_FORMAT_SCHEMA ") -> ()");
-  m.impl("moe_partial", cpu(TORCH_FN(moe_partial)));
-  m.def("moe_combine(Tensor y, Tensor token, int n) -> Tensor");
-  m.impl("moe_combine", cpu(TORCH_FN(moe_combine)));
+        MOEPAGER_FORMAT_SCHEMA ") -> ()", MOEPAGER_CPU(moe_partial));
+  m.def("moe_combine(Tensor y, Tensor token, int n) -> Tensor", MOEPAGER_CPU(moe_combine));
   m.def("moe_resident(Tensor x, Tensor ids, Tensor weights, Tensor arena, int base, int num_experts, "
-        MOEPAGER_FORMAT_SCHEMA ") -> Tensor");
-  m.impl("moe_resident", cpu(TORCH_FN(moe_resident)));
-  m.def("linear_bf16(Tensor x, Tensor w) -> Tensor");
-  m.impl("linear_bf16", cpu(TORCH_FN(linear_bf16)));
-  m.def("linear_int8(Tensor x, Tensor q, Tensor scale) -> Tensor");
-  m.impl("linear_int8", cpu(TORCH_FN(linear_int8)));
+        MOEPAGER_FORMAT_SCHEMA ") -> Tensor", MOEPAGER_CPU(moe_resident));
+  m.def("linear_bf16(Tensor x, Tensor w) -> Tensor", MOEPAGER_CPU(linear_bf16));
+  m.def("linear_int8(Tensor x, Tensor q, Tensor scale) -> Tensor", MOEPAGER_CPU(linear_int8));
   register_step(m);
 }

@@ -96,7 +96,8 @@ torch::Tensor decode_attention(const torch::Tensor& qkv, const torch::Tensor& qk
 // it: logits rounded to bf16 (a bf16 linear's output; its dot products as linear_bf16's), softmax in fp32, the k
 // largest probabilities in descending order (ties: the lower expert first), with `normalize` divided by their sum.
 // Returns ids [N, k] int64, weights [N, k] fp32 and probabilities [N, E] fp32.
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> router_topk(const torch::Tensor& x, const torch::Tensor& w, int64_t k, bool normalize) {
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> router_topk(const torch::Tensor& x, const torch::Tensor& w,
+                                                                    int64_t k, bool normalize) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16 && x.dim() == 2 &&
               w.dim() == 2 && x.size(1) == w.size(1) && w.is_contiguous() && k >= 1 && k <= w.size(0),
               "router_topk: bf16 x [N, D] and contiguous W [E, D], 1 <= k <= E");
@@ -288,16 +289,12 @@ torch::Tensor greedy_rows(const torch::Tensor& logits) {
 namespace ns = TORCH_EXTENSION_NAME;
 
 void register_step(torch::Library& m) {
-  const auto cpu = [](auto f) { return torch::dispatch(c10::DispatchKey::CPU, f); };
-  m.def("greedy_rows(Tensor logits) -> Tensor");
-  m.impl("greedy_rows", cpu(TORCH_FN(greedy_rows)));
-  m.def("router_topk(Tensor x, Tensor w, int k, bool normalize) -> (Tensor ids, Tensor weights, Tensor probs)");
-  m.impl("router_topk", cpu(TORCH_FN(router_topk)));
-  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
-  m.impl("rms_norm", cpu(TORCH_FN(rms_norm)));
+  m.def("greedy_rows(Tensor logits) -> Tensor", MOEPAGER_CPU(greedy_rows));
+  m.def("router_topk(Tensor x, Tensor w, int k, bool normalize) -> (Tensor ids, Tensor weights, Tensor probs)",
+        MOEPAGER_CPU(router_topk));
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", MOEPAGER_CPU(rms_norm));
   m.def("decode_attention(Tensor qkv, Tensor qk_w, float eps, Tensor cos, Tensor sin, Tensor(a!) cache, Tensor table, "
-        "Tensor positions, int heads, int window, float scale) -> Tensor");
-  m.impl("decode_attention", cpu(TORCH_FN(decode_attention)));
+        "Tensor positions, int heads, int window, float scale) -> Tensor", MOEPAGER_CPU(decode_attention));
   // The classes' constructors take their arguments by name (accel/step.py passes every one so).
   m.class_<ns::DecodeLayer>("DecodeLayer")
       .def(torch::init<torch::Tensor, torch::Tensor, double, torch::Tensor, torch::Tensor, torch::Tensor, double,
