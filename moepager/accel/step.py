@@ -1,7 +1,7 @@
-"""moepager's CPU kernels for the rest of an eager decode step (accel/csrc/step.h, bound by step.cpp), given to a bf16
-CPU model at load: RMSNorm, the softmax top-k router and a decode pass's attention one call each, where a layer's
-parts allow it the whole decoder layer in one call, and where every layer has that call the whole decode pass
-(embedding to logits) in one.
+"""moepager's CPU kernels for the rest of an eager decode step (accel/csrc/step.h, bound by step.cpp), as a bf16 CPU
+model's backend (models/backend.py: the one object the model is given when it is built): RMSNorm, the softmax top-k
+router and a decode pass's attention one call each, where a layer's parts allow it the whole decoder layer in one call,
+and where every layer has that call the whole decode pass (embedding to logits) in one.
 
 Where the time went (the built-in model, bf16, eager, profiled): a torch RMSNorm is seven ops (19 norms a token), a
 router six, an attention some twenty (views, RoPE, the cache write, SDPA), and each module call and attribute lookup of
@@ -24,38 +24,53 @@ from moepager.accel.ops import Kernels
 from moepager.accel.packed import FUSED_DENSE_MAX_TOKENS, FusedLinear
 from moepager.experts.executor import ResidentExecutor
 from moepager.models.attention import NO_WEIGHT, Attention, ForwardBatch, RMSNorm
+from moepager.models.backend import Backend
 from moepager.models.layers import CausalLM, DecoderLayer
 from moepager.models.moe import NATIVE_MAX_TOKENS, MoEBlock, SoftmaxTopKRouter
 from moepager.models.routing import NULL_OBSERVER, OWN_ROUTER
 
 
-def use_step_kernels(model: torch.nn.Module, dtype: torch.dtype) -> str:
-    """Give a bf16 model on the CPU (`dtype`: its activations') the step kernels: every RMSNorm, softmax top-k router
-    (up to NATIVE_MAX_TOKENS tokens) and attention layer's decode pass, and the decoder layers whose parts all have
-    them a `DecodeLayerStep`. Says what it did ("" for nothing: the extension unavailable, or not a bf16 run)."""
+def step_backend(dtype: torch.dtype) -> Backend:
+    """The backend of a CPU model whose weights and activations are `dtype`: moepager's kernels for bf16 where they
+    run here (`KernelBackend`), else torch's ops alone."""
     if dtype != torch.bfloat16 or not cpu_kernels.available():
-        return ""
-    module = cpu_kernels.extension()
-    counts = {"norms": 0, "routers": 0, "decode attentions": 0, "whole decoder layers": 0, "whole decode step": 0}
-    for m in model.modules():
-        if isinstance(m, RMSNorm) and m.weight.dtype == torch.bfloat16:
-            m.kernel = module.rms_norm
-            counts["norms"] += 1
-        elif isinstance(m, SoftmaxTopKRouter) and m.weight.dtype == torch.bfloat16:
-            m.kernel = module.router_topk
-            counts["routers"] += 1
-        elif isinstance(m, Attention):
-            m.step = module
-            counts["decode attentions"] += 1
-    for m in model.modules():
-        if isinstance(m, DecoderLayer) and DecodeLayerStep.fits(m):
-            m.step = DecodeLayerStep(module, m)
-            counts["whole decoder layers"] += 1
-    if isinstance(model, CausalLM) and DecodeModelStep.fits(model):
-        model.step = DecodeModelStep(module, model)
-        counts["whole decode step"] = 1
-    parts = [f"{n} {what}" for what, n in counts.items() if n]
-    return ", ".join(parts) + " on moepager's CPU kernels" if parts else ""
+        return Backend()
+    return KernelBackend(cpu_kernels.extension())
+
+
+class KernelBackend(Backend):
+    """moepager's CPU kernels for a bf16 model on the CPU: every RMSNorm, softmax top-k router (up to
+    NATIVE_MAX_TOKENS tokens) and attention layer's decode pass; once the weights are in, a `DecodeLayerStep` for each
+    decoder layer whose parts all have them and a `DecodeModelStep` where every layer has one (`fuse`)."""
+
+    name = "moepager's CPU kernels"
+
+    def __init__(self, kernels: Kernels):
+        super().__init__()
+        self.kernels = kernels
+        self.rms_norm = kernels.rms_norm
+        self.router_topk = kernels.router_topk
+        self.attention = kernels
+
+    def fuse(self, model: torch.nn.Module) -> str:
+        assert isinstance(model, CausalLM) and model.backend is self
+        self.layer_steps.clear()
+        self.model_step = None
+        counts = {"norms": 0, "routers": 0, "decode attentions": 0, "whole decoder layers": 0, "whole decode step": 0}
+        for m in model.modules():
+            kind = "norms" if isinstance(m, RMSNorm) else "routers" if isinstance(m, SoftmaxTopKRouter) \
+                else "decode attentions" if isinstance(m, Attention) else None
+            if kind is not None and m.backend is self:
+                counts[kind] += 1
+        for layer in model.model.layers:
+            if DecodeLayerStep.fits(layer):
+                self.layer_steps[layer] = DecodeLayerStep(self.kernels, layer)
+                counts["whole decoder layers"] += 1
+        if DecodeModelStep.fits(model):
+            self.model_step = DecodeModelStep(self.kernels, model)
+            counts["whole decode step"] = 1
+        parts = [f"{n} {what}" for what, n in counts.items() if n]
+        return ", ".join(parts) + f" on {self.name}" if parts else ""
 
 
 class DecodeLayerStep:
@@ -71,11 +86,11 @@ class DecodeLayerStep:
         the fused kernels, both norms on the kernel with one eps."""
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        return (isinstance(attn, Attention) and attn.step is not None and attn.qk_norm in (None, "head")
+        return (isinstance(attn, Attention) and attn.backend.attention is not None and attn.qk_norm in (None, "head")
                 and attn.clip_qkv is None and isinstance(attn.qkv, FusedLinear) and isinstance(attn.o_proj, FusedLinear)
                 and isinstance(mlp, MoEBlock) and not mlp._has_shared and isinstance(mlp.gate, SoftmaxTopKRouter)
-                and mlp.gate.kernel is not None and isinstance(mlp.executor, ResidentExecutor)
-                and mlp.executor.kernels.fused is not None and all(n.kernel is not None for n in norms)
+                and mlp.gate.backend.router_topk is not None and isinstance(mlp.executor, ResidentExecutor)
+                and mlp.executor.kernels.fused is not None and all(n.backend.rms_norm is not None for n in norms)
                 and norms[0].eps == norms[1].eps)
 
     def __init__(self, module: Kernels, layer: DecoderLayer):
@@ -102,7 +117,8 @@ class DecodeLayerStep:
                  cache: torch.Tensor) -> torch.Tensor | None:
         b, attn, mlp = x_BTD.shape[0], self.attn, self.mlp
         if b > self.max_rows or mlp.observer is not NULL_OBSERVER or mlp.routing is not OWN_ROUTER \
-                or mlp.executor is not self.executor or attn.step is None or attn._forward_hooks or mlp._forward_hooks:
+                or mlp.executor is not self.executor or attn.backend.attention is None or attn._forward_hooks \
+                or mlp._forward_hooks:
             return None
         cos, sin = rope
         out = self.call(x_BTD.reshape(b, -1), cos.view(b, -1), sin.view(b, -1), cache, batch.block_table_BN,
@@ -124,17 +140,18 @@ class DecodeModelStep:
         """Every decoder layer has a `DecodeLayerStep`, all on one executor; the embedding bf16, the final norm on the
         kernel, the head moepager's GEMV without a bias (a tied head too: `pack_dense` gave it its own module)."""
         layers = list(model.model.layers)
-        steps = [layer.step for layer in layers]
+        steps = [model.backend.layer_steps.get(layer) for layer in layers]
         head, norm = model.lm_head, model.model.norm
         return (bool(layers) and all(isinstance(s, DecodeLayerStep) for s in steps)
                 and len({id(s.executor) for s in steps}) == 1  # type: ignore[union-attr]
-                and model.model.embed_tokens.weight.dtype == torch.bfloat16 and norm.kernel is not None
+                and model.model.embed_tokens.weight.dtype == torch.bfloat16 and norm.backend.rms_norm is not None
                 and isinstance(head, FusedLinear) and head.bias is None and head.weight.dtype == torch.bfloat16)
 
     def __init__(self, module: Kernels, model: CausalLM):
         assert self.fits(model)
         stack = model.model
-        self.layers: list[DecodeLayerStep] = [layer.step for layer in stack.layers]  # type: ignore[misc]
+        self.layers: list[DecodeLayerStep] = [model.backend.layer_steps[layer]  # type: ignore[misc]
+                                              for layer in stack.layers]
         self.max_rows = min(s.max_rows for s in self.layers)
         self.rope = stack.rotary_emb
         self.executor = self.layers[0].executor
@@ -152,7 +169,7 @@ class DecodeModelStep:
         """Whether every layer's step would run (as `DecodeLayerStep.__call__` checks) and no module has a hook."""
         for s in self.layers:
             if s.mlp.observer is not NULL_OBSERVER or s.mlp.routing is not OWN_ROUTER \
-                    or s.mlp.executor is not s.executor or s.attn.step is None:
+                    or s.mlp.executor is not s.executor or s.attn.backend.attention is None:
                 return False
         for m in self.watched:
             if m._forward_hooks or m._forward_pre_hooks:

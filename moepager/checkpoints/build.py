@@ -19,7 +19,7 @@ from tqdm import tqdm
 from moepager.accel import cpu_kernels
 from moepager.accel.dense_quant import check_dense_dtype, quantize_dense
 from moepager.accel.packed import pack_dense as pack_dense_projections
-from moepager.accel.step import use_step_kernels
+from moepager.accel.step import step_backend
 from moepager.checkpoints.derived import SplitLayout
 from moepager.checkpoints.dtypes import checkpoint_dtype, parse_dtype
 from moepager.checkpoints.expert_reader import ExpertReader, is_routed_expert
@@ -33,6 +33,7 @@ from moepager.experts.executor import ExpertExecutor, PackedExecutor, ResidentEx
 from moepager.experts.quant import check_shape
 from moepager.experts.split import SplitExecutor
 from moepager.experts.weights import ExpertShape
+from moepager.models.backend import Backend
 from moepager.models.base import Architecture
 from moepager.models.config import ModelConfig
 from moepager.models.layers import CausalLM
@@ -268,8 +269,9 @@ def build_model(opened: OpenCheckpoint, experts: ExpertExecutor, options: LoadOp
     checkpoint, cfg, dtype, dev = opened.checkpoint, opened.config, opened.dtype, opened.device
     if opened.split is not None:
         experts = SplitExecutor(experts, opened.split.parts)
+    backend = step_backend(dtype) if dev.type == "cpu" and options.pack_dense else Backend()
     with torch.device("meta"):
-        model = opened.arch.build(cfg, experts)
+        model = opened.arch.build(cfg, experts, backend)
     cast_model(model, dtype)
     model = model.to_empty(device="cpu")
     load_module_weights(model, checkpoint, lambda n: n if checkpoint.has(n) else model.disk_name(n), progress=progress)
@@ -281,7 +283,7 @@ def build_model(opened: OpenCheckpoint, experts: ExpertExecutor, options: LoadOp
         else ""
     if dev.type == "cpu":
         weights_on_huge_pages(model)
-        steps = use_step_kernels(model, dtype) if options.pack_dense else ""
+        steps = backend.fuse(model)
         if options.dense_dtype is None:  # (an int8 run's dense format stays "int8": its steps run the kernels too)
             packed = "; ".join(x for x in (packed, steps) if x)
     dense_format = DENSE_FORMATS[options.dense_dtype] if options.dense_dtype else str(dtype).removeprefix("torch.")

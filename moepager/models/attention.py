@@ -9,44 +9,39 @@ its cache indices and the causal mask is `s <= p`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend
 
+from moepager.models.backend import Backend
 from moepager.models.config import ModelConfig, RopeConfig
 
 QKNorm = Literal["head", "full"] | None
 """RMSNorm of q and k: per head (Qwen3), over the whole projection (OLMoE), or none."""
 
 
-class StepKernels(Protocol):
-    """What an attention layer's decode pass calls on the CPU kernels (accel/ops.py `Kernels`)."""
-
-    decode_attention: Callable[..., torch.Tensor]
-
-
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in fp32 and cast back before the weight (as transformers does)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, backend: Backend | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.kernel: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
-        """moepager's CPU norm (accel/step.py `use_step_kernels`: bf16 CPU runs) for bf16 inputs outside a
-        compiled graph: one call where torch's eager norm is seven ops."""
+        self.backend = backend or Backend()
+        """The model's backend: its `rms_norm` (bf16 CPU runs: one call where torch's eager norm is seven ops)
+        computes bf16 inputs outside a compiled graph."""
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """`weight` in place of the module's (one that broadcasts: Attention normalises q and k heads at once).
         torch's rms_norm is x32 * rsqrt(mean(x32^2) + eps): on the CPU the same ops as written out (bit-equal), on
         CUDA one fused kernel for five (a decode step runs three norms a layer, and one after the last)."""
-        if self.kernel is not None and x.dtype is torch.bfloat16 and not torch.compiler.is_compiling():
-            return self.kernel(x, self.weight if weight is None else weight, self.eps)
+        kernel = self.backend.rms_norm
+        if kernel is not None and x.dtype is torch.bfloat16 and not torch.compiler.is_compiling():
+            return kernel(x, self.weight if weight is None else weight, self.eps)
         x32 = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return (self.weight if weight is None else weight) * x32.to(x.dtype)
 
@@ -270,8 +265,11 @@ class Attention(nn.Module):
     optional clipping of q/k/v (OLMoE's clip_qkv)."""
 
     def __init__(self, cfg: ModelConfig, *, qkv_bias: bool = False, o_bias: bool = False,
-                 qk_norm: QKNorm = None, clip_qkv: float | None = None):
+                 qk_norm: QKNorm = None, clip_qkv: float | None = None, backend: Backend | None = None):
         super().__init__()
+        self.backend = backend = backend or Backend()
+        """The model's backend: its `attention` (bf16 CPU runs) computes a decode pass of one token a row over the
+        paged cache in one call (q/k norm, RoPE, cache write, attention) outside a compiled graph."""
         d, h, hkv, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, dh
         self.q_proj = nn.Linear(d, h * dh, bias=qkv_bias)
@@ -280,16 +278,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h * dh, d, bias=o_bias)
         self.qk_norm = qk_norm
         if qk_norm == "head":
-            self.q_norm, self.k_norm = RMSNorm(dh, cfg.rms_norm_eps), RMSNorm(dh, cfg.rms_norm_eps)
+            self.q_norm, self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, backend), RMSNorm(dh, cfg.rms_norm_eps, backend)
         elif qk_norm == "full":
-            self.q_norm, self.k_norm = RMSNorm(h * dh, cfg.rms_norm_eps), RMSNorm(hkv * dh, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(h * dh, cfg.rms_norm_eps, backend)
+            self.k_norm = RMSNorm(hkv * dh, cfg.rms_norm_eps, backend)
         self.clip_qkv = clip_qkv
         self.window = cfg.sliding_window
         self.scale = 1.0 / math.sqrt(dh)
         """SDPA's default scale, as it computes it."""
-        self.step: StepKernels | None = None
-        """moepager's CPU kernels (accel/step.py `use_step_kernels`: bf16 CPU runs): a decode pass of one token
-        a row over the paged cache in one call (q/k norm, RoPE, cache write, attention) outside a compiled graph."""
         self._qk_weight: tuple[tuple[int, int, torch.device], torch.Tensor] | None = None
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.qkv: nn.Module | None = None
@@ -336,11 +332,12 @@ class Attention(nn.Module):
             qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
         if self.clip_qkv is not None:
             qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
-        if self.step is not None and t == 1 and batch.block_table_BN is not None and not torch.compiler.is_compiling():
+        kernels = self.backend.attention
+        if kernels is not None and t == 1 and batch.block_table_BN is not None and not torch.compiler.is_compiling():
             cos, sin = rope
-            out = self.step.decode_attention(qkv.view(b, -1), *self.kernel_qk_norm(), cos.view(b, -1), sin.view(b, -1),
-                                             cache, batch.block_table_BN, batch.positions_BT.view(b), self.num_heads,
-                                             self.window or 0, self.scale)
+            out = kernels.decode_attention(qkv.view(b, -1), *self.kernel_qk_norm(), cos.view(b, -1), sin.view(b, -1),
+                                           cache, batch.block_table_BN, batch.positions_BT.view(b), self.num_heads,
+                                           self.window or 0, self.scale)
             return self.o_proj(out.view(b, 1, -1))
         # Queries and keys as one [B, T, H + Hkv, Dh] tensor: per-head norm and RoPE once for both
         h, hq, hkv = self.num_heads + self.num_kv_heads, self.num_heads, self.num_kv_heads

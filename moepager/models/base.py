@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from moepager.errors import CheckpointError
 from moepager.experts.executor import ExpertExecutor
+from moepager.models.backend import Backend
 from moepager.models.config import ModelConfig, eos_ids, get
 from moepager.models.layers import CausalLM
 
@@ -33,13 +34,20 @@ PER_EXPERT_MLP = ExpertNaming(
 """Names used by Qwen2/3-MoE, OLMoE and DeepSeek (Mixtral has its own)."""
 
 
+class BuildModel(Protocol):
+    def __call__(self, cfg: ModelConfig, experts: ExpertExecutor, backend: Backend | None = None) -> CausalLM:
+        """The model's modules (empty weights) around `experts`, every block computing with `backend` (None: torch's
+        ops alone)."""
+        ...
+
+
 @dataclass(frozen=True)
 class Architecture:
     """One supported HF architecture: how to read its config, build it, and name its expert tensors."""
 
     name: str
     parse_config: Callable[[Mapping[str, Any]], ModelConfig]
-    build: Callable[[ModelConfig, ExpertExecutor], CausalLM]
+    build: BuildModel
     expert_naming: ExpertNaming
 
 

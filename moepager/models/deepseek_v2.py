@@ -18,6 +18,7 @@ from torch import nn
 from moepager.errors import CheckpointError
 from moepager.experts.executor import ExpertExecutor
 from moepager.models.attention import RotaryEmbedding
+from moepager.models.backend import Backend
 from moepager.models.base import PER_EXPERT_MLP, Architecture, common_fields
 from moepager.models.config import ModelConfig, get, rope_from_raw
 from moepager.models.layers import CausalLM, DecoderLayer, DecoderStack, DenseMLP
@@ -90,19 +91,21 @@ def parse_deepseek_config(raw: Mapping[str, Any], *, experts_key: str = "n_route
     )
 
 
-def build_deepseek(cfg: ModelConfig, experts: ExpertExecutor, router: type[nn.Module],
-                   interleaved_rope: bool) -> CausalLM:
+def build_deepseek(cfg: ModelConfig, experts: ExpertExecutor, router: type[nn.Module], interleaved_rope: bool,
+                   backend: Backend | None) -> CausalLM:
+    backend = backend or Backend()
     layers = [
-        DecoderLayer(cfg, MLAttention(cfg, interleaved_rope=interleaved_rope),
+        DecoderLayer(cfg, MLAttention(cfg, interleaved_rope=interleaved_rope, backend=backend),
                      DeepseekMoEBlock(cfg, router(cfg), experts, i) if i in cfg.moe_layers
-                     else DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size))
+                     else DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size), backend)
         for i in range(cfg.num_layers)
     ]
-    return CausalLM(cfg, DecoderStack(cfg, layers, RotaryEmbedding(cfg.rope, cfg.max_position_embeddings)))
+    rope = RotaryEmbedding(cfg.rope, cfg.max_position_embeddings)
+    return CausalLM(cfg, DecoderStack(cfg, layers, rope, backend), backend=backend)
 
 
-def build(cfg: ModelConfig, experts: ExpertExecutor) -> CausalLM:
-    return build_deepseek(cfg, experts, DeepseekV2Router, interleaved_rope=True)
+def build(cfg: ModelConfig, experts: ExpertExecutor, backend: Backend | None = None) -> CausalLM:
+    return build_deepseek(cfg, experts, DeepseekV2Router, interleaved_rope=True, backend=backend)
 
 
 ARCHITECTURE = Architecture("DeepseekV2ForCausalLM", parse_deepseek_config, build, PER_EXPERT_MLP)

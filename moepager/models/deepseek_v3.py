@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moepager.experts.executor import ExpertExecutor
+from moepager.models.backend import Backend
 from moepager.models.base import PER_EXPERT_MLP, Architecture
 from moepager.models.config import ModelConfig
 from moepager.models.deepseek_v2 import build_deepseek, parse_deepseek_config
@@ -57,8 +58,9 @@ def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
     return parse_deepseek_config(raw, experts_key=key)
 
 
-def build(cfg: ModelConfig, experts: ExpertExecutor) -> CausalLM:
-    return build_deepseek(cfg, experts, DeepseekV3Router, interleaved_rope=bool(cfg.raw.get("rope_interleave", True)))
+def build(cfg: ModelConfig, experts: ExpertExecutor, backend: Backend | None = None) -> CausalLM:
+    return build_deepseek(cfg, experts, DeepseekV3Router, interleaved_rope=bool(cfg.raw.get("rope_interleave", True)),
+                          backend=backend)
 
 
 ARCHITECTURE = Architecture("DeepseekV3ForCausalLM", parse_config, build, PER_EXPERT_MLP)

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.attention import sdpa_kernel
 
 from moepager.models.attention import CUDA_ATTENTION, ForwardBatch, RMSNorm, RotaryEmbedding
+from moepager.models.backend import Backend
 from moepager.models.config import ModelConfig
 from moepager.models.moe import MoEBlock
 from moepager.models.routing import NULL_OBSERVER, OWN_ROUTER, RoutingObserver, RoutingSource
@@ -38,21 +39,22 @@ class DenseMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)) computed on real (non-padding) tokens only."""
 
-    def __init__(self, cfg: ModelConfig, attn: nn.Module, mlp: nn.Module):
+    def __init__(self, cfg: ModelConfig, attn: nn.Module, mlp: nn.Module, backend: Backend | None = None):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.backend = backend = backend or Backend()
+        """The model's backend: the layer's decode pass runs its fused call (`layer_steps`, bf16 CPU runs: accel/step.py
+        `DecodeLayerStep`) outside a compiled graph where it has one; None from it: the modules compute."""
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.self_attn = attn
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.mlp = mlp
-        self.step: Callable[..., torch.Tensor | None] | None = None
-        """The whole layer's decode pass in one call (accel/step.py `DecodeLayerStep`: bf16 CPU runs), outside a
-        compiled graph; None from it: the modules compute."""
 
     def forward(self, x_BTD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
                 cache: torch.Tensor) -> torch.Tensor:
-        if self.step is not None and x_BTD.shape[1] == 1 and batch.block_table_BN is not None \
+        step = self.backend.layer_steps.get(self)
+        if step is not None and x_BTD.shape[1] == 1 and batch.block_table_BN is not None \
                 and not torch.compiler.is_compiling():
-            out = self.step(x_BTD, rope, batch, cache)
+            out = step(x_BTD, rope, batch, cache)
             if out is not None:
                 return out
         x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), rope, batch, cache)
@@ -67,11 +69,12 @@ class DecoderLayer(nn.Module):
 class DecoderStack(nn.Module):
     """Embeddings, decoder layers and the final norm (the `model.` prefix of transformers' names)."""
 
-    def __init__(self, cfg: ModelConfig, layers: Sequence[nn.Module], rope: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layers: Sequence[nn.Module], rope: RotaryEmbedding,
+                 backend: Backend | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.rotary_emb = rope
 
 
@@ -83,8 +86,13 @@ supported model): per matrix the two trade wins, and the big ones (an LM head) d
 class CausalLM(nn.Module):
     """A decoder stack plus the LM head; `forward` returns logits for the requested positions."""
 
-    def __init__(self, cfg: ModelConfig, stack: DecoderStack, disk_renames: Mapping[str, str] | None = None):
+    def __init__(self, cfg: ModelConfig, stack: DecoderStack, disk_renames: Mapping[str, str] | None = None,
+                 backend: Backend | None = None):
         super().__init__()
+        self.backend = backend or Backend()
+        """The backend the model's blocks were built with (models/backend.py): a decode pass runs its whole-model
+        call (`model_step`, bf16 CPU runs: accel/step.py `DecodeModelStep`) outside a compiled step where it has
+        one, the logits at `logits_at_B`; None from it: the modules compute."""
         self.config = cfg
         self.model = stack
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -94,9 +102,6 @@ class CausalLM(nn.Module):
         eager."""
         self.compiled_rows = False
         """The compiled step also runs decode passes of several rows (one graph for every row count >= 2)."""
-        self.step: Callable[..., torch.Tensor | None] | None = None
-        """A decode pass of the whole model in one call (accel/step.py `DecodeModelStep`: bf16 CPU runs) giving the
-        logits at `logits_at_B`, outside a compiled step; None from it: the modules compute."""
         self.traceable = True
         """Every MoE block routes with its own router, and reports to no observer unless its experts leave the graph
         for the host (what the compiled step traces; `refresh_traceable`)."""
@@ -167,9 +172,9 @@ class CausalLM(nn.Module):
         if ids_BT.is_cuda:
             with sdpa_kernel(CUDA_ATTENTION):
                 return self._forward(ids_BT, batch, cache, logits_at_B)
-        if self.step is not None and logits_at_B is not None and ids_BT.shape[1] == 1 \
-                and self.compiled_decode is None:
-            out = self.step(ids_BT, batch, cache)
+        step = self.backend.model_step
+        if step is not None and logits_at_B is not None and ids_BT.shape[1] == 1 and self.compiled_decode is None:
+            out = step(ids_BT, batch, cache)
             if out is not None:
                 return out
         compiled = (self.compiled_decode is not None and self.traceable and ids_BT.shape[1] == 1 and batch.kv_len > 1

@@ -12,6 +12,7 @@ from typing import Any
 
 from moepager.experts.executor import ExpertExecutor
 from moepager.models.attention import Attention, RotaryEmbedding
+from moepager.models.backend import Backend
 from moepager.models.base import Architecture, ExpertNaming, common_fields
 from moepager.models.config import ModelConfig, get, rope_from_raw
 from moepager.models.layers import CausalLM, DecoderLayer, DecoderStack
@@ -35,17 +36,20 @@ def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
     )
 
 
-def router(cfg: ModelConfig) -> SoftmaxTopKRouter:
-    return SoftmaxTopKRouter(cfg.hidden_size, cfg.num_experts, cfg.top_k, normalize=True, fp32_weights=True)
+def router(cfg: ModelConfig, backend: Backend) -> SoftmaxTopKRouter:
+    return SoftmaxTopKRouter(cfg.hidden_size, cfg.num_experts, cfg.top_k, normalize=True, fp32_weights=True,
+                             backend=backend)
 
 
-def build(cfg: ModelConfig, experts: ExpertExecutor) -> CausalLM:
+def build(cfg: ModelConfig, experts: ExpertExecutor, backend: Backend | None = None) -> CausalLM:
+    backend = backend or Backend()
     layers = [
-        DecoderLayer(cfg, Attention(cfg), MoEBlock(router(cfg), experts, i, cfg.num_experts))
+        DecoderLayer(cfg, Attention(cfg, backend=backend), MoEBlock(router(cfg, backend), experts, i, cfg.num_experts),
+                     backend)
         for i in range(cfg.num_layers)
     ]
-    stack = DecoderStack(cfg, layers, RotaryEmbedding(cfg.rope, cfg.max_position_embeddings))
-    return CausalLM(cfg, stack, disk_renames={".mlp.gate.": ".block_sparse_moe.gate."})
+    stack = DecoderStack(cfg, layers, RotaryEmbedding(cfg.rope, cfg.max_position_embeddings), backend)
+    return CausalLM(cfg, stack, disk_renames={".mlp.gate.": ".block_sparse_moe.gate."}, backend=backend)
 
 
 ARCHITECTURE = Architecture(

@@ -21,11 +21,12 @@ from moepager.models.attention import (
     cache_update,
     yarn_softmax_scale,
 )
+from moepager.models.backend import Backend
 from moepager.models.config import ModelConfig
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, interleaved_rope: bool):
+    def __init__(self, cfg: ModelConfig, *, interleaved_rope: bool, backend: Backend | None = None):
         super().__init__()
         raw = cfg.raw
         d, h = cfg.hidden_size, cfg.num_heads
@@ -40,10 +41,10 @@ class MLAttention(nn.Module):
             self.q_proj = nn.Linear(d, h * qk_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(d, self.q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(self.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, backend=backend)
             self.q_b_proj = nn.Linear(self.q_lora_rank, h * qk_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora_rank + self.rope_dim, bias=bias)
-        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, backend=backend)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, h * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(h * self.v_dim, d, bias=bias)
         self.scale = qk_dim ** -0.5 * yarn_softmax_scale(cfg.rope)

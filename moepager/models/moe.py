@@ -6,13 +6,12 @@ Shape legend: N tokens, D hidden, E experts, K top-k.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moepager.experts.executor import ExpertExecutor
+from moepager.models.backend import Backend
 from moepager.models.graph_exit import moe_layer
 from moepager.models.routing import NULL_OBSERVER, OWN_ROUTER, RoutingObserver, RoutingSource, observe
 from moepager.types import RoutingDecision
@@ -92,22 +91,24 @@ class SoftmaxTopKRouter(nn.Module):
     Mixtral keeps the weights in fp32; Qwen-MoE and OLMoE cast them back to the activation dtype.
     """
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, *, normalize: bool, fp32_weights: bool):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, *, normalize: bool, fp32_weights: bool,
+                 backend: Backend | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.top_k, self.normalize, self.fp32_weights = top_k, normalize, fp32_weights
-        self.kernel: Callable[..., list[torch.Tensor]] | None = None
-        """moepager's CPU router (accel/step.py `use_step_kernels`: bf16 CPU runs), for up to
-        NATIVE_MAX_TOKENS bf16 tokens outside a compiled graph: one call where torch's are six."""
+        self.backend = backend or Backend()
+        """The model's backend: its `router_topk` (bf16 CPU runs) computes up to NATIVE_MAX_TOKENS bf16 tokens
+        outside a compiled graph, one call where torch's are six."""
 
     def scores(self, x_ND: torch.Tensor) -> torch.Tensor:
         """The decision's scores_TE alone (what gate lookahead applies to an earlier layer's input)."""
         return torch.softmax(F.linear(x_ND, self.weight), dim=-1, dtype=torch.float32)
 
     def forward(self, x_ND: torch.Tensor) -> RoutingDecision:
-        if self.kernel is not None and x_ND.shape[0] <= NATIVE_MAX_TOKENS and x_ND.dtype is torch.bfloat16 \
+        kernel = self.backend.router_topk
+        if kernel is not None and x_ND.shape[0] <= NATIVE_MAX_TOKENS and x_ND.dtype is torch.bfloat16 \
                 and not torch.compiler.is_compiling():
-            ids_NK, weights_NK, probs_NE = self.kernel(x_ND, self.weight, self.top_k, self.normalize)
+            ids_NK, weights_NK, probs_NE = kernel(x_ND, self.weight, self.top_k, self.normalize)
             return RoutingDecision(ids_NK, weights_NK if self.fp32_weights else weights_NK.to(x_ND.dtype), probs_NE)
         # `scores` written out: one Python call less per layer and token
         probs_NE = torch.softmax(F.linear(x_ND, self.weight), dim=-1, dtype=torch.float32)

@@ -11,6 +11,7 @@ from typing import Any
 
 from moepager.experts.executor import ExpertExecutor
 from moepager.models.attention import Attention, RotaryEmbedding
+from moepager.models.backend import Backend
 from moepager.models.base import PER_EXPERT_MLP, Architecture, common_fields
 from moepager.models.config import ModelConfig, get, rope_from_raw
 from moepager.models.layers import CausalLM, DecoderLayer, DecoderStack
@@ -32,17 +33,20 @@ def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
     )
 
 
-def build(cfg: ModelConfig, experts: ExpertExecutor) -> CausalLM:
+def build(cfg: ModelConfig, experts: ExpertExecutor, backend: Backend | None = None) -> CausalLM:
+    backend = backend or Backend()
     bias = bool(cfg.raw.get("attention_bias", False))
     clip = cfg.raw.get("clip_qkv")
     normalize = bool(cfg.raw.get("norm_topk_prob", False))
     layers = [
-        DecoderLayer(cfg, Attention(cfg, qkv_bias=bias, o_bias=bias, qk_norm="full", clip_qkv=clip),
+        DecoderLayer(cfg, Attention(cfg, qkv_bias=bias, o_bias=bias, qk_norm="full", clip_qkv=clip, backend=backend),
                      MoEBlock(SoftmaxTopKRouter(cfg.hidden_size, cfg.num_experts, cfg.top_k, normalize=normalize,
-                                                fp32_weights=False), experts, i, cfg.num_experts))
+                                                fp32_weights=False, backend=backend), experts, i, cfg.num_experts),
+                     backend)
         for i in range(cfg.num_layers)
     ]
-    return CausalLM(cfg, DecoderStack(cfg, layers, RotaryEmbedding(cfg.rope, cfg.max_position_embeddings)))
+    rope = RotaryEmbedding(cfg.rope, cfg.max_position_embeddings)
+    return CausalLM(cfg, DecoderStack(cfg, layers, rope, backend), backend=backend)
 
 
 ARCHITECTURE = Architecture("OlmoeForCausalLM", parse_config, build, PER_EXPERT_MLP)

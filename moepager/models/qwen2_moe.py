@@ -16,6 +16,7 @@ from torch import nn
 from moepager.errors import CheckpointError
 from moepager.experts.executor import ExpertExecutor
 from moepager.models.attention import Attention, RotaryEmbedding
+from moepager.models.backend import Backend
 from moepager.models.base import PER_EXPERT_MLP, Architecture, common_fields
 from moepager.models.config import ModelConfig, get, rope_from_raw
 from moepager.models.layers import CausalLM, DecoderLayer, DecoderStack, DenseMLP
@@ -23,9 +24,10 @@ from moepager.models.moe import MoEBlock, SoftmaxTopKRouter
 
 
 class Qwen2MoEBlock(MoEBlock):
-    def __init__(self, cfg: ModelConfig, experts: ExpertExecutor, layer: int):
+    def __init__(self, cfg: ModelConfig, experts: ExpertExecutor, layer: int, backend: Backend):
         router = SoftmaxTopKRouter(cfg.hidden_size, cfg.num_experts, cfg.top_k,
-                                   normalize=bool(cfg.raw.get("norm_topk_prob", False)), fp32_weights=False)
+                                   normalize=bool(cfg.raw.get("norm_topk_prob", False)), fp32_weights=False,
+                                   backend=backend)
         super().__init__(router, experts, layer, cfg.num_experts)
         self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
@@ -64,15 +66,17 @@ def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
     return parse_qwen_config(raw, shared_expert=True)
 
 
-def build(cfg: ModelConfig, experts: ExpertExecutor) -> CausalLM:
+def build(cfg: ModelConfig, experts: ExpertExecutor, backend: Backend | None = None) -> CausalLM:
+    backend = backend or Backend()
     qkv_bias = bool(cfg.raw.get("qkv_bias", True))
     layers = [
-        DecoderLayer(cfg, Attention(cfg, qkv_bias=qkv_bias),
-                     Qwen2MoEBlock(cfg, experts, i) if i in cfg.moe_layers
-                     else DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size))
+        DecoderLayer(cfg, Attention(cfg, qkv_bias=qkv_bias, backend=backend),
+                     Qwen2MoEBlock(cfg, experts, i, backend) if i in cfg.moe_layers
+                     else DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size), backend)
         for i in range(cfg.num_layers)
     ]
-    return CausalLM(cfg, DecoderStack(cfg, layers, RotaryEmbedding(cfg.rope, cfg.max_position_embeddings)))
+    rope = RotaryEmbedding(cfg.rope, cfg.max_position_embeddings)
+    return CausalLM(cfg, DecoderStack(cfg, layers, rope, backend), backend=backend)
 
 
 ARCHITECTURE = Architecture("Qwen2MoeForCausalLM", parse_config, build, PER_EXPERT_MLP)

@@ -10,6 +10,7 @@ from typing import Any
 
 from moepager.experts.executor import ExpertExecutor
 from moepager.models.attention import Attention, RotaryEmbedding
+from moepager.models.backend import Backend
 from moepager.models.base import PER_EXPERT_MLP, Architecture
 from moepager.models.config import ModelConfig
 from moepager.models.layers import CausalLM, DecoderLayer, DecoderStack, DenseMLP
@@ -21,7 +22,8 @@ def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
     return parse_qwen_config(raw, shared_expert=False)
 
 
-def build(cfg: ModelConfig, experts: ExpertExecutor) -> CausalLM:
+def build(cfg: ModelConfig, experts: ExpertExecutor, backend: Backend | None = None) -> CausalLM:
+    backend = backend or Backend()
     bias = bool(cfg.raw.get("attention_bias", False))
     normalize = bool(cfg.raw.get("norm_topk_prob", False))
 
@@ -29,12 +31,14 @@ def build(cfg: ModelConfig, experts: ExpertExecutor) -> CausalLM:
         if i not in cfg.moe_layers:
             return DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size)
         router = SoftmaxTopKRouter(cfg.hidden_size, cfg.num_experts, cfg.top_k, normalize=normalize,
-                                   fp32_weights=False)
+                                   fp32_weights=False, backend=backend)
         return MoEBlock(router, experts, i, cfg.num_experts)
 
-    layers = [DecoderLayer(cfg, Attention(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head"), mlp(i))
+    layers = [DecoderLayer(cfg, Attention(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head", backend=backend), mlp(i),
+                           backend)
               for i in range(cfg.num_layers)]
-    return CausalLM(cfg, DecoderStack(cfg, layers, RotaryEmbedding(cfg.rope, cfg.max_position_embeddings)))
+    rope = RotaryEmbedding(cfg.rope, cfg.max_position_embeddings)
+    return CausalLM(cfg, DecoderStack(cfg, layers, rope, backend), backend=backend)
 
 
 ARCHITECTURE = Architecture("Qwen3MoeForCausalLM", parse_config, build, PER_EXPERT_MLP)

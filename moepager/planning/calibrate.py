@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from moepager.accel import cpu_kernels
 from moepager.accel.packed import pack_dense
-from moepager.accel.step import use_step_kernels
+from moepager.accel.step import step_backend
 from moepager.checkpoints.build import cast_model, open_experts
 from moepager.checkpoints.dtypes import checkpoint_dtype
 from moepager.checkpoints.expert_reader import ExpertReader
@@ -170,12 +170,13 @@ class DenseProbe:
 
     def __init__(self, arch: Architecture, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                  longest: int, steps: int = 8):
-        self.model = arch.build(cfg, _OneWideExperts(cfg.hidden_size, dtype, device))
+        backend = step_backend(dtype) if device.type == "cpu" else None
+        self.model = arch.build(cfg, _OneWideExperts(cfg.hidden_size, dtype, device), backend)
         cast_model(self.model, dtype)
         self.model.to(device).eval()
         if device.type == "cpu":  # the dense projections' kernel and the step's norms and routers, as a run's
             pack_dense(self.model)  # (accel/packed.py, accel/step.py; its contiguous cache: torch's attention)
-            use_step_kernels(self.model, dtype)
+            self.model.backend.fuse(self.model)
         self.dtype, self.device, self.steps = dtype, device, steps
         gen = torch.Generator().manual_seed(0)
         self.ids = torch.randint(0, cfg.vocab_size, (1, longest + steps), generator=gen).to(device)

@@ -10,12 +10,15 @@ torch path's (2^-7 of the magnitude; 2% of the output's largest magnitude allowe
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
 from moepager.accel import cpu_kernels, step
 from moepager.config import EngineConfig, ExpertFormat
 from moepager.models.attention import Attention, ForwardBatch, RMSNorm, RotaryEmbedding
+from moepager.models.backend import Backend
 from moepager.models.config import ModelConfig, RopeConfig
 from moepager.models.layers import CausalLM, DecoderLayer
 from moepager.models.moe import SoftmaxTopKRouter
@@ -65,7 +68,7 @@ def test_router_equals_the_torch_router(n, d, e, k, normalize, tier):
         ref = router(x)
     finally:
         torch._C._set_mkldnn_enabled(True)
-    router.kernel = cpu_kernels.extension().router_topk
+    router.backend = step.KernelBackend(cpu_kernels.extension())
     got = router(x)
     torch.testing.assert_close(got.scores_TE, ref.scores_TE, rtol=0, atol=1e-7)
     ids, order = got.ids_TK.sort(-1)
@@ -109,7 +112,7 @@ def test_decode_attention_equals_the_torch_path(qk_norm, clip, window, tier):
     x = torch.randn(3, 96, generator=gen).to(BF16)
     ref_cache, got_cache = cache.clone(), cache.clone()
     ref = paged_decode(attn, rope, x, positions, ref_cache, table)
-    attn.step = cpu_kernels.extension()
+    attn.backend = step.KernelBackend(cpu_kernels.extension())
     got = paged_decode(attn, rope, x, positions, got_cache, table)
     assert (ulps(got_cache, ref_cache) <= 1.0).all() and (got_cache == ref_cache).float().mean() >= 0.99
     assert (got - ref).abs().max() <= 0.02 * ref.abs().max()
@@ -122,25 +125,63 @@ def test_decode_attention_equals_the_torch_path(qk_norm, clip, window, tier):
 @needs_kernels
 def test_decode_attention_rejects_a_position_past_its_blocks():
     attn, rope = attention_module("head", None)
-    attn.step = cpu_kernels.extension()
+    attn.backend = step.KernelBackend(cpu_kernels.extension())
     cache, table = torch.zeros(8, 4, 4, 40, dtype=BF16), torch.arange(2).view(1, 2)
     with pytest.raises(RuntimeError, match="past the block table"):
         paged_decode(attn, rope, torch.randn(1, 96).to(BF16), [8], cache, table)
 
 
+def kernel_step(module):
+    """What computes the module's decode pass on the kernels: an attention's kernels, a decoder layer's fused call;
+    None where it has none."""
+    return module.backend.layer_steps.get(module) if isinstance(module, DecoderLayer) else module.backend.attention
+
+
+@contextmanager
+def without_kernel_step(module):
+    """Meanwhile the module's decode pass runs without its kernel step: an attention on torch's ops (a backend of
+    its own), a decoder layer through its modules (its fused call set aside)."""
+    if isinstance(module, DecoderLayer):
+        fused = module.backend.layer_steps.pop(module)
+        try:
+            yield
+        finally:
+            module.backend.layer_steps[module] = fused
+    else:
+        backend, module.backend = module.backend, Backend()
+        try:
+            yield
+        finally:
+            module.backend = backend
+
+
+@contextmanager
+def without_fused_calls(model):
+    """Meanwhile each module computes by itself: no decoder layer's or whole model's fused call."""
+    backend = model.backend
+    layers, whole = dict(backend.layer_steps), backend.model_step
+    backend.layer_steps.clear()
+    backend.model_step = None
+    try:
+        yield
+    finally:
+        backend.layer_steps.update(layers)
+        backend.model_step = whole
+
+
 def compare_decode_passes(monkeypatch, cls, check, direct: bool = False) -> list[int]:
-    """Patch `cls.forward`: every decode pass of a module whose `step` is set runs twice on copies of its cache, without
-    the step (the reference) and with it (the step called itself where `direct`: it must not decline), and
-    `check(got, ref, got_cache, ref_cache)` compares them; then the pass runs as usual. Returns the compared passes'
-    row counts (filled as the engine runs)."""
+    """Patch `cls.forward`: every decode pass of a module with a kernel step (`kernel_step`) runs twice on copies of its
+    cache, without the step (the reference) and with it (the step called itself where `direct`: it must not decline),
+    and `check(got, ref, got_cache, ref_cache)` compares them; then the pass runs as usual. Returns the compared
+    passes' row counts (filled as the engine runs)."""
     forward, rows = cls.forward, []
 
     def both(self, x, rope, batch, cache):
-        if self.step is not None and x.shape[1] == 1:
-            step, ref_cache, got_cache = self.step, cache.clone(), cache.clone()
-            self.step = None
-            ref = forward(self, x, rope, batch, ref_cache)
-            self.step = step
+        step = kernel_step(self)
+        if step is not None and x.shape[1] == 1:
+            ref_cache, got_cache = cache.clone(), cache.clone()
+            with without_kernel_step(self):
+                ref = forward(self, x, rope, batch, ref_cache)
             got = step(x, rope, batch, got_cache) if direct else forward(self, x, rope, batch, got_cache)
             check(got, ref, got_cache, ref_cache)
             rows.append(x.shape[0])
@@ -168,18 +209,12 @@ def test_every_architecture_decodes_through_the_kernels_as_through_torch(hf_chec
         assert (ulps(got_cache, ref_cache) <= 1.0).all()
 
     compared = compare_decode_passes(monkeypatch, Attention, close)
-    layers = [m for m in llm.loaded.model.modules() if isinstance(m, DecoderLayer)]
-    steps = [layer.step for layer in layers]
-    model_step, llm.loaded.model.step = llm.loaded.model.step, None  # the modules one by one (the whole-layer and
-    for layer in layers:                                              # whole-model calls: the next tests)
-        layer.step = None
-    outs = llm.generate([[3, 5, 7, 11, 13], [17, 19]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    with without_fused_calls(llm.loaded.model):  # the modules one by one (the whole-layer and whole-model calls: the
+        outs = llm.generate([[3, 5, 7, 11, 13], [17, 19]],  # next tests)
+                            SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [5, 5]
     uses_attention = any(isinstance(m, Attention) for m in llm.loaded.model.modules())
     assert (2 in compared) == uses_attention  # (DeepSeek's MLA has an attention of its own: norms only)
-    for layer, s in zip(layers, steps):
-        layer.step = s
-    llm.loaded.model.step = model_step
 
 
 @needs_kernels
@@ -210,10 +245,11 @@ def run_whole_layer_test(path, arch, threads, expert_dtype, monkeypatch):
               show_progress=False)
     assert torch.get_num_threads() == threads
     layers = [m for m in llm.loaded.model.modules() if isinstance(m, DecoderLayer)]
-    fused = [layer for layer in layers if layer.step is not None]
+    backend = llm.loaded.model.backend
+    fused = [layer for layer in layers if layer in backend.layer_steps]
     assert (len(fused) > 0) == (arch in ("mixtral", "qwen3_moe"))
     assert ("whole decoder layers" in llm.loaded.dense_format) == bool(fused)
-    llm.loaded.model.step = None  # each layer's own call (the whole model's: the next test)
+    backend.model_step = None  # each layer's own call (the whole model's: the next test)
 
     def equal(got, ref, got_cache, ref_cache):
         assert got is not None and torch.equal(got, ref) and torch.equal(got_cache, ref_cache)
@@ -225,7 +261,7 @@ def run_whole_layer_test(path, arch, threads, expert_dtype, monkeypatch):
         block = fused[0].mlp
         monkeypatch.setattr(block, "observer", object())  # (a trace recorder's place)
         x = torch.randn(1, 1, llm.loaded.config.hidden_size).to(BF16)
-        assert fused[0].step(x, None, None, None) is None  # declines before reading anything else
+        assert backend.layer_steps[fused[0]](x, None, None, None) is None  # declines before reading anything else
 
 
 @needs_kernels
@@ -247,7 +283,7 @@ def run_whole_model_test(path, arch, threads, expert_dtype, monkeypatch):
     llm = LLM(config=EngineConfig(model=str(path), dtype="bfloat16", threads=threads,
                                   experts=ExpertFormat(expert_dtype)), show_progress=False)
     model = llm.loaded.model
-    whole = model.step
+    whole = model.backend.model_step
     assert isinstance(whole, step.DecodeModelStep) == (arch in ("mixtral", "qwen3_moe"))
     assert ("whole decode step" in llm.loaded.dense_format) == (whole is not None)
     if whole is None:
@@ -257,9 +293,9 @@ def run_whole_model_test(path, arch, threads, expert_dtype, monkeypatch):
     def both(self, ids, batch, cache, logits_at_B=None):
         if logits_at_B is not None and ids.shape[1] == 1:
             ref_cache, got_cache = [c.clone() for c in cache], [c.clone() for c in cache]
-            self.step = None
+            self.backend.model_step = None
             ref = forward(self, ids, batch, ref_cache, logits_at_B)
-            self.step = whole
+            self.backend.model_step = whole
             if not rows:
                 self.model.rotary_emb._tables.clear()  # the call grows them itself
             got = whole(ids, batch, got_cache)
@@ -296,11 +332,12 @@ def test_without_the_extension_the_model_keeps_torch_ops(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     llm = LLM(config=EngineConfig(), show_progress=False)
     model = llm.loaded.model
-    assert all(m.kernel is None for m in model.modules() if isinstance(m, RMSNorm))
-    assert all(m.step is None for m in model.modules() if isinstance(m, Attention))
+    assert all(m.backend.rms_norm is None for m in model.modules() if isinstance(m, RMSNorm))
+    assert all(m.backend.attention is None for m in model.modules() if isinstance(m, Attention))
     assert len(llm.generate(["Once"], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
     monkeypatch.undo()
-    assert step.use_step_kernels(model, torch.float32) == ""
+    fp32 = step.step_backend(torch.float32)
+    assert fp32.rms_norm is None and fp32.router_topk is None and fp32.attention is None and fp32.fuse(model) == ""
 
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
