@@ -312,6 +312,29 @@ class PlacementConfig:
             raise MoepagerError("--hybrid-admit copies the experts hybrid execution computed on the CPU: add "
                                 "--execution hybrid")
 
+    @property
+    def expert_device(self) -> str | None:
+        """Where the routed experts are held and computed when it is not the run's device: the CPU for cpu-experts."""
+        return "cpu" if self.execution == "cpu-experts" else None
+
+    def check_with(self, store: StoreConfig, device: str, compiled: bool) -> None:
+        """What --execution says of the store's budgets, the device and --compile."""
+        execution = self.execution
+        if execution == "hybrid" and store.expert_memory is None:
+            raise MoepagerError("--execution hybrid computes the experts missing from the device on the CPU: set "
+                                "--expert-memory (the device's share of the experts; with every expert there, "
+                                "nothing is missing)")
+        if execution == "cpu-experts" and store.expert_memory is not None:
+            raise MoepagerError("--execution cpu-experts keeps every routed expert in host memory, none on the "
+                                "device: drop --expert-memory (--host-memory budgets host RAM, the rest read from "
+                                "disk)")
+        if execution in ("hybrid", "cpu-experts") and compiled:
+            raise MoepagerError(f"--compile traces the CPU's decode step; --execution {execution} places "
+                                "experts between devices: use one or the other")
+        if device == "cpu" and store.host_memory is not None and execution not in ("hybrid", "cpu-experts"):
+            raise MoepagerError("--host-memory applies to --device cuda; on the CPU experts are computed in RAM, "
+                                "so --expert-memory is the RAM budget")
+
 
 @dataclass(frozen=True)
 class RemoteConfig:
@@ -401,6 +424,12 @@ class RemoteConfig:
         """`worker_prefill`, or its default: spread for paging workers, group for resident ones."""
         return self.worker_prefill or ("spread" if self.worker_memory is not None else "group")
 
+    def check_with(self, store: StoreConfig, execution: Execution, compiled: bool) -> None:
+        """What --workers says of the store's budgets, --execution and --compile."""
+        if self.workers and (store.paged or execution != "gpu" or compiled):
+            raise MoepagerError("--workers holds every routed expert on the worker processes (CPU, gloo): drop "
+                                "--expert-memory/--host-memory, --execution and --compile")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -459,8 +488,9 @@ class EngineConfig:
             raise MoepagerError(f"unknown expert kernel '{self.expert_kernel}'; choose from {', '.join(KERNELS)}")
         if self.threads is not None and self.threads < 1:
             raise MoepagerError(f"--threads must be >= 1, got {self.threads}")
-        check_placement(self.placement.execution, self.store, self.remote.workers, self.compile)
-        check_device(self.device, self.store, self.placement.execution)
+        self.remote.check_with(self.store, self.placement.execution, self.compile)
+        self.placement.check_with(self.store, self.device, self.compile)
+        check_device(self.device)
 
 
 def fit_decides(paged: bool, workers: int, execution: str) -> bool:
@@ -470,25 +500,8 @@ def fit_decides(paged: bool, workers: int, execution: str) -> bool:
     return not paged and not workers and execution in ("gpu", "auto")
 
 
-def check_placement(execution: Execution, store: StoreConfig, workers: int, compiled: bool) -> None:
-    """What --execution, --workers and --compile each say of the others and of the store's budgets."""
-    if workers and (store.paged or execution != "gpu" or compiled):
-        raise MoepagerError("--workers holds every routed expert on the worker processes (CPU, gloo): drop "
-                            "--expert-memory/--host-memory, --execution and --compile")
-    if execution == "hybrid" and store.expert_memory is None:
-        raise MoepagerError("--execution hybrid computes the experts missing from the device on the CPU: set "
-                            "--expert-memory (the device's share of the experts; with every expert there, "
-                            "nothing is missing)")
-    if execution == "cpu-experts" and store.expert_memory is not None:
-        raise MoepagerError("--execution cpu-experts keeps every routed expert in host memory, none on the device: "
-                            "drop --expert-memory (--host-memory budgets host RAM, the rest read from disk)")
-    if execution in ("hybrid", "cpu-experts") and compiled:
-        raise MoepagerError(f"--compile traces the CPU's decode step; --execution {execution} places "
-                            "experts between devices: use one or the other")
-
-
-def check_device(device: str, store: StoreConfig, execution: Execution) -> None:
-    """The device exists here, and a host budget is given only where there is a host tier."""
+def check_device(device: str) -> None:
+    """The device exists here."""
     if not (device == "cpu" or device.startswith("cuda")):
         raise MoepagerError(f"device '{device}' is not supported; use cpu or cuda[:N]")
     if device.startswith("cuda"):
@@ -496,6 +509,3 @@ def check_device(device: str, store: StoreConfig, execution: Execution) -> None:
 
         if not torch.cuda.is_available():
             raise MoepagerError(f"device '{device}' requested but CUDA is not available")
-    elif store.host_memory is not None and execution not in ("hybrid", "cpu-experts"):
-        raise MoepagerError("--host-memory applies to --device cuda; on the CPU experts are computed in RAM, "
-                            "so --expert-memory is the RAM budget")

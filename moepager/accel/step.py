@@ -88,7 +88,7 @@ class DecodeLayerStep:
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         return (isinstance(attn, Attention) and attn.backend.attention is not None and attn.qk_norm in (None, "head")
                 and attn.clip_qkv is None and isinstance(attn.qkv, FusedLinear) and isinstance(attn.o_proj, FusedLinear)
-                and isinstance(mlp, MoEBlock) and not mlp._has_shared and isinstance(mlp.gate, SoftmaxTopKRouter)
+                and isinstance(mlp, MoEBlock) and not mlp.has_shared and isinstance(mlp.gate, SoftmaxTopKRouter)
                 and mlp.gate.backend.router_topk is not None and isinstance(mlp.executor, ResidentExecutor)
                 and mlp.executor.kernels.fused is not None and all(n.backend.rms_norm is not None for n in norms)
                 and norms[0].eps == norms[1].eps)

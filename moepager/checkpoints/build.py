@@ -152,14 +152,15 @@ class LoadOptions:
     """Prepack the large bf16 dense projections for oneDNN on the CPU (accel/packed.py)."""
     expert_kernel: Kernel = "auto"
     """The expert kernel the run asks for: where it is the fused CPU kernel, int4 experts are held in its layout."""
-    experts_on_cpu: bool = False
-    """Every routed expert computes on the CPU (`--execution cpu-experts`): their format is the CPU's."""
+    expert_device: str | None = None
+    """Where the routed experts are held and computed when it is not `device` (the placement's: the CPU for
+    `--execution cpu-experts`): their format is that device's."""
 
     @classmethod
     def of(cls, config: EngineConfig) -> LoadOptions:
         return cls(parse_dtype(config.dtype) if config.dtype else None, config.device, config.store.direct_io,
                    config.experts.dtype, config.experts.int4_group, config.experts.int4_zero_point, config.dense_dtype,
-                   config.pack_dense, config.expert_kernel, config.placement.execution == "cpu-experts")
+                   config.pack_dense, config.expert_kernel, config.placement.expert_device)
 
 
 class WindowBytes(NamedTuple):
@@ -255,7 +256,7 @@ def open_checkpoint(path: str | os.PathLike[str], options: LoadOptions) -> OpenC
     split = layout_of(checkpoint.config, cfg)
     dtype = options.dtype or checkpoint_dtype(checkpoint)
     dev = torch.device(options.device)
-    reader = open_experts(checkpoint, arch, cfg, dtype, torch.device("cpu") if options.experts_on_cpu else dev,
+    reader = open_experts(checkpoint, arch, cfg, dtype, torch.device(options.expert_device or dev),
                           options.direct_io, options.expert_dtype, options.int4_group, options.int4_zero_point,
                           options.expert_kernel, split)
     return OpenCheckpoint(checkpoint, arch, cfg, dtype, dev, reader)

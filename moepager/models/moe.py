@@ -48,7 +48,8 @@ class MoEBlock(nn.Module):
         self.graph_exit: int | None = None
         """A compiled step's handle for this block's host step (models/graph_exit.py; set when its experts are
         paged), None when the graph computes its experts itself."""
-        self._has_shared = type(self).shared_output is not MoEBlock.shared_output
+        self.has_shared = type(self).shared_output is not MoEBlock.shared_output
+        """The architecture has always-on shared experts (it overrides `shared_output`)."""
 
     def shared_output(self, x_ND: torch.Tensor) -> torch.Tensor:
         """Output of always-on shared experts (architectures that have them override this)."""
@@ -61,7 +62,7 @@ class MoEBlock(nn.Module):
                 out_ND = self.executor.run_on_device(self.layer, x_ND, route)  # type: ignore[attr-defined]
             else:  # paged: the routed experts leave the graph for the host (observers included)
                 out_ND = moe_layer(x_ND, route.ids_TK, route.weights_TK, route.scores_TE, self.graph_exit)
-            return out_ND + self.shared_output(x_ND) if self._has_shared else out_ND
+            return out_ND + self.shared_output(x_ND) if self.has_shared else out_ND
         # A few tokens on the CPU: torch's own kernels for the router's and experts' small matrices (NATIVE_MAX_TOKENS)
         native = (x_ND.shape[0] <= NATIVE_MAX_TOKENS and x_ND.shape[1] <= NATIVE_BATCH_MAX_HIDDEN and not x_ND.is_cuda
                   and torch._C._get_mkldnn_enabled())
@@ -72,7 +73,7 @@ class MoEBlock(nn.Module):
             # (host_step inlined where nothing observes: one Python call less per layer and token)
             out_ND = self.executor.run(self.layer, x_ND, route) if self.observer is NULL_OBSERVER else self.host_step(
                 x_ND, route)
-            return out_ND + self.shared_output(x_ND) if self._has_shared else out_ND
+            return out_ND + self.shared_output(x_ND) if self.has_shared else out_ND
         finally:
             if native:
                 torch._C._set_mkldnn_enabled(True)
