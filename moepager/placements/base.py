@@ -55,6 +55,11 @@ class PlacementPlugin(Protocol):
     splits: ClassVar[bool]
     """Whether it runs a split checkpoint (experts stored in parts: store/parts.py); the others place whole
     experts."""
+    configurable: ClassVar[bool]
+    """Whether `--configure auto` (MoEpic's online configurator: runtime/configure.py) may size the per-layer caches
+    of the store it builds."""
+    option: ClassVar[str]
+    """The command-line option that chooses it ("" where a budget or its absence does)."""
 
     def build(self, ctx: BuildContext) -> Placed: ...
 

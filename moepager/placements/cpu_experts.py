@@ -21,6 +21,8 @@ from moepager.placements.paged import paged_store_executor
 class CpuExperts:
     name = "cpu-experts"
     splits = False
+    configurable = False
+    option = "--execution cpu-experts"
 
     def build(self, ctx: BuildContext) -> Placed:
         opened = ctx.opened

@@ -21,6 +21,8 @@ from moepager.placements.stores import build_store
 class Hybrid:
     name = "hybrid"
     splits = False
+    configurable = False
+    option = "--execution hybrid"
 
     def build(self, ctx: BuildContext) -> Placed:
         opened = ctx.opened

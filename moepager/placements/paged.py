@@ -21,6 +21,8 @@ from moepager.placements.stores import build_store
 class Paged:
     name = "paged"
     splits = True
+    configurable = True
+    option = ""
 
     def build(self, ctx: BuildContext) -> Placed:
         opened = ctx.opened

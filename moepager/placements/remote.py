@@ -31,6 +31,8 @@ from moepager.types import ExpertKey
 class Remote:
     name = "remote"
     splits = False
+    configurable = False
+    option = "--workers"
 
     def build(self, ctx: BuildContext) -> Placed:
         executor = remote_executor(ctx.config, ctx.opened.reader, ctx.opened.config, ctx.links)

@@ -10,6 +10,8 @@ from moepager.placements.base import BuildContext, Placed
 class Resident:
     name = "resident"
     splits = True
+    configurable = False
+    option = ""
 
     def build(self, ctx: BuildContext) -> Placed:
         opened = ctx.opened

@@ -105,7 +105,7 @@ def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = 
     config, fit = fitted(config, opened, times)  # no budget given: the expert cache sized to the memory it may use
     execution, why = resolve_execution(config, opened.device, times, profile)
     chosen = resolve(config, execution)
-    check_split(config, opened, execution, chosen)
+    check_split(opened, chosen)
     if fit and config.store.expert_memory is None:  # every expert resident: said only where options go unused
         unused = unused_paging(config)
         fit = fit + unused if unused else ""
@@ -140,7 +140,7 @@ def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = 
             print(f"batch policy {config.scheduler.batch_policy}: requests are grouped by their last token's "
                   "routing (no --predictor; --predictor path with --expert-memory forecasts the next token's, as "
                   "ExpertFlow does)", file=sys.stderr)
-    configurator = online_configurator(config, opened, store, execution, profile, prefetcher)
+    configurator = online_configurator(config, opened, store, chosen, profile, prefetcher)
     return Built(loaded, config, Wiring(loaded.model, store, configurator, prefetcher, paths, placed.pass_parts))
 
 
@@ -162,14 +162,14 @@ def start_engine(built: Built, eos_token_ids: Sequence[int], detokenize: Detoken
 
 
 def online_configurator(config: EngineConfig, opened: OpenCheckpoint, store: ExpertStore | None,
-                        execution: Execution, profile: str, prefetcher: Prefetcher | None = None
+                        chosen: PlacementPlugin, profile: str, prefetcher: Prefetcher | None = None
                         ) -> OnlineConfigurator | None:
     """`--configure auto`'s configurator over the run's store, its T values from the run's cost model (`--profile`,
     else the nominal one of the device's kind) and the checkpoint's dense weights (the prefetch windows), told of
     the prefetcher's forecasts (its prediction statistics) when one prefetches."""
     if config.store.configure != "auto":
         return None
-    if store is None or execution != "gpu" or config.remote.workers:
+    if store is None or not chosen.configurable:
         raise ConfigError("--configure auto sizes the expert store's per-layer caches: it runs with --expert-memory "
                           "and --execution gpu, without --workers")
     cfg = opened.config
@@ -188,16 +188,14 @@ def online_configurator(config: EngineConfig, opened: OpenCheckpoint, store: Exp
     return online
 
 
-def check_split(config: EngineConfig, opened: OpenCheckpoint, execution: Execution, chosen: PlacementPlugin) -> None:
+def check_split(opened: OpenCheckpoint, chosen: PlacementPlugin) -> None:
     """What a split checkpoint (checkpoints/split.py) runs with: a placement that `splits` (resident or paged, a
     predictor's prefetch loading forecast experts' cacheable parts: store/parts.py); the others place whole experts."""
     if opened.split is None:
         return
     if not chosen.splits:
-        refused = [name for name, on in (("--workers", config.remote.workers), (f"--execution {execution}",
-                                                                          execution != "gpu")) if on]
         raise ConfigError(f"{opened.checkpoint.path} stores its experts in {opened.split.parts} parts (moepager "
-                          f"split), which run resident or paged through the store; {', '.join(refused)} place whole "
+                          f"split), which run resident or paged through the store; {chosen.option} place whole "
                           "experts: run the unsplit checkpoint for that")
 
 
