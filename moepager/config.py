@@ -320,6 +320,7 @@ class PlacementConfig:
     def check_with(self, store: StoreConfig, device: str, compiled: bool) -> None:
         """What --execution says of the store's budgets, the device and --compile."""
         execution = self.execution
+        on_host = execution in ("hybrid", "cpu-experts")  # routed experts computed on the CPU
         if execution == "hybrid" and store.expert_memory is None:
             raise MoepagerError("--execution hybrid computes the experts missing from the device on the CPU: set "
                                 "--expert-memory (the device's share of the experts; with every expert there, "
@@ -328,10 +329,10 @@ class PlacementConfig:
             raise MoepagerError("--execution cpu-experts keeps every routed expert in host memory, none on the "
                                 "device: drop --expert-memory (--host-memory budgets host RAM, the rest read from "
                                 "disk)")
-        if execution in ("hybrid", "cpu-experts") and compiled:
+        if on_host and compiled:
             raise MoepagerError(f"--compile traces the CPU's decode step; --execution {execution} places "
                                 "experts between devices: use one or the other")
-        if device == "cpu" and store.host_memory is not None and execution not in ("hybrid", "cpu-experts"):
+        if device == "cpu" and store.host_memory is not None and not on_host:
             raise MoepagerError("--host-memory applies to --device cuda; on the CPU experts are computed in RAM, "
                                 "so --expert-memory is the RAM budget")
 

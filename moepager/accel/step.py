@@ -30,10 +30,10 @@ from moepager.models.moe import NATIVE_MAX_TOKENS, MoEBlock, SoftmaxTopKRouter
 from moepager.models.routing import NULL_OBSERVER, OWN_ROUTER
 
 
-def step_backend(dtype: torch.dtype) -> Backend:
-    """The backend of a CPU model whose weights and activations are `dtype`: moepager's kernels for bf16 where they
-    run here (`KernelBackend`), else torch's ops alone."""
-    if dtype != torch.bfloat16 or not cpu_kernels.available():
+def step_backend(dtype: torch.dtype, device: torch.device) -> Backend:
+    """The backend of a model on `device` whose weights and activations are `dtype`: moepager's kernels for bf16 on
+    the CPU where they run here (`KernelBackend`), else torch's ops alone."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or not cpu_kernels.available():
         return Backend()
     return KernelBackend(cpu_kernels.extension())
 

@@ -270,7 +270,7 @@ def build_model(opened: OpenCheckpoint, experts: ExpertExecutor, options: LoadOp
     checkpoint, cfg, dtype, dev = opened.checkpoint, opened.config, opened.dtype, opened.device
     if opened.split is not None:
         experts = SplitExecutor(experts, opened.split.parts)
-    backend = step_backend(dtype) if dev.type == "cpu" and options.pack_dense else Backend()
+    backend = step_backend(dtype, dev) if options.pack_dense else Backend()
     with torch.device("meta"):
         model = opened.arch.build(cfg, experts, backend)
     cast_model(model, dtype)

@@ -101,7 +101,7 @@ def build_deepseek(cfg: ModelConfig, experts: ExpertExecutor, router: type[nn.Mo
         for i in range(cfg.num_layers)
     ]
     rope = RotaryEmbedding(cfg.rope, cfg.max_position_embeddings)
-    return CausalLM(cfg, DecoderStack(cfg, layers, rope, backend), backend=backend)
+    return CausalLM(cfg, DecoderStack(cfg, layers, rope, backend))
 
 
 def build(cfg: ModelConfig, experts: ExpertExecutor, backend: Backend | None = None) -> CausalLM:

@@ -74,6 +74,8 @@ class DecoderStack(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layers)
+        self.backend = backend = backend or Backend()
+        """The backend the model's blocks were built with (models/backend.py)."""
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.rotary_emb = rope
 
@@ -86,11 +88,10 @@ supported model): per matrix the two trade wins, and the big ones (an LM head) d
 class CausalLM(nn.Module):
     """A decoder stack plus the LM head; `forward` returns logits for the requested positions."""
 
-    def __init__(self, cfg: ModelConfig, stack: DecoderStack, disk_renames: Mapping[str, str] | None = None,
-                 backend: Backend | None = None):
+    def __init__(self, cfg: ModelConfig, stack: DecoderStack, disk_renames: Mapping[str, str] | None = None):
         super().__init__()
-        self.backend = backend or Backend()
-        """The backend the model's blocks were built with (models/backend.py): a decode pass runs its whole-model
+        self.backend = stack.backend
+        """The backend the model's blocks were built with (the stack's): a decode pass runs its whole-model
         call (`model_step`, bf16 CPU runs: accel/step.py `DecodeModelStep`) outside a compiled step where it has
         one, the logits at `logits_at_B`; None from it: the modules compute."""
         self.config = cfg

@@ -49,7 +49,7 @@ def build(cfg: ModelConfig, experts: ExpertExecutor, backend: Backend | None = N
         for i in range(cfg.num_layers)
     ]
     stack = DecoderStack(cfg, layers, RotaryEmbedding(cfg.rope, cfg.max_position_embeddings), backend)
-    return CausalLM(cfg, stack, disk_renames={".mlp.gate.": ".block_sparse_moe.gate."}, backend=backend)
+    return CausalLM(cfg, stack, disk_renames={".mlp.gate.": ".block_sparse_moe.gate."})
 
 
 ARCHITECTURE = Architecture(

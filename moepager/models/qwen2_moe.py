@@ -76,7 +76,7 @@ def build(cfg: ModelConfig, experts: ExpertExecutor, backend: Backend | None = N
         for i in range(cfg.num_layers)
     ]
     rope = RotaryEmbedding(cfg.rope, cfg.max_position_embeddings)
-    return CausalLM(cfg, DecoderStack(cfg, layers, rope, backend), backend=backend)
+    return CausalLM(cfg, DecoderStack(cfg, layers, rope, backend))
 
 
 ARCHITECTURE = Architecture("Qwen2MoeForCausalLM", parse_config, build, PER_EXPERT_MLP)

@@ -170,8 +170,7 @@ class DenseProbe:
 
     def __init__(self, arch: Architecture, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                  longest: int, steps: int = 8):
-        backend = step_backend(dtype) if device.type == "cpu" else None
-        self.model = arch.build(cfg, _OneWideExperts(cfg.hidden_size, dtype, device), backend)
+        self.model = arch.build(cfg, _OneWideExperts(cfg.hidden_size, dtype, device), step_backend(dtype, device))
         cast_model(self.model, dtype)
         self.model.to(device).eval()
         if device.type == "cpu":  # the dense projections' kernel and the step's norms and routers, as a run's

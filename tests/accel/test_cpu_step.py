@@ -336,7 +336,7 @@ def test_without_the_extension_the_model_keeps_torch_ops(monkeypatch):
     assert all(m.backend.attention is None for m in model.modules() if isinstance(m, Attention))
     assert len(llm.generate(["Once"], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
     monkeypatch.undo()
-    fp32 = step.step_backend(torch.float32)
+    fp32 = step.step_backend(torch.float32, torch.device("cpu"))
     assert fp32.rms_norm is None and fp32.router_topk is None and fp32.attention is None and fp32.fuse(model) == ""
 
 
