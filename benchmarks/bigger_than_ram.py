@@ -71,7 +71,7 @@ KILLED = -9
 
 def model_file(preset: str, arch: str | None, layers: int | None) -> Path:
     """The GGUF file of `preset` (made once, straight to GGUF: a checkpoint beside it would not fit the disk)."""
-    from moepager.checkpoints.synth import make_model
+    from moepager.loading.synth import make_model
 
     path = RESULTS / "models" / f"{preset}{f'-{arch}' if arch else ''}{f'-L{layers}' if layers else ''}.gguf"
     if not path.exists():
@@ -95,8 +95,8 @@ def disk_speed(converted: Path, nbytes: int) -> float:
     """The disk's read rate (bytes/s) as the expert store sees it: `moepager calibrate`'s own measurement
     (planning/calibrate.py `disk_rates`: random experts through the engine's reader, 4 reads at once, O_DIRECT) over
     about `nbytes` of experts."""
-    from moepager.checkpoints.build import LoadOptions, open_checkpoint
     from moepager.config import EngineConfig
+    from moepager.loading.build import LoadOptions, open_checkpoint
     from moepager.planning.calibrate import disk_rates
     from moepager.types import ExpertKey
 
@@ -391,9 +391,10 @@ def main() -> None:
     import importlib.util
 
     from moepager.checkpoints.gguf_read import resolve_model_path
+    from moepager.models.registry import tensor_specs
 
     path = model_file(args.preset, args.arch, args.layers)
-    converted = resolve_model_path(path)  # once, here: the dense tensors' conversion is not a run's work
+    converted = resolve_model_path(path, tensor_specs)  # once, here: the dense tensors' conversion is not a run's work
     files = [path, *sorted(converted.glob("*.safetensors"))]
     limit = parse_size(args.memory_limit)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -54,7 +54,7 @@ def cpu_model() -> str:
 
 
 def ensure_model(name: str, preset: str, layers: int | None, dtype: str = "bfloat16") -> Path:
-    from moepager.checkpoints.synth import make_model
+    from moepager.loading.synth import make_model
 
     path = RESULTS / "models" / name
     if not (path / "config.json").exists():

@@ -28,8 +28,8 @@ from benchmarks.common import (
     record_demo_trace,
     write_json,
 )
-from moepager.checkpoints.build import load_model
 from moepager.checkpoints.default import default_model_path
+from moepager.loading.build import load_model
 from moepager.predictors import make_predictor
 from moepager.runtime.prefetch import router_scores
 from moepager.trace.fit import FITTERS

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import demo_documents, ensure_model, machine_state, print_table, write_json
-from moepager.checkpoints.build import load_model, resident_executor
 from moepager.checkpoints.default import default_model_path
+from moepager.loading.build import load_model, resident_executor
 from moepager.models.attention import ForwardBatch
 from moepager.models.moe import MoEBlock
 from moepager.runtime.tokenizer import Tokenizer

@@ -105,7 +105,7 @@ def hf_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def demo_checkpoint(tmp_path_factory) -> Path:
     """A make-model checkpoint with a tokenizer (Qwen3-MoE tiny geometry)."""
-    from moepager.checkpoints.synth import make_model
+    from moepager.loading.synth import make_model
 
     return make_model(tmp_path_factory.mktemp("tiny_qwen3"), "tiny", "qwen3_moe", dtype="float32",
                       show_progress=False)

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from moepager.checkpoints.build import weights_on_huge_pages
+from moepager.loading.build import weights_on_huge_pages
 from moepager.types import HUGE_PAGE, host_empty, rehome_on_huge_pages
 
 

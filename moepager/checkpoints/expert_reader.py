@@ -36,7 +36,7 @@ from moepager.experts.quant import (
     quantize_expert,
 )
 from moepager.experts.weights import ExpertShape, ExpertWeights, expert_view
-from moepager.models.base import ExpertNaming
+from moepager.models.naming import ExpertNaming
 from moepager.types import Between, ExpertKey
 
 

@@ -46,22 +46,26 @@ from moepager.checkpoints.gguf_write import (
 )
 from moepager.checkpoints.quantized import quantization_config
 from moepager.checkpoints.safetensors import EXTERNAL, write_external, write_shards
-from moepager.checkpoints.synth import tensor_specs
 from moepager.errors import CheckpointError
 from moepager.experts.quant import QuantFormat, QuantizedProjection, projection_tensors, quantize_int8
 from moepager.models.config import ModelConfig
-from moepager.models.registry import architecture_for
+from moepager.models.specs import spec_for
 
 
 def gguf_cache_dir() -> Path:
     return Path(os.environ.get("MOEPAGER_CACHE", Path.home() / ".cache" / "moepager")) / "gguf"
 
 
-def resolve_model_path(path: str | os.PathLike[str]) -> Path:
+TensorSpecs = Callable[[dict[str, Any]], list[tuple[str, tuple[int, ...]]]]
+"""(HF name, shape) of every tensor a checkpoint of a config.json holds: the model code's list (models/registry.py
+`tensor_specs`), which a GGUF file's conversion fills in; the formats sit below the model code, so it is handed in."""
+
+
+def resolve_model_path(path: str | os.PathLike[str], tensor_specs: TensorSpecs) -> Path:
     """A checkpoint directory for `path`: itself, or for a .gguf file its converted checkpoint (made once)."""
     p = Path(path)
     if p.suffix.lower() == ".gguf" and p.is_file():
-        return gguf_checkpoint(p)
+        return gguf_checkpoint(p, tensor_specs)
     if p.suffix.lower() == ".gguf" and not p.exists():
         raise CheckpointError(f"model path '{p}' does not exist")
     return p
@@ -71,7 +75,7 @@ SOURCE = "moepager-source.json"
 """What a cached conversion was made from (path, size, modification time): how stale ones are found."""
 
 
-def gguf_checkpoint(path: Path, show_progress: bool = True) -> Path:
+def gguf_checkpoint(path: Path, tensor_specs: TensorSpecs, show_progress: bool = True) -> Path:
     """The checkpoint directory a GGUF file converts to, under the cache (keyed by the file's path, size and
     modification time); converted now if it is not there yet. A new conversion first removes the cached ones whose
     GGUF file is gone or has changed since (they can never be used again), and says where it writes and how much."""
@@ -89,7 +93,7 @@ def gguf_checkpoint(path: Path, show_progress: bool = True) -> Path:
     check_dir(out, "the GGUF conversion cache", force=True)  # (writable: a probe file made and removed)
     freed = prune_gguf_cache()
     with atomic_dir(out, force=True) as tmp:
-        _convert_gguf(path, tmp, show_progress)
+        _convert_gguf(path, tmp, tensor_specs, show_progress)
         (tmp / SOURCE).write_text(json.dumps(source))
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     note = f"; removed {freed[0]} stale conversion(s), {freed[1] / 2**30:.2f} GiB" if freed[0] else ""
@@ -241,7 +245,7 @@ def _tokenizer_from_gguf(reader: Any, out: Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2))
 
 
-def _convert_gguf(path: Path, out: Path, show_progress: bool) -> None:
+def _convert_gguf(path: Path, out: Path, tensor_specs: TensorSpecs, show_progress: bool) -> None:
     reader = _open(path)
     arch = _field(reader, "general.architecture")
     if arch not in HF_ARCHS:
@@ -254,10 +258,10 @@ def _convert_gguf(path: Path, out: Path, show_progress: bool) -> None:
     tensors = GGUFTensors(path, reader)
     config = _config_from_gguf(reader, arch, int(tensors.meta["token_embd.weight"].shape[-1]),
                                "output.weight" not in tensors.meta)
-    cfg = architecture_for(config).parse_config(config)
+    cfg = spec_for(config).parse_config(config)
     entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     produce: dict[str, Callable[[], torch.Tensor]] = {}
-    _dense_entries(tensors, arch, config, cfg, entries, produce)
+    _dense_entries(tensors, arch, config, cfg, tensor_specs(config), entries, produce)
     in_place: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
     fmt = _expert_entries(tensors, cfg, entries, produce, in_place)
     write_shards(out, entries, lambda name: produce[name](), desc=f"converting {path.name}",
@@ -312,11 +316,11 @@ class GGUFTensors:
 
 
 def _dense_entries(tensors: GGUFTensors, arch: str, config: dict[str, Any], cfg: ModelConfig,
-                   entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                   specs: list[tuple[str, tuple[int, ...]]], entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
                    produce: dict[str, Callable[[], torch.Tensor]]) -> None:
     """Every tensor but the routed experts, under its HF name (llama's q/k rows unpermuted)."""
     mapped = name_map(arch, config["num_hidden_layers"])
-    for hf_name, shape in tensor_specs(config):
+    for hf_name, shape in specs:
         if is_routed_expert(hf_name):
             continue
         gname = mapped(hf_name)
@@ -369,7 +373,7 @@ def _expert_entries(tensors: GGUFTensors, cfg: ModelConfig, entries: list[tuple[
                                 for i in range(count)]
         return converted[gname][e]
 
-    naming = architecture_for(cfg.raw).expert_naming
+    naming = spec_for(cfg.raw).expert_naming
     for layer in cfg.moe_layers:  # stack by stack, so that each stack is read and converted once
         for template, gname, (n, k) in zip((naming.gate, naming.up, naming.down), expert_names(layer),
                                            ((f, d), (f, d), (d, f))):

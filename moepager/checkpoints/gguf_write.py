@@ -60,7 +60,7 @@ from moepager.experts.quant import (
 )
 from moepager.experts.weights import ExpertShape, ExpertWeights
 from moepager.models.config import ModelConfig
-from moepager.models.registry import architecture_for
+from moepager.models.specs import spec_for
 
 GGUF_ARCHS = {"Qwen3MoeForCausalLM": "qwen3moe", "Qwen2MoeForCausalLM": "qwen2moe", "OlmoeForCausalLM": "olmoe",
               "MixtralForCausalLM": "llama", "DeepseekV2ForCausalLM": "deepseek2", "DeepseekV3ForCausalLM": "deepseek2"}
@@ -214,7 +214,7 @@ class ExportSource:
     """What an export reads a model from: its config, the folder of its tokenizer files, its tensors other than the
     routed experts (HF name -> dtype and shape, in the order they are written) with a reader for one, a reader for one
     routed expert ((gate rows then up rows [2F, D], down [D, F])) and the experts' dtype. A checkpoint directory is one
-    (`checkpoint_source`); make-model's seeded generator is another (checkpoints/synth.py), so a random model of a
+    (`checkpoint_source`); make-model's seeded generator is another (loading/synth.py), so a random model of a
     real geometry is written as GGUF without a checkpoint of its size on disk first."""
 
     name: str
@@ -231,7 +231,7 @@ def checkpoint_source(checkpoint: Checkpoint) -> ExportSource:
     cfg = _exportable(checkpoint.config, checkpoint.path)
     dtype = checkpoint_dtype(checkpoint)
     shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, dtype)
-    reader = ExpertReader(checkpoint, architecture_for(checkpoint.config).expert_naming, shape, cfg.moe_layers[0],
+    reader = ExpertReader(checkpoint, spec_for(checkpoint.config).expert_naming, shape, cfg.moe_layers[0],
                           "off")
     scratch = ExpertWeights.empty(shape)
 
@@ -356,7 +356,7 @@ def _exportable(config: dict[str, Any], path: Path) -> ModelConfig:
         raise ConfigError(f"{path} is a moepager-quantized checkpoint; export its float original")
     if split_parts(config) != 1:
         raise ConfigError(f"{path} stores its experts in parts (moepager split); export its original")
-    cfg = architecture_for(config).parse_config(config)
+    cfg = spec_for(config).parse_config(config)
     deepseek2 = GGUF_ARCHS[hf_arch] == "deepseek2"
     first_moe = cfg.moe_layers[0] if deepseek2 else 0
     if tuple(cfg.moe_layers) != tuple(range(first_moe, cfg.num_layers)):

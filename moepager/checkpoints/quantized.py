@@ -42,9 +42,9 @@ from moepager.experts.quant import (
     quantize_projection,
 )
 from moepager.experts.weights import ExpertShape, ExpertWeights
-from moepager.models.base import ExpertNaming
 from moepager.models.config import ModelConfig
-from moepager.models.registry import architecture_for
+from moepager.models.naming import ExpertNaming
+from moepager.models.specs import spec_for
 from moepager.types import ExpertKey
 
 QUANT_METHOD = "moepager"
@@ -134,15 +134,15 @@ def quantize_checkpoint(model: str | os.PathLike[str], out: str | os.PathLike[st
     if experts not in ("int8", "int4"):
         raise ConfigError(f"--experts must be int8 or int4, not '{experts}'")
     fmt = replace(parse_expert_dtype(experts, group, zero_point), layout="plain")  # the checkpoint's layout
-    arch = architecture_for(checkpoint.config)
-    cfg = arch.parse_config(checkpoint.config)
+    spec = spec_for(checkpoint.config)
+    cfg = spec.parse_config(checkpoint.config)
     check_shape(cfg.hidden_size, cfg.expert_intermediate_size, fmt)
     out_dir = check_dir(out, "--out", force, {"--model": checkpoint.path})
     shape = ExpertShape(cfg.hidden_size, cfg.expert_intermediate_size, checkpoint_dtype(checkpoint))
-    reader = ExpertReader(checkpoint, arch.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0, "off")
+    reader = ExpertReader(checkpoint, spec.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0, "off")
     replaced = expert_tensor_names(reader, cfg.moe_layers, cfg.num_experts)
     entries = [(name, loc.dtype, loc.shape) for name, loc in checkpoint.locations.items() if name not in replaced]
-    sources = _quantized_entries(entries, cfg, arch.expert_naming, fmt, shape.dtype)
+    sources = _quantized_entries(entries, cfg, spec.expert_naming, fmt, shape.dtype)
     scratch = ExpertWeights.empty(shape)
     current: dict[ExpertKey, tuple[QuantizedProjection, QuantizedProjection]] = {}
 

@@ -35,7 +35,7 @@ from moepager.checkpoints.safetensors import Checkpoint
 from moepager.errors import CheckpointError, ConfigError
 from moepager.experts.weights import ExpertShape, ExpertWeights
 from moepager.models.config import ModelConfig
-from moepager.models.registry import architecture_for
+from moepager.models.specs import spec_for
 from moepager.types import ExpertKey
 
 
@@ -62,18 +62,18 @@ def split_checkpoint(model: str | os.PathLike[str], out: str | os.PathLike[str],
         raise ConfigError(f"{checkpoint.path} is split already; split its original")
     if parts not in PARTS:
         raise ConfigError(f"--parts must be one of {', '.join(map(str, PARTS))}, not {parts}")
-    arch = architecture_for(checkpoint.config)
-    cfg = arch.parse_config(checkpoint.config)
+    spec = spec_for(checkpoint.config)
+    cfg = spec.parse_config(checkpoint.config)
     d, f = cfg.hidden_size, cfg.expert_intermediate_size
     if f % parts:
         raise ConfigError(f"{parts} parts do not divide the experts' intermediate size {f}; choose from "
                           f"{', '.join(str(p) for p in PARTS if f % p == 0) or 'none'}")
     out_dir = check_dir(out, "--out", force, {"--model": checkpoint.path})
     shape = ExpertShape(d, f, checkpoint_dtype(checkpoint))
-    reader = ExpertReader(checkpoint, arch.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0, "off")
+    reader = ExpertReader(checkpoint, spec.expert_naming, shape, cfg.moe_layers[0] if cfg.moe_layers else 0, "off")
     replaced = expert_tensor_names(reader, cfg.moe_layers, cfg.num_experts)
     entries = [(name, loc.dtype, loc.shape) for name, loc in checkpoint.locations.items() if name not in replaced]
-    width, naming = f // parts, arch.expert_naming
+    width, naming = f // parts, spec.expert_naming
     sources: dict[str, tuple[ExpertKey, int, int]] = {}  # name -> (whole expert, part, projection 0/1/2)
     for layer in cfg.moe_layers:
         for e in range(cfg.num_experts):

@@ -11,7 +11,6 @@ from pathlib import Path
 import psutil
 
 from moepager.atomic_io import check_file
-from moepager.checkpoints.build import read_config
 from moepager.checkpoints.default import default_model_path
 from moepager.cli.launch import launch_workers, starts_workers
 from moepager.config import (
@@ -35,6 +34,7 @@ from moepager.config import (
 )
 from moepager.errors import MoepagerError
 from moepager.experts.remote.placement import Links
+from moepager.loading.build import read_config
 from moepager.policies import ENGINE_POLICIES
 from moepager.policies.prefetch import PREFETCH_POLICIES
 from moepager.predictors import ONLINE, PREDICTORS

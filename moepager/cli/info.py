@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 
 from moepager.accel import cpu_kernels
-from moepager.checkpoints.build import LoadOptions, open_checkpoint
 from moepager.checkpoints.default import default_model_path
 from moepager.checkpoints.derived import split_parts
 from moepager.checkpoints.disk import bounce_bytes
@@ -20,7 +19,8 @@ from moepager.checkpoints.quantized import expert_format, stored_format
 from moepager.checkpoints.safetensors import Checkpoint
 from moepager.config import Budget, EngineConfig, StoreConfig
 from moepager.experts.weights import ExpertShape
-from moepager.models.registry import architecture_for
+from moepager.loading.build import LoadOptions, open_checkpoint
+from moepager.models.registry import architecture_for, tensor_specs
 from moepager.placements.base import expert_times
 from moepager.placements.fit import fit_of, fitted
 from moepager.placements.stores import stream_rows
@@ -44,7 +44,7 @@ def count(n: int) -> str:
 
 
 def describe(path: str, budgets: Sequence[str] = ()) -> list[tuple[str, str]]:
-    ckpt = Checkpoint(resolve_model_path(path))
+    ckpt = Checkpoint(resolve_model_path(path, tensor_specs))
     cfg = architecture_for(ckpt.config).parse_config(ckpt.config)
     dtype, stored, parts = checkpoint_dtype(ckpt), stored_format(ckpt.config), split_parts(ckpt.config)
     per_expert = 3 * cfg.hidden_size * cfg.expert_intermediate_size

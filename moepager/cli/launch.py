@@ -9,10 +9,10 @@ import os
 import subprocess
 import sys
 
-from moepager.checkpoints.build import read_config
 from moepager.checkpoints.default import default_model_path
 from moepager.config import Budget, EngineConfig
 from moepager.errors import MoepagerError
+from moepager.loading.build import read_config
 
 RANKS_PER_CORE = 4
 """--workers: at most this many rank processes per CPU core (beyond, each waits on the others' time slices)."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from moepager.checkpoints.synth import make_model
-from moepager.checkpoints.synth_presets import ARCH_TYPES, PRESET_NAMES
+from moepager.loading.synth import make_model
+from moepager.loading.synth_presets import ARCH_TYPES, PRESET_NAMES
 
 HELP = "write a random-weight Hugging Face checkpoint at a real model's geometry (or a tiny test one)"
 

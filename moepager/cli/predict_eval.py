@@ -60,7 +60,7 @@ def build(name: str, reader: TraceReader, train: list[int], distances: list[int]
         with tqdm(total=fitter.total(train, options), desc=f"fitting {name}", unit=fitter.unit, leave=False) as bar:
             return fitter.fit(reader, train, options, bar.update)
     assert model is not None  # checked up front (check_needs)
-    from moepager.checkpoints.build import load_model
+    from moepager.loading.build import load_model
     from moepager.runtime.prefetch import router_scores
 
     routers = router_scores(load_model(model, show_progress=False).model)
@@ -82,7 +82,7 @@ def check_needs(names: list[str], reader: TraceReader, model: str | None) -> Non
     if any(PREDICTORS[name].needs_routers for name in names):
         if model is None:
             raise PredictorError("gate-lookahead needs --model (the checkpoint the trace was recorded from)")
-        from moepager.checkpoints.build import read_config
+        from moepager.loading.build import read_config
         from moepager.runtime.replay import check_geometry
 
         check_geometry(reader.header, read_config(model), "match")

@@ -14,13 +14,14 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from moepager.checkpoints.build import read_config
 from moepager.checkpoints.default import default_model_path
 from moepager.checkpoints.gguf_read import resolve_model_path
 from moepager.config import EngineConfig
 from moepager.errors import MoepagerError
 from moepager.experts.remote.placement import Links
 from moepager.experts.remote.protocol import SHADOW_RANK, STATS, Stop, send
+from moepager.loading.build import read_config
+from moepager.models.registry import tensor_specs
 from moepager.placements.remote import expert_worker, placement
 from moepager.runtime.shadow import Shadow
 
@@ -54,7 +55,7 @@ def launch(config: EngineConfig, main: Callable[[EngineConfig, Links], int]) -> 
                 for rank_, stats in stop_workers(world, config.remote.worker_timeout_s, links).items():
                     shadow = config.remote.shadow and rank_ == SHADOW_RANK
                     print(describe_shadow(rank_, stats) if shadow else describe(rank_, stats), file=sys.stderr)
-        path = resolve_model_path(config.model) if config.model else default_model_path()
+        path = resolve_model_path(config.model, tensor_specs) if config.model else default_model_path()
         if config.remote.shadow and rank == SHADOW_RANK:
             Shadow(config, path, placement(config, read_config(path)), links).serve()
         else:

@@ -3,7 +3,7 @@ slots filled into module instances from above).
 
 A model is given its `Backend` when it is built (`Architecture.build`), and hands the same object to every block it
 makes; a block asks it at each call (`backend.rms_norm`, `backend.router_topk`, `backend.attention`: None where torch's
-ops compute). Once the model's weights are in place, the builder calls `backend.fuse(model)` (checkpoints/build.py):
+ops compute). Once the model's weights are in place, the builder calls `backend.fuse(model)` (loading/build.py):
 the backend makes the fused decode calls it has for the model's layers and for the whole model (`layer_steps`,
 `model_step`), which the layers and the model then try first. This base class is torch's ops alone; accel/step.py's
 `KernelBackend` is moepager's CPU kernels for a bf16 model on the CPU.

@@ -8,9 +8,6 @@ weights optionally renormalised (`norm_topk_prob`), then multiplied by `routed_s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,11 +16,12 @@ from moepager.errors import CheckpointError
 from moepager.experts.executor import ExpertExecutor
 from moepager.models.attention import RotaryEmbedding
 from moepager.models.backend import Backend
-from moepager.models.base import PER_EXPERT_MLP, Architecture, common_fields
-from moepager.models.config import ModelConfig, get, rope_from_raw
+from moepager.models.base import Architecture
+from moepager.models.config import ModelConfig
 from moepager.models.layers import CausalLM, DecoderLayer, DecoderStack, DenseMLP
 from moepager.models.mla import MLAttention
 from moepager.models.moe import MoEBlock
+from moepager.models.specs import SPECS
 from moepager.types import RoutingDecision
 
 
@@ -70,25 +68,6 @@ class DeepseekMoEBlock(MoEBlock):
         return self.shared_experts(x_ND)
 
 
-def parse_deepseek_config(raw: Mapping[str, Any], *, experts_key: str = "n_routed_experts") -> ModelConfig:
-    """Config of either DeepSeek version (V3 differs only in router keys, read by its router)."""
-    fields = common_fields(raw, default_eps=1e-6, default_max_pos=4096)
-    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-        get(raw, key, kind=int)
-    moe_i = get(raw, "moe_intermediate_size", kind=int)
-    first_dense = get(raw, "first_k_dense_replace", 0, kind=int)
-    freq = get(raw, "moe_layer_freq", 1, kind=int)
-    return ModelConfig(
-        **fields,
-        head_dim=raw["qk_rope_head_dim"],
-        rope=rope_from_raw(raw, raw["qk_rope_head_dim"]),
-        moe_layers=tuple(i for i in range(fields["num_layers"]) if i >= first_dense and i % freq == 0),
-        num_experts=get(raw, experts_key, kind=int),
-        top_k=get(raw, "num_experts_per_tok", kind=int),
-        expert_intermediate_size=moe_i,
-        dense_intermediate_size=get(raw, "intermediate_size", kind=int),
-        shared_intermediate_size=moe_i * get(raw, "n_shared_experts", 0, kind=int),
-    )
 
 
 def build_deepseek(cfg: ModelConfig, experts: ExpertExecutor, router: type[nn.Module], interleaved_rope: bool,
@@ -108,4 +87,4 @@ def build(cfg: ModelConfig, experts: ExpertExecutor, backend: Backend | None = N
     return build_deepseek(cfg, experts, DeepseekV2Router, interleaved_rope=True, backend=backend)
 
 
-ARCHITECTURE = Architecture("DeepseekV2ForCausalLM", parse_deepseek_config, build, PER_EXPERT_MLP)
+ARCHITECTURE = Architecture.of(SPECS["DeepseekV2ForCausalLM"], build)

@@ -8,19 +8,17 @@ renormalised when `norm_topk_prob`, times `routed_scaling_factor`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moepager.experts.executor import ExpertExecutor
 from moepager.models.backend import Backend
-from moepager.models.base import PER_EXPERT_MLP, Architecture
+from moepager.models.base import Architecture
 from moepager.models.config import ModelConfig
-from moepager.models.deepseek_v2 import build_deepseek, parse_deepseek_config
+from moepager.models.deepseek_v2 import build_deepseek
 from moepager.models.layers import CausalLM
+from moepager.models.specs import SPECS
 from moepager.types import RoutingDecision
 
 
@@ -53,9 +51,6 @@ class DeepseekV3Router(nn.Module):
         return RoutingDecision(ids_NK, weights_NK * self.scaling, scores_NE)
 
 
-def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
-    key = "n_routed_experts" if "n_routed_experts" in raw else "num_local_experts"
-    return parse_deepseek_config(raw, experts_key=key)
 
 
 def build(cfg: ModelConfig, experts: ExpertExecutor, backend: Backend | None = None) -> CausalLM:
@@ -63,4 +58,4 @@ def build(cfg: ModelConfig, experts: ExpertExecutor, backend: Backend | None = N
                           backend=backend)
 
 
-ARCHITECTURE = Architecture("DeepseekV3ForCausalLM", parse_config, build, PER_EXPERT_MLP)
+ARCHITECTURE = Architecture.of(SPECS["DeepseekV3ForCausalLM"], build)

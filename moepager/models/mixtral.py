@@ -7,33 +7,14 @@ transformers' fused layout names it `mlp` with `gate_up_proj` / `down_proj`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from moepager.experts.executor import ExpertExecutor
 from moepager.models.attention import Attention, RotaryEmbedding
 from moepager.models.backend import Backend
-from moepager.models.base import Architecture, ExpertNaming, common_fields
-from moepager.models.config import ModelConfig, get, rope_from_raw
+from moepager.models.base import Architecture
+from moepager.models.config import ModelConfig
 from moepager.models.layers import CausalLM, DecoderLayer, DecoderStack
 from moepager.models.moe import MoEBlock, SoftmaxTopKRouter
-
-
-def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
-    fields = common_fields(raw, default_eps=1e-5, default_max_pos=131072)
-    head_dim = get(raw, "head_dim", fields["hidden_size"] // fields["num_heads"], kind=int)
-    layers = fields["num_layers"]
-    return ModelConfig(
-        **fields,
-        head_dim=head_dim,
-        rope=rope_from_raw(raw, head_dim, default_theta=1e6),
-        moe_layers=tuple(range(layers)),
-        num_experts=get(raw, "num_local_experts", kind=int),
-        top_k=get(raw, "num_experts_per_tok", kind=int),
-        expert_intermediate_size=get(raw, "intermediate_size", kind=int),
-        dense_intermediate_size=get(raw, "intermediate_size", kind=int),
-        sliding_window=get(raw, "sliding_window", None),
-    )
+from moepager.models.specs import SPECS
 
 
 def router(cfg: ModelConfig, backend: Backend) -> SoftmaxTopKRouter:
@@ -52,15 +33,4 @@ def build(cfg: ModelConfig, experts: ExpertExecutor, backend: Backend | None = N
     return CausalLM(cfg, stack, disk_renames={".mlp.gate.": ".block_sparse_moe.gate."})
 
 
-ARCHITECTURE = Architecture(
-    name="MixtralForCausalLM",
-    parse_config=parse_config,
-    build=build,
-    expert_naming=ExpertNaming(
-        gate="model.layers.{layer}.block_sparse_moe.experts.{expert}.w1.weight",
-        up="model.layers.{layer}.block_sparse_moe.experts.{expert}.w3.weight",
-        down="model.layers.{layer}.block_sparse_moe.experts.{expert}.w2.weight",
-        fused_gate_up="model.layers.{layer}.mlp.experts.gate_up_proj",
-        fused_down="model.layers.{layer}.mlp.experts.down_proj",
-    ),
-)
+ARCHITECTURE = Architecture.of(SPECS["MixtralForCausalLM"], build)

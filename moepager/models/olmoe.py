@@ -6,31 +6,14 @@ Router: softmax (fp32) -> top-k -> optional renormalisation (`norm_topk_prob`, o
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from moepager.experts.executor import ExpertExecutor
 from moepager.models.attention import Attention, RotaryEmbedding
 from moepager.models.backend import Backend
-from moepager.models.base import PER_EXPERT_MLP, Architecture, common_fields
-from moepager.models.config import ModelConfig, get, rope_from_raw
+from moepager.models.base import Architecture
+from moepager.models.config import ModelConfig
 from moepager.models.layers import CausalLM, DecoderLayer, DecoderStack
 from moepager.models.moe import MoEBlock, SoftmaxTopKRouter
-
-
-def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
-    fields = common_fields(raw, default_eps=1e-5, default_max_pos=4096)
-    head_dim = fields["hidden_size"] // fields["num_heads"]
-    return ModelConfig(
-        **fields,
-        head_dim=head_dim,
-        rope=rope_from_raw(raw, head_dim),
-        moe_layers=tuple(range(fields["num_layers"])),
-        num_experts=get(raw, ("num_experts", "num_local_experts"), kind=int),
-        top_k=get(raw, "num_experts_per_tok", kind=int),
-        expert_intermediate_size=get(raw, "intermediate_size", kind=int),
-        dense_intermediate_size=get(raw, "intermediate_size", kind=int),
-    )
+from moepager.models.specs import SPECS
 
 
 def build(cfg: ModelConfig, experts: ExpertExecutor, backend: Backend | None = None) -> CausalLM:
@@ -49,4 +32,4 @@ def build(cfg: ModelConfig, experts: ExpertExecutor, backend: Backend | None = N
     return CausalLM(cfg, DecoderStack(cfg, layers, rope, backend))
 
 
-ARCHITECTURE = Architecture("OlmoeForCausalLM", parse_config, build, PER_EXPERT_MLP)
+ARCHITECTURE = Architecture.of(SPECS["OlmoeForCausalLM"], build)

@@ -5,21 +5,14 @@ Router: softmax (fp32) -> top-k -> optional renormalisation (`norm_topk_prob`) -
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from moepager.experts.executor import ExpertExecutor
 from moepager.models.attention import Attention, RotaryEmbedding
 from moepager.models.backend import Backend
-from moepager.models.base import PER_EXPERT_MLP, Architecture
+from moepager.models.base import Architecture
 from moepager.models.config import ModelConfig
 from moepager.models.layers import CausalLM, DecoderLayer, DecoderStack, DenseMLP
 from moepager.models.moe import MoEBlock, SoftmaxTopKRouter
-from moepager.models.qwen2_moe import parse_qwen_config
-
-
-def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
-    return parse_qwen_config(raw, shared_expert=False)
+from moepager.models.specs import SPECS
 
 
 def build(cfg: ModelConfig, experts: ExpertExecutor, backend: Backend | None = None) -> CausalLM:
@@ -41,4 +34,4 @@ def build(cfg: ModelConfig, experts: ExpertExecutor, backend: Backend | None = N
     return CausalLM(cfg, DecoderStack(cfg, layers, rope, backend))
 
 
-ARCHITECTURE = Architecture("Qwen3MoeForCausalLM", parse_config, build, PER_EXPERT_MLP)
+ARCHITECTURE = Architecture.of(SPECS["Qwen3MoeForCausalLM"], build)

@@ -9,12 +9,12 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from moepager.checkpoints.build import OpenCheckpoint
 from moepager.config import EngineConfig
 from moepager.errors import ConfigError
 from moepager.experts.executor import ExpertExecutor
 from moepager.experts.hybrid import ExpertTimes
 from moepager.experts.remote.placement import Links
+from moepager.loading.build import OpenCheckpoint
 from moepager.planning.cost import CostModel, nominal_profile
 from moepager.store.store import ExpertStore
 from moepager.store.view import StoreView

@@ -8,11 +8,11 @@ from dataclasses import replace
 
 import torch
 
-from moepager.checkpoints.build import ExecutorFactory, resident_executor
 from moepager.config import EngineConfig
 from moepager.experts.executor import ExpertExecutor
 from moepager.experts.hybrid import CpuExpertsExecutor, CpuPool
 from moepager.experts.protocols import FlatReader
+from moepager.loading.build import ExecutorFactory, resident_executor
 from moepager.models.config import ModelConfig
 from moepager.placements.base import BuildContext, Placed
 from moepager.placements.paged import paged_store_executor

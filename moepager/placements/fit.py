@@ -27,10 +27,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from moepager.checkpoints.build import OpenCheckpoint
 from moepager.config import EngineConfig, SchedulerConfig
 from moepager.errors import BudgetError
 from moepager.experts.hybrid import ExpertTimes
+from moepager.loading.build import OpenCheckpoint
 from moepager.models.attention import SCORES_MAX
 from moepager.placements.stores import STREAM_ROWS, read_buffer_bytes
 from moepager.planning.calibrate import parallel_rate

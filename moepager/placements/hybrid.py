@@ -8,11 +8,11 @@ from collections.abc import Callable
 import torch
 
 from moepager.accel import cpu_kernels
-from moepager.checkpoints.build import ExecutorFactory
 from moepager.config import EngineConfig
 from moepager.experts.executor import ExpertExecutor
 from moepager.experts.hybrid import CpuPool, ExpertTimes, HybridExecutor
 from moepager.experts.protocols import FlatReader
+from moepager.loading.build import ExecutorFactory
 from moepager.models.config import ModelConfig
 from moepager.placements.base import BuildContext, Placed, expert_times
 from moepager.placements.stores import build_store

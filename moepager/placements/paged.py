@@ -9,10 +9,10 @@ from collections.abc import Callable
 import torch
 
 from moepager.accel import cpu_kernels
-from moepager.checkpoints.build import ExecutorFactory
 from moepager.config import Kernel, StoreConfig
 from moepager.experts.executor import ExpertExecutor, PagedExecutor
 from moepager.experts.protocols import FlatReader
+from moepager.loading.build import ExecutorFactory
 from moepager.models.config import ModelConfig
 from moepager.placements.base import BuildContext, Placed
 from moepager.placements.stores import build_store

@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 from moepager.accel import cpu_kernels
-from moepager.checkpoints.build import LoadOptions, open_checkpoint, read_experts
 from moepager.config import Budget, EngineConfig, StoreConfig
 from moepager.errors import ConfigError
 from moepager.experts.executor import ArenaKernels, PagedExecutor
@@ -20,6 +19,7 @@ from moepager.experts.remote.feed import ShadowFeed
 from moepager.experts.remote.placement import Links, Placement
 from moepager.experts.remote.protocol import SHADOW_RANK
 from moepager.experts.remote.worker import ExpertWorker, Holding
+from moepager.loading.build import LoadOptions, open_checkpoint, read_experts
 from moepager.models.config import ModelConfig
 from moepager.placements.base import BuildContext, Placed
 from moepager.placements.stores import build_store, read_buffer_bytes

@@ -3,7 +3,7 @@ smallest placement, and the example of docs/architecture.md)."""
 
 from __future__ import annotations
 
-from moepager.checkpoints.build import resident_executor
+from moepager.loading.build import resident_executor
 from moepager.placements.base import BuildContext, Placed
 
 

@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from moepager.accel import cpu_kernels
 from moepager.accel.packed import pack_dense
 from moepager.accel.step import step_backend
-from moepager.checkpoints.build import cast_model, open_experts
 from moepager.checkpoints.dtypes import checkpoint_dtype
 from moepager.checkpoints.expert_reader import ExpertReader
 from moepager.checkpoints.safetensors import Checkpoint
@@ -42,6 +41,7 @@ from moepager.experts.quant import QuantExpertWeights, quantize_expert
 from moepager.experts.reference import expert_forward
 from moepager.experts.sorting import sort_by_expert
 from moepager.experts.weights import ExpertShape, expert_view
+from moepager.loading.build import cast_model, open_experts
 from moepager.models.attention import ForwardBatch
 from moepager.models.base import Architecture
 from moepager.models.config import ModelConfig

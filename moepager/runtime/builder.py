@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from moepager.accel.compiled import compile_decode
-from moepager.checkpoints.build import LoadedModel, LoadOptions, OpenCheckpoint, build_model, load_bar, open_checkpoint
 from moepager.config import EngineConfig, Execution, StoreConfig
 from moepager.errors import ConfigError
 from moepager.experts.hybrid import ExpertTimes
 from moepager.experts.remote.placement import Links
+from moepager.loading.build import LoadedModel, LoadOptions, OpenCheckpoint, build_model, load_bar, open_checkpoint
 from moepager.placements import resolve
 from moepager.placements.base import BuildContext, PlacementPlugin, expert_times
 from moepager.placements.fit import fitted, unused_paging

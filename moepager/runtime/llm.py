@@ -13,7 +13,6 @@ import torch
 
 from moepager.accel import cpu_kernels
 from moepager.atomic_io import check_file
-from moepager.checkpoints.build import LoadedModel
 from moepager.checkpoints.default import default_model_path
 from moepager.checkpoints.gguf_read import resolve_model_path
 from moepager.checkpoints.safetensors import Checkpoint
@@ -21,6 +20,8 @@ from moepager.config import EngineConfig, PrefetchConfig, StoreConfig
 from moepager.errors import ConfigError, InvalidRequestError
 from moepager.experts.hybrid import ExpertTimes
 from moepager.experts.remote.placement import Links
+from moepager.loading.build import LoadedModel
+from moepager.models.registry import tensor_specs
 from moepager.predictors import PREDICTORS
 from moepager.runtime.batch_policy.expertflow import PathTracker
 from moepager.runtime.builder import build, start_engine, store_report
@@ -80,7 +81,7 @@ class LLM:
                                              prefetch=prefetch or PrefetchConfig())
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
-        path = resolve_model_path(self.config.model) if self.config.model else default_model_path()
+        path = resolve_model_path(self.config.model, tensor_specs) if self.config.model else default_model_path()
         built = build(self.config, path, show_progress, links, costs)
         self.config = built.config  # as built: a fitted run's budget and prompt chunk (the scheduler reads it)
         self.loaded: LoadedModel = built.loaded

@@ -14,12 +14,12 @@ from moepager.accel import compiled, cpu_kernels, packed
 from moepager.accel.compiled import check_compilable, compile_decode
 from moepager.accel.dense_quant import Int8A8Linear
 from moepager.accel.packed import FusedLinear, PackedLinear, packing_available
-from moepager.checkpoints.build import load_model
 from moepager.config import EngineConfig, ExpertFormat, PrefetchConfig, StoreConfig
 from moepager.errors import ConfigError
 from moepager.experts.executor import ResidentExecutor
 from moepager.experts.quant import int8_packing_available
 from moepager.experts.weights import ExpertShape
+from moepager.loading.build import load_model
 from moepager.models import graph_exit
 from moepager.placements.paged import paged_executor
 from moepager.runtime.llm import LLM

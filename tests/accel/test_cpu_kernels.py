@@ -14,13 +14,13 @@ import torch.nn.functional as F
 
 from moepager.accel import cpu_kernels, cpu_tiers, ops
 from moepager.accel.packed import FusedLinear
-from moepager.checkpoints.build import LoadOptions, load_model, open_checkpoint, resident_executor
 from moepager.checkpoints.quantized import quantize_checkpoint
 from moepager.config import StoreConfig
 from moepager.errors import ConfigError
 from moepager.experts.executor import PagedExecutor, ResidentExecutor
 from moepager.experts.quant import QuantExpertWeights, QuantFormat, quantize_expert, sections
 from moepager.experts.weights import ExpertShape
+from moepager.loading.build import LoadOptions, load_model, open_checkpoint, resident_executor
 from moepager.models.attention import Attention
 from moepager.placements.paged import paged_executor
 from moepager.placements.stores import STREAM_ROWS, read_buffer_bytes

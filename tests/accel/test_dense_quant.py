@@ -10,12 +10,12 @@ from torch import nn
 
 from moepager.accel import cpu_kernels
 from moepager.accel.dense_quant import Int8A8Linear, Int8Linear, check_dense_dtype
-from moepager.checkpoints.build import load_model
 from moepager.checkpoints.default import default_model_path
-from moepager.checkpoints.synth import make_model
 from moepager.config import EngineConfig, StoreConfig
 from moepager.errors import ConfigError
 from moepager.experts.quant import INT8_PACKED_MAX_TOKENS, int8_packing_available
+from moepager.loading.build import load_model
+from moepager.loading.synth import make_model
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from tests.runtime.test_offload import logits_run

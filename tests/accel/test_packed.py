@@ -11,12 +11,12 @@ import torch.nn.functional as F
 
 from moepager.accel import packed
 from moepager.accel.packed import PackedLinear, packing_available
-from moepager.checkpoints.build import load_model, resident_executor
 from moepager.config import StoreConfig
 from moepager.errors import ConfigError
 from moepager.experts.executor import PackedExecutor
 from moepager.experts.quant import QuantFormat
 from moepager.experts.weights import ExpertShape
+from moepager.loading.build import load_model, resident_executor
 from moepager.models.attention import Attention
 from moepager.models.moe import SoftmaxTopKRouter
 from moepager.placements.paged import paged_executor

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from moepager.checkpoints.build import load_model
 from moepager.checkpoints.default import default_model_path
 from moepager.checkpoints.gguf_read import gguf_checkpoint, resolve_model_path
 from moepager.checkpoints.gguf_write import (
@@ -21,11 +20,13 @@ from moepager.checkpoints.gguf_write import (
     q8_0_blocks,
     q8_0_values,
 )
-from moepager.checkpoints.synth import make_model
 from moepager.cli.main import main
 from moepager.errors import CheckpointError, ConfigError
 from moepager.experts.quant import QuantExpertWeights
+from moepager.loading.build import load_model
+from moepager.loading.synth import make_model
 from moepager.models.attention import ForwardBatch
+from moepager.models.registry import tensor_specs
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from tests.runtime.test_offload import logits_run
@@ -83,7 +84,7 @@ def test_a_bf16_export_loads_back_into_the_same_model(tiny, tmp_path, arch):
         path = edited(path, tmp_path / "biased", bias_seed=1)
     out = export_gguf(path, tmp_path / "m.gguf", show_progress=False)
     ref = load_model(path, torch.float32, show_progress=False)  # bf16 weights, computed in fp32 (exact upcast)
-    got = load_model(resolve_model_path(out), torch.float32, show_progress=False)
+    got = load_model(resolve_model_path(out, tensor_specs), torch.float32, show_progress=False)
     assert got.config.raw["architectures"] == ref.config.raw["architectures"]
     assert all(torch.equal(a, b) for a, b in zip(logits_run(got), logits_run(ref)))
     params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -105,7 +106,7 @@ def test_float_experts_are_read_from_the_gguf_file_in_place_and_page_from_it(tin
 
     path = tiny("qwen3_moe")
     out = export_gguf(path, tmp_path / "m.gguf", show_progress=False)
-    converted = resolve_model_path(out)
+    converted = resolve_model_path(out, tensor_specs)
     ckpt = Checkpoint(converted)
     experts = {n: loc for n, loc in ckpt.locations.items() if ".experts." in n}
     assert experts and {loc.path for loc in experts.values()} == {out.resolve()}
@@ -149,7 +150,7 @@ def test_q8_0_and_q4_0_blocks_decode_as_ggml_decodes_them():
 def test_quantized_exports_load_as_int4_and_int8_experts(tiny, tmp_path, kind):
     path = tiny("qwen3_moe")
     out = export_gguf(path, tmp_path / f"m-{kind}.gguf", kind, show_progress=False)
-    loaded = load_model(resolve_model_path(out), show_progress=False)
+    loaded = load_model(resolve_model_path(out, tensor_specs), show_progress=False)
     assert loaded.expert_shape.quant.bits == (4 if kind == "q4_0" else 8)
     reader = gguf.GGUFReader(out)
     t = next(t for t in reader.tensors if t.name == "blk.1.ffn_down_exps.weight")
@@ -164,7 +165,8 @@ def test_quantized_exports_load_as_int4_and_int8_experts(tiny, tmp_path, kind):
         np.testing.assert_allclose(got, want, atol=float(scale.max()) * 8 * 2 ** -8, rtol=0)
     else:  # requantized per channel
         np.testing.assert_allclose(got, want, atol=float(np.abs(want).max()) / 127, rtol=0)
-    assert sum(p.stat().st_size for p in resolve_model_path(out).glob("*.safetensors")) < out.stat().st_size * 1.1
+    converted = resolve_model_path(out, tensor_specs)
+    assert sum(p.stat().st_size for p in converted.glob("*.safetensors")) < out.stat().st_size * 1.1
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2", "demo"])
@@ -185,7 +187,8 @@ def test_a_dense_q8_0_export_quantizes_the_projections_and_loads_back_close(tiny
     else:
         assert types["blk.0.attn_q.weight"] == types["blk.0.attn_v.weight"] == "Q8_0"
     ref = logits_run(load_model(path, torch.float32, show_progress=False), steps=2, rows=1)
-    got = logits_run(load_model(resolve_model_path(out), torch.float32, show_progress=False), steps=2, rows=1)
+    converted = resolve_model_path(out, tensor_specs)
+    got = logits_run(load_model(converted, torch.float32, show_progress=False), steps=2, rows=1)
     for a, b in zip(got, ref):
         assert (a - b).norm() < 0.05 * b.norm()
     with pytest.raises(ConfigError, match="--dense-type 'q4_0'"):
@@ -285,20 +288,20 @@ def test_bad_exports_and_bad_files_get_one_clear_error_each(tiny, tmp_path, monk
         export_gguf(tiny("olmoe"), tmp_path, show_progress=False)
     assert list(tmp_path.glob("*.gguf")) == [] and not list(tmp_path.glob(".x.partial*"))
     with pytest.raises(CheckpointError, match="does not exist"):
-        resolve_model_path(tmp_path / "missing.gguf")
+        resolve_model_path(tmp_path / "missing.gguf", tensor_specs)
 
     good = export_gguf(tiny("olmoe"), tmp_path / "good.gguf", show_progress=False)
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     with pytest.raises(CheckpointError, match="truncated or corrupt"):
-        gguf_checkpoint(truncated, show_progress=False)
+        gguf_checkpoint(truncated, tensor_specs, show_progress=False)
 
     other = tmp_path / "gemma.gguf"
     w = gguf.GGUFWriter(other, "gemma")
     w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     with pytest.raises(CheckpointError, match="architecture 'gemma' is not supported; moepager reads deepseek2, llama"):
-        gguf_checkpoint(other, show_progress=False)
+        gguf_checkpoint(other, tensor_specs, show_progress=False)
 
     odd = tmp_path / "q4_1.gguf"
     w = gguf.GGUFWriter(odd, "olmoe")
@@ -306,13 +309,13 @@ def test_bad_exports_and_bad_files_get_one_clear_error_each(tiny, tmp_path, monk
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     with pytest.raises(CheckpointError, match="tensor types Q4_1 are not supported; moepager reads F32, F16, BF16, "
                                               "Q8_0, Q4_0"):
-        gguf_checkpoint(odd, show_progress=False)
+        gguf_checkpoint(odd, tensor_specs, show_progress=False)
     import moepager.checkpoints.gguf_write as gguf_io
 
     monkeypatch.setattr(gguf_io, "_pre_type", lambda pre: "deepseek-llm")
     deepseek_pre = export_gguf(tiny("olmoe"), tmp_path / "deepseek-pre.gguf", show_progress=False)
     with pytest.raises(CheckpointError, match="pre-tokenizer 'deepseek-llm' is not supported; moepager reads gpt-2"):
-        gguf_checkpoint(deepseek_pre, show_progress=False)
+        gguf_checkpoint(deepseek_pre, tensor_specs, show_progress=False)
     assert not list((tmp_path / "cache" / "gguf").glob("*/config.json"))  # nothing half-converted left behind
 
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from moepager.checkpoints import quantized as quantized_module
-from moepager.checkpoints.build import load_model
 from moepager.checkpoints.default import default_model_path
 from moepager.checkpoints.quantized import quantize_checkpoint, stored_format
 from moepager.checkpoints.safetensors import Checkpoint, write_safetensors
@@ -17,6 +16,7 @@ from moepager.cli.main import main
 from moepager.config import EngineConfig, ExpertFormat, StoreConfig
 from moepager.errors import CheckpointError, ConfigError
 from moepager.experts.quant import QuantFormat
+from moepager.loading.build import load_model
 from moepager.placements.paged import paged_executor
 from moepager.placements.stores import read_buffer_bytes
 from moepager.runtime.llm import LLM
@@ -200,7 +200,7 @@ def test_an_interrupted_quantize_leaves_nothing(demo_checkpoint, tmp_path, monke
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
 def test_in_bf16_a_quantized_checkpoint_and_load_time_quantization_agree_bit_for_bit(tmp_path, name):
-    from moepager.checkpoints.synth import make_model
+    from moepager.loading.synth import make_model
 
     path = make_model(tmp_path / "bf16", "tiny", "qwen3_moe", dtype="bfloat16", show_progress=False)
     at_load = LLM(path, show_progress=False, config=EngineConfig(model=str(path), experts=ExpertFormat(name)))

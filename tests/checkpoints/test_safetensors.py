@@ -8,9 +8,9 @@ import shutil
 import pytest
 import torch
 
-from moepager.checkpoints.build import load_model
 from moepager.checkpoints.safetensors import Checkpoint
 from moepager.errors import CheckpointError, UnsupportedArchitectureError
+from moepager.loading.build import load_model
 from moepager.models.attention import ForwardBatch
 
 
@@ -117,7 +117,7 @@ def test_a_model_loaded_under_inference_mode_computes_the_same(hf_checkpoint, ar
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["stored", "bf16"])
 def test_window_bytes_are_the_dense_weights_read_around_each_moe_layer(hf_checkpoint, dtype):
-    from moepager.checkpoints.build import LoadOptions, open_checkpoint
+    from moepager.loading.build import LoadOptions, open_checkpoint
 
     model, path = hf_checkpoint("qwen2_moe")  # layer 1 is dense (mlp_only_layers), 0 and 2 route
     opened = open_checkpoint(path, LoadOptions(dtype=dtype))

@@ -12,7 +12,6 @@ import json
 import pytest
 import torch
 
-from moepager.checkpoints.build import load_model
 from moepager.checkpoints.default import default_model_path
 from moepager.checkpoints.disk import bounce_bytes
 from moepager.checkpoints.quantized import quantize_checkpoint
@@ -20,6 +19,7 @@ from moepager.checkpoints.split import split_checkpoint
 from moepager.cli.main import main
 from moepager.config import EngineConfig, PlacementConfig, PrefetchConfig, StoreConfig
 from moepager.errors import BudgetError, ConfigError
+from moepager.loading.build import load_model
 from moepager.models.attention import ForwardBatch
 from moepager.placements.paged import paged_executor
 from moepager.policies import ENGINE_POLICIES

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file, save_file
 
-from moepager.checkpoints import synth
 from moepager.cli.main import main
 from moepager.config import StoreConfig
 from moepager.errors import MoepagerError, NumericalError
+from moepager.loading import synth
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from tests.conftest import expert_budget

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from moepager.checkpoints.synth import tensor_specs
-from moepager.checkpoints.synth_presets import ARCH_TYPES, preset_config
 from moepager.cli.main import main
+from moepager.loading.synth_presets import ARCH_TYPES, preset_config
+from moepager.models.registry import tensor_specs
 
 
 @pytest.fixture(scope="module")

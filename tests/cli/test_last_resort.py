@@ -22,7 +22,7 @@ def cases(tiny: Path, trace: Path, tmp: Path) -> dict[str, tuple[str, list[str]]
         "serve": ("moepager.server.app.create_app", ["serve", *model, "--quiet", "--port", "18971"]),
         "chat": ("moepager.cli.chat.Chat", ["chat", *model, "--quiet"]),
         "info": ("moepager.cli.info.architecture_for", ["info", *model]),
-        "make-model": ("moepager.checkpoints.synth._write_checkpoint", ["make-model", "--preset", "tiny", "--arch",
+        "make-model": ("moepager.loading.synth._write_checkpoint", ["make-model", "--preset", "tiny", "--arch",
                                                                        "mixtral", "--out", str(tmp / "m")]),
         "simulate": ("moepager.cli.simulate.simulate", ["simulate", str(trace), "--capacity", "2"]),
         "plan": ("moepager.cli.plan.layer_costs", ["plan", str(trace), "--expert-memory", "25%"]),

@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moepager.checkpoints.build import read_config
 from moepager.config import EngineConfig, PrefetchConfig, RemoteConfig, SchedulerConfig
 from moepager.distributed.roles import stop_workers
 from moepager.errors import MoepagerError
 from moepager.experts.remote.placement import Links
 from moepager.experts.remote.protocol import SHADOW_RANK
 from moepager.experts.remote.worker import ExpertWorker
+from moepager.loading.build import read_config
 from moepager.placements.remote import expert_worker, placement
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams

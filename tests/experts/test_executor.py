@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moepager.checkpoints.build import load_model, resident_executor
 from moepager.config import StoreConfig
 from moepager.experts.executor import (
     BUCKET_BITS,
@@ -21,6 +20,7 @@ from moepager.experts.quant import QuantFormat, quantize_expert
 from moepager.experts.reference import combine_experts
 from moepager.experts.sorting import sort_by_expert
 from moepager.experts.weights import ExpertShape, expert_view
+from moepager.loading.build import load_model, resident_executor
 from moepager.placements.paged import paged_executor
 from moepager.types import RoutingDecision
 from tests.conftest import expert_budget

@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moepager.checkpoints.build import read_resident
 from moepager.checkpoints.expert_reader import ExpertLayout, ExpertReader
 from moepager.checkpoints.safetensors import Checkpoint
 from moepager.experts.executor import ResidentExecutor
 from moepager.experts.reference import combine_experts, expert_forward
 from moepager.experts.weights import ExpertShape, ExpertWeights
-from moepager.models.base import PER_EXPERT_MLP
+from moepager.loading.build import read_resident
+from moepager.models.naming import PER_EXPERT_MLP
 from moepager.types import ExpertKey, RoutingDecision
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from moepager.accel import cpu_kernels
-from moepager.checkpoints.build import load_model, resident_executor
 from moepager.config import EngineConfig, PlacementConfig, StoreConfig
 from moepager.errors import MoepagerError
 from moepager.experts.hybrid import CpuExpertsExecutor, ExpertTimes, HybridExecutor
+from moepager.loading.build import load_model, resident_executor
 from moepager.placements.cpu_experts import cpu_experts_executor
 from moepager.placements.hybrid import hybrid_executor
 from moepager.planning.cost import CostModel

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moepager.checkpoints.build import load_model
 from moepager.config import EngineConfig, PlacementConfig, StoreConfig
 from moepager.experts.hybrid import HybridExecutor
+from moepager.loading.build import load_model
 from moepager.placements.cpu_experts import cpu_experts_executor
 from moepager.placements.hybrid import hybrid_executor
 from moepager.runtime.llm import LLM

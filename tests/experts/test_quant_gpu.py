@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moepager.checkpoints.build import load_model
 from moepager.config import StoreConfig
+from moepager.loading.build import load_model
 from moepager.placements.paged import paged_executor
 from tests.runtime.test_offload import logits_run
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from moepager.accel import cpu_kernels, step
-from moepager.checkpoints.build import cast_model, load_model
+from moepager.loading.build import cast_model, load_model
 from moepager.models.attention import Attention, ForwardBatch, RMSNorm
 from moepager.models.backend import Backend
 from moepager.models.moe import SoftmaxTopKRouter

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moepager.checkpoints.build import load_model
+from moepager.loading.build import load_model
 from moepager.models.attention import ForwardBatch
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams

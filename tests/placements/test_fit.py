@@ -7,11 +7,11 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from moepager.checkpoints.build import LoadOptions, open_checkpoint
 from moepager.checkpoints.default import default_model_path
 from moepager.cli.info import describe
 from moepager.config import EngineConfig, PlacementConfig, PrefetchConfig, SchedulerConfig, StoreConfig
 from moepager.errors import BudgetError, MoepagerError
+from moepager.loading.build import LoadOptions, open_checkpoint
 from moepager.placements.fit import HEADROOM_MIN, fit_of, fitted
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams

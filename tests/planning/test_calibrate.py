@@ -34,8 +34,8 @@ def test_calibrate_writes_a_profile_that_simulate_uses(demo_checkpoint, tmp_path
 def test_a_quantized_checkpoint_is_calibrated_in_its_own_format(demo_checkpoint, tmp_path):
     """A `moepager quantize` copy is measured as a run pages it: int4 buffers read from disk and computed by the
     int4 kernels, so the profile's expert bytes are the int4 expert's (a float reader failed on its tensors)."""
-    from moepager.checkpoints.build import load_model
     from moepager.experts.weights import ExpertShape
+    from moepager.loading.build import load_model
 
     quantized = tmp_path / "int4"
     assert main(["quantize", "--model", str(demo_checkpoint), "--experts", "int4", "--out", str(quantized)]) == 0

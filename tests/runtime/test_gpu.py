@@ -49,7 +49,7 @@ def syncs_per_decode_token(llm: LLM) -> float:
 def bf16_checkpoint(tmp_path_factory):
     """The tiny geometry in bf16: the format `_grouped_mm` computes without reading anything on the host (its fp32
     path reads the group offsets there: two syncs per MoE layer, seen on an H200), so CUDA graphs apply."""
-    from moepager.checkpoints.synth import make_model
+    from moepager.loading.synth import make_model
 
     return make_model(tmp_path_factory.mktemp("tiny_bf16"), "tiny", "qwen3_moe", dtype="bfloat16",
                       show_progress=False)

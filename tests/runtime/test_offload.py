@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from moepager.checkpoints.build import load_model
 from moepager.config import EngineConfig, StoreConfig
 from moepager.errors import BudgetError, CheckpointError, MoepagerError
+from moepager.loading.build import load_model
 from moepager.models.attention import ForwardBatch
 from moepager.placements.paged import paged_executor
 from moepager.policies import ENGINE_POLICIES

@@ -2,9 +2,9 @@
 
 Tensors are generated and written one at a time (header first, then data), so a multi-GB model never needs
 its size in RAM. Names and shapes come from our own model code (built on the meta device) plus the
-architecture's per-expert naming, so what we write is exactly what we (and transformers) load. The tokenizer
-is a byte-level BPE trained on a small built-in text and extended with synthetic merges up to the
-configured vocabulary, so every token id decodes to text.
+architecture's per-expert naming (models/registry.py `tensor_specs`), so what we write is exactly what we (and
+transformers) load. The tokenizer is a byte-level BPE trained on a small built-in text and extended with synthetic
+merges up to the configured vocabulary, so every token id decodes to text.
 
 An `--out` ending in .gguf is written as a GGUF file instead (bf16 or f16, as llama.cpp and `moepager --model
 FILE.gguf` read it): the same tensors, drawn in the same order, go straight to checkpoints/gguf_write.py, so a model
@@ -30,9 +30,10 @@ from moepager.checkpoints.dtypes import DTYPES
 from moepager.checkpoints.expert_reader import is_routed_expert
 from moepager.checkpoints.gguf_write import ExportSource, gguf_bytes, write_gguf
 from moepager.checkpoints.safetensors import write_shards
-from moepager.checkpoints.synth_presets import PRESETS, preset_config
 from moepager.errors import MoepagerError
-from moepager.models.registry import ARCHITECTURES
+from moepager.loading.synth_presets import PRESETS, preset_config
+from moepager.models.registry import tensor_specs
+from moepager.models.specs import spec_for
 
 INIT_STD = 0.02
 OWN_GENERATOR_NUMEL = 1 << 20
@@ -61,22 +62,6 @@ def checkpoint_bytes(config: dict[str, Any], dtype: torch.dtype) -> int:
         return of(layers) * dtype.itemsize
     last = of(64) - of(63)
     return (of(64) + (layers - 64) * last) * dtype.itemsize
-
-
-def tensor_specs(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
-    """(disk name, shape) of every tensor a checkpoint of this config holds, in Hub (per-expert) layout."""
-    arch = ARCHITECTURES[config["architectures"][0]]
-    cfg = arch.parse_config(config)
-    with torch.device("meta"):
-        model = arch.build(cfg, experts=None)  # type: ignore[arg-type]  # never called: no forward pass
-    specs = [(model.disk_name(n), tuple(t.shape)) for n, t in model.state_dict().items()]
-    f, d, naming = cfg.expert_intermediate_size, cfg.hidden_size, arch.expert_naming
-    for layer in cfg.moe_layers:
-        for e in range(cfg.num_experts):
-            specs += [(naming.gate.format(layer=layer, expert=e), (f, d)),
-                      (naming.up.format(layer=layer, expert=e), (f, d)),
-                      (naming.down.format(layer=layer, expert=e), (d, f))]
-    return specs
 
 
 def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -165,7 +150,7 @@ def _make_gguf(out: Path, preset: str, config: dict[str, Any], torch_dtype: torc
         entries, produce = _tensors(Path(folder), config, torch_dtype, seed)
         with ThreadPoolExecutor(_drawing_threads()) as pool:
             make = produce(pool)
-            naming = ARCHITECTURES[config["architectures"][0]].expert_naming
+            naming = spec_for(config).expert_naming
 
             def expert(layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
                 gate, up = (make(t.format(layer=layer, expert=e)) for t in (naming.gate, naming.up))

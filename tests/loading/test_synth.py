@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file
 
-import moepager.checkpoints.synth as synth
+import moepager.loading.synth as synth
 
 
 def tensors(path) -> dict[str, torch.Tensor]:

@@ -37,7 +37,7 @@ from moepager.models.backend import Backend
 from moepager.models.base import Architecture
 from moepager.models.config import ModelConfig
 from moepager.models.layers import CausalLM
-from moepager.models.registry import architecture_for
+from moepager.models.registry import architecture_for, tensor_specs
 from moepager.types import ExpertKey, host_empty, rehome_on_huge_pages
 
 FP32_TENSORS = ("e_score_correction_bias",)
@@ -102,7 +102,7 @@ def resident_executor(device: torch.device, kernel: Kernel = "auto") -> Executor
 
 def read_config(path: str | os.PathLike[str]) -> ModelConfig:
     """A checkpoint's parsed configuration, without loading any weights (to validate options up front)."""
-    checkpoint = Checkpoint(resolve_model_path(path))
+    checkpoint = Checkpoint(resolve_model_path(path, tensor_specs))
     return architecture_for(checkpoint.config).parse_config(checkpoint.config)
 
 
