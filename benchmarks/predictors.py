@@ -29,8 +29,8 @@ from benchmarks.common import (
     write_json,
 )
 from moepager.checkpoints.default import default_model_path
-from moepager.loading.build import load_model
 from moepager.predictors import make_predictor
+from moepager.runtime.builder import load_model
 from moepager.runtime.prefetch import router_scores
 from moepager.trace.fit import FITTERS
 from moepager.trace.format import TraceReader

@@ -29,9 +29,10 @@ import torch.nn.functional as F
 
 from benchmarks.common import demo_documents, ensure_model, machine_state, print_table, write_json
 from moepager.checkpoints.default import default_model_path
-from moepager.loading.build import load_model, resident_executor
+from moepager.loading.build import resident_executor
 from moepager.models.attention import ForwardBatch
 from moepager.models.moe import MoEBlock
+from moepager.runtime.builder import load_model
 from moepager.runtime.tokenizer import Tokenizer
 
 FORMATS = {  # name -> load_model options

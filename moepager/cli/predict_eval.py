@@ -60,7 +60,7 @@ def build(name: str, reader: TraceReader, train: list[int], distances: list[int]
         with tqdm(total=fitter.total(train, options), desc=f"fitting {name}", unit=fitter.unit, leave=False) as bar:
             return fitter.fit(reader, train, options, bar.update)
     assert model is not None  # checked up front (check_needs)
-    from moepager.loading.build import load_model
+    from moepager.runtime.builder import load_model
     from moepager.runtime.prefetch import router_scores
 
     routers = router_scores(load_model(model, show_progress=False).model)

@@ -302,19 +302,6 @@ def load_bar(opened: OpenCheckpoint, show_progress: bool) -> tqdm:
                 leave=False)
 
 
-def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None, device: str = "cpu",
-               executor_factory: ExecutorFactory | None = None, show_progress: bool = True,
-               **options: object) -> LoadedModel:
-    """A checkpoint ready to run, its experts in the executor `executor_factory` makes (all resident by default);
-    `options` are LoadOptions' other fields. The engine builds its executor itself (runtime/builder.py); this is
-    the short form for tools and tests."""
-    load = LoadOptions(dtype, device, **options)  # type: ignore[arg-type]
-    opened = open_checkpoint(path, load)
-    with load_bar(opened, show_progress) as bar:
-        experts = (executor_factory or resident_executor(opened.device))(opened.reader, opened.paging, bar.update)
-        return build_model(opened, experts, load, bar.update)
-
-
 def weights_on_huge_pages(model: torch.nn.Module) -> None:
     """Move the model's large CPU weights (parameters and buffers of 2 MiB or more: the embedding, the LM head,
     attention and dense projections) onto huge pages (types.py `host_empty`), ties kept."""

@@ -14,7 +14,7 @@ from moepager.errors import ConfigError
 from moepager.experts.executor import ExpertExecutor
 from moepager.experts.hybrid import ExpertTimes
 from moepager.experts.remote.placement import Links
-from moepager.loading.build import OpenCheckpoint
+from moepager.loading.build import ExecutorFactory, OpenCheckpoint
 from moepager.planning.cost import CostModel, nominal_profile
 from moepager.store.store import ExpertStore
 from moepager.store.view import StoreView
@@ -62,6 +62,24 @@ class PlacementPlugin(Protocol):
     """The command-line option that chooses it ("" where a budget or its absence does)."""
 
     def build(self, ctx: BuildContext) -> Placed: ...
+
+
+@dataclass(frozen=True)
+class GivenExecutor:
+    """A placement its caller makes (`load_model`'s `executor_factory`: tools and tests that hold a store or a kernel
+    of their own), in place of the one the configuration resolves; not in `PLACEMENTS`, since no flag chooses it. Its
+    executor is made from the opened checkpoint's reader and pages through whatever the factory built: the root
+    composes nothing around it."""
+
+    factory: ExecutorFactory
+    name: ClassVar[str] = "given"
+    splits: ClassVar[bool] = True
+    """A split checkpoint's parts go to the factory as experts (`OpenCheckpoint.paging`); the model computes them."""
+    configurable: ClassVar[bool] = False
+    option: ClassVar[str] = ""
+
+    def build(self, ctx: BuildContext) -> Placed:
+        return Placed(self.factory(ctx.opened.reader, ctx.opened.paging, ctx.progress), None)
 
 
 def expert_times(config: EngineConfig, device: torch.device, expert_bytes: int) -> tuple[ExpertTimes, str]:

@@ -12,6 +12,7 @@ their registries.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,13 +21,21 @@ from pathlib import Path
 import torch
 
 from moepager.accel.compiled import compile_decode
-from moepager.config import EngineConfig, Execution, StoreConfig
+from moepager.config import DirectIO, EngineConfig, Execution, ExpertFormat, Kernel, StoreConfig
 from moepager.errors import ConfigError
 from moepager.experts.hybrid import ExpertTimes
 from moepager.experts.remote.placement import Links
-from moepager.loading.build import LoadedModel, LoadOptions, OpenCheckpoint, build_model, load_bar, open_checkpoint
+from moepager.loading.build import (
+    ExecutorFactory,
+    LoadedModel,
+    LoadOptions,
+    OpenCheckpoint,
+    build_model,
+    load_bar,
+    open_checkpoint,
+)
 from moepager.placements import resolve
-from moepager.placements.base import BuildContext, PlacementPlugin, expert_times
+from moepager.placements.base import BuildContext, GivenExecutor, PlacementPlugin, expert_times
 from moepager.placements.fit import fitted, unused_paging
 from moepager.planning.configurator import layer_costs
 from moepager.planning.cost import CostModel
@@ -92,10 +101,11 @@ def resolve_execution(config: EngineConfig, device: torch.device, times: ExpertT
 
 
 def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = Links(),
-          costs: ExpertTimes | None = None) -> Built:
+          costs: ExpertTimes | None = None, placement: PlacementPlugin | None = None) -> Built:
     """Checkpoint reader -> expert store -> executor -> model -> prefetcher, from one configuration (`links`: the
     worker ranks' process groups, with --workers; `costs`: what an expert costs on each side, in place of the
-    profile's, for a caller that models a device of its own)."""
+    profile's, for a caller that models a device of its own; `placement`: one the caller made, in place of the one
+    the configuration resolves: `load_model`'s)."""
     check_names(config)
     options = LoadOptions.of(config)
     opened = open_checkpoint(path, options)
@@ -104,7 +114,7 @@ def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = 
         times = costs
     config, fit = fitted(config, opened, times)  # no budget given: the expert cache sized to the memory it may use
     execution, why = resolve_execution(config, opened.device, times, profile)
-    chosen = resolve(config, execution)
+    chosen = placement or resolve(config, execution)
     check_split(opened, chosen)
     if fit and config.store.expert_memory is None:  # every expert resident: said only where options go unused
         unused = unused_paging(config)
@@ -142,6 +152,23 @@ def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = 
                   "ExpertFlow does)", file=sys.stderr)
     configurator = online_configurator(config, opened, store, chosen, profile, prefetcher)
     return Built(loaded, config, Wiring(loaded.model, store, configurator, prefetcher, paths, placed.pass_parts))
+
+
+def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None, device: str = "cpu",
+               executor_factory: ExecutorFactory | None = None, show_progress: bool = True, *,
+               direct_io: DirectIO = "auto", expert_dtype: str | None = None, int4_group: int | None = None,
+               int4_zero_point: bool | None = None, dense_dtype: str | None = None, pack_dense: bool = True,
+               expert_kernel: Kernel = "auto") -> LoadedModel:
+    """A checkpoint ready to run, built by `build` from the configuration these arguments make (as the command line
+    would: `dtype` is --dtype, `expert_dtype` --expert-dtype, ...), its experts in the executor `executor_factory`
+    makes from the checkpoint's reader (a `GivenExecutor`), else where the configuration places them (all resident).
+    The short form for tools and tests: the same root as a run, without its engine."""
+    config = EngineConfig(model=str(path), dtype=str(dtype).removeprefix("torch.") if dtype else None, device=device,
+                          store=StoreConfig(direct_io=direct_io),
+                          experts=ExpertFormat(expert_dtype, int4_group, int4_zero_point), dense_dtype=dense_dtype,
+                          pack_dense=pack_dense, expert_kernel=expert_kernel)
+    given = GivenExecutor(executor_factory) if executor_factory is not None else None
+    return build(config, Path(path), show_progress, placement=given).loaded
 
 
 def start_engine(built: Built, eos_token_ids: Sequence[int], detokenize: Detokenize | None) -> Engine:

@@ -19,9 +19,9 @@ from moepager.errors import ConfigError
 from moepager.experts.executor import ResidentExecutor
 from moepager.experts.quant import int8_packing_available
 from moepager.experts.weights import ExpertShape
-from moepager.loading.build import load_model
 from moepager.models import graph_exit
 from moepager.placements.paged import paged_executor
+from moepager.runtime.builder import load_model
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from moepager.trace.format import TraceReader

@@ -20,10 +20,11 @@ from moepager.errors import ConfigError
 from moepager.experts.executor import PagedExecutor, ResidentExecutor
 from moepager.experts.quant import QuantExpertWeights, QuantFormat, quantize_expert, sections
 from moepager.experts.weights import ExpertShape
-from moepager.loading.build import LoadOptions, load_model, open_checkpoint, resident_executor
+from moepager.loading.build import LoadOptions, open_checkpoint, resident_executor
 from moepager.models.attention import Attention
 from moepager.placements.paged import paged_executor
 from moepager.placements.stores import STREAM_ROWS, read_buffer_bytes
+from moepager.runtime.builder import load_model
 from moepager.types import RoutingDecision
 from tests.conftest import ARCHS, OUR_TIERS
 from tests.runtime.test_offload import logits_run

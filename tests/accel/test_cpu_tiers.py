@@ -23,7 +23,7 @@ import torch
 
 from moepager.accel import cpu_kernels, cpu_tiers
 from moepager.errors import ConfigError
-from moepager.loading.build import load_model
+from moepager.runtime.builder import load_model
 from tests.conftest import ARCHS, OUR_TIERS
 from tests.runtime.test_offload import logits_run
 

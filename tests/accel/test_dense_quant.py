@@ -14,8 +14,8 @@ from moepager.checkpoints.default import default_model_path
 from moepager.config import EngineConfig, StoreConfig
 from moepager.errors import ConfigError
 from moepager.experts.quant import INT8_PACKED_MAX_TOKENS, int8_packing_available
-from moepager.loading.build import load_model
 from moepager.loading.synth import make_model
+from moepager.runtime.builder import load_model
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from tests.runtime.test_offload import logits_run

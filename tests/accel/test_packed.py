@@ -16,10 +16,11 @@ from moepager.errors import ConfigError
 from moepager.experts.executor import PackedExecutor
 from moepager.experts.quant import QuantFormat
 from moepager.experts.weights import ExpertShape
-from moepager.loading.build import load_model, resident_executor
+from moepager.loading.build import resident_executor
 from moepager.models.attention import Attention
 from moepager.models.moe import SoftmaxTopKRouter
 from moepager.placements.paged import paged_executor
+from moepager.runtime.builder import load_model
 from tests.conftest import ARCHS, expert_budget
 from tests.runtime.test_offload import logits_run
 

@@ -23,10 +23,10 @@ from moepager.checkpoints.gguf_write import (
 from moepager.cli.main import main
 from moepager.errors import CheckpointError, ConfigError
 from moepager.experts.quant import QuantExpertWeights
-from moepager.loading.build import load_model
 from moepager.loading.synth import make_model
 from moepager.models.attention import ForwardBatch
 from moepager.models.registry import tensor_specs
+from moepager.runtime.builder import load_model
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from tests.runtime.test_offload import logits_run

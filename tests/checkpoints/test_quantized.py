@@ -16,9 +16,9 @@ from moepager.cli.main import main
 from moepager.config import EngineConfig, ExpertFormat, StoreConfig
 from moepager.errors import CheckpointError, ConfigError
 from moepager.experts.quant import QuantFormat
-from moepager.loading.build import load_model
 from moepager.placements.paged import paged_executor
 from moepager.placements.stores import read_buffer_bytes
+from moepager.runtime.builder import load_model
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from tests.conftest import transformers

@@ -10,8 +10,8 @@ import torch
 
 from moepager.checkpoints.safetensors import Checkpoint
 from moepager.errors import CheckpointError, UnsupportedArchitectureError
-from moepager.loading.build import load_model
 from moepager.models.attention import ForwardBatch
+from moepager.runtime.builder import load_model
 
 
 def _logits(path):

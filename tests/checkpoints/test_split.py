@@ -19,10 +19,10 @@ from moepager.checkpoints.split import split_checkpoint
 from moepager.cli.main import main
 from moepager.config import EngineConfig, PlacementConfig, PrefetchConfig, StoreConfig
 from moepager.errors import BudgetError, ConfigError
-from moepager.loading.build import load_model
 from moepager.models.attention import ForwardBatch
 from moepager.placements.paged import paged_executor
 from moepager.policies import ENGINE_POLICIES
+from moepager.runtime.builder import load_model
 from moepager.runtime.llm import LLM
 from moepager.runtime.replay import ReplaySpec
 from moepager.runtime.sampling import SamplingParams

@@ -20,8 +20,9 @@ from moepager.experts.quant import QuantFormat, quantize_expert
 from moepager.experts.reference import combine_experts
 from moepager.experts.sorting import sort_by_expert
 from moepager.experts.weights import ExpertShape, expert_view
-from moepager.loading.build import load_model, resident_executor
+from moepager.loading.build import resident_executor
 from moepager.placements.paged import paged_executor
+from moepager.runtime.builder import load_model
 from moepager.types import RoutingDecision
 from tests.conftest import expert_budget
 from tests.runtime.test_offload import logits_run

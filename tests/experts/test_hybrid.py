@@ -11,10 +11,11 @@ from moepager.accel import cpu_kernels
 from moepager.config import EngineConfig, PlacementConfig, StoreConfig
 from moepager.errors import MoepagerError
 from moepager.experts.hybrid import CpuExpertsExecutor, ExpertTimes, HybridExecutor
-from moepager.loading.build import load_model, resident_executor
+from moepager.loading.build import resident_executor
 from moepager.placements.cpu_experts import cpu_experts_executor
 from moepager.placements.hybrid import hybrid_executor
 from moepager.planning.cost import CostModel
+from moepager.runtime.builder import load_model
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from tests.conftest import ARCHS, expert_budget

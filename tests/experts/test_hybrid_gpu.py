@@ -11,9 +11,9 @@ import torch
 
 from moepager.config import EngineConfig, PlacementConfig, StoreConfig
 from moepager.experts.hybrid import HybridExecutor
-from moepager.loading.build import load_model
 from moepager.placements.cpu_experts import cpu_experts_executor
 from moepager.placements.hybrid import hybrid_executor
+from moepager.runtime.builder import load_model
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from tests.experts.test_hybrid import PREFILL_ON_DEVICE

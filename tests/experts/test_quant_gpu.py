@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from moepager.config import StoreConfig
-from moepager.loading.build import load_model
 from moepager.placements.paged import paged_executor
+from moepager.runtime.builder import load_model
 from tests.runtime.test_offload import logits_run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

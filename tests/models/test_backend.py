@@ -10,11 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from moepager.accel import cpu_kernels, step
-from moepager.loading.build import cast_model, load_model
+from moepager.loading.build import cast_model
 from moepager.models.attention import Attention, ForwardBatch, RMSNorm
 from moepager.models.backend import Backend
 from moepager.models.moe import SoftmaxTopKRouter
 from moepager.models.registry import architecture_for
+from moepager.runtime.builder import load_model
 from tests.conftest import ARCHS, VOCAB
 
 BF16 = torch.bfloat16

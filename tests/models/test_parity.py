@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moepager.loading.build import load_model
 from moepager.models.attention import ForwardBatch
+from moepager.runtime.builder import load_model
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from tests.conftest import ARCHS, VOCAB

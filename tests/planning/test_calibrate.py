@@ -35,7 +35,7 @@ def test_a_quantized_checkpoint_is_calibrated_in_its_own_format(demo_checkpoint,
     """A `moepager quantize` copy is measured as a run pages it: int4 buffers read from disk and computed by the
     int4 kernels, so the profile's expert bytes are the int4 expert's (a float reader failed on its tensors)."""
     from moepager.experts.weights import ExpertShape
-    from moepager.loading.build import load_model
+    from moepager.runtime.builder import load_model
 
     quantized = tmp_path / "int4"
     assert main(["quantize", "--model", str(demo_checkpoint), "--experts", "int4", "--out", str(quantized)]) == 0

@@ -10,10 +10,10 @@ import torch
 
 from moepager.config import EngineConfig, StoreConfig
 from moepager.errors import BudgetError, CheckpointError, MoepagerError
-from moepager.loading.build import load_model
 from moepager.models.attention import ForwardBatch
 from moepager.placements.paged import paged_executor
 from moepager.policies import ENGINE_POLICIES
+from moepager.runtime.builder import load_model
 from moepager.runtime.llm import LLM
 from moepager.runtime.sampling import SamplingParams
 from tests.conftest import ARCHS, VOCAB, expert_budget

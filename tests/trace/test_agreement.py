@@ -196,8 +196,8 @@ def test_a_layer_plan_splits_the_cache_unevenly_as_the_simulators_per_layer_capa
                        SimSpec("lru", max(quotas), per_layer=tuple(quotas), warm=warm))
         assert_same_hits_and_misses(llm.loaded.experts.store.counters.phases, sim, llm.loaded.config.moe_layers)
         assert "per-layer cache 2 5 2" in llm.last_stats.table()
-    from moepager.loading.build import load_model
     from moepager.placements.paged import paged_executor
+    from moepager.runtime.builder import load_model
 
     ref = logits_run(load_model(path, show_progress=False))
     paged = load_model(path, executor_factory=paged_executor(store, torch.device("cpu")), show_progress=False)
