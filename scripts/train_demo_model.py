@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from moepager.checkpoints.synth import CHAT_TEMPLATE, SPECIAL_TOKENS
+from moepager.loading.synth import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 CORPUS_FILES = ["wikipedia_texts.txt", "c4_texts.txt", "arxiv_texts.txt", "github_oss_with_stack_texts.txt"]
 DOC_CHARS = 2000
