@@ -24,14 +24,20 @@ class BuildModel(Protocol):
 
 @dataclass(frozen=True)
 class Architecture:
-    """One supported HF architecture: how to read its config, build it, and name its expert tensors."""
+    """One supported HF architecture: its checkpoint spec (how to read its config and name its expert tensors:
+    models/specs.py) and how to build it."""
 
-    name: str
-    parse_config: Callable[[Mapping[str, Any]], ModelConfig]
+    spec: ArchSpec
     build: BuildModel
-    expert_naming: ExpertNaming
 
-    @classmethod
-    def of(cls, spec: ArchSpec, build: BuildModel) -> Architecture:
-        """The architecture its checkpoint spec describes (models/specs.py), built by `build`."""
-        return cls(spec.name, spec.parse_config, build, spec.expert_naming)
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def parse_config(self) -> Callable[[Mapping[str, Any]], ModelConfig]:
+        return self.spec.parse_config
+
+    @property
+    def expert_naming(self) -> ExpertNaming:
+        return self.spec.expert_naming

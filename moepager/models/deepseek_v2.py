@@ -87,4 +87,4 @@ def build(cfg: ModelConfig, experts: ExpertExecutor, backend: Backend | None = N
     return build_deepseek(cfg, experts, DeepseekV2Router, interleaved_rope=True, backend=backend)
 
 
-ARCHITECTURE = Architecture.of(SPECS["DeepseekV2ForCausalLM"], build)
+ARCHITECTURE = Architecture(SPECS["DeepseekV2ForCausalLM"], build)

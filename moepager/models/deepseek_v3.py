@@ -58,4 +58,4 @@ def build(cfg: ModelConfig, experts: ExpertExecutor, backend: Backend | None = N
                           backend=backend)
 
 
-ARCHITECTURE = Architecture.of(SPECS["DeepseekV3ForCausalLM"], build)
+ARCHITECTURE = Architecture(SPECS["DeepseekV3ForCausalLM"], build)

@@ -33,4 +33,4 @@ def build(cfg: ModelConfig, experts: ExpertExecutor, backend: Backend | None = N
     return CausalLM(cfg, stack, disk_renames={".mlp.gate.": ".block_sparse_moe.gate."})
 
 
-ARCHITECTURE = Architecture.of(SPECS["MixtralForCausalLM"], build)
+ARCHITECTURE = Architecture(SPECS["MixtralForCausalLM"], build)

@@ -3,7 +3,7 @@ checkpoints/ reads it without importing model code)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -26,12 +26,11 @@ PER_EXPERT_MLP = ExpertNaming(
 )
 """Names used by Qwen2/3-MoE, OLMoE and DeepSeek (Mixtral has its own)."""
 
-MIXTRAL_EXPERTS = ExpertNaming(
+MIXTRAL_EXPERTS = replace(
+    PER_EXPERT_MLP,
     gate="model.layers.{layer}.block_sparse_moe.experts.{expert}.w1.weight",
     up="model.layers.{layer}.block_sparse_moe.experts.{expert}.w3.weight",
     down="model.layers.{layer}.block_sparse_moe.experts.{expert}.w2.weight",
-    fused_gate_up="model.layers.{layer}.mlp.experts.gate_up_proj",
-    fused_down="model.layers.{layer}.mlp.experts.down_proj",
 )
 """Mixtral's Hub names (`block_sparse_moe`, experts w1 gate, w3 up, w2 down); transformers' fused layout names the
 block `mlp`, as the others."""

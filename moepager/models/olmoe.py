@@ -32,4 +32,4 @@ def build(cfg: ModelConfig, experts: ExpertExecutor, backend: Backend | None = N
     return CausalLM(cfg, DecoderStack(cfg, layers, rope, backend))
 
 
-ARCHITECTURE = Architecture.of(SPECS["OlmoeForCausalLM"], build)
+ARCHITECTURE = Architecture(SPECS["OlmoeForCausalLM"], build)

@@ -52,4 +52,4 @@ def build(cfg: ModelConfig, experts: ExpertExecutor, backend: Backend | None = N
     return CausalLM(cfg, DecoderStack(cfg, layers, rope, backend))
 
 
-ARCHITECTURE = Architecture.of(SPECS["Qwen2MoeForCausalLM"], build)
+ARCHITECTURE = Architecture(SPECS["Qwen2MoeForCausalLM"], build)

@@ -34,4 +34,4 @@ def build(cfg: ModelConfig, experts: ExpertExecutor, backend: Backend | None = N
     return CausalLM(cfg, DecoderStack(cfg, layers, rope, backend))
 
 
-ARCHITECTURE = Architecture.of(SPECS["Qwen3MoeForCausalLM"], build)
+ARCHITECTURE = Architecture(SPECS["Qwen3MoeForCausalLM"], build)

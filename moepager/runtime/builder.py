@@ -112,9 +112,12 @@ def build(config: EngineConfig, path: Path, show_progress: bool, links: Links = 
     times, profile = expert_times(config, opened.device, opened.reader.shape.nbytes)
     if costs is not None:  # the profile's name stays: the configurator reads its link and device
         times = costs
-    config, fit = fitted(config, opened, times)  # no budget given: the expert cache sized to the memory it may use
-    execution, why = resolve_execution(config, opened.device, times, profile)
-    chosen = placement or resolve(config, execution)
+    if placement is None:
+        config, fit = fitted(config, opened, times)  # no budget given: the expert cache sized to the memory it may use
+        execution, why = resolve_execution(config, opened.device, times, profile)
+        chosen = resolve(config, execution)
+    else:  # the caller placed the experts itself: its placement, not the fit or --execution, decides their memory
+        chosen, fit, why = placement, "", ""
     check_split(opened, chosen)
     if fit and config.store.expert_memory is None:  # every expert resident: said only where options go unused
         unused = unused_paging(config)

@@ -6,13 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moepager.checkpoints.default import default_model_path
 from moepager.config import EngineConfig
-from moepager.errors import ConfigError
+from moepager.errors import BudgetError, ConfigError
 from moepager.experts.executor import ResidentExecutor
 from moepager.loading.build import resident_executor
 from moepager.placements import PLACEMENTS
 from moepager.placements.base import GivenExecutor
 from moepager.runtime.builder import build, load_model
+from moepager.store.budget import ENV_AVAILABLE
 from tests.runtime.test_offload import logits_run
 
 CPU = torch.device("cpu")
@@ -47,3 +49,13 @@ def test_load_model_checks_its_arguments_as_the_command_line_would(hf_checkpoint
 
 def test_a_given_executor_is_no_registered_placement():
     assert GivenExecutor.name not in PLACEMENTS and GivenExecutor.splits
+
+
+def test_a_given_executor_is_not_fitted(monkeypatch):
+    """The fit sizes what the root places; a caller that places the experts itself decides their memory, so a machine
+    the fit would refuse still loads through the caller's executor."""
+    monkeypatch.setenv(ENV_AVAILABLE, "300MiB")
+    with pytest.raises(BudgetError, match="does not fit here"):
+        load_model(default_model_path(), show_progress=False)
+    loaded = load_model(default_model_path(), executor_factory=resident_executor(CPU), show_progress=False)
+    assert isinstance(loaded.experts, ResidentExecutor) and loaded.execution == ""
